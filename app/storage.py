@@ -1,0 +1,325 @@
+"""Conversations and messages in one SQLite file (WAL), with versioned schema migrations.
+
+Messages form a tree: `parent_id` links each message to the one before it, so an edited user
+message or a regenerated answer is a sibling of the version it replaces and nothing is ever lost.
+The conversation's `leaf_id` marks the branch shown and sent to the model (the "active path").
+
+Every write is its own committed transaction: the user message is durable before generation
+starts, and a streaming answer is saved as it grows, so killing the process loses at most the text
+since the last save. In WAL mode with `synchronous=NORMAL`, a committed transaction survives a
+process crash.
+"""
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from engine.paths import data_dir
+
+DB_NAME = "mlxchat.db"
+DEFAULT_TITLE = "New chat"
+MESSAGE_STATES = ("streaming", "done", "stopped", "failed")
+
+
+def default_db_path() -> Path:
+    return data_dir() / DB_NAME
+
+
+# --- schema -------------------------------------------------------------------------------------
+
+# The first schema: conversations and a tree of messages.
+_V1 = """
+        CREATE TABLE conversations (
+            id INTEGER PRIMARY KEY,
+            title TEXT NOT NULL,
+            created REAL NOT NULL,
+            updated REAL NOT NULL,
+            model TEXT,
+            settings TEXT NOT NULL DEFAULT '{}'
+        );
+        CREATE TABLE messages (
+            id INTEGER PRIMARY KEY,
+            conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            parent_id INTEGER REFERENCES messages(id) ON DELETE CASCADE,
+            role TEXT NOT NULL,
+            content TEXT NOT NULL DEFAULT '',
+            model TEXT,
+            sampling TEXT,
+            ttft_ms REAL,
+            tokens_per_s REAL,
+            prompt_tokens INTEGER,
+            completion_tokens INTEGER,
+            cached_tokens INTEGER,
+            finish_reason TEXT,
+            state TEXT NOT NULL DEFAULT 'done',
+            error TEXT,
+            created REAL NOT NULL
+        );
+        CREATE INDEX messages_conversation ON messages(conversation_id);
+"""
+
+# Remember the branch the user looks at; before this, the newest message was the leaf.
+_V2 = """
+        ALTER TABLE conversations ADD COLUMN leaf_id INTEGER REFERENCES messages(id) ON DELETE SET NULL;
+        UPDATE conversations SET leaf_id =
+            (SELECT max(id) FROM messages WHERE messages.conversation_id = conversations.id);
+        CREATE INDEX messages_parent ON messages(parent_id);
+"""
+
+# Append only: the schema version of a database (PRAGMA user_version) is how many have run.
+MIGRATIONS: list[str] = [_V1, _V2]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def migrate(db: sqlite3.Connection, target: int = SCHEMA_VERSION) -> int:
+    """Apply the migrations `db` lacks, each in its own transaction; return the new version."""
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        raise RuntimeError(
+            f"the database is schema version {version}, newer than this mlxchat ({SCHEMA_VERSION})"
+        )
+    for number in range(version + 1, target + 1):
+        # One script, one transaction: a failed migration leaves the previous version intact.
+        try:
+            db.executescript(f"BEGIN; {MIGRATIONS[number - 1]}; PRAGMA user_version = {number}; COMMIT;")
+        except sqlite3.Error:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+    return max(version, target)
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # isolation_level=None: we open transactions ourselves (autocommit otherwise).
+    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    db.row_factory = sqlite3.Row
+    db.execute("PRAGMA journal_mode = WAL")
+    db.execute("PRAGMA synchronous = NORMAL")
+    db.execute("PRAGMA foreign_keys = ON")
+    db.execute("PRAGMA busy_timeout = 5000")
+    return db
+
+
+# --- records ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Conversation:
+    id: int
+    title: str
+    created: float
+    updated: float
+    model: str | None
+    settings: dict[str, Any]
+    leaf_id: int | None
+
+
+@dataclass(frozen=True)
+class Message:
+    id: int
+    conversation_id: int
+    parent_id: int | None
+    role: str
+    content: str
+    model: str | None
+    sampling: dict[str, Any] | None
+    ttft_ms: float | None
+    tokens_per_s: float | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    cached_tokens: int | None
+    finish_reason: str | None
+    state: str
+    error: str | None
+    created: float
+
+
+def _conversation(row: sqlite3.Row) -> Conversation:
+    d = dict(row)
+    d["settings"] = json.loads(d["settings"] or "{}")
+    return Conversation(**d)
+
+
+def _message(row: sqlite3.Row) -> Message:
+    d = dict(row)
+    d["sampling"] = json.loads(d["sampling"]) if d["sampling"] else None
+    return Message(**d)
+
+
+# Columns `finish_message` may set once a generation ends.
+_RESULT_FIELDS = ("ttft_ms", "tokens_per_s", "prompt_tokens", "completion_tokens", "cached_tokens",
+                  "finish_reason", "error")
+
+
+class Storage:
+    """All reads and writes of the database. Thread-safe: one connection behind a lock."""
+
+    def __init__(self, path: Path | None = None):
+        self.path = Path(path) if path else default_db_path()
+        self._db = connect(self.path)
+        self._lock = threading.Lock()
+        migrate(self._db)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _query(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def _write(self, sql: str, args: tuple = ()) -> int:
+        """One statement (autocommitted); returns the last inserted row id."""
+        with self._lock:
+            return self._db.execute(sql, args).lastrowid
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    # conversations
+
+    def create_conversation(self, model: str | None = None, settings: dict[str, Any] | None = None,
+                            title: str = DEFAULT_TITLE) -> Conversation:
+        now = time.time()
+        cid = self._write(
+            "INSERT INTO conversations (title, created, updated, model, settings) VALUES (?,?,?,?,?)",
+            (title, now, now, model, json.dumps(settings or {})),
+        )
+        return self.get_conversation(cid)
+
+    def get_conversation(self, cid: int) -> Conversation | None:
+        rows = self._query("SELECT * FROM conversations WHERE id = ?", (cid,))
+        return _conversation(rows[0]) if rows else None
+
+    def list_conversations(self, search: str = "", limit: int = 200) -> list[Conversation]:
+        """Newest first; `search` matches the title or any message text (case-insensitive)."""
+        if not search.strip():
+            rows = self._query("SELECT * FROM conversations ORDER BY updated DESC LIMIT ?", (limit,))
+        else:
+            pattern = "%" + search.strip().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            rows = self._query(
+                """SELECT * FROM conversations c WHERE c.title LIKE ?1 ESCAPE '\\'
+                   OR EXISTS (SELECT 1 FROM messages m WHERE m.conversation_id = c.id
+                              AND m.content LIKE ?1 ESCAPE '\\')
+                   ORDER BY updated DESC LIMIT ?2""",
+                (pattern, limit),
+            )
+        return [_conversation(r) for r in rows]
+
+    def empty_conversation(self) -> Conversation | None:
+        """The newest conversation without messages, reused by "new chat" instead of piling up."""
+        rows = self._query(
+            """SELECT * FROM conversations c WHERE NOT EXISTS
+               (SELECT 1 FROM messages m WHERE m.conversation_id = c.id)
+               ORDER BY updated DESC LIMIT 1""")
+        return _conversation(rows[0]) if rows else None
+
+    def rename_conversation(self, cid: int, title: str) -> None:
+        self._write("UPDATE conversations SET title = ?, updated = ? WHERE id = ?",
+                    (title, time.time(), cid))
+
+    def update_conversation(self, cid: int, *, settings: dict[str, Any] | None = None,
+                            model: str | None = None) -> None:
+        if settings is not None:
+            self._write("UPDATE conversations SET settings = ? WHERE id = ?", (json.dumps(settings), cid))
+        if model is not None:
+            self._write("UPDATE conversations SET model = ? WHERE id = ?", (model, cid))
+
+    def delete_conversation(self, cid: int) -> None:
+        self._write("DELETE FROM conversations WHERE id = ?", (cid,))
+
+    # messages
+
+    def add_message(self, cid: int, parent_id: int | None, role: str, content: str, *,
+                    state: str = "done", model: str | None = None,
+                    sampling: dict[str, Any] | None = None) -> Message:
+        """Insert a message under `parent_id` and make it the conversation's active leaf."""
+        assert state in MESSAGE_STATES, state
+        now = time.time()
+        with self._transaction() as db:
+            mid = db.execute(
+                """INSERT INTO messages (conversation_id, parent_id, role, content, model, sampling,
+                   state, created) VALUES (?,?,?,?,?,?,?,?)""",
+                (cid, parent_id, role, content, model,
+                 json.dumps(sampling) if sampling is not None else None, state, now),
+            ).lastrowid
+            db.execute("UPDATE conversations SET leaf_id = ?, updated = ? WHERE id = ?",
+                             (mid, now, cid))
+        return self.get_message(mid)
+
+    def get_message(self, mid: int) -> Message | None:
+        rows = self._query("SELECT * FROM messages WHERE id = ?", (mid,))
+        return _message(rows[0]) if rows else None
+
+    def save_partial(self, mid: int, content: str) -> None:
+        """Store the text streamed so far (called periodically while generating)."""
+        self._write("UPDATE messages SET content = ? WHERE id = ?", (content, mid))
+
+    def finish_message(self, mid: int, content: str, state: str, **result: Any) -> Message:
+        """Final text, state and generation results (see `_RESULT_FIELDS`) of a message."""
+        assert state in MESSAGE_STATES, state
+        unknown = set(result) - set(_RESULT_FIELDS)
+        assert not unknown, unknown
+        fields = ["content = ?", "state = ?"] + [f"{k} = ?" for k in result]
+        self._write(f"UPDATE messages SET {', '.join(fields)} WHERE id = ?",
+                    (content, state, *result.values(), mid))
+        return self.get_message(mid)
+
+    def interrupt_streaming(self) -> int:
+        """At startup: answers left `streaming` by a crash keep their text and become `stopped`."""
+        with self._lock:
+            return self._db.execute(
+                "UPDATE messages SET state = 'stopped', finish_reason = 'interrupted' "
+                "WHERE state = 'streaming'"
+            ).rowcount
+
+    # branches
+
+    def active_path(self, cid: int) -> list[Message]:
+        """Messages from the first to the conversation's leaf, following parent links."""
+        rows = self._query(
+            """WITH RECURSIVE path(id, depth) AS (
+                   SELECT leaf_id, 0 FROM conversations WHERE id = ?
+                   UNION ALL
+                   SELECT m.parent_id, path.depth + 1 FROM messages m JOIN path ON m.id = path.id
+                   WHERE m.parent_id IS NOT NULL)
+               SELECT messages.* FROM path JOIN messages ON messages.id = path.id
+               ORDER BY path.depth DESC""",
+            (cid,),
+        )
+        return [_message(r) for r in rows]
+
+    def siblings(self, message: Message) -> list[Message]:
+        """All versions of `message`: messages of its role under the same parent, oldest first."""
+        rows = self._query(
+            "SELECT * FROM messages WHERE conversation_id = ? AND parent_id IS ? AND role = ? "
+            "ORDER BY id",
+            (message.conversation_id, message.parent_id, message.role),
+        )
+        return [_message(r) for r in rows]
+
+    def select_branch(self, cid: int, mid: int) -> None:
+        """Show the branch through message `mid`, down to its newest descendant."""
+        leaf = mid
+        while True:
+            rows = self._query("SELECT max(id) FROM messages WHERE parent_id = ?", (leaf,))
+            child = rows[0][0]
+            if child is None:
+                break
+            leaf = child
+        self._write("UPDATE conversations SET leaf_id = ? WHERE id = ? AND "
+                    "EXISTS (SELECT 1 FROM messages WHERE id = ? AND conversation_id = ?)",
+                    (leaf, cid, mid, cid))
