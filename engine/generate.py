@@ -1,0 +1,230 @@
+"""One request's generation: chunked prefill that pauses at message checkpoints, then decoding one
+token per step. `Generation.step()` does one unit of work so a scheduler can interleave requests and
+cancel between steps; `generate()` runs it to the end for callers that just want the events.
+
+The decode loop mirrors `mlx_lm.generate.generate_step` (the next step's graph is built and
+evaluated asynchronously before the current token is read), and sampling draws from a per-request
+key in the same order, so tokens equal mlx-lm's for the same model, prompt and sampler.
+"""
+
+import time
+from typing import Any, Iterator, Protocol, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from .chat import Prompt, encode_text, render
+from .errors import InvalidRequest
+from .events import Event, Timings, Usage
+from .registry import LoadedModel
+from .sampling import SamplingParams, TokenSampler
+from .stops import StopMatcher
+
+PREFILL_CHUNK = 512
+
+
+class PrefixStore(Protocol):
+    """What generation needs from a prefix cache (see engine/prefix_cache.py)."""
+
+    def fetch(self, tokens: Sequence[int]) -> tuple[list[Any], int]:
+        """A private, mutable model cache holding the longest reusable prefix of `tokens`
+        (at most len(tokens) - 1 of them) and how many tokens it holds."""
+
+    def save(self, tokens: Sequence[int], cache: list[Any]) -> None:
+        """Snapshot `cache`, which holds exactly `tokens`; later mutation must not affect it."""
+
+
+def build_prompt(lm: LoadedModel, messages: Sequence[dict] | None = None,
+                 prompt_tokens: Sequence[int] | None = None, text: str | None = None) -> Prompt:
+    """Exactly one of messages (chat template), prompt_tokens or text (raw)."""
+    if sum(x is not None for x in (messages, prompt_tokens, text)) != 1:
+        raise InvalidRequest("give exactly one of messages, prompt_tokens or text")
+    if messages is not None:
+        return render(lm.tokenizer, messages)
+    if text is not None:
+        return encode_text(lm.tokenizer, text)
+    tokens = list(prompt_tokens or [])
+    vocab = lm.config.get("vocab_size") or len(lm.tokenizer.vocab)
+    if not tokens:
+        raise InvalidRequest("the prompt is empty")
+    if not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
+        raise InvalidRequest(f"prompt_tokens must be integers in [0, {vocab})")
+    return Prompt(tokens=tokens, checkpoints=[len(tokens)])
+
+
+def check_fits(lm: LoadedModel, prompt: Prompt, params: SamplingParams) -> None:
+    limit = lm.context_length
+    n = len(prompt.tokens)
+    if n >= limit:
+        raise InvalidRequest(f"the prompt has {n} tokens; this model's context is {limit} tokens")
+    if n + params.max_tokens > limit:
+        raise InvalidRequest(
+            f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds this model's context "
+            f"of {limit} tokens; lower max_tokens to at most {limit - n}"
+        )
+
+
+class Generation:
+    """The state of one request from prefill to its final event."""
+
+    def __init__(self, lm: LoadedModel, prompt: Prompt, params: SamplingParams,
+                 prefix_cache: PrefixStore | None = None, prefill_chunk: int = PREFILL_CHUNK):
+        check_fits(lm, prompt, params)
+        self.lm, self.prompt, self.params = lm, prompt, params
+        self.prefix_cache = prefix_cache
+        self.prefill_chunk = prefill_chunk
+        self.sampler = TokenSampler(params)
+        self.detokenizer = lm.tokenizer.detokenizer
+        self.stop_matcher = StopMatcher(params.stop)
+        self.eos = set(lm.tokenizer.eos_token_ids)
+        self.created = time.perf_counter()
+        self.started: float | None = None
+        self.first_token_at: float | None = None
+        self.cache: list[Any] | None = None
+        self.reused = 0
+        self.fed: list[int] = []  # tokens whose keys/values are in self.cache
+        self.generated: list[int] = []
+        self.finish_reason: str | None = None
+        self._next: tuple[mx.array, mx.array] | None = None
+        self._history: mx.array | None = None
+        self._cancel = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.first_token_at is None and self._next is None
+
+    def cancel(self) -> None:
+        """Ask to stop; takes effect at the next step (thread-safe: it only sets a flag)."""
+        self._cancel = True
+
+    def _begin(self) -> None:
+        self.started = time.perf_counter()
+        tokens = self.prompt.tokens
+        if self.prefix_cache is not None:
+            self.cache, self.reused = self.prefix_cache.fetch(tokens)
+        else:
+            self.cache, self.reused = make_prompt_cache(self.lm.model), 0
+        self.fed = list(tokens[: self.reused])
+        if self.sampler.processors:
+            self._history = mx.array(self.fed, dtype=mx.uint32)
+
+    def _feed(self, inputs: mx.array) -> mx.array:
+        """Run the model over `inputs` (1-D, possibly not yet evaluated); returns the logits."""
+        if self._history is not None:
+            self._history = mx.concatenate([self._history, inputs])
+        return self.lm.model(inputs[None], cache=self.cache)
+
+    def _save(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.save(list(self.fed), self.cache)
+
+    # -- work ----------------------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        """One prefill chunk or one decoded token; returns the events it produced."""
+        if self.done:
+            return []
+        if self._cancel:
+            return self._finish("cancelled")
+        if self.cache is None:
+            self._begin()
+        if self.in_prefill:
+            return self._prefill_step()
+        return self._decode_step()
+
+    def _prefill_step(self) -> list[Event]:
+        tokens = self.prompt.tokens
+        last = len(tokens) - 1  # the last prompt token goes through the first decode step
+        pos = len(self.fed)
+        if pos < last:
+            ends = [c for c in self.prompt.checkpoints if pos < c <= last] + [last]
+            end = min(ends[0], pos + self.prefill_chunk)
+            self._feed(mx.array(tokens[pos:end], dtype=mx.uint32))
+            self.fed.extend(tokens[pos:end])
+            mx.eval([c.state for c in self.cache])
+            if end in self.prompt.checkpoints:
+                self._save()
+            return []
+        logits = self._feed(mx.array(tokens[last:], dtype=mx.uint32))
+        self.fed.append(tokens[last])
+        self._next = self.sampler(logits[:, -1, :], self._history)
+        mx.async_eval(*self._next)
+        self._save()  # the whole prompt: always a checkpoint
+        return []
+
+    def _decode_step(self) -> list[Event]:
+        y, _ = self._next
+        # Build and start the next step before reading this token, as mlx-lm does.
+        feed_next = len(self.generated) + 1 < self.params.max_tokens
+        if feed_next:
+            logits = self._feed(y.reshape(1).astype(mx.uint32))
+            self._next = self.sampler(logits[:, -1, :], self._history)
+            mx.async_eval(*self._next)
+        else:
+            self._next = None
+        token = y.item()
+        if feed_next:
+            self.fed.append(token)
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        if token in self.eos:
+            return self._finish("stop")
+        self.generated.append(token)
+        self.detokenizer.add_token(token)
+        text, hit_stop = self.stop_matcher.feed(self.detokenizer.last_segment)
+        events = [Event("token", text=text, token=token)]
+        if hit_stop:
+            return events + self._finish("stop", flush=False)
+        if len(self.generated) >= self.params.max_tokens:
+            return events + self._finish("length")
+        return events
+
+    def _finish(self, reason: str, flush: bool = True) -> list[Event]:
+        self.finish_reason = reason
+        text = ""
+        if flush:
+            self.detokenizer.finalize()
+            # An answer cut mid-character ends in undecodable bytes: drop them, never emit U+FFFD.
+            text, _ = self.stop_matcher.feed(self.detokenizer.last_segment.rstrip("\ufffd"))
+            text += self.stop_matcher.flush()
+        if self._next is not None:
+            mx.eval(*self._next)  # let the step in flight finish so the cache is consistent
+        if self.first_token_at is not None and reason != "cancelled":
+            self._save()
+        return [Event("done", text=text, finish_reason=reason, usage=self.usage(),
+                      timings=self.timings())]
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=len(self.prompt.tokens), completion_tokens=len(self.generated),
+                     cached_tokens=self.reused)
+
+    def timings(self) -> Timings:
+        if self.first_token_at is None:
+            return Timings(queued_s=(self.started or self.created) - self.created)
+        decode_s = time.perf_counter() - self.first_token_at
+        n = len(self.generated)
+        prefill_s = self.first_token_at - (self.started or self.created)
+        return Timings(
+            queued_s=(self.started or self.created) - self.created,
+            ttft_s=self.first_token_at - self.created,
+            tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else None,
+            prefill_tokens_per_s=(len(self.prompt.tokens) - self.reused) / prefill_s if prefill_s > 0 else None,
+        )
+
+
+def generate(lm: LoadedModel, prompt: Prompt, params: SamplingParams,
+             prefix_cache: PrefixStore | None = None) -> Iterator[Event]:
+    """Run one request to completion in the calling thread, yielding its events."""
+    gen = Generation(lm, prompt, params, prefix_cache=prefix_cache)
+    try:
+        while not gen.done:
+            yield from gen.step()
+    finally:
+        if not gen.done:  # the consumer stopped early
+            gen.cancel()
+            gen.step()

@@ -1,0 +1,138 @@
+"""Which models exist and how to load them: the bundled default, GGUF files, mlx-lm folders and
+models already in the local Hugging Face cache (never downloaded)."""
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from . import bundled
+from .errors import ModelLoadError
+from .gguf import convert_gguf
+from .paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = bundled.BUNDLED_NAME
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    source: str  # "bundled" | "folder" | "gguf" | "hf-cache"
+    path: str | None
+    size_bytes: int | None
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: the mlx-lm module, its tokenizer wrapper and config."""
+
+    name: str
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    config: dict[str, Any]
+    path: Path
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def family(self) -> str:
+        return str(self.config.get("model_type", ""))
+
+    @property
+    def context_length(self) -> int:
+        for key in ("max_position_embeddings", "max_seq_len", "seq_length"):
+            text = self.config.get("text_config", self.config)
+            if key in text:
+                return int(text[key])
+        return 4096
+
+
+def _dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _hf_cache_models() -> list[ModelInfo]:
+    hub = Path(os.environ.get("HF_HUB_CACHE", Path.home() / ".cache" / "huggingface" / "hub"))
+    found = []
+    for repo in sorted(hub.glob("models--*")):
+        snapshots = sorted((repo / "snapshots").glob("*/config.json"), key=lambda p: p.stat().st_mtime)
+        if snapshots:
+            folder = snapshots[-1].parent
+            name = repo.name[len("models--"):].replace("--", "/")
+            found.append(ModelInfo(name, "hf-cache", str(folder), _dir_size(folder.resolve())))
+    return found
+
+
+def list_models() -> list[ModelInfo]:
+    """The bundled model first (size known once fetched), then the local Hugging Face cache."""
+    gguf = bundled.gguf_path()
+    models = [ModelInfo(DEFAULT_MODEL, "bundled", str(gguf) if gguf.exists() else None,
+                        gguf.stat().st_size if gguf.exists() else None)]
+    return models + _hf_cache_models()
+
+
+def _converted_folder(gguf: Path) -> Path:
+    """Each GGUF converts once into the cache, keyed by its path, size and mtime."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "converted" / f"{gguf.stem}-{key}"
+
+
+def gguf_to_folder(gguf: Path) -> Path:
+    folder = _converted_folder(gguf)
+    if not (folder / "config.json").exists():
+        log.info("converting %s to an mlx-lm folder at %s", gguf, folder)
+        convert_gguf(gguf, folder)
+    return folder
+
+
+def resolve(name: str | None) -> tuple[str, Path]:
+    """Map a model name or path to (display name, mlx-lm folder); raises ModelLoadError."""
+    if name in (None, "", DEFAULT_MODEL, "default"):
+        return DEFAULT_MODEL, gguf_to_folder(bundled.ensure_bundled_gguf())
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return path.stem, gguf_to_folder(path)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelLoadError(f"{path} is not an mlx-lm model folder (no config.json)")
+        return path.name, path
+    for info in _hf_cache_models():
+        if info.name == name:
+            return info.name, Path(info.path)
+    known = ", ".join(m.name for m in list_models())
+    raise ModelLoadError(f"unknown model {name!r}: not a file or folder, not in the local cache "
+                         f"(available: {known}). mlxchat never downloads models from a hub.")
+
+
+Transform = Callable[[nn.Module], nn.Module]
+
+
+def load_model(name: str | None = None, *, fallback_to_default: bool = False,
+               transform: Transform | None = None) -> LoadedModel:
+    """Load a model by name or path. With `fallback_to_default`, a model that cannot load is
+    logged with its reason and the bundled model is loaded instead; otherwise the error is raised."""
+    from mlx_lm import load as mlx_lm_load
+
+    try:
+        display, folder = resolve(name)
+        try:
+            model, tokenizer, config = mlx_lm_load(str(folder), return_config=True)
+        except Exception as exc:  # mlx-lm raises ValueError/KeyError/FileNotFoundError...
+            raise ModelLoadError(f"cannot load model {display!r} from {folder}: {exc}") from exc
+    except ModelLoadError as exc:
+        if fallback_to_default and name not in (None, DEFAULT_MODEL):
+            log.warning("model %r failed to load (%s); falling back to %s", name, exc, DEFAULT_MODEL)
+            return load_model(None, transform=transform)
+        raise
+    if transform is not None:
+        model = transform(model)
+    return LoadedModel(name=display, model=model, tokenizer=tokenizer, config=config, path=folder)
