@@ -1,0 +1,73 @@
+"""Model output to safe HTML: markdown-it-py with raw HTML disabled, then nh3 as a second wall.
+
+Model text is untrusted. markdown-it escapes any HTML in it and refuses `javascript:`-style links;
+nh3 then keeps only an allow-list of tags, attributes and URL schemes, so even a markdown-it bug
+cannot let script, event handlers or dangerous URLs through. We add two things ourselves, after
+escaping: a copy button on each code block and a collapsible block for `<think>` reasoning.
+"""
+
+import html
+import re
+
+import nh3
+from markdown_it import MarkdownIt
+from markdown_it.common.utils import escapeHtml
+
+_THINK = re.compile(r"<think>(.*?)(</think>|$)", re.DOTALL)
+
+# No images: a remote image in model output would leak that the chat happened.
+_TAGS = (set(nh3.ALLOWED_TAGS) - {"img", "map", "area"}) | {"button"}
+_ATTRIBUTES = {
+    "a": {"href", "title"},
+    "code": {"class"},
+    "div": {"class"},
+    "details": {"class", "open"},
+    "button": {"class", "type", "aria-label"},
+    "ol": {"start"},
+}
+
+
+def _fence(renderer, tokens, idx, options, env) -> str:
+    token = tokens[idx]
+    lang = token.info.strip().split(maxsplit=1)[0] if token.info.strip() else ""
+    cls = f' class="language-{escapeHtml(lang)}"' if lang else ""
+    return (
+        '<div class="code"><button type="button" class="copy" aria-label="Copy code">Copy</button>'
+        f"<pre><code{cls}>{escapeHtml(token.content)}</code></pre></div>\n"
+    )
+
+
+_md = MarkdownIt("commonmark", {"html": False, "linkify": False}).enable(["table", "strikethrough"])
+_md.add_render_rule("fence", _fence)
+_md.add_render_rule("code_block", _fence)
+
+
+def _clean(fragment: str) -> str:
+    return nh3.clean(
+        fragment, tags=_TAGS, attributes=_ATTRIBUTES,
+        url_schemes={"http", "https", "mailto"}, link_rel="noopener noreferrer nofollow",
+    )
+
+
+def render_markdown(text: str) -> str:
+    """Sanitised HTML for `text`; `<think>...</think>` becomes a collapsible details block.
+
+    An unclosed `<think>` (the model is still reasoning) renders open, so streamed thoughts show.
+    """
+    parts: list[str] = []
+    pos = 0
+    for match in _THINK.finditer(text):
+        parts.append(_md.render(text[pos:match.start()]))
+        thought, closed = match.group(1), bool(match.group(2))
+        parts.append(
+            f'<details class="think"{"" if closed else " open"}><summary>Thinking</summary>'
+            f"{_md.render(thought)}</details>"
+        )
+        pos = match.end()
+    parts.append(_md.render(text[pos:]))
+    return _clean("".join(parts))
+
+
+def render_plain(text: str) -> str:
+    """User messages are shown as typed: escaped, line breaks kept by CSS."""
+    return html.escape(text)
