@@ -1,0 +1,125 @@
+"""Conversation logic shared by the UI views: settings, what to send to the model, new turns.
+
+A conversation's settings are `{"preset": ..., "sampling": {...}, "system_prompt": ...}`;
+`sampling` holds `SamplingParams` fields and is validated by `SamplingParams` itself.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from engine.errors import InvalidRequest
+from engine.sampling import SamplingParams, preset
+
+from .storage import DEFAULT_TITLE, Conversation, Message, Storage
+
+# Form fields of the settings panel: name -> (label, type). Blank means the default.
+SAMPLING_FIELDS: dict[str, tuple[str, type]] = {
+    "temperature": ("Temperature", float),
+    "top_p": ("Top p", float),
+    "top_k": ("Top k", int),
+    "min_p": ("Min p", float),
+    "repetition_penalty": ("Repetition penalty", float),
+    "max_tokens": ("Max tokens", int),
+    "seed": ("Seed", int),
+}
+TITLE_LENGTH = 60
+
+
+def preset_settings(name: str, family: str | None, system_prompt: str = "") -> dict[str, Any]:
+    params = preset(name, family)
+    sampling = {k: v for k, v in params.to_dict().items() if k in SAMPLING_FIELDS}
+    return {"preset": name, "sampling": sampling, "system_prompt": system_prompt}
+
+
+def sampling_params(settings: Mapping[str, Any]) -> SamplingParams:
+    return SamplingParams(**settings.get("sampling", {}))
+
+
+def parse_settings_form(form: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Settings from the panel's form, and an error message per field that is wrong."""
+    errors: dict[str, str] = {}
+    sampling: dict[str, Any] = {}
+    for name, (label, kind) in SAMPLING_FIELDS.items():
+        raw = (form.get(name) or "").strip()
+        if not raw:
+            continue
+        try:
+            sampling[name] = kind(raw)
+        except ValueError:
+            errors[name] = f"{label} must be {'a whole number' if kind is int else 'a number'}."
+    if not errors:
+        try:
+            SamplingParams(**sampling)
+        except InvalidRequest as exc:
+            field = next((k for k in SAMPLING_FIELDS if str(exc).startswith(k)), "form")
+            errors[field] = str(exc)
+    settings = {"preset": "custom", "sampling": sampling,
+                "system_prompt": (form.get("system_prompt") or "").strip()}
+    return settings, errors
+
+
+def engine_messages(settings: Mapping[str, Any], path: list[Message]) -> list[dict[str, str]]:
+    """The prompt for the next answer: the system prompt, then the active path.
+
+    Failed answers without text are left out; a stopped answer is part of the conversation.
+    """
+    messages = []
+    if settings.get("system_prompt"):
+        messages.append({"role": "system", "content": settings["system_prompt"]})
+    for m in path:
+        if m.role == "assistant" and m.state == "failed" and not m.content:
+            continue
+        messages.append({"role": m.role, "content": m.content})
+    return messages
+
+
+@dataclass(frozen=True)
+class Turn:
+    """Where the next answer goes (under `parent_id`), and whether the message list must be
+    re-rendered whole (edit and regenerate change the branch) or only grows (a new message)."""
+
+    parent_id: int
+    new_user: Message | None
+    rerender: bool
+
+
+def start_turn(storage: Storage, conv: Conversation, action: str, data: Mapping[str, Any]) -> Turn:
+    """Record the user's side of a turn before anything is generated; raises ValueError."""
+    content = str(data.get("content") or "").strip()
+    if action == "send":
+        if not content:
+            raise ValueError("Type a message first.")
+        path = storage.active_path(conv.id)
+        user = storage.add_message(conv.id, path[-1].id if path else None, "user", content)
+        if conv.title == DEFAULT_TITLE and not path:
+            storage.rename_conversation(conv.id, _title(content))
+        return Turn(user.id, user, rerender=False)
+    target = _own_message(storage, conv, data.get("message_id"))
+    if action == "edit":
+        if target.role != "user":
+            raise ValueError("Only your own messages can be edited.")
+        if not content:
+            raise ValueError("The edited message is empty.")
+        user = storage.add_message(conv.id, target.parent_id, "user", content)
+        return Turn(user.id, user, rerender=True)
+    if action == "regenerate":
+        if target.role != "assistant" or target.parent_id is None:
+            raise ValueError("Only answers can be regenerated.")
+        return Turn(target.parent_id, None, rerender=True)
+    raise ValueError(f"Unknown action {action!r}.")
+
+
+def _own_message(storage: Storage, conv: Conversation, mid: Any) -> Message:
+    try:
+        message = storage.get_message(int(mid))
+    except (TypeError, ValueError):
+        message = None
+    if message is None or message.conversation_id != conv.id:
+        raise ValueError("That message is not in this conversation.")
+    return message
+
+
+def _title(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= TITLE_LENGTH else line[: TITLE_LENGTH - 1].rstrip() + "…"
+

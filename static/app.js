@@ -1,0 +1,80 @@
+// The little behaviour htmx does not cover: theme, keyboard, copy buttons, scrolling.
+// Loaded in <head> without defer so the saved theme applies before the first paint.
+"use strict";
+
+(function () {
+  const root = document.documentElement;
+  const saved = localStorage.getItem("mlxchat-theme");
+  if (saved) root.dataset.theme = saved;
+
+  function toggleTheme() {
+    const dark = root.dataset.theme
+      ? root.dataset.theme === "dark"
+      : matchMedia("(prefers-color-scheme: dark)").matches;
+    root.dataset.theme = dark ? "light" : "dark";
+    localStorage.setItem("mlxchat-theme", root.dataset.theme);
+  }
+
+  function copy(text, button) {
+    navigator.clipboard.writeText(text).then(() => {
+      button.textContent = "Copied";
+      setTimeout(() => { button.textContent = "Copy"; }, 1500);
+    });
+  }
+
+  function nearBottom(el) {
+    return el.scrollHeight - el.scrollTop - el.clientHeight < 120;
+  }
+
+  document.addEventListener("click", (e) => {
+    const t = e.target;
+    if (!(t instanceof Element)) return;
+    if (t.closest("#theme-toggle")) toggleTheme();
+    else if (t.closest("#sidebar-toggle")) document.body.classList.toggle("sidebar-open");
+    else if (t.matches(".code > .copy")) copy(t.parentElement.querySelector("code").innerText, t);
+    else if (t.matches(".copy-message")) copy(t.closest(".message").querySelector(".body").innerText, t);
+  });
+
+  document.addEventListener("keydown", (e) => {
+    const t = e.target;
+    // Enter sends, Shift+Enter is a new line (in the composer and the edit form).
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing && t instanceof HTMLTextAreaElement && t.form && t.form.hasAttribute("ws-send")) {
+      e.preventDefault();
+      if (t.value.trim()) t.form.requestSubmit();
+    } else if (e.key === "Escape") {
+      const stop = document.getElementById("stop");
+      if (stop) { e.preventDefault(); stop.click(); }
+    } else if ((e.ctrlKey || e.metaKey) && e.shiftKey && e.key.toLowerCase() === "o") {
+      e.preventDefault();
+      document.getElementById("new-chat").click();
+    } else if ((e.ctrlKey || e.metaKey) && e.key.toLowerCase() === "k") {
+      e.preventDefault();
+      document.getElementById("search").focus();
+    }
+  });
+
+  // Clear the composer once its message is on its way.
+  document.addEventListener("htmx:wsAfterSend", (e) => {
+    if (e.target.id === "composer") e.target.reset();
+  });
+
+  // Follow a streaming answer unless the user scrolled up to read.
+  let follow = true;
+  document.addEventListener("htmx:wsBeforeMessage", () => {
+    const list = document.getElementById("messages");
+    follow = list ? nearBottom(list) : false;
+  });
+  document.addEventListener("htmx:wsAfterMessage", () => {
+    const list = document.getElementById("messages");
+    if (list && follow) list.scrollTop = list.scrollHeight;
+  });
+  // A conversation just opened (page load or boosted navigation): show its end, ready to type.
+  function opened() {
+    const list = document.getElementById("messages");
+    if (list) list.scrollTop = list.scrollHeight;
+    const prompt = document.getElementById("prompt");
+    if (prompt) prompt.focus();
+  }
+  document.addEventListener("DOMContentLoaded", opened);
+  document.addEventListener("htmx:afterSwap", (e) => { if (e.target === document.body) opened(); });
+})();

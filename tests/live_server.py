@@ -1,0 +1,114 @@
+"""Real servers on 127.0.0.1 for tests: `serve()` in a child process, or an app in a uvicorn thread.
+
+Both use the real engine and the real bundled model. A child process gets its own MLXCHAT_HOME
+(so its own database) whose `cache` links to the shared model cache, so nothing is re-fetched.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_HOME = Path(os.environ["MLXCHAT_HOME"])  # set by tests/conftest.py before this is imported
+START_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout: float = START_TIMEOUT_S, alive=lambda: True) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if not alive():
+            raise RuntimeError(f"the server at {url} exited during startup")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).json().get("status") == "ok":
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"no healthy server at {url} after {timeout} s")
+
+
+def app_home(path: Path) -> Path:
+    """An MLXCHAT_HOME with an empty data dir and the shared model cache."""
+    path.mkdir(parents=True, exist_ok=True)
+    (MODEL_HOME / "cache").mkdir(parents=True, exist_ok=True)
+    if not (path / "cache").exists():
+        (path / "cache").symlink_to(MODEL_HOME / "cache", target_is_directory=True)
+    return path
+
+
+class ServerProcess:
+    """`app.server.serve()` in a child process, as `mlxchat serve --no-browser` runs it."""
+
+    def __init__(self, home: Path, api_key: str | None = None):
+        self.home = app_home(home)
+        self.api_key = api_key
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.log = home / f"server-{self.port}.log"
+
+    def start(self) -> "ServerProcess":
+        code = ("import sys; from app.server import serve; "
+                "serve('127.0.0.1', int(sys.argv[1]), None, False, False, sys.argv[2] or None)")
+        env = {**os.environ, "MLXCHAT_HOME": str(self.home)}
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-c", code, str(self.port), self.api_key or ""],
+                                         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        wait_healthy(self.url, alive=lambda: self.proc.poll() is None)
+        return self
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def interrupt(self, timeout: float = 30) -> int:
+        """Ctrl-C: SIGINT, then wait for a clean exit."""
+        self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+class ThreadedServer:
+    """A Starlette app served by uvicorn in a thread of the test process, on a free port."""
+
+    def __init__(self, app):
+        self.app = app
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> "ThreadedServer":
+        self.thread.start()
+        wait_healthy(self.url, alive=self.thread.is_alive)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
