@@ -9,6 +9,8 @@ Hugging Face names mlx-lm expects, writing `config.json` with per-layer quantiza
 import json
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +50,22 @@ def _scalar(value: Any) -> Any:
     return value.item() if isinstance(value, mx.array) else value
 
 
+def _check_readable(path: Path) -> None:
+    """MLX's GGUF reader can crash the process on malformed headers, so try it in a child first."""
+    probe = "import sys, mlx.core as mx; mx.load(sys.argv[1], return_metadata=True)"
+    result = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True)
+    if result.returncode != 0:
+        detail = result.stderr.strip().splitlines()[-1:] or [f"exit status {result.returncode}"]
+        raise ModelLoadError(f"Cannot read GGUF file {path.name}: it is corrupt or truncated "
+                             f"({detail[0]})")
+
+
 def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """Load tensors and metadata, turning a corrupt or truncated file into a clear error."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
+    _check_readable(path)
     try:
         weights, metadata = mx.load(str(path), return_metadata=True)
     except Exception as exc:  # mlx raises RuntimeError/ValueError with C++ messages

@@ -1,0 +1,26 @@
+"""Shared fixtures: one model cache for the whole session, the real bundled model loaded once."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# The bundled model is fetched once per machine into this (git-ignored) folder and reused.
+MODEL_HOME = Path(os.environ.get("MLXCHAT_TEST_HOME", REPO / ".mlxchat-home"))
+os.environ["MLXCHAT_HOME"] = str(MODEL_HOME)
+
+
+@pytest.fixture(scope="session")
+def lm():
+    """The real bundled SmolLM2-135M-Instruct model, loaded through our registry."""
+    from engine.registry import load_model
+
+    return load_model(None)
+
+
+@pytest.fixture
+def fresh_home(tmp_path, monkeypatch):
+    """An empty MLXCHAT_HOME for tests that must not see the shared model cache."""
+    monkeypatch.setenv("MLXCHAT_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
