@@ -170,9 +170,9 @@ class Engine:
         try:
             self.lm = self._load(name, fallback_to_default=self.fallback_to_default)
             if self.use_prefix_cache:
-                from .prefix_cache import PrefixCache
+                from .prefix_cache import PrefixCache, default_persist_dir
 
-                self.prefix_cache = PrefixCache.for_model(self.lm)
+                self.prefix_cache = PrefixCache(self.lm, persist_dir=default_persist_dir())
         finally:
             self.loading = None
         report("ready")
