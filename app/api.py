@@ -138,9 +138,9 @@ def parse_chat_request(body: Any, model_name: str | None) -> ChatRequest:
         sampling["stop"] = tuple(stop)
     try:
         params = SamplingParams(**sampling)
-    except InvalidRequest as exc:
-        raise ApiError(400, str(exc), next((k for k in sampling if k in str(exc)), None),
-                       "invalid_value") from None
+    except InvalidRequest as exc:  # its messages start with the field's name
+        field = str(exc).split(" ", 1)[0]
+        raise ApiError(400, str(exc), field if field in sampling else None, "invalid_value") from None
 
     stream = _typed(body, "stream", bool) or False
     options = _typed(body, "stream_options", dict) or {}
