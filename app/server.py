@@ -86,6 +86,8 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
                             timeout_graceful_shutdown=5)
     try:
         _Server(config, app.state.runs, started).run()
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises Ctrl-C once its own clean shutdown is done
     finally:
         engine.stop()
         app.state.storage.close()
