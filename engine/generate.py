@@ -11,7 +11,7 @@ import time
 from typing import Any, Iterator, Protocol, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from .chat import Prompt, encode_text, render
 from .errors import InvalidRequest
@@ -149,6 +149,11 @@ class Generation:
             if end in self.prompt.checkpoints:
                 self._save()
             return []
+        if not can_trim_prompt_cache(self.cache) and pos > self.reused:
+            # A non-trimmable cache (linear-attention state) is reusable only at the exact length
+            # where it was saved, and a fetch stops one token short of the prompt: keep that one
+            # so repeating or regenerating this prompt re-runs only its last token.
+            self._save()
         logits = self._feed(mx.array(tokens[last:], dtype=mx.uint32))
         self.fed.append(tokens[last])
         self._next = self.sampler(logits[:, -1, :], self._history)

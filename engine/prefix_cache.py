@@ -1,0 +1,484 @@
+"""Prefix cache: snapshots of a model's cache at conversation checkpoints, found by token equality.
+
+`Generation` saves a snapshot at every message checkpoint of the prompt, at the whole prompt and at
+the end of the answer; a new request fetches the longest reusable prefix of its tokens. Lookup
+walks a radix trie over token ids, never message ids: a chat template may render earlier turns
+differently once later turns exist, and only truly equal tokens may be reused.
+
+Two kinds of model cache:
+- trimmable (every layer a `KVCache`, dense models): a snapshot serves any shorter prefix, so a
+  request reuses its whole common prefix with anything cached (sliced back to that length);
+- not trimmable (`ArraysCache` linear-attention state in qwen3_5 / qwen3_next): the state is valid
+  only at the exact token count where it was taken, so a request reuses the deepest snapshot at or
+  before its common prefix, and the checkpoints are what keep that close to the edit.
+
+A snapshot owns compact copies of its arrays (mlx-lm's `KVCache` writes new keys into its buffer by
+slice assignment, which rebinds the very array objects it holds), and a fetch hands out fresh cache
+objects, so a request can never change a snapshot. Sizes are the copies' exact `nbytes`, kept under
+a byte budget by evicting least-recently-used snapshots, those covered by a longer snapshot first.
+
+Snapshots can be persisted in mlx-lm's prompt-cache safetensors format (`save_prompt_cache`), one
+file per snapshot under `<cache dir>/prompt-cache/<model key>/`, and are loaded lazily on a hit.
+Stale or corrupt files are skipped with a log line.
+"""
+
+import hashlib
+import json
+import logging
+import os
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import (
+    ArraysCache,
+    KVCache,
+    load_prompt_cache,
+    make_prompt_cache,
+    save_prompt_cache,
+)
+
+from .paths import cache_dir
+from .registry import LoadedModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_FRACTION = 0.25  # of the memory available when the cache is created
+FORMAT = "mlxchat-prefix-1"
+
+
+# -- snapshots of mlx-lm caches -------------------------------------------------------------------
+
+def is_supported(cache: Sequence[Any]) -> bool:
+    return all(type(c) in (KVCache, ArraysCache) for c in cache)
+
+
+def is_trimmable(cache: Sequence[Any]) -> bool:
+    return all(type(c) is KVCache for c in cache)
+
+
+def cache_length(cache: Sequence[Any]) -> int | None:
+    """Tokens held by the attention layers (None when the model has none to tell)."""
+    offsets = {c.offset for c in cache if type(c) is KVCache}
+    return offsets.pop() if len(offsets) == 1 else None
+
+
+def copy_cache(cache: Sequence[Any]) -> list[Any]:
+    """Compact private copies of every layer's state, evaluated."""
+    out: list[Any] = []
+    for c in cache:
+        if type(c) is KVCache:
+            n = c.offset
+            keys = mx.array(c.keys[..., :n, :]) if c.keys is not None else None
+            values = mx.array(c.values[..., :n, :]) if c.values is not None else None
+            out.append(KVCache.from_state((keys, values, n)))
+        else:
+            arrays = [mx.array(a) if a is not None else None for a in c.cache]
+            out.append(ArraysCache.from_state((arrays, None, None)))
+    mx.eval(list(_arrays(out)))
+    return out
+
+
+def restore(snapshot: Sequence[Any], length: int) -> list[Any]:
+    """A new cache for a request, holding the first `length` tokens of `snapshot`.
+
+    Every array is a fresh object, so the request's in-place writes rebind its own arrays; MLX
+    never writes into a buffer another array still references."""
+    out: list[Any] = []
+    for c in snapshot:
+        if type(c) is KVCache:
+            keys = c.keys[..., :length, :] if c.keys is not None else None
+            values = c.values[..., :length, :] if c.values is not None else None
+            out.append(KVCache.from_state((keys, values, length)))
+        else:
+            out.append(ArraysCache.from_state(([a[...] if a is not None else None for a in c.cache],
+                                               None, None)))
+    return out
+
+
+def _arrays(cache: Sequence[Any]) -> Iterator[mx.array]:
+    for c in cache:
+        layer = (c.keys, c.values) if type(c) is KVCache else c.cache
+        yield from (a for a in layer if a is not None)
+
+
+def nbytes(cache: Sequence[Any]) -> int:
+    return sum(a.nbytes for a in _arrays(cache))
+
+
+# -- budget ---------------------------------------------------------------------------------------
+
+def available_memory() -> int:
+    """Bytes free for new arrays: unified/GPU memory when MLX reports it, else the OS's
+    MemAvailable (Linux) or free physical pages."""
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    total = info.get("memory_size") or info.get("total_memory")
+    if total:
+        return max(0, int(total) - mx.get_active_memory())
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_budget(fraction: float = DEFAULT_FRACTION) -> int:
+    return int(available_memory() * fraction)
+
+
+def model_key(lm: LoadedModel) -> str:
+    """Identity of a model's weights for cache purposes: its name and resolved folder."""
+    ident = f"{lm.name}|{Path(lm.path).resolve()}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+# -- the trie -------------------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class Snapshot:
+    length: int
+    cache: list[Any] | None  # None while it lives only on disk
+    nbytes: int = 0
+    last_used: int = 0
+    file: Path | None = None
+
+
+@dataclass(eq=False)
+class _Node:
+    """A radix-trie node; `edge` is the token run from the parent to this node."""
+
+    edge: tuple[int, ...] = ()
+    parent: "_Node | None" = None
+    children: dict[int, "_Node"] = field(default_factory=dict)
+    snapshot: Snapshot | None = None
+
+
+def _walk(root: _Node, tokens: Sequence[int]) -> tuple[list[tuple[int, _Node]], int]:
+    """Follow `tokens` down the trie. Returns the (depth, node) pairs of complete nodes passed and
+    the number of tokens matched (possibly ending inside the last node's edge)."""
+    path, depth, node = [(0, root)], 0, root
+    while depth < len(tokens):
+        child = node.children.get(tokens[depth])
+        if child is None:
+            break
+        n = 0
+        edge = child.edge
+        while n < len(edge) and depth + n < len(tokens) and edge[n] == tokens[depth + n]:
+            n += 1
+        if n < len(edge):
+            return path + [(depth + len(edge), child)], depth + n
+        depth += n
+        node = child
+        path.append((depth, node))
+    return path, depth
+
+
+def _subtree(node: _Node) -> Iterator[_Node]:
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        yield n
+        stack.extend(n.children.values())
+
+
+def _insert(root: _Node, tokens: Sequence[int]) -> _Node:
+    """The node for exactly `tokens`, splitting an edge or adding a leaf as needed."""
+    node, depth = root, 0
+    while depth < len(tokens):
+        child = node.children.get(tokens[depth])
+        if child is None:
+            leaf = _Node(edge=tuple(tokens[depth:]), parent=node)
+            node.children[tokens[depth]] = leaf
+            return leaf
+        edge, n = child.edge, 0
+        while n < len(edge) and depth + n < len(tokens) and edge[n] == tokens[depth + n]:
+            n += 1
+        if n < len(edge):  # split the edge at n
+            mid = _Node(edge=edge[:n], parent=node)
+            node.children[edge[0]] = mid
+            child.edge, child.parent = edge[n:], mid
+            mid.children[edge[n]] = child
+            child = mid
+        node, depth = child, depth + n
+    return node
+
+
+def _prune(node: _Node) -> None:
+    """Remove empty leaves upward and merge a snapshot-less node into its only child."""
+    while node.parent is not None and node.snapshot is None and len(node.children) <= 1:
+        parent = node.parent
+        if node.children:
+            (child,) = node.children.values()
+            child.edge, child.parent = node.edge + child.edge, parent
+            parent.children[node.edge[0]] = child
+        else:
+            del parent.children[node.edge[0]]
+        node = parent
+
+
+def _tokens_of(node: _Node) -> list[int]:
+    runs = []
+    while node.parent is not None:
+        runs.append(node.edge)
+        node = node.parent
+    return [t for run in reversed(runs) for t in run]
+
+
+# -- the cache ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CacheStats:
+    entries: int  # snapshots in memory
+    bytes: int  # their exact total size
+    budget_bytes: int
+    hits: int  # fetches that reused at least one token
+    misses: int
+    evictions: int
+    reused_tokens: int  # summed over all hits
+    disk_entries: int  # snapshots known on disk and not loaded
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class PrefixCache:
+    """The prefix cache of one model (implements `engine.generate.PrefixStore`). Thread-safe."""
+
+    def __init__(self, lm: LoadedModel, budget_bytes: int | None = None,
+                 persist_dir: Path | None = None):
+        """`budget_bytes` defaults to a fraction of available memory. With `persist_dir` (e.g.
+        `default_persist_dir()`), snapshots written there by `persist()` are found again."""
+        self.lm = lm
+        self.key = model_key(lm)
+        self.budget = default_budget() if budget_bytes is None else int(budget_bytes)
+        template = make_prompt_cache(lm.model)
+        self.enabled = is_supported(template)
+        self.trimmable = is_trimmable(template)
+        self.layer_types = [type(c).__name__ for c in template]
+        if not self.enabled:
+            log.info("prefix cache off for %s: unsupported cache types %s", lm.name, self.layer_types)
+        self.dir = persist_dir / self.key if persist_dir is not None else None
+        self._root = _Node()
+        self._lock = threading.RLock()
+        self._clock = 0
+        self._bytes = 0
+        self._hits = self._misses = self._evictions = self._reused = 0
+        if self.dir is not None and self.enabled:
+            self._scan_disk()
+
+    # -- PrefixStore ---------------------------------------------------------------------------
+    def fetch(self, tokens: Sequence[int]) -> tuple[list[Any], int]:
+        """A private cache holding the longest reusable prefix of `tokens` (at most all but the
+        last token, whose logits the request needs) and its length."""
+        limit = len(tokens) - 1
+        with self._lock:
+            while self.enabled and limit > 0:
+                found = self._lookup(tokens[:limit])
+                if found is None:
+                    break
+                node, reuse = found
+                snapshot = node.snapshot
+                if snapshot.cache is None and not self._load(node):
+                    continue  # a bad file: it is gone from the trie now, look again
+                self._touch(snapshot)
+                self._hits += 1
+                self._reused += reuse
+                return restore(snapshot.cache, reuse), reuse
+            self._misses += 1
+        return make_prompt_cache(self.lm.model), 0
+
+    def save(self, tokens: Sequence[int], cache: list[Any]) -> None:
+        """Snapshot `cache`, which holds exactly `tokens` (copied; later mutation is harmless)."""
+        n = len(tokens)
+        if not self.enabled or n == 0:
+            return
+        held = cache_length(cache)
+        if held is not None and held != n:
+            log.warning("prefix cache: not saving a cache of %d tokens as %d tokens", held, n)
+            return
+        with self._lock:
+            path, matched = _walk(self._root, tokens)
+            depth, node = path[-1]
+            if matched == n and depth == n and node.snapshot is not None:
+                self._touch(node.snapshot)  # already cached
+                if node.snapshot.cache is not None:
+                    return
+            elif matched == n and self.trimmable:
+                self._touch(self._covering(node).snapshot)  # a longer one serves these tokens
+                return
+            copy = copy_cache(cache)
+            size = nbytes(copy)
+            if size > self.budget:
+                log.debug("prefix cache: a %d-byte snapshot exceeds the budget", size)
+                return
+            node = _insert(self._root, tokens)
+            if node.snapshot is None:
+                node.snapshot = Snapshot(length=n, cache=None)
+            snapshot = node.snapshot
+            snapshot.cache, snapshot.nbytes = copy, size
+            self._bytes += size
+            self._touch(snapshot)
+            self._evict(keep=snapshot)
+
+    # -- queries -------------------------------------------------------------------------------
+    def stats(self) -> CacheStats:
+        with self._lock:
+            snaps = [n.snapshot for n in _subtree(self._root) if n.snapshot is not None]
+            return CacheStats(
+                entries=sum(s.cache is not None for s in snaps), bytes=self._bytes,
+                budget_bytes=self.budget, hits=self._hits, misses=self._misses,
+                evictions=self._evictions, reused_tokens=self._reused,
+                disk_entries=sum(s.cache is None for s in snaps),
+            )
+
+    def snapshots(self) -> list[tuple[list[int], Snapshot]]:
+        """Every snapshot with its tokens, shortest first (for inspection and tests)."""
+        with self._lock:
+            found = [(_tokens_of(n), n.snapshot) for n in _subtree(self._root) if n.snapshot]
+        return sorted(found, key=lambda item: item[1].length)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _touch(self, snapshot: Snapshot) -> None:
+        self._clock += 1
+        snapshot.last_used = self._clock
+
+    def _lookup(self, tokens: Sequence[int]) -> tuple[_Node, int] | None:
+        """The snapshot's node to start from for a prefix of `tokens`, and how many tokens of it
+        to reuse."""
+        path, matched = _walk(self._root, tokens)
+        if self.trimmable and matched > 0:
+            return self._covering(path[-1][1]), matched
+        for depth, node in reversed(path):
+            if depth <= matched and node.snapshot is not None:
+                return node, depth
+        return None
+
+    def _covering(self, node: _Node) -> _Node:
+        """The node of the shortest snapshot at or below `node` (every leaf holds one)."""
+        nodes = [n for n in _subtree(node) if n.snapshot is not None]
+        return min(nodes, key=lambda n: n.snapshot.length)
+
+    def _covered(self, node: _Node) -> bool:
+        """Whether a longer snapshot can stand in for this one (dense models only)."""
+        return self.trimmable and any(
+            n.snapshot is not None and n.snapshot.cache is not None
+            for child in node.children.values() for n in _subtree(child))
+
+    def _evict(self, keep: Snapshot) -> None:
+        """Drop snapshots until within budget: covered ones first, then least recently used."""
+        if self._bytes <= self.budget:
+            return
+        nodes = [n for n in _subtree(self._root)
+                 if n.snapshot is not None and n.snapshot.cache is not None and n.snapshot is not keep]
+        nodes.sort(key=lambda n: (not self._covered(n), n.snapshot.last_used))
+        for node in nodes:
+            if self._bytes <= self.budget:
+                break
+            self._drop(node)
+            self._evictions += 1
+
+    def _drop(self, node: _Node) -> None:
+        snapshot = node.snapshot
+        self._bytes -= snapshot.nbytes if snapshot.cache is not None else 0
+        snapshot.cache, snapshot.nbytes = None, 0
+        if snapshot.file is None:  # nothing left of it
+            node.snapshot = None
+            _prune(node)
+
+    # -- persistence ---------------------------------------------------------------------------
+    def persist(self, max_bytes: int | None = None) -> list[Path]:
+        """Write the most recently used snapshots (skipping covered ones) to disk, newest first,
+        up to `max_bytes` in all (default: the memory budget); delete older files. Returns the
+        files now on disk."""
+        if self.dir is None or not self.enabled:
+            return []
+        limit = self.budget if max_bytes is None else max_bytes
+        self.dir.mkdir(parents=True, exist_ok=True)
+        kept: list[Path] = []
+        total = 0
+        with self._lock:
+            nodes = [n for n in _subtree(self._root)
+                     if n.snapshot is not None and not self._covered(n)]
+            nodes.sort(key=lambda n: -n.snapshot.last_used)
+            for node in nodes:
+                snap = node.snapshot
+                if snap.file is not None and snap.file.exists():
+                    size = snap.file.stat().st_size
+                elif snap.cache is not None:
+                    tokens = _tokens_of(node)
+                    snap.file = self._write(tokens, snap.cache)
+                    size = snap.file.stat().st_size
+                else:
+                    continue
+                if total + size > limit:
+                    continue
+                total += size
+                kept.append(snap.file)
+            for path in self.dir.glob("*.safetensors"):
+                if path not in kept:
+                    path.unlink(missing_ok=True)
+            for node in list(_subtree(self._root)):
+                snap = node.snapshot
+                if snap is not None and snap.file is not None and snap.file not in kept:
+                    snap.file = None
+                    if snap.cache is None:
+                        node.snapshot = None
+                        _prune(node)
+        return kept
+
+    def _write(self, tokens: list[int], cache: list[Any]) -> Path:
+        name = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:24]
+        path = self.dir / f"{name}.safetensors"
+        tmp = path.with_name(path.stem + ".tmp.safetensors")
+        meta = {"format": FORMAT, "model": self.key, "tokens": json.dumps(tokens)}
+        save_prompt_cache(str(tmp), cache, meta)
+        os.replace(tmp, path)
+        return path
+
+    def _scan_disk(self) -> None:
+        """Index persisted snapshots by their tokens (arrays stay on disk until a hit)."""
+        for path in sorted(self.dir.glob("*.safetensors")) if self.dir.exists() else []:
+            try:
+                _, meta = mx.load(str(path), return_metadata=True)  # lazy: reads the header
+                if meta.get("0.format") != FORMAT or meta.get("0.model") != self.key:
+                    raise ValueError("written by another version or model")
+                tokens = json.loads(meta["0.tokens"])
+                if not tokens or not all(isinstance(t, int) for t in tokens):
+                    raise ValueError("no tokens")
+            except Exception as exc:  # noqa: BLE001 - any unreadable file is skipped, never fatal
+                log.warning("prefix cache: skipping %s: %s", path, exc)
+                continue
+            node = _insert(self._root, tokens)
+            if node.snapshot is None:
+                node.snapshot = Snapshot(length=len(tokens), cache=None)
+            node.snapshot.file = path
+
+    def _load(self, node: _Node) -> bool:
+        """Bring a persisted snapshot into memory; a bad file is logged and forgotten."""
+        snapshot = node.snapshot
+        try:
+            cache = load_prompt_cache(str(snapshot.file))
+            if [type(c).__name__ for c in cache] != self.layer_types:
+                raise ValueError("layer types differ from the model's")
+            if cache_length(cache) not in (None, snapshot.length):
+                raise ValueError("token count differs from its metadata")
+            cache = copy_cache(cache)  # evaluates, so a truncated file fails here
+        except Exception as exc:  # noqa: BLE001
+            log.warning("prefix cache: skipping %s: %s", snapshot.file, exc)
+            snapshot.file = None
+            node.snapshot = None
+            _prune(node)
+            return False
+        snapshot.cache, snapshot.nbytes = cache, nbytes(cache)
+        self._bytes += snapshot.nbytes
+        self._touch(snapshot)
+        self._evict(keep=snapshot)
+        return True
+
+
+def default_persist_dir() -> Path:
+    return cache_dir() / "prompt-cache"

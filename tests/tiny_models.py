@@ -1,0 +1,134 @@
+"""Tiny random-weight mlx-lm models for tests and benchmarks.
+
+Each model is written as a real mlx-lm folder (config.json, model.safetensors and the bundled
+SmolLM2 tokenizer files, so chat templates work) and loaded through `engine.registry.load_model`,
+exactly as a user's model would be. The same folder can be served by `mlx_lm.server`.
+
+Weights are random but seeded, and the folder name is derived from the config and seed, so a
+folder is built once per cache directory and reused.
+
+    lm = tiny_llama()          # dense: every layer a trimmable KVCache
+    lm = tiny_qwen3_5()        # hybrid: ArraysCache (linear attention) + KVCache every 4th layer
+    lm = tiny_qwen3_next()     # hybrid, Qwen3-Next layout
+"""
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.utils import _get_classes
+
+from engine.paths import cache_dir
+from engine.registry import LoadedModel, load_model, resolve
+
+VOCAB = 49152  # the bundled SmolLM2 tokenizer's vocabulary
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": VOCAB,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,  # a separate random head: tied ones repeat one token greedily
+}
+
+QWEN3_5 = {
+    "model_type": "qwen3_5",
+    "hidden_size": 64,
+    "num_hidden_layers": 4,  # layers 0-2 linear attention (ArraysCache), layer 3 full (KVCache)
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 8192,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 4,
+    "tie_word_embeddings": True,
+    "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+}
+
+QWEN3_NEXT = {
+    "model_type": "qwen3_next",
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 8192,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 4,
+    "num_experts": 0,
+    "num_experts_per_tok": 0,
+    "decoder_sparse_step": 1,
+    "shared_expert_intermediate_size": 0,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 0,
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.25,
+    "tie_word_embeddings": True,
+}
+
+
+def build_folder(config: dict[str, Any], seed: int = 0, root: Path | None = None) -> Path:
+    """Write an mlx-lm folder with random weights for `config` (once; later calls reuse it)."""
+    key = hashlib.sha256(json.dumps([config, seed], sort_keys=True).encode()).hexdigest()[:12]
+    folder = (root or cache_dir() / "tiny-models") / f"{config['model_type']}-{key}"
+    if (folder / "model.safetensors").exists():
+        return folder
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(tmp / "model.safetensors"), weights)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    _, tokenizer_folder = resolve(None)  # the bundled model, converted once
+    for name in TOKENIZER_FILES:
+        if (tokenizer_folder / name).exists():
+            shutil.copy(tokenizer_folder / name, tmp / name)
+    tmp.rename(folder)
+    return folder
+
+
+def tiny_model(config: dict[str, Any], seed: int = 0, root: Path | None = None) -> LoadedModel:
+    lm = load_model(str(build_folder(config, seed, root)))
+    assert lm.config["vocab_size"] == len(lm.tokenizer.vocab) == VOCAB
+    return lm
+
+
+def tiny_llama(seed: int = 0, root: Path | None = None, **overrides: Any) -> LoadedModel:
+    return tiny_model({**LLAMA, **overrides}, seed, root)
+
+
+def tiny_qwen3_5(seed: int = 0, root: Path | None = None, **overrides: Any) -> LoadedModel:
+    return tiny_model({**QWEN3_5, **overrides}, seed, root)
+
+
+def tiny_qwen3_next(seed: int = 0, root: Path | None = None, **overrides: Any) -> LoadedModel:
+    return tiny_model({**QWEN3_NEXT, **overrides}, seed, root)
