@@ -8,7 +8,7 @@ key in the same order, so tokens equal mlx-lm's for the same model, prompt and s
 """
 
 import time
-from typing import Any, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
@@ -19,6 +19,9 @@ from .events import Event, Timings, Usage
 from .registry import LoadedModel
 from .sampling import SamplingParams, TokenSampler
 from .stops import StopMatcher
+
+if TYPE_CHECKING:
+    from .speculative import Speculator
 
 PREFILL_CHUNK = 512
 
@@ -68,8 +71,10 @@ class Generation:
     """The state of one request from prefill to its final event."""
 
     def __init__(self, lm: LoadedModel, prompt: Prompt, params: SamplingParams,
-                 prefix_cache: PrefixStore | None = None, prefill_chunk: int = PREFILL_CHUNK):
+                 prefix_cache: PrefixStore | None = None, prefill_chunk: int = PREFILL_CHUNK,
+                 speculator: "Speculator | None" = None):
         check_fits(lm, prompt, params)
+        self.speculator = speculator  # opt-in: decode by draft-and-verify (engine/speculative.py)
         self.lm, self.prompt, self.params = lm, prompt, params
         self.prefix_cache = prefix_cache
         self.prefill_chunk = prefill_chunk
@@ -117,6 +122,8 @@ class Generation:
         """Run the model over `inputs` (1-D, possibly not yet evaluated); returns the logits."""
         if self._history is not None:
             self._history = mx.concatenate([self._history, inputs])
+        if self.speculator is not None:
+            return self.speculator.prefill(inputs, self.cache, len(self.fed))
         return self.lm.model(inputs[None], cache=self.cache)
 
     def _save(self) -> None:
@@ -162,31 +169,67 @@ class Generation:
         return []
 
     def _decode_step(self) -> list[Event]:
+        if self.speculator is not None and self._next is None:
+            return self._speculative_step()
         y, _ = self._next
-        # Build and start the next step before reading this token, as mlx-lm does.
-        feed_next = len(self.generated) + 1 < self.params.max_tokens
-        if feed_next:
-            logits = self._feed(y.reshape(1).astype(mx.uint32))
-            self._next = self.sampler(logits[:, -1, :], self._history)
-            mx.async_eval(*self._next)
-        else:
+        if self.speculator is not None:  # the prompt's token: emit it, then speculate from it
             self._next = None
+            return self._emit([y.item()])
+        if len(self.generated) + 1 >= self.params.max_tokens:  # the last token: nothing to feed
+            self._next = None
+            return self._emit([y.item()])
+        logits = self.lm.model(self.decode_input()[None], cache=self.cache)
+        return self.decode_output(logits[:, -1, :])
+
+    # A decode step split around its model call, so that engine/batch.py can run one model call
+    # for many generations; `_decode_step` is `decode_output(model(decode_input()))`.
+    @property
+    def batchable(self) -> bool:
+        """Decoding plainly with a token to feed next (not its last one, not cancelled)."""
+        return (self.speculator is None and not self.done and not self._cancel
+                and self._next is not None and len(self.generated) + 1 < self.params.max_tokens)
+
+    def decode_input(self) -> mx.array:
+        """The sampled token not yet fed, as model input of shape (1,), added to the history."""
+        inputs = self._next[0].reshape(1).astype(mx.uint32)
+        if self._history is not None:
+            self._history = mx.concatenate([self._history, inputs])
+        return inputs
+
+    def decode_output(self, logits: mx.array) -> list[Event]:
+        """Sample the next token from `logits` (1, vocab) for `decode_input()`'s token, start
+        evaluating it before reading this one (as mlx-lm does), and emit this one."""
+        y, _ = self._next
+        self._next = self.sampler(logits, self._history)
+        mx.async_eval(*self._next)
         token = y.item()
-        if feed_next:
-            self.fed.append(token)
-        now = time.perf_counter()
+        self.fed.append(token)
+        return self._emit([token])
+
+    def _speculative_step(self) -> list[Event]:
+        seq = list(self.prompt.tokens) + self.generated
+        new, held = self.speculator.step(seq, self.cache, len(self.fed),
+                                         self.params.max_tokens - len(self.generated),
+                                         self.sampler, self.eos)
+        self.fed = (seq + new)[:held]
+        return self._emit(new)
+
+    def _emit(self, tokens: list[int]) -> list[Event]:
+        """Token events for `tokens` in order, ending the request at EOS, a stop string or the limit."""
         if self.first_token_at is None:
-            self.first_token_at = now
-        if token in self.eos:
-            return self._finish("stop")
-        self.generated.append(token)
-        self.detokenizer.add_token(token)
-        text, hit_stop = self.stop_matcher.feed(self.detokenizer.last_segment)
-        events = [Event("token", text=text, token=token)]
-        if hit_stop:
-            return events + self._finish("stop", flush=False)
-        if len(self.generated) >= self.params.max_tokens:
-            return events + self._finish("length")
+            self.first_token_at = time.perf_counter()
+        events = []
+        for token in tokens:
+            if token in self.eos:
+                return events + self._finish("stop")
+            self.generated.append(token)
+            self.detokenizer.add_token(token)
+            text, hit_stop = self.stop_matcher.feed(self.detokenizer.last_segment)
+            events.append(Event("token", text=text, token=token))
+            if hit_stop:
+                return events + self._finish("stop", flush=False)
+            if len(self.generated) >= self.params.max_tokens:
+                return events + self._finish("length")
         return events
 
     def _finish(self, reason: str, flush: bool = True) -> list[Event]:
@@ -201,8 +244,13 @@ class Generation:
             mx.eval(*self._next)  # let the step in flight finish so the cache is consistent
         if self.first_token_at is not None and reason != "cancelled":
             self._save()
+        stats = {"speculative": self.speculator.stats()} if self.speculator is not None else {}
         return [Event("done", text=text, finish_reason=reason, usage=self.usage(),
-                      timings=self.timings())]
+                      timings=self.timings(), stats=stats)]
+
+    def release(self) -> None:
+        """Free an ended request's model cache and pending arrays; its output and counts stay."""
+        self.cache, self._next, self._history = None, None, None
 
     def usage(self) -> Usage:
         return Usage(prompt_tokens=len(self.prompt.tokens), completion_tokens=len(self.generated),
@@ -223,9 +271,10 @@ class Generation:
 
 
 def generate(lm: LoadedModel, prompt: Prompt, params: SamplingParams,
-             prefix_cache: PrefixStore | None = None) -> Iterator[Event]:
+             prefix_cache: PrefixStore | None = None,
+             speculator: "Speculator | None" = None) -> Iterator[Event]:
     """Run one request to completion in the calling thread, yielding its events."""
-    gen = Generation(lm, prompt, params, prefix_cache=prefix_cache)
+    gen = Generation(lm, prompt, params, prefix_cache=prefix_cache, speculator=speculator)
     try:
         while not gen.done:
             yield from gen.step()
