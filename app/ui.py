@@ -8,6 +8,7 @@ the new messages, the growing answer, the final answer with its statistics, the 
 import asyncio
 import re
 import time
+from urllib.parse import parse_qsl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -122,6 +123,11 @@ def _current_id(request: Request) -> int | None:
     return int(match.group(1)) if match else None
 
 
+async def _form(request: Request) -> dict[str, str]:
+    """The url-encoded form htmx and plain forms post (no multipart: nothing is uploaded)."""
+    return dict(parse_qsl((await request.body()).decode("utf-8", "replace"), keep_blank_values=True))
+
+
 def _conversation(request: Request) -> Conversation | None:
     return request.app.state.storage.get_conversation(int(request.path_params["cid"]))
 
@@ -168,7 +174,7 @@ async def conversation_page(request: Request) -> Response:
 
 async def create_conversation(request: Request) -> Response:
     storage, _ = _app(request)
-    form = await request.form()
+    form = await _form(request)
     source = storage.get_conversation(int(form["from"])) if str(form.get("from", "")).isdigit() else None
     conv = _new_conversation(request, source)
     return RedirectResponse(f"/c/{conv.id}", status_code=303)
@@ -235,7 +241,7 @@ async def save_settings(request: Request) -> Response:
     conv = _conversation(request)
     if conv is None:
         return _not_found()
-    settings, errors = parse_settings_form(await request.form())
+    settings, errors = parse_settings_form(await _form(request))
     if not errors:
         storage.update_conversation(conv.id, settings=settings)
     return HTMLResponse(_render("_settings.html", **_settings_context(
@@ -247,7 +253,7 @@ async def apply_preset(request: Request) -> Response:
     conv = _conversation(request)
     if conv is None:
         return _not_found()
-    form = await request.form()
+    form = await _form(request)
     name = str(form.get("preset", ""))
     if name not in PRESETS:
         return HTMLResponse(_render("_settings.html", **_settings_context(
@@ -264,7 +270,7 @@ async def apply_preset(request: Request) -> Response:
 async def switch_model(request: Request) -> Response:
     engine = request.app.state.engine
     switch: ModelSwitch = request.app.state.switch
-    name = str((await request.form()).get("name", ""))
+    name = str((await _form(request)).get("name", ""))
     if not switch.loading and name != engine.model_name:
         if name not in {m.name for m in engine.list_models()}:
             switch.error = f"Unknown model {name!r}."

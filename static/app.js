@@ -70,6 +70,7 @@
   });
   // A conversation just opened (page load or boosted navigation): show its end, ready to type.
   function opened() {
+    document.body.classList.remove("sidebar-open");
     const list = document.getElementById("messages");
     if (list) list.scrollTop = list.scrollHeight;
     const prompt = document.getElementById("prompt");

@@ -17,7 +17,8 @@ import httpx
 import uvicorn
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL_HOME = Path(os.environ["MLXCHAT_HOME"])  # set by tests/conftest.py before this is imported
+# The shared model cache, as tests/conftest.py chooses it.
+MODEL_HOME = Path(os.environ.get("MLXCHAT_TEST_HOME", REPO / ".mlxchat-home"))
 START_TIMEOUT_S = 180
 
 
@@ -53,8 +54,9 @@ def app_home(path: Path) -> Path:
 class ServerProcess:
     """`app.server.serve()` in a child process, as `mlxchat serve --no-browser` runs it."""
 
-    def __init__(self, home: Path, api_key: str | None = None):
+    def __init__(self, home: Path, api_key: str | None = None, env: dict[str, str] | None = None):
         self.home = app_home(home)
+        self.env = env or {}
         self.api_key = api_key
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -64,7 +66,7 @@ class ServerProcess:
     def start(self) -> "ServerProcess":
         code = ("import sys; from app.server import serve; "
                 "serve('127.0.0.1', int(sys.argv[1]), None, False, False, sys.argv[2] or None)")
-        env = {**os.environ, "MLXCHAT_HOME": str(self.home)}
+        env = {**os.environ, "MLXCHAT_HOME": str(self.home), **self.env}
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-c", code, str(self.port), self.api_key or ""],
                                          cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -1,0 +1,82 @@
+"""Playwright with Debian's Chromium against `serve()` in a child process with the bundled model."""
+
+import sys
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))  # the shared live-server helper
+
+from live_server import ServerProcess  # noqa: E402
+
+ARTIFACTS = REPO / "test-artifacts"
+TIMEOUT_MS = 120_000  # the model answers at a few tokens a second on a busy CI CPU
+expect.set_options(timeout=TIMEOUT_MS)
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run"]
+
+
+@pytest.fixture(scope="session")
+def hf_cache(tmp_path_factory) -> Path:
+    """An empty Hugging Face cache for the server; a test may add a model to it."""
+    return tmp_path_factory.mktemp("hf-hub")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, hf_cache):
+    s = ServerProcess(tmp_path_factory.mktemp("e2e") / "home", env={"HF_HUB_CACHE": str(hf_cache)})
+    s.start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def browser():
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def new_page(browser: Browser, server):
+    """Pages in fresh browser contexts; script errors and alert() dialogs fail the test.
+    Prompt and confirm dialogs (rename, delete) are accepted."""
+    contexts, problems = [], []
+
+    def make(**options) -> Page:
+        context = browser.new_context(**{"viewport": {"width": 1200, "height": 800}, **options},
+                                      base_url=server.url)
+        contexts.append(context)
+        page = context.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+
+        def dialog(d):
+            if d.type == "alert":
+                problems.append(f"alert: {d.message}")
+            d.accept(PROMPT_ANSWER if d.type == "prompt" else None)
+        page.on("dialog", dialog)
+        return page
+
+    yield make
+    for context in contexts:
+        context.close()
+    assert not problems, problems
+
+
+@pytest.fixture
+def page(new_page) -> Page:
+    return new_page()
+
+
+PROMPT_ANSWER = "Renamed by the test"
+
+
+def shot(page: Page, name: str) -> None:
+    """Save a screenshot under test-artifacts/ (kept by CI, looked at by people)."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
