@@ -85,6 +85,8 @@ class Turn:
 
 def start_turn(storage: Storage, conv: Conversation, action: str, data: Mapping[str, Any]) -> Turn:
     """Record the user's side of a turn before anything is generated; raises ValueError."""
+    if action not in ("send", "edit", "regenerate"):
+        raise ValueError(f"Unknown action {action!r}.")
     content = str(data.get("content") or "").strip()
     if action == "send":
         if not content:
@@ -102,11 +104,9 @@ def start_turn(storage: Storage, conv: Conversation, action: str, data: Mapping[
             raise ValueError("The edited message is empty.")
         user = storage.add_message(conv.id, target.parent_id, "user", content)
         return Turn(user.id, user, rerender=True)
-    if action == "regenerate":
-        if target.role != "assistant" or target.parent_id is None:
-            raise ValueError("Only answers can be regenerated.")
-        return Turn(target.parent_id, None, rerender=True)
-    raise ValueError(f"Unknown action {action!r}.")
+    if target.role != "assistant" or target.parent_id is None:  # regenerate
+        raise ValueError("Only answers can be regenerated.")
+    return Turn(target.parent_id, None, rerender=True)
 
 
 def _own_message(storage: Storage, conv: Conversation, mid: Any) -> Message:

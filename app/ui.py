@@ -241,8 +241,11 @@ async def save_settings(request: Request) -> Response:
     conv = _conversation(request)
     if conv is None:
         return _not_found()
-    settings, errors = parse_settings_form(await _form(request))
-    if not errors:
+    form = await _form(request)
+    settings, errors = parse_settings_form(form)
+    if errors:  # show what was typed, next to what is wrong with it
+        settings["sampling"] = {name: form.get(name, "") for name in SAMPLING_FIELDS}
+    else:
         storage.update_conversation(conv.id, settings=settings)
     return HTMLResponse(_render("_settings.html", **_settings_context(
         conv, errors, settings, saved=not errors)))

@@ -1,0 +1,153 @@
+"""The UI's pages, fragments and chat socket over real HTTP and WebSocket (no browser)."""
+
+import asyncio
+import json
+import re
+
+import httpx
+import pytest
+import websockets
+
+from app.server import create_app
+from app.storage import Storage
+from live_server import ThreadedServer
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from engine.service import Engine
+
+    engine = Engine().start()
+    s = ThreadedServer(create_app(engine, tmp_path_factory.mktemp("ui") / "db.sqlite")).start()
+    s.storage = s.app.state.storage
+    yield s
+    s.stop()
+    engine.stop()
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+def new_conversation(http, max_tokens: int = 4) -> int:
+    r = http.post("/conversations", data={}, follow_redirects=False)
+    assert r.status_code == 303
+    cid = int(r.headers["location"].rsplit("/", 1)[1])
+    r = http.post(f"/c/{cid}/settings", data={"temperature": "0", "max_tokens": str(max_tokens)})
+    assert "Saved." in r.text
+    return cid
+
+
+async def _turn(url: str, cid: int, message: dict) -> list[str]:
+    """Send one action over the chat socket; collect fragments until the Send button returns."""
+    ws_url = url.replace("http://", "ws://") + f"/c/{cid}/ws"
+    async with websockets.connect(ws_url, origin=url) as ws:
+        await ws.send(json.dumps(message))
+        fragments = []
+        while True:
+            fragments.append(await asyncio.wait_for(ws.recv(), 120))
+            if 'id="send"' in fragments[-1] or 'class="notice-text"' in fragments[-1]:
+                return fragments
+
+
+def turn(server, cid: int, **message) -> list[str]:
+    return asyncio.run(_turn(server.url, cid, message))
+
+
+def test_index_redirects_to_a_conversation_and_new_chats_reuse_an_empty_one(http):
+    first = http.get("/", follow_redirects=False)
+    assert first.status_code == 303
+    again = http.post("/conversations", data={}, follow_redirects=False)
+    assert again.headers["location"] == first.headers["location"]  # still empty: reused
+    page = http.get(first.headers["location"])
+    assert page.status_code == 200 and 'ws-connect="/c/' in page.text
+    assert http.get("/c/999999").status_code == 404
+
+
+def test_new_chat_copies_the_settings_of_the_current_one(http, server):
+    cid = new_conversation(http, max_tokens=7)
+    http.post(f"/c/{cid}/settings", data={"max_tokens": "7", "system_prompt": "Be terse."})
+    server.storage.add_message(cid, None, "user", "not empty any more")
+    r = http.post("/conversations", data={"from": str(cid)}, follow_redirects=False)
+    copy = server.storage.get_conversation(int(r.headers["location"].rsplit("/", 1)[1]))
+    assert copy.id != cid
+    assert copy.settings["sampling"]["max_tokens"] == 7 and copy.settings["system_prompt"] == "Be terse."
+
+
+def test_settings_validation_and_presets(http, server):
+    cid = new_conversation(http)
+    r = http.post(f"/c/{cid}/settings", data={"temperature": "warm", "top_p": "0"})
+    assert "Temperature must be a number." in r.text and 'value="warm"' in r.text
+    r = http.post(f"/c/{cid}/settings", data={"top_p": "0"})
+    assert "top_p must be in (0, 1]" in r.text
+    assert server.storage.get_conversation(cid).settings["sampling"]["max_tokens"] == 4  # unchanged
+    r = http.post(f"/c/{cid}/settings/preset", data={"preset": "recommended", "system_prompt": "Hi"})
+    settings = server.storage.get_conversation(cid).settings
+    assert settings["preset"] == "recommended" and settings["system_prompt"] == "Hi"
+    assert settings["sampling"]["temperature"] > 0
+    assert "Unknown preset" in http.post(f"/c/{cid}/settings/preset", data={"preset": "wild"}).text
+
+
+def test_send_streams_then_finalises_with_statistics(http, server):
+    cid = new_conversation(http)
+    fragments = turn(server, cid, action="send", content="Say hello.")
+    assert 'hx-swap-oob="beforeend"' in fragments[0] and "Say hello." in fragments[0]
+    assert 'id="stop"' in fragments[0]
+    assert any('-body" hx-swap-oob="innerHTML"' in f for f in fragments[1:-1])  # streamed
+    final = fragments[-1]
+    assert 'data-state="done"' in final and re.search(r"reused \d+ of \d+ prompt tokens", final)
+    user, answer = server.storage.active_path(cid)
+    assert user.content == "Say hello." and answer.state == "done" and answer.content
+    assert answer.completion_tokens == 4 and answer.sampling["max_tokens"] == 4
+    assert server.storage.get_conversation(cid).title == "Say hello."
+    listing = http.get("/conversations", params={"q": "say hel"}).text
+    assert "Say hello." in listing
+
+
+def test_regenerate_edit_and_version_switching(http, server):
+    cid = new_conversation(http)
+    turn(server, cid, action="send", content="Name a fruit.")
+    user, first = server.storage.active_path(cid)
+    turn(server, cid, action="regenerate", message_id=first.id)
+    _, second = server.storage.active_path(cid)
+    assert second.id != first.id and second.parent_id == user.id
+
+    page = http.post(f"/c/{cid}/select/{first.id}").text
+    assert f'id="m-{first.id}"' in page and "1/2" in page
+
+    # Only the last user message can be edited.
+    assert 'class="edit-form"' in http.get(f"/c/{cid}/m/{user.id}/edit").text
+    fragments = turn(server, cid, action="edit", message_id=user.id, content="Name a vegetable.")
+    assert 'id="messages"' in fragments[0] and "Name a vegetable." in fragments[0]
+    edited, answer = server.storage.active_path(cid)
+    assert edited.parent_id is None and edited.id != user.id and answer.state == "done"
+    assert [m.id for m in server.storage.siblings(edited)] == [user.id, edited.id]
+
+
+def test_bad_actions_get_a_notice_and_change_nothing(http, server):
+    cid = new_conversation(http)
+    other = server.storage.create_conversation().id
+    foreign = server.storage.add_message(other, None, "user", "elsewhere")
+    for message, notice in [
+        ({"action": "send", "content": "   "}, "Type a message first."),
+        ({"action": "edit", "message_id": foreign.id, "content": "x"}, "not in this conversation"),
+        ({"action": "regenerate", "message_id": "nope"}, "not in this conversation"),
+        ({"action": "dance"}, "Unknown action"),
+    ]:
+        fragments = turn(server, cid, **message)
+        assert len(fragments) == 1 and notice in fragments[0]
+    assert server.storage.active_path(cid) == []
+
+
+def test_rename_delete_and_storage_on_disk(http, server):
+    cid = new_conversation(http)
+    r = http.post(f"/c/{cid}/rename", headers={"HX-Prompt": "My \t  title",
+                                               "HX-Current-URL": f"{server.url}/c/{cid}"})
+    assert "My title" in r.text and 'id="chat-title" hx-swap-oob="true"' in r.text
+    r = http.post(f"/c/{cid}/delete", headers={"HX-Current-URL": f"{server.url}/c/{cid}"})
+    assert r.headers["hx-redirect"] == "/"
+    on_disk = Storage(server.storage.path)
+    assert on_disk.get_conversation(cid) is None
+    on_disk.close()
