@@ -1,7 +1,18 @@
-"""Pick the device MLX runs on (GPU when present, else CPU) and the memory budget it allows."""
+"""Pick the device MLX runs on (GPU when present, else CPU) and the memory budget it allows.
+
+MLX offers a GPU through Metal (Apple Silicon) or CUDA (NVIDIA, the `mlx[cuda]` wheels); with
+neither, or with the CPU-only wheel, only the CPU. `select_device("auto")` takes the GPU when there
+is one and logs a warning when it has to run on the CPU, so a slow run is never silent.
+
+The memory budget is what weights, KV caches and prefix-cache snapshots may use together:
+- GPU: Metal's `max_recommended_working_set_size` (the wired-memory limit MLX recommends), else the
+  device's memory (`memory_size` / `total_memory` as MLX reports it for CUDA), else free RAM;
+- CPU: MemAvailable from /proc/meminfo (total physical memory where that is unreadable).
+"""
 
 import logging
 import os
+from typing import Any
 
 import mlx.core as mx
 
@@ -10,28 +21,88 @@ from .errors import EngineError
 log = logging.getLogger(__name__)
 DEVICES = ("auto", "cpu", "gpu")
 
+# Keys MLX's `device_info` has used for the GPU's memory, most specific first.
+_GPU_MEMORY_KEYS = ("max_recommended_working_set_size", "memory_size", "total_memory")
+
 
 def gpu_available() -> bool:
-    return mx.is_available(mx.gpu)
+    try:
+        return bool(mx.is_available(mx.gpu))
+    except Exception:  # an MLX build without any GPU backend compiled in
+        return False
+
+
+def _device(device: "mx.Device | mx.DeviceType | None") -> mx.Device:
+    if device is None:
+        return mx.default_device()
+    return mx.Device(device) if isinstance(device, mx.DeviceType) else device
+
+
+def backend(device: mx.Device | None = None) -> str:
+    """"metal", "cuda" or "cpu": which MLX backend runs `device` (default: the current one)."""
+    device = _device(device)
+    if device.type != mx.DeviceType.gpu:
+        return "cpu"
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return "gpu"
 
 
 def select_device(preference: str = "auto") -> mx.Device:
     """Make `preference` MLX's default device and return it; a missing GPU is an error if asked."""
     if preference not in DEVICES:
         raise EngineError(f"--device must be one of {', '.join(DEVICES)}, got {preference!r}")
-    if preference == "gpu" and not gpu_available():
-        raise EngineError("no GPU is available to MLX here (no Metal or CUDA backend); use --device cpu")
-    device = mx.gpu if preference == "gpu" or (preference == "auto" and gpu_available()) else mx.cpu
+    has_gpu = gpu_available()
+    if preference == "gpu" and not has_gpu:
+        raise EngineError("--device gpu: no GPU is available to MLX here (this MLX has neither a "
+                          "Metal nor a CUDA backend, or no device was found); install mlx[cuda] on "
+                          "NVIDIA or use --device cpu")
+    device = mx.gpu if preference == "gpu" or (preference == "auto" and has_gpu) else mx.cpu
     mx.set_default_device(device)
-    return mx.default_device()
+    device = mx.default_device()
+    if preference == "auto" and not has_gpu:
+        log.warning("no GPU is available to MLX (no Metal or CUDA backend); running on the CPU, "
+                    "where decoding is much slower")
+    log.info("device: %s", describe(device))
+    return device
+
+
+def _info(device: mx.Device) -> dict[str, Any]:
+    try:
+        return dict(mx.device_info(device))
+    except Exception:  # older MLX: device_info() takes no argument
+        try:
+            return dict(mx.device_info())
+        except Exception:
+            return {}
+
+
+def gpu_memory(device: mx.Device | None = None) -> tuple[int, str] | None:
+    """(bytes, source key) of the GPU's usable memory as MLX reports it, or None."""
+    device = _device(device)
+    if device.type != mx.DeviceType.gpu:
+        return None
+    info = _info(device)
+    for key in _GPU_MEMORY_KEYS:
+        value = info.get(key)
+        if value:
+            return int(value), key
+    return None
 
 
 def describe(device: mx.Device | None = None) -> str:
-    """A one-line description, e.g. "gpu (NVIDIA H200)" or "cpu"."""
-    device = device or mx.default_device()
+    """A one-line description, e.g. "gpu (cuda, NVIDIA H200, 140.4 GB)" or "cpu (16 cores, ...)"."""
+    device = _device(device)
     if device.type == mx.DeviceType.gpu:
-        name = mx.device_info(device).get("device_name") if hasattr(mx, "device_info") else None
-        return f"gpu ({name})" if name else "gpu"
+        name = _info(device).get("device_name")
+        mem = gpu_memory(device)
+        parts = [backend(device)] + ([str(name)] if name else [])
+        if mem:
+            parts.append(f"{mem[0] / 1e9:.1f} GB")
+        return f"gpu ({', '.join(parts)})"
     blas = "OpenBLAS" if "openblas" in os.environ.get("LD_PRELOAD", "") else "reference BLAS"
     return f"cpu ({os.cpu_count()} cores, {blas})"
 
@@ -48,12 +119,49 @@ def available_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def memory_budget(fraction: float = 0.5) -> int:
-    """Bytes the engine may use for KV caches and prefix snapshots on the current device."""
-    device = mx.default_device()
+def memory_total(device: mx.Device | None = None) -> tuple[int, str]:
+    """(bytes, where it came from) that the device offers in all."""
+    device = _device(device)
+    mem = gpu_memory(device)
+    if mem:
+        return mem
     if device.type == mx.DeviceType.gpu:
-        info = mx.device_info(device)
-        total = info.get("max_recommended_working_set_size") or info.get("memory_size") or 0
-        if total:
-            return int(total * fraction)
-    return int(available_ram() * fraction)
+        log.warning("MLX reports no memory size for this GPU; sizing the memory budget from free RAM")
+    return available_ram(), "MemAvailable"
+
+
+def memory_budget(fraction: float = 0.5, device: mx.Device | None = None) -> int:
+    """Bytes the engine may use for KV caches and prefix snapshots on `device` (default: current)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    total, _ = memory_total(device)
+    return int(total * fraction)
+
+
+def slow_paths(model_type: str, device: mx.Device | None = None) -> list[str]:
+    """Known places where mlx-lm runs a slow fallback for this model on this device."""
+    notes = []
+    kind = backend(device)
+    if model_type in ("qwen3_5", "qwen3_5_moe", "qwen3_next") and kind != "metal":
+        notes.append(f"{model_type}: mlx-lm's gated-delta (linear attention) kernel is Metal-only; on "
+                     f"{kind} prompt prefill runs a per-token loop (tens of times slower than on a "
+                     f"Metal GPU); decoding is unaffected")
+    return notes
+
+
+def warn_slow_paths(model_type: str, device: mx.Device | None = None) -> list[str]:
+    """Log each known slow fallback for this model on this device; returns the notes."""
+    notes = slow_paths(model_type, device)
+    for note in notes:
+        log.warning("slow path: %s", note)
+    return notes
+
+
+def report(device: mx.Device | None = None) -> dict[str, Any]:
+    """What a results file or /health records about the device."""
+    device = _device(device)
+    total, source = memory_total(device)
+    return {"device": device.type.name if hasattr(device.type, "name") else str(device.type),
+            "backend": backend(device), "description": describe(device),
+            "name": _info(device).get("device_name"), "memory_bytes": total,
+            "memory_source": source, "mlx": mx.__version__}

@@ -1,0 +1,314 @@
+"""What every benchmark shares: result rows (a figure of ours against a baseline measured in the same
+run), run metadata, the table, the JSON file, and the shape measurements that run our engine and
+mlx-lm side by side on the same model object, interleaved, with the same token ids.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+# -- rows ------------------------------------------------------------------------------------------
+
+@dataclass
+class Row:
+    """One measured figure. `ratio` is ours / baseline (both measured in this run)."""
+
+    suite: str
+    shape: str
+    metric: str
+    unit: str
+    ours: float | None
+    baseline: float | None
+    baseline_name: str
+    goal: str = ""  # e.g. ">= 1.0", "<= 0.1"
+    notes: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float | None:
+        if self.ours is None or not self.baseline:
+            return None
+        return self.ours / self.baseline
+
+    @property
+    def met(self) -> bool | None:
+        r = self.ratio
+        if r is None or not self.goal:
+            return None
+        op, _, value = self.goal.partition(" ")
+        v = float(value)
+        return {">=": r >= v, "<=": r <= v, "<": r < v, ">": r > v}[op]
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ratio"] = self.ratio
+        d["goal_met"] = self.met
+        return d
+
+
+def skipped(suite: str, shape: str, why: str) -> Row:
+    return Row(suite, shape, "skipped", "", None, None, "", notes=why)
+
+
+# -- metadata, table, JSON -------------------------------------------------------------------------
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent.parent, timeout=5)
+        return out.stdout.strip() or None
+    except Exception:
+        return None
+
+
+def run_meta(argv: Sequence[str]) -> dict[str, Any]:
+    import mlx.core as mx
+    import mlx_lm
+
+    from engine import device
+
+    versions = {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "python": platform.python_version()}
+    try:
+        from importlib.metadata import version
+
+        for dist in ("mlx-cuda-13", "mlx-cuda-12", "mlx-metal", "mlx-cpu"):
+            try:
+                versions[dist] = version(dist)
+            except Exception:
+                pass
+    except Exception:
+        pass
+    return {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "argv": list(argv), "device": device.report(), "versions": versions,
+            "platform": platform.platform(), "git_commit": _git_commit()}
+
+
+def fmt(x: float | None, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if abs(x) >= 100:
+        return f"{x:,.0f}"
+    if abs(x) >= 10:
+        return f"{x:.1f}"
+    return f"{x:.{digits}g}"
+
+
+COLUMNS = ("suite", "shape", "metric", "ours", "baseline", "ratio", "goal", "met")
+
+
+def table_rows(rows: Iterable[Row]) -> list[list[str]]:
+    out = []
+    for r in rows:
+        met = {True: "yes", False: "NO", None: ""}[r.met]
+        if r.metric == "skipped":
+            out.append([r.suite, r.shape, "skipped", "-", "-", "-", "", r.notes])
+            continue
+        out.append([r.suite, r.shape, f"{r.metric} ({r.unit})", fmt(r.ours),
+                    f"{fmt(r.baseline)} {r.baseline_name}".strip(), fmt(r.ratio) + ("x" if r.ratio else ""),
+                    r.goal, met])
+    return out
+
+
+def print_table(rows: Sequence[Row], title: str = "") -> None:
+    body = table_rows(rows)
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=title or None)
+        for c in COLUMNS:
+            t.add_column(c, overflow="fold")
+        for b in body:
+            t.add_row(*b)
+        Console(width=200).print(t)
+        return
+    except ImportError:
+        pass
+    widths = [max(len(c), *(len(b[i]) for b in body)) if body else len(c) for i, c in enumerate(COLUMNS)]
+    if title:
+        print(title)
+    print("  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths)))
+    for b in body:
+        print("  ".join(x.ljust(w) for x, w in zip(b, widths)))
+
+
+def markdown_table(rows: Sequence[Row]) -> str:
+    lines = ["| suite | shape | metric | ours | baseline (same run) | ratio | goal | met |",
+             "|---|---|---|---|---|---|---|---|"]
+    for b in table_rows(rows):
+        lines.append("| " + " | ".join(b) + " |")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, meta: dict[str, Any], rows: Sequence[Row], **more: Any) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"meta": meta, "rows": [r.as_dict() for r in rows], **more}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(path)
+    return path
+
+
+def progress(total: int | None = None, desc: str = "", disable: bool = False):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=disable, file=sys.stderr, leave=False,
+                dynamic_ncols=True)
+
+
+# -- measuring helpers -----------------------------------------------------------------------------
+
+def fresh_memory() -> None:
+    import mlx.core as mx
+
+    gc.collect()
+    mx.synchronize()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+
+
+def rate(times: Sequence[float]) -> float | None:
+    """Tokens/s between the first and last token arrival times (the first token's prefill excluded)."""
+    if len(times) < 2 or times[-1] <= times[0]:
+        return None
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def median(xs: Sequence[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def mlx_lm_stream(lm, prompt: Sequence[int], max_tokens: int,
+                  prompt_cache: list[Any] | None = None) -> dict[str, Any]:
+    """mlx-lm's own `stream_generate` (greedy): arrival time of each token, from the call."""
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate
+
+    t0 = time.perf_counter()
+    times = []
+    kwargs = {"prompt_cache": prompt_cache} if prompt_cache is not None else {}
+    for _ in stream_generate(lm.model, lm.tokenizer, mx.array(list(prompt), dtype=mx.uint32),
+                             max_tokens=max_tokens, **kwargs):
+        times.append(time.perf_counter())
+    return {"ttft_s": times[0] - t0 if times else None, "tps": rate(times), "n": len(times),
+            "total_s": (times[-1] - t0) if times else None}
+
+
+def engine_direct(lm, prompt, max_tokens: int, prefix_cache=None) -> dict[str, Any]:
+    """Our `engine.generate.generate` in this thread (no scheduler): token arrival times."""
+    from engine.generate import generate
+    from engine.sampling import SamplingParams
+
+    t0 = time.perf_counter()
+    times, done = [], None
+    for ev in generate(lm, prompt, SamplingParams(max_tokens=max_tokens), prefix_cache=prefix_cache):
+        if ev.kind == "token":
+            times.append(time.perf_counter())
+        else:
+            done = ev
+    return {"ttft_s": times[0] - t0 if times else None, "tps": rate(times), "n": len(times),
+            "total_s": (times[-1] - t0) if times else None,
+            "cached_tokens": done.usage.cached_tokens if done and done.usage else None}
+
+
+class EngineService:
+    """Our `engine.service.Engine` (scheduler thread) serving an already-built model."""
+
+    def __init__(self, lm, max_running: int = 8, prefix_cache: bool = True):
+        from engine.service import Engine
+
+        self.note = ""
+        try:
+            self.engine = Engine(load=lambda *a, **k: lm, max_running=max_running, max_queued=64,
+                                 prefix_cache=prefix_cache).start()
+        except Exception as exc:  # e.g. prefix_cache.py mid-change: measure without it, and say so
+            if not prefix_cache:
+                raise
+            self.note = f"prefix cache off ({type(exc).__name__}: {exc})"
+            self.engine = Engine(load=lambda *a, **k: lm, max_running=max_running, max_queued=64,
+                                 prefix_cache=False).start()
+        self.prefix_cache = prefix_cache and not self.note
+
+    def stream(self, prompt: Sequence[int], max_tokens: int) -> dict[str, Any]:
+        from engine.sampling import SamplingParams
+
+        t0 = time.perf_counter()
+        handle = self.engine.submit(prompt_tokens=list(prompt), params=SamplingParams(max_tokens=max_tokens))
+        times = []
+        for ev in handle.events(timeout=600):
+            if ev.kind == "token":
+                times.append(time.perf_counter())
+            elif ev.error:
+                raise RuntimeError(ev.error)
+        return {"ttft_s": times[0] - t0 if times else None, "tps": rate(times), "n": len(times),
+                "start": t0, "end": times[-1] if times else t0}
+
+    def concurrent(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> dict[str, Any]:
+        results: list[dict[str, Any] | None] = [None] * len(prompts)
+        errors: list[BaseException] = []
+
+        def one(i: int) -> None:
+            try:
+                results[i] = self.stream(prompts[i], max_tokens)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        if errors:
+            raise errors[0]
+        tokens = sum(r["n"] for r in results if r)
+        return {"wall_s": wall, "tokens": tokens, "aggregate_tps": tokens / wall,
+                "per_stream_tps": [r["tps"] for r in results if r]}
+
+    def close(self) -> None:
+        self.engine.stop()
+
+
+def raw_step_ms(lm, prompt: Sequence[int], steps: int = 32) -> float:
+    """Milliseconds per synchronous one-token model step (no sampling, no pipelining): the floor."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(lm.model)
+    mx.eval(lm.model(mx.array([list(prompt)], dtype=mx.uint32), cache=cache))
+    y = mx.array([[int(prompt[-1])]], dtype=mx.uint32)
+    for _ in range(4):
+        mx.eval(lm.model(y, cache=cache))
+    t = time.perf_counter()
+    for _ in range(steps):
+        mx.eval(lm.model(y, cache=cache))
+    return (time.perf_counter() - t) / steps * 1e3
+
+
+def interleave(fns: dict[str, Callable[[], dict[str, Any]]], reps: int,
+               bar=None) -> dict[str, list[dict[str, Any]]]:
+    """Run each function `reps` times, alternating, so drift hits every side alike."""
+    out: dict[str, list[dict[str, Any]]] = {k: [] for k in fns}
+    for i in range(reps):
+        order = list(fns) if i % 2 == 0 else list(reversed(fns))
+        for k in order:
+            out[k].append(fns[k]())
+            if bar is not None:
+                bar.update(1)
+    return out

@@ -1,0 +1,258 @@
+"""Random-weight models with the shapes of real ones, for speed runs on any device.
+
+Each shape is an mlx-lm config; `build(name)` makes the mlx-lm model class from it, fills every
+parameter with random bf16 values (lazily, so no fp32 copy is ever materialised), quantizes with
+`nn.quantize` where the shape asks for it, and wraps it as an `engine.registry.LoadedModel`.
+
+Speed runs need no text: prompts are token ids drawn directly (`prompt_ids`), and the tokenizer is
+`IdTokenizer`, whose detokenizer renders token `i` as " i" at constant cost per token and which has no
+EOS, so every run decodes exactly the tokens it asks for. Both our engine and mlx-lm get the same
+tokenizer object, so neither side pays for detokenizing more than the other.
+
+    python -m bench.shapes            # list the shapes with their parameter counts
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.tokenizer_utils import StreamingDetokenizer, TokenizerWrapper
+
+_SMOLLM2_135M = {
+    "model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30, "intermediate_size": 1536,
+    "num_attention_heads": 9, "num_key_value_heads": 3, "rms_norm_eps": 1e-5, "vocab_size": 49152,
+    "rope_theta": 100000.0, "rope_traditional": False, "tie_word_embeddings": True,
+    "max_position_embeddings": 8192,
+}
+_QWEN3_8B = {
+    "model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36, "intermediate_size": 12288,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
+    "vocab_size": 151936, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+    "max_position_embeddings": 40960,
+}
+# A small Qwen3.5 (gated-delta linear attention in 3 of every 4 layers, full attention in the 4th).
+_QWEN3_5_HYBRID = {
+    "model_type": "qwen3_5",
+    "text_config": {
+        "model_type": "qwen3_5_text", "hidden_size": 1024, "num_hidden_layers": 24,
+        "intermediate_size": 3584, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "head_dim": 256, "rms_norm_eps": 1e-6, "vocab_size": 248320, "tie_word_embeddings": True,
+        "linear_num_value_heads": 16, "linear_num_key_heads": 16, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+        "max_position_embeddings": 262144,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                            "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]},
+    },
+}
+# For CPU tests of the harness only.
+_TINY = {
+    "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 512,
+    "rope_theta": 10000.0, "tie_word_embeddings": True, "max_position_embeddings": 8192,
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    config: dict[str, Any]
+    bits: int | None = None  # quantize every Linear/Embedding to this many bits
+    group_size: int = 64
+    about: str = ""
+
+
+SHAPES: dict[str, Shape] = {s.name: s for s in (
+    Shape("smollm2-135m", _SMOLLM2_135M, about="SmolLM2-135M shape, bf16"),
+    Shape("qwen3-8b", _QWEN3_8B, about="Qwen3-8B shape, bf16"),
+    Shape("qwen3-8b-8bit", _QWEN3_8B, bits=8, about="Qwen3-8B shape, 8-bit (group 64)"),
+    Shape("qwen3_5-hybrid", _QWEN3_5_HYBRID, about="Qwen3.5 hybrid shape (~0.8B, linear attention), bf16"),
+    Shape("tiny", _TINY, about="2-layer llama, for CPU tests of the bench itself"),
+)}
+GPU_DEFAULT = ("smollm2-135m", "qwen3-8b", "qwen3-8b-8bit", "qwen3_5-hybrid")
+CPU_DEFAULT = ("tiny", "smollm2-135m")
+
+
+# -- tokenizer --------------------------------------------------------------------------------------
+
+class IdDetokenizer(StreamingDetokenizer):
+    """Token i -> " i": constant work per token, like a BPE streaming detokenizer."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.offset = 0
+        self.tokens: list[int] = []
+        self._text = ""
+        self._segment = ""
+
+    def add_token(self, token: int) -> None:
+        self.tokens.append(token)
+        self._segment += f" {token}"
+
+    def finalize(self) -> None:
+        pass
+
+    @property
+    def text(self) -> str:
+        self._text += self._segment
+        self._segment = ""
+        return self._text
+
+    @property
+    def last_segment(self) -> str:
+        segment, self._segment = self._segment, ""
+        self._text += segment
+        return segment
+
+
+class _IdHF:
+    """The few attributes TokenizerWrapper reads from a Hugging Face tokenizer."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.eos_token_id = None
+        self.bos_token = None
+        self.chat_template = None
+        self.vocab = {}  # only its size is ever asked for via config
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [int(t) % self.vocab_size for t in text.split()]
+
+    def decode(self, ids, **_: Any) -> str:
+        return "".join(f" {int(i)}" for i in ids)
+
+    def convert_ids_to_tokens(self, ids):
+        return [str(i) for i in ids] if isinstance(ids, list) else str(ids)
+
+    def get_vocab(self) -> dict[str, int]:
+        return {}
+
+
+class IdTokenizer(TokenizerWrapper):
+    """A TokenizerWrapper with no EOS whose detokenizer is `IdDetokenizer`."""
+
+    def __init__(self, vocab_size: int):
+        self._tokenizer = _IdHF(vocab_size)
+        self._detokenizer = IdDetokenizer()
+        self._eos_token_ids = set()
+        self._think_start = self._think_end = None
+        self._think_start_tokens = self._think_end_tokens = None
+        self._structural_markers = None
+        self._response_format = {}
+        self._chat_template = None
+        self._thinking_kwarg = None
+        self.has_chat_template = False
+        self._tool_parser = None
+
+    @property
+    def detokenizer(self):
+        self._detokenizer.reset()
+        return self._detokenizer
+
+    @property
+    def eos_token_ids(self):
+        return self._eos_token_ids
+
+
+# -- models -----------------------------------------------------------------------------------------
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    return config.get("text_config", config)
+
+
+def _randomize(model: nn.Module, dtype: mx.Dtype, seed: int) -> None:
+    """Replace every parameter by random values of its shape in `dtype`, before any is evaluated."""
+    key = mx.random.key(seed)
+    leaves = tree_flatten(model.parameters())
+    keys = iter(mx.random.split(key, max(2, len(leaves))))
+
+    def fill(p: mx.array) -> mx.array:
+        k = next(keys)
+        if p.ndim >= 2:  # matrices and embeddings: N(0, 1/fan_in) keeps activations bounded
+            return (mx.random.normal(p.shape, dtype=mx.float32, key=k)
+                    * (1.0 / math.sqrt(p.shape[-1]))).astype(dtype)
+        return p.astype(dtype)  # norms, biases, A_log, dt_bias, ...: their defaults
+
+    model.update(tree_map(fill, model.parameters()))
+
+
+def build_module(shape: Shape, dtype: mx.Dtype = mx.bfloat16, seed: int = 0) -> nn.Module:
+    from mlx_lm.utils import _get_classes
+
+    config = copy.deepcopy(shape.config)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    _randomize(model, dtype, seed)
+    if shape.bits:
+        nn.quantize(model, group_size=shape.group_size, bits=shape.bits)
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def nbytes(model: nn.Module) -> int:
+    return sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+
+
+def build(name: str, dtype: mx.Dtype = mx.bfloat16, seed: int = 0):
+    """The shape `name` as an engine `LoadedModel` with random weights and `IdTokenizer`."""
+    from engine.registry import LoadedModel
+
+    shape = SHAPES[name]
+    model = build_module(shape, dtype, seed)
+    config = copy.deepcopy(shape.config)
+    text = text_config(config)
+    config.setdefault("vocab_size", text["vocab_size"])
+    config.setdefault("max_position_embeddings", text.get("max_position_embeddings", 8192))
+    if shape.bits:
+        config["quantization"] = {"group_size": shape.group_size, "bits": shape.bits}
+    return LoadedModel(name=f"random:{name}", model=model, tokenizer=IdTokenizer(text["vocab_size"]),
+                       config=config, path=Path(f"/nonexistent/random-{name}"),
+                       extras={"shape": name, "weights_bytes": nbytes(model)})
+
+
+def vocab_size(name: str) -> int:
+    return int(text_config(SHAPES[name].config)["vocab_size"])
+
+
+def prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
+    """`n` random token ids in [10, vocab) (low ids are often control tokens in real vocabularies)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(10, vocab) for _ in range(n)]
+
+
+def conversation(total: int, vocab: int, system: int = 64, turn: int = 300, last_user: int = 120,
+                 seed: int = 0) -> tuple[list[int], list[int]]:
+    """Token ids of a chat of about `total` tokens (system prompt, alternating user/assistant
+    turns, a final user turn of `last_user` tokens) and the offsets where its messages end."""
+    tokens = prompt_ids(system, vocab, seed)
+    ends = [len(tokens)]
+    i = 1
+    while len(tokens) + turn + last_user < total:
+        tokens += prompt_ids(turn, vocab, seed + i)
+        ends.append(len(tokens))
+        i += 1
+    tokens += prompt_ids(total - len(tokens), vocab, seed + 10_000)
+    ends.append(len(tokens))
+    return tokens, ends
+
+
+def main() -> None:
+    for shape in SHAPES.values():
+        cfg = text_config(shape.config)
+        print(f"{shape.name:16} {shape.about}: {cfg['num_hidden_layers']} layers, hidden "
+              f"{cfg['hidden_size']}, vocab {cfg['vocab_size']}")
+
+
+if __name__ == "__main__":
+    main()
