@@ -76,7 +76,16 @@ def page(new_page) -> Page:
 PROMPT_ANSWER = "Renamed by the test"
 
 
-def shot(page: Page, name: str) -> None:
-    """Save a screenshot under test-artifacts/ (kept by CI, looked at by people)."""
-    ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
+@pytest.fixture
+def prompt_answer() -> str:
+    """What the fixture types into prompt() dialogs (the rename prompt)."""
+    return PROMPT_ANSWER
+
+
+@pytest.fixture
+def shot():
+    """`shot(page, name)` saves a screenshot under test-artifacts/ for people to look at."""
+    def save(page: Page, name: str) -> None:
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / f"{name}.png"))
+    return save

@@ -7,7 +7,6 @@ from pathlib import Path
 from playwright.sync_api import Page, expect
 
 from app.storage import Storage
-from conftest import PROMPT_ANSWER, shot
 
 LONG = "Write a very long story about a dragon who learns to cook."
 STATS = re.compile(r"reused (\d+) of (\d+) prompt tokens · TTFT \d+ ms")
@@ -46,7 +45,7 @@ def wait_answer(page: Page, state: str = "done"):
     return answer
 
 
-def test_answer_streams_in_token_by_token(page):
+def test_answer_streams_in_token_by_token(page, shot):
     new_chat(page, max_tokens=16)
     send(page, "Name three colors.")
     expect(last(page, "user")).to_contain_text("Name three colors.")
@@ -68,7 +67,7 @@ def test_answer_streams_in_token_by_token(page):
     shot(page, "02-answered")
 
 
-def test_stop_keeps_the_partial_answer_and_the_next_message_works(page):
+def test_stop_keeps_the_partial_answer_and_the_next_message_works(page, shot):
     new_chat(page, max_tokens=400)
     send(page, LONG)
     answer = last(page, "assistant")
@@ -90,7 +89,7 @@ def test_stop_keeps_the_partial_answer_and_the_next_message_works(page):
     expect(page.locator("#messages article.assistant").first.locator(".body")).to_have_text(partial)
 
 
-def test_edit_last_message_reuses_the_cached_prefix_and_keeps_versions(page):
+def test_edit_last_message_reuses_the_cached_prefix_and_keeps_versions(page, shot):
     new_chat(page, max_tokens=8)
     send(page, "Hi there!")
     wait_answer(page)
@@ -109,7 +108,7 @@ def test_edit_last_message_reuses_the_cached_prefix_and_keeps_versions(page):
     expect(last(page, "user").locator(".version")).to_have_text("1/2")
 
 
-def test_regenerate_switch_versions_and_reload(page):
+def test_regenerate_switch_versions_and_reload(page, shot):
     cid = new_chat(page, max_tokens=8)
     page.click("#settings summary")
     page.fill("input[name=temperature]", "1.5")  # so that the two versions differ
@@ -140,7 +139,7 @@ def test_regenerate_switch_versions_and_reload(page):
     expect(page.locator("input[name=temperature]")).to_have_value("1.5")
 
 
-def test_settings_are_validated_with_clear_messages(page):
+def test_settings_are_validated_with_clear_messages(page, shot):
     new_chat(page)
     page.click("#settings summary")
     for field, value, message in [
@@ -163,7 +162,7 @@ def test_settings_are_validated_with_clear_messages(page):
     expect(page.locator("textarea[name=system_prompt]")).to_have_value("You are terse.")
 
 
-def test_model_output_cannot_inject_script(page, server):
+def test_model_output_cannot_inject_script(page, server, shot):
     cid = new_chat(page)
     storage = Storage(server.home / "data" / "mlxchat.db")
     user = storage.add_message(cid, None, "user", "Show me some HTML.")
@@ -185,7 +184,7 @@ def test_model_output_cannot_inject_script(page, server):
     assert page.locator("#messages script").count() == 0
 
 
-def test_sidebar_search_rename_delete_and_keyboard(page):
+def test_sidebar_search_rename_delete_and_keyboard(page, prompt_answer):
     new_chat(page, max_tokens=4)
     send(page, "Zebra facts please")
     wait_answer(page)
@@ -199,20 +198,20 @@ def test_sidebar_search_rename_delete_and_keyboard(page):
 
     page.reload()
     page.locator(".conversation.current button.rename").click()  # prompt answered by the fixture
-    expect(page.locator("#chat-title")).to_have_text(PROMPT_ANSWER)
-    expect(page.locator(".conversation.current a")).to_have_text(PROMPT_ANSWER)
+    expect(page.locator("#chat-title")).to_have_text(prompt_answer)
+    expect(page.locator(".conversation.current a")).to_have_text(prompt_answer)
 
     page.locator("#prompt").focus()
     page.keyboard.press("Control+Shift+O")
     expect(page.locator("#empty-chat")).to_be_visible()
     page.goto("/")
-    entry = page.locator(".conversation", has_text=PROMPT_ANSWER)
+    entry = page.locator(".conversation", has_text=prompt_answer)
     entry.hover()
     entry.locator("button.delete").click()  # the confirm dialog is accepted by the fixture
-    expect(page.locator("#conversation-list")).not_to_contain_text(PROMPT_ANSWER)
+    expect(page.locator("#conversation-list")).not_to_contain_text(prompt_answer)
 
 
-def test_narrow_dark_layout(new_page):
+def test_narrow_dark_layout(new_page, shot):
     page = new_page(viewport={"width": 390, "height": 780}, color_scheme="dark")
     new_chat(page, max_tokens=6)
     send(page, "Hello! Reply with a code block.")
@@ -228,7 +227,7 @@ def test_narrow_dark_layout(new_page):
     assert page.evaluate("getComputedStyle(document.body).backgroundColor") == "rgb(255, 255, 255)"
 
 
-def test_switch_model_shows_progress_and_answers_with_it(page, hf_cache: Path, server):
+def test_switch_model_shows_progress_and_answers_with_it(page, hf_cache: Path, server, shot):
     # A second model: a Hugging Face cache entry holding the bundled model's converted files.
     converted = next((server.home / "cache" / "converted").glob("SmolLM2-135M-Instruct*/config.json")).parent
     snapshot = hf_cache / "models--local--smollm2-copy" / "snapshots" / "main"

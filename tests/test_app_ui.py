@@ -1,12 +1,11 @@
 """The UI's pages, fragments and chat socket over real HTTP and WebSocket (no browser)."""
 
-import asyncio
 import json
 import re
 
 import httpx
 import pytest
-import websockets
+from websockets.sync.client import connect
 
 from app.server import create_app
 from app.storage import Storage
@@ -40,20 +39,15 @@ def new_conversation(http, max_tokens: int = 4) -> int:
     return cid
 
 
-async def _turn(url: str, cid: int, message: dict) -> list[str]:
+def turn(server, cid: int, **message) -> list[str]:
     """Send one action over the chat socket; collect fragments until the Send button returns."""
-    ws_url = url.replace("http://", "ws://") + f"/c/{cid}/ws"
-    async with websockets.connect(ws_url, origin=url) as ws:
-        await ws.send(json.dumps(message))
+    with connect(server.url.replace("http://", "ws://") + f"/c/{cid}/ws", origin=server.url) as ws:
+        ws.send(json.dumps(message))
         fragments = []
         while True:
-            fragments.append(await asyncio.wait_for(ws.recv(), 120))
+            fragments.append(ws.recv(timeout=120))
             if 'id="send"' in fragments[-1] or 'class="notice-text"' in fragments[-1]:
                 return fragments
-
-
-def turn(server, cid: int, **message) -> list[str]:
-    return asyncio.run(_turn(server.url, cid, message))
 
 
 def test_index_redirects_to_a_conversation_and_new_chats_reuse_an_empty_one(http):

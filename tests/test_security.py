@@ -1,11 +1,11 @@
 """DNS rebinding (Host), cross-site requests (Origin) and WebSockets, against a real server."""
 
-import asyncio
 import socket
 
 import httpx
 import pytest
-import websockets
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
 
 from app.server import create_app, serve
 from live_server import ThreadedServer
@@ -67,13 +67,11 @@ def test_cross_origin_get_is_served_but_cannot_be_framed(server):
 
 def _ws_status(url: str, origin: str) -> int | str:
     """101-accepted ("open") or the HTTP status the handshake was refused with."""
-    async def attempt():
-        try:
-            async with websockets.connect(url, origin=origin):
-                return "open"
-        except websockets.InvalidStatus as exc:
-            return exc.response.status_code
-    return asyncio.run(attempt())
+    try:
+        with connect(url, origin=origin):
+            return "open"
+    except InvalidStatus as exc:
+        return exc.response.status_code
 
 
 def test_foreign_origin_websocket_is_refused(server, conversation):

@@ -1,12 +1,10 @@
 """A server killed mid-answer loses at most the last moments of text, never a conversation."""
 
-import asyncio
 import json
 import time
 
 import httpx
-import pytest
-import websockets
+from websockets.sync.client import ClientConnection, connect
 
 from app.storage import Storage
 from app.ui import SAVE_EVERY_S
@@ -20,16 +18,17 @@ def new_conversation(url: str) -> int:
     return int(r.headers["location"].rsplit("/", 1)[1])
 
 
-async def stream_for(url: str, cid: int, seconds: float) -> int:
-    """Send PROMPT over the chat socket; return after tokens have streamed for `seconds`.
-    Returns the number of answer updates seen; the socket stays open (the answer is running)."""
-    ws_url = url.replace("http://", "ws://") + f"/c/{cid}/ws"
-    ws = await websockets.connect(ws_url, origin=url)
-    await ws.send(json.dumps({"action": "send", "content": PROMPT}))
+def chat_socket(url: str, cid: int) -> ClientConnection:
+    return connect(url.replace("http://", "ws://") + f"/c/{cid}/ws", origin=url)
+
+
+def stream_for(ws: ClientConnection, seconds: float) -> int:
+    """Send PROMPT; return the number of answer updates seen once tokens have streamed for
+    `seconds` (the answer goes on)."""
+    ws.send(json.dumps({"action": "send", "content": PROMPT}))
     first, updates = None, 0
     while first is None or time.monotonic() - first < seconds:
-        message = await asyncio.wait_for(ws.recv(), 120)
-        if '-body" hx-swap-oob="innerHTML"' in message:
+        if '-body" hx-swap-oob="innerHTML"' in ws.recv(timeout=120):
             updates += 1
             first = first or time.monotonic()
     return updates
@@ -48,8 +47,9 @@ def test_sigkill_during_stream_keeps_conversation_and_partial_answer(tmp_path):
     server = ServerProcess(tmp_path / "home").start()
     try:
         cid = new_conversation(server.url)
-        assert asyncio.run(stream_for(server.url, cid, 2.5 * SAVE_EVERY_S)) >= 2
-        server.kill()
+        with chat_socket(server.url, cid) as ws:
+            assert stream_for(ws, 2.5 * SAVE_EVERY_S) >= 2
+            server.kill()
         _, path = answer(tmp_path / "home")
         user, partial = path
         assert user.content == PROMPT and user.state == "done"
@@ -73,10 +73,11 @@ def test_ctrl_c_during_stream_saves_the_partial_answer_and_exits(tmp_path):
     server = ServerProcess(tmp_path / "home").start()
     try:
         cid = new_conversation(server.url)
-        updates = asyncio.run(stream_for(server.url, cid, 1.0))
-        started = time.monotonic()
-        assert server.interrupt() == 0
-        assert time.monotonic() - started < 15
+        with chat_socket(server.url, cid) as ws:
+            updates = stream_for(ws, 1.0)
+            started = time.monotonic()
+            assert server.interrupt() == 0
+            assert time.monotonic() - started < 15
     finally:
         server.stop()
     conv, (_, stopped) = answer(tmp_path / "home")
