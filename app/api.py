@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.errors import EngineError, InvalidRequest, ModelLoadError
+from engine.errors import EngineError, InvalidRequest
 from engine.events import Event, Usage
 from engine.sampling import SamplingParams
 from engine.service import Overloaded
@@ -196,6 +196,9 @@ async def chat_completions(request: Request) -> Response:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+        if engine.model_name is None:
+            return api_error(503, "a model is loading; try again shortly", "server_error",
+                             "model_loading", headers={"Retry-After": "5"})
         chat = parse_chat_request(body, engine.model_name)
         if chat.json_mode:
             raise ApiError(400, "response_format json_object is not supported yet",
@@ -207,7 +210,7 @@ async def chat_completions(request: Request) -> Response:
         except Overloaded as exc:
             return api_error(429, str(exc), "rate_limit_exceeded", "rate_limit_exceeded",
                              headers={"Retry-After": str(math.ceil(exc.retry_after))})
-        except (ModelLoadError, EngineError) as exc:
+        except EngineError as exc:  # no model loaded
             raise ApiError(503, str(exc), type_="server_error", code="model_unavailable") from None
     except ApiError as err:
         return err.response()

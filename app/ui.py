@@ -8,15 +8,16 @@ the new messages, the growing answer, the final answer with its statistics, the 
 import asyncio
 import re
 import time
-from urllib.parse import parse_qsl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
+from urllib.parse import parse_qsl
+
+import jinja2
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route, WebSocketRoute
-from starlette.templating import Jinja2Templates
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine.errors import EngineError
@@ -28,7 +29,10 @@ from .chat import (SAMPLING_FIELDS, engine_messages, parse_settings_form, preset
 from .markdown import render_markdown, render_plain
 from .storage import Conversation, Message, Storage
 
-templates = Jinja2Templates(directory=str(Path(_web_init).parent / "templates"))
+# Autoescaping everywhere: titles and user text are escaped; model output is inserted only after
+# `render_markdown` has sanitised it.
+templates = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(_web_init).parent / "templates"),
+                               autoescape=True)
 
 FLUSH_EVERY_S = 0.05  # coalesce tokens into one swap at most this often
 SAVE_EVERY_S = 1.0  # how much streamed text a crash can lose at most
@@ -44,7 +48,7 @@ def _size(n: int | None) -> str:
     return ""
 
 
-templates.env.filters["filesize"] = _size
+templates.filters["filesize"] = _size
 
 
 # --- view models --------------------------------------------------------------------------------
@@ -158,14 +162,14 @@ def _new_conversation(request: Request, copy_from: Conversation | None) -> Conve
 
 
 async def conversation_page(request: Request) -> Response:
-    storage, engine = _app(request)
+    storage, _ = _app(request)
     conv = _conversation(request)
     if conv is None:
         return _not_found()
     html = _render(
         "chat.html", conversations=storage.list_conversations(), current_id=conv.id,
         q="", views=message_views(storage, storage.active_path(conv.id)), generating=False,
-        model_name=engine.model_name, **_settings_context(conv), **_models_context(request),
+        **_settings_context(conv), **_models_context(request),
     )
     # Boosted navigation: make the address bar show the conversation (also after a redirect).
     return HTMLResponse(html, headers={"HX-Push-Url": f"/c/{conv.id}"} if
@@ -378,6 +382,7 @@ async def _respond(ws: WebSocket, cid: int, action: str, data: dict[str, Any],
         return
     answer = storage.add_message(cid, turn.parent_id, "assistant", "", state="streaming",
                                  model=engine.model_name, sampling=params.to_dict())
+    storage.update_conversation(cid, model=engine.model_name)  # the model it last talked to
     path = storage.active_path(cid)
     views = message_views(storage, path)
     if turn.rerender:

@@ -140,6 +140,9 @@ def test_rename_delete_and_storage_on_disk(http, server):
     r = http.post(f"/c/{cid}/rename", headers={"HX-Prompt": "My \t  title",
                                                "HX-Current-URL": f"{server.url}/c/{cid}"})
     assert "My title" in r.text and 'id="chat-title" hx-swap-oob="true"' in r.text
+    evil = http.post(f"/c/{cid}/rename", headers={"HX-Prompt": "<script>alert(1)</script>"})
+    assert "<script>" not in evil.text and "&lt;script&gt;alert(1)&lt;/script&gt;" in evil.text
+    assert "<script>alert" not in http.get(f"/c/{cid}").text
     r = http.post(f"/c/{cid}/delete", headers={"HX-Current-URL": f"{server.url}/c/{cid}"})
     assert r.headers["hx-redirect"] == "/"
     on_disk = Storage(server.storage.path)
