@@ -394,10 +394,11 @@ async def _respond(ws: WebSocket, cid: int, action: str, data: dict[str, Any],
         opening += _render("_title.html", title=conv.title, oob=True)
         opening += _render("_conversation_list.html", conversations=storage.list_conversations(),
                            current_id=cid, q="", oob=True)
-    await ws.send_text(opening + _render("_composer_actions.html", generating=True, oob=True))
+    opening += _render("_composer_actions.html", generating=True, oob=True)
 
     text, final, error = "", None, None
     try:
+        await ws.send_text(opening)
         gen.handle = engine.submit(messages=engine_messages(conv.settings, path[:-1]), params=params)
         if gen.stop_requested:  # Stop pressed before the request existed
             gen.handle.cancel()
