@@ -1,6 +1,7 @@
 """The `mlxchat` command: serve the chat app (default), generate, chat in the terminal, list models."""
 
 import logging
+import os
 import sys
 from typing import Any
 
@@ -197,6 +198,11 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
 
 
 def main() -> None:
+    from engine.device import blas_preload_env
+
+    env = blas_preload_env()
+    if env is not None:  # a BLAS must be preloaded before MLX loads: start again with it
+        os.execve(sys.executable, [sys.executable, "-m", "app.cli", *sys.argv[1:]], env)
     cli()
 
 
