@@ -2,7 +2,10 @@
 thread (or an asyncio loop) submit requests and read their events.
 
 Every request has one lifecycle, `queued -> prefill -> decoding -> finished | cancelled | failed`,
-and always ends with exactly one `done` event, whatever happens inside.
+recorded with the time of each transition, and always ends with exactly one `done` event, whatever
+happens inside. Admission is bounded (running + queued caps, and a memory budget for the model
+caches the admitted requests may grow to); requests that decode at the same time share one model
+call per step (engine/batch.py).
 """
 
 import asyncio
@@ -17,6 +20,8 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 import mlx.core as mx
 
+from .batch import DecodeBatch, KVFootprint, kv_footprint
+from .device import memory_budget as device_memory_budget
 from .errors import EngineError, InvalidRequest
 from .events import Event, Timings, Usage
 from .generate import Generation, build_prompt
@@ -43,10 +48,13 @@ class RequestHandle:
 
     id: str
     generation: Generation
+    kv_bytes: int = 0  # estimated model-cache memory at full length, reserved while admitted
     state: str = "queued"
     times: dict[str, float] = field(default_factory=dict)  # queued, started, first_token, last_token, ended
+    transitions: list[tuple[str, float]] = field(default_factory=list)  # (state, time entered)
     error: str | None = None
     finish_reason: str | None = None
+    cancel_requested: bool = False
     _events: "queue.Queue[Event]" = field(default_factory=queue.Queue)
     _loop: asyncio.AbstractEventLoop | None = None
     _wakeup: asyncio.Event = field(default_factory=asyncio.Event)
@@ -54,6 +62,7 @@ class RequestHandle:
 
     def cancel(self) -> None:
         """Stop the request at its next step (or before it starts); safe from any thread."""
+        self.cancel_requested = True
         self.generation.cancel()
         if self._on_cancel is not None:
             self._on_cancel(self)
@@ -65,8 +74,17 @@ class RequestHandle:
     def snapshot(self) -> dict[str, Any]:
         """The observable state of this request (for the API and the UI)."""
         return {"id": self.id, "state": self.state, "times": dict(self.times),
-                "finish_reason": self.finish_reason, "error": self.error,
-                "usage": self.usage.__dict__}
+                "transitions": list(self.transitions), "finish_reason": self.finish_reason,
+                "error": self.error, "usage": self.usage.__dict__}
+
+    def _enter(self, state: str) -> None:
+        now = time.time()
+        self.state = state
+        self.transitions.append((state, now))
+        if state in FINAL_STATES:
+            self.times["ended"] = now
+        elif state != "decoding":  # decoding starts with the first token, timed as first_token
+            self.times[{"queued": "queued", "prefill": "started"}[state]] = now
 
     def _publish(self, event: Event) -> None:
         self._events.put(event)
@@ -100,19 +118,29 @@ class RequestHandle:
 
 
 class Engine:
-    """Owns one loaded model and runs every request on a single scheduler thread."""
+    """Owns one loaded model and runs every request on a single scheduler thread.
+
+    Each scheduler tick does one prefill chunk (of the oldest request still in prefill), the solo
+    steps that cannot be batched (a request's last token, cancellations, speculative decoding) and
+    one batched decode step for every other decoding request (engine/batch.py).
+    """
 
     def __init__(self, model: str | None = None, *, max_running: int = 4, max_queued: int = 8,
                  fallback_to_default: bool = False, prefix_cache: bool = True,
-                 load: Callable[..., LoadedModel] = load_model):
+                 load: Callable[..., LoadedModel] = load_model, batching: bool = True,
+                 memory_budget: int | None = None):
         self.requested_model = model
         self.max_running = max_running
         self.max_queued = max_queued
         self.fallback_to_default = fallback_to_default
         self.use_prefix_cache = prefix_cache
+        self.batching = batching
+        self.memory_budget = memory_budget if memory_budget is not None else device_memory_budget()
         self._load = load
         self.lm: LoadedModel | None = None
         self.prefix_cache = None
+        self._footprint = KVFootprint(0, 0, False)
+        self._batch: DecodeBatch | None = None
         self._queued: deque[RequestHandle] = deque()
         self._running: list[RequestHandle] = []
         self._control: "queue.Queue[Callable[[], None]]" = queue.Queue()
@@ -152,11 +180,13 @@ class Engine:
 
     def switch_model(self, name: str, progress: Callable[[str], None] | None = None,
                      cancel_running: bool = False) -> None:
-        """Load another model once running requests end (or are cancelled, if asked)."""
+        """Load another model once running and queued requests end (or are cancelled, if asked);
+        meanwhile new requests are refused with Overloaded."""
         if cancel_running:
             with self._lock:
-                for h in list(self._queued) + list(self._running):
-                    h.cancel()
+                handles = list(self._queued) + list(self._running)
+            for h in handles:  # outside the lock: cancelling a queued request takes it
+                h.cancel()
         self._call(lambda: self._install(name, progress))
 
     def _install(self, name: str | None, progress: Callable[[str], None] | None) -> None:
@@ -164,21 +194,23 @@ class Engine:
         report = progress or (lambda stage: None)
         self.loading = {"model": name, "stage": "loading"}
         report("loading")
-        old, self.lm, self.prefix_cache = self.lm, None, None
+        old, self.lm, self.prefix_cache, self._batch = self.lm, None, None, None
         del old
         mx.clear_cache()
         try:
             self.lm = self._load(name, fallback_to_default=self.fallback_to_default)
+            self._footprint = kv_footprint(self.lm.model)
+            self._batch = DecodeBatch(self.lm.model)
             if self.use_prefix_cache:
-                from .prefix_cache import PrefixCache, default_persist_dir
+                from .prefix_cache import PrefixCache
 
-                self.prefix_cache = PrefixCache(self.lm, persist_dir=default_persist_dir())
+                self.prefix_cache = PrefixCache(self.lm)
         finally:
             self.loading = None
         report("ready")
 
     def _call(self, fn: Callable[[], None]) -> None:
-        """Run `fn` on the scheduler thread between steps once no request is running."""
+        """Run `fn` on the scheduler thread once no request is running or queued."""
         done = threading.Event()
         failure: list[BaseException] = []
 
@@ -207,18 +239,33 @@ class Engine:
         params = params or SamplingParams()
         prompt = build_prompt(lm, messages=messages, prompt_tokens=prompt_tokens, text=text)
         generation = Generation(lm, prompt, params, prefix_cache=self.prefix_cache)
-        handle = RequestHandle(id=f"req-{next(self._ids)}", generation=generation,
+        need = self._footprint.bytes_for(len(prompt.tokens) + params.max_tokens)
+        if need > self.memory_budget:
+            raise InvalidRequest(
+                f"this request would need about {_mib(need)} of model cache (prompt "
+                f"{len(prompt.tokens)} tokens + max_tokens {params.max_tokens}), over the memory "
+                f"budget of {_mib(self.memory_budget)}; shorten the prompt or lower max_tokens")
+        handle = RequestHandle(id=f"req-{next(self._ids)}", generation=generation, kv_bytes=need,
                                _on_cancel=self._cancelled)
-        handle.times["queued"] = time.time()
         try:
             handle._loop = asyncio.get_running_loop()
         except RuntimeError:
             handle._loop = None
         with self._wake:
-            if len(self._running) + len(self._queued) >= self.max_running + self.max_queued:
+            if not self._control.empty():  # accepted requests drain first, on the current model
+                raise Overloaded(f"switching models: {self.model_name} is finishing its requests",
+                                 retry_after=5.0)
+            admitted = list(self._running) + list(self._queued)
+            if len(admitted) >= self.max_running + self.max_queued:
                 raise Overloaded(f"server busy: {len(self._running)} requests running and "
                                  f"{len(self._queued)} queued (limits {self.max_running} + "
                                  f"{self.max_queued})", retry_after=2.0)
+            reserved = sum(h.kv_bytes for h in admitted)
+            if reserved + need > self.memory_budget:
+                raise Overloaded(f"server busy: admitted requests reserve {_mib(reserved)} of the "
+                                 f"{_mib(self.memory_budget)} memory budget and this one needs "
+                                 f"{_mib(need)}", retry_after=2.0)
+            handle._enter("queued")
             self._queued.append(handle)
             self._wake.notify_all()
         return handle
@@ -244,55 +291,90 @@ class Engine:
                     self._wake.wait()
                 if self._stopping and not self._running and not self._queued:
                     return
-                if not self._running and not self._control.empty():
+                if not self._running and not self._queued and not self._control.empty():
                     task = self._control.get()
                 else:
                     task = None
-                    while self._queued and len(self._running) < self.max_running \
-                            and self._control.empty():
+                    while self._queued and len(self._running) < self.max_running:
                         handle = self._queued.popleft()
-                        handle.state = "prefill"
-                        handle.times["started"] = time.time()
+                        handle._enter("prefill")
                         self._running.append(handle)
                 running = list(self._running)
             if task is not None:
                 task()
-                continue
-            for handle in running:
-                self._step(handle)
+            elif running:
+                self._tick(running)
+
+    def _tick(self, running: list[RequestHandle]) -> None:
+        batch = self._batch
+        for h in running:
+            gen = h.generation
+            if gen in batch and not gen.batchable:
+                batch.leave(gen)
+            elif self.batching and self._footprint.batchable and gen.batchable \
+                    and gen not in batch:
+                batch.join(gen)
+        solo = [h for h in running if h.generation not in batch]
+        prefilling = [h for h in solo if h.generation.in_prefill and not h.cancel_requested]
+        if prefilling:
+            self._step(prefilling[0])  # the oldest: finishing one prompt first gives earlier TTFTs
+        for h in solo:
+            if h not in prefilling:
+                self._step(h)
+        if len(batch):
+            by_gen = {id(h.generation): h for h in running}
+            try:
+                results = batch.step()
+            except Exception as exc:  # the shared model call: every row fails, the engine serves on
+                results = [(gen, exc) for gen in batch.rows]
+                self._batch = DecodeBatch(batch.model)
+            for gen, outcome in results:
+                self._advance(by_gen[id(gen)], outcome)
 
     def _step(self, handle: RequestHandle) -> None:
-        gen = handle.generation
         try:
-            events = gen.step()
-        except Exception as exc:  # isolate the failure to this request
-            log.exception("request %s failed", handle.id)
-            events = [Event("done", finish_reason="failed", error=f"{type(exc).__name__}: {exc}",
-                            usage=gen.usage(), timings=gen.timings())]
+            outcome: list[Event] | Exception = handle.generation.step()
+        except Exception as exc:
+            outcome = exc
+        self._advance(handle, outcome)
+
+    def _advance(self, handle: RequestHandle, outcome: list[Event] | Exception) -> None:
+        """Publish one step's events (or its failure) and move the request's state on."""
+        gen = handle.generation
+        if isinstance(outcome, Exception):  # isolated to this request
+            log.error("request %s failed", handle.id, exc_info=outcome)
             gen.finish_reason = "failed"
-        if not gen.in_prefill and handle.state == "prefill":
-            handle.state = "decoding"
+            events = [Event("done", finish_reason="failed",
+                            error=f"{type(outcome).__name__}: {outcome}",
+                            usage=gen.usage(), timings=gen.timings())]
+        else:
+            events = outcome
         now = time.time()
         for event in events:
             if event.kind == "token":
                 handle.times.setdefault("first_token", now)
                 handle.times["last_token"] = now
-        if gen.done or (events and events[-1].kind == "done"):
-            reason = events[-1].finish_reason if events else gen.finish_reason
-            state = {"cancelled": "cancelled", "failed": "failed"}.get(reason, "finished")
-            with self._wake:
-                if handle in self._running:
-                    self._running.remove(handle)
-                self._end(handle, state, events, error=events[-1].error if events else None)
+        if handle.state == "prefill" and not gen.in_prefill:
+            handle._enter("decoding")
+        if not gen.done:
+            for event in events:
+                handle._publish(event)
             return
+        if self._batch is not None and gen in self._batch:
+            self._batch.leave(gen)
+        gen.release()
+        state = {"cancelled": "cancelled", "failed": "failed"}.get(gen.finish_reason, "finished")
+        with self._wake:
+            self._running.remove(handle)
+            self._end(handle, state, events)
+
+    def _end(self, handle: RequestHandle, state: str, events: list[Event]) -> None:
+        handle.error = events[-1].error if events else None
+        handle.finish_reason = events[-1].finish_reason if events else state
+        handle._enter(state)
         for event in events:
             handle._publish(event)
 
-    def _end(self, handle: RequestHandle, state: str, events: list[Event],
-             error: str | None = None) -> None:
-        handle.state = state
-        handle.error = error
-        handle.finish_reason = events[-1].finish_reason if events else state
-        handle.times["ended"] = time.time()
-        for event in events:
-            handle._publish(event)
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
