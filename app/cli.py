@@ -203,7 +203,16 @@ def main() -> None:
     env = blas_preload_env()
     if env is not None:  # a BLAS must be preloaded before MLX loads: start again with it
         os.execve(sys.executable, [sys.executable, "-m", "app.cli", *sys.argv[1:]], env)
-    cli()
+    code: int | str | None = 0
+    try:
+        cli()
+    except SystemExit as exc:
+        code = exc.code
+    # MLX's native threads can abort the interpreter's final teardown ("terminate called without
+    # an active exception"); everything is finished and flushed here, so leave without it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else (0 if code is None else 1))
 
 
 if __name__ == "__main__":
