@@ -34,6 +34,9 @@ STATES = ("queued", "prefill", "decoding", "finished", "cancelled", "failed")
 FINAL_STATES = ("finished", "cancelled", "failed")
 
 
+PERSIST_BYTES = 512 * 2**20  # prefix-cache snapshots written to disk at shutdown
+
+
 class Overloaded(EngineError):
     """Too many requests running and queued; try again after `retry_after` seconds."""
 
@@ -170,6 +173,8 @@ class Engine:
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self.prefix_cache is not None:  # reopening the app continues long chats without re-prefill
+            self.prefix_cache.persist(max_bytes=PERSIST_BYTES)
 
     @property
     def model_name(self) -> str | None:
