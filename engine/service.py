@@ -130,6 +130,7 @@ class Engine:
 
     def __init__(self, model: str | None = None, *, max_running: int = 4, max_queued: int = 8,
                  fallback_to_default: bool = False, prefix_cache: bool = True,
+                 persist_prefix_cache: bool = False,
                  load: Callable[..., LoadedModel] = load_model, batching: bool = True,
                  memory_budget: int | None = None):
         self.requested_model = model
@@ -137,6 +138,7 @@ class Engine:
         self.max_queued = max_queued
         self.fallback_to_default = fallback_to_default
         self.use_prefix_cache = prefix_cache
+        self.persist_prefix_cache = persist_prefix_cache
         self.batching = batching
         self.memory_budget = memory_budget if memory_budget is not None else device_memory_budget()
         self._load = load
@@ -173,7 +175,8 @@ class Engine:
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        if self.prefix_cache is not None:  # reopening the app continues long chats without re-prefill
+        if self.prefix_cache is not None and self.persist_prefix_cache:
+            # so that reopening the app continues long conversations without re-prefill
             self.prefix_cache.persist(max_bytes=PERSIST_BYTES)
 
     @property
@@ -207,9 +210,10 @@ class Engine:
             self._footprint = kv_footprint(self.lm.model)
             self._batch = DecodeBatch(self.lm.model)
             if self.use_prefix_cache:
-                from .prefix_cache import PrefixCache
+                from .prefix_cache import PrefixCache, default_persist_dir
 
-                self.prefix_cache = PrefixCache(self.lm)
+                persist_dir = default_persist_dir() if self.persist_prefix_cache else None
+                self.prefix_cache = PrefixCache(self.lm, persist_dir=persist_dir)
         finally:
             self.loading = None
         report("ready")
