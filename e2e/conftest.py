@@ -1,5 +1,6 @@
 """Playwright with Debian's Chromium against `serve()` in a child process with the bundled model."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -36,7 +37,9 @@ def server(tmp_path_factory, hf_cache):
 @pytest.fixture(scope="session")
 def browser():
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        # scripts/test preloads OpenBLAS for MLX; Chromium's GPU process dies with it preloaded.
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, env=env)
         yield b
         b.close()
 
