@@ -101,14 +101,27 @@ class DecodeBatch:
             self.cache = []
 
     def step(self) -> list[tuple[Generation, list[Event] | Exception]]:
-        """One model call for all rows, then each row samples and emits its token. A row whose
+        """One model call for all rows, one evaluation of every row's next token and one read of
+        the tokens they replace (a sync per row would stall the device once per row). A row whose
         sampling or emitting raises gets its exception back; the other rows are unaffected."""
         inputs = mx.concatenate([g.decode_input() for g in self.rows])
         logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]
-        results: list[tuple[Generation, list[Event] | Exception]] = []
+        outcomes: list[list[Event] | Exception | mx.array] = []
         for i, gen in enumerate(self.rows):
             try:
-                results.append((gen, gen.decode_output(logits[i : i + 1])))
+                outcomes.append(gen.sample_next(logits[i : i + 1]))
             except Exception as exc:  # isolated to this row; the scheduler fails that request
+                outcomes.append(exc)
+        sampled = [o for o in outcomes if isinstance(o, mx.array)]
+        mx.async_eval([g._next for g, o in zip(self.rows, outcomes) if isinstance(o, mx.array)])
+        tokens = iter(mx.concatenate([y.reshape(1) for y in sampled]).tolist() if sampled else [])
+        results: list[tuple[Generation, list[Event] | Exception]] = []
+        for gen, outcome in zip(self.rows, outcomes):
+            if isinstance(outcome, Exception):
+                results.append((gen, outcome))
+                continue
+            try:
+                results.append((gen, gen.accept(next(tokens))))
+            except Exception as exc:
                 results.append((gen, exc))
         return results

@@ -199,10 +199,19 @@ class Generation:
     def decode_output(self, logits: mx.array) -> list[Event]:
         """Sample the next token from `logits` (1, vocab) for `decode_input()`'s token, start
         evaluating it before reading this one (as mlx-lm does), and emit this one."""
+        y = self.sample_next(logits)
+        mx.async_eval(*self._next)
+        return self.accept(y.item())
+
+    def sample_next(self, logits: mx.array) -> mx.array:
+        """Build (not evaluate) the next token's sampling from `logits`; return the token sampled
+        before it, which `accept` must get once read. A batch evaluates all rows at once."""
         y, _ = self._next
         self._next = self.sampler(logits, self._history)
-        mx.async_eval(*self._next)
-        token = y.item()
+        return y
+
+    def accept(self, token: int) -> list[Event]:
+        """`token` (fed to the model by the last step) is read: record and emit it."""
         self.fed.append(token)
         return self._emit([token])
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -158,4 +159,7 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
     model = _fastest_layout(model, config)
     if transform is not None:
         model = transform(model)
+    # Materialise the weights here: lazy arrays belong to this thread's MLX stream, and the
+    # scheduler thread that runs the model cannot evaluate them.
+    mx.eval(model.parameters())
     return LoadedModel(name=display, model=model, tokenizer=tokenizer, config=config, path=folder)
