@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from engine.device import report as device_report
 from engine.errors import EngineError, InvalidRequest
 from engine.events import Event, Usage
 from engine.sampling import SamplingParams
@@ -179,7 +180,8 @@ async def _cancel_on_disconnect(request: Request, handle: Any) -> None:
 async def health(request: Request) -> JSONResponse:
     engine = request.app.state.engine
     return JSONResponse({"status": "ok" if engine.model_name else "loading",
-                         "model": engine.model_name, "generating": len(request.app.state.runs)})
+                         "model": engine.model_name, "generating": len(request.app.state.runs),
+                         "device": device_report()})
 
 
 async def list_models(request: Request) -> JSONResponse:

@@ -60,6 +60,7 @@ class _Server(uvicorn.Server):
 def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
           open_browser: bool = True, allow_remote: bool = False, api_key: str | None = None) -> None:
     """Load `model`, then serve the UI and the API until Ctrl-C."""
+    from engine.device import describe
     from engine.service import Engine
 
     if not is_loopback(host) and not allow_remote:
@@ -68,7 +69,7 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
     if not is_loopback(host):
         print(f"WARNING: listening on {host}; anyone who can reach this address can use the chat"
               f"{'' if api_key else ' and the API (no API key set)'}.", file=sys.stderr)
-    engine = Engine(model=model)
+    engine = Engine(model=model, persist_prefix_cache=True)
     print(f"Loading model {model or 'smollm2-135m-instruct (bundled)'} ...", file=sys.stderr)
     engine.start(progress=lambda stage: print(f"  {stage}", file=sys.stderr))
     allowed = None if host in WILDCARD_HOSTS else {*LOOPBACK_NAMES, host}
@@ -77,7 +78,8 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
     url = f"http://{f'[{shown}]' if ':' in shown else shown}:{port}/"
 
     def started() -> None:
-        print(f"mlxchat is running at {url}  (model: {engine.model_name}; Ctrl-C to quit)",
+        print(f"mlxchat is running at {url}  (model: {engine.model_name} on {describe()}; "
+              "Ctrl-C to quit)",
               file=sys.stderr, flush=True)
         if open_browser:
             threading.Thread(target=webbrowser.open, args=(url,), daemon=True).start()

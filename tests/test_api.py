@@ -66,7 +66,10 @@ def post(server, body, **kwargs) -> httpx.Response:
 
 
 def test_health_and_models(server, client):
-    assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "model": MODEL, "generating": 0}
+    health = httpx.get(f"{server.url}/health").json()
+    assert {k: health[k] for k in ("status", "model", "generating")} == {
+        "status": "ok", "model": MODEL, "generating": 0}
+    assert health["device"]["device"] == "cpu" and health["device"]["backend"] == "cpu"
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
