@@ -15,7 +15,9 @@ Two kinds of model cache:
 A snapshot owns compact copies of its arrays (mlx-lm's `KVCache` writes new keys into its buffer by
 slice assignment, which rebinds the very array objects it holds), and a fetch hands out fresh cache
 objects, so a request can never change a snapshot. Sizes are the copies' exact `nbytes`, kept under
-a byte budget by evicting least-recently-used snapshots, those covered by a longer snapshot first.
+a byte budget by evicting least-recently-used snapshots. On dense models a snapshot makes the shorter
+ones on its path redundant (trimming it gives them back), so `save` drops those at once and a
+conversation holds one snapshot, not one per message.
 
 Snapshots can be persisted in mlx-lm's prompt-cache safetensors format (`save_prompt_cache`), one
 file per snapshot under `<cache dir>/prompt-cache/<model key>/`, and are loaded lazily on a hit.
@@ -322,6 +324,11 @@ class PrefixCache:
             snapshot.cache, snapshot.nbytes = copy, size
             self._bytes += size
             self._touch(snapshot)
+            if self.trimmable:  # shorter snapshots on this path are this one trimmed: drop them
+                for depth, ancestor in path:
+                    if depth <= matched and depth < n and ancestor.snapshot is not None \
+                            and ancestor.snapshot.cache is not None:
+                        self._drop(ancestor)
             self._evict(keep=snapshot)
 
     # -- queries -------------------------------------------------------------------------------
@@ -362,19 +369,14 @@ class PrefixCache:
         nodes = [n for n in _subtree(node) if n.snapshot is not None]
         return min(nodes, key=lambda n: n.snapshot.length)
 
-    def _covered(self, node: _Node) -> bool:
-        """Whether a longer snapshot can stand in for this one (dense models only)."""
-        return self.trimmable and any(
-            n.snapshot is not None and n.snapshot.cache is not None
-            for child in node.children.values() for n in _subtree(child))
-
     def _evict(self, keep: Snapshot) -> None:
-        """Drop snapshots until within budget: covered ones first, then least recently used."""
+        """Drop the least recently used snapshots until within budget. (On dense models no
+        snapshot is covered by a longer one: `save` drops those at once.)"""
         if self._bytes <= self.budget:
             return
         nodes = [n for n in _subtree(self._root)
                  if n.snapshot is not None and n.snapshot.cache is not None and n.snapshot is not keep]
-        nodes.sort(key=lambda n: (not self._covered(n), n.snapshot.last_used))
+        nodes.sort(key=lambda n: n.snapshot.last_used)
         for node in nodes:
             if self._bytes <= self.budget:
                 break
@@ -391,7 +393,7 @@ class PrefixCache:
 
     # -- persistence ---------------------------------------------------------------------------
     def persist(self, max_bytes: int | None = None) -> list[Path]:
-        """Write the most recently used snapshots (skipping covered ones) to disk, newest first,
+        """Write the most recently used snapshots to disk, newest first,
         up to `max_bytes` in all (default: the memory budget); delete older files. Returns the
         files now on disk."""
         if self.dir is None or not self.enabled:
@@ -402,7 +404,7 @@ class PrefixCache:
         total = 0
         with self._lock:
             nodes = [n for n in _subtree(self._root)
-                     if n.snapshot is not None and not self._covered(n)]
+                     if n.snapshot is not None]
             nodes.sort(key=lambda n: -n.snapshot.last_used)
             for node in nodes:
                 snap = node.snapshot

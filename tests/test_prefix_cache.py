@@ -184,15 +184,14 @@ def test_snapshot_sizes_are_exact(dense):
     assert cache.stats().bytes == sum(size for _, size in sizes)
 
 
-def test_eviction_prefers_covered_snapshots_on_a_dense_model(dense):
-    probe = PrefixCache(dense)
-    ask(dense, BASE, SamplingParams(max_tokens=4), probe)
-    longest = max(snap.nbytes for _, snap in probe.snapshots())
-
-    cache = PrefixCache(dense, budget_bytes=longest)
+def test_covered_snapshots_are_dropped_at_once_on_a_dense_model(dense):
+    """A dense cache trims to any prefix, so a longer snapshot replaces the shorter ones on its
+    path as soon as it is saved: one conversation holds one snapshot, not one per message."""
+    cache = PrefixCache(dense)
     ask(dense, BASE, SamplingParams(max_tokens=4), cache)
-    (tokens, only), = cache.snapshots()  # the shorter, covered snapshots went first
-    assert only.nbytes == longest and cache.stats().evictions > 0
+    (tokens, only), = cache.snapshots()
+    assert cache.stats().bytes == only.nbytes and cache.stats().evictions == 0
+    assert len(tokens) > len(dense.tokenizer.apply_chat_template(BASE, add_generation_prompt=True))
     # ...and it still serves every earlier checkpoint by trimming.
     assert ask(dense, BASE[:2], SamplingParams(max_tokens=4), cache).cached > 0
 
