@@ -90,6 +90,17 @@ def preset(name: str, family: str | None = None, **overrides: Any) -> SamplingPa
     return SamplingParams(**base)
 
 
+def filter_logprobs(logprobs: mx.array, params: SamplingParams) -> mx.array:
+    """Apply top-p, min-p and top-k in mlx-lm's order (`make_sampler`): excluded tokens get -inf."""
+    if 0 < params.top_p < 1.0:
+        logprobs = apply_top_p(logprobs, params.top_p)
+    if params.min_p != 0.0:
+        logprobs = apply_min_p(logprobs, params.min_p, 1)
+    if params.top_k > 0:
+        logprobs = apply_top_k(logprobs, params.top_k)
+    return logprobs
+
+
 class TokenSampler:
     """Turns one row of logits into a token for one request, with its own random key."""
 
@@ -111,14 +122,8 @@ class TokenSampler:
         p = self.params
         if p.greedy:
             return mx.argmax(logprobs, axis=-1), logprobs
-        filtered = logprobs
-        if 0 < p.top_p < 1.0:
-            filtered = apply_top_p(filtered, p.top_p)
-        if p.min_p != 0.0:
-            filtered = apply_min_p(filtered, p.min_p, 1)
-        if p.top_k > 0:
-            filtered = apply_top_k(filtered, p.top_k)
         self.key, sub = mx.random.split(self.key)
+        filtered = filter_logprobs(logprobs, p)
         return mx.random.categorical(filtered * (1.0 / p.temperature), key=sub), logprobs
 
     def mlx_lm_sampler(self) -> Callable[[mx.array], mx.array]:

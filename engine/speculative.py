@@ -23,11 +23,10 @@ from typing import Any, Callable, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from .errors import InvalidRequest
 from .registry import LoadedModel
-from .sampling import SamplingParams, TokenSampler
+from .sampling import SamplingParams, TokenSampler, filter_logprobs
 
 # logits row (V,) -> (token, the distribution it was drawn from or None when greedy)
 Pick = Callable[[mx.array], tuple[mx.array, mx.array | None]]
@@ -130,13 +129,7 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
 # -- sampling -------------------------------------------------------------------------------------
 def sampling_probs(logprobs: mx.array, params: SamplingParams) -> mx.array:
     """The distribution `TokenSampler` draws from, for each row of (n, V) log-probabilities."""
-    if 0 < params.top_p < 1.0:
-        logprobs = apply_top_p(logprobs, params.top_p)
-    if params.min_p != 0.0:
-        logprobs = apply_min_p(logprobs, params.min_p, 1)
-    if params.top_k > 0:
-        logprobs = apply_top_k(logprobs, params.top_k)
-    return mx.softmax(logprobs * (1.0 / params.temperature), axis=-1)
+    return mx.softmax(filter_logprobs(logprobs, params) * (1.0 / params.temperature), axis=-1)
 
 
 def accept_sampled(p: mx.array, q: mx.array, drafts: mx.array, key: mx.array) -> tuple[int, int]:
