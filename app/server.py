@@ -12,12 +12,14 @@ from starlette.middleware import Middleware
 from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
+import static
+
 from . import api, ui
 from .runs import Runs
 from .security import LOOPBACK_NAMES, GuardMiddleware, is_loopback
 from .storage import Storage
 
-STATIC_DIR = Path(__file__).resolve().parents[1] / "static"
+STATIC_DIR = Path(static.__file__).parent
 WILDCARD_HOSTS = ("0.0.0.0", "::")
 
 
