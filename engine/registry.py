@@ -118,25 +118,29 @@ Transform = Callable[[nn.Module], nn.Module]
 
 
 def _fastest_layout(model: nn.Module, config: dict[str, Any]) -> nn.Module:
-    """On the CPU with an optimised BLAS, run quantized weights as fp32.
+    """On the CPU with an optimised BLAS, run the model in engine/cpu_layout.py's layout: fp32
+    weights (dequantized where quantized) with one-token matmuls written as W @ x.
 
     MLX's CPU kernels for quantized and half-precision matmuls are single-threaded and slow; fp32
-    matmuls go to BLAS. Measured on the bundled model (bench/decode.py, 2 cores): prefill ~12x
-    faster than Q4, decode on par, greedy tokens identical. Without a fast BLAS, fp32 is slower.
+    matmuls go to BLAS. Measured on the bundled model (bench/decode.py, 2 cores, OpenBLAS): prefill
+    ~15x and decode ~3x mlx-lm on the Q4 weights, greedy tokens identical. Without a fast BLAS fp32
+    is slower, and on a GPU the model stays as loaded. A model whose fp32 weights would take more
+    than half of the free RAM also stays as loaded.
     """
-    import mlx.core as mx
-    from mlx_lm.utils import dequantize_model
+    from .cpu_layout import cpu_layout_wanted, fp32_bytes, to_cpu_layout
+    from .device import available_ram
 
-    from .device import fast_blas_loaded
-
-    if "quantization" not in config or mx.default_device().type != mx.DeviceType.cpu:
+    wanted, why = cpu_layout_wanted()
+    if not wanted:
+        if "quantization" in config:
+            log.info("keeping quantized weights: %s", why)
         return model
-    if not fast_blas_loaded():
-        log.info("no optimised BLAS loaded: keeping quantized weights on the CPU")
+    need, limit = fp32_bytes(model), available_ram() // 2
+    if need > limit:
+        log.warning("keeping the weights as loaded: fp32 would take %.1f GB, over half of the free "
+                    "RAM (%.1f GB); expect slow CPU matmuls", need / 1e9, limit / 1e9)
         return model
-    model = dequantize_model(model)
-    model.set_dtype(mx.float32)
-    return model
+    return to_cpu_layout(model)
 
 
 def load_model(name: str | None = None, *, fallback_to_default: bool = False,

@@ -30,6 +30,8 @@ class SamplingParams:
     max_tokens: int = 512
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
+    # JSON mode: the output must be JSON matching this JSON Schema ({"type": "object"}: any object).
+    json_schema: dict | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -53,6 +55,10 @@ class SamplingParams:
               "stop must be at most 8 non-empty strings")
         check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
               f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.json_schema is not None:
+            from .constrained import check_schema
+
+            check_schema(self.json_schema)
 
     @property
     def greedy(self) -> bool:
