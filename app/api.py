@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.device import report as device_report
+from engine.drafts import SpeculativeOptions
 from engine.errors import EngineError, InvalidRequest
 from engine.events import Event, Usage
 from engine.sampling import SamplingParams
@@ -35,6 +36,8 @@ _SAMPLING = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
              "repetition_penalty": float, "seed": int}
 _FIELDS = {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
            "stop", "response_format"} | set(_SAMPLING) | set(_NEUTRAL) | _IGNORED
+_FIELDS.add("speculative")  # an extension: opt-in speculative decoding, see `parse_speculative`
+_SPECULATIVE = {"draft": str, "k": int, "adaptive": bool}
 
 
 class ApiError(Exception):
@@ -183,13 +186,47 @@ def _json_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | Non
     return spec["schema"]
 
 
-def usage_body(usage: Usage) -> dict[str, Any]:
-    return {
+def parse_speculative(value: Any) -> SpeculativeOptions | None:
+    """`"speculative": {"draft": "self-q4" | "truncated:N" | "mtp" | a model, "k": 1-16,
+    "adaptive": true}` opts a request in to speculative decoding (absent or null: plain)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ApiError(400, "'speculative' must be an object such as {\"draft\": \"self-q4\", "
+                            "\"k\": 4}", "speculative", "invalid_type")
+    for name in value:
+        if name not in _SPECULATIVE:
+            raise ApiError(400, f"Unrecognized argument supplied in 'speculative': {name} (allowed: "
+                                f"{', '.join(_SPECULATIVE)})", f"speculative.{name}", "unknown_parameter")
+    if "draft" not in value:
+        raise ApiError(400, "'speculative.draft' is required", "speculative.draft",
+                       "missing_required_parameter")
+    options = {}
+    for name, kind in _SPECULATIVE.items():
+        try:
+            if (typed := _typed(value, name, kind)) is not None:
+                options[name] = typed
+        except ApiError as err:
+            raise ApiError(400, err.message.replace(f"'{name}'", f"'speculative.{name}'", 1),
+                           f"speculative.{name}", err.code) from None
+    try:
+        return SpeculativeOptions(**options)
+    except InvalidRequest as exc:  # its messages start with the field's name
+        raise ApiError(400, str(exc), str(exc).split(" ", 1)[0], "invalid_value") from None
+
+
+def usage_body(usage: Usage, stats: dict[str, Any] | None = None) -> dict[str, Any]:
+    body = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+    speculative = (stats or {}).get("speculative")
+    if speculative is not None:  # an extension, only for requests that opted in
+        body["speculative"] = {k: speculative[k] for k in (
+            "drafted", "accepted", "acceptance_rate", "tokens_per_target_step")}
+    return body
 
 
 async def _cancel_on_disconnect(request: Request, handle: Any) -> None:
@@ -226,8 +263,12 @@ async def chat_completions(request: Request) -> Response:
             return api_error(503, "a model is loading; try again shortly", "server_error",
                              "model_loading", headers={"Retry-After": "5"})
         chat = parse_chat_request(body, engine.model_name)
+        speculative = parse_speculative(body.get("speculative"))
         try:
-            handle = engine.submit(messages=chat.messages, params=chat.params)
+            if speculative is not None:  # its draft loads once, off the event loop
+                await asyncio.to_thread(engine.prepare_speculative, speculative)
+            handle = engine.submit(messages=chat.messages, params=chat.params,
+                                   speculative=speculative)
         except InvalidRequest as exc:
             raise ApiError(400, str(exc)) from None
         except Overloaded as exc:
@@ -257,7 +298,7 @@ async def chat_completions(request: Request) -> Response:
         **meta, "object": "chat.completion",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                      "finish_reason": final.finish_reason, "logprobs": None}],
-        "usage": usage_body(final.usage),
+        "usage": usage_body(final.usage, final.stats),
     })
 
 
@@ -297,7 +338,7 @@ async def _sse(request: Request, runs: Any, handle: Any, meta: dict[str, Any],
                     yield chunk({}, event.finish_reason)
                     if include_usage:
                         yield _data({**meta, "object": "chat.completion.chunk", "choices": [],
-                                     "usage": usage_body(event.usage)})
+                                     "usage": usage_body(event.usage, event.stats)})
             yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()

@@ -1,12 +1,15 @@
 """Conversation logic shared by the UI views: settings, what to send to the model, new turns.
 
-A conversation's settings are `{"preset": ..., "sampling": {...}, "system_prompt": ...}`;
-`sampling` holds `SamplingParams` fields and is validated by `SamplingParams` itself.
+A conversation's settings are `{"preset": ..., "sampling": {...}, "system_prompt": ...,
+"speculative": None | {"draft": ...}}`; `sampling` holds `SamplingParams` fields and is validated by
+`SamplingParams` itself; `speculative` opts the conversation in to speculative decoding (off unless
+turned on).
 """
 
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from engine.drafts import SpeculativeOptions
 from engine.errors import InvalidRequest
 from engine.sampling import SamplingParams, preset
 
@@ -35,6 +38,24 @@ def sampling_params(settings: Mapping[str, Any]) -> SamplingParams:
     return SamplingParams(**settings.get("sampling", {}))
 
 
+def speculative_options(settings: Mapping[str, Any]) -> SpeculativeOptions | None:
+    """The conversation's speculative decoding opt-in, or None (plain decoding)."""
+    chosen = settings.get("speculative")
+    return SpeculativeOptions(**chosen) if chosen else None
+
+
+def speculative_form(form: Mapping[str, str]) -> tuple[dict[str, Any] | None, str | None]:
+    """The panel's "Speculative decoding" toggle and draft choice: (setting, error message)."""
+    if form.get("speculative") != "on":
+        return None, None
+    draft = (form.get("draft") or "").strip()
+    try:
+        SpeculativeOptions(draft)
+    except InvalidRequest:
+        return None, "Choose a draft for speculative decoding."
+    return {"draft": draft}, None
+
+
 def parse_settings_form(form: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
     """Settings from the panel's form, and an error message per field that is wrong."""
     errors: dict[str, str] = {}
@@ -53,8 +74,11 @@ def parse_settings_form(form: Mapping[str, str]) -> tuple[dict[str, Any], dict[s
         except InvalidRequest as exc:
             field = next((k for k in SAMPLING_FIELDS if str(exc).startswith(k)), "form")
             errors[field] = str(exc)
+    speculative, error = speculative_form(form)
+    if error:
+        errors["draft"] = error
     settings = {"preset": "custom", "sampling": sampling,
-                "system_prompt": (form.get("system_prompt") or "").strip()}
+                "system_prompt": (form.get("system_prompt") or "").strip(), "speculative": speculative}
     return settings, errors
 
 

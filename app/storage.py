@@ -71,8 +71,13 @@ _V2 = """
         CREATE INDEX messages_parent ON messages(parent_id);
 """
 
+# Speculative decoding statistics of an answer (JSON: drafted, accepted, acceptance_rate, ...).
+_V3 = """
+        ALTER TABLE messages ADD COLUMN speculative TEXT;
+"""
+
 # Append only: the schema version of a database (PRAGMA user_version) is how many have run.
-MIGRATIONS: list[str] = [_V1, _V2]
+MIGRATIONS: list[str] = [_V1, _V2, _V3]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -137,6 +142,7 @@ class Message:
     state: str
     error: str | None
     created: float
+    speculative: dict[str, Any] | None = None  # statistics, when it was decoded speculatively
 
 
 def _conversation(row: sqlite3.Row) -> Conversation:
@@ -148,12 +154,13 @@ def _conversation(row: sqlite3.Row) -> Conversation:
 def _message(row: sqlite3.Row) -> Message:
     d = dict(row)
     d["sampling"] = json.loads(d["sampling"]) if d["sampling"] else None
+    d["speculative"] = json.loads(d["speculative"]) if d.get("speculative") else None
     return Message(**d)
 
 
 # Columns `finish_message` may set once a generation ends.
 _RESULT_FIELDS = ("ttft_ms", "tokens_per_s", "prompt_tokens", "completion_tokens", "cached_tokens",
-                  "finish_reason", "error")
+                  "finish_reason", "error", "speculative")
 
 
 class Storage:
@@ -273,6 +280,8 @@ class Storage:
         assert state in MESSAGE_STATES, state
         unknown = set(result) - set(_RESULT_FIELDS)
         assert not unknown, unknown
+        if result.get("speculative") is not None:
+            result["speculative"] = json.dumps(result["speculative"])
         fields = ["content = ?", "state = ?"] + [f"{k} = ?" for k in result]
         self._write(f"UPDATE messages SET {', '.join(fields)} WHERE id = ?",
                     (content, state, *result.values(), mid))

@@ -20,12 +20,13 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response, Stream
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from engine.drafts import draft_choices
 from engine.errors import EngineError
 from engine.sampling import PRESETS
 from web import __file__ as _web_init
 
 from .chat import (SAMPLING_FIELDS, engine_messages, parse_settings_form, preset_settings,
-                   sampling_params, start_turn)
+                   sampling_params, speculative_form, speculative_options, start_turn)
 from .markdown import render_markdown, render_plain
 from .storage import Conversation, Message, Storage
 
@@ -116,9 +117,11 @@ def _models_context(request: Request) -> dict[str, Any]:
 
 
 def _settings_context(conv: Conversation, errors: dict[str, str] | None = None,
-                      settings: dict[str, Any] | None = None, saved: bool = False) -> dict[str, Any]:
+                      settings: dict[str, Any] | None = None, saved: bool = False,
+                      engine: Any = None) -> dict[str, Any]:
     return {"conv": conv, "settings": settings or conv.settings, "errors": errors or {},
-            "fields": SAMPLING_FIELDS, "presets": PRESETS, "saved": saved}
+            "fields": SAMPLING_FIELDS, "presets": PRESETS, "saved": saved,
+            "drafts": draft_choices(engine.lm if engine is not None else None)}
 
 
 def _current_id(request: Request) -> int | None:
@@ -169,7 +172,7 @@ async def conversation_page(request: Request) -> Response:
     html = _render(
         "chat.html", conversations=storage.list_conversations(), current_id=conv.id,
         q="", views=message_views(storage, storage.active_path(conv.id)), generating=False,
-        **_settings_context(conv), **_models_context(request),
+        **_settings_context(conv, engine=request.app.state.engine), **_models_context(request),
     )
     # Boosted navigation: make the address bar show the conversation (also after a redirect).
     return HTMLResponse(html, headers={"HX-Push-Url": f"/c/{conv.id}"} if
@@ -241,7 +244,7 @@ async def message_fragment(request: Request) -> Response:
 
 
 async def save_settings(request: Request) -> Response:
-    storage, _ = _app(request)
+    storage, engine = _app(request)
     conv = _conversation(request)
     if conv is None:
         return _not_found()
@@ -252,7 +255,7 @@ async def save_settings(request: Request) -> Response:
     else:
         storage.update_conversation(conv.id, settings=settings)
     return HTMLResponse(_render("_settings.html", **_settings_context(
-        conv, errors, settings, saved=not errors)))
+        conv, errors, settings, saved=not errors, engine=engine)))
 
 
 async def apply_preset(request: Request) -> Response:
@@ -264,12 +267,13 @@ async def apply_preset(request: Request) -> Response:
     name = str(form.get("preset", ""))
     if name not in PRESETS:
         return HTMLResponse(_render("_settings.html", **_settings_context(
-            conv, {"preset": f"Unknown preset {name!r}."})))
+            conv, {"preset": f"Unknown preset {name!r}."}, engine=engine)))
     settings = preset_settings(name, engine.lm.family if engine.lm else None,
                                str(form.get("system_prompt", "")).strip())
+    settings["speculative"] = speculative_form(form)[0]  # a preset sets sampling only
     storage.update_conversation(conv.id, settings=settings)
     return HTMLResponse(_render("_settings.html", **_settings_context(conv, settings=settings,
-                                                                        saved=True)))
+                                                                        saved=True, engine=engine)))
 
 
 # --- model picker -------------------------------------------------------------------------------
@@ -377,6 +381,7 @@ async def _respond(ws: WebSocket, cid: int, action: str, data: dict[str, Any],
     try:
         turn = start_turn(storage, conv, action, data)
         params = sampling_params(conv.settings)
+        speculative = speculative_options(conv.settings)
     except (ValueError, EngineError) as exc:
         await _notice(ws, str(exc))
         return
@@ -399,7 +404,10 @@ async def _respond(ws: WebSocket, cid: int, action: str, data: dict[str, Any],
     text, final, error = "", None, None
     try:
         await ws.send_text(opening)
-        gen.handle = engine.submit(messages=engine_messages(conv.settings, path[:-1]), params=params)
+        if speculative is not None:  # its draft loads once, off the event loop
+            await asyncio.to_thread(engine.prepare_speculative, speculative)
+        gen.handle = engine.submit(messages=engine_messages(conv.settings, path[:-1]), params=params,
+                                   speculative=speculative)
         if gen.stop_requested:  # Stop pressed before the request existed
             gen.handle.cancel()
         with ws.app.state.runs.track(gen.handle):
@@ -443,7 +451,7 @@ def _finish(storage: Storage, mid: int, text: str, final: Any, error: str | None
         mid, text, state, finish_reason=reason, error=final.error,
         ttft_ms=t.ttft_s * 1000 if t.ttft_s is not None else None, tokens_per_s=t.tokens_per_s,
         prompt_tokens=final.usage.prompt_tokens, completion_tokens=final.usage.completion_tokens,
-        cached_tokens=final.usage.cached_tokens,
+        cached_tokens=final.usage.cached_tokens, speculative=final.stats.get("speculative"),
     )
 
 

@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 import mlx.core as mx
 
 from .batch import DecodeBatch, KVFootprint, kv_footprint
+from .drafts import SpeculativeOptions, SpeculatorFactory, check_draft, load_draft
 from .device import memory_budget as device_memory_budget
 from .errors import EngineError, InvalidRequest
 from .events import Event, Timings, Usage
@@ -151,6 +152,8 @@ class Engine:
         self._queued: deque[RequestHandle] = deque()
         self._running: list[RequestHandle] = []
         self._control: "queue.Queue[Callable[[], None]]" = queue.Queue()
+        self._soon: "queue.Queue[Callable[[], None]]" = queue.Queue()  # between ticks, e.g. drafts
+        self._drafts: dict[str, tuple[LoadedModel, SpeculatorFactory]] = {}  # for self.lm, by draft
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._ids = itertools.count(1)
@@ -209,6 +212,7 @@ class Engine:
         self.loading = {"model": name, "stage": "loading"}
         report("loading")
         old, self.lm, self.prefix_cache, self._batch = self.lm, None, None, None
+        self._drafts.clear()
         del old
         mx.clear_cache()
         try:
@@ -224,8 +228,11 @@ class Engine:
             self.loading = None
         report("ready")
 
-    def _call(self, fn: Callable[[], None]) -> None:
-        """Run `fn` on the scheduler thread once no request is running or queued."""
+    def _call(self, fn: Callable[[], None], idle: bool = True) -> None:
+        """Run `fn` on the scheduler thread once no request is running or queued (`idle`), or
+        else between two scheduler ticks."""
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineError("the engine is not running")
         done = threading.Event()
         failure: list[BaseException] = []
 
@@ -238,23 +245,55 @@ class Engine:
                 done.set()
 
         with self._wake:
-            self._control.put(task)
+            (self._control if idle else self._soon).put(task)
             self._wake.notify_all()
         done.wait()
         if failure:
             raise failure[0]
 
     # -- submission ----------------------------------------------------------------------------
+    def prepare_speculative(self, options: SpeculativeOptions,
+                            lm: LoadedModel | None = None) -> SpeculatorFactory:
+        """What `options` drafts with for the loaded model, loaded once (on the scheduler thread,
+        between ticks) and cached until the model changes; raises InvalidRequest. It blocks while a
+        draft loads: an event loop should run it in a thread before `submit`."""
+        lm = lm or self.lm
+        if lm is None:
+            raise EngineError("no model is loaded yet")
+        check_draft(lm, options.draft)
+        entry = self._drafts.get(options.draft)
+        if entry is not None and entry[0] is lm:
+            return entry[1]
+        loaded: list[SpeculatorFactory] = []
+
+        def load() -> None:
+            if self.lm is not lm:
+                raise Overloaded(f"switching models: {lm.name} is being replaced", retry_after=5.0)
+            entry = self._drafts.get(options.draft)
+            if entry is None:
+                entry = self._drafts[options.draft] = (lm, load_draft(lm, options.draft))
+            loaded.append(entry[1])
+
+        self._call(load, idle=False)
+        return loaded[0]
+
     def submit(self, messages: Sequence[dict] | None = None, params: SamplingParams | None = None,
-               *, prompt_tokens: Sequence[int] | None = None, text: str | None = None) -> RequestHandle:
-        """Validate and enqueue a request; raises InvalidRequest or Overloaded at once."""
+               *, prompt_tokens: Sequence[int] | None = None, text: str | None = None,
+               speculative: SpeculativeOptions | None = None) -> RequestHandle:
+        """Validate and enqueue a request; raises InvalidRequest or Overloaded at once.
+        `speculative` opts in to speculative decoding (engine/drafts.py); the default is plain."""
         lm = self.lm
         if lm is None:
             raise EngineError("no model is loaded yet")
         params = params or SamplingParams()
         prompt = build_prompt(lm, messages=messages, prompt_tokens=prompt_tokens, text=text)
-        generation = Generation(lm, prompt, params, prefix_cache=self.prefix_cache)
-        need = self._footprint.bytes_for(len(prompt.tokens) + params.max_tokens)
+        speculator = (self.prepare_speculative(speculative, lm)(speculative.config())
+                      if speculative is not None else None)
+        generation = Generation(lm, prompt, params, prefix_cache=self.prefix_cache,
+                                speculator=speculator)
+        # A speculative request also grows its draft's cache: at most the target's again.
+        need = self._footprint.bytes_for(len(prompt.tokens) + params.max_tokens) * \
+            (2 if speculator is not None else 1)
         if need > self.memory_budget:
             raise InvalidRequest(
                 f"this request would need about {_mib(need)} of model cache (prompt "
@@ -300,11 +339,13 @@ class Engine:
     # -- the scheduler thread --------------------------------------------------------------------
     def _run(self) -> None:
         while True:
+            while not self._soon.empty():
+                self._soon.get()()
             with self._wake:
                 while not (self._stopping or self._queued or self._running
-                           or not self._control.empty()):
+                           or not self._control.empty() or not self._soon.empty()):
                     self._wake.wait()
-                if self._stopping and not self._running and not self._queued:
+                if self._stopping and not self._running and not self._queued and self._soon.empty():
                     return
                 if not self._running and not self._queued and not self._control.empty():
                     task = self._control.get()

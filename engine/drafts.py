@@ -1,0 +1,153 @@
+"""Speculative decoding as a per-request opt-in: which drafts a loaded model can use, and loading them.
+
+A request asks for speculation with `SpeculativeOptions(draft=..., k=...)`; the default everywhere is
+plain decoding (on this machine's CPU speculation does not pay: see bench/speculative.py). Drafts:
+
+  "self-q4"       the target's own weights at 4 bits: the checkpoint as stored when it is quantized
+                  (the bundled model is Q4), else quantized here. Where the target already runs its
+                  quantized weights (no CPU fp32 layout, e.g. on a GPU) the draft is the target itself.
+  "truncated:N"   the target's first N decoder layers with its final norm and head (shared weights).
+  "mtp"           the target's multi-token-prediction head (Qwen3.5 / Qwen3-Next checkpoints with
+                  mtp.* weights), drafting from its hidden states.
+  anything else   a model name or path (as `load_model` takes it) of the same tokenizer.
+
+`load_draft` runs on the engine's scheduler thread (MLX arrays belong to the thread that made them
+until evaluated); the result is a factory of fresh per-request `Speculator`s sharing the weights.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .errors import EngineError, InvalidRequest
+from .registry import LoadedModel, load_model
+from .speculative import ModelDrafter, SpecConfig, Speculator, check_compatible, truncated
+
+K_LIMIT = 16
+BUILTIN = ("self-q4", "truncated:N", "mtp")
+
+SpeculatorFactory = Callable[[SpecConfig], Speculator]
+
+
+@dataclass(frozen=True)
+class SpeculativeOptions:
+    """A request's opt-in: the draft (see the module doc), the most tokens drafted per target step
+    and whether k adapts to the running acceptance rate."""
+
+    draft: str
+    k: int = 4
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.draft, str) or not self.draft.strip():
+            raise InvalidRequest("speculative.draft must be a non-empty string (self-q4, "
+                                 "truncated:N, mtp, or a draft model's name or path)")
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or not 1 <= self.k <= K_LIMIT:
+            raise InvalidRequest(f"speculative.k must be an integer in [1, {K_LIMIT}], got {self.k!r}")
+        if not isinstance(self.adaptive, bool):
+            raise InvalidRequest(f"speculative.adaptive must be a boolean, got {self.adaptive!r}")
+
+    def config(self) -> SpecConfig:
+        return SpecConfig(k_max=self.k, adaptive=self.adaptive)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"draft": self.draft, "k": self.k, "adaptive": self.adaptive}
+
+
+def _layers(lm: LoadedModel) -> int:
+    return len(getattr(lm.model, "language_model", lm.model).model.layers)
+
+
+def _truncations(lm: LoadedModel) -> range:
+    """The layer counts a truncated self-draft may keep: fewer than all, and enough to hold each
+    layer the model reads by index (hybrid models take masks from their first full-attention
+    and first recurrent layers' caches)."""
+    text = getattr(lm.model, "language_model", lm.model).model
+    indices = [v for k, v in vars(text).items() if k.endswith("_idx") and isinstance(v, int)]
+    return range(max(indices, default=0) + 1, _layers(lm))
+
+
+def _truncation(lm: LoadedModel, draft: str) -> int:
+    allowed = _truncations(lm)
+    raw = draft.split(":", 1)[1]
+    if not raw.isdigit() or int(raw) not in allowed:
+        valid = f"in [{allowed.start}, {allowed.stop - 1}]" if allowed else "(none can be dropped)"
+        raise InvalidRequest(f"draft {draft!r}: N must be a whole number of layers {valid}; "
+                             f"{lm.name} has {_layers(lm)}")
+    return int(raw)
+
+
+def _has_mtp(lm: LoadedModel) -> bool:
+    from .mtp import MTP_FAMILIES, _mtp_layer_count
+
+    return lm.family in MTP_FAMILIES and _mtp_layer_count(lm.config) == 1
+
+
+def draft_choices(lm: LoadedModel | None) -> list[tuple[str, str]]:
+    """(draft, label) pairs offered for `lm` in the UI, the recommended one first."""
+    if lm is None:
+        return []
+    choices = [("self-q4", "own 4-bit weights")]
+    allowed = _truncations(lm)
+    if allowed:
+        n = min(max(_layers(lm) // 3, allowed.start), allowed.stop - 1)
+        choices.append((f"truncated:{n}", f"own first {n} of {_layers(lm)} layers"))
+    if _has_mtp(lm):
+        choices.append(("mtp", "MTP head"))
+    return choices
+
+
+def check_draft(lm: LoadedModel, draft: str) -> None:
+    """Refuse at once what cannot be a draft for `lm` without loading anything big."""
+    if draft.startswith("truncated:"):
+        _truncation(lm, draft)
+    elif draft == "mtp" and not _has_mtp(lm):
+        raise InvalidRequest(f"draft 'mtp': {lm.name} ({lm.family or 'unknown family'}) declares no "
+                             "multi-token-prediction head")
+
+
+def _quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+               for _, m in model.named_modules())
+
+
+def _self_q4(lm: LoadedModel) -> nn.Module:
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    if _quantized(lm.model):  # the target runs its quantized weights: nothing cheaper to load
+        return lm.model
+    model, config = mlx_lm_load_model(lm.path)
+    if "quantization" not in config:
+        nn.quantize(model, group_size=64, bits=4,
+                    class_predicate=lambda _, m: hasattr(m, "to_quantized")
+                    and m.weight.shape[-1] % 64 == 0)
+    mx.eval(model.parameters())
+    return model
+
+
+def load_draft(lm: LoadedModel, draft: str) -> SpeculatorFactory:
+    """Load `draft` for target `lm` (on the thread that will run it); raises InvalidRequest."""
+    check_draft(lm, draft)
+    if draft == "self-q4":
+        model = _self_q4(lm)
+        return lambda config: Speculator(lm.model, ModelDrafter(model), config)
+    if draft.startswith("truncated:"):
+        model = truncated(lm.model, _truncation(lm, draft))
+        return lambda config: Speculator(lm.model, ModelDrafter(model), config)
+    if draft == "mtp":
+        from .mtp import MtpDrafter, load_mtp_head
+
+        try:
+            head = load_mtp_head(lm)
+        except EngineError as exc:
+            raise InvalidRequest(f"draft 'mtp': {exc}") from None
+        return lambda config: Speculator(lm.model, MtpDrafter(lm.model, head), config)
+    try:
+        other = load_model(draft)
+    except EngineError as exc:
+        raise InvalidRequest(f"unknown draft {draft!r}: not one of {', '.join(BUILTIN)} and not a "
+                             f"loadable model ({exc})") from None
+    check_compatible(lm, other)  # refuses another vocabulary with InvalidRequest
+    return lambda config: Speculator(lm.model, ModelDrafter(other.model), config)
