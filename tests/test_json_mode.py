@@ -42,13 +42,14 @@ def is_person(value):
             and type(value["age"]) is int and 0 <= value["age"] <= 150)
 
 
-# Each of these finishes (EOS) well within its max_tokens on the bundled model.
+# Each of these finishes (EOS) well within its max_tokens on the bundled model, with and without
+# OpenBLAS (sampled answers are sensitive to the last bits of the logits; some seeds ramble on).
 CASES = {
     "greedy, not a JSON question": ("Say hello", dict()),
     "seeded": ("Describe a cat as JSON with name and age.",
                dict(temperature=0.7, seed=1, repetition_penalty=1.1)),
     "seeded, top_p": ("Give me a JSON object with your favourite color.",
-                      dict(temperature=0.7, seed=2, top_p=0.9)),
+                      dict(temperature=0.7, seed=1, top_p=0.9)),
 }
 
 
@@ -165,7 +166,7 @@ def test_api_json_object(client):
 def test_api_json_object_streaming(client):
     chunks = client.chat.completions.create(
         model=MODEL, messages=user("Give me a JSON object with your favourite color."),
-        max_tokens=48, temperature=0.7, top_p=0.9, seed=2, stream=True,
+        max_tokens=48, temperature=0.7, top_p=0.9, seed=1, stream=True,
         response_format={"type": "json_object"})
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert isinstance(json.loads(text), dict), text
