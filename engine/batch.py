@@ -8,9 +8,10 @@ state) on joining and extracted back on leaving, so outside the batch a `Generat
 cache again: prefix-cache saves and solo steps work unchanged.
 
 Each row is sampled by its own `TokenSampler` from its own slice of the logits, so a seeded request
-draws the same keys alone or batched. On MLX's CPU backend the batched logits of each row are
+draws the same keys alone or batched. With MLX's own CPU kernels the batched logits of each row are
 bit-identical to a batch-1 call (measured for the bundled Q4 llama, fp32 llama and the hybrid
-qwen3_5, with rows of different lengths): batching changes no token.
+qwen3_5, with rows of different lengths). With OpenBLAS, fp32 matmul results can change in the last
+bits with the number of rows; tests/test_scheduler.py checks that no token changes.
 """
 
 from typing import Any, NamedTuple
