@@ -24,3 +24,20 @@ def fresh_home(tmp_path, monkeypatch):
     """An empty MLXCHAT_HOME for tests that must not see the shared model cache."""
     monkeypatch.setenv("MLXCHAT_HOME", str(tmp_path / "home"))
     return tmp_path / "home"
+
+
+@pytest.fixture
+def serve():
+    """Start engines on already-loaded models; every one is stopped at the end of the test."""
+    from engine.service import Engine
+
+    engines = []
+
+    def start(lm, **options):
+        engine = Engine(lm.name, load=lambda name, **_: lm, **options).start()
+        engines.append(engine)
+        return engine
+
+    yield start
+    for engine in engines:
+        engine.stop()

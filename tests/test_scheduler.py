@@ -49,21 +49,6 @@ def qwen():
     return tiny_qwen3_5()
 
 
-@pytest.fixture
-def serve():
-    """Start engines on already-loaded models; every one is stopped at the end of the test."""
-    engines = []
-
-    def start(lm, **options):
-        engine = Engine(lm.name, load=lambda name, **_: lm, **options).start()
-        engines.append(engine)
-        return engine
-
-    yield start
-    for engine in engines:
-        engine.stop()
-
-
 def alone(lm, params, **prompt):
     return [e.token for e in generate(lm, build_prompt(lm, **prompt), params) if e.kind == "token"]
 

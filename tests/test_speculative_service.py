@@ -29,20 +29,6 @@ def llama():
     return tiny_llama()
 
 
-@pytest.fixture
-def serve():
-    engines = []
-
-    def start(lm, **options):
-        engine = Engine(lm.name, load=lambda name, **_: lm, **options).start()
-        engines.append(engine)
-        return engine
-
-    yield start
-    for engine in engines:
-        engine.stop()
-
-
 def alone(lm, params, tokens):
     return [e.token for e in generate(lm, build_prompt(lm, prompt_tokens=tokens), params)
             if e.kind == "token"]
