@@ -80,12 +80,13 @@ class Generation:
         self.prefill_chunk = prefill_chunk
         self.sampler = TokenSampler(params)
         if params.json_schema is not None:  # JSON mode: the grammar masks logits last
+            if speculator is not None:  # draft-and-verify would run the grammar out of order
+                raise InvalidRequest("JSON mode (response_format) cannot be combined with "
+                                     "speculative decoding; send one or the other")
             from .constrained import json_constraint
 
             constraint = json_constraint(lm, params.json_schema, len(prompt.tokens))
             self.sampler.processors.append(constraint)
-            # Draft-and-verify would run the stateful constraint out of order: decode plainly.
-            self.speculator = None
         self.detokenizer = lm.tokenizer.detokenizer
         self.stop_matcher = StopMatcher(params.stop)
         self.eos = set(lm.tokenizer.eos_token_ids)

@@ -86,3 +86,11 @@ def test_null_means_plain_decoding(server):
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
         "model": MODEL, "messages": QUESTION, "max_tokens": 2, "speculative": None})
     assert r.status_code == 200 and "speculative" not in r.json()["usage"]
+
+
+def test_json_mode_with_speculative_decoding_is_refused(server):
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": QUESTION, "max_tokens": 2,
+        "response_format": {"type": "json_object"}, "speculative": {"draft": "self-q4"}})
+    assert r.status_code == 400
+    assert "cannot be combined with speculative decoding" in r.json()["error"]["message"]
