@@ -56,7 +56,6 @@ class ChatRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
-    json_mode: bool
 
 
 def _typed(body: dict[str, Any], name: str, kind: type) -> Any:
@@ -158,8 +157,7 @@ def parse_chat_request(body: Any, model_name: str | None) -> ChatRequest:
         raise ApiError(400, "'stream_options' may only hold 'include_usage' (a boolean)",
                        "stream_options")
     return ChatRequest(messages=messages, params=params, stream=stream,
-                       include_usage=bool(options.get("include_usage")),
-                       json_mode=schema is not None)
+                       include_usage=bool(options.get("include_usage")))
 
 
 def _json_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | None:

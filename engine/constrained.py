@@ -25,7 +25,6 @@ import numpy as np
 from .errors import EngineError, InvalidRequest
 
 # `{"type": "json_object"}` of the OpenAI API: any JSON object.
-JSON_OBJECT: dict[str, Any] = {"type": "object"}
 _OPTIONS = {"whitespace_flexible": False}
 
 
@@ -95,11 +94,6 @@ class JsonConstraint:
         if not self.matcher.consume_token(token):
             raise EngineError(f"JSON mode: token {token} broke the grammar "
                               f"({self.matcher.get_error()})")
-
-    @property
-    def complete(self) -> bool:
-        """The JSON value is finished: only EOS may follow."""
-        return self.matcher.is_stopped()
 
     def allowed(self, width: int) -> mx.array:
         """The tokens the grammar allows next, as a boolean row of `width` (the logits' width)."""

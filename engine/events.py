@@ -2,9 +2,6 @@
 
 from dataclasses import dataclass, field
 
-FINISH_REASONS = ("stop", "length", "cancelled", "failed")
-
-
 @dataclass(frozen=True)
 class Usage:
     prompt_tokens: int = 0

@@ -13,6 +13,8 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import bundled
+from .cpu_layout import cpu_layout_wanted, fp32_bytes, to_cpu_layout
+from .device import available_ram, warn_slow_paths
 from .errors import ModelLoadError
 from .gguf import convert_gguf
 from .paths import cache_dir
@@ -123,13 +125,10 @@ def _fastest_layout(model: nn.Module, config: dict[str, Any]) -> nn.Module:
 
     MLX's CPU kernels for quantized and half-precision matmuls are single-threaded and slow; fp32
     matmuls go to BLAS. Measured on the bundled model (bench/decode.py, 2 cores, OpenBLAS): prefill
-    ~15x and decode ~3x mlx-lm on the Q4 weights, greedy tokens identical. Without a fast BLAS fp32
+    ~16x and decode ~1.7x mlx-lm on the Q4 weights, greedy tokens identical. Without a fast BLAS fp32
     is slower, and on a GPU the model stays as loaded. A model whose fp32 weights would take more
     than half of the free RAM also stays as loaded.
     """
-    from .cpu_layout import cpu_layout_wanted, fp32_bytes, to_cpu_layout
-    from .device import available_ram
-
     wanted, why = cpu_layout_wanted()
     if not wanted:
         if "quantization" in config:
@@ -166,4 +165,5 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
     # Materialise the weights here: lazy arrays belong to this thread's MLX stream, and the
     # scheduler thread that runs the model cannot evaluate them.
     mx.eval(model.parameters())
+    warn_slow_paths(str(config.get("model_type", "")))
     return LoadedModel(name=display, model=model, tokenizer=tokenizer, config=config, path=folder)
