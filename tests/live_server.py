@@ -11,7 +11,9 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import uvicorn
@@ -114,3 +116,25 @@ class ThreadedServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+
+@contextmanager
+def serving(engine, db_path: Path) -> Iterator[ThreadedServer]:
+    """The app on `engine` (already started) in a uvicorn thread, its storage at `db_path`;
+    the server and then the engine are stopped on exit."""
+    from app.server import create_app
+
+    server = ThreadedServer(create_app(engine, db_path)).start()
+    server.storage = server.app.state.storage
+    try:
+        yield server
+    finally:
+        server.stop()
+        engine.stop()
+
+
+def openai_client(server: ThreadedServer):
+    """The official `openai` client pointed at `server`'s API."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from app.server import create_app
-from live_server import ThreadedServer
+from live_server import ThreadedServer, openai_client
 
 MODEL = "smollm2-135m-instruct"
 HELLO = [{"role": "user", "content": "Say hello."}]
@@ -57,7 +57,7 @@ def wait_idle(url: str, timeout: float = 30) -> float:
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def post(server, body, **kwargs) -> httpx.Response:

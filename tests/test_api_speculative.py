@@ -6,8 +6,7 @@ import httpx
 import openai
 import pytest
 
-from app.server import create_app
-from live_server import ThreadedServer
+from live_server import openai_client, serving
 
 MODEL = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
@@ -19,15 +18,13 @@ def server(tmp_path_factory):
     from engine.service import Engine
 
     engine = Engine(max_running=2, max_queued=2).start()
-    s = ThreadedServer(create_app(engine, tmp_path_factory.mktemp("api-spec") / "db.sqlite")).start()
-    yield s
-    s.stop()
-    engine.stop()
+    with serving(engine, tmp_path_factory.mktemp("api-spec") / "db.sqlite") as s:
+        yield s
 
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def ask(client, speculative=None, **kwargs):

@@ -7,9 +7,8 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from app.server import create_app
 from app.storage import Storage
-from live_server import ThreadedServer
+from live_server import serving
 
 
 @pytest.fixture(scope="module")
@@ -17,11 +16,8 @@ def server(tmp_path_factory):
     from engine.service import Engine
 
     engine = Engine().start()
-    s = ThreadedServer(create_app(engine, tmp_path_factory.mktemp("ui") / "db.sqlite")).start()
-    s.storage = s.app.state.storage
-    yield s
-    s.stop()
-    engine.stop()
+    with serving(engine, tmp_path_factory.mktemp("ui") / "db.sqlite") as s:
+        yield s
 
 
 @pytest.fixture

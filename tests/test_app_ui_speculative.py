@@ -7,8 +7,7 @@ import re
 import httpx
 import pytest
 
-from app.server import create_app
-from live_server import ThreadedServer
+from live_server import serving
 from test_app_ui import new_conversation, turn
 from tiny_models import tiny_llama
 
@@ -19,11 +18,8 @@ def server(tmp_path_factory):
 
     lm = tiny_llama()
     engine = Engine(lm.name, load=lambda name, **_: lm).start()
-    s = ThreadedServer(create_app(engine, tmp_path_factory.mktemp("ui-spec") / "db.sqlite")).start()
-    s.storage = s.app.state.storage
-    yield s
-    s.stop()
-    engine.stop()
+    with serving(engine, tmp_path_factory.mktemp("ui-spec") / "db.sqlite") as s:
+        yield s
 
 
 @pytest.fixture

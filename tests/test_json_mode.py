@@ -12,12 +12,11 @@ import openai
 import pydantic
 import pytest
 
-from app.server import create_app
 from engine.errors import InvalidRequest
 from engine.generate import build_prompt, generate
 from engine.sampling import SamplingParams
 from engine.service import Engine
-from live_server import ThreadedServer
+from live_server import openai_client, serving
 
 MODEL = "smollm2-135m-instruct"
 ANY_OBJECT = {"type": "object"}
@@ -145,15 +144,13 @@ def test_batched_json_requests_match_running_alone(lm):
 @pytest.fixture(scope="module")
 def server(lm, tmp_path_factory):
     engine = Engine(lm.name, load=lambda name, **_: lm).start()
-    s = ThreadedServer(create_app(engine, tmp_path_factory.mktemp("json") / "db.sqlite")).start()
-    yield s
-    s.stop()
-    engine.stop()
+    with serving(engine, tmp_path_factory.mktemp("json") / "db.sqlite") as s:
+        yield s
 
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def test_api_json_object(client):

@@ -6,7 +6,6 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import pytest
 from mlx_lm.models import llama
 

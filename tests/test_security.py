@@ -7,8 +7,8 @@ import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from app.server import create_app, serve
-from live_server import ThreadedServer
+from app.server import serve
+from live_server import serving
 
 
 @pytest.fixture(scope="module")
@@ -16,10 +16,8 @@ def server(tmp_path_factory):
     from engine.service import Engine
 
     engine = Engine().start()
-    s = ThreadedServer(create_app(engine, tmp_path_factory.mktemp("sec") / "db.sqlite")).start()
-    yield s
-    s.stop()
-    engine.stop()
+    with serving(engine, tmp_path_factory.mktemp("sec") / "db.sqlite") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

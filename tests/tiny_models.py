@@ -43,29 +43,9 @@ LLAMA = {
     "tie_word_embeddings": False,  # a separate random head: tied ones repeat one token greedily
 }
 
-QWEN3_5 = {
-    "model_type": "qwen3_5",
-    "hidden_size": 64,
-    "num_hidden_layers": 4,  # layers 0-2 linear attention (ArraysCache), layer 3 full (KVCache)
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "rms_norm_eps": 1e-6,
-    "vocab_size": VOCAB,
-    "max_position_embeddings": 8192,
-    "linear_num_value_heads": 4,
-    "linear_num_key_heads": 2,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "linear_conv_kernel_dim": 4,
-    "full_attention_interval": 4,
-    "tie_word_embeddings": True,
-    "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-}
-
-QWEN3_NEXT = {
-    "model_type": "qwen3_next",
+# The hybrid shape both Qwen3.5 and Qwen3-Next tests use: layers 0-2 linear attention
+# (ArraysCache), layer 3 full attention (KVCache).
+_HYBRID = {
     "hidden_size": 64,
     "num_hidden_layers": 4,
     "intermediate_size": 128,
@@ -81,6 +61,18 @@ QWEN3_NEXT = {
     "linear_value_head_dim": 16,
     "linear_conv_kernel_dim": 4,
     "full_attention_interval": 4,
+    "tie_word_embeddings": True,
+}
+
+QWEN3_5 = {
+    "model_type": "qwen3_5",
+    **_HYBRID,
+    "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+}
+
+QWEN3_NEXT = {
+    "model_type": "qwen3_next",
+    **_HYBRID,
     "num_experts": 0,
     "num_experts_per_tok": 0,
     "decoder_sparse_step": 1,
@@ -89,7 +81,6 @@ QWEN3_NEXT = {
     "moe_intermediate_size": 0,
     "rope_theta": 10000.0,
     "partial_rotary_factor": 0.25,
-    "tie_word_embeddings": True,
 }
 
 
