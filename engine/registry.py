@@ -13,8 +13,7 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import bundled
-from .cpu_layout import cpu_layout_wanted, fp32_bytes, to_cpu_layout
-from .device import available_ram, warn_slow_paths
+from .device import warn_slow_paths
 from .errors import ModelLoadError
 from .gguf import convert_gguf
 from .paths import cache_dir
@@ -129,6 +128,9 @@ def _fastest_layout(model: nn.Module, config: dict[str, Any]) -> nn.Module:
     is slower, and on a GPU the model stays as loaded. A model whose fp32 weights would take more
     than half of the free RAM also stays as loaded.
     """
+    from .cpu_layout import cpu_layout_wanted, fp32_bytes, to_cpu_layout
+    from .device import available_ram
+
     wanted, why = cpu_layout_wanted()
     if not wanted:
         if "quantization" in config:
