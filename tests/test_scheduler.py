@@ -119,7 +119,8 @@ def cancel_after_tokens(handle, n):
 def cancel_after_prefill(handle, n):
     """Cancel once `n` prompt tokens have gone through the model (0: before its first chunk)."""
     deadline = time.time() + 60
-    while len(handle.generation.fed) < n and time.time() < deadline:
+    # Admission happens on the scheduler thread between steps: wait for it too, not just for n.
+    while (handle.state == "queued" or len(handle.generation.fed) < n) and time.time() < deadline:
         time.sleep(0.001)
     assert handle.state == "prefill"
     handle.cancel()
