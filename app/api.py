@@ -18,11 +18,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.device import report as device_report
-from engine.drafts import SpeculativeOptions
+from engine.decoding.drafts import SpeculativeOptions
 from engine.errors import EngineError, InvalidRequest
 from engine.events import Event, Usage
-from engine.sampling import SamplingParams
-from engine.service import Overloaded
+from engine.decoding.sampling import SamplingParams
+from engine.scheduling.service import Overloaded
 
 from .security import api_error
 

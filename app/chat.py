@@ -9,9 +9,9 @@ turned on).
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from engine.drafts import SpeculativeOptions
+from engine.decoding.drafts import SpeculativeOptions
 from engine.errors import InvalidRequest
-from engine.sampling import SamplingParams, preset
+from engine.decoding.sampling import SamplingParams, preset
 
 from .storage import DEFAULT_TITLE, Conversation, Message, Storage
 

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from engine.errors import EngineError
-from engine.sampling import PRESETS, SamplingParams, preset
+from engine.decoding.sampling import PRESETS, SamplingParams, preset
 
 
 def _sampling_options(fn: Any) -> Any:
@@ -39,7 +39,7 @@ def _params(family: str, opts: dict[str, Any]) -> SamplingParams:
 
 def _engine(model: str | None, device: str) -> Any:
     from engine.device import describe, select_device
-    from engine.service import Engine
+    from engine.scheduling.service import Engine
 
     dev = select_device(device)
     click.echo(f"Loading {model or 'the bundled model'} on {describe(dev)} ...", err=True)
@@ -153,9 +153,9 @@ def models(import_wheel: str | None, as_json: bool) -> None:
     """List the models mlxchat can load, with their source and size."""
     import json
 
-    from engine import bundled
+    from engine.loading import bundled
     from engine.device import describe
-    from engine.registry import list_models
+    from engine.loading.registry import list_models
 
     try:
         if import_wheel:

@@ -63,7 +63,7 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
           open_browser: bool = True, allow_remote: bool = False, api_key: str | None = None) -> None:
     """Load `model`, then serve the UI and the API until Ctrl-C."""
     from engine.device import describe
-    from engine.service import Engine
+    from engine.scheduling.service import Engine
 
     if not is_loopback(host) and not allow_remote:
         raise SystemExit(f"Refusing to listen on {host}: other machines could reach your chats. "

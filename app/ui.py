@@ -20,9 +20,9 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response, Stream
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from engine.drafts import draft_choices
+from engine.decoding.drafts import draft_choices
 from engine.errors import EngineError
-from engine.sampling import PRESETS
+from engine.decoding.sampling import PRESETS
 from web import __file__ as _web_init
 
 from .chat import (SAMPLING_FIELDS, engine_messages, parse_settings_form, preset_settings,

@@ -64,7 +64,7 @@ def _module(name: str):
 def suite_decode(lm, shape: str, a) -> list[Row]:
     from .shapes import prompt_ids, vocab_size
 
-    from engine.chat import Prompt
+    from engine.decoding.chat import Prompt
 
     prompt = prompt_ids(64, vocab_size(shape), seed=1)
     direct_prompt = Prompt(list(prompt), [len(prompt)])
@@ -85,7 +85,7 @@ def suite_decode(lm, shape: str, a) -> list[Row]:
     base = common.median([r["tps"] for r in runs["mlx"]])
     direct = common.median([r["tps"] for r in runs["direct"]])
     note = f"median of {a.reps}, {n} tokens after a 64-token prompt; without the scheduler thread " \
-           f"(engine.generate in the caller) {common.fmt(direct)} tok/s; synchronous model step " \
+           f"(engine.decoding.generate in the caller) {common.fmt(direct)} tok/s; synchronous model step " \
            f"{step:.2f} ms (= {1e3 / step:.0f} tok/s without pipelining)"
     if svc.note:
         note += "; " + svc.note
@@ -99,13 +99,13 @@ def suite_prefix(lm, shape: str, a) -> list[Row]:
     import mlx.core as mx
     from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
-    from engine.chat import Prompt
+    from engine.decoding.chat import Prompt
     from engine import device
 
     try:
-        from engine.prefix_cache import PrefixCache
+        from engine.cache.prefix_cache import PrefixCache
     except Exception as exc:
-        return [skipped("prefix", shape, f"engine/prefix_cache.py not importable: {exc}")]
+        return [skipped("prefix", shape, f"engine/cache/prefix_cache.py not importable: {exc}")]
     from .shapes import conversation, vocab_size
 
     ctx = a.ctx if shape != "tiny" else 600
@@ -141,8 +141,8 @@ def suite_prefix(lm, shape: str, a) -> list[Row]:
     pc.fetch, pc.save = timed("fetch", pc.fetch), timed("save", pc.save)
 
     def cold_plain(chunk: int) -> float:
-        from engine.generate import Generation
-        from engine.sampling import SamplingParams
+        from engine.decoding.generate import Generation
+        from engine.decoding.sampling import SamplingParams
 
         t = time.perf_counter()
         g = Generation(lm, Prompt(list(tokens), list(ends)), SamplingParams(max_tokens=1),
@@ -214,11 +214,11 @@ def suite_prefix(lm, shape: str, a) -> list[Row]:
 def suite_memory(lm, shape: str, a) -> list[Row]:
     import mlx.core as mx
 
-    from engine.chat import Prompt
+    from engine.decoding.chat import Prompt
     from engine import device
 
     try:
-        from engine.prefix_cache import PrefixCache
+        from engine.cache.prefix_cache import PrefixCache
     except Exception:
         PrefixCache = None
     from .shapes import prompt_ids, vocab_size

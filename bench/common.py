@@ -210,9 +210,9 @@ def mlx_lm_stream(lm, prompt: Sequence[int], max_tokens: int,
 
 
 def engine_direct(lm, prompt, max_tokens: int, prefix_cache=None) -> dict[str, Any]:
-    """Our `engine.generate.generate` in this thread (no scheduler): token arrival times."""
-    from engine.generate import generate
-    from engine.sampling import SamplingParams
+    """Our `engine.decoding.generate.generate` in this thread (no scheduler): token arrival times."""
+    from engine.decoding.generate import generate
+    from engine.decoding.sampling import SamplingParams
 
     t0 = time.perf_counter()
     times, done = [], None
@@ -227,10 +227,10 @@ def engine_direct(lm, prompt, max_tokens: int, prefix_cache=None) -> dict[str, A
 
 
 class EngineService:
-    """Our `engine.service.Engine` (scheduler thread) serving an already-built model."""
+    """Our `engine.scheduling.service.Engine` (scheduler thread) serving an already-built model."""
 
     def __init__(self, lm, max_running: int = 8, prefix_cache: bool = True):
-        from engine.service import Engine
+        from engine.scheduling.service import Engine
 
         self.note = ""
         try:
@@ -245,7 +245,7 @@ class EngineService:
         self.prefix_cache = prefix_cache and not self.note
 
     def stream(self, prompt: Sequence[int], max_tokens: int) -> dict[str, Any]:
-        from engine.sampling import SamplingParams
+        from engine.decoding.sampling import SamplingParams
 
         t0 = time.perf_counter()
         handle = self.engine.submit(prompt_tokens=list(prompt), params=SamplingParams(max_tokens=max_tokens))

@@ -9,7 +9,7 @@ start together and stream `--max-tokens` tokens each. Per side and N:
   aggregate_total_tok_s   all tokens divided by the wall time from submission (prefill included)
   p95_inter_token_ms      95th percentile of the gaps between consecutive tokens of a stream
   ttft_mean_s             mean time to first token
-Ours runs in-process (`engine.service.Engine`, prefix cache off so every prompt is prefilled);
+Ours runs in-process (`engine.scheduling.service.Engine`, prefix cache off so every prompt is prefilled);
 mlx_lm.server runs as a real server (subprocess) on the bundled model's mlx-lm folder, with
 `--decode-concurrency` and `--prompt-concurrency` set to N, read over HTTP with SSE streaming.
 JSON goes to bench/results/concurrency-cpu.json.
@@ -58,8 +58,8 @@ def summarize(streams: list[list[float]], started: float) -> dict:
 
 # -- our engine ------------------------------------------------------------------------------------
 def run_ours(concurrency: list[int], max_tokens: int) -> list[dict]:
-    from engine.sampling import SamplingParams
-    from engine.service import Engine
+    from engine.decoding.sampling import SamplingParams
+    from engine.scheduling.service import Engine
 
     engine = Engine(None, max_running=max(concurrency), max_queued=0, prefix_cache=False).start()
     params = SamplingParams(max_tokens=max_tokens)
@@ -158,7 +158,7 @@ def main() -> None:
     parser.add_argument("--skip-server", action="store_true")
     args = parser.parse_args()
 
-    from engine.registry import load_model
+    from engine.loading.registry import load_model
 
     folder = str(load_model(None).path)
     ours = run_ours(args.streams, args.max_tokens)

@@ -15,12 +15,12 @@ Rows:
                 BLAS preloaded (MKL from PyPI `mkl` if found, else Debian OpenBLAS).
   mlx-f32-openblas   mlx-lm model dequantized to fp32 (mlx_lm.utils.dequantize_model), OpenBLAS.
   mlx-fast-openblas  FastLlama with Debian OpenBLAS instead of MKL.
-  engine        our engine as shipped: engine.registry.load_model(None) (on this CPU with OpenBLAS
-                preloaded: engine/cpu_layout.py's layout) timed through engine.service.Engine
+  engine        our engine as shipped: engine.loading.registry.load_model(None) (on this CPU with OpenBLAS
+                preloaded: engine/kernels/cpu_layout.py's layout) timed through engine.scheduling.service.Engine
                 (scheduler thread, prefix cache off): one request with the 512-token prompt as raw
                 text (`text=`) and max_tokens=128, greedy. Prefill tok/s = prompt tokens / TTFT,
                 decode tok/s = tokens after the first / time from the first to the last token event.
-  engine-generate  the same request through engine.generate.generate (no scheduler thread).
+  engine-generate  the same request through engine.decoding.generate.generate (no scheduler thread).
                 Both engine rows also decode 128 tokens after the short chat prompt
                 (`decode_short_tps`, and the tokens compared for the greedy match).
   llama.cpp     llama-cpp-python on the GGUF, n_threads=2, greedy argmax over its logits. Its
@@ -28,7 +28,7 @@ Rows:
                 /work/llamacpp2/bin/python (built with GGML_NATIVE=OFF, AVX2/FMA/F16C, no
                 AVX-512/AMX) and /work/llamacpp-venv/bin/python that exists.
 
-Defaults: the mlx-lm folder and GGUF of the bundled model as engine.registry resolves them.
+Defaults: the mlx-lm folder and GGUF of the bundled model as engine.loading.registry resolves them.
 """
 from __future__ import annotations
 
@@ -166,10 +166,10 @@ def _measure(run, job, load_s):
 # --------------------------------------------------------------------------- our engine
 def _engine_worker(variant, job):
     """Our engine end to end: load_model(None) and the Engine service or generate()."""
-    from engine.generate import build_prompt, generate
-    from engine.registry import load_model
-    from engine.sampling import SamplingParams
-    from engine.service import Engine
+    from engine.decoding.generate import build_prompt, generate
+    from engine.loading.registry import load_model
+    from engine.decoding.sampling import SamplingParams
+    from engine.scheduling.service import Engine
 
     t = time.perf_counter()
     if variant == "engine":
@@ -311,8 +311,8 @@ def main(argv=None):
         return
 
     if a.mlx_model is None or a.gguf is None:
-        from engine import bundled
-        from engine.registry import resolve
+        from engine.loading import bundled
+        from engine.loading.registry import resolve
         a.mlx_model = a.mlx_model or str(resolve(None)[1])
         a.gguf = a.gguf or str(bundled.ensure_bundled_gguf())
     if a.llama_python is None:

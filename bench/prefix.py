@@ -5,7 +5,7 @@
 For each model, time to first token (TTFT) of
   cold: the conversation on an empty cache,
   warm: the same conversation with only its last user message edited, right after it,
-(after one short warm-up request each) for (a) our engine (engine.generate + engine.prefix_cache) and (b) `mlx_lm.server` started as a
+(after one short warm-up request each) for (a) our engine (engine.decoding.generate + engine.cache.prefix_cache) and (b) `mlx_lm.server` started as a
 real server on 127.0.0.1 with the same model folder, sent the same messages through its OpenAI API
 (streaming, max_tokens=1; its reused-token count from usage.prompt_tokens_details.cached_tokens).
 
@@ -51,7 +51,7 @@ def conversation(edited: bool = False) -> list[dict]:
 
 def model_folder(kind: str) -> Path:
     if kind == "dense":
-        from engine.registry import resolve
+        from engine.loading.registry import resolve
         return resolve(None)[1]
     from tiny_models import QWEN3_5, build_folder
     return build_folder(QWEN3_5)
@@ -60,10 +60,10 @@ def model_folder(kind: str) -> Path:
 # -- ours -----------------------------------------------------------------------------------------
 
 def ours(folder: Path) -> dict:
-    from engine.generate import build_prompt, generate
-    from engine.prefix_cache import PrefixCache
-    from engine.registry import load_model
-    from engine.sampling import SamplingParams
+    from engine.decoding.generate import build_prompt, generate
+    from engine.cache.prefix_cache import PrefixCache
+    from engine.loading.registry import load_model
+    from engine.decoding.sampling import SamplingParams
 
     lm = load_model(str(folder))
     cache = PrefixCache(lm)

@@ -2,7 +2,7 @@
 
 Each shape is an mlx-lm config; `build(name)` makes the mlx-lm model class from it, fills every
 parameter with random bf16 values (lazily, so no fp32 copy is ever materialised), quantizes with
-`nn.quantize` where the shape asks for it, and wraps it as an `engine.registry.LoadedModel`.
+`nn.quantize` where the shape asks for it, and wraps it as an `engine.loading.registry.LoadedModel`.
 
 Speed runs need no text: prompts are token ids drawn directly (`prompt_ids`), and the tokenizer is
 `IdTokenizer`, whose detokenizer renders token `i` as " i" at constant cost per token and which has no
@@ -204,7 +204,7 @@ def nbytes(model: nn.Module) -> int:
 
 def build(name: str, dtype: mx.Dtype = mx.bfloat16, seed: int = 0):
     """The shape `name` as an engine `LoadedModel` with random weights and `IdTokenizer`."""
-    from engine.registry import LoadedModel
+    from engine.loading.registry import LoadedModel
 
     shape = SHAPES[name]
     model = build_module(shape, dtype, seed)

@@ -89,9 +89,9 @@ def measure_costs(target, draft, k: int) -> dict:
 
 
 def run_pair(name: str, target_lm, draft, prompts, max_tokens: int, k_max: int) -> dict:
-    from engine.generate import build_prompt, generate
-    from engine.sampling import SamplingParams
-    from engine.speculative import SpecConfig, Speculator, ModelDrafter
+    from engine.decoding.generate import build_prompt, generate
+    from engine.decoding.sampling import SamplingParams
+    from engine.decoding.speculative import SpecConfig, Speculator, ModelDrafter
 
     costs = measure_costs(target_lm.model, draft, k_max)
     config = SpecConfig(k_max=k_max, draft_cost=costs["draft_cost"], verify_cost=costs["verify_cost"])
@@ -153,8 +153,8 @@ def main() -> None:
 
     import mlx.core as mx
 
-    from engine.registry import LoadedModel, load_model
-    from engine.speculative import dequantize, truncated
+    from engine.loading.registry import LoadedModel, load_model
+    from engine.decoding.speculative import dequantize, truncated
 
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     dtype = getattr(mx, args.dtype)

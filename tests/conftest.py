@@ -14,7 +14,7 @@ os.environ["MLXCHAT_HOME"] = str(MODEL_HOME)
 @pytest.fixture(scope="session")
 def lm():
     """The real bundled SmolLM2-135M-Instruct model, loaded through our registry."""
-    from engine.registry import load_model
+    from engine.loading.registry import load_model
 
     return load_model(None)
 
@@ -29,7 +29,7 @@ def fresh_home(tmp_path, monkeypatch):
 @pytest.fixture
 def serve():
     """Start engines on already-loaded models; every one is stopped at the end of the test."""
-    from engine.service import Engine
+    from engine.scheduling.service import Engine
 
     engines = []
 

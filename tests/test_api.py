@@ -18,7 +18,7 @@ LONG = [{"role": "user", "content": "Write a very long story about a dragon who 
 
 @pytest.fixture(scope="module")
 def engine():
-    from engine.service import Engine
+    from engine.scheduling.service import Engine
 
     # Small limits so that over-capacity (429) is reachable with three requests.
     e = Engine(max_running=1, max_queued=1).start()

@@ -15,7 +15,7 @@ STATS = {"drafted", "accepted", "acceptance_rate", "tokens_per_target_step"}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from engine.service import Engine
+    from engine.scheduling.service import Engine
 
     engine = Engine(max_running=2, max_queued=2).start()
     with serving(engine, tmp_path_factory.mktemp("api-spec") / "db.sqlite") as s:

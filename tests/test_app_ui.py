@@ -13,7 +13,7 @@ from live_server import serving
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from engine.service import Engine
+    from engine.scheduling.service import Engine
 
     engine = Engine().start()
     with serving(engine, tmp_path_factory.mktemp("ui") / "db.sqlite") as s:

@@ -14,7 +14,7 @@ from tiny_models import tiny_llama
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from engine.service import Engine
+    from engine.scheduling.service import Engine
 
     lm = tiny_llama()
     engine = Engine(lm.name, load=lambda name, **_: lm).start()

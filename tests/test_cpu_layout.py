@@ -1,4 +1,4 @@
-"""engine/cpu_layout.py: the fp32 + W @ x layout computes the same logits as the plain fp32 model,
+"""engine/kernels/cpu_layout.py: the fp32 + W @ x layout computes the same logits as the plain fp32 model,
 keeps mlx-lm's model classes, and is chosen only on the CPU with an optimised BLAS loaded."""
 
 import mlx.core as mx
@@ -9,7 +9,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import dequantize_model
 
 from engine import cpu_layout, device, registry
-from engine.cpu_layout import MatvecEmbedding, MatvecLinear, fp32_bytes, to_cpu_layout
+from engine.kernels.cpu_layout import MatvecEmbedding, MatvecLinear, fp32_bytes, to_cpu_layout
 
 
 @pytest.fixture(scope="module")

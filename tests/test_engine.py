@@ -5,10 +5,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm import stream_generate
 
-from engine.chat import render
+from engine.decoding.chat import render
 from engine.errors import InvalidRequest
-from engine.generate import build_prompt, generate
-from engine.sampling import SamplingParams, TokenSampler, preset
+from engine.decoding.generate import build_prompt, generate
+from engine.decoding.sampling import SamplingParams, TokenSampler, preset
 
 CONVERSATIONS = {
     "english": [{"role": "user", "content": "What is the capital of France?"}],

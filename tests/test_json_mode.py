@@ -1,4 +1,4 @@
-"""JSON mode (engine/constrained.py) on the real bundled model: the answer parses, even for a prompt
+"""JSON mode (engine/decoding/constrained.py) on the real bundled model: the answer parses, even for a prompt
 that would not be answered in JSON, it matches a JSON Schema when one is given, the request stops
 when the value is complete, batching changes no token, and a bad schema is refused clearly; through
 the engine and through the OpenAI-compatible API with the `openai` client."""
@@ -13,9 +13,9 @@ import pydantic
 import pytest
 
 from engine.errors import InvalidRequest
-from engine.generate import build_prompt, generate
-from engine.sampling import SamplingParams
-from engine.service import Engine
+from engine.decoding.generate import build_prompt, generate
+from engine.decoding.sampling import SamplingParams
+from engine.scheduling.service import Engine
 from live_server import openai_client, serving
 
 MODEL = "smollm2-135m-instruct"
@@ -76,7 +76,7 @@ def test_schema_constrained_answer_validates(lm, options):
 
 
 def test_unconstrained_requests_get_no_processor(lm):
-    from engine.generate import Generation
+    from engine.decoding.generate import Generation
 
     prompt = build_prompt(lm, messages=user("Hi"))
     assert Generation(lm, prompt, SamplingParams()).sampler.processors == []

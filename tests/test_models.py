@@ -9,12 +9,12 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 
-from engine import bundled
+from engine.loading import bundled
 from engine.errors import ModelLoadError, UnsupportedArchitecture
-from engine.generate import build_prompt, generate
-from engine.gguf import _rename, convert_gguf, read_gguf
-from engine.registry import DEFAULT_MODEL, list_models, load_model
-from engine.sampling import SamplingParams
+from engine.decoding.generate import build_prompt, generate
+from engine.loading.gguf import _rename, convert_gguf, read_gguf
+from engine.loading.registry import DEFAULT_MODEL, list_models, load_model
+from engine.decoding.sampling import SamplingParams
 
 MIXED_TEXT = "Hello, world! 12345 + 0.5 = x²\ndef f(a):\n    return a*2  # café ünïcödé 你好 😀🚀\t<b>"
 

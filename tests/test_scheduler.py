@@ -1,7 +1,7 @@
 """The scheduler: bounded admission, one closed lifecycle per request, cancellation and recovery,
 batched decoding that changes no token, failure isolation, and model switching.
 
-"Alone" below means the same request run by itself through `engine.generate.generate`, with no
+"Alone" below means the same request run by itself through `engine.decoding.generate.generate`, with no
 scheduler, no batch and no prefix cache.
 """
 
@@ -14,9 +14,9 @@ import mlx.core as mx
 import pytest
 
 from engine.errors import InvalidRequest
-from engine.generate import build_prompt, generate
-from engine.sampling import SamplingParams
-from engine.service import Engine, Overloaded
+from engine.decoding.generate import build_prompt, generate
+from engine.decoding.sampling import SamplingParams
+from engine.scheduling.service import Engine, Overloaded
 from tiny_models import tiny_llama, tiny_qwen3_5
 
 

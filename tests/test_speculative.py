@@ -14,11 +14,11 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engine.errors import InvalidRequest, ModelLoadError
-from engine.generate import Generation, build_prompt, generate
-from engine.mtp import MtpDrafter, build_mtp_head, load_mtp_head
-from engine.registry import load_model
-from engine.sampling import SamplingParams, TokenSampler
-from engine.speculative import (ModelDrafter, SpecConfig, Speculator, dequantize, model_speculator,
+from engine.decoding.generate import Generation, build_prompt, generate
+from engine.decoding.mtp import MtpDrafter, build_mtp_head, load_mtp_head
+from engine.loading.registry import load_model
+from engine.decoding.sampling import SamplingParams, TokenSampler
+from engine.decoding.speculative import (ModelDrafter, SpecConfig, Speculator, dequantize, model_speculator,
                                 sampling_probs, split_model, truncated)
 from tiny_models import QWEN3_5, QWEN3_NEXT, build_folder, tiny_llama, tiny_qwen3_5, tiny_qwen3_next
 

@@ -3,7 +3,7 @@ loaded once per model, requests decoding speculatively next to plain (batched) o
 scheduler, cancellation in the middle of a verification step, failure isolation and recovery, the
 prefix cache unaffected, and clear refusals of drafts that cannot work.
 
-"Alone" is the same request through `engine.generate.generate` with no scheduler and no speculation.
+"Alone" is the same request through `engine.decoding.generate.generate` with no scheduler and no speculation.
 """
 
 import json
@@ -12,12 +12,12 @@ import threading
 
 import pytest
 
-from engine.drafts import SpeculativeOptions, draft_choices
+from engine.decoding.drafts import SpeculativeOptions, draft_choices
 from engine.errors import InvalidRequest
-from engine.generate import build_prompt, generate
-from engine.sampling import SamplingParams
-from engine.service import Engine
-from engine.speculative import Speculator
+from engine.decoding.generate import build_prompt, generate
+from engine.decoding.sampling import SamplingParams
+from engine.scheduling.service import Engine
+from engine.decoding.speculative import Speculator
 from tiny_models import tiny_llama, tiny_qwen3_5
 
 PROMPTS = [list(range(100, 140)), [5, 17, 900, 31, 4000, 12], list(range(2000, 2600, 7)),
@@ -152,7 +152,7 @@ def test_a_failing_verification_fails_only_its_request(llama, serve, monkeypatch
 
 def test_mtp_draft_through_the_engine(serve, tmp_path):
     from test_speculative import mtp_folder, QWEN3_5
-    from engine.registry import load_model
+    from engine.loading.registry import load_model
 
     folder, _ = mtp_folder(QWEN3_5, tmp_path, raw_hf=False)
     lm = load_model(str(folder))

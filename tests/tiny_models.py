@@ -1,7 +1,7 @@
 """Tiny random-weight mlx-lm models for tests and benchmarks.
 
 Each model is written as a real mlx-lm folder (config.json, model.safetensors and the bundled
-SmolLM2 tokenizer files, so chat templates work) and loaded through `engine.registry.load_model`,
+SmolLM2 tokenizer files, so chat templates work) and loaded through `engine.loading.registry.load_model`,
 exactly as a user's model would be. The same folder can be served by `mlx_lm.server`.
 
 Weights are random but seeded, and the folder name is derived from the config and seed, so a
@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 
 from engine.paths import cache_dir
-from engine.registry import LoadedModel, load_model, resolve
+from engine.loading.registry import LoadedModel, load_model, resolve
 
 VOCAB = 49152  # the bundled SmolLM2 tokenizer's vocabulary
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from .errors import InvalidRequest
+from ..errors import InvalidRequest
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 

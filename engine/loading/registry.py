@@ -13,10 +13,10 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import bundled
-from .device import warn_slow_paths
-from .errors import ModelLoadError
+from ..device import warn_slow_paths
+from ..errors import ModelLoadError
 from .gguf import convert_gguf
-from .paths import cache_dir
+from ..paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ Transform = Callable[[nn.Module], nn.Module]
 
 
 def _fastest_layout(model: nn.Module, config: dict[str, Any]) -> nn.Module:
-    """On the CPU with an optimised BLAS, run the model in engine/cpu_layout.py's layout: fp32
+    """On the CPU with an optimised BLAS, run the model in engine/kernels/cpu_layout.py's layout: fp32
     weights (dequantized where quantized) with one-token matmuls written as W @ x.
 
     MLX's CPU kernels for quantized and half-precision matmuls are single-threaded and slow; fp32
@@ -128,8 +128,8 @@ def _fastest_layout(model: nn.Module, config: dict[str, Any]) -> nn.Module:
     is slower, and on a GPU the model stays as loaded. A model whose fp32 weights would take more
     than half of the free RAM also stays as loaded.
     """
-    from .cpu_layout import cpu_layout_wanted, fp32_bytes, to_cpu_layout
-    from .device import available_ram
+    from ..kernels.cpu_layout import cpu_layout_wanted, fp32_bytes, to_cpu_layout
+    from ..device import available_ram
 
     wanted, why = cpu_layout_wanted()
     if not wanted:

@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .errors import EngineError, InvalidRequest
+from ..errors import EngineError, InvalidRequest
 
 # `{"type": "json_object"}` of the OpenAI API: any JSON object.
 _OPTIONS = {"whitespace_flexible": False}

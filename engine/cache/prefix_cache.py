@@ -42,8 +42,8 @@ from mlx_lm.models.cache import (
     save_prompt_cache,
 )
 
-from .paths import cache_dir
-from .registry import LoadedModel
+from ..paths import cache_dir
+from ..loading.registry import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ class CacheStats:
 
 
 class PrefixCache:
-    """The prefix cache of one model (implements `engine.generate.PrefixStore`). Thread-safe."""
+    """The prefix cache of one model (implements `engine.decoding.generate.PrefixStore`). Thread-safe."""
 
     def __init__(self, lm: LoadedModel, budget_bytes: int | None = None,
                  persist_dir: Path | None = None):

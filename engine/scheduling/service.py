@@ -5,7 +5,7 @@ Every request has one lifecycle, `queued -> prefill -> decoding -> finished | ca
 recorded with the time of each transition, and always ends with exactly one `done` event, whatever
 happens inside. Admission is bounded (running + queued caps, and a memory budget for the model
 caches the admitted requests may grow to); requests that decode at the same time share one model
-call per step (engine/batch.py).
+call per step (engine/scheduling/batch.py).
 """
 
 import asyncio
@@ -22,13 +22,13 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 import mlx.core as mx
 
 from .batch import DecodeBatch, KVFootprint, kv_footprint
-from .drafts import SpeculativeOptions, SpeculatorFactory, check_draft, load_draft
-from .device import memory_budget as device_memory_budget
-from .errors import EngineError, InvalidRequest
-from .events import Event, Timings, Usage
-from .generate import Generation, build_prompt
-from .registry import LoadedModel, ModelInfo, list_models, load_model
-from .sampling import SamplingParams
+from ..decoding.drafts import SpeculativeOptions, SpeculatorFactory, check_draft, load_draft
+from ..device import memory_budget as device_memory_budget
+from ..errors import EngineError, InvalidRequest
+from ..events import Event, Timings, Usage
+from ..decoding.generate import Generation, build_prompt
+from ..loading.registry import LoadedModel, ModelInfo, list_models, load_model
+from ..decoding.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class Engine:
 
     Each scheduler tick does one prefill chunk (of the oldest request still in prefill), the solo
     steps that cannot be batched (a request's last token, cancellations, speculative decoding) and
-    one batched decode step for every other decoding request (engine/batch.py).
+    one batched decode step for every other decoding request (engine/scheduling/batch.py).
     """
 
     def __init__(self, model: str | None = None, *, max_running: int = 4, max_queued: int = 8,
@@ -220,7 +220,7 @@ class Engine:
             self._footprint = kv_footprint(self.lm.model)
             self._batch = DecodeBatch(self.lm.model)
             if self.use_prefix_cache:
-                from .prefix_cache import PrefixCache, default_persist_dir
+                from ..cache.prefix_cache import PrefixCache, default_persist_dir
 
                 persist_dir = default_persist_dir() if self.persist_prefix_cache else None
                 self.prefix_cache = PrefixCache(self.lm, persist_dir=persist_dir)
@@ -281,7 +281,7 @@ class Engine:
                *, prompt_tokens: Sequence[int] | None = None, text: str | None = None,
                speculative: SpeculativeOptions | None = None) -> RequestHandle:
         """Validate and enqueue a request; raises InvalidRequest or Overloaded at once.
-        `speculative` opts in to speculative decoding (engine/drafts.py); the default is plain."""
+        `speculative` opts in to speculative decoding (engine/decoding/drafts.py); the default is plain."""
         lm = self.lm
         if lm is None:
             raise EngineError("no model is loaded yet")

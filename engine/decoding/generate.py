@@ -14,9 +14,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from .chat import Prompt, encode_text, render
-from .errors import InvalidRequest
-from .events import Event, Timings, Usage
-from .registry import LoadedModel
+from ..errors import InvalidRequest
+from ..events import Event, Timings, Usage
+from ..loading.registry import LoadedModel
 from .sampling import SamplingParams, TokenSampler
 from .stops import StopMatcher
 
@@ -27,7 +27,7 @@ PREFILL_CHUNK = 512
 
 
 class PrefixStore(Protocol):
-    """What generation needs from a prefix cache (see engine/prefix_cache.py)."""
+    """What generation needs from a prefix cache (see engine/cache/prefix_cache.py)."""
 
     def fetch(self, tokens: Sequence[int]) -> tuple[list[Any], int]:
         """A private, mutable model cache holding the longest reusable prefix of `tokens`
@@ -74,7 +74,7 @@ class Generation:
                  prefix_cache: PrefixStore | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  speculator: "Speculator | None" = None):
         check_fits(lm, prompt, params)
-        self.speculator = speculator  # opt-in: decode by draft-and-verify (engine/speculative.py)
+        self.speculator = speculator  # opt-in: decode by draft-and-verify (engine/decoding/speculative.py)
         self.lm, self.prompt, self.params = lm, prompt, params
         self.prefix_cache = prefix_cache
         self.prefill_chunk = prefill_chunk
@@ -189,7 +189,7 @@ class Generation:
         logits = self.lm.model(self.decode_input()[None], cache=self.cache)
         return self.decode_output(logits[:, -1, :])
 
-    # A decode step split around its model call, so that engine/batch.py can run one model call
+    # A decode step split around its model call, so that engine/scheduling/batch.py can run one model call
     # for many generations; `_decode_step` is `decode_output(model(decode_input()))`.
     @property
     def batchable(self) -> bool:

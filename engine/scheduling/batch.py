@@ -21,8 +21,8 @@ import mlx.nn as nn
 from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import make_prompt_cache
 
-from .events import Event
-from .generate import Generation, PrefixStore
+from ..events import Event
+from ..decoding.generate import Generation, PrefixStore
 
 
 def can_batch(cache: list[Any]) -> bool:

@@ -76,7 +76,7 @@ def _swap(module: nn.Module) -> int:
 
 def cpu_layout_wanted() -> tuple[bool, str]:
     """Whether this process should run models in this layout, and why (not)."""
-    from .device import fast_blas_loaded
+    from ..device import fast_blas_loaded
 
     if mx.default_device().type != mx.DeviceType.cpu:
         return False, "not running on the CPU"

@@ -16,7 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .errors import ModelLoadError, UnsupportedArchitecture
+from ..errors import ModelLoadError, UnsupportedArchitecture
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 

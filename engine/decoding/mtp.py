@@ -17,8 +17,8 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from .errors import ModelLoadError
-from .registry import LoadedModel
+from ..errors import ModelLoadError
+from ..loading.registry import LoadedModel
 from .speculative import Pick, split_model
 
 MTP_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")

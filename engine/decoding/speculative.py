@@ -24,8 +24,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-from .errors import InvalidRequest
-from .registry import LoadedModel
+from ..errors import InvalidRequest
+from ..loading.registry import LoadedModel
 from .sampling import SamplingParams, TokenSampler, filter_logprobs
 
 # logits row (V,) -> (token, the distribution it was drawn from or None when greedy)

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .errors import InvalidRequest
+from ..errors import InvalidRequest
 
 ROLES = ("system", "user", "assistant", "tool")
 

@@ -21,8 +21,8 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .errors import EngineError, InvalidRequest
-from .registry import LoadedModel, load_model
+from ..errors import EngineError, InvalidRequest
+from ..loading.registry import LoadedModel, load_model
 from .speculative import ModelDrafter, SpecConfig, Speculator, check_compatible, truncated
 
 K_LIMIT = 16
