@@ -8,7 +8,9 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import dequantize_model
 
-from engine import cpu_layout, device, registry
+from engine import device
+from engine.kernels import cpu_layout
+from engine.loading import registry
 from engine.kernels.cpu_layout import MatvecEmbedding, MatvecLinear, fp32_bytes, to_cpu_layout
 
 
