@@ -22,7 +22,10 @@ from .gguf_tokenizer import add_bos, tokenizer_json
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 def _scalar(value: Any) -> Any:
-    return value.item() if isinstance(value, mx.array) else value
+    """A metadata number as a Python value (a list for an array)."""
+    if isinstance(value, mx.array):
+        return value.item() if value.ndim == 0 else value.tolist()
+    return value
 
 
 def _metadata_value(field: Any) -> Any:

@@ -63,12 +63,10 @@ class Arch:
 
 
 def _llama(get, config, side):
-    extra: dict[str, Any] = {"rope_traditional": True, "attention_bias": False, "mlp_bias": False}
-    window = get("attention.sliding_window", None)
-    if window:  # Mistral-style sliding-window attention on every layer
-        extra.update(sliding_window=window,
-                     layer_types=["sliding_attention"] * config["num_hidden_layers"])
-    return extra
+    # Mistral-style files are llama too. Like llama.cpp's llama graph, full attention on every
+    # layer: a `sliding_window` key, where present, is not applied (mlx-lm's llama class needs at
+    # least one full-attention layer, and Mistral's window spans its usual contexts anyway).
+    return {"rope_traditional": True, "attention_bias": False, "mlp_bias": False}
 
 
 def _pre_attn_scalar(config, big_layer_count: int) -> float:
@@ -87,11 +85,18 @@ def _gemma2(get, config, side):
     }
 
 
+def _window_pattern(value: int | list[bool]) -> int:
+    """Every n-th layer global: llama.cpp writes n, or one flag per layer (true = sliding)."""
+    if isinstance(value, int):
+        return value
+    return value.index(False) + 1 if False in value else len(value) + 1
+
+
 def _gemma3(get, config, side):
     extra = {
         "query_pre_attn_scalar": _pre_attn_scalar(config, 62),
         "sliding_window": get("attention.sliding_window", 512),
-        "sliding_window_pattern": get("attention.sliding_window_pattern", 6),
+        "sliding_window_pattern": _window_pattern(get("attention.sliding_window_pattern", 6)),
         "rope_local_base_freq": 10000.0,  # llama.cpp's fixed value for the local layers
     }
     if get("rope.scaling.type", None) == "linear":
