@@ -200,9 +200,9 @@ def test_converted_folder_is_reused(lm):
     assert (lm.path / "model.safetensors").stat().st_mtime_ns == mtime
 
 
-def test_convert_refuses_non_bpe_tokenizers(tmp_path, gguf_file):
+def test_convert_refuses_unknown_tokenizers(tmp_path, gguf_file):
     _, md = read_gguf(gguf_file)
-    md = dict(md, **{"tokenizer.ggml.model": "llama"})
-    path = _tiny_gguf(tmp_path / "spm.gguf", "llama", md)
-    with pytest.raises(UnsupportedArchitecture, match="tokenizer model 'llama'"):
+    md = dict(md, **{"tokenizer.ggml.model": "rwkv"})
+    path = _tiny_gguf(tmp_path / "rwkv-vocab.gguf", "llama", md)
+    with pytest.raises(UnsupportedArchitecture, match="tokenizer model 'rwkv'"):
         convert_gguf(path, tmp_path / "out")
