@@ -14,7 +14,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..errors import ModelLoadError, UnsupportedArchitecture
+from ..errors import ModelLoadError
 from .gguf_arch import ARCHITECTURES, LLAMA_LAYER, arch_for, map_tensors, rename
 from .gguf_quant import GROUP_SIZE, to_mlx
 from .gguf_tokenizer import add_bos, tokenizer_json
