@@ -19,13 +19,16 @@ a byte budget by evicting least-recently-used snapshots. On dense models a snaps
 ones on its path redundant (trimming it gives them back), so `save` drops those at once and a
 conversation holds one snapshot, not one per message.
 
-Snapshots can be persisted in mlx-lm's prompt-cache safetensors format (`save_prompt_cache`), one
-file per snapshot under `<cache dir>/prompt-cache/<model key>/`, and are loaded lazily on a hit.
-Stale or corrupt files are skipped with a log line.
+With a persist folder, snapshots are written to disk, one file per snapshot under
+`<cache dir>/prompt-cache/<model key>/` (format and checks in snapshot_files.py): in the background
+soon after they are made (write-behind), so a killed process loses only the last moments, and all
+at once by `persist()` at shutdown. Files are kept under a disk byte budget, least recently used
+deleted first. A restart indexes the files by their tokens and loads one on its first hit; the
+memory copy, when there is one, is always used first. A file that fails any check is deleted with
+one warning and the request recomputes what it would have reused.
 """
 
 import hashlib
-import json
 import logging
 import os
 import threading
@@ -34,21 +37,18 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import (
-    ArraysCache,
-    KVCache,
-    load_prompt_cache,
-    make_prompt_cache,
-    save_prompt_cache,
-)
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from ..paths import cache_dir
 from ..loading.registry import LoadedModel
+from . import snapshot_files as files
+from .writebehind import WriteBehind
 
 log = logging.getLogger(__name__)
 
 DEFAULT_FRACTION = 0.25  # of the memory available when the cache is created
-FORMAT = "mlxchat-prefix-1"
+DISK_BUDGET_BYTES = 512 * 2**20  # snapshot files kept on disk per model
+WRITE_DELAY_S = 1.0  # write-behind: how long after a snapshot is made it is written
 
 
 # -- snapshots of mlx-lm caches -------------------------------------------------------------------
@@ -73,11 +73,11 @@ def copy_cache(cache: Sequence[Any]) -> list[Any]:
     for c in cache:
         if type(c) is KVCache:
             n = c.offset
-            keys = mx.array(c.keys[..., :n, :]) if c.keys is not None else None
-            values = mx.array(c.values[..., :n, :]) if c.values is not None else None
+            keys = mx.contiguous(c.keys[..., :n, :]) if c.keys is not None else None
+            values = mx.contiguous(c.values[..., :n, :]) if c.values is not None else None
             out.append(KVCache.from_state((keys, values, n)))
         else:
-            arrays = [mx.array(a) if a is not None else None for a in c.cache]
+            arrays = [mx.contiguous(a) if a is not None else None for a in c.cache]
             out.append(ArraysCache.from_state((arrays, None, None)))
     mx.eval(list(_arrays(out)))
     return out
@@ -98,6 +98,17 @@ def restore(snapshot: Sequence[Any], length: int) -> list[Any]:
             out.append(ArraysCache.from_state(([a[...] if a is not None else None for a in c.cache],
                                                None, None)))
     return out
+
+
+def _layers(snapshot: Sequence[Any]) -> list[files.Layer]:
+    """A snapshot's arrays by layer, as they are (no MLX op: safe on another thread)."""
+    return [("KVCache", [c.keys, c.values]) if type(c) is KVCache else ("ArraysCache", list(c.cache))
+            for c in snapshot]
+
+
+def _from_layers(layers: Sequence[files.Layer], length: int) -> list[Any]:
+    return [KVCache.from_state((arrays[0], arrays[1], length)) if kind == "KVCache"
+            else ArraysCache.from_state((arrays, None, None)) for kind, arrays in layers]
 
 
 def _arrays(cache: Sequence[Any]) -> Iterator[mx.array]:
@@ -147,6 +158,7 @@ class Snapshot:
     nbytes: int = 0
     last_used: int = 0
     file: Path | None = None
+    file_bytes: int = 0
 
 
 @dataclass(eq=False)
@@ -251,9 +263,12 @@ class PrefixCache:
     """The prefix cache of one model (implements `engine.decoding.generate.PrefixStore`). Thread-safe."""
 
     def __init__(self, lm: LoadedModel, budget_bytes: int | None = None,
-                 persist_dir: Path | None = None):
+                 persist_dir: Path | None = None, disk_budget_bytes: int = DISK_BUDGET_BYTES,
+                 write_delay: float | None = WRITE_DELAY_S):
         """`budget_bytes` defaults to a fraction of available memory. With `persist_dir` (e.g.
-        `default_persist_dir()`), snapshots written there by `persist()` are found again."""
+        `default_persist_dir()`), snapshots are written there `write_delay` seconds after they are
+        made (None: only by `persist()`), kept within `disk_budget_bytes`, and found again by the
+        next PrefixCache of the same model."""
         self.lm = lm
         self.key = model_key(lm)
         self.budget = default_budget() if budget_bytes is None else int(budget_bytes)
@@ -263,14 +278,22 @@ class PrefixCache:
         self.layer_types = [type(c).__name__ for c in template]
         if not self.enabled:
             log.info("prefix cache off for %s: unsupported cache types %s", lm.name, self.layer_types)
-        self.dir = persist_dir / self.key if persist_dir is not None else None
+        self.dir = persist_dir / self.key if persist_dir is not None and self.enabled else None
+        self.disk_budget = int(disk_budget_bytes)
         self._root = _Node()
         self._lock = threading.RLock()
+        self._write_lock = threading.Lock()  # one writer of files at a time
         self._clock = 0
         self._bytes = 0
         self._hits = self._misses = self._evictions = self._reused = 0
-        if self.dir is not None and self.enabled:
+        self._identity: dict[str, str] = {}
+        self._layout: files.Layout | None = None  # the model's cache shapes, probed on first load
+        self._writer: WriteBehind | None = None
+        if self.dir is not None:
+            self._identity = files.identity(lm)
             self._scan_disk()
+            if write_delay is not None:
+                self._writer = WriteBehind(self.write_pending, write_delay)
 
     # -- PrefixStore ---------------------------------------------------------------------------
     def fetch(self, tokens: Sequence[int]) -> tuple[list[Any], int]:
@@ -321,6 +344,9 @@ class PrefixCache:
             if node.snapshot is None:
                 node.snapshot = Snapshot(length=n, cache=None)
             snapshot = node.snapshot
+            if snapshot.file is not None:  # an unread file: the fresh copy replaces it
+                snapshot.file.unlink(missing_ok=True)
+                snapshot.file, snapshot.file_bytes = None, 0
             snapshot.cache, snapshot.nbytes = copy, size
             self._bytes += size
             self._touch(snapshot)
@@ -330,6 +356,8 @@ class PrefixCache:
                             and ancestor.snapshot.cache is not None:
                         self._drop(ancestor)
             self._evict(keep=snapshot)
+        if self._writer is not None:
+            self._writer.poke()
 
     # -- queries -------------------------------------------------------------------------------
     def stats(self) -> CacheStats:
@@ -365,9 +393,10 @@ class PrefixCache:
         return None
 
     def _covering(self, node: _Node) -> _Node:
-        """The node of the shortest snapshot at or below `node` (every leaf holds one)."""
+        """The node of the shortest snapshot at or below `node` (every leaf holds one), one in
+        memory if any."""
         nodes = [n for n in _subtree(node) if n.snapshot is not None]
-        return min(nodes, key=lambda n: n.snapshot.length)
+        return min(nodes, key=lambda n: (n.snapshot.cache is None, n.snapshot.length))
 
     def _evict(self, keep: Snapshot) -> None:
         """Drop the least recently used snapshots until within budget. (On dense models no
@@ -392,86 +421,126 @@ class PrefixCache:
             _prune(node)
 
     # -- persistence ---------------------------------------------------------------------------
+    def write_pending(self, limit: int | None = None) -> None:
+        """Write every snapshot held only in memory (most recent first), then delete the least
+        recently used files beyond `limit` bytes (default: the disk budget). The write-behind
+        thread calls this; the scheduler keeps running meanwhile."""
+        if self.dir is None:
+            return
+        limit = self.disk_budget if limit is None else limit
+        with self._write_lock:
+            with self._lock:
+                todo = [(n.snapshot, _tokens_of(n)) for n in _subtree(self._root)
+                        if n.snapshot is not None and n.snapshot.cache is not None
+                        and n.snapshot.file is None and n.snapshot.nbytes <= limit]
+            todo.sort(key=lambda item: -item[0].last_used)
+            self.dir.mkdir(parents=True, exist_ok=True)
+            written = []
+            for snapshot, tokens in todo:
+                cache = snapshot.cache  # read once: eviction may drop it meanwhile
+                if cache is not None:
+                    written.append((snapshot, tokens,
+                                    files.write(self.dir, tokens, _layers(cache), self._identity)))
+            with self._lock:
+                for snapshot, tokens, path in written:
+                    self._adopt(snapshot, tokens, path)
+                self._trim_disk(limit)
+
     def persist(self, max_bytes: int | None = None) -> list[Path]:
-        """Write the most recently used snapshots to disk, newest first,
-        up to `max_bytes` in all (default: the memory budget); delete older files. Returns the
-        files now on disk."""
-        if self.dir is None or not self.enabled:
+        """Write what is not on disk yet and keep the most recently used files within `max_bytes`
+        (default: the disk budget); delete every other file in the folder. Returns the files kept,
+        most recently used first."""
+        if self.dir is None:
             return []
-        limit = self.budget if max_bytes is None else max_bytes
-        self.dir.mkdir(parents=True, exist_ok=True)
-        kept: list[Path] = []
-        total = 0
-        with self._lock:
-            nodes = [n for n in _subtree(self._root)
-                     if n.snapshot is not None]
+        self.write_pending(max_bytes)
+        with self._write_lock, self._lock:
+            nodes = [n for n in _subtree(self._root) if n.snapshot is not None
+                     and n.snapshot.file is not None]
             nodes.sort(key=lambda n: -n.snapshot.last_used)
-            for node in nodes:
-                snap = node.snapshot
-                if snap.file is not None and snap.file.exists():
-                    size = snap.file.stat().st_size
-                elif snap.cache is not None:
-                    tokens = _tokens_of(node)
-                    snap.file = self._write(tokens, snap.cache)
-                    size = snap.file.stat().st_size
-                else:
-                    continue
-                if total + size > limit:
-                    continue
-                total += size
-                kept.append(snap.file)
-            for path in self.dir.glob("*.safetensors"):
-                if path not in kept:
+            kept = [n.snapshot.file for n in nodes]
+            for path in self.dir.iterdir():
+                if path not in kept and (path.suffix == files.SUFFIX
+                                         or path.name.endswith(files.TMP_SUFFIX)):
                     path.unlink(missing_ok=True)
-            for node in list(_subtree(self._root)):
-                snap = node.snapshot
-                if snap is not None and snap.file is not None and snap.file not in kept:
-                    snap.file = None
-                    if snap.cache is None:
-                        node.snapshot = None
-                        _prune(node)
         return kept
 
-    def _write(self, tokens: list[int], cache: list[Any]) -> Path:
-        name = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:24]
-        path = self.dir / f"{name}.safetensors"
-        tmp = path.with_name(path.stem + ".tmp.safetensors")
-        meta = {"format": FORMAT, "model": self.key, "tokens": json.dumps(tokens)}
-        save_prompt_cache(str(tmp), cache, meta)
-        os.replace(tmp, path)
-        return path
+    def close(self) -> None:
+        """End write-behind (after the write in progress); `persist()` still works."""
+        if self._writer is not None:
+            self._writer.close()
+
+    def _adopt(self, snapshot: Snapshot, tokens: list[int], path: Path) -> None:
+        """Record a file just written for `snapshot`, unless the snapshot left the trie meanwhile."""
+        walked, matched = _walk(self._root, tokens)
+        depth, node = walked[-1]
+        if not (matched == depth == len(tokens) and node.snapshot is snapshot):
+            path.unlink(missing_ok=True)
+            return
+        snapshot.file, snapshot.file_bytes = path, path.stat().st_size
+        if self.trimmable:  # shorter files on its path are this one trimmed: delete them
+            for _, ancestor in walked[:-1]:
+                shorter = ancestor.snapshot
+                if shorter is not None and shorter.cache is None and shorter.file is not None:
+                    self._forget_file(ancestor)
+
+    def _trim_disk(self, limit: int) -> None:
+        nodes = [n for n in _subtree(self._root) if n.snapshot is not None
+                 and n.snapshot.file is not None]
+        total = sum(n.snapshot.file_bytes for n in nodes)
+        for node in sorted(nodes, key=lambda n: n.snapshot.last_used):
+            if total <= limit:
+                break
+            total -= node.snapshot.file_bytes
+            self._forget_file(node)
+
+    def _forget_file(self, node: _Node) -> None:
+        snapshot = node.snapshot
+        snapshot.file.unlink(missing_ok=True)
+        snapshot.file, snapshot.file_bytes = None, 0
+        if snapshot.cache is None:
+            node.snapshot = None
+            _prune(node)
+
+    def _reject(self, path: Path, why: Exception) -> None:
+        log.warning("prefix cache: skipping and deleting %s: %s", path, why)
+        path.unlink(missing_ok=True)
 
     def _scan_disk(self) -> None:
-        """Index persisted snapshots by their tokens (arrays stay on disk until a hit)."""
-        for path in sorted(self.dir.glob("*.safetensors")) if self.dir.exists() else []:
-            try:
-                _, meta = mx.load(str(path), return_metadata=True)  # lazy: reads the header
-                if meta.get("0.format") != FORMAT or meta.get("0.model") != self.key:
-                    raise ValueError("written by another version or model")
-                tokens = json.loads(meta["0.tokens"])
-                if not tokens or not all(isinstance(t, int) for t in tokens):
-                    raise ValueError("no tokens")
-            except Exception as exc:  # noqa: BLE001 - any unreadable file is skipped, never fatal
-                log.warning("prefix cache: skipping %s: %s", path, exc)
+        """Index the files' snapshots by their tokens from the headers alone (arrays stay on disk
+        until a hit); delete files that fail the header checks and temporary files left by a
+        writer that is gone."""
+        for path in sorted(self.dir.iterdir()) if self.dir.exists() else []:
+            if path.name.endswith(files.TMP_SUFFIX):
+                if not _writer_alive(path.name):
+                    path.unlink(missing_ok=True)
                 continue
-            node = _insert(self._root, tokens)
+            if path.suffix != files.SUFFIX:
+                continue
+            try:
+                header = files.read_header(path, self._identity)
+            except (files.BadSnapshot, OSError) as exc:
+                self._reject(path, exc)
+                continue
+            node = _insert(self._root, header.tokens)
             if node.snapshot is None:
-                node.snapshot = Snapshot(length=len(tokens), cache=None)
-            node.snapshot.file = path
+                node.snapshot = Snapshot(length=len(header.tokens), cache=None)
+            node.snapshot.file, node.snapshot.file_bytes = path, path.stat().st_size
 
     def _load(self, node: _Node) -> bool:
-        """Bring a persisted snapshot into memory; a bad file is logged and forgotten."""
+        """Bring a persisted snapshot into memory once every check passes; else delete the file
+        and forget the snapshot."""
         snapshot = node.snapshot
         try:
-            cache = load_prompt_cache(str(snapshot.file))
-            if [type(c).__name__ for c in cache] != self.layer_types:
-                raise ValueError("layer types differ from the model's")
-            if cache_length(cache) not in (None, snapshot.length):
-                raise ValueError("token count differs from its metadata")
-            cache = copy_cache(cache)  # evaluates, so a truncated file fails here
-        except Exception as exc:  # noqa: BLE001
-            log.warning("prefix cache: skipping %s: %s", snapshot.file, exc)
-            snapshot.file = None
+            header = files.read_header(snapshot.file, self._identity)
+            if header.tokens != _tokens_of(node):
+                raise files.BadSnapshot("its tokens changed since it was indexed")
+            if self._layout is None:
+                self._layout = files.cache_layout(self.lm.model)
+            cache = _from_layers(files.load_arrays(snapshot.file, header, self._layout),
+                                 snapshot.length)
+        except (files.BadSnapshot, OSError) as exc:
+            self._reject(snapshot.file, exc)
+            snapshot.file, snapshot.file_bytes = None, 0
             node.snapshot = None
             _prune(node)
             return False
@@ -480,6 +549,17 @@ class PrefixCache:
         self._touch(snapshot)
         self._evict(keep=snapshot)
         return True
+
+
+def _writer_alive(tmp_name: str) -> bool:
+    """Whether the process named in a temporary file's name (`.<name>.<pid>-<thread>.tmp`) runs."""
+    try:
+        os.kill(int(tmp_name.rsplit(".", 2)[-2].split("-")[0]), 0)
+    except (ValueError, IndexError, ProcessLookupError):
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def default_persist_dir() -> Path:

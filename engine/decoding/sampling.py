@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from ..errors import InvalidRequest
+from .stops import check_stops
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
@@ -51,8 +52,7 @@ class SamplingParams:
         check(0 <= self.min_p < 1, f"min_p must be in [0, 1), got {self.min_p!r}")
         check(0 < self.repetition_penalty <= 10,
               f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
-        check(len(self.stop) <= 8 and all(isinstance(s, str) and s for s in self.stop),
-              "stop must be at most 8 non-empty strings")
+        check_stops(self.stop)
         check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
               f"seed must be a non-negative integer, got {self.seed!r}")
         if self.json_schema is not None:

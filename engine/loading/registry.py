@@ -1,7 +1,9 @@
 """Which models exist and how to load them: the bundled default, GGUF files, mlx-lm folders and
 models already in the local Hugging Face cache (never downloaded)."""
 
+import functools
 import hashlib
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -42,6 +44,11 @@ class LoadedModel:
     path: Path
     extras: dict[str, Any] = field(default_factory=dict)
 
+    @functools.cached_property
+    def weights_digest(self) -> str:
+        """The weights by content (not by name or path), for files derived from them."""
+        return weights_digest(self.path)
+
     @property
     def family(self) -> str:
         return str(self.config.get("model_type", ""))
@@ -57,6 +64,36 @@ class LoadedModel:
 
 def _dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def weights_digest(folder: Path) -> str:
+    """sha256 over a model folder's config.json and weights files, in name order.
+
+    Each version of the files is read once: the digest is remembered under the cache directory,
+    keyed by every file's name, size, modification time and inode."""
+    folder = folder.resolve()
+    files = sorted([folder / "config.json", *folder.glob("*.safetensors")])
+    stats = [f.stat() for f in files]
+    stamp = [[f.name, st.st_size, st.st_mtime_ns, st.st_ino] for f, st in zip(files, stats)]
+    memo = cache_dir() / "weights-digests" / (hashlib.sha256(str(folder).encode()).hexdigest()[:16]
+                                              + ".json")
+    try:
+        known = json.loads(memo.read_text())
+        if known["files"] == stamp:
+            return str(known["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    digest = hashlib.sha256()
+    for f, st in zip(files, stats):
+        digest.update(f"{f.name}\0{st.st_size}\0".encode())
+        with f.open("rb") as fh:
+            while block := fh.read(1 << 22):
+                digest.update(block)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"files": stamp, "sha256": digest.hexdigest()}))
+    os.replace(tmp, memo)
+    return digest.hexdigest()
 
 
 def _hf_cache_models() -> list[ModelInfo]:
