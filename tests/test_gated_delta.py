@@ -141,4 +141,6 @@ def test_only_the_linear_attention_layers_are_switched():
     layers = [layer for layer in plain.layers if hasattr(layer, "linear_attn")]
     assert use_chunked_prefill(plain) == len(layers) == 3
     assert use_chunked_prefill(plain) == 0  # idempotent
+    assert use_chunked_prefill(plain, enabled=False) == 3  # back to mlx-lm's layers
+    assert use_chunked_prefill(plain, enabled=False) == 0
     assert use_chunked_prefill(tiny_llama().model) == 0

@@ -168,16 +168,17 @@ def _chunked_class(cls: type) -> type:
     return _CHUNKED_CLASSES[cls]
 
 
-def use_chunked_prefill(model: nn.Module) -> int:
-    """Switch every gated-delta layer of a Qwen3.5 / Qwen3-Next model to the chunked prefill;
-    returns how many were switched (0 for other models)."""
+def use_chunked_prefill(model: nn.Module, enabled: bool = True) -> int:
+    """Switch every gated-delta layer of a Qwen3.5 / Qwen3-Next model to the chunked prefill (or,
+    with `enabled=False`, back to mlx-lm's own path); returns how many layers changed."""
     switched = 0
     for _, module in model.named_modules():
         cls = type(module)
-        if cls in _CHUNKED_CLASSES.values():
-            continue
-        if ((cls.__module__, cls.__name__) in _LAYERS
-                and "gated_delta_update" in cls.__call__.__code__.co_names):
+        if not enabled and cls in _CHUNKED_CLASSES.values():
+            module.__class__ = cls.__bases__[0]
+            switched += 1
+        elif (enabled and (cls.__module__, cls.__name__) in _LAYERS
+              and "gated_delta_update" in cls.__call__.__code__.co_names):
             module.__class__ = _chunked_class(cls)
             switched += 1
     return switched
