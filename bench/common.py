@@ -16,7 +16,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -62,6 +63,11 @@ class Row:
 
 def skipped(suite: str, shape: str, why: str) -> Row:
     return Row(suite, shape, "skipped", "", None, None, "", notes=why)
+
+
+def failed(suite: str, shape: str, why: str) -> Row:
+    """A suite that raised or exited non-zero: shown as FAILED in the table and the summary."""
+    return Row(suite, shape, "FAILED", "", None, None, "", notes=why)
 
 
 # -- metadata, table, JSON -------------------------------------------------------------------------
@@ -114,8 +120,8 @@ def table_rows(rows: Iterable[Row]) -> list[list[str]]:
     out = []
     for r in rows:
         met = {True: "yes", False: "NO", None: ""}[r.met]
-        if r.metric == "skipped":
-            out.append([r.suite, r.shape, "skipped", "-", "-", "-", "", r.notes])
+        if r.metric in ("skipped", "FAILED"):
+            out.append([r.suite, r.shape, r.metric, "-", "-", "-", "", r.notes])
             continue
         out.append([r.suite, r.shape, f"{r.metric} ({r.unit})", fmt(r.ours),
                     f"{fmt(r.baseline)} {r.baseline_name}".strip(), fmt(r.ratio) + ("x" if r.ratio else ""),
@@ -193,6 +199,26 @@ def median(xs: Sequence[float | None]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def spread(xs: Sequence[float | None], scale: float = 1.0) -> str:
+    """'min-max' of the measured values (times `scale`), for a row's notes."""
+    xs = [x * scale for x in xs if x is not None]
+    return f"{fmt(min(xs))}-{fmt(max(xs))}" if xs else "-"
+
+
+@contextmanager
+def mlx_lm_paths(model) -> Iterator[None]:
+    """Run `model` as plain mlx-lm would while inside: the chunked gated-delta prefill that our
+    loader switches on for hybrid models (engine/kernels/gated_delta.py) is switched off."""
+    from engine.kernels.gated_delta import use_chunked_prefill
+
+    switched = use_chunked_prefill(model, enabled=False)
+    try:
+        yield
+    finally:
+        if switched:
+            use_chunked_prefill(model)
+
+
 def mlx_lm_stream(lm, prompt: Sequence[int], max_tokens: int,
                   prompt_cache: list[Any] | None = None) -> dict[str, Any]:
     """mlx-lm's own `stream_generate` (greedy): arrival time of each token, from the call."""
@@ -202,9 +228,10 @@ def mlx_lm_stream(lm, prompt: Sequence[int], max_tokens: int,
     t0 = time.perf_counter()
     times = []
     kwargs = {"prompt_cache": prompt_cache} if prompt_cache is not None else {}
-    for _ in stream_generate(lm.model, lm.tokenizer, mx.array(list(prompt), dtype=mx.uint32),
-                             max_tokens=max_tokens, **kwargs):
-        times.append(time.perf_counter())
+    with mlx_lm_paths(lm.model):
+        for _ in stream_generate(lm.model, lm.tokenizer, mx.array(list(prompt), dtype=mx.uint32),
+                                 max_tokens=max_tokens, **kwargs):
+            times.append(time.perf_counter())
     return {"ttft_s": times[0] - t0 if times else None, "tps": rate(times), "n": len(times),
             "total_s": (times[-1] - t0) if times else None}
 
@@ -279,7 +306,8 @@ class EngineService:
             raise errors[0]
         tokens = sum(r["n"] for r in results if r)
         return {"wall_s": wall, "tokens": tokens, "aggregate_tps": tokens / wall,
-                "per_stream_tps": [r["tps"] for r in results if r]}
+                "per_stream_tps": [r["tps"] for r in results if r],
+                "first_token_s": sorted(round(r["ttft_s"], 4) for r in results if r and r["ttft_s"])}
 
     def close(self) -> None:
         self.engine.stop()

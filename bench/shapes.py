@@ -51,6 +51,16 @@ _QWEN3_5_HYBRID = {
                             "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]},
     },
 }
+# tests/tiny_models.py's hybrid with Qwen3.5's linear-attention head sizes, for CPU runs of the
+# hybrid suite.
+_TINY_HYBRID = {
+    "model_type": "qwen3_5", "hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 512,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "rms_norm_eps": 1e-6,
+    "vocab_size": 512, "tie_word_embeddings": True, "max_position_embeddings": 8192,
+    "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+    "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+}
 # For CPU tests of the harness only.
 _TINY = {
     "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
@@ -74,6 +84,7 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("qwen3-8b-8bit", _QWEN3_8B, bits=8, about="Qwen3-8B shape, 8-bit (group 64)"),
     Shape("qwen3_5-hybrid", _QWEN3_5_HYBRID, about="Qwen3.5 hybrid shape (~0.8B, linear attention), bf16"),
     Shape("tiny", _TINY, about="2-layer llama, for CPU tests of the bench itself"),
+    Shape("tiny-hybrid", _TINY_HYBRID, about="4-layer Qwen3.5-style hybrid with real linear-attention heads, for CPU"),
 )}
 GPU_DEFAULT = ("smollm2-135m", "qwen3-8b", "qwen3-8b-8bit", "qwen3_5-hybrid")
 CPU_DEFAULT = ("tiny", "smollm2-135m")
@@ -204,10 +215,12 @@ def nbytes(model: nn.Module) -> int:
 
 def build(name: str, dtype: mx.Dtype = mx.bfloat16, seed: int = 0):
     """The shape `name` as an engine `LoadedModel` with random weights and `IdTokenizer`."""
+    from engine.kernels.gated_delta import use_chunked_prefill
     from engine.loading.registry import LoadedModel
 
     shape = SHAPES[name]
     model = build_module(shape, dtype, seed)
+    use_chunked_prefill(model)  # as engine.loading.registry.load_model does
     config = copy.deepcopy(shape.config)
     text = text_config(config)
     config.setdefault("vocab_size", text["vocab_size"])

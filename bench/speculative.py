@@ -10,8 +10,9 @@ Pairs:
            first --trunc-layers layers as a self-draft.
   random   random-weight target/draft built from config shapes (no checkpoint): (a) an independent
            smaller model as draft (acceptance near 0: a draft "trained for nothing"), (b) the
-           target's own truncation. Vocabulary is the bundled tokenizer's (49152) so prompts and
-           text go through the same engine path; the shapes are otherwise the named models'.
+           target's own truncation. Vocabulary 49152 (SmolLM2's); prompts are token ids and the
+           tokenizer bench.shapes.IdTokenizer, so these pairs run offline (`python -m bench
+           speculative` runs them); the shapes are otherwise the named models'.
 
 For each pair: per-token costs are measured first (a draft step and each extra verified token, in
 units of one target step) and given to the adaptive k policy; then each prompt is decoded greedily
@@ -25,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -88,48 +90,101 @@ def measure_costs(target, draft, k: int) -> dict:
                 draft_cost=draft_step / one, verify_cost=max(verify - one, 0) / (k * one))
 
 
-def run_pair(name: str, target_lm, draft, prompts, max_tokens: int, k_max: int) -> dict:
-    from engine.decoding.generate import build_prompt, generate
+def run_pair(name: str, target_lm, draft, prompts, max_tokens: int, k_max: int, reps: int = 1) -> dict:
+    """`prompts`: engine `Prompt`s; each is decoded `reps` times by plain and speculative greedy
+    decoding, alternating; tok/s is the median over all runs, with the spread."""
+    from engine.decoding.generate import generate
     from engine.decoding.sampling import SamplingParams
     from engine.decoding.speculative import SpecConfig, Speculator, ModelDrafter
 
     costs = measure_costs(target_lm.model, draft, k_max)
     config = SpecConfig(k_max=k_max, draft_cost=costs["draft_cost"], verify_cost=costs["verify_cost"])
     params = SamplingParams(max_tokens=max_tokens)
-    totals = dict(base_tokens=0, base_s=0.0, spec_tokens=0, spec_s=0.0, drafted=0, accepted=0,
-                  steps=0, emitted=0)
+    rates = {"base": [], "spec": []}
+    totals = dict(drafted=0, accepted=0, steps=0, emitted=0)
     identical = True
-    for text in prompts:
-        prompt = build_prompt(target_lm, messages=[{"role": "user", "content": text}])
-        base = list(generate(target_lm, prompt, params))
-        spec = Speculator(target_lm.model, ModelDrafter(draft), config)
-        fast = list(generate(target_lm, prompt, params, speculator=spec))
-        tokens = lambda events: [e.token for e in events if e.kind == "token"]  # noqa: E731
-        identical &= tokens(base) == tokens(fast)
-        for key, events in (("base", base), ("spec", fast)):
-            n, rate = len(tokens(events)), events[-1].timings.tokens_per_s
-            if rate:
-                totals[f"{key}_tokens"] += n - 1
-                totals[f"{key}_s"] += (n - 1) / rate
-        totals["drafted"] += spec.drafted
-        totals["accepted"] += spec.accepted
-        totals["steps"] += spec.steps
-        totals["emitted"] += spec.emitted
-    base_tps = totals["base_tokens"] / totals["base_s"]
-    spec_tps = totals["spec_tokens"] / totals["spec_s"]
+    tokens = lambda events: [e.token for e in events if e.kind == "token"]  # noqa: E731
+    list(generate(target_lm, prompts[0], SamplingParams(max_tokens=4)))  # warm-up
+    for rep in range(reps):
+        for prompt in prompts:
+            spec = Speculator(target_lm.model, ModelDrafter(draft), config)
+            order = ("base", "spec") if rep % 2 == 0 else ("spec", "base")
+            runs = {key: list(generate(target_lm, prompt, params,
+                                       **({"speculator": spec} if key == "spec" else {})))
+                    for key in order}
+            identical &= tokens(runs["base"]) == tokens(runs["spec"])
+            for key, events in runs.items():
+                if events[-1].timings.tokens_per_s:
+                    rates[key].append(events[-1].timings.tokens_per_s)
+            totals["drafted"] += spec.drafted
+            totals["accepted"] += spec.accepted
+            totals["steps"] += spec.steps
+            totals["emitted"] += spec.emitted
+    base_tps, spec_tps = statistics.median(rates["base"]), statistics.median(rates["spec"])
     speedup = spec_tps / base_tps
     acceptance = totals["accepted"] / totals["drafted"] if totals["drafted"] else None
     row = dict(
         pair=name, baseline_tokens_per_s=round(base_tps, 2), speculative_tokens_per_s=round(spec_tps, 2),
-        speedup=round(speedup, 3), acceptance_rate=None if acceptance is None else round(acceptance, 3),
-        tokens_per_target_step=round(totals["emitted"] / totals["steps"], 3),
-        mean_k=round(totals["drafted"] / totals["steps"], 2), identical_greedy=identical,
+        speedup=round(speedup, 3), runs=len(rates["base"]),
+        baseline_spread=[round(min(rates["base"]), 2), round(max(rates["base"]), 2)],
+        speculative_spread=[round(min(rates["spec"]), 2), round(max(rates["spec"]), 2)],
+        acceptance_rate=None if acceptance is None else round(acceptance, 3),
+        tokens_per_target_step=round(totals["emitted"] / totals["steps"], 3) if totals["steps"] else None,
+        mean_k=round(totals["drafted"] / totals["steps"], 2) if totals["steps"] else None,
+        identical_greedy=identical,
         costs={k: round(v, 5) for k, v in costs.items()}, k_max=k_max,
         best_k_at_measured_acceptance=config.best_k(min(acceptance or 0.0, 0.999)),
         recommended="speculative" if identical and speedup >= MIN_SPEEDUP else "baseline",
     )
     print(json.dumps(row), flush=True)
     return row
+
+
+def id_prompts(n: int, vocab: int):
+    """Token-id prompts (no tokenizer needed): the random pairs run offline."""
+    from engine.decoding.chat import Prompt
+    from bench.shapes import prompt_ids
+
+    return [Prompt(ids, [len(ids)]) for ids in (prompt_ids(64, vocab, seed=50 + i) for i in range(n))]
+
+
+def random_pairs(target_shape: str, draft_shape: str, dtype, trunc_layers: int | None, prompts,
+                 max_tokens: int, k_max: int, reps: int) -> list[dict]:
+    """A random target with an independent random draft, and with its own first layers as draft."""
+    from engine.loading.registry import LoadedModel
+    from engine.decoding.speculative import truncated
+    from bench.shapes import IdTokenizer
+
+    model, config = random_model(target_shape, dtype, seed=0)
+    target = LoadedModel(name=target_shape, model=model, tokenizer=IdTokenizer(config["vocab_size"]),
+                         config=config, path=Path(f"/nonexistent/random-{target_shape}"))
+    draft, _ = random_model(draft_shape, dtype, seed=1)
+    layers = trunc_layers or max(len(model.layers) // 9, 1)
+    return [run_pair(f"random {target_shape} <- random {draft_shape}", target, draft, prompts,
+                     max_tokens, k_max, reps),
+            run_pair(f"random {target_shape} <- own first {layers} layers", target,
+                     truncated(model, layers), prompts, max_tokens, k_max, reps)]
+
+
+def run_suite(a) -> list[dict]:
+    """`python -m bench speculative`: the random pairs (offline), as bench rows."""
+    import mlx.core as mx
+
+    gpu = a.device == "gpu"
+    target, draft = ("qwen3-8b", "qwen3-0.6b") if gpu else ("smollm2-135m", "smollm2-135m")
+    dtype = mx.bfloat16 if gpu else mx.float32
+    prompts = id_prompts(1 if a.quick else 2, 49152)
+    reps = max(1, -(-a.reps // len(prompts)))
+    out = []
+    for r in random_pairs(target, draft, dtype, None, prompts, a.gen if not a.quick else 16, 4, reps):
+        out.append(dict(shape=target, metric=f"decode with speculation: {r['pair']}", unit="tok/s",
+                        ours=r["speculative_tokens_per_s"], baseline=r["baseline_tokens_per_s"],
+                        baseline_name="plain greedy decoding", goal=">= 0.95",
+                        notes=f"median of {r['runs']}; spec {r['speculative_spread']}, plain "
+                              f"{r['baseline_spread']}; acceptance {r['acceptance_rate']}, mean k "
+                              f"{r['mean_k']}, identical greedy: {r['identical_greedy']}",
+                        extra=r))
+    return out
 
 
 def main() -> None:
@@ -153,31 +208,27 @@ def main() -> None:
 
     import mlx.core as mx
 
-    from engine.loading.registry import LoadedModel, load_model
+    from engine.loading.registry import load_model
     from engine.decoding.speculative import dequantize, truncated
 
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     dtype = getattr(mx, args.dtype)
     prompts = PROMPTS[: args.prompts]
     rows = []
-    bundled_q4 = load_model(None)
     if args.pairs in ("bundled", "all"):
+        from engine.decoding.generate import build_prompt
+
+        bundled_q4 = load_model(None)
         target = load_model(None, transform=dequantize(dtype))
+        texts = [build_prompt(target, messages=[{"role": "user", "content": t}]) for t in prompts]
         layers = args.trunc_layers or max(len(target.model.layers) // 3, 1)
-        rows.append(run_pair(f"smollm2-{args.dtype} <- own Q4", target, bundled_q4.model, prompts,
+        rows.append(run_pair(f"smollm2-{args.dtype} <- own Q4", target, bundled_q4.model, texts,
                              args.max_tokens, args.k_max))
         rows.append(run_pair(f"smollm2-{args.dtype} <- own first {layers} layers", target,
-                             truncated(target.model, layers), prompts, args.max_tokens, args.k_max))
+                             truncated(target.model, layers), texts, args.max_tokens, args.k_max))
     if args.pairs in ("random", "all"):
-        model, config = random_model(args.target_shape, dtype, seed=0)
-        target = LoadedModel(name=args.target_shape, model=model, tokenizer=bundled_q4.tokenizer,
-                             config=config, path=bundled_q4.path)
-        draft, _ = random_model(args.draft_shape, dtype, seed=1)
-        layers = args.trunc_layers or max(len(model.layers) // 9, 1)
-        rows.append(run_pair(f"random {args.target_shape} <- random {args.draft_shape}", target, draft,
-                             prompts, args.max_tokens, args.k_max))
-        rows.append(run_pair(f"random {args.target_shape} <- own first {layers} layers", target,
-                             truncated(model, layers), prompts, args.max_tokens, args.k_max))
+        rows += random_pairs(args.target_shape, args.draft_shape, dtype, args.trunc_layers,
+                             id_prompts(len(prompts), 49152), args.max_tokens, args.k_max, 1)
     out = args.out or RESULTS / f"speculative-{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(device=args.device, dtype=args.dtype, machine=platform.machine(), mlx=mx.__version__,

@@ -18,6 +18,7 @@ from . import bundled
 from ..device import warn_slow_paths
 from ..errors import ModelLoadError
 from .gguf import convert_gguf
+from ..kernels.gated_delta import use_chunked_prefill
 from ..paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -199,6 +200,7 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
             return load_model(None, transform=transform)
         raise
     model = _fastest_layout(model, config)
+    use_chunked_prefill(model)  # Qwen3.5 / Qwen3-Next: chunked linear-attention prefill
     if transform is not None:
         model = transform(model)
     # Materialise the weights here: lazy arrays belong to this thread's MLX stream, and the
