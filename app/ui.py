@@ -20,14 +20,13 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response, Stream
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from engine.decoding.drafts import draft_choices
-from engine.errors import EngineError
-from engine.decoding.sampling import PRESETS
+from engine import PRESETS, DraftChoice, Engine, EngineError, RequestHandle
 from web import __file__ as _web_init
 
 from .chat import (SAMPLING_FIELDS, engine_messages, parse_settings_form, preset_settings,
                    sampling_params, speculative_form, speculative_options, start_turn)
 from .markdown import render_markdown, render_plain
+from .sse import sse
 from .storage import Conversation, Message, Storage
 
 # Autoescaping everywhere: titles and user text are escaped; model output is inserted only after
@@ -106,7 +105,7 @@ def _render(name: str, **context: Any) -> str:
     return templates.get_template(name).render(**context)
 
 
-def _app(conn: Request | WebSocket) -> tuple[Storage, Any]:
+def _app(conn: Request | WebSocket) -> tuple[Storage, Engine]:
     return conn.app.state.storage, conn.app.state.engine
 
 
@@ -118,10 +117,23 @@ def _models_context(request: Request) -> dict[str, Any]:
 
 def _settings_context(conv: Conversation, errors: dict[str, str] | None = None,
                       settings: dict[str, Any] | None = None, saved: bool = False,
-                      engine: Any = None) -> dict[str, Any]:
+                      engine: Engine | None = None) -> dict[str, Any]:
+    model = engine.model if engine is not None else None
     return {"conv": conv, "settings": settings or conv.settings, "errors": errors or {},
             "fields": SAMPLING_FIELDS, "presets": PRESETS, "saved": saved,
-            "drafts": draft_choices(engine.lm if engine is not None else None)}
+            "drafts": [(d.draft, draft_label(d)) for d in model.drafts] if model else []}
+
+
+def draft_label(choice: DraftChoice) -> str:
+    """How the settings panel names a draft."""
+    if choice.kind == "truncated":
+        return f"own first {choice.layers} of {choice.of_layers} layers"
+    return {"self-q4": "own 4-bit weights", "mtp": "MTP head"}[choice.kind]
+
+
+def _family(engine: Engine) -> str | None:
+    model = engine.model
+    return model.family if model else None
 
 
 def _current_id(request: Request) -> int | None:
@@ -155,8 +167,7 @@ async def index(request: Request) -> Response:
 def _new_conversation(request: Request, copy_from: Conversation | None) -> Conversation:
     """Reuse an empty conversation if there is one; new ones keep the current settings."""
     storage, engine = _app(request)
-    family = engine.lm.family if engine.lm else None
-    settings = copy_from.settings if copy_from else preset_settings("recommended", family)
+    settings = copy_from.settings if copy_from else preset_settings("recommended", _family(engine))
     empty = storage.empty_conversation()
     if empty is not None:
         storage.update_conversation(empty.id, settings=settings)
@@ -268,7 +279,7 @@ async def apply_preset(request: Request) -> Response:
     if name not in PRESETS:
         return HTMLResponse(_render("_settings.html", **_settings_context(
             conv, {"preset": f"Unknown preset {name!r}."}, engine=engine)))
-    settings = preset_settings(name, engine.lm.family if engine.lm else None,
+    settings = preset_settings(name, _family(engine),
                                str(form.get("system_prompt", "")).strip())
     settings["speculative"] = speculative_form(form)[0]  # a preset sets sampling only
     storage.update_conversation(conv.id, settings=settings)
@@ -307,17 +318,12 @@ async def model_progress(request: Request) -> Response:
 
     async def events() -> AsyncIterator[str]:
         while switch.loading:
-            yield _sse("progress", switch.describe())
+            yield sse(switch.describe(), "progress")
             await asyncio.sleep(0.5)
-        yield _sse("done", _render("_models.html", **_models_context(request)))
+        yield sse(_render("_models.html", **_models_context(request)), "done")
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
-
-
-def _sse(event: str, html: str) -> str:
-    data = "\n".join(f"data: {line}" for line in html.splitlines() or [""])
-    return f"event: {event}\n{data}\n\n"
 
 
 # --- the chat socket ----------------------------------------------------------------------------
@@ -327,7 +333,7 @@ class _Generation:
     """The answer a socket is generating: the task streaming it and, once submitted, its handle."""
 
     task: asyncio.Task | None = None
-    handle: Any = None
+    handle: RequestHandle | None = None
     stop_requested: bool = False
 
     @property
@@ -404,8 +410,6 @@ async def _respond(ws: WebSocket, cid: int, action: str, data: dict[str, Any],
     text, final, error = "", None, None
     try:
         await ws.send_text(opening)
-        if speculative is not None:  # its draft loads once, off the event loop
-            await asyncio.to_thread(engine.prepare_speculative, speculative)
         gen.handle = engine.submit(messages=engine_messages(conv.settings, path[:-1]), params=params,
                                    speculative=speculative)
         if gen.stop_requested:  # Stop pressed before the request existed
