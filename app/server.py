@@ -17,7 +17,8 @@ from engine import Engine, describe_device
 
 from . import api, ui
 from .runs import Runs
-from .security import LOOPBACK_NAMES, GuardMiddleware, is_loopback
+from .security import (LOOPBACK_NAMES, ApiKeyGuard, HostGuard, OriginGuard, SecurityHeaders,
+                       is_loopback)
 from .storage import Storage
 
 STATIC_DIR = Path(static.__file__).parent
@@ -32,7 +33,13 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     storage.interrupt_streaming()  # answers cut off by a crash: keep their text, mark them
     app = Starlette(
         routes=[*api.routes, *ui.routes, Mount("/static", StaticFiles(directory=STATIC_DIR))],
-        middleware=[Middleware(GuardMiddleware, allowed_hosts=allowed_hosts, api_key=api_key)],
+        # The security policy, outermost first; a refusal carries no security headers.
+        middleware=[
+            Middleware(HostGuard, allowed_hosts=allowed_hosts),  # DNS rebinding: 400
+            Middleware(OriginGuard),  # cross-site writes and WebSockets: 403
+            Middleware(ApiKeyGuard, api_key=api_key),  # /v1 with --api-key: 401
+            Middleware(SecurityHeaders),  # CSP, nosniff, no framing, no referrer
+        ],
     )
     app.state.engine = engine
     app.state.storage = storage
