@@ -17,12 +17,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine import (SAMPLING_OPTIONS, EngineError, Event, InvalidRequest, Overloaded,
+from engine import (SAMPLING_OPTIONS, EngineError, InvalidRequest, Overloaded,
                     RequestHandle, SamplingParams, SpeculativeOptions, Usage, device_report)
 
 from .runs import Runs
 from .security import api_error
 from .sse import sse
+from .turns import collect, start
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -262,9 +263,7 @@ async def chat_completions(request: Request) -> Response:
         chat = parse_chat_request(body, engine.model_name)
         speculative = parse_speculative(body.get("speculative"))
         try:
-            handle = engine.submit(messages=chat.messages, params=chat.params,
-                                   speculative=speculative)
-            await handle.accepted()  # a draft loads on the engine's side; a bad one is a 400
+            handle = await start(engine, chat.messages, chat.params, speculative)
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), _param(exc)) from None
         except Overloaded as exc:
@@ -285,7 +284,7 @@ async def chat_completions(request: Request) -> Response:
     with runs.track(handle):
         watcher = asyncio.create_task(_cancel_on_disconnect(request, handle))
         try:
-            text, final = await _collect(handle)
+            text, final = await collect(handle)
         finally:
             watcher.cancel()
     if final.finish_reason == "failed":
@@ -296,15 +295,6 @@ async def chat_completions(request: Request) -> Response:
                      "finish_reason": final.finish_reason, "logprobs": None}],
         "usage": usage_body(final.usage, final.stats),
     })
-
-
-async def _collect(handle: RequestHandle) -> tuple[str, Event]:
-    parts = []
-    async for event in handle.stream():
-        if event.kind == "done":
-            return "".join(parts), event
-        parts.append(event.text)
-    raise RuntimeError("the engine stream ended without a done event")
 
 
 def _data(payload: dict[str, Any]) -> str:

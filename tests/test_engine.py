@@ -9,7 +9,7 @@ from mlx_lm.sample_utils import make_sampler
 from engine.decoding.chat import render
 from engine.errors import InvalidRequest
 from engine.decoding.generate import build_prompt, generate
-from engine.decoding.sampling import SamplingParams, TokenSampler, preset
+from engine.decoding.sampling import SamplingParams, preset
 
 CONVERSATIONS = {
     "english": [{"role": "user", "content": "What is the capital of France?"}],
