@@ -4,10 +4,10 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from engine import PRESETS
+from engine import PRESETS, Engine
 
 from .chat import SAMPLING_FIELDS, parse_settings_form, preset_settings, speculative_form
-from .storage import Conversation
+from .storage import Conversation, Storage
 from .views import (conversation_of, current_id, family, message_views, models_context, not_found,
                     parts, read_form, render, settings_context)
 
@@ -108,12 +108,19 @@ async def message_fragment(request: Request) -> Response:
     return HTMLResponse(render("_edit.html" if editing else "_message.html", conv=conv, v=view))
 
 
-async def save_settings(request: Request) -> Response:
+async def _settings_post(
+        request: Request) -> tuple[Storage, Engine, Conversation, dict[str, str]] | None:
+    """What a settings form post needs, or None when its conversation does not exist."""
     storage, engine = parts(request)
     conv = conversation_of(request)
-    if conv is None:
+    return None if conv is None else (storage, engine, conv, await read_form(request))
+
+
+async def save_settings(request: Request) -> Response:
+    post = await _settings_post(request)
+    if post is None:
         return not_found()
-    form = await read_form(request)
+    storage, engine, conv, form = post
     settings, errors = parse_settings_form(form)
     if errors:  # show what was typed, next to what is wrong with it
         settings["sampling"] = {name: form.get(name, "") for name in SAMPLING_FIELDS}
@@ -124,11 +131,10 @@ async def save_settings(request: Request) -> Response:
 
 
 async def apply_preset(request: Request) -> Response:
-    storage, engine = parts(request)
-    conv = conversation_of(request)
-    if conv is None:
+    post = await _settings_post(request)
+    if post is None:
         return not_found()
-    form = await read_form(request)
+    storage, engine, conv, form = post
     name = str(form.get("preset", ""))
     if name not in PRESETS:
         return HTMLResponse(render("_settings.html", **settings_context(

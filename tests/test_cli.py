@@ -36,7 +36,7 @@ def test_generate_is_reproducible_with_a_seed(lm):
 @pytest.mark.parametrize("args, message", [
     (["--model", "no-such-model"], "unknown model 'no-such-model'"),
     (["--top-p", "1.5"], "Invalid value for '--top-p': 1.5 is not in the range 0<x<=1"),
-    (["--max-tokens", "0"], "Invalid value for '-n' / '--max-tokens': 0 is not in the range x>=1"),
+    (["--max-tokens", "0"], "Invalid value for '--max-tokens' / '-n': 0 is not in the range x>=1"),
 ])
 def test_bad_input_is_a_clear_error_without_traceback(lm, args, message):
     result = run("generate", "hello", *args)
