@@ -193,7 +193,7 @@ class Engine:
         """Load the model (on the scheduler thread) and start serving; blocks until loaded."""
         # Every token is handed from the scheduler thread to readers in other threads; with
         # Python's default 5 ms switch interval the scheduler waits for the GIL after each device
-        # sync (measured on an H200: 8 streams 94 -> 205 tok/s with 0.2 ms).
+        # sync (bench/results/cuda-h200-2026-12-02-concurrency-switchinterval-only.json).
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, name="mlxchat-scheduler", daemon=True)
         self._thread.start()
