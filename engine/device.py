@@ -109,7 +109,7 @@ def describe(device: mx.Device | None = None) -> str:
 
 
 # MLX's CPU wheel ships a slow reference BLAS; Debian's threaded OpenBLAS, preloaded before MLX
-# loads, is many times faster (bench/results/decode-cpu.json). Only fp32 matmuls go through BLAS.
+# loads, is many times faster. Only fp32 matmuls go through BLAS.
 OPENBLAS_PATHS = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
