@@ -44,21 +44,25 @@ class SamplingOption:
         return f"{'(' if self.low_open or self.low is None else '['}{low}, " \
                f"{high}{')' if self.high_open or self.high is None else ']'}"
 
+    def expected(self) -> str:
+        """What a value must be, as the error messages say it, e.g. "a positive integer"."""
+        if self.kind is int and self.high is None and self.low in (0, 1):
+            return "a positive integer" if self.low == 1 else "a non-negative integer"
+        return f"{'an integer' if self.kind is int else 'a number'} in {self.interval()}"
+
     def check(self, value: Any) -> None:
         """Raise InvalidRequest (with this option's name as `field`) unless `value` is allowed."""
         if value is None and self.default is None:
             return
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if self.kind is int and not (number and isinstance(value, int)):
-            raise InvalidRequest(f"{self.name} must be an integer in {self.interval()}, got "
-                                 f"{value!r}", field=self.name, code="invalid_type")
-        if not number or not math.isfinite(value):
-            raise InvalidRequest(f"{self.name} must be a number in {self.interval()}, got {value!r}",
+        if not number or (self.kind is int and not isinstance(value, int)) or not math.isfinite(value):
+            raise InvalidRequest(f"{self.name} must be {self.expected()}, got {value!r}",
                                  field=self.name, code="invalid_type")
         below = self.low is not None and (value <= self.low if self.low_open else value < self.low)
         above = self.high is not None and (value >= self.high if self.high_open else value > self.high)
         if below or above:
-            raise InvalidRequest(f"{self.name} must be in {self.interval()}, got {value!r}",
+            wanted = self.expected() if self.kind is int and self.high is None else f"in {self.interval()}"
+            raise InvalidRequest(f"{self.name} must be {wanted}, got {value!r}",
                                  field=self.name, code="invalid_value")
 
 
