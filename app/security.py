@@ -54,55 +54,95 @@ SECURITY_HEADERS = [
 ]
 
 
-def _with_headers(send: Send) -> Send:
-    async def wrapped(message: dict) -> None:
-        if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", []), *SECURITY_HEADERS]}
-        await send(message)
-    return wrapped
+class _Guard:
+    """One check on every HTTP request and WebSocket handshake; `refuse` answers in its place."""
 
-
-class GuardMiddleware:
-    """Refuses foreign Hosts (400), cross-origin writes and WebSockets (403), bad API keys (401).
-
-    `allowed_hosts=None` accepts any Host: only for `--allow-remote` on a wildcard address, where
-    the server is meant to be reached under names we cannot know.
-    """
-
-    def __init__(self, app: ASGIApp, allowed_hosts: Iterable[str] | None,
-                 api_key: str | None = None):
+    def __init__(self, app: ASGIApp):
         self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            refusal = self.check(scope, Headers(scope=scope))
+            if refusal is not None:
+                return await refusal(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def check(self, scope: Scope, headers: Headers) -> ASGIApp | None:
+        """None to let the request through, else the response that refuses it."""
+        raise NotImplementedError
+
+
+def _refusal(scope: Scope, status: int, text: str) -> ASGIApp:
+    if scope["type"] == "websocket":
+        async def close(scope: Scope, receive: Receive, send: Send) -> None:
+            # Closing before accepting makes the server answer the handshake with HTTP 403.
+            await send({"type": "websocket.close", "code": 1008, "reason": text})
+        return close
+    return PlainTextResponse(text, status_code=status)
+
+
+class HostGuard(_Guard):
+    """Refuses a `Host` that is not ours (400): DNS rebinding. `allowed_hosts=None` accepts any
+    Host: only for `--allow-remote` on a wildcard address, where the server is meant to be reached
+    under names we cannot know."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: Iterable[str] | None):
+        super().__init__(app)
         self.allowed_hosts = (
             None if allowed_hosts is None else {h.lower().strip("[]") for h in allowed_hosts}
         )
+
+    def check(self, scope: Scope, headers: Headers) -> ASGIApp | None:
+        if self.allowed_hosts is not None and \
+                _hostname(headers.get("host", "")) not in self.allowed_hosts:
+            return _refusal(scope, 400, "Invalid Host header")
+        return None
+
+
+class OriginGuard(_Guard):
+    """Refuses cross-origin writes and WebSockets (403)."""
+
+    def check(self, scope: Scope, headers: Headers) -> ASGIApp | None:
+        if scope["type"] == "websocket" or scope["method"] not in _SAFE_METHODS:
+            host = headers.get("host", "")
+            origin = headers.get("origin")
+            if headers.get("sec-fetch-site") == "cross-site" or \
+                    (origin is not None and urlsplit(origin).netloc.lower() != host.lower()):
+                return _refusal(scope, 403, "Cross-origin request refused")
+        return None
+
+
+class ApiKeyGuard(_Guard):
+    """With a key set, `/v1/` requires `Authorization: Bearer <key>` (401), compared in constant
+    time."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None):
+        super().__init__(app)
         self.api_key = api_key
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket"):
-            return await self.app(scope, receive, send)
-        headers = Headers(scope=scope)
-        host = headers.get("host", "")
-        if self.allowed_hosts is not None and _hostname(host) not in self.allowed_hosts:
-            return await self._refuse(scope, receive, send, 400, "Invalid Host header")
-        cross_site = headers.get("sec-fetch-site") == "cross-site"
-        origin = headers.get("origin")
-        if scope["type"] == "websocket" or scope["method"] not in _SAFE_METHODS:
-            if cross_site or (origin is not None and urlsplit(origin).netloc.lower() != host.lower()):
-                return await self._refuse(scope, receive, send, 403, "Cross-origin request refused")
+    def check(self, scope: Scope, headers: Headers) -> ASGIApp | None:
         if self.api_key and scope["path"].startswith("/v1/"):
             auth = headers.get("authorization", "")
             given = auth[7:] if auth[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-                response = api_error(401, "Incorrect or missing API key (send 'Authorization: "
-                                          "Bearer <key>').", "invalid_request_error",
-                                     "invalid_api_key")
-                return await response(scope, receive, send)
-        await self.app(scope, receive, _with_headers(send) if scope["type"] == "http" else send)
+                return api_error(401, "Incorrect or missing API key (send 'Authorization: "
+                                      "Bearer <key>').", "invalid_request_error", "invalid_api_key")
+        return None
 
-    @staticmethod
-    async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, text: str) -> None:
-        if scope["type"] == "websocket":
-            # Closing before accepting makes the server answer the handshake with HTTP 403.
-            await send({"type": "websocket.close", "code": 1008, "reason": text})
-            return
-        await PlainTextResponse(text, status_code=status)(scope, receive, send)
+
+class SecurityHeaders:
+    """Adds SECURITY_HEADERS to every HTTP response of the app inside it."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def with_headers(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *SECURITY_HEADERS]}
+            await send(message)
+
+        await self.app(scope, receive, with_headers)

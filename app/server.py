@@ -13,17 +13,19 @@ from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
 import static
+from engine import Engine, describe_device
 
 from . import api, ui
 from .runs import Runs
-from .security import LOOPBACK_NAMES, GuardMiddleware, is_loopback
+from .security import (LOOPBACK_NAMES, ApiKeyGuard, HostGuard, OriginGuard, SecurityHeaders,
+                       is_loopback)
 from .storage import Storage
 
 STATIC_DIR = Path(static.__file__).parent
 WILDCARD_HOSTS = ("0.0.0.0", "::")
 
 
-def create_app(engine: Any, db_path: Path | None = None, *,
+def create_app(engine: Engine, db_path: Path | None = None, *,
                allowed_hosts: Iterable[str] | None = LOOPBACK_NAMES,
                api_key: str | None = None) -> Starlette:
     """The whole app around a started `engine`. `allowed_hosts=None` accepts any Host header."""
@@ -31,7 +33,13 @@ def create_app(engine: Any, db_path: Path | None = None, *,
     storage.interrupt_streaming()  # answers cut off by a crash: keep their text, mark them
     app = Starlette(
         routes=[*api.routes, *ui.routes, Mount("/static", StaticFiles(directory=STATIC_DIR))],
-        middleware=[Middleware(GuardMiddleware, allowed_hosts=allowed_hosts, api_key=api_key)],
+        # The security policy, outermost first; a refusal carries no security headers.
+        middleware=[
+            Middleware(HostGuard, allowed_hosts=allowed_hosts),  # DNS rebinding: 400
+            Middleware(OriginGuard),  # cross-site writes and WebSockets: 403
+            Middleware(ApiKeyGuard, api_key=api_key),  # /v1 with --api-key: 401
+            Middleware(SecurityHeaders),  # CSP, nosniff, no framing, no referrer
+        ],
     )
     app.state.engine = engine
     app.state.storage = storage
@@ -62,9 +70,6 @@ class _Server(uvicorn.Server):
 def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
           open_browser: bool = True, allow_remote: bool = False, api_key: str | None = None) -> None:
     """Load `model`, then serve the UI and the API until Ctrl-C."""
-    from engine.device import describe
-    from engine.scheduling.service import Engine
-
     if not is_loopback(host) and not allow_remote:
         raise SystemExit(f"Refusing to listen on {host}: other machines could reach your chats. "
                          "Pass --allow-remote to do it anyway.")
@@ -80,7 +85,7 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
     url = f"http://{f'[{shown}]' if ':' in shown else shown}:{port}/"
 
     def started() -> None:
-        print(f"mlxchat is running at {url}  (model: {engine.model_name} on {describe()}; "
+        print(f"mlxchat is running at {url}  (model: {engine.model_name} on {describe_device()}; "
               "Ctrl-C to quit)",
               file=sys.stderr, flush=True)
         if open_browser:

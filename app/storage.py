@@ -19,7 +19,7 @@ from pathlib import Path
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from engine.paths import data_dir
+from engine import data_dir
 
 DB_NAME = "mlxchat.db"
 DEFAULT_TITLE = "New chat"

@@ -108,8 +108,8 @@ def describe(device: mx.Device | None = None) -> str:
     return f"cpu ({os.cpu_count()} cores, {blas})"
 
 
-# MLX's CPU wheel ships a reference BLAS (~3 GFLOP/s for fp32 matmuls here); Debian's threaded
-# OpenBLAS, preloaded before MLX loads, gives ~15x that. Only fp32 matmuls go through BLAS.
+# MLX's CPU wheel ships a slow reference BLAS; Debian's threaded OpenBLAS, preloaded before MLX
+# loads, is many times faster. Only fp32 matmuls go through BLAS.
 OPENBLAS_PATHS = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",

@@ -1,8 +1,17 @@
-"""Errors the engine raises for bad input or unloadable models; their messages are shown to users."""
+"""Errors the engine raises for bad input or unloadable models; their messages are shown to users.
+
+An error that concerns one input carries that input's name as `field` and a machine-readable
+`code`, so callers (the API's `param`, the settings form) never parse the message text.
+"""
 
 
 class EngineError(Exception):
     """Base class: the message is meant for the user, no traceback needed."""
+
+    def __init__(self, message: str, *, field: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.field = field
+        self.code = code
 
 
 class ModelLoadError(EngineError):
@@ -15,3 +24,11 @@ class UnsupportedArchitecture(ModelLoadError):
 
 class InvalidRequest(EngineError):
     """A generation request is malformed: empty prompt, out-of-range sampling value, too long."""
+
+
+class Overloaded(EngineError):
+    """Too many requests running and queued; try again after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message, code="overloaded")
+        self.retry_after = retry_after

@@ -30,7 +30,7 @@
     const t = e.target;
     if (!(t instanceof Element)) return;
     if (t.closest("#theme-toggle")) toggleTheme();
-    else if (t.closest("#sidebar-toggle")) document.body.classList.toggle("sidebar-open");
+    else if (t.closest("#sidebar-toggle")) setSidebar(!document.body.classList.contains("sidebar-open"));
     else if (t.matches(".code > .copy")) copy(t.parentElement.querySelector("code").innerText, t);
     else if (t.matches(".copy-message")) copy(t.closest(".message").querySelector(".body").innerText, t);
   });
@@ -68,9 +68,13 @@
     const list = document.getElementById("messages");
     if (list && follow) list.scrollTop = list.scrollHeight;
   });
+  function setSidebar(open) {
+    document.body.classList.toggle("sidebar-open", open);
+    document.getElementById("sidebar-toggle")?.setAttribute("aria-expanded", String(open));
+  }
   // A conversation just opened (page load or boosted navigation): show its end, ready to type.
   function opened() {
-    document.body.classList.remove("sidebar-open");
+    setSidebar(false);
     const list = document.getElementById("messages");
     if (list) list.scrollTop = list.scrollHeight;
     const prompt = document.getElementById("prompt");

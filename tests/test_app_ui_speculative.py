@@ -11,6 +11,8 @@ from live_server import serving
 from test_app_ui import new_conversation, turn
 from tiny_models import tiny_llama
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

@@ -8,6 +8,8 @@ import pytest
 from engine import device
 from engine.errors import EngineError
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.fixture(autouse=True)
 def restore_default_device():

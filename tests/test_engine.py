@@ -4,11 +4,12 @@ splitting characters, and bad input gets a clear error."""
 import mlx.core as mx
 import pytest
 from mlx_lm import stream_generate
+from mlx_lm.sample_utils import make_sampler
 
 from engine.decoding.chat import render
 from engine.errors import InvalidRequest
 from engine.decoding.generate import build_prompt, generate
-from engine.decoding.sampling import SamplingParams, TokenSampler, preset
+from engine.decoding.sampling import SamplingParams, preset
 
 CONVERSATIONS = {
     "english": [{"role": "user", "content": "What is the capital of France?"}],
@@ -29,7 +30,8 @@ SAMPLERS = {
 def mlx_lm_tokens(lm, tokens, params):
     """What mlx-lm itself generates for the same prompt and sampler (global seed = our seed)."""
     mx.random.seed(params.seed or 0)
-    sampler = TokenSampler(params).mlx_lm_sampler()
+    sampler = make_sampler(temp=params.temperature, top_p=params.top_p if params.top_p < 1 else 0.0,
+                           min_p=params.min_p, top_k=params.top_k)
     out = [r.token for r in stream_generate(lm.model, lm.tokenizer, mx.array(tokens),
                                             max_tokens=params.max_tokens, sampler=sampler)]
     eos = set(lm.tokenizer.eos_token_ids)

@@ -95,7 +95,8 @@ def test_overflow_is_refused_and_admitted_requests_match_running_alone(model, lm
     max_tokens = 8 if model == "bundled" else 24  # long enough for all four to overlap
     requests = [(dict(messages=[{"role": "user", "content": f"Tell me about the number {i}."}]),
                  params_for(i, max_tokens)) for i in range(16)]
-    engine = serve(counted(base), max_running=4, max_queued=4, prefix_cache=False)
+    target = counted(base)
+    engine = serve(target, max_running=4, max_queued=4, prefix_cache=False)
 
     results = submit_at_once(engine, requests)
 
@@ -106,7 +107,7 @@ def test_overflow_is_refused_and_admitted_requests_match_running_alone(model, lm
         prompt, params = requests[i]
         assert tokens(handle) == alone(base, params, **prompt)
         assert handle.state == "finished" and handle.finish_reason in ("stop", "length")
-    assert max(engine.lm.model.batch_sizes) == 4
+    assert max(target.model.batch_sizes) == 4
 
 
 def cancel_after_tokens(handle, n):
@@ -158,7 +159,8 @@ def test_cancel_anywhere_closes_every_request_and_frees_its_memory(llama, serve)
             cancelled_in.append(handle.transitions[-2][0])
 
     assert set(cancelled_in) == {"queued", "prefill", "decoding"}
-    assert not engine._running and not engine._queued and not len(engine._batch)
+    status = engine.status()
+    assert (status.running, status.queued, status.batch_rows, status.reserved_bytes) == (0, 0, 0, 0)
     # Each cancelled request held over 1 MiB of cache; what the test's handles still hold (their
     # samplers' 8-byte random keys) is all that may remain.
     assert mx.get_active_memory() - baseline < 1024
@@ -185,7 +187,8 @@ class FaultyParams(SamplingParams):
 
 @pytest.mark.parametrize("where", ["decode", "prefill"])
 def test_a_fault_in_one_request_fails_only_that_one(where, llama, serve):
-    engine = serve(counted(llama), max_running=4, prefix_cache=False)
+    target = counted(llama)
+    engine = serve(target, max_running=4, prefix_cache=False)
     requests = [(dict(prompt_tokens=list(range(100 + 50 * i, 130 + 50 * i))),
                  params_for(i, 12)) for i in range(4)]
     # In decode it fails at its sixth draw, by when all four requests decode in one batch.
@@ -204,7 +207,7 @@ def test_a_fault_in_one_request_fails_only_that_one(where, llama, serve):
             prompt, params = requests[i]
             assert handle.state == "finished"
             assert [e.token for e in events if e.kind == "token"] == alone(llama, params, **prompt)
-    assert max(engine.lm.model.batch_sizes) == (4 if where == "decode" else 3)
+    assert max(target.model.batch_sizes) == (4 if where == "decode" else 3)
     prompt, params = requests[1]
     assert tokens(engine.submit(params=params, **prompt)) == alone(llama, params, **prompt)
 
@@ -226,11 +229,10 @@ def test_states_and_timestamps_follow_the_lifecycle(llama, serve):
         assert stamps == sorted(stamps)
         t = handle.times
         assert t["queued"] <= t["started"] <= t["first_token"] <= t["last_token"] <= t["ended"]
-        snap = handle.snapshot()
         n = sum(e.kind == "token" for e in out[handle.id])
-        assert snap["state"] == "finished" and snap["finish_reason"] == "length"
-        assert snap["usage"]["completion_tokens"] == n == handle.generation.params.max_tokens
-        assert snap["usage"]["prompt_tokens"] == 40 and snap["error"] is None
+        assert handle.state == "finished" and handle.finish_reason == "length"
+        assert handle.usage.completion_tokens == n == handle.generation.params.max_tokens
+        assert handle.usage.prompt_tokens == 40 and handle.error is None
     assert first.times["ended"] <= second.times["started"]  # one running at a time
 
 
@@ -263,7 +265,7 @@ def test_batched_requests_reuse_and_fill_the_prefix_cache(llama, serve):
 
 def test_requests_over_the_memory_budget_are_refused_before_any_work(llama, serve):
     probe = serve(llama)
-    per_request = probe._footprint.bytes_for(40 + 8)
+    per_request = probe.request_bytes(40, 8)
     engine = serve(llama, max_running=4, memory_budget=int(per_request * 2.5))
     long = dict(prompt_tokens=list(range(100, 140)), params=SamplingParams(max_tokens=2000))
     with pytest.raises(InvalidRequest, match="memory budget"):

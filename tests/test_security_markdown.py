@@ -6,6 +6,8 @@ import pytest
 
 from app.markdown import render_markdown, render_plain
 
+pytestmark = pytest.mark.fast
+
 ATTACKS = [
     "<script>alert(1)</script>",
     "<img src=x onerror=alert(1)>",

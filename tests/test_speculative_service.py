@@ -12,13 +12,15 @@ import threading
 
 import pytest
 
-from engine.decoding.drafts import SpeculativeOptions, draft_choices
+from engine.decoding.drafts import SpeculativeOptions
 from engine.errors import InvalidRequest
 from engine.decoding.generate import build_prompt, generate
 from engine.decoding.sampling import SamplingParams
 from engine.scheduling.service import Engine
 from engine.decoding.speculative import Speculator
 from tiny_models import tiny_llama, tiny_qwen3_5
+
+pytestmark = pytest.mark.fast
 
 PROMPTS = [list(range(100, 140)), [5, 17, 900, 31, 4000, 12], list(range(2000, 2600, 7)),
            [7, 7, 7, 300, 301, 302]]
@@ -73,10 +75,14 @@ def test_concurrent_speculative_and_plain_requests_match_running_alone(llama, se
     q4 = handles[1].generation.speculator
     assert q4.accepted > 0  # 4-bit weights of the same (random, near-flat) model agree at times
     assert handles[2].generation.speculator.accepted == 0
-    # Loaded once each, kept for later requests.
-    assert set(engine._drafts) == {"truncated:3", "truncated:2", "self-q4", str(other.path)}
-    factory = engine._drafts["self-q4"][1]
-    assert engine.prepare_speculative(SpeculativeOptions("self-q4")) is factory
+    # Each loaded once on the engine's side (the request waited in `loading_draft`), then kept:
+    # a later request with the same draft is queued at once.
+    assert set(engine.status().drafts) == {"truncated:3", "truncated:2", "self-q4", str(other.path)}
+    assert handles[1].transitions[0][0] == "loading_draft"
+    again = engine.submit(prompt_tokens=PROMPTS[0], params=greedy,
+                          speculative=SpeculativeOptions("self-q4"))
+    assert again.transitions[0][0] == "queued"
+    assert finish(again)[0] == alone(llama, greedy, PROMPTS[0])
 
 
 def test_hybrid_model_under_the_scheduler_keeps_the_prefix_cache_intact(serve):
@@ -118,7 +124,7 @@ def test_cancel_in_the_middle_of_a_verification_step(llama, serve, monkeypatch):
     assert done.finish_reason == "cancelled" and handle.state == "cancelled"
     assert 3 <= len(tokens) < 200 and tokens == alone(llama, params, PROMPTS[0])[:len(tokens)]
     assert done.stats["speculative"]["target_steps"] == 3
-    assert not engine._running and not engine._queued
+    assert (engine.status().running, engine.status().queued) == (0, 0)
     monkeypatch.setattr(Speculator, "step", real_step)
     short = SamplingParams(max_tokens=16)
     again = engine.submit(prompt_tokens=PROMPTS[0], params=short, speculative=spec)
@@ -156,7 +162,7 @@ def test_mtp_draft_through_the_engine(serve, tmp_path):
 
     folder, _ = mtp_folder(QWEN3_5, tmp_path, raw_hf=False)
     lm = load_model(str(folder))
-    assert "mtp" in [d for d, _ in draft_choices(lm)]
+    assert "mtp" in [d.draft for d in serve(lm).model.drafts]
     engine = serve(lm, max_running=2, prefix_cache=False)
     params = SamplingParams(max_tokens=16)
     handles = [engine.submit(prompt_tokens=p, params=params, speculative=SpeculativeOptions("mtp", k=2))
@@ -168,8 +174,15 @@ def test_mtp_draft_through_the_engine(serve, tmp_path):
 
 def test_drafts_that_cannot_work_are_refused_clearly(llama, serve, tmp_path):
     engine = serve(llama)
-    submit = lambda draft, **kw: engine.submit(prompt_tokens=PROMPTS[0],  # noqa: E731
-                                               speculative=SpeculativeOptions(draft, **kw))
+    def submit(draft, **kw):
+        """As a caller sees a refusal: at once, or (a draft that had to load) from `accepted`."""
+        handle = engine.submit(prompt_tokens=PROMPTS[0], speculative=SpeculativeOptions(draft, **kw))
+        try:
+            handle.wait_accepted(timeout=120)
+        except InvalidRequest:
+            done = list(handle.events(timeout=60))[-1]
+            assert handle.state == "failed" and done.finish_reason == "failed" and done.error
+            raise
     with pytest.raises(InvalidRequest, match="unknown draft 'nonsense'"):
         submit("nonsense")
     with pytest.raises(InvalidRequest, match=r"N must be .* in \[1, 3\]"):
@@ -188,10 +201,11 @@ def test_drafts_that_cannot_work_are_refused_clearly(llama, serve, tmp_path):
     (folder / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(InvalidRequest, match="vocabularies differ"):
         submit(str(folder))
-    assert not engine._running and not engine._queued
-    assert [d for d, _ in draft_choices(llama)] == ["self-q4", "truncated:1"]
+    status = engine.status()
+    assert (status.running, status.queued, status.loading_drafts, status.reserved_bytes) == (0, 0, 0, 0)
+    assert [d.draft for d in engine.model.drafts] == ["self-q4", "truncated:1"]
     qwen = tiny_qwen3_5()  # 4 layers, the 4th the only full-attention one: none can be dropped
-    assert [d for d, _ in draft_choices(qwen)] == ["self-q4"]
+    assert [d.draft for d in serve(qwen).model.drafts] == ["self-q4"]
     with pytest.raises(InvalidRequest, match="none can be dropped"):
         serve(qwen).submit(prompt_tokens=PROMPTS[0], speculative=SpeculativeOptions("truncated:3"))
 
@@ -205,14 +219,14 @@ def test_drafts_are_dropped_with_the_model_they_were_loaded_for(llama):
         spec = SpeculativeOptions("truncated:3")
         assert finish(engine.submit(prompt_tokens=PROMPTS[0], params=params, speculative=spec))[0] \
             == alone(llama, params, PROMPTS[0])
-        assert list(engine._drafts) == ["truncated:3"]
+        assert engine.status().drafts == ("truncated:3",)
         engine.switch_model("qwen")
-        assert not engine._drafts
+        assert engine.status().drafts == ()
         with pytest.raises(InvalidRequest, match="none can be dropped"):
             engine.submit(prompt_tokens=PROMPTS[0], params=params, speculative=spec)
         q4 = SpeculativeOptions("self-q4")
         assert finish(engine.submit(prompt_tokens=PROMPTS[0], params=params, speculative=q4))[0] \
             == alone(qwen, params, PROMPTS[0])
-        assert engine._drafts["self-q4"][0] is qwen
+        assert engine.status().drafts == ("self-q4",) and engine.model.name == qwen.name
     finally:
         engine.stop()

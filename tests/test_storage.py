@@ -6,6 +6,8 @@ import pytest
 
 from app.storage import MIGRATIONS, SCHEMA_VERSION, Storage, connect, migrate
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.fixture
 def storage(tmp_path):

@@ -34,11 +34,12 @@ import os
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
+from ..device import memory_budget
 from ..paths import cache_dir
 from ..loading.registry import LoadedModel
 from . import snapshot_files as files
@@ -46,7 +47,6 @@ from .writebehind import WriteBehind
 
 log = logging.getLogger(__name__)
 
-DEFAULT_FRACTION = 0.25  # of the memory available when the cache is created
 DISK_BUDGET_BYTES = 512 * 2**20  # snapshot files kept on disk per model
 WRITE_DELAY_S = 1.0  # write-behind: how long after a snapshot is made it is written
 
@@ -119,28 +119,6 @@ def _arrays(cache: Sequence[Any]) -> Iterator[mx.array]:
 
 def nbytes(cache: Sequence[Any]) -> int:
     return sum(a.nbytes for a in _arrays(cache))
-
-
-# -- budget ---------------------------------------------------------------------------------------
-
-def available_memory() -> int:
-    """Bytes free for new arrays: unified/GPU memory when MLX reports it, else the OS's
-    MemAvailable (Linux) or free physical pages."""
-    info = mx.device_info() if hasattr(mx, "device_info") else {}
-    total = info.get("memory_size") or info.get("total_memory")
-    if total:
-        return max(0, int(total) - mx.get_active_memory())
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def default_budget(fraction: float = DEFAULT_FRACTION) -> int:
-    return int(available_memory() * fraction)
 
 
 def model_key(lm: LoadedModel) -> str:
@@ -262,16 +240,17 @@ class CacheStats:
 class PrefixCache:
     """The prefix cache of one model (implements `engine.decoding.generate.PrefixStore`). Thread-safe."""
 
-    def __init__(self, lm: LoadedModel, budget_bytes: int | None = None,
+    def __init__(self, lm: LoadedModel, budget_bytes: int | Callable[[], int] | None = None,
                  persist_dir: Path | None = None, disk_budget_bytes: int = DISK_BUDGET_BYTES,
                  write_delay: float | None = WRITE_DELAY_S):
-        """`budget_bytes` defaults to a fraction of available memory. With `persist_dir` (e.g.
-        `default_persist_dir()`), snapshots are written there `write_delay` seconds after they are
-        made (None: only by `persist()`), kept within `disk_budget_bytes`, and found again by the
-        next PrefixCache of the same model."""
+        """`budget_bytes` (a number, or a function giving the bytes currently allowed, as the
+        engine's one memory budget shares them) defaults to the device's memory budget
+        (engine/device.py). With `persist_dir` (e.g. `default_persist_dir()`), snapshots are
+        written there `write_delay` seconds after they are made (None: only by `persist()`), kept
+        within `disk_budget_bytes`, and found again by the next PrefixCache of the same model."""
         self.lm = lm
         self.key = model_key(lm)
-        self.budget = default_budget() if budget_bytes is None else int(budget_bytes)
+        self._budget = memory_budget() if budget_bytes is None else budget_bytes
         template = make_prompt_cache(lm.model)
         self.enabled = is_supported(template)
         self.trimmable = is_trimmable(template)
@@ -294,6 +273,10 @@ class PrefixCache:
             self._scan_disk()
             if write_delay is not None:
                 self._writer = WriteBehind(self.write_pending, write_delay)
+
+    @property
+    def budget(self) -> int:
+        return max(0, int(self._budget() if callable(self._budget) else self._budget))
 
     # -- PrefixStore ---------------------------------------------------------------------------
     def fetch(self, tokens: Sequence[int]) -> tuple[list[Any], int]:

@@ -43,14 +43,17 @@ def _compile(schema_json: str) -> tuple[str, str]:
 def check_schema(schema: Any) -> str:
     """The llguidance grammar for a JSON Schema; raises InvalidRequest (starting "json_schema")."""
     if not isinstance(schema, dict):
-        raise InvalidRequest(f"json_schema must be a JSON Schema object, got {json.dumps(schema)}")
+        raise InvalidRequest(f"json_schema must be a JSON Schema object, got {json.dumps(schema)}",
+                             field="json_schema", code="invalid_value")
     try:
         text = json.dumps(schema, allow_nan=False)  # key order matters
     except (TypeError, ValueError) as exc:
-        raise InvalidRequest(f"json_schema must be plain JSON ({exc})") from None
+        raise InvalidRequest(f"json_schema must be plain JSON ({exc})", field="json_schema",
+                             code="invalid_value") from None
     grammar, error = _compile(text)
     if error:
-        raise InvalidRequest(f"json_schema is not a supported JSON Schema: {error.strip()}")
+        raise InvalidRequest(f"json_schema is not a supported JSON Schema: {error.strip()}",
+                             field="json_schema", code="invalid_value")
     return grammar
 
 
@@ -71,7 +74,8 @@ def ll_tokenizer(tokenizer: Any) -> Any:
                 found = llguidance.hf.from_tokenizer(hf, eos_token=sorted(tokenizer.eos_token_ids))
             except Exception as exc:  # noqa: BLE001 - e.g. a slow (non-Rust) tokenizer
                 raise InvalidRequest(f"JSON mode is not available for this model's tokenizer "
-                                     f"({exc})") from None
+                                     f"({exc})", field="json_schema",
+                                     code="invalid_value") from None
             _tokenizers[hf] = found
         return found
 
@@ -84,7 +88,8 @@ class JsonConstraint:
 
         self.matcher = LLMatcher(tokenizer, grammar, log_level=0)
         if self.matcher.is_error():
-            raise InvalidRequest(f"json_schema cannot be used: {self.matcher.get_error()}")
+            raise InvalidRequest(f"json_schema cannot be used: {self.matcher.get_error()}",
+                             field="json_schema", code="invalid_value")
         self.vocab = tokenizer.vocab_size
         self.seen = prompt_length  # history up to here needs no consuming
         self._bitmask = np.zeros((self.vocab + 31) // 32, dtype=np.int32)
@@ -99,7 +104,8 @@ class JsonConstraint:
         """The tokens the grammar allows next, as a boolean row of `width` (the logits' width)."""
         self.matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
         if self.matcher.is_error():
-            raise EngineError(f"JSON mode: {self.matcher.get_error()}")
+            raise EngineError(f"JSON mode: {self.matcher.get_error()}",
+                             field="json_schema", code="invalid_value")
         bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[: min(width, self.vocab)]
         if width > bits.size:  # model rows past the tokenizer's vocabulary: never allowed
             bits = np.concatenate([bits, np.zeros(width - bits.size, dtype=np.uint8)])

@@ -16,7 +16,7 @@ until evaluated); the result is a factory of fresh per-request `Speculator`s sha
 """
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,17 +43,29 @@ class SpeculativeOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.draft, str) or not self.draft.strip():
             raise InvalidRequest("speculative.draft must be a non-empty string (self-q4, "
-                                 "truncated:N, mtp, or a draft model's name or path)")
+                                 "truncated:N, mtp, or a draft model's name or path)",
+                                 field="speculative.draft", code="invalid_value")
         if not isinstance(self.k, int) or isinstance(self.k, bool) or not 1 <= self.k <= K_LIMIT:
-            raise InvalidRequest(f"speculative.k must be an integer in [1, {K_LIMIT}], got {self.k!r}")
+            raise InvalidRequest(f"speculative.k must be an integer in [1, {K_LIMIT}], got {self.k!r}",
+                                 field="speculative.k", code="invalid_value")
         if not isinstance(self.adaptive, bool):
-            raise InvalidRequest(f"speculative.adaptive must be a boolean, got {self.adaptive!r}")
+            raise InvalidRequest(f"speculative.adaptive must be a boolean, got {self.adaptive!r}",
+                                 field="speculative.adaptive", code="invalid_type")
 
     def config(self) -> SpecConfig:
         return SpecConfig(k_max=self.k, adaptive=self.adaptive)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"draft": self.draft, "k": self.k, "adaptive": self.adaptive}
+
+@dataclass(frozen=True)
+class DraftChoice:
+    """A draft the loaded model can use, for a picker to offer: `draft` is the value to pass as
+    `SpeculativeOptions.draft`; `kind` is "self-q4", "truncated" (keeping `layers` of the model's
+    `of_layers`) or "mtp"."""
+
+    draft: str
+    kind: Literal["self-q4", "truncated", "mtp"]
+    layers: int | None = None
+    of_layers: int | None = None
 
 
 def _layers(lm: LoadedModel) -> int:
@@ -75,7 +87,8 @@ def _truncation(lm: LoadedModel, draft: str) -> int:
     if not raw.isdigit() or int(raw) not in allowed:
         valid = f"in [{allowed.start}, {allowed.stop - 1}]" if allowed else "(none can be dropped)"
         raise InvalidRequest(f"draft {draft!r}: N must be a whole number of layers {valid}; "
-                             f"{lm.name} has {_layers(lm)}")
+                             f"{lm.name} has {_layers(lm)}",
+                             field="speculative.draft", code="invalid_value")
     return int(raw)
 
 
@@ -85,18 +98,16 @@ def _has_mtp(lm: LoadedModel) -> bool:
     return lm.family in MTP_FAMILIES and _mtp_layer_count(lm.config) == 1
 
 
-def draft_choices(lm: LoadedModel | None) -> list[tuple[str, str]]:
-    """(draft, label) pairs offered for `lm` in the UI, the recommended one first."""
-    if lm is None:
-        return []
-    choices = [("self-q4", "own 4-bit weights")]
+def draft_choices(lm: LoadedModel) -> tuple[DraftChoice, ...]:
+    """The drafts worth offering for `lm`, the recommended one first."""
+    choices = [DraftChoice("self-q4", "self-q4")]
     allowed = _truncations(lm)
     if allowed:
         n = min(max(_layers(lm) // 3, allowed.start), allowed.stop - 1)
-        choices.append((f"truncated:{n}", f"own first {n} of {_layers(lm)} layers"))
+        choices.append(DraftChoice(f"truncated:{n}", "truncated", n, _layers(lm)))
     if _has_mtp(lm):
-        choices.append(("mtp", "MTP head"))
-    return choices
+        choices.append(DraftChoice("mtp", "mtp"))
+    return tuple(choices)
 
 
 def check_draft(lm: LoadedModel, draft: str) -> None:
@@ -105,7 +116,8 @@ def check_draft(lm: LoadedModel, draft: str) -> None:
         _truncation(lm, draft)
     elif draft == "mtp" and not _has_mtp(lm):
         raise InvalidRequest(f"draft 'mtp': {lm.name} ({lm.family or 'unknown family'}) declares no "
-                             "multi-token-prediction head")
+                             "multi-token-prediction head",
+                             field="speculative.draft", code="invalid_value")
 
 
 def _quantized(model: nn.Module) -> bool:
@@ -142,12 +154,14 @@ def load_draft(lm: LoadedModel, draft: str) -> SpeculatorFactory:
         try:
             head = load_mtp_head(lm)
         except EngineError as exc:
-            raise InvalidRequest(f"draft 'mtp': {exc}") from None
+            raise InvalidRequest(f"draft 'mtp': {exc}", field="speculative.draft",
+                             code="invalid_value") from None
         return lambda config: Speculator(lm.model, MtpDrafter(lm.model, head), config)
     try:
         other = load_model(draft)
     except EngineError as exc:
         raise InvalidRequest(f"unknown draft {draft!r}: not one of {', '.join(BUILTIN)} and not a "
-                             f"loadable model ({exc})") from None
+                             f"loadable model ({exc})", field="speculative.draft",
+                             code="invalid_value") from None
     check_compatible(lm, other)  # refuses another vocabulary with InvalidRequest
     return lambda config: Speculator(lm.model, ModelDrafter(other.model), config)

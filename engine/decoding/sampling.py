@@ -6,8 +6,9 @@ would produce (`key, sub = split(key)` per draw), so our tokens equal `mlx_lm.ge
 `mx.random.seed(seed)`.
 """
 
+import math
 import random
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, make_dataclass, replace
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -20,41 +21,85 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens. temperature 0 means greedy (argmax)."""
+class SamplingOption:
+    """One numeric sampling option: the single declaration that `SamplingParams`, the API's
+    accepted fields, the CLI's flags and the settings form are all derived from.
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    max_tokens: int = 512
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    seed: int | None = None
-    # JSON mode: the output must be JSON matching this JSON Schema ({"type": "object"}: any object).
-    json_schema: dict | None = None
+    The value must lie between `low` and `high` (None: unbounded), each end included unless
+    `low_open` / `high_open`; `default` None means "unset" (e.g. a random seed)."""
+
+    name: str
+    kind: type  # int or float
+    default: int | float | None
+    low: int | float | None
+    high: int | float | None
+    label: str  # the settings form's label
+    help: str  # the CLI's help text and the form's hint
+    low_open: bool = False
+    high_open: bool = False
+
+    def interval(self) -> str:
+        """The allowed values as the error messages state them, e.g. "(0, 1]"."""
+        low = "-inf" if self.low is None else str(self.low)
+        high = "inf" if self.high is None else str(self.high)
+        return f"{'(' if self.low_open or self.low is None else '['}{low}, " \
+               f"{high}{')' if self.high_open or self.high is None else ']'}"
+
+    def expected(self) -> str:
+        """What a value must be, as the error messages say it, e.g. "a positive integer"."""
+        if self.kind is int and self.high is None and self.low in (0, 1):
+            return "a positive integer" if self.low == 1 else "a non-negative integer"
+        return f"{'an integer' if self.kind is int else 'a number'} in {self.interval()}"
+
+    def check(self, value: Any) -> None:
+        """Raise InvalidRequest (with this option's name as `field`) unless `value` is allowed."""
+        if value is None and self.default is None:
+            return
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or (self.kind is int and not isinstance(value, int)) or not math.isfinite(value):
+            raise InvalidRequest(f"{self.name} must be {self.expected()}, got {value!r}",
+                                 field=self.name, code="invalid_type")
+        below = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        above = self.high is not None and (value >= self.high if self.high_open else value > self.high)
+        if below or above:
+            wanted = self.expected() if self.kind is int and self.high is None else f"in {self.interval()}"
+            raise InvalidRequest(f"{self.name} must be {wanted}, got {value!r}",
+                                 field=self.name, code="invalid_value")
+
+
+SAMPLING_OPTIONS: tuple[SamplingOption, ...] = (
+    SamplingOption("temperature", float, 0.0, 0, 5, "Temperature", "0 means greedy."),
+    SamplingOption("top_p", float, 1.0, 0, 1, "Top p",
+                   "Keep the most likely tokens up to this total probability.", low_open=True),
+    SamplingOption("top_k", int, 0, 0, None, "Top k",
+                   "Keep only the k most likely tokens (0: all)."),
+    SamplingOption("min_p", float, 0.0, 0, 1, "Min p",
+                   "Drop tokens less likely than this fraction of the most likely one.",
+                   high_open=True),
+    SamplingOption("repetition_penalty", float, 1.0, 0, 10, "Repetition penalty",
+                   "Above 1 discourages repeating earlier tokens.", low_open=True),
+    SamplingOption("max_tokens", int, 512, 1, None, "Max tokens",
+                   "The most tokens to generate."),
+    SamplingOption("seed", int, None, 0, 2**63 - 1, "Seed", "Seed for reproducible sampling."),
+)
+OPTIONS_BY_NAME = {o.name: o for o in SAMPLING_OPTIONS}
+
+
+class _SamplingMethods:
+    """Validation and helpers of `SamplingParams` (its fields come from `SAMPLING_OPTIONS`)."""
+
+    stop: tuple[str, ...]
+    json_schema: dict | None
+    temperature: float
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
         self.validate()
 
     def validate(self) -> None:
-        def check(ok: bool, message: str) -> None:
-            if not ok:
-                raise InvalidRequest(message)
-
-        check(isinstance(self.max_tokens, int) and self.max_tokens > 0,
-              f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        check(0 <= self.temperature <= 5, f"temperature must be in [0, 5], got {self.temperature!r}")
-        check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        check(isinstance(self.top_k, int) and self.top_k >= 0,
-              f"top_k must be a non-negative integer, got {self.top_k!r}")
-        check(0 <= self.min_p < 1, f"min_p must be in [0, 1), got {self.min_p!r}")
-        check(0 < self.repetition_penalty <= 10,
-              f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        for option in SAMPLING_OPTIONS:
+            option.check(getattr(self, option.name))
         check_stops(self.stop)
-        check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
-              f"seed must be a non-negative integer, got {self.seed!r}")
         if self.json_schema is not None:
             from .constrained import check_schema
 
@@ -65,12 +110,23 @@ class SamplingParams:
         return self.temperature == 0
 
     def with_(self, **changes: Any) -> "SamplingParams":
-        return replace(self, **changes)
+        return replace(self, **changes)  # type: ignore[type-var]
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = asdict(self)  # type: ignore[call-overload]
         d["stop"] = list(self.stop)
         return d
+
+
+# How to pick tokens: one field per sampling option, then the stop strings and JSON mode's schema
+# ({"type": "object"}: any object). temperature 0 means greedy (argmax).
+SamplingParams = make_dataclass(
+    "SamplingParams",
+    [(o.name, o.kind if o.default is not None else (o.kind | None), field(default=o.default))
+     for o in SAMPLING_OPTIONS]
+    + [("stop", tuple[str, ...], field(default=())), ("json_schema", dict | None, field(default=None))],
+    bases=(_SamplingMethods,), frozen=True)
+SamplingParams.__module__ = __name__
 
 
 # Recommended non-thinking settings per model family (from the model cards).
@@ -91,7 +147,8 @@ def preset(name: str, family: str | None = None, **overrides: Any) -> SamplingPa
     elif name == "recommended":
         base = dict(_RECOMMENDED.get(family or "", dict(temperature=0.7, top_p=0.9)))
     else:
-        raise InvalidRequest(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})")
+        raise InvalidRequest(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})",
+                             field="preset", code="invalid_value")
     base.update(overrides)
     return SamplingParams(**base)
 
@@ -131,11 +188,3 @@ class TokenSampler:
         self.key, sub = mx.random.split(self.key)
         filtered = filter_logprobs(logprobs, p)
         return mx.random.categorical(filtered * (1.0 / p.temperature), key=sub), logprobs
-
-    def mlx_lm_sampler(self) -> Callable[[mx.array], mx.array]:
-        """The equivalent `mlx_lm.sample_utils.make_sampler` sampler (for reference comparisons)."""
-        from mlx_lm.sample_utils import make_sampler
-
-        p = self.params
-        return make_sampler(temp=p.temperature, top_p=p.top_p if p.top_p < 1 else 0.0,
-                            min_p=p.min_p, top_k=p.top_k)

@@ -20,13 +20,15 @@ MAX_STOP_CHARS = 512
 def check_stops(stops: Sequence[object]) -> None:
     """Raise InvalidRequest (naming the field `stop`) unless `stops` are few, short, non-empty strings."""
     if len(stops) > MAX_STOPS:
-        raise InvalidRequest(f"stop may hold at most {MAX_STOPS} strings, got {len(stops)}")
+        raise InvalidRequest(f"stop may hold at most {MAX_STOPS} strings, got {len(stops)}",
+                             field="stop", code="invalid_value")
     for s in stops:
         if not isinstance(s, str) or not s:
-            raise InvalidRequest("stop strings must be non-empty strings")
+            raise InvalidRequest("stop strings must be non-empty strings", field="stop",
+                                 code="invalid_value")
         if len(s) > MAX_STOP_CHARS:
             raise InvalidRequest(f"stop strings may be at most {MAX_STOP_CHARS} characters long, "
-                                 f"got one of {len(s)}")
+                                 f"got one of {len(s)}", field="stop", code="invalid_value")
 
 
 def _failure(s: str) -> list[int]:

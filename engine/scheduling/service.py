@@ -1,14 +1,17 @@
 """The engine as a service: one scheduler thread owns the model and all MLX work; callers in any
 thread (or an asyncio loop) submit requests and read their events.
 
-Every request has one lifecycle, `queued -> prefill -> decoding -> finished | cancelled | failed`,
-recorded with the time of each transition, and always ends with exactly one `done` event, whatever
-happens inside. Admission is bounded (running + queued caps, and a memory budget for the model
-caches the admitted requests may grow to); requests that decode at the same time share one model
-call per step (engine/scheduling/batch.py).
+Every request has one lifecycle, `[loading_draft ->] queued -> prefill -> decoding -> finished |
+cancelled | failed`, recorded with the time of each transition, and always ends with exactly one
+`done` event, whatever happens inside. `submit` never waits: a speculative request whose draft is
+not loaded yet starts in `loading_draft` while the scheduler thread loads it between two ticks.
+Admission is bounded (running + queued caps, and the memory budget for the model caches the
+admitted requests may grow to); requests that decode at the same time share one model call per
+step (engine/scheduling/batch.py).
 """
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -17,80 +20,101 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterator, Sequence
+from typing import AsyncIterator, Callable, Iterator, Sequence
 
 import mlx.core as mx
 
 from .batch import DecodeBatch, KVFootprint, kv_footprint
-from ..decoding.drafts import SpeculativeOptions, SpeculatorFactory, check_draft, load_draft
+from ..decoding.drafts import (DraftChoice, SpeculativeOptions, SpeculatorFactory, check_draft,
+                               draft_choices, load_draft)
 from ..device import memory_budget as device_memory_budget
-from ..errors import EngineError, InvalidRequest
-from ..events import Event, Timings, Usage
+from ..errors import EngineError, InvalidRequest, Overloaded
+from ..events import FINAL_STATES, Event, FinishReason, RequestState, Timings, Usage
 from ..decoding.generate import Generation, build_prompt
 from ..loading.registry import LoadedModel, ModelInfo, list_models, load_model
 from ..decoding.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-STATES = ("queued", "prefill", "decoding", "finished", "cancelled", "failed")
-FINAL_STATES = ("finished", "cancelled", "failed")
-
-
 SWITCH_INTERVAL_S = 2e-4
 PERSIST_BYTES = 512 * 2**20  # prefix-cache snapshots written to disk at shutdown
 
 
-class Overloaded(EngineError):
-    """Too many requests running and queued; try again after `retry_after` seconds."""
+@dataclass(frozen=True)
+class ModelDescription:
+    """The loaded model as callers see it: what it is and which drafts it can speculate with."""
 
-    def __init__(self, message: str, retry_after: float = 1.0):
-        super().__init__(message)
-        self.retry_after = retry_after
+    name: str
+    family: str  # the config's model_type, e.g. "llama", "qwen3_5"
+    context_length: int
+    drafts: tuple[DraftChoice, ...]
 
 
-@dataclass
+@dataclass(frozen=True)
+class EngineStatus:
+    """A consistent reading of the scheduler's load."""
+
+    model: str | None
+    running: int
+    queued: int
+    loading_drafts: int
+    batch_rows: int  # decoding requests sharing the batched model call
+    drafts: tuple[str, ...]  # drafts loaded (and kept) for the current model
+    memory_budget: int
+    reserved_bytes: int  # model-cache memory reserved by the admitted requests
+
+
+@dataclass(eq=False)
 class RequestHandle:
     """A submitted request: its state, timestamps and events, readable from any thread."""
 
     id: str
-    generation: Generation
+    generation: Generation | None  # None while its draft loads
     kv_bytes: int = 0  # estimated model-cache memory at full length, reserved while admitted
-    state: str = "queued"
+    state: RequestState = "queued"
     times: dict[str, float] = field(default_factory=dict)  # queued, started, first_token, last_token, ended
-    transitions: list[tuple[str, float]] = field(default_factory=list)  # (state, time entered)
+    transitions: list[tuple[RequestState, float]] = field(default_factory=list)
     error: str | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     cancel_requested: bool = False
     _events: "queue.Queue[Event]" = field(default_factory=queue.Queue)
     _loop: asyncio.AbstractEventLoop | None = None
     _wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     _on_cancel: Callable[["RequestHandle"], None] | None = None
+    _accepted: "concurrent.futures.Future[None]" = field(default_factory=concurrent.futures.Future)
 
     def cancel(self) -> None:
         """Stop the request at its next step (or before it starts); safe from any thread."""
         self.cancel_requested = True
-        self.generation.cancel()
+        if self.generation is not None:
+            self.generation.cancel()
         if self._on_cancel is not None:
             self._on_cancel(self)
 
     @property
     def usage(self) -> Usage:
-        return self.generation.usage()
+        return self.generation.usage() if self.generation is not None else Usage()
 
-    def snapshot(self) -> dict[str, Any]:
-        """The observable state of this request (for the API and the UI)."""
-        return {"id": self.id, "state": self.state, "times": dict(self.times),
-                "transitions": list(self.transitions), "finish_reason": self.finish_reason,
-                "error": self.error, "usage": self.usage.__dict__}
+    def wait_accepted(self, timeout: float | None = None) -> None:
+        """Block until the request is queued (its draft loaded); raises the EngineError that
+        refused it instead (e.g. a draft that cannot load), as `submit` would have."""
+        self._accepted.result(timeout)
 
-    def _enter(self, state: str) -> None:
+    async def accepted(self) -> None:
+        """`wait_accepted` for an event loop."""
+        await asyncio.wrap_future(self._accepted)
+
+    def _enter(self, state: RequestState) -> None:
         now = time.time()
         self.state = state
         self.transitions.append((state, now))
         if state in FINAL_STATES:
             self.times["ended"] = now
-        elif state != "decoding":  # decoding starts with the first token, timed as first_token
-            self.times[{"queued": "queued", "prefill": "started"}[state]] = now
+        elif state in ("loading_draft", "queued"):
+            self.times.setdefault("queued", now)  # submitted
+        elif state == "prefill":
+            self.times["started"] = now
+        # decoding starts with the first token, timed as first_token
 
     def _publish(self, event: Event) -> None:
         self._events.put(event)
@@ -143,7 +167,10 @@ class Engine:
         self.use_prefix_cache = prefix_cache
         self.persist_prefix_cache = persist_prefix_cache
         self.batching = batching
+        # One budget for the model caches of admitted requests and the prefix cache's snapshots:
+        # the prefix cache may hold what the admitted requests do not reserve.
         self.memory_budget = memory_budget if memory_budget is not None else device_memory_budget()
+        self._reserved = 0  # bytes reserved by admitted requests (changed under the lock)
         self._load = load
         self.lm: LoadedModel | None = None
         self.prefix_cache = None
@@ -151,22 +178,22 @@ class Engine:
         self._batch: DecodeBatch | None = None
         self._queued: deque[RequestHandle] = deque()
         self._running: list[RequestHandle] = []
+        self._preparing: list[RequestHandle] = []  # loading_draft
         self._control: "queue.Queue[Callable[[], None]]" = queue.Queue()
-        self._soon: "queue.Queue[Callable[[], None]]" = queue.Queue()  # between ticks, e.g. drafts
+        self._soon: "queue.Queue[Callable[[], None]]" = queue.Queue()  # between ticks: drafts
         self._drafts: dict[str, tuple[LoadedModel, SpeculatorFactory]] = {}  # for self.lm, by draft
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.loading: dict[str, Any] | None = None  # {"model": name, "stage": ...} while loading
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, progress: Callable[[str], None] | None = None) -> "Engine":
         """Load the model (on the scheduler thread) and start serving; blocks until loaded."""
         # Every token is handed from the scheduler thread to readers in other threads; with
         # Python's default 5 ms switch interval the scheduler waits for the GIL after each device
-        # sync (measured on an H200: 8 streams 94 -> 205 tok/s with 0.2 ms).
+        # sync (bench/results/cuda-h200-2026-12-02-concurrency-switchinterval-only.json).
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, name="mlxchat-scheduler", daemon=True)
         self._thread.start()
@@ -175,9 +202,7 @@ class Engine:
 
     def stop(self) -> None:
         """Cancel everything running or queued, let each end with its final event, then stop."""
-        with self._lock:
-            handles = list(self._queued) + list(self._running)
-        for h in handles:
+        for h in self._admitted():
             h.cancel()
         with self._wake:
             self._stopping = True
@@ -192,45 +217,65 @@ class Engine:
     def model_name(self) -> str | None:
         return self.lm.name if self.lm else None
 
+    @property
+    def model(self) -> ModelDescription | None:
+        """The loaded model, or None while none is."""
+        lm = self.lm
+        if lm is None:
+            return None
+        return ModelDescription(name=lm.name, family=lm.family, context_length=lm.context_length,
+                                drafts=draft_choices(lm))
+
     def list_models(self) -> list[ModelInfo]:
         return list_models()
+
+    def status(self) -> EngineStatus:
+        with self._lock:
+            return EngineStatus(
+                model=self.model_name, running=len(self._running), queued=len(self._queued),
+                loading_drafts=len(self._preparing),
+                batch_rows=len(self._batch) if self._batch is not None else 0,
+                drafts=tuple(self._drafts), memory_budget=self.memory_budget,
+                reserved_bytes=self._reserved)
+
+    def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
+        """The model-cache memory a plain request of this size reserves while admitted."""
+        return self._footprint.bytes_for(prompt_tokens + max_tokens)
+
+    def _admitted(self) -> list[RequestHandle]:
+        with self._lock:
+            return self._preparing + list(self._queued) + self._running
 
     def switch_model(self, name: str, progress: Callable[[str], None] | None = None,
                      cancel_running: bool = False) -> None:
         """Load another model once running and queued requests end (or are cancelled, if asked);
         meanwhile new requests are refused with Overloaded."""
         if cancel_running:
-            with self._lock:
-                handles = list(self._queued) + list(self._running)
-            for h in handles:  # outside the lock: cancelling a queued request takes it
+            for h in self._admitted():  # outside the lock: cancelling a queued request takes it
                 h.cancel()
         self._call(lambda: self._install(name, progress))
 
     def _install(self, name: str | None, progress: Callable[[str], None] | None) -> None:
         """Runs on the scheduler thread with no request running."""
         report = progress or (lambda stage: None)
-        self.loading = {"model": name, "stage": "loading"}
         report("loading")
         old, self.lm, self.prefix_cache, self._batch = self.lm, None, None, None
         self._drafts.clear()
         del old
         mx.clear_cache()
-        try:
-            self.lm = self._load(name, fallback_to_default=self.fallback_to_default)
-            self._footprint = kv_footprint(self.lm.model)
-            self._batch = DecodeBatch(self.lm.model)
-            if self.use_prefix_cache:
-                from ..cache.prefix_cache import PrefixCache, default_persist_dir
+        self.lm = self._load(name, fallback_to_default=self.fallback_to_default)
+        self._footprint = kv_footprint(self.lm.model)
+        self._batch = DecodeBatch(self.lm.model)
+        if self.use_prefix_cache:
+            from ..cache.prefix_cache import PrefixCache, default_persist_dir
 
-                persist_dir = default_persist_dir() if self.persist_prefix_cache else None
-                self.prefix_cache = PrefixCache(self.lm, persist_dir=persist_dir)
-        finally:
-            self.loading = None
+            persist_dir = default_persist_dir() if self.persist_prefix_cache else None
+            self.prefix_cache = PrefixCache(self.lm, persist_dir=persist_dir,
+                                            budget_bytes=lambda: self.memory_budget - self._reserved)
         report("ready")
 
-    def _call(self, fn: Callable[[], None], idle: bool = True) -> None:
-        """Run `fn` on the scheduler thread once no request is running or queued (`idle`), or
-        else between two scheduler ticks."""
+    def _call(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the scheduler thread once no request is running or queued; blocks."""
         if self._thread is None or not self._thread.is_alive():
             raise EngineError("the engine is not running")
         done = threading.Event()
@@ -245,61 +290,47 @@ class Engine:
                 done.set()
 
         with self._wake:
-            (self._control if idle else self._soon).put(task)
+            self._control.put(task)
             self._wake.notify_all()
         done.wait()
         if failure:
             raise failure[0]
 
     # -- submission ----------------------------------------------------------------------------
-    def prepare_speculative(self, options: SpeculativeOptions,
-                            lm: LoadedModel | None = None) -> SpeculatorFactory:
-        """What `options` drafts with for the loaded model, loaded once (on the scheduler thread,
-        between ticks) and cached until the model changes; raises InvalidRequest. It blocks while a
-        draft loads: an event loop should run it in a thread before `submit`."""
-        lm = lm or self.lm
-        if lm is None:
-            raise EngineError("no model is loaded yet")
-        check_draft(lm, options.draft)
-        entry = self._drafts.get(options.draft)
-        if entry is not None and entry[0] is lm:
-            return entry[1]
-        loaded: list[SpeculatorFactory] = []
-
-        def load() -> None:
-            if self.lm is not lm:
-                raise Overloaded(f"switching models: {lm.name} is being replaced", retry_after=5.0)
-            entry = self._drafts.get(options.draft)
-            if entry is None:
-                entry = self._drafts[options.draft] = (lm, load_draft(lm, options.draft))
-            loaded.append(entry[1])
-
-        self._call(load, idle=False)
-        return loaded[0]
-
     def submit(self, messages: Sequence[dict] | None = None, params: SamplingParams | None = None,
                *, prompt_tokens: Sequence[int] | None = None, text: str | None = None,
                speculative: SpeculativeOptions | None = None) -> RequestHandle:
-        """Validate and enqueue a request; raises InvalidRequest or Overloaded at once.
-        `speculative` opts in to speculative decoding (engine/decoding/drafts.py); the default is plain."""
+        """Validate and enqueue a request without waiting; raises InvalidRequest or Overloaded at
+        once. `speculative` opts in to speculative decoding (engine/decoding/drafts.py; the default
+        is plain): a draft not loaded yet loads on the scheduler thread while the request is in
+        `loading_draft`; if it cannot load, the request ends `failed` and `accepted()` raises."""
         lm = self.lm
         if lm is None:
             raise EngineError("no model is loaded yet")
         params = params or SamplingParams()
         prompt = build_prompt(lm, messages=messages, prompt_tokens=prompt_tokens, text=text)
-        speculator = (self.prepare_speculative(speculative, lm)(speculative.config())
-                      if speculative is not None else None)
-        generation = Generation(lm, prompt, params, prefix_cache=self.prefix_cache,
-                                speculator=speculator)
+        factory = None
+        if speculative is not None:
+            check_draft(lm, speculative.draft)
+            entry = self._drafts.get(speculative.draft)
+            factory = entry[1] if entry is not None and entry[0] is lm else None
+
+        def generation(factory: SpeculatorFactory | None) -> Generation:
+            speculator = factory(speculative.config()) if factory and speculative else None
+            return Generation(lm, prompt, params, prefix_cache=self.prefix_cache,
+                              speculator=speculator)
+
+        ready = generation(factory) if speculative is None or factory is not None else None
         # A speculative request also grows its draft's cache: at most the target's again.
         need = self._footprint.bytes_for(len(prompt.tokens) + params.max_tokens) * \
-            (2 if speculator is not None else 1)
+            (2 if speculative is not None else 1)
         if need > self.memory_budget:
             raise InvalidRequest(
                 f"this request would need about {_mib(need)} of model cache (prompt "
                 f"{len(prompt.tokens)} tokens + max_tokens {params.max_tokens}), over the memory "
-                f"budget of {_mib(self.memory_budget)}; shorten the prompt or lower max_tokens")
-        handle = RequestHandle(id=f"req-{next(self._ids)}", generation=generation, kv_bytes=need,
+                f"budget of {_mib(self.memory_budget)}; shorten the prompt or lower max_tokens",
+                field="max_tokens", code="over_memory_budget")
+        handle = RequestHandle(id=f"req-{next(self._ids)}", generation=ready, kv_bytes=need,
                                _on_cancel=self._cancelled)
         try:
             handle._loop = asyncio.get_running_loop()
@@ -309,24 +340,63 @@ class Engine:
             if not self._control.empty():  # accepted requests drain first, on the current model
                 raise Overloaded(f"switching models: {self.model_name} is finishing its requests",
                                  retry_after=5.0)
-            admitted = list(self._running) + list(self._queued)
+            admitted = self._preparing + list(self._running) + list(self._queued)
             if len(admitted) >= self.max_running + self.max_queued:
                 raise Overloaded(f"server busy: {len(self._running)} requests running and "
-                                 f"{len(self._queued)} queued (limits {self.max_running} + "
-                                 f"{self.max_queued})", retry_after=2.0)
-            reserved = sum(h.kv_bytes for h in admitted)
-            if reserved + need > self.memory_budget:
-                raise Overloaded(f"server busy: admitted requests reserve {_mib(reserved)} of the "
-                                 f"{_mib(self.memory_budget)} memory budget and this one needs "
+                                 f"{len(admitted) - len(self._running)} queued (limits "
+                                 f"{self.max_running} + {self.max_queued})", retry_after=2.0)
+            if self._reserved + need > self.memory_budget:
+                raise Overloaded(f"server busy: admitted requests reserve {_mib(self._reserved)} of "
+                                 f"the {_mib(self.memory_budget)} memory budget and this one needs "
                                  f"{_mib(need)}", retry_after=2.0)
-            handle._enter("queued")
-            self._queued.append(handle)
+            self._reserved += need
+            if ready is not None:
+                handle._enter("queued")
+                self._queued.append(handle)
+            else:
+                handle._enter("loading_draft")
+                self._preparing.append(handle)
+                assert speculative is not None
+                draft = speculative.draft
+                self._soon.put(lambda: self._load_draft(handle, lm, draft, generation))
             self._wake.notify_all()
+        if ready is not None:
+            handle._accepted.set_result(None)
         return handle
 
-    def generate(self, *args: Any, **kwargs: Any) -> Iterator[Event]:
-        """Submit and iterate the events in the calling thread."""
-        return self.submit(*args, **kwargs).events()
+    def _load_draft(self, handle: RequestHandle, lm: LoadedModel, draft: str,
+                    generation: Callable[[SpeculatorFactory], Generation]) -> None:
+        """On the scheduler thread, between ticks: load `draft` for `lm` once (kept until the
+        model changes), then queue the request, or end it if that fails or it was cancelled."""
+        gen, failure = None, None
+        try:
+            if not handle.cancel_requested:
+                if self.lm is not lm:
+                    raise Overloaded(f"switching models: {lm.name} is being replaced",
+                                     retry_after=5.0)
+                entry = self._drafts.get(draft)
+                if entry is None:
+                    entry = self._drafts[draft] = (lm, load_draft(lm, draft))
+                gen = generation(entry[1])
+        except Exception as exc:  # handed to the caller through `accepted()` and the done event
+            failure = exc if isinstance(exc, EngineError) else EngineError(
+                f"{type(exc).__name__}: {exc}")
+        with self._wake:
+            self._preparing.remove(handle)
+            if gen is None or handle.cancel_requested:
+                reason: FinishReason = "cancelled" if failure is None else "failed"
+                self._end(handle, "cancelled" if failure is None else "failed",
+                          [Event("done", finish_reason=reason,
+                                 error=str(failure) if failure else None)])
+            else:
+                handle.generation = gen
+                handle._enter("queued")
+                self._queued.append(handle)
+            self._wake.notify_all()
+        if failure is not None:
+            handle._accepted.set_exception(failure)
+        else:
+            handle._accepted.set_result(None)
 
     def _cancelled(self, handle: RequestHandle) -> None:
         with self._wake:
@@ -426,7 +496,9 @@ class Engine:
             self._running.remove(handle)
             self._end(handle, state, events)
 
-    def _end(self, handle: RequestHandle, state: str, events: list[Event]) -> None:
+    def _end(self, handle: RequestHandle, state: RequestState, events: list[Event]) -> None:
+        """Under the lock: the request leaves admission, its last events are published."""
+        self._reserved -= handle.kv_bytes
         handle.error = events[-1].error if events else None
         handle.finish_reason = events[-1].finish_reason if events else state
         handle._enter(state)

@@ -1,0 +1,122 @@
+"""What the UI's pages, picker and socket share: the templates, view models and request helpers."""
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl
+
+import jinja2
+from starlette.requests import Request
+from starlette.responses import HTMLResponse
+from starlette.websockets import WebSocket
+
+from engine import PRESETS, DraftChoice, Engine
+from web import __file__ as _web_init
+
+from .chat import SAMPLING_FIELDS
+from .markdown import render_markdown, render_plain
+from .storage import Conversation, Message, Storage
+
+# Autoescaping everywhere: titles and user text are escaped; model output is inserted only after
+# `render_markdown` has sanitised it.
+templates = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(_web_init).parent / "templates"),
+                               autoescape=True)
+
+def _size(n: int | None) -> str:
+    if not n:
+        return "not downloaded"
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit in ("B", "KB") else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+templates.filters["filesize"] = _size
+
+
+# --- view models --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MessageView:
+    m: Message
+    html: str
+    index: int  # 1-based position among its versions
+    count: int
+    prev_id: int | None
+    next_id: int | None
+    editable: bool  # the last user message
+    regenerable: bool  # the last answer
+
+
+def message_views(storage: Storage, path: list[Message]) -> list[MessageView]:
+    last_user = next((m.id for m in reversed(path) if m.role == "user"), None)
+    last_answer = path[-1].id if path and path[-1].role == "assistant" else None
+    views = []
+    for m in path:
+        versions = [s.id for s in storage.siblings(m)]
+        i = versions.index(m.id)
+        views.append(MessageView(
+            m=m,
+            html=render_markdown(m.content) if m.role == "assistant" else render_plain(m.content),
+            index=i + 1, count=len(versions),
+            prev_id=versions[i - 1] if i > 0 else None,
+            next_id=versions[i + 1] if i + 1 < len(versions) else None,
+            editable=m.id == last_user, regenerable=m.id == last_answer,
+        ))
+    return views
+
+
+def render(name: str, **context: Any) -> str:
+    return templates.get_template(name).render(**context)
+
+
+def parts(conn: Request | WebSocket) -> tuple[Storage, Engine]:
+    return conn.app.state.storage, conn.app.state.engine
+
+
+def models_context(request: Request) -> dict[str, Any]:
+    engine = request.app.state.engine
+    return {"models": engine.list_models(), "current_model": engine.model_name,
+            "switch": request.app.state.switch}
+
+
+def settings_context(conv: Conversation, errors: dict[str, str] | None = None,
+                      settings: dict[str, Any] | None = None, saved: bool = False,
+                      engine: Engine | None = None) -> dict[str, Any]:
+    model = engine.model if engine is not None else None
+    return {"conv": conv, "settings": settings or conv.settings, "errors": errors or {},
+            "fields": SAMPLING_FIELDS, "presets": PRESETS, "saved": saved,
+            "drafts": [(d.draft, draft_label(d)) for d in model.drafts] if model else []}
+
+
+def draft_label(choice: DraftChoice) -> str:
+    """How the settings panel names a draft."""
+    if choice.kind == "truncated":
+        return f"own first {choice.layers} of {choice.of_layers} layers"
+    return {"self-q4": "own 4-bit weights", "mtp": "MTP head"}[choice.kind]
+
+
+def family(engine: Engine) -> str | None:
+    model = engine.model
+    return model.family if model else None
+
+
+def current_id(request: Request) -> int | None:
+    """The conversation the page shows, from htmx's HX-Current-URL header."""
+    match = re.search(r"/c/(\d+)", request.headers.get("hx-current-url", ""))
+    return int(match.group(1)) if match else None
+
+
+async def read_form(request: Request) -> dict[str, str]:
+    """The url-encoded form htmx and plain forms post (no multipart: nothing is uploaded)."""
+    return dict(parse_qsl((await request.body()).decode("utf-8", "replace"), keep_blank_values=True))
+
+
+def conversation_of(request: Request) -> Conversation | None:
+    return request.app.state.storage.get_conversation(int(request.path_params["cid"]))
+
+
+def not_found() -> HTMLResponse:
+    return HTMLResponse("Conversation not found", status_code=404)
