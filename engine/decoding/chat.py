@@ -24,7 +24,11 @@ class Prompt:
     checkpoints: list[int]
 
 
-def validate_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
+# Kept for templates that render tool calls and results (engine/decoding/tools.py).
+_TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
+
+
+def validate_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     if not messages:
         raise InvalidRequest("messages must not be empty")
     clean = []
@@ -36,8 +40,8 @@ def validate_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]
             raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
         if not isinstance(content, str):
             raise InvalidRequest(f"messages[{i}].content must be a string")
-        clean.append({"role": role, "content": content})
-    if not any(m["content"].strip() for m in clean):
+        clean.append({"role": role, "content": content, **{k: m[k] for k in _TOOL_KEYS if m.get(k)}})
+    if not any(m["content"].strip() or m.get("tool_calls") for m in clean):
         raise InvalidRequest("the prompt is empty: every message has empty content")
     return clean
 
@@ -59,11 +63,17 @@ def _encode(tokenizer: TokenizerWrapper, messages: list[dict[str, str]], generat
 
 def render(tokenizer: TokenizerWrapper, messages: Sequence[dict[str, Any]],
            add_generation_prompt: bool = True, **template_kwargs: Any) -> Prompt:
-    """Render `messages`; checkpoints at each message end that is a token prefix of the result."""
+    """Render `messages`; checkpoints at each message end that is a token prefix of the result.
+
+    A conversation that ends with an assistant message is continued from that message's text
+    (a prefill), not answered anew."""
     msgs = validate_messages(messages)
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequest("this model has no chat template; send prompt tokens or text instead")
-    tokens = _encode(tokenizer, msgs, add_generation_prompt, template_kwargs)
+    if msgs[-1]["role"] == "assistant" and not msgs[-1].get("tool_calls"):
+        tokens = _encode(tokenizer, msgs, False, {**template_kwargs, "continue_final_message": True})
+    else:
+        tokens = _encode(tokenizer, msgs, add_generation_prompt, template_kwargs)
     checkpoints: list[int] = []
     for i in range(1, len(msgs)):
         part = _encode(tokenizer, msgs[:i], False, template_kwargs)
