@@ -22,6 +22,7 @@ class Prompt:
 
     tokens: list[int]
     checkpoints: list[int]
+    continued: bool = False  # it ends inside an assistant message that the answer continues
 
 
 # Kept for templates that render tool calls and results (engine/decoding/tools.py).
@@ -70,7 +71,8 @@ def render(tokenizer: TokenizerWrapper, messages: Sequence[dict[str, Any]],
     msgs = validate_messages(messages)
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequest("this model has no chat template; send prompt tokens or text instead")
-    if msgs[-1]["role"] == "assistant" and not msgs[-1].get("tool_calls"):
+    continued = msgs[-1]["role"] == "assistant" and not msgs[-1].get("tool_calls")
+    if continued:
         tokens = _encode(tokenizer, msgs, False, {**template_kwargs, "continue_final_message": True})
     else:
         tokens = _encode(tokenizer, msgs, add_generation_prompt, template_kwargs)
@@ -83,12 +85,12 @@ def render(tokenizer: TokenizerWrapper, messages: Sequence[dict[str, Any]],
             checkpoints.append(offset)
     if not checkpoints or checkpoints[-1] != len(tokens):
         checkpoints.append(len(tokens))
-    return Prompt(tokens=tokens, checkpoints=checkpoints)
+    return Prompt(tokens=tokens, checkpoints=checkpoints, continued=continued)
 
 
 def encode_text(tokenizer: TokenizerWrapper, text: str) -> Prompt:
-    """A raw text prompt (no template): one checkpoint at its end."""
+    """A raw text prompt (no template): one checkpoint at its end; the answer continues it."""
     if not isinstance(text, str) or not text.strip():
         raise InvalidRequest("the prompt is empty")
     tokens = list(tokenizer.encode(text))
-    return Prompt(tokens=tokens, checkpoints=[len(tokens)])
+    return Prompt(tokens=tokens, checkpoints=[len(tokens)], continued=True)

@@ -116,6 +116,10 @@ class Generation:
         self.tool_text = ""
         self._pending_logprobs: mx.array | None = None
         self.detokenizer = lm.tokenizer.detokenizer
+        if prompt.continued and "text" in vars(self.detokenizer):
+            # mlx-lm's streaming detokenizers drop the space that starts an answer; continuing a
+            # message, that space separates its last word from the next one: keep it.
+            self.detokenizer.text, self.detokenizer.offset = " ", 1
         self.stop_matcher = StopMatcher(params.stop)
         self.eos = set(lm.tokenizer.eos_token_ids)
         self.created = time.perf_counter()
