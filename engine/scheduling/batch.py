@@ -91,7 +91,7 @@ class DecodeBatch:
         i = next(i for i, g in enumerate(self.rows) if g is gen)
         gen.cache = [layer.extract(i) for layer in self.cache]
         gen.prefix_cache = self._stores.pop(id(gen))
-        if gen.prefix_cache is not None and gen.finish_reason in ("stop", "length"):
+        if gen.prefix_cache is not None and gen.finish_reason in ("stop", "length", "tool_calls"):
             gen.prefix_cache.save(list(gen.fed), gen.cache)  # the save its finish skipped
         del self.rows[i]
         if self.rows:
