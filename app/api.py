@@ -37,6 +37,10 @@ _FIELDS = {"model", "messages", "stream", "stream_options", "max_completion_toke
            "stop", "response_format"} | set(_SAMPLING) | set(_NEUTRAL) | _IGNORED
 _FIELDS.add("speculative")  # an extension: opt-in speculative decoding, see `parse_speculative`
 _SPECULATIVE = {"draft": str, "k": int, "adaptive": bool}
+# Deeper JSON is refused before anything walks it recursively (schemas, the chat template).
+MAX_DEPTH = 64
+# Bodies from this size on are parsed and checked off the event loop.
+INLINE_BODY_BYTES = 64 * 1024
 
 
 class ApiError(Exception):
@@ -98,11 +102,52 @@ def _messages(value: Any) -> list[dict[str, str]]:
         if not isinstance(m, dict):
             raise ApiError(400, f"messages[{i}] must be an object", f"messages[{i}]")
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got "
                                 f"{json.dumps(role)}", f"messages[{i}].role")
         out.append({"role": ROLES[role], "content": _content(i, m.get("content"))})
     return out
+
+
+def load_body(raw: bytes) -> Any:
+    """The request body as JSON, checked for what would break later: nesting deeper than
+    MAX_DEPTH, and strings that are not valid Unicode (lone surrogates such as "\\ud800", which
+    JSON allows but UTF-8 cannot encode). Raises ApiError."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, f"the request body is nested more than {MAX_DEPTH} levels deep") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+    _check_json(body)
+    return body
+
+
+def _check_json(body: Any) -> None:
+    pending: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while pending:
+        value, where, depth = pending.pop()
+        if depth > MAX_DEPTH:
+            raise ApiError(400, f"the request body is nested more than {MAX_DEPTH} levels deep",
+                           where.split(".")[0].split("[")[0] or None)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, where)
+                pending.append((item, f"{where}.{key}" if where else key, depth + 1))
+        elif isinstance(value, list):
+            pending.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(value, where)
+
+
+def _check_text(text: str, where: str) -> None:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, f"{where or 'the request body'} holds a string that is not valid "
+                                "Unicode (a lone surrogate)", where or None,
+                           "invalid_value") from None
 
 
 def parse_chat_request(body: Any, model_name: str | None) -> ChatRequest:
@@ -114,7 +159,8 @@ def parse_chat_request(body: Any, model_name: str | None) -> ChatRequest:
             raise ApiError(400, f"Unrecognized request argument supplied: {name}", name,
                            "unknown_parameter")
     for name, neutral in _NEUTRAL.items():
-        if body.get(name) not in (None, neutral):
+        value = body.get(name)
+        if value is not None and (type(value) is not type(neutral) or value != neutral):
             raise ApiError(400, f"'{name}' is not supported (only {json.dumps(neutral)})", name,
                            "unsupported_parameter")
     model = _typed(body, "model", str)
@@ -142,7 +188,7 @@ def parse_chat_request(body: Any, model_name: str | None) -> ChatRequest:
     try:
         params = SamplingParams(**sampling)
     except InvalidRequest as exc:
-        raise ApiError(400, str(exc), _param(exc), "invalid_value") from None
+        raise ApiError(400, public_error(str(exc)), _param(exc), "invalid_value") from None
 
     stream = _typed(body, "stream", bool) or False
     options = _typed(body, "stream_options", dict) or {}
@@ -176,7 +222,49 @@ def _json_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | Non
         raise ApiError(400, "'response_format.json_schema' must be an object with 'schema' (a JSON "
                             "Schema object) and optionally 'name', 'description' and 'strict'",
                        "response_format")
+    loop = _ref_loop(spec["schema"])
+    if loop is not None:
+        raise ApiError(400, f"'response_format.json_schema.schema' refers to itself through "
+                            f"{json.dumps(loop)}: no JSON value can match it", "response_format",
+                       "invalid_value")
     return spec["schema"]
+
+
+def _ref_loop(schema: dict[str, Any]) -> str | None:
+    """A local `$ref` whose chain of references comes back to itself (`{"$ref": "#"}`, or `a`
+    defined as `{"$ref": "#/definitions/a"}`): such a schema accepts nothing, and the grammar
+    engine would only find out while generating."""
+    def resolve(ref: str) -> Any:
+        if not ref.startswith("#"):
+            return None
+        node: Any = schema
+        for part in filter(None, ref[1:].split("/")):
+            key = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and key in node:
+                node = node[key]
+            elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+                node = node[int(key)]
+            else:
+                return None
+        return node
+
+    pending = [schema]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, list):
+            pending.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        pending.extend(node.values())
+        seen, current = {id(node)}, node
+        while isinstance(current, dict) and isinstance(current.get("$ref"), str):
+            target = resolve(current["$ref"])
+            if id(target) in seen:
+                return current["$ref"]
+            seen.add(id(target))
+            current = target
+    return None
 
 
 def parse_speculative(value: Any) -> SpeculativeOptions | None:
@@ -250,13 +338,19 @@ async def list_models(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": data})
 
 
+def public_error(message: str | None) -> str:
+    """An engine failure as a client may see it: its first line only (a grammar engine's error
+    goes on with its internal state)."""
+    line = (message or "").strip().split("\n", 1)[0]
+    return line[:300] or "generation failed"
+
+
 async def chat_completions(request: Request) -> Response:
     engine = request.app.state.engine
     try:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+        raw = await request.body()
+        body = load_body(raw) if len(raw) < INLINE_BODY_BYTES else \
+            await asyncio.to_thread(load_body, raw)
         if engine.model_name is None:
             return api_error(503, "a model is loading; try again shortly", "server_error",
                              "model_loading", headers={"Retry-After": "5"})
@@ -265,7 +359,7 @@ async def chat_completions(request: Request) -> Response:
         try:
             handle = await start(engine, chat.messages, chat.params, speculative)
         except InvalidRequest as exc:
-            raise ApiError(400, str(exc), _param(exc)) from None
+            raise ApiError(400, public_error(str(exc)), _param(exc)) from None
         except Overloaded as exc:
             return api_error(429, str(exc), "rate_limit_exceeded", "rate_limit_exceeded",
                              headers={"Retry-After": str(math.ceil(exc.retry_after))})
@@ -288,7 +382,7 @@ async def chat_completions(request: Request) -> Response:
         finally:
             watcher.cancel()
     if final.finish_reason == "failed":
-        return api_error(500, final.error or "generation failed", "server_error", "generation_failed")
+        return api_error(500, public_error(final.error), "server_error", "generation_failed")
     return JSONResponse({
         **meta, "object": "chat.completion",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
@@ -317,7 +411,7 @@ async def _sse(request: Request, runs: Runs, handle: RequestHandle, meta: dict[s
                     if event.text:
                         yield chunk({"content": event.text})
                 elif event.finish_reason == "failed":
-                    yield _data({"error": {"message": event.error or "generation failed",
+                    yield _data({"error": {"message": public_error(event.error),
                                            "type": "server_error", "param": None,
                                            "code": "generation_failed"}})
                 else:
