@@ -112,6 +112,9 @@ class Generation:
         self._next: tuple[mx.array, mx.array] | None = None
         self._history: mx.array | None = None
         self._stops: list[int] = []  # prompt positions where prefill saves a snapshot
+        # With a speculator: plain tokens to decode before the next speculative round (None: plain
+        # to the end, speculation switched itself off; engine/decoding/speculative.py decides).
+        self._plain_left: int | None = 0
         self._cancel = False
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -195,17 +198,46 @@ class Generation:
         return []
 
     def _decode_step(self) -> list[Event]:
-        if self.speculator is not None and self._next is None:
-            return self._speculative_step()
-        y, _ = self._next
-        if self.speculator is not None:  # the prompt's token: emit it, then speculate from it
+        spec = self.speculator
+        if spec is None:
+            return self._plain_step()
+        start, emitted = time.perf_counter(), len(self.generated)
+        if self._next is None:  # speculating: the cache lags the emitted sequence
+            self._plain_left = spec.plain_run()
+            if self._plain_left == 0:
+                events = self._speculative_step()
+                spec.record(True, len(self.generated) - emitted, time.perf_counter() - start)
+                return events
+            self._resume_plain()
+            return []
+        if self._plain_left == 0:  # the token the cache lacks: emit it, then speculate from it
+            y, _ = self._next
             self._next = None
             return self._emit([y.item()])
+        events = self._plain_step()
+        spec.record(False, len(self.generated) - emitted, time.perf_counter() - start)
+        if self._plain_left:
+            self._plain_left -= 1
+        return events
+
+    def _plain_step(self) -> list[Event]:
+        y, _ = self._next
         if len(self.generated) + 1 >= self.params.max_tokens:  # the last token: nothing to feed
             self._next = None
             return self._emit([y.item()])
         logits = self.lm.model(self.decode_input()[None], cache=self.cache)
         return self.decode_output(logits[:, -1, :])
+
+    def _resume_plain(self) -> None:
+        """From speculative to plain decoding: feed the target what its cache lacks of the emitted
+        tokens and sample the next one, as the end of prefill does."""
+        seq = list(self.prompt.tokens) + self.generated
+        logits = self.lm.model(mx.array(seq[len(self.fed):], dtype=mx.uint32)[None], cache=self.cache)
+        self.fed = seq
+        if self.sampler.processors:
+            self._history = mx.array(seq, dtype=mx.uint32)
+        self._next = self.sampler(logits[:, -1, :], self._history)
+        mx.async_eval(*self._next)
 
     # A decode step split around its model call, so that engine/scheduling/batch.py can run one model call
     # for many generations; `_decode_step` is `decode_output(model(decode_input()))`.
@@ -214,8 +246,8 @@ class Generation:
         """Decoding plainly with a token to feed next (not cancelled). A row's last token is fed
         too (one wasted row of a model call that runs anyway), so it need not leave the batch
         before its last step."""
-        return (self.speculator is None and not self.done and not self._cancel
-                and self._next is not None)
+        return ((self.speculator is None or self._plain_left is None) and not self.done
+                and not self._cancel and self._next is not None)
 
     def decode_input(self) -> mx.array:
         """The sampled token not yet fed, as model input of shape (1,), added to the history."""
