@@ -297,8 +297,8 @@ class Speculator:
         self.drafted = self.accepted = self.steps = self.emitted = 0
         # Whether it pays, measured: speculative rounds against plain (pipelined) decoding of the
         # same request. A drafter that reads the target's hidden states cannot skip tokens, so
-        # with one it never pauses and never switches off.
-        self.can_pause = not drafter.needs_hidden
+        # with one it never pauses and never switches off; nor does a fixed k (adaptive off).
+        self.can_pause = not drafter.needs_hidden and config.adaptive
         self.speculative_pace, self.plain_pace = Pace(), Pace()
         self.switched_off = False
         self._k: int | None = None  # k for the next round, decided by `plain_run`
