@@ -18,43 +18,58 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine import (SAMPLING_OPTIONS, EngineError, InvalidRequest, Overloaded,
-                    RequestHandle, SamplingParams, SpeculativeOptions, Usage, device_report)
+                    RequestHandle, SamplingParams, SpeculativeOptions, ToolRequest, Usage,
+                    device_report, tool_request)
 
+from .api_choices import (MAX_CHOICES, collect_choices, logprobs_body, merged, message_body,
+                          start_choices, system_fingerprint, tool_call_deltas, total_usage,
+                          tracked)
+from .api_tools import tool_fields
 from .runs import Runs
 from .security import api_error
 from .sse import sse
-from .turns import collect, start
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}
 
 # Fields clients send that change nothing here, accepted only with their default meaning.
-_NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False,
-            "parallel_tool_calls": None, "store": False}
+_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "store": False}
 _IGNORED = {"user", "metadata"}
 # Every sampling option by its own name (max_tokens also as OpenAI's max_completion_tokens).
 _SAMPLING = {o.name: o.kind for o in SAMPLING_OPTIONS}
 _FIELDS = {"model", "messages", "stream", "stream_options", "max_completion_tokens",
            "stop", "response_format"} | set(_SAMPLING) | set(_NEUTRAL) | _IGNORED
+_FIELDS |= {"n", "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice",
+            "parallel_tool_calls"}
 _FIELDS.add("speculative")  # an extension: opt-in speculative decoding, see `parse_speculative`
+# An extension (llama.cpp's name): "none" keeps a thinking model's reasoning inline in `content`;
+# "auto" (the default) returns it apart as `reasoning_content`.
+_FIELDS.add("reasoning_format")
+REASONING_FORMATS = ("auto", "none")
 _SPECULATIVE = {"draft": str, "k": int, "adaptive": bool}
 
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type_: str = "invalid_request_error"):
+                 code: str | None = None, type_: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        return api_error(self.status, self.message, self.type, self.code, self.param)
+        return api_error(self.status, self.message, self.type, self.code, self.param, self.headers)
 
 
 @dataclass(frozen=True)
 class ChatRequest:
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     params: SamplingParams
     stream: bool
     include_usage: bool
+    n: int = 1
+    tools: ToolRequest | None = None
+    split_reasoning: bool = True
 
 
 def _typed(body: dict[str, Any], name: str, kind: type) -> Any:
@@ -101,7 +116,11 @@ def _messages(value: Any) -> list[dict[str, str]]:
         if role not in ROLES:
             raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got "
                                 f"{json.dumps(role)}", f"messages[{i}].role")
-        out.append({"role": ROLES[role], "content": _content(i, m.get("content"))})
+        content = m.get("content")
+        if content is None and (m.get("tool_calls") or role == "tool"):
+            content = ""
+        out.append({"role": ROLES[role], "content": _content(i, content),
+                    **tool_fields(i, role, m)})
     return out
 
 
@@ -118,9 +137,7 @@ def parse_chat_request(body: Any, model_name: str | None) -> ChatRequest:
             raise ApiError(400, f"'{name}' is not supported (only {json.dumps(neutral)})", name,
                            "unsupported_parameter")
     model = _typed(body, "model", str)
-    if model is None:
-        raise ApiError(400, "'model' is required", "model", "missing_required_parameter")
-    if model != model_name:
+    if model is not None and model != model_name:  # absent: the loaded model
         raise ApiError(404, f"The model '{model}' does not exist or is not loaded "
                             f"(this server runs '{model_name}')", "model", "model_not_found")
     messages = _messages(body.get("messages"))
@@ -139,10 +156,21 @@ def parse_chat_request(body: Any, model_name: str | None) -> ChatRequest:
     schema = _json_schema(_typed(body, "response_format", dict))
     if schema is not None:
         sampling["json_schema"] = schema
+    sampling.update(_choice_options(body))
     try:
         params = SamplingParams(**sampling)
+        tools = tool_request(body.get("tools"), body.get("tool_choice"),
+                             _typed(body, "parallel_tool_calls", bool))
     except InvalidRequest as exc:
-        raise ApiError(400, str(exc), _param(exc), "invalid_value") from None
+        raise ApiError(400, str(exc), _param(exc), exc.code or "invalid_value") from None
+    n = _typed(body, "n", int)
+    if n is not None and not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"'n' must be an integer in [1, {MAX_CHOICES}], got {n}", "n",
+                       "invalid_value")
+    reasoning = _typed(body, "reasoning_format", str) or "auto"
+    if reasoning not in REASONING_FORMATS:
+        raise ApiError(400, f"'reasoning_format' must be one of {', '.join(REASONING_FORMATS)}",
+                       "reasoning_format", "invalid_value")
 
     stream = _typed(body, "stream", bool) or False
     options = _typed(body, "stream_options", dict) or {}
@@ -152,7 +180,22 @@ def parse_chat_request(body: Any, model_name: str | None) -> ChatRequest:
         raise ApiError(400, "'stream_options' may only hold 'include_usage' (a boolean)",
                        "stream_options")
     return ChatRequest(messages=messages, params=params, stream=stream,
-                       include_usage=bool(options.get("include_usage")))
+                       include_usage=bool(options.get("include_usage")), n=n or 1, tools=tools,
+                       split_reasoning=reasoning == "auto")
+
+
+def _choice_options(body: dict[str, Any]) -> dict[str, Any]:
+    """`logprobs` + `top_logprobs` and `logit_bias` as `SamplingParams` fields."""
+    out: dict[str, Any] = {}
+    top = _typed(body, "top_logprobs", int)
+    if _typed(body, "logprobs", bool):
+        out["logprobs"] = top or 0
+    elif top is not None:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+    bias = _typed(body, "logit_bias", dict)
+    if bias:
+        out["logit_bias"] = bias
+    return out
 
 
 def _json_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -210,7 +253,8 @@ def parse_speculative(value: Any) -> SpeculativeOptions | None:
 
 def _param(exc: EngineError) -> str | None:
     """The request parameter an engine error is about (JSON mode's schema is `response_format`)."""
-    return "response_format" if exc.field == "json_schema" else exc.field
+    return {"json_schema": "response_format", "logprobs": "top_logprobs"}.get(exc.field or "",
+                                                                              exc.field)
 
 
 def usage_body(usage: Usage, stats: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -227,11 +271,12 @@ def usage_body(usage: Usage, stats: dict[str, Any] | None = None) -> dict[str, A
     return body
 
 
-async def _cancel_on_disconnect(request: Request, handle: RequestHandle) -> None:
+async def _cancel_on_disconnect(request: Request, handles: list[RequestHandle]) -> None:
     """The body has been read, so the next ASGI message can only be the client leaving."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    handle.cancel()
+    for handle in handles:
+        handle.cancel()
 
 
 # --- endpoints ----------------------------------------------------------------------------------
@@ -262,69 +307,92 @@ async def chat_completions(request: Request) -> Response:
                              "model_loading", headers={"Retry-After": "5"})
         chat = parse_chat_request(body, engine.model_name)
         speculative = parse_speculative(body.get("speculative"))
-        try:
-            handle = await start(engine, chat.messages, chat.params, speculative)
-        except InvalidRequest as exc:
-            raise ApiError(400, str(exc), _param(exc)) from None
-        except Overloaded as exc:
-            return api_error(429, str(exc), "rate_limit_exceeded", "rate_limit_exceeded",
-                             headers={"Retry-After": str(math.ceil(exc.retry_after))})
-        except EngineError as exc:  # no model loaded
-            raise ApiError(503, str(exc), type_="server_error", code="model_unavailable") from None
+        handles = await submit_choices(engine, chat.messages, chat.params, chat.n, speculative,
+                                       tools=chat.tools, split_reasoning=chat.split_reasoning)
     except ApiError as err:
         return err.response()
 
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-    meta = {"id": completion_id, "created": int(time.time()), "model": engine.model_name}
+    meta = {"id": completion_id, "created": int(time.time()), "model": engine.model_name,
+            "system_fingerprint": system_fingerprint(engine.model_name)}
     runs = request.app.state.runs
+    wants_logprobs = chat.params.logprobs is not None
     if chat.stream:
-        return StreamingResponse(_sse(request, runs, handle, meta, chat.include_usage),
+        return StreamingResponse(_sse(request, runs, handles, meta, chat.include_usage,
+                                      wants_logprobs),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    with runs.track(handle):
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, handle))
+    with tracked(runs, handles):
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, handles))
         try:
-            text, final = await collect(handle)
+            choices = await collect_choices(handles)
         finally:
             watcher.cancel()
-    if final.finish_reason == "failed":
-        return api_error(500, final.error or "generation failed", "server_error", "generation_failed")
+    finals = [c.final for c in choices]
+    failed = next((f for f in finals if f.finish_reason == "failed"), None)
+    if failed is not None:
+        return api_error(500, failed.error or "generation failed", "server_error", "generation_failed")
     return JSONResponse({
         **meta, "object": "chat.completion",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "finish_reason": final.finish_reason, "logprobs": None}],
-        "usage": usage_body(final.usage, final.stats),
+        "choices": [{"index": i, "message": message_body(c), "finish_reason": c.final.finish_reason,
+                     "logprobs": logprobs_body(c.logprobs, wants_logprobs)}
+                    for i, c in enumerate(choices)],
+        "usage": usage_body(total_usage(finals), finals[0].stats),
     })
+
+
+async def submit_choices(engine: Any, messages: list[dict[str, Any]] | None,
+                         params: SamplingParams, n: int, speculative: SpeculativeOptions | None,
+                         **options: Any) -> list[RequestHandle]:
+    """The accepted engine requests of `n` choices; engine refusals become ApiErrors."""
+    try:
+        return await start_choices(engine, messages, params, n, speculative, **options)
+    except InvalidRequest as exc:
+        raise ApiError(400, str(exc), _param(exc), exc.code) from None
+    except Overloaded as exc:
+        raise ApiError(429, str(exc), type_="rate_limit_exceeded", code="rate_limit_exceeded",
+                       headers={"Retry-After": str(math.ceil(exc.retry_after))}) from None
+    except EngineError as exc:  # no model loaded
+        raise ApiError(503, str(exc), type_="server_error", code="model_unavailable") from None
 
 
 def _data(payload: dict[str, Any]) -> str:
     return sse(json.dumps(payload, ensure_ascii=False))
 
 
-async def _sse(request: Request, runs: Runs, handle: RequestHandle, meta: dict[str, Any],
-               include_usage: bool) -> AsyncIterator[str]:
+async def _sse(request: Request, runs: Runs, handles: list[RequestHandle], meta: dict[str, Any],
+               include_usage: bool, wants_logprobs: bool) -> AsyncIterator[str]:
     """`data: {chunk}` lines, then `data: [DONE]`; a failure mid-stream becomes an error chunk."""
-    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    def chunk(i: int, delta: dict[str, Any], finish_reason: str | None = None,
+              logprobs: list | None = None) -> str:
+        choice = {"index": i, "delta": delta, "finish_reason": finish_reason,
+                  "logprobs": logprobs_body(logprobs or [], wants_logprobs)}
         return _data({**meta, "object": "chat.completion.chunk", "choices": [choice]})
 
-    with runs.track(handle):
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, handle))
+    finals = []
+    with tracked(runs, handles):
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, handles))
         try:
-            yield chunk({"role": "assistant", "content": ""})
-            async for event in handle.stream():
+            for i in range(len(handles)):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            async for i, event in merged(handles):
                 if event.kind == "token":
-                    if event.text:
-                        yield chunk({"content": event.text})
+                    lps = [event.logprobs] if event.logprobs is not None else []
+                    key = "reasoning_content" if event.channel == "reasoning" else "content"
+                    if event.text or lps:
+                        yield chunk(i, {key: event.text}, logprobs=lps)
                 elif event.finish_reason == "failed":
                     yield _data({"error": {"message": event.error or "generation failed",
                                            "type": "server_error", "param": None,
                                            "code": "generation_failed"}})
                 else:
-                    yield chunk({}, event.finish_reason)
-                    if include_usage:
-                        yield _data({**meta, "object": "chat.completion.chunk", "choices": [],
-                                     "usage": usage_body(event.usage, event.stats)})
+                    for delta in tool_call_deltas(event.tool_calls):
+                        yield chunk(i, {"tool_calls": delta})
+                    yield chunk(i, {}, event.finish_reason)
+                    finals.append(event)
+            if include_usage and len(finals) == len(handles):
+                yield _data({**meta, "object": "chat.completion.chunk", "choices": [],
+                             "usage": usage_body(total_usage(finals), finals[0].stats)})
             yield sse("[DONE]")
         finally:
             watcher.cancel()

@@ -15,7 +15,7 @@ from starlette.staticfiles import StaticFiles
 import static
 from engine import Engine, describe_device
 
-from . import api, ui
+from . import api, api_completions, ui
 from .runs import Runs
 from .security import (LOOPBACK_NAMES, ApiKeyGuard, HostGuard, OriginGuard, SecurityHeaders,
                        is_loopback)
@@ -32,7 +32,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     storage = Storage(db_path)
     storage.interrupt_streaming()  # answers cut off by a crash: keep their text, mark them
     app = Starlette(
-        routes=[*api.routes, *ui.routes, Mount("/static", StaticFiles(directory=STATIC_DIR))],
+        routes=[*api.routes, *api_completions.routes, *ui.routes, Mount("/static", StaticFiles(directory=STATIC_DIR))],
         # The security policy, outermost first; a refusal carries no security headers.
         middleware=[
             Middleware(HostGuard, allowed_hosts=allowed_hosts),  # DNS rebinding: 400

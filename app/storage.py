@@ -332,3 +332,64 @@ class Storage:
         self._write("UPDATE conversations SET leaf_id = ? WHERE id = ? AND "
                     "EXISTS (SELECT 1 FROM messages WHERE id = ? AND conversation_id = ?)",
                     (leaf, cid, mid, cid))
+
+
+# --- export / import (a conversation as JSON: every message version, settings, model, times) -----
+
+EXPORT_FORMAT = "mlxchat.conversation/1"
+_MESSAGE_COLUMNS = ("role", "content", "model", "sampling", "ttft_ms", "tokens_per_s",
+                    "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "state",
+                    "error", "created", "speculative")
+
+
+def export_conversation(storage: Storage, cid: int) -> dict[str, Any]:
+    """Everything about one conversation; message ids are local to the export (`parent` refers to
+    an earlier entry's `id`) and `leaf` is the branch shown."""
+    conv = storage.get_conversation(cid)
+    if conv is None:
+        raise KeyError(cid)
+    rows = storage._query("SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (cid,))
+    messages = [_message(r) for r in rows]
+    local = {m.id: i for i, m in enumerate(messages)}
+    return {"format": EXPORT_FORMAT, "title": conv.title, "created": conv.created,
+            "updated": conv.updated, "model": conv.model, "settings": conv.settings,
+            "leaf": local.get(conv.leaf_id),
+            "messages": [{"id": local[m.id], "parent": local.get(m.parent_id),
+                          **{k: getattr(m, k) for k in _MESSAGE_COLUMNS}} for m in messages]}
+
+
+def import_conversation(storage: Storage, data: dict[str, Any]) -> Conversation:
+    """A new conversation from `export_conversation`'s JSON, or from a plain OpenAI `messages`
+    list (`{"messages": [{"role", "content"}, ...]}`); raises ValueError on anything else."""
+    if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
+        raise ValueError("not a conversation: expected an object with 'messages'")
+    ours = data.get("format") == EXPORT_FORMAT
+    now = time.time()
+    with storage._transaction() as db:
+        cid = db.execute(
+            "INSERT INTO conversations (title, created, updated, model, settings) VALUES (?,?,?,?,?)",
+            (str(data.get("title") or DEFAULT_TITLE), data.get("created", now) if ours else now,
+             data.get("updated", now) if ours else now, data.get("model") if ours else None,
+             json.dumps(data.get("settings") or {} if ours else {}))).lastrowid
+        ids: dict[int, int] = {}
+        previous = None
+        for i, m in enumerate(data["messages"]):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
+                    or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}] must have a role and text content")
+            row = {k: m.get(k) for k in _MESSAGE_COLUMNS} if ours else \
+                {"role": m["role"], "content": m["content"]}
+            row.setdefault("created", now)
+            row["created"] = row["created"] or now
+            row["state"] = row.get("state") or "done"
+            for key in ("sampling", "speculative"):
+                row[key] = json.dumps(row[key]) if row.get(key) is not None else None
+            parent = ids.get(m.get("parent")) if ours else previous
+            cols = ", ".join(("conversation_id", "parent_id", *row))
+            marks = ", ".join("?" * (len(row) + 2))
+            previous = ids[m.get("id", i)] = db.execute(
+                f"INSERT INTO messages ({cols}) VALUES ({marks})", (cid, parent, *row.values())
+            ).lastrowid
+        leaf = ids.get(data.get("leaf")) if ours else previous
+        db.execute("UPDATE conversations SET leaf_id = ? WHERE id = ?", (leaf, cid))
+    return storage.get_conversation(cid)

@@ -1,15 +1,16 @@
 """Running one answer, shared by the API and the chat socket: submit it, wait until the engine
 accepts it (a speculative request's draft loads on the engine's side meanwhile), collect it."""
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from engine import Engine, Event, RequestHandle, SamplingParams, SpeculativeOptions
 
 
-async def start(engine: Engine, messages: Sequence[dict[str, str]], params: SamplingParams,
-                speculative: SpeculativeOptions | None) -> RequestHandle:
-    """The submitted request, once accepted; raises the EngineError that refused it."""
-    handle = engine.submit(messages=messages, params=params, speculative=speculative)
+async def start(engine: Engine, messages: Sequence[dict[str, Any]] | None, params: SamplingParams,
+                speculative: SpeculativeOptions | None, **options: Any) -> RequestHandle:
+    """The submitted request, once accepted; raises the EngineError that refused it. `options`
+    go to `Engine.submit` as they are (`tools`, `split_reasoning`, `text` instead of messages)."""
+    handle = engine.submit(messages=messages, params=params, speculative=speculative, **options)
     await handle.accepted()
     return handle
 

@@ -12,17 +12,20 @@ from .decoding.sampling import PRESETS, SAMPLING_OPTIONS, SamplingOption, Sampli
 from .device import DEVICES, blas_preload_env, describe as describe_device
 from .device import report as device_report, select_device
 from .errors import EngineError, InvalidRequest, ModelLoadError, Overloaded, UnsupportedArchitecture
-from .events import Event, FinishReason, RequestState, Timings, Usage
+from .decoding.tools import ToolRequest, tool_request
+from .events import (Channel, Event, FinishReason, RequestState, Timings, TokenLogprob, ToolCall,
+                     TopLogprob, Usage)
 from .loading.bundled import import_wheel as import_bundled_wheel
 from .loading.registry import ModelInfo, list_models
 from .paths import cache_dir, data_dir
 from .scheduling.service import Engine, EngineStatus, ModelDescription, RequestHandle
 
 __all__ = [
-    "DEVICES", "PRESETS", "SAMPLING_OPTIONS", "DraftChoice", "Engine", "EngineError",
+    "DEVICES", "PRESETS", "SAMPLING_OPTIONS", "Channel", "DraftChoice", "Engine", "EngineError",
     "EngineStatus", "Event", "FinishReason", "InvalidRequest", "ModelDescription", "ModelInfo",
     "ModelLoadError", "Overloaded", "RequestHandle", "RequestState", "SamplingOption",
-    "SamplingParams", "SpeculativeOptions", "Timings", "UnsupportedArchitecture", "Usage",
+    "SamplingParams", "SpeculativeOptions", "Timings", "TokenLogprob", "ToolCall",
+    "ToolRequest", "TopLogprob", "UnsupportedArchitecture", "Usage",
     "blas_preload_env", "cache_dir", "data_dir", "describe_device", "device_report",
-    "import_bundled_wheel", "list_models", "preset", "select_device",
+    "import_bundled_wheel", "list_models", "preset", "select_device", "tool_request",
 ]

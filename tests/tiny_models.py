@@ -123,3 +123,35 @@ def tiny_qwen3_5(seed: int = 0, root: Path | None = None, **overrides: Any) -> L
 
 def tiny_qwen3_next(seed: int = 0, root: Path | None = None, **overrides: Any) -> LoadedModel:
     return tiny_model({**QWEN3_NEXT, **overrides}, seed, root)
+
+
+# Marker tokens a tokenizer of a tool-calling, thinking family has (as added tokens, one id each).
+MARKERS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+
+
+def tiny_marker_llama(template: str, seed: int = 0, root: Path | None = None) -> LoadedModel:
+    """A tiny llama whose tokenizer also has `MARKERS` (ids VOCAB, VOCAB + 1, ...) and whose chat
+    template is `template`: mlx-lm then infers the family's tool parser and think markers from
+    them, as it does for a real model."""
+    config = {**LLAMA, "vocab_size": VOCAB + len(MARKERS)}
+    folder = build_folder(config, seed, root)
+    key = hashlib.sha256(template.encode()).hexdigest()[:12]
+    target = folder.with_name(f"{folder.name}-markers-{key}")
+    if not (target / "model.safetensors").exists():
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(folder, tmp)
+        tok = json.loads((tmp / "tokenizer.json").read_text())
+        tok["added_tokens"] += [{"id": VOCAB + i, "content": m, "single_word": False,
+                                 "lstrip": False, "rstrip": False, "normalized": False,
+                                 "special": False} for i, m in enumerate(MARKERS)]
+        (tmp / "tokenizer.json").write_text(json.dumps(tok))
+        cfg = json.loads((tmp / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = template
+        cfg.get("added_tokens_decoder", {}).update(
+            {str(VOCAB + i): {"content": m, "lstrip": False, "normalized": False, "rstrip": False,
+                              "single_word": False, "special": False}
+             for i, m in enumerate(MARKERS)})
+        (tmp / "tokenizer_config.json").write_text(json.dumps(cfg))
+        tmp.rename(target)
+    return load_model(str(target))

@@ -22,9 +22,14 @@ class Prompt:
 
     tokens: list[int]
     checkpoints: list[int]
+    continued: bool = False  # it ends inside an assistant message that the answer continues
 
 
-def validate_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
+# Kept for templates that render tool calls and results (engine/decoding/tools.py).
+_TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
+
+
+def validate_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     if not messages:
         raise InvalidRequest("messages must not be empty")
     clean = []
@@ -36,8 +41,8 @@ def validate_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]
             raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
         if not isinstance(content, str):
             raise InvalidRequest(f"messages[{i}].content must be a string")
-        clean.append({"role": role, "content": content})
-    if not any(m["content"].strip() for m in clean):
+        clean.append({"role": role, "content": content, **{k: m[k] for k in _TOOL_KEYS if m.get(k)}})
+    if not any(m["content"].strip() or m.get("tool_calls") for m in clean):
         raise InvalidRequest("the prompt is empty: every message has empty content")
     return clean
 
@@ -59,11 +64,18 @@ def _encode(tokenizer: TokenizerWrapper, messages: list[dict[str, str]], generat
 
 def render(tokenizer: TokenizerWrapper, messages: Sequence[dict[str, Any]],
            add_generation_prompt: bool = True, **template_kwargs: Any) -> Prompt:
-    """Render `messages`; checkpoints at each message end that is a token prefix of the result."""
+    """Render `messages`; checkpoints at each message end that is a token prefix of the result.
+
+    A conversation that ends with an assistant message is continued from that message's text
+    (a prefill), not answered anew."""
     msgs = validate_messages(messages)
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequest("this model has no chat template; send prompt tokens or text instead")
-    tokens = _encode(tokenizer, msgs, add_generation_prompt, template_kwargs)
+    continued = msgs[-1]["role"] == "assistant" and not msgs[-1].get("tool_calls")
+    if continued:
+        tokens = _encode(tokenizer, msgs, False, {**template_kwargs, "continue_final_message": True})
+    else:
+        tokens = _encode(tokenizer, msgs, add_generation_prompt, template_kwargs)
     checkpoints: list[int] = []
     for i in range(1, len(msgs)):
         part = _encode(tokenizer, msgs[:i], False, template_kwargs)
@@ -73,12 +85,12 @@ def render(tokenizer: TokenizerWrapper, messages: Sequence[dict[str, Any]],
             checkpoints.append(offset)
     if not checkpoints or checkpoints[-1] != len(tokens):
         checkpoints.append(len(tokens))
-    return Prompt(tokens=tokens, checkpoints=checkpoints)
+    return Prompt(tokens=tokens, checkpoints=checkpoints, continued=continued)
 
 
 def encode_text(tokenizer: TokenizerWrapper, text: str) -> Prompt:
-    """A raw text prompt (no template): one checkpoint at its end."""
+    """A raw text prompt (no template): one checkpoint at its end; the answer continues it."""
     if not isinstance(text, str) or not text.strip():
         raise InvalidRequest("the prompt is empty")
     tokens = list(tokenizer.encode(text))
-    return Prompt(tokens=tokens, checkpoints=[len(tokens)])
+    return Prompt(tokens=tokens, checkpoints=[len(tokens)], continued=True)

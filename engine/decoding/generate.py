@@ -13,13 +13,17 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
+from .channels import ChannelSplitter, Markers
 from .chat import Prompt, encode_text, render
 from ..errors import InvalidRequest
-from ..events import Event, Timings, Usage
+from ..events import Channel, Event, Timings, Usage
 from ..loading.registry import LoadedModel
+from .logprobs import token_logprob
 from .sampling import SamplingParams, TokenSampler
 from .snapshots import POLICY
 from .stops import StopMatcher
+from .tools import ToolRequest, constraint as tool_constraint, markers as tool_markers, parse_calls
+from .tools import prepare as prepare_tools
 
 if TYPE_CHECKING:
     from .speculative import Speculator
@@ -49,12 +53,14 @@ class PrefixStore(Protocol):
 
 
 def build_prompt(lm: LoadedModel, messages: Sequence[dict] | None = None,
-                 prompt_tokens: Sequence[int] | None = None, text: str | None = None) -> Prompt:
-    """Exactly one of messages (chat template), prompt_tokens or text (raw)."""
+                 prompt_tokens: Sequence[int] | None = None, text: str | None = None,
+                 tools: ToolRequest | None = None) -> Prompt:
+    """Exactly one of messages (chat template, with `tools` offered), prompt_tokens or text (raw)."""
     if sum(x is not None for x in (messages, prompt_tokens, text)) != 1:
         raise InvalidRequest("give exactly one of messages, prompt_tokens or text")
     if messages is not None:
-        return render(lm.tokenizer, messages)
+        msgs, kwargs = prepare_tools(lm.tokenizer, messages, tools)
+        return render(lm.tokenizer, msgs, **kwargs)
     if text is not None:
         return encode_text(lm.tokenizer, text)
     tokens = list(prompt_tokens or [])
@@ -70,12 +76,13 @@ def check_fits(lm: LoadedModel, prompt: Prompt, params: SamplingParams) -> None:
     limit = lm.context_length
     n = len(prompt.tokens)
     if n >= limit:
-        raise InvalidRequest(f"the prompt has {n} tokens; this model's context is {limit} tokens")
+        raise InvalidRequest(f"the prompt has {n} tokens; this model's context is {limit} tokens",
+                             field="messages", code="context_length_exceeded")
     if n + params.max_tokens > limit:
         raise InvalidRequest(
             f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds this model's context "
-            f"of {limit} tokens; lower max_tokens to at most {limit - n}"
-        )
+            f"of {limit} tokens; lower max_tokens to at most {limit - n}",
+            field="max_tokens", code="context_length_exceeded")
 
 
 class Generation:
@@ -83,8 +90,18 @@ class Generation:
 
     def __init__(self, lm: LoadedModel, prompt: Prompt, params: SamplingParams,
                  prefix_cache: PrefixStore | None = None, prefill_chunk: int | None = None,
-                 speculator: "Speculator | None" = None):
+                 speculator: "Speculator | None" = None, tools: ToolRequest | None = None,
+                 split_reasoning: bool = False):
+        """`tools`: the request's tools (their calls are parsed, and constrained where they must
+        be made); `split_reasoning`: token events say which channel their text is in."""
         check_fits(lm, prompt, params)
+        if speculator is not None and (params.logprobs is not None or (tools and tools.choice != "none")):
+            raise InvalidRequest("logprobs and tools cannot be combined with speculative decoding; "
+                                 "send one or the other", field="speculative", code="invalid_value")
+        vocab = lm.config.get("vocab_size") or len(lm.tokenizer.vocab)
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequest(f"logit_bias token ids must be below {vocab}", field="logit_bias",
+                                 code="invalid_value")
         self.speculator = speculator  # opt-in: decode by draft-and-verify (engine/decoding/speculative.py)
         self.lm, self.prompt, self.params = lm, prompt, params
         self.prefix_cache = prefix_cache
@@ -98,7 +115,22 @@ class Generation:
 
             constraint = json_constraint(lm, params.json_schema, len(prompt.tokens))
             self.sampler.processors.append(constraint)
+        self.tools = tools if tools is not None and tools.choice != "none" else None
+        if self.tools is not None:
+            if params.json_schema is not None:
+                raise InvalidRequest("tools and response_format cannot be combined; send one or "
+                                     "the other", field="tool_choice", code="invalid_value")
+            calls = tool_constraint(lm.tokenizer, self.tools, len(prompt.tokens))
+            if calls is not None:
+                self.sampler.processors.append(calls)
+        self.channels = self._channels(lm, prompt, split_reasoning)
+        self.tool_text = ""
+        self._pending_logprobs: mx.array | None = None
         self.detokenizer = lm.tokenizer.detokenizer
+        if prompt.continued and "text" in vars(self.detokenizer):
+            # mlx-lm's streaming detokenizers drop the space that starts an answer; continuing a
+            # message, that space separates its last word from the next one: keep it.
+            self.detokenizer.text, self.detokenizer.offset = " ", 1
         self.stop_matcher = StopMatcher(params.stop)
         self.eos = set(lm.tokenizer.eos_token_ids)
         self.created = time.perf_counter()
@@ -116,6 +148,22 @@ class Generation:
         # to the end, speculation switched itself off; engine/decoding/speculative.py decides).
         self._plain_left: int | None = 0
         self._cancel = False
+
+    def _channels(self, lm: LoadedModel, prompt: Prompt, split_reasoning: bool) -> ChannelSplitter | None:
+        tok = lm.tokenizer
+        think = (tok.think_start, tok.think_end) if split_reasoning and tok.has_thinking else None
+        tool_open = tool_markers(tok)[0] if self.tools is not None and not self.tools.forced else None
+        if think is None and self.tools is None:
+            return None
+        start: Channel = "content"
+        if self.tools is not None and self.tools.forced:
+            start = "tool"
+        elif think and tok.think_start_tokens and tok.think_end_tokens:
+            # A template that opens the thinking block itself: the answer starts inside it.
+            opened = tok.rfind_think_start(prompt.tokens)
+            if opened != -1 and tok.rfind_think_end(prompt.tokens) < opened:
+                start = "reasoning"
+        return ChannelSplitter(Markers(think, tool_open), start)
 
     # -- lifecycle -----------------------------------------------------------------------------
     @property
@@ -223,6 +271,7 @@ class Generation:
     def _plain_step(self) -> list[Event]:
         y, _ = self._next
         if len(self.generated) + 1 >= self.params.max_tokens:  # the last token: nothing to feed
+            self._pending_logprobs = self._next[1]
             self._next = None
             return self._emit([y.item()])
         logits = self.lm.model(self.decode_input()[None], cache=self.cache)
@@ -266,7 +315,7 @@ class Generation:
     def sample_next(self, logits: mx.array) -> mx.array:
         """Build (not evaluate) the next token's sampling from `logits`; return the token sampled
         before it, which `accept` must get once read. A batch evaluates all rows at once."""
-        y, _ = self._next
+        y, self._pending_logprobs = self._next
         self._next = self.sampler(logits, self._history)
         return y
 
@@ -294,12 +343,36 @@ class Generation:
             self.generated.append(token)
             self.detokenizer.add_token(token)
             text, hit_stop = self.stop_matcher.feed(self.detokenizer.last_segment)
-            events.append(Event("token", text=text, token=token))
+            events.extend(self._token_events(text, token))
             if hit_stop:
                 return events + self._finish("stop", flush=False)
             if len(self.generated) >= self.params.max_tokens:
                 return events + self._finish("length")
         return events
+
+    def _token_events(self, text: str, token: int) -> list[Event]:
+        """One token's events: its logprobs, and its text by channel when the request splits them
+        (the token rides on the first event; a text straddling a marker gives more than one)."""
+        logprobs = None
+        if self.params.logprobs is not None and self._pending_logprobs is not None:
+            logprobs = token_logprob(self.lm.tokenizer, self._pending_logprobs, token,
+                                     self.params.logprobs)
+        if self.channels is None:
+            return [Event("token", text=text, token=token, logprobs=logprobs)]
+        pieces = self.channels.feed(text) or [(self.channels.channel, "")]
+        return [Event("token", text=piece, token=token if i == 0 else None, channel=channel,
+                      logprobs=logprobs if i == 0 else None)
+                for i, (channel, piece) in enumerate(self._route(pieces))]
+
+    def _route(self, pieces: list[tuple[Channel, str]]) -> list[tuple[Channel, str]]:
+        """Tool-channel text is kept for parsing at the end, not streamed."""
+        out = []
+        for channel, piece in pieces:
+            if channel == "tool":
+                self.tool_text += piece
+                piece = ""
+            out.append((channel, piece))
+        return out
 
     def _finish(self, reason: str, flush: bool = True) -> list[Event]:
         self.finish_reason = reason
@@ -309,13 +382,26 @@ class Generation:
             # An answer cut mid-character ends in undecodable bytes: drop them, never emit U+FFFD.
             text, _ = self.stop_matcher.feed(self.detokenizer.last_segment.rstrip("\ufffd"))
             text += self.stop_matcher.flush()
+        calls: tuple = ()
+        tail: list[Event] = []
+        if self.channels is not None:  # the rest of the text goes out as token-less events
+            pieces = self._route(self.channels.feed(text) + self.channels.flush())
+            text = ""
+            if self.tools is not None and self.tool_text and reason in ("stop", "length"):
+                try:
+                    calls = tuple(parse_calls(self.lm.tokenizer, self.tools, self.tool_text))
+                except Exception:  # noqa: BLE001 - an unfinished or malformed call stays text
+                    pieces.append(("content", self.tool_text))
+                if calls and reason == "stop":
+                    self.finish_reason = reason = "tool_calls"
+            tail = [Event("token", text=piece, channel=channel) for channel, piece in pieces if piece]
         if self._next is not None:
             mx.eval(*self._next)  # let the step in flight finish so the cache is consistent
         if self.first_token_at is not None and POLICY.save_at_finish(reason):
             self._save()
         stats = {"speculative": self.speculator.stats()} if self.speculator is not None else {}
-        return [Event("done", text=text, finish_reason=reason, usage=self.usage(),
-                      timings=self.timings(), stats=stats)]
+        return tail + [Event("done", text=text, finish_reason=reason, usage=self.usage(),
+                             timings=self.timings(), stats=stats, tool_calls=calls)]
 
     def release(self) -> None:
         """Free an ended request's model cache and pending arrays; its output and counts stay."""
@@ -341,9 +427,11 @@ class Generation:
 
 def generate(lm: LoadedModel, prompt: Prompt, params: SamplingParams,
              prefix_cache: PrefixStore | None = None,
-             speculator: "Speculator | None" = None) -> Iterator[Event]:
+             speculator: "Speculator | None" = None, tools: ToolRequest | None = None,
+             split_reasoning: bool = False) -> Iterator[Event]:
     """Run one request to completion in the calling thread, yielding its events."""
-    gen = Generation(lm, prompt, params, prefix_cache=prefix_cache, speculator=speculator)
+    gen = Generation(lm, prompt, params, prefix_cache=prefix_cache, speculator=speculator,
+                     tools=tools, split_reasoning=split_reasoning)
     try:
         while not gen.done:
             yield from gen.step()

@@ -91,6 +91,8 @@ class _SamplingMethods:
     stop: tuple[str, ...]
     json_schema: dict | None
     temperature: float
+    logprobs: int | None
+    logit_bias: dict | None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -100,6 +102,9 @@ class _SamplingMethods:
         for option in SAMPLING_OPTIONS:
             option.check(getattr(self, option.name))
         check_stops(self.stop)
+        check_logprobs(self.logprobs)
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
         if self.json_schema is not None:
             from .constrained import check_schema
 
@@ -118,13 +123,47 @@ class _SamplingMethods:
         return d
 
 
-# How to pick tokens: one field per sampling option, then the stop strings and JSON mode's schema
-# ({"type": "object"}: any object). temperature 0 means greedy (argmax).
+MAX_TOP_LOGPROBS = 20
+LOGIT_BIAS_LIMIT = 100
+
+
+def check_logprobs(value: Any) -> None:
+    """None: no log-probabilities; n: each token's and its n most likely alternatives'."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got "
+                             f"{value!r}", field="top_logprobs", code="invalid_value")
+
+
+def check_logit_bias(bias: Any) -> dict[int, float]:
+    """Token id -> a value in [-100, 100] added to its logit (-100 bans it, 100 forces it)."""
+    if not isinstance(bias, dict):
+        raise InvalidRequest("logit_bias must map token ids to numbers", field="logit_bias",
+                             code="invalid_type")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            token = -1
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if token < 0 or not number or not math.isfinite(value) or abs(value) > LOGIT_BIAS_LIMIT:
+            raise InvalidRequest(f"logit_bias must map token ids to numbers in [-100, 100], got "
+                                 f"{key!r}: {value!r}", field="logit_bias", code="invalid_value")
+        out[token] = float(value)
+    return out
+
+
+# How to pick tokens: one field per sampling option, then the stop strings, JSON mode's schema
+# ({"type": "object"}: any object), how many top log-probabilities to report per token (None:
+# none) and a logit bias per token id. temperature 0 means greedy (argmax).
 SamplingParams = make_dataclass(
     "SamplingParams",
     [(o.name, o.kind if o.default is not None else (o.kind | None), field(default=o.default))
      for o in SAMPLING_OPTIONS]
-    + [("stop", tuple[str, ...], field(default=())), ("json_schema", dict | None, field(default=None))],
+    + [("stop", tuple[str, ...], field(default=())), ("json_schema", dict | None, field(default=None)),
+       ("logprobs", int | None, field(default=None)), ("logit_bias", dict | None, field(default=None))],
     bases=(_SamplingMethods,), frozen=True)
 SamplingParams.__module__ = __name__
 
@@ -169,22 +208,25 @@ class TokenSampler:
 
     def __init__(self, params: SamplingParams):
         self.params = params
-        self.processors: list[LogitsProcessor] = (
-            make_logits_processors(repetition_penalty=params.repetition_penalty)
-            if params.repetition_penalty != 1.0 else []
-        )
+        self.processors: list[LogitsProcessor] = make_logits_processors(
+            logit_bias=params.logit_bias or None,
+            repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.key = mx.random.key(seed)
 
     def __call__(self, logits: mx.array, history: mx.array | None) -> tuple[mx.array, mx.array]:
-        """`logits` has shape (1, vocab); `history` holds the tokens so far (prompt + output)."""
+        """`logits` has shape (1, vocab); `history` holds the tokens so far (prompt + output).
+        Returns the token and the model's own log-softmax (before any processor or transform)."""
+        model_logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if self.processors and history is not None:
             for processor in self.processors:
                 logits = processor(history, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        else:
+            logprobs = model_logprobs
         p = self.params
         if p.greedy:
-            return mx.argmax(logprobs, axis=-1), logprobs
+            return mx.argmax(logprobs, axis=-1), model_logprobs
         self.key, sub = mx.random.split(self.key)
         filtered = filter_logprobs(logprobs, p)
-        return mx.random.categorical(filtered * (1.0 / p.temperature), key=sub), logprobs
+        return mx.random.categorical(filtered * (1.0 / p.temperature), key=sub), model_logprobs

@@ -46,7 +46,7 @@ class SnapshotPolicy:
     def save_at_finish(finish_reason: str | None) -> bool:
         """A request that ended normally leaves its prompt + answer (a cancelled or failed one does
         not: its last step may not have completed)."""
-        return finish_reason in ("stop", "length")
+        return finish_reason in ("stop", "length", "tool_calls")
 
 
 POLICY = SnapshotPolicy()

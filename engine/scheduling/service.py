@@ -33,6 +33,7 @@ from ..events import FINAL_STATES, Event, FinishReason, RequestState, Timings, U
 from ..decoding.generate import Generation, build_prompt
 from ..loading.registry import LoadedModel, ModelInfo, list_models, load_model
 from ..decoding.sampling import SamplingParams
+from ..decoding.tools import ToolRequest
 
 log = logging.getLogger(__name__)
 
@@ -305,16 +306,19 @@ class Engine:
     # -- submission ----------------------------------------------------------------------------
     def submit(self, messages: Sequence[dict] | None = None, params: SamplingParams | None = None,
                *, prompt_tokens: Sequence[int] | None = None, text: str | None = None,
-               speculative: SpeculativeOptions | None = None) -> RequestHandle:
+               speculative: SpeculativeOptions | None = None, tools: ToolRequest | None = None,
+               split_reasoning: bool = False) -> RequestHandle:
         """Validate and enqueue a request without waiting; raises InvalidRequest or Overloaded at
         once. `speculative` opts in to speculative decoding (engine/decoding/drafts.py; the default
         is plain): a draft not loaded yet loads on the scheduler thread while the request is in
-        `loading_draft`; if it cannot load, the request ends `failed` and `accepted()` raises."""
+        `loading_draft`; if it cannot load, the request ends `failed` and `accepted()` raises.
+        `tools` and `split_reasoning`: see `Generation` (engine/decoding/generate.py)."""
         lm = self.lm
         if lm is None:
             raise EngineError("no model is loaded yet")
         params = params or SamplingParams()
-        prompt = build_prompt(lm, messages=messages, prompt_tokens=prompt_tokens, text=text)
+        prompt = build_prompt(lm, messages=messages, prompt_tokens=prompt_tokens, text=text,
+                              tools=tools)
         factory = None
         if speculative is not None:
             check_draft(lm, speculative.draft)
@@ -324,7 +328,7 @@ class Engine:
         def generation(factory: SpeculatorFactory | None) -> Generation:
             speculator = factory(speculative.config()) if factory and speculative else None
             return Generation(lm, prompt, params, prefix_cache=self.prefix_cache,
-                              speculator=speculator)
+                              speculator=speculator, tools=tools, split_reasoning=split_reasoning)
 
         ready = generation(factory) if speculative is None or factory is not None else None
         # A speculative request also grows its draft's cache: at most the target's again.

@@ -1,0 +1,159 @@
+"""The legacy `/v1/completions` endpoint for raw-prompt clients: the prompt is sent to the model as
+it is (no chat template), streamed or not, with the chat endpoint's sampling fields, `n` and
+`logit_bias`; `logprobs` is the legacy integer (how many alternatives per token)."""
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from engine import InvalidRequest, RequestHandle, SamplingParams, TokenLogprob
+
+from .api import _SAMPLING, ApiError, _cancel_on_disconnect, _param, _typed, submit_choices, usage_body
+from .api_choices import MAX_CHOICES, collect_choices, merged, system_fingerprint, total_usage, tracked
+from .security import api_error
+from .sse import sse
+
+_FIELDS = {"model", "prompt", "stream", "stream_options", "stop", "n", "logprobs", "logit_bias",
+           "echo", "user", "suffix", "presence_penalty", "frequency_penalty"} | set(_SAMPLING)
+LEGACY_MAX_TOKENS = 16  # OpenAI's default for this endpoint
+
+
+def _legacy_logprobs(entries: list[TokenLogprob], wanted: bool) -> dict[str, Any] | None:
+    if not wanted:
+        return None
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+def parse(body: Any, model_name: str) -> tuple[str, SamplingParams, int, bool, bool]:
+    """(prompt, params, n, stream, include_usage) of a `/v1/completions` body."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for name in body:
+        if name not in _FIELDS:
+            raise ApiError(400, f"Unrecognized request argument supplied: {name}", name,
+                           "unknown_parameter")
+    for name, neutral in (("echo", False), ("suffix", None), ("presence_penalty", 0),
+                          ("frequency_penalty", 0)):
+        if body.get(name) not in (None, neutral):
+            raise ApiError(400, f"'{name}' is not supported", name, "unsupported_parameter")
+    model = _typed(body, "model", str)
+    if model is not None and model != model_name:
+        raise ApiError(404, f"The model '{model}' does not exist or is not loaded "
+                            f"(this server runs '{model_name}')", "model", "model_not_found")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise ApiError(400, "'prompt' must be a non-empty string", "prompt", "invalid_value")
+    sampling = {k: v for k, kind in _SAMPLING.items() if (v := _typed(body, k, kind)) is not None}
+    sampling.setdefault("max_tokens", LEGACY_MAX_TOKENS)
+    stop = body.get("stop")
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise ApiError(400, "'stop' must be a string or an array of strings", "stop")
+        sampling["stop"] = tuple(stop)
+    logprobs = _typed(body, "logprobs", int)
+    if logprobs is not None:
+        sampling["logprobs"] = logprobs
+    if bias := _typed(body, "logit_bias", dict):
+        sampling["logit_bias"] = bias
+    try:
+        params = SamplingParams(**sampling)
+    except InvalidRequest as exc:
+        param = "logprobs" if exc.field == "top_logprobs" else _param(exc)
+        raise ApiError(400, str(exc).replace("top_logprobs", "logprobs"), param,
+                       exc.code or "invalid_value") from None
+    n = _typed(body, "n", int) or 1
+    if not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"'n' must be an integer in [1, {MAX_CHOICES}]", "n", "invalid_value")
+    stream = _typed(body, "stream", bool) or False
+    options = _typed(body, "stream_options", dict) or {}
+    if options and (not stream or set(options) - {"include_usage"}):
+        raise ApiError(400, "'stream_options' may only hold 'include_usage', with 'stream': true",
+                       "stream_options")
+    return prompt, params, n, stream, bool(options.get("include_usage"))
+
+
+async def completions(request: Request) -> Response:
+    engine = request.app.state.engine
+    try:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+        if engine.model_name is None:
+            return api_error(503, "a model is loading; try again shortly", "server_error",
+                             "model_loading", headers={"Retry-After": "5"})
+        prompt, params, n, stream, include_usage = parse(body, engine.model_name)
+        handles = await submit_choices(engine, None, params, n, None, text=prompt)
+    except ApiError as err:
+        return err.response()
+    meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+            "created": int(time.time()), "model": engine.model_name,
+            "system_fingerprint": system_fingerprint(engine.model_name)}
+    runs, wanted = request.app.state.runs, params.logprobs is not None
+    if stream:
+        return StreamingResponse(_stream(request, runs, handles, meta, include_usage, wanted),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    with tracked(runs, handles):
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, handles))
+        try:
+            choices = await collect_choices(handles)
+        finally:
+            watcher.cancel()
+    finals = [c.final for c in choices]
+    failed = next((f for f in finals if f.finish_reason == "failed"), None)
+    if failed is not None:
+        return api_error(500, failed.error or "generation failed", "server_error", "generation_failed")
+    return JSONResponse({**meta, "choices": [
+        {"index": i, "text": "".join(c.content), "finish_reason": c.final.finish_reason,
+         "logprobs": _legacy_logprobs(c.logprobs, wanted)} for i, c in enumerate(choices)],
+        "usage": usage_body(total_usage(finals))})
+
+
+async def _stream(request: Request, runs: Any, handles: list[RequestHandle], meta: dict[str, Any],
+                  include_usage: bool, wanted: bool) -> AsyncIterator[str]:
+    def chunk(i: int, text: str, finish_reason: str | None = None,
+              entries: list[TokenLogprob] | None = None) -> str:
+        choice = {"index": i, "text": text, "finish_reason": finish_reason,
+                  "logprobs": _legacy_logprobs(entries or [], wanted)}
+        return sse(json.dumps({**meta, "choices": [choice]}, ensure_ascii=False))
+
+    finals = []
+    with tracked(runs, handles):
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, handles))
+        try:
+            async for i, event in merged(handles):
+                if event.kind == "token":
+                    if event.text or event.logprobs is not None:
+                        yield chunk(i, event.text, entries=[event.logprobs] if event.logprobs else [])
+                elif event.finish_reason == "failed":
+                    yield sse(json.dumps({"error": {"message": event.error or "generation failed",
+                                                    "type": "server_error", "param": None,
+                                                    "code": "generation_failed"}}))
+                else:
+                    finals.append(event)
+                    yield chunk(i, "", event.finish_reason)
+            if include_usage and len(finals) == len(handles):
+                yield sse(json.dumps({**meta, "choices": [],
+                                      "usage": usage_body(total_usage(finals))}))
+            yield sse("[DONE]")
+        finally:
+            watcher.cancel()
+
+
+routes = [Route("/v1/completions", completions, methods=["POST"])]
