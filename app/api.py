@@ -355,7 +355,7 @@ def usage_body(usage: Usage, stats: dict[str, Any] | None = None) -> dict[str, A
     speculative = (stats or {}).get("speculative")
     if speculative is not None:  # an extension, only for requests that opted in
         body["speculative"] = {k: speculative[k] for k in (
-            "drafted", "accepted", "acceptance_rate", "tokens_per_target_step")}
+            "drafted", "accepted", "acceptance_rate", "tokens_per_target_step", "switched_off")}
     return body
 
 
