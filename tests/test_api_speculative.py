@@ -10,7 +10,7 @@ from live_server import openai_client, serving
 
 MODEL = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-STATS = {"drafted", "accepted", "acceptance_rate", "tokens_per_target_step"}
+STATS = {"drafted", "accepted", "acceptance_rate", "tokens_per_target_step", "switched_off"}
 
 
 @pytest.fixture(scope="module")
