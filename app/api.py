@@ -273,10 +273,15 @@ def _json_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | Non
     return spec["schema"]
 
 
+# Keywords whose subschemas apply to the same JSON value as their parent: a `$ref` cycle through
+# them alone never reaches a value (properties/items descend into one, so recursion there is fine).
+_IN_PLACE = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else")
+
+
 def _ref_loop(schema: dict[str, Any]) -> str | None:
-    """A local `$ref` whose chain of references comes back to itself (`{"$ref": "#"}`, or `a`
-    defined as `{"$ref": "#/definitions/a"}`): such a schema accepts nothing, and the grammar
-    engine would only find out while generating."""
+    """A local `$ref` that comes back to itself on the same JSON value (`{"$ref": "#"}`, `a`
+    defined as `{"$ref": "#/definitions/a"}` or as `{"allOf": [{"$ref": "#/definitions/a"}]}`):
+    the grammar engine cannot compile it and would only fail while generating."""
     def resolve(ref: str) -> Any:
         if not ref.startswith("#"):
             return None
@@ -291,8 +296,19 @@ def _ref_loop(schema: dict[str, Any]) -> str | None:
                 return None
         return node
 
-    pending = [schema]
-    while pending:
+    def same_value(node: dict[str, Any]) -> list[tuple[Any, str | None]]:
+        """The subschemas `node` applies to its own value, each with the `$ref` leading there."""
+        found: list[tuple[Any, str | None]] = []
+        if isinstance(node.get("$ref"), str):
+            found.append((resolve(node["$ref"]), node["$ref"]))
+        for key in _IN_PLACE:
+            value = node.get(key)
+            found.extend((sub, None) for sub in (value if isinstance(value, list) else [value]))
+        return [(sub, ref) for sub, ref in found if isinstance(sub, dict)]
+
+    done: set[int] = set()
+    pending: list[Any] = [schema]
+    while pending:  # every subschema, each the start of a walk along same-value edges
         node = pending.pop()
         if isinstance(node, list):
             pending.extend(node)
@@ -300,13 +316,23 @@ def _ref_loop(schema: dict[str, Any]) -> str | None:
         if not isinstance(node, dict):
             continue
         pending.extend(node.values())
-        seen, current = {id(node)}, node
-        while isinstance(current, dict) and isinstance(current.get("$ref"), str):
-            target = resolve(current["$ref"])
-            if id(target) in seen:
-                return current["$ref"]
-            seen.add(id(target))
-            current = target
+        if id(node) in done:
+            continue
+        path, on_path = [(node, iter(same_value(node)))], {id(node)}
+        while path:  # depth first; a node met again on the current path closes a loop
+            top, edges = path[-1]
+            step = next(edges, None)
+            if step is None:
+                path.pop()
+                on_path.discard(id(top))
+                done.add(id(top))
+                continue
+            sub, ref = step
+            if id(sub) in on_path:
+                return ref or "$ref"  # only a `$ref` can lead back up
+            if id(sub) not in done:
+                path.append((sub, iter(same_value(sub))))
+                on_path.add(id(sub))
     return None
 
 

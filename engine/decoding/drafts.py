@@ -11,10 +11,14 @@ plain decoding (on this machine's CPU speculation does not pay: see bench/specul
                   mtp.* weights), drafting from its hidden states.
   anything else   a model name or path (as `load_model` takes it) of the same tokenizer.
 
-`load_draft` runs on the engine's scheduler thread (MLX arrays belong to the thread that made them
-until evaluated); the result is a factory of fresh per-request `Speculator`s sharing the weights.
+A draft is known by `draft_identity`: the built-in names as written, a model by the real path of
+the folder the registry resolves it to, so that every spelling of one model is one draft.
+`load_draft` may run on any thread: the weights it loads are evaluated there (MLX arrays belong to
+the thread that made them until evaluated); the result is a factory of fresh per-request
+`Speculator`s sharing the weights, to be called on the thread that runs them.
 """
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Literal
 
@@ -22,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import EngineError, InvalidRequest
-from ..loading.registry import LoadedModel, load_model
+from ..loading.registry import LoadedModel, load_model, resolve
 from .speculative import ModelDrafter, SpecConfig, Speculator, check_compatible, truncated
 
 K_LIMIT = 16
@@ -120,6 +124,25 @@ def check_draft(lm: LoadedModel, draft: str) -> None:
                              field="speculative.draft", code="invalid_value")
 
 
+def draft_identity(draft: str) -> str:
+    """What `draft` is, whatever its spelling: a built-in as written ("truncated:N" with N as a
+    number), a model as the real path of the folder the registry resolves it to (relative paths,
+    `..`, symlinks and trailing slashes resolved; a GGUF file by its converted folder). Resolving a
+    model may convert a GGUF file: call it off the scheduler thread. Raises InvalidRequest."""
+    if draft in ("self-q4", "mtp"):
+        return draft
+    if draft.startswith("truncated:"):
+        raw = draft.split(":", 1)[1]
+        return f"truncated:{int(raw)}" if raw.isdigit() else draft
+    try:
+        _, folder = resolve(draft)
+    except EngineError as exc:
+        raise InvalidRequest(f"unknown draft {draft!r}: not one of {', '.join(BUILTIN)} and not a "
+                             f"loadable model ({exc})", field="speculative.draft",
+                             code="invalid_value") from None
+    return os.path.realpath(folder)
+
+
 def _quantized(model: nn.Module) -> bool:
     return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
                for _, m in model.named_modules())
@@ -140,7 +163,8 @@ def _self_q4(lm: LoadedModel) -> nn.Module:
 
 
 def load_draft(lm: LoadedModel, draft: str) -> SpeculatorFactory:
-    """Load `draft` for target `lm` (on the thread that will run it); raises InvalidRequest."""
+    """Load `draft` for target `lm` (on any thread: weights are evaluated here); raises
+    InvalidRequest."""
     check_draft(lm, draft)
     if draft == "self-q4":
         model = _self_q4(lm)

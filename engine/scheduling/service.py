@@ -4,7 +4,8 @@ thread (or an asyncio loop) submit requests and read their events.
 Every request has one lifecycle, `[loading_draft ->] queued -> prefill -> decoding -> finished |
 cancelled | failed`, recorded with the time of each transition, and always ends with exactly one
 `done` event, whatever happens inside. `submit` never waits: a speculative request whose draft is
-not loaded yet starts in `loading_draft` while the scheduler thread loads it between two ticks.
+not loaded yet starts in `loading_draft` while a loader thread loads it (one draft at a time, and
+one kept per engine: every spelling of a model is one draft) and the scheduler serves the others.
 Admission is bounded (running + queued caps, and the memory budget for the model caches the
 admitted requests may grow to); requests that decode at the same time share one model call per
 step (engine/scheduling/batch.py).
@@ -26,7 +27,7 @@ import mlx.core as mx
 
 from .batch import DecodeBatch, KVFootprint, kv_footprint
 from ..decoding.drafts import (DraftChoice, SpeculativeOptions, SpeculatorFactory, check_draft,
-                               draft_choices, load_draft)
+                               draft_choices, draft_identity, load_draft)
 from ..device import memory_budget as device_memory_budget
 from ..errors import EngineError, InvalidRequest, Overloaded
 from ..events import FINAL_STATES, Event, FinishReason, RequestState, Timings, Usage
@@ -65,7 +66,7 @@ class EngineStatus:
     queued: int
     loading_drafts: int
     batch_rows: int  # decoding requests sharing the batched model call
-    drafts: tuple[str, ...]  # drafts loaded (and kept) for the current model
+    drafts: tuple[str, ...]  # the draft kept for the current model (at most one), by identity
     memory_budget: int
     reserved_bytes: int  # model-cache memory reserved by the admitted requests
 
@@ -188,7 +189,12 @@ class Engine:
         self._preparing: list[RequestHandle] = []  # loading_draft
         self._control: "queue.Queue[Callable[[], None]]" = queue.Queue()
         self._soon: "queue.Queue[Callable[[], None]]" = queue.Queue()  # between ticks: drafts
-        self._drafts: dict[str, tuple[LoadedModel, SpeculatorFactory]] = {}  # for self.lm, by draft
+        # The resident draft (at most one), by identity, and the spellings known to name it;
+        # changed under the lock by the loader thread and on model changes.
+        self._drafts: dict[str, tuple[LoadedModel, SpeculatorFactory]] = {}
+        self._draft_spellings: dict[str, str] = {}
+        self._draft_jobs: "queue.Queue[Callable[[], None] | None]" = queue.Queue()
+        self._draft_loader: threading.Thread | None = None
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._ids = itertools.count(1)
@@ -204,6 +210,9 @@ class Engine:
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, name="mlxchat-scheduler", daemon=True)
         self._thread.start()
+        self._draft_loader = threading.Thread(target=self._load_drafts, name="mlxchat-drafts",
+                                              daemon=True)
+        self._draft_loader.start()
         self._call(lambda: self._install(self.requested_model, progress))
         return self
 
@@ -216,6 +225,7 @@ class Engine:
             self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self._draft_jobs.put(None)
         if self.prefix_cache is not None and self.persist_prefix_cache:
             # so that reopening the app continues long conversations without re-prefill
             self.prefix_cache.persist(max_bytes=PERSIST_BYTES)
@@ -267,7 +277,9 @@ class Engine:
         report = progress or (lambda stage: None)
         report("loading")
         old, self.lm, self.prefix_cache, self._batch = self.lm, None, None, None
-        self._drafts.clear()
+        with self._lock:  # the loader keeps a draft only while its model is self.lm
+            self._drafts.clear()
+            self._draft_spellings.clear()
         del old
         mx.clear_cache()
         self.lm = self._load(name, fallback_to_default=self.fallback_to_default)
@@ -322,7 +334,8 @@ class Engine:
         factory = None
         if speculative is not None:
             check_draft(lm, speculative.draft)
-            entry = self._drafts.get(speculative.draft)
+            with self._lock:
+                entry = self._drafts.get(self._draft_spellings.get(speculative.draft, ""))
             factory = entry[1] if entry is not None and entry[0] is lm else None
 
         def generation(factory: SpeculatorFactory | None) -> Generation:
@@ -368,27 +381,61 @@ class Engine:
                 self._preparing.append(handle)
                 assert speculative is not None
                 draft = speculative.draft
-                self._soon.put(lambda: self._load_draft(handle, lm, draft, generation))
+                self._draft_jobs.put(lambda: self._load_draft(handle, lm, draft, generation))
             self._wake.notify_all()
         if ready is not None:
             handle._accepted.set_result(None)
         return handle
 
+    def _load_drafts(self) -> None:
+        """The loader thread: load drafts one at a time, off the scheduler thread."""
+        while (job := self._draft_jobs.get()) is not None:
+            job()
+
     def _load_draft(self, handle: RequestHandle, lm: LoadedModel, draft: str,
                     generation: Callable[[SpeculatorFactory], Generation]) -> None:
-        """On the scheduler thread, between ticks: load `draft` for `lm` once (kept until the
-        model changes), then queue the request, or end it if that fails or it was cancelled."""
-        gen, failure = None, None
+        """On the loader thread: find `draft` for `lm` by its identity, loading it if it is not the
+        resident draft (which it then replaces), then let the scheduler thread queue the request,
+        or end it if that failed or it was cancelled."""
+        factory, failure = None, None
         try:
             if not handle.cancel_requested:
                 if self.lm is not lm:
                     raise Overloaded(f"switching models: {lm.name} is being replaced",
                                      retry_after=5.0)
-                entry = self._drafts.get(draft)
-                if entry is None:
-                    entry = self._drafts[draft] = (lm, load_draft(lm, draft))
-                gen = generation(entry[1])
+                identity = draft_identity(draft)
+                with self._lock:
+                    entry = self._drafts.get(identity)
+                    if entry is None or entry[0] is not lm:  # released before the next loads
+                        self._drafts.clear()
+                        self._draft_spellings.clear()
+                if entry is None or entry[0] is not lm:
+                    entry = (lm, load_draft(lm, identity))
+                with self._lock:
+                    if self.lm is lm:
+                        self._drafts = {identity: entry}
+                        self._draft_spellings = {**self._draft_spellings, draft: identity}
+                factory = entry[1]
         except Exception as exc:  # handed to the caller through `accepted()` and the done event
+            failure = exc if isinstance(exc, EngineError) else EngineError(
+                f"{type(exc).__name__}: {exc}")
+        with self._wake:
+            self._soon.put(lambda: self._draft_ready(handle, lm, factory, failure, generation))
+            self._wake.notify_all()
+
+    def _draft_ready(self, handle: RequestHandle, lm: LoadedModel,
+                     factory: SpeculatorFactory | None, failure: Exception | None,
+                     generation: Callable[[SpeculatorFactory], Generation]) -> None:
+        """On the scheduler thread, between ticks: queue the request whose draft is loaded, or end
+        it if that failed, it was cancelled or the model changed meanwhile."""
+        gen = None
+        try:
+            if factory is not None and not handle.cancel_requested:
+                if self.lm is not lm:
+                    raise Overloaded(f"switching models: {lm.name} is being replaced",
+                                     retry_after=5.0)
+                gen = generation(factory)
+        except Exception as exc:
             failure = exc if isinstance(exc, EngineError) else EngineError(
                 f"{type(exc).__name__}: {exc}")
         with self._wake:
@@ -422,10 +469,13 @@ class Engine:
             while not self._soon.empty():
                 self._soon.get()()
             with self._wake:
-                while not (self._stopping or self._queued or self._running
-                           or not self._control.empty() or not self._soon.empty()):
+                # Stopping waits for the drafts being loaded: each request ends with its event.
+                while not ((self._stopping and not self._preparing) or self._queued
+                           or self._running or not self._control.empty()
+                           or not self._soon.empty()):
                     self._wake.wait()
-                if self._stopping and not self._running and not self._queued and self._soon.empty():
+                if self._stopping and not self._running and not self._queued \
+                        and not self._preparing and self._soon.empty():
                     return
                 if not self._running and not self._queued and not self._control.empty():
                     task = self._control.get()
