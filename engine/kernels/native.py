@@ -150,9 +150,11 @@ def thread_count() -> int:
     return physical_cores()
 
 
+def _turned_off() -> bool:
+    return os.environ.get("MLXCHAT_KERNELS", "1").strip().lower() in ("0", "off", "no", "false")
+
+
 def _load() -> Status:
-    if os.environ.get("MLXCHAT_KERNELS", "1").strip().lower() in ("0", "off", "no", "false"):
-        return Status(None, "turned off by MLXCHAT_KERNELS")
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".lock", "w") as lock:  # one build at a time, across processes
@@ -179,9 +181,11 @@ _status: Status | None = None
 def status() -> Status:
     """Load (building if needed) the kernels once per process; warns once when they fail."""
     global _status
+    if _turned_off():  # read each time: a benchmark row or a test may turn them off
+        return Status(None, "turned off by MLXCHAT_KERNELS=0")
     if _status is None:
         _status = _load()
-        if _status.module is None and "MLXCHAT_KERNELS" not in _status.reason:
+        if _status.module is None:
             log.warning("mlxchat's CPU kernels are unavailable, so models run in the slower fp32 "
                         "layout: %s. Fix: %s", _status.reason, FIX)
     return _status

@@ -7,6 +7,8 @@
 // its even elements followed by its odd ones; the weights then need no shuffling.
 #include <cmath>
 
+#include <vector>
+
 #include "common.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -38,6 +40,34 @@ inline void scale_bias(const QMat& W, int64_t i, float& s, float& b) {
   b = load_scalar(W.biases, W.st, i);
 }
 
+float* scratch(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (int64_t(buf.size()) < n) buf.resize(size_t(n));
+  return buf.data();
+}
+
+void cvt_half(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
+// Row n's G scales and biases as fp32, in s[0..G) and b[0..G).
+inline void row_scales(const QMat& W, int64_t n, int64_t G, float* s, float* b) {
+  if (W.st == SType::F16) {
+    cvt_half(static_cast<const uint16_t*>(W.scales) + n * G, s, G);
+    cvt_half(static_cast<const uint16_t*>(W.biases) + n * G, b, G);
+  } else {
+    for (int64_t g = 0; g < G; ++g) scale_bias(W, n * G + g, s[g], b[g]);
+  }
+}
+
 void prep_x(const QMat& W, const float* x, int M, float* xp) {
   const int64_t K = W.K;
   if (W.bits != 4 || kBlock4 == 0) {
@@ -55,24 +85,28 @@ void prep_x(const QMat& W, const float* x, int M, float* xp) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 
+// A group's 16 possible weights (q * scale + bias, q = 0..15) fit one register: the nibbles
+// index it with a permute instead of being converted and scaled one by one.
 template <int M>
 void rows4(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   const int64_t K = W.K, G = K / W.gs;
   const __m128i m4 = _mm_set1_epi8(0x0F);
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  float* sc = scratch(2 * G);
+  float* bi = sc + G;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = reinterpret_cast<const uint8_t*>(W.w) + n * (K / 2);
+    row_scales(W, n, G, sc, bi);
     __m512 a0[M], a1[M];
     for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      float s, b;
-      scale_bias(W, n * G + g, s, b);
-      const __m512 vs = _mm512_set1_ps(s), vb = _mm512_set1_ps(b);
+      const __m512 lut = _mm512_fmadd_ps(iota, _mm512_set1_ps(sc[g]), _mm512_set1_ps(bi[g]));
       for (int64_t k = g * W.gs, e = k + W.gs; k < e; k += 32) {
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k / 2));
         const __m128i lo = _mm_and_si128(raw, m4);
         const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
-        const __m512 wl = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), vs, vb);
-        const __m512 wh = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), vs, vb);
+        const __m512 wl = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(lo), lut);
+        const __m512 wh = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(hi), lut);
         for (int m = 0; m < M; ++m) {
           a0[m] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xp + m * K + k), a0[m]);
           a1[m] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xp + m * K + k + 16), a1[m]);
@@ -86,14 +120,15 @@ void rows4(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int
 template <int M>
 void rows8(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   const int64_t K = W.K, G = K / W.gs;
+  float* sc = scratch(2 * G);
+  float* bi = sc + G;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = reinterpret_cast<const uint8_t*>(W.w) + n * K;
     __m512 a0[M], a1[M];
+    row_scales(W, n, G, sc, bi);
     for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      float s, b;
-      scale_bias(W, n * G + g, s, b);
-      const __m512 vs = _mm512_set1_ps(s), vb = _mm512_set1_ps(b);
+      const __m512 vs = _mm512_set1_ps(sc[g]), vb = _mm512_set1_ps(bi[g]);
       for (int64_t k = g * W.gs, e = k + W.gs; k < e; k += 32) {
         const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k));
         const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k + 16));
@@ -139,14 +174,15 @@ template <int M>
 void rows4(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   const int64_t K = W.K, G = K / W.gs;
   const __m128i m4 = _mm_set1_epi8(0x0F);
+  float* sc = scratch(2 * G);
+  float* bi = sc + G;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = reinterpret_cast<const uint8_t*>(W.w) + n * (K / 2);
     __m256 a0[M], a1[M];
+    row_scales(W, n, G, sc, bi);
     for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      float s, b;
-      scale_bias(W, n * G + g, s, b);
-      const __m256 vs = _mm256_set1_ps(s), vb = _mm256_set1_ps(b);
+      const __m256 vs = _mm256_set1_ps(sc[g]), vb = _mm256_set1_ps(bi[g]);
       for (int64_t k = g * W.gs, e = k + W.gs; k < e; k += 16) {
         const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + k / 2));
         const __m128i lo = _mm_and_si128(raw, m4);
@@ -166,14 +202,15 @@ void rows4(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int
 template <int M>
 void rows8(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   const int64_t K = W.K, G = K / W.gs;
+  float* sc = scratch(2 * G);
+  float* bi = sc + G;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = reinterpret_cast<const uint8_t*>(W.w) + n * K;
     __m256 a0[M], a1[M];
+    row_scales(W, n, G, sc, bi);
     for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      float s, b;
-      scale_bias(W, n * G + g, s, b);
-      const __m256 vs = _mm256_set1_ps(s), vb = _mm256_set1_ps(b);
+      const __m256 vs = _mm256_set1_ps(sc[g]), vb = _mm256_set1_ps(bi[g]);
       for (int64_t k = g * W.gs, e = k + W.gs; k < e; k += 16) {
         const __m128i r0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + k));
         const __m128i r1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + k + 8));

@@ -89,7 +89,7 @@ class Pool {
         seen = g;
         continue;
       }
-      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(300);
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(100);
       bool woke = false;
       for (int i = 0; !woke; ++i) {
         for (int j = 0; j < 64; ++j) MLXCHAT_PAUSE();
