@@ -9,7 +9,9 @@ arrays), as engine/kernels/cpu_layout.py does for its fp32 layout:
   optimised BLAS is loaded, else our kernel 8 rows at a time;
 - `nn.RMSNorm` -> `KernelRMSNorm`, `nn.RoPE` -> `KernelRoPE`;
 - mlx-lm's llama `Attention` -> `KernelLlamaAttention`: one-token steps over a plain `KVCache`
-  take our single-query attention; everything else runs mlx-lm's own code.
+  take our single-query attention; everything else runs mlx-lm's own code;
+- mlx-lm's llama `TransformerBlock` -> `KernelLlamaBlock`: where every part of the layer took the
+  kernels, a one-token step is two fused ops around mlx-lm's own KV-cache update.
 
 Activations are fp32 (the non-quantized parameters are cast to fp32; scales and biases keep their
 dtype), and every weight is dequantized exactly (q * scale + bias in fp32) and accumulated in
@@ -111,12 +113,50 @@ class KernelLlamaAttention(llama.Attention):
         return self.o_proj(out.reshape(B, 1, -1))
 
 
+def _qw(layer: nn.Module) -> tuple:
+    return layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits
+
+
+class KernelLlamaBlock(llama.TransformerBlock):
+    """mlx-lm's llama layer whose one-token step over a plain KVCache is two of our ops around the
+    cache update: attn_in (norm, q/k/v, RoPE) and block_out (attention, o_proj, residual, norm,
+    MLP, residual), each the same kernels as the single ops; other steps run mlx-lm's code."""
+
+    fused_decode = False  # set per layer by to_kernel_layout when every part can take the kernels
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if (not self.fused_decode or x.shape[1] != 1 or mask is not None
+                or type(cache) is not KVCache or x.dtype != mx.float32):
+            return super().__call__(x, mask, cache)
+        kernels, attn, mlp = native.kernels(), self.self_attn, self.mlp
+        norm1, norm2, rope = self.input_layernorm, self.post_attention_layernorm, attn.rope
+        q, k, v = kernels.attn_in(x, norm1.weight, norm1.eps, _qw(attn.q_proj), _qw(attn.k_proj),
+                                  _qw(attn.v_proj), attn.n_heads, attn.n_kv_heads, rope.dims,
+                                  rope.traditional, rope.base, rope.scale, cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        return kernels.block_out(x, q, k, v, attn.scale, _qw(attn.o_proj), norm2.weight, norm2.eps,
+                                 _qw(mlp.gate_proj), _qw(mlp.up_proj), _qw(mlp.down_proj))
+
+
+def _fusable(block: nn.Module) -> bool:
+    attn, mlp = block.self_attn, block.mlp
+    projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                   mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    return (type(attn) is KernelLlamaAttention and type(attn.rope) is KernelRoPE
+            and type(block.input_layernorm) is KernelRMSNorm
+            and type(block.post_attention_layernorm) is KernelRMSNorm
+            and all(type(p) is KernelLinear and "bias" not in p for p in projections)
+            and len({p.bits for p in projections[:3]}) == 1
+            and mlp.gate_proj.bits == mlp.up_proj.bits)
+
+
 _SWAPS = (
     (nn.QuantizedLinear, KernelLinear),
     (nn.QuantizedEmbedding, KernelEmbedding),
     (nn.RMSNorm, KernelRMSNorm),
     (nn.RoPE, KernelRoPE),
     (llama.Attention, KernelLlamaAttention),
+    (llama.TransformerBlock, KernelLlamaBlock),
 )
 _QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
 
@@ -164,6 +204,9 @@ def to_kernel_layout(model: nn.Module) -> nn.Module:
                 continue
             module.__class__ = fast
             counts[fast.__name__] = counts.get(fast.__name__, 0) + 1
+    for _, module in model.named_modules():
+        if type(module) is KernelLlamaBlock:
+            module.fused_decode = _fusable(module)
     dense = swap_matvec(model)  # any dense fp32 layer left: W @ x for one row, as cpu_layout does
     mx.eval(model.parameters())
     log.info("CPU kernels (%s): %s; %d dense layers; prefill on %s", native.status().reason,
