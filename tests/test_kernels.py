@@ -149,3 +149,47 @@ def test_device_report_and_description_name_the_path(kern):
 
     assert device.report()["compute_path"] == active_path()
     assert device.describe(mx.Device(mx.cpu)).endswith(f"; {active_path()})")
+
+
+def tiny_llama_pair(bits, gs, traditional):
+    """(ours, reference): the same random quantized llama twice; ours in the kernel layout with fp16
+    scales, the reference on MLX's own ops with the same scales as fp32 (the exact same weights)."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2,
+                           intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                           rms_norm_eps=1e-5, vocab_size=320, rope_traditional=traditional,
+                           rope_theta=10000.0, tie_word_embeddings=True)
+    models = []
+    for _ in range(2):
+        mx.random.seed(7)
+        model = llama.Model(args)
+        nn.quantize(model, group_size=gs, bits=bits)
+        models.append(model)
+    ours, ref = models
+    params = dict(tree_flatten(ours.parameters()))
+    half = {k: v.astype(mx.float16) if k.endswith(("scales", "biases")) else v for k, v in params.items()}
+    ours.load_weights(list(half.items()))
+    ref.load_weights([(k, v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v)
+                      for k, v in half.items()])
+    return to_kernel_layout(ours), ref
+
+
+@pytest.mark.parametrize("bits,gs,traditional", [(4, 32, True), (4, 64, False), (8, 128, True)])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_layer_steps_match_mlx_lm(kern, bits, gs, traditional, batch):
+    """Prefill (5 tokens: the single ops), then one-token steps (the fused layer ops) with a KV
+    cache, 1 or 3 rows: logits within rtol 1e-4 / atol 1e-4 of mlx-lm's own model on MLX's ops."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.kernels.layout import KernelLlamaBlock
+
+    ours, ref = tiny_llama_pair(bits, gs, traditional)
+    assert all(type(layer) is KernelLlamaBlock and layer.fused_decode for layer in ours.model.layers)
+    caches = make_prompt_cache(ours), make_prompt_cache(ref)
+    tokens = mx.array([[5, 17, 200, 3, 99]] * batch) + mx.arange(batch)[:, None]
+    for step in range(5):
+        a, b = ours(tokens, cache=caches[0]), ref(tokens, cache=caches[1])
+        assert mx.allclose(a, b, rtol=1e-4, atol=1e-4).item(), (step, mx.abs(a - b).max().item())
+        tokens = mx.argmax(b[:, -1:], axis=-1)
