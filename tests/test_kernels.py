@@ -2,6 +2,7 @@
 supported bits / group size and 1-8 rows, and layers the kernels cannot take falling back.
 
 Tolerances (fp32 everywhere; the kernels sum in another order than MLX does):
+- dequantize (prefill) vs mx.dequantize: equal;
 - quantized matmul vs mx.quantized_matmul on the same weights (scales as fp32): rtol 1e-4,
   atol 1e-4 for outputs of magnitude ~10-100 (K up to 1536 products);
 - RMSNorm vs mx.fast.rms_norm: rtol 1e-5, atol 1e-5;
@@ -48,6 +49,15 @@ def test_quantized_matmul_matches_mlx(kern, bits, gs, rows):
         ours = kern.quantized_matmul(x, w, s, b, gs, bits)
         assert ours.shape == ref.shape and ours.dtype == mx.float32
         assert mx.allclose(ours, ref, rtol=1e-4, atol=1e-4).item(), mx.abs(ours - ref).max().item()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_dequantize_matches_mlx_exactly(kern, bits, gs):
+    """The prefill path's dequantization (then BLAS): q * scale + bias, the same fp32 values."""
+    w, s, b = quantized(77, 2 * gs * 3, bits, gs)
+    ref = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), gs, bits)
+    assert mx.array_equal(kern.dequantize(w, s, b, gs, bits), ref).item()
 
 
 @pytest.mark.parametrize("scale_dtype", [mx.float32, mx.float16, mx.bfloat16])

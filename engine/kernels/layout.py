@@ -64,9 +64,7 @@ def quantized_product(module: nn.Module, x: mx.array) -> mx.array:
     kernels = native.kernels()
     w, scales, biases = module["weight"], module["scales"], module["biases"]
     if x.size // x.shape[-1] > MAX_ROWS and _Prefill.blas:
-        dense = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32),
-                              module.group_size, module.bits)
-        return x @ dense.T
+        return x @ kernels.dequantize(w, scales, biases, module.group_size, module.bits).T
     return kernels.quantized_matmul(x, w, scales, biases, module.group_size, module.bits)
 
 

@@ -58,6 +58,8 @@ struct Impl {
   // y[m * ldy + n] = sum_k x[m, k] * W[n, k] for n in [n0, n1), m < M (M <= 8).
   void (*qmv_rows)(const QMat&, const float* xp, int M, int64_t n0, int64_t n1, float* y,
                    int64_t ldy);
+  // out[n * K + k] = W[n, k] (fp32) for n in [n0, n1).
+  void (*dequant_rows)(const QMat&, int64_t n0, int64_t n1, float* out);
   float (*dot)(const float* a, const float* b, int64_t n);
   void (*axpy)(float a, const float* x, float* y, int64_t n);  // y += a * x
 };

@@ -7,6 +7,7 @@
 // its even elements followed by its odd ones; the weights then need no shuffling.
 #include <cmath>
 
+#include <cmath>
 #include <vector>
 
 #include "common.h"
@@ -299,6 +300,40 @@ void axpy(float a, const float* x, float* y, int64_t n) {
 
 #endif
 
+template <int BITS>
+void dequant(const QMat& W, int64_t n0, int64_t n1, float* out) {
+  constexpr int per_word = 32 / BITS;
+  constexpr uint32_t mask = (1u << BITS) - 1;
+  const int64_t K = W.K, G = K / W.gs;
+  float* sc = scratch(2 * G);
+  float* bi = sc + G;
+  for (int64_t n = n0; n < n1; ++n) {
+    row_scales(W, n, G, sc, bi);
+    const uint32_t* wr = W.w + n * (K / per_word);
+    float* o = out + n * K;
+    for (int64_t g = 0; g < G; ++g) {
+      const float s = sc[g], b = bi[g];
+      for (int64_t k = g * W.gs, e = k + W.gs; k < e; k += per_word) {
+        const uint32_t word = wr[k / per_word];
+        for (int p = 0; p < per_word; ++p) {
+#if defined(__FMA__)
+          o[k + p] = std::fma(float((word >> (p * BITS)) & mask), s, b);  // as the matmul kernels
+#else
+          o[k + p] = float((word >> (p * BITS)) & mask) * s + b;
+#endif
+        }
+      }
+    }
+  }
+}
+
+void dequant_rows(const QMat& W, int64_t n0, int64_t n1, float* out) {
+  if (W.bits == 4)
+    dequant<4>(W, n0, n1, out);
+  else
+    dequant<8>(W, n0, n1, out);
+}
+
 template <int M>
 void rows(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   if (W.bits == 4)
@@ -320,7 +355,7 @@ void qmv_rows(const QMat& W, const float* xp, int M, int64_t n0, int64_t n1, flo
   }
 }
 
-const Impl kImpl{kName, prep_x, qmv_rows, dot, axpy};
+const Impl kImpl{kName, prep_x, qmv_rows, dequant_rows, dot, axpy};
 
 }  // namespace
 

@@ -320,6 +320,51 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
                    {x, w, s, b});
 }
 
+// ---------------------------------------------------- dequantize (prompt prefill: then BLAS)
+
+class Dequantize : public mx::UnaryPrimitive {
+ public:
+  Dequantize(mx::Stream s, int gs, int bits) : mx::UnaryPrimitive(s), gs_(gs), bits_(bits) {}
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    alloc(out);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([w = weak(in[0]), s = weak(in[1]), b = weak(in[2]), out = weak(out), gs = gs_,
+                  bits = bits_]() mutable {
+      QHold keep;
+      const QMat W = qmat(w, s, b, gs, bits, keep);
+      const Impl* I = impl();
+      const int64_t nblocks = std::max<int64_t>(1, std::min<int64_t>(W.N / 16, num_threads() * 8));
+      const int64_t per = (W.N + nblocks - 1) / nblocks;
+      float* o = out.data<float>();
+      parallel_for(nblocks, [&](int64_t blk) {
+        const int64_t n0 = blk * per, n1 = std::min(W.N, n0 + per);
+        if (n0 < n1) I->dequant_rows(W, n0, n1, o);
+      });
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat kernels run on the CPU only");
+  }
+  const char* name() const override { return "MlxchatDequantize"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const Dequantize&>(other);
+    return gs_ == o.gs_ && bits_ == o.bits_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {{in[0].shape(0), in[0].shape(1) * (32 / bits_)}};
+  }
+
+ private:
+  int gs_, bits_;
+};
+
+mx::array dequantize(const mx::array& w, const mx::array& s, const mx::array& b, int gs, int bits) {
+  if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8");
+  check_quantized(int64_t(w.ndim() == 2 ? w.shape(1) : 0) * (32 / bits), w, s, b, gs, bits);
+  return mx::array({w.shape(0), w.shape(1) * (32 / bits)}, mx::float32,
+                   std::make_shared<Dequantize>(cpu_stream(), gs, bits), {w, s, b});
+}
+
 // ------------------------------------------------------------------------------- RMSNorm
 
 class RMSNorm : public mx::UnaryPrimitive {
@@ -642,6 +687,8 @@ NB_MODULE(_mlxchat_kernels, m) {
   m.doc() = "mlxchat's CPU kernels for MLX (quantized matmul, RMSNorm, RoPE, decode attention)";
   m.def("quantized_matmul", &quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"));
+  m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
+        nb::arg("group_size"), nb::arg("bits"));
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
   m.def("rope", &rope, nb::arg("x"), nb::arg("dims"), nb::arg("traditional"), nb::arg("base"),
         nb::arg("scale"), nb::arg("offset"));
