@@ -53,17 +53,19 @@ def unsupported(module: nn.Module) -> str | None:
     return None
 
 
-class _Prefill:
-    """How products of more than MAX_ROWS rows run: decided once, when a model is converted."""
+class _Run:
+    """Set when a model is converted: the loaded extension, and whether products of more than
+    MAX_ROWS rows run dequantized through BLAS (an optimised BLAS is loaded) or on the kernel."""
 
+    kernels: Any = None
     blas = False
 
 
 def quantized_product(module: nn.Module, x: mx.array) -> mx.array:
     """`x @ W.T` for a quantized module `W` (KernelLinear or KernelEmbedding), x in fp32."""
-    kernels = native.kernels()
+    kernels = _Run.kernels
     w, scales, biases = module["weight"], module["scales"], module["biases"]
-    if x.size // x.shape[-1] > MAX_ROWS and _Prefill.blas:
+    if x.size // x.shape[-1] > MAX_ROWS and _Run.blas:
         return x @ kernels.dequantize(w, scales, biases, module.group_size, module.bits).T
     return kernels.quantized_matmul(x, w, scales, biases, module.group_size, module.bits)
 
@@ -87,14 +89,14 @@ class KernelRMSNorm(nn.RMSNorm):
     def __call__(self, x: mx.array) -> mx.array:
         if x.dtype != mx.float32 or self.weight.dtype != mx.float32:
             return super().__call__(x)
-        return native.kernels().rms_norm(x, self.weight, self.eps)
+        return _Run.kernels.rms_norm(x, self.weight, self.eps)
 
 
 class KernelRoPE(nn.RoPE):
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
         if not isinstance(offset, int) or x.dtype != mx.float32 or x.ndim < 3:
             return super().__call__(x, offset)  # per-row offsets (batched caches) and the like
-        return native.kernels().rope(x, self.dims, self.traditional, self.base, self.scale, offset)
+        return _Run.kernels.rope(x, self.dims, self.traditional, self.base, self.scale, offset)
 
 
 class KernelLlamaAttention(llama.Attention):
@@ -107,7 +109,7 @@ class KernelLlamaAttention(llama.Attention):
         k = self.rope(self.k_proj(x).reshape(B, self.n_kv_heads, 1, -1), offset=cache.offset)
         v = self.v_proj(x).reshape(B, self.n_kv_heads, 1, -1)
         k, v = cache.update_and_fetch(k, v)
-        out = native.kernels().decode_attention(q, k, v, self.scale)
+        out = _Run.kernels.decode_attention(q, k, v, self.scale)
         return self.o_proj(out.reshape(B, 1, -1))
 
 
@@ -126,7 +128,7 @@ class KernelLlamaBlock(llama.TransformerBlock):
         if (not self.fused_decode or x.shape[1] != 1 or mask is not None
                 or type(cache) is not KVCache or x.dtype != mx.float32):
             return super().__call__(x, mask, cache)
-        kernels, attn, mlp = native.kernels(), self.self_attn, self.mlp
+        kernels, attn, mlp = _Run.kernels, self.self_attn, self.mlp
         norm1, norm2, rope = self.input_layernorm, self.post_attention_layernorm, attn.rope
         q, k, v = kernels.attn_in(x, norm1.weight, norm1.eps, _qw(attn.q_proj), _qw(attn.k_proj),
                                   _qw(attn.v_proj), attn.n_heads, attn.n_kv_heads, rope.dims,
@@ -189,7 +191,8 @@ def to_kernel_layout(model: nn.Module) -> nn.Module:
     """Swap in the kernel-backed modules; returns the model. Call where kernel_layout_wanted()."""
     from ..device import fast_blas_loaded
 
-    _Prefill.blas = fast_blas_loaded()
+    _Run.kernels = native.kernels()
+    _Run.blas = fast_blas_loaded()
     counts: dict[str, int] = {}
     for name, module in model.named_modules():
         _to_fp32(module)
@@ -209,5 +212,5 @@ def to_kernel_layout(model: nn.Module) -> nn.Module:
     mx.eval(model.parameters())
     log.info("CPU kernels (%s): %s; %d dense layers; prefill on %s", native.status().reason,
              ", ".join(f"{n} {k}" for k, n in sorted(counts.items())), dense,
-             "fp32 BLAS" if _Prefill.blas else "the quantized kernel")
+             "fp32 BLAS" if _Run.blas else "the quantized kernel")
     return model
