@@ -5,8 +5,8 @@ arrays), as engine/kernels/cpu_layout.py does for its fp32 layout:
 
 - `nn.QuantizedLinear` -> `KernelLinear` and `nn.QuantizedEmbedding` -> `KernelEmbedding` (whose
   `as_linear` is a tied output head): 1-8 rows run our quantized matmul straight on MLX's affine
-  layout; more rows (prompt prefill) run the weight dequantized to fp32 through BLAS when an
-  optimised BLAS is loaded, else our kernel 8 rows at a time;
+  layout, short prompts the same kernel 8 rows at a time; long prompts (BLAS_ROWS rows or more) run
+  the weight dequantized to fp32 through BLAS when an optimised BLAS is loaded;
 - `nn.RMSNorm` -> `KernelRMSNorm`, `nn.RoPE` -> `KernelRoPE`;
 - mlx-lm's llama `Attention` -> `KernelLlamaAttention`: one-token steps over a plain `KVCache`
   take our single-query attention; everything else runs mlx-lm's own code;
@@ -35,6 +35,9 @@ from .cpu_layout import swap_matvec
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 8
+# From this many rows on (prompt prefill), dequantizing a layer's weight to fp32 for one BLAS
+# product beats our kernel 8 rows at a time; below it the dequantization costs more than it saves.
+BLAS_ROWS = 64
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 
@@ -54,8 +57,8 @@ def unsupported(module: nn.Module) -> str | None:
 
 
 class _Run:
-    """Set when a model is converted: the loaded extension, and whether products of more than
-    MAX_ROWS rows run dequantized through BLAS (an optimised BLAS is loaded) or on the kernel."""
+    """Set when a model is converted: the loaded extension, and whether products of BLAS_ROWS
+    rows or more run dequantized through BLAS (an optimised BLAS is loaded) or on the kernel."""
 
     kernels: Any = None
     blas = False
@@ -65,7 +68,7 @@ def quantized_product(module: nn.Module, x: mx.array) -> mx.array:
     """`x @ W.T` for a quantized module `W` (KernelLinear or KernelEmbedding), x in fp32."""
     kernels = _Run.kernels
     w, scales, biases = module["weight"], module["scales"], module["biases"]
-    if x.size // x.shape[-1] > MAX_ROWS and _Run.blas:
+    if x.size // x.shape[-1] >= BLAS_ROWS and _Run.blas:
         return x @ kernels.dequantize(w, scales, biases, module.group_size, module.bits).T
     return kernels.quantized_matmul(x, w, scales, biases, module.group_size, module.bits)
 
