@@ -1,143 +1,115 @@
-"""CPU decode/prefill benchmark: mlx-lm vs our fastest MLX recipe vs llama.cpp.
+"""CPU decode/prefill benchmark: our engine (CPU kernels, or the fp32 layout) vs mlx-lm vs llama.cpp.
 
-    python -m bench.decode [--mlx-model FOLDER] [--gguf PATH] [--llama-python PY] [--rows ...]
+    python -m bench.decode [--models bundled,llama-350m,llama-1b] [--rows ...] [--llama-python PY]
 
-Each row runs in its own subprocess (BLAS preloads must be set before MLX loads; llama.cpp
-lives in another venv). Every row gets the same token ids: a 512-token prompt for prefill,
-and a short chat prompt followed by 128 greedy tokens for decode. Results: a table on stdout
-and JSON in bench/results/decode-cpu.json.
+Each row runs in its own subprocess (BLAS preloads must be set before MLX loads; llama.cpp lives in
+another venv). Every row of a model gets the same token ids: a 512-token prompt for prefill, and a
+short chat prompt followed by 128 greedy tokens for decode. Results: a table on stdout and JSON in
+bench/results/decode-cpu.json.
 
+Models:
+  bundled       SmolLM2-135M-Instruct (Q4, group 32, fp16 scales; 8-bit tied embedding), the mlx-lm
+                folder converted from its GGUF, and the GGUF itself for llama.cpp.
+  llama-350m    random-weight llama, ~350M parameters, 4-bit group 32 (embedding too), fp16 scales.
+  llama-1b      random-weight llama, ~1.1B parameters, likewise.
 Rows:
-  mlx-lm        mlx_lm.load() as is (Q4_1 layers, 8-bit tied embedding), mlx_lm generate_step
-                (the loop inside mlx_lm.generate / stream_generate), wheel's reference BLAS.
-  mlx-fast      FastLlama below: weights dequantized to fp32, fused QKV and gate/up, decode
-                matmuls written as W @ x (BLAS gemv-like shape), run with a multithreaded
-                BLAS preloaded (MKL from PyPI `mkl` if found, else Debian OpenBLAS).
-  mlx-f32-openblas   mlx-lm model dequantized to fp32 (mlx_lm.utils.dequantize_model), OpenBLAS.
-  mlx-fast-openblas  FastLlama with Debian OpenBLAS instead of MKL.
-  engine        our engine as shipped: engine.loading.registry.load_model(None) (on this CPU with OpenBLAS
-                preloaded: engine/kernels/cpu_layout.py's layout) timed through engine.scheduling.service.Engine
-                (scheduler thread, prefix cache off): one request with the 512-token prompt as raw
-                text (`text=`) and max_tokens=128, greedy. Prefill tok/s = prompt tokens / TTFT,
-                decode tok/s = tokens after the first / time from the first to the last token event.
-  engine-generate  the same request through engine.decoding.generate.generate (no scheduler thread).
-                Both engine rows also decode 128 tokens after the short chat prompt
-                (`decode_short_tps`, and the tokens compared for the greedy match).
-  llama.cpp     llama-cpp-python on the GGUF, n_threads=2, greedy argmax over its logits. Its
-                interpreter: --llama-python, else $MLXCHAT_LLAMA_PYTHON, else the first of
-                /work/llamacpp2/bin/python (built with GGML_NATIVE=OFF, AVX2/FMA/F16C, no
-                AVX-512/AMX) and /work/llamacpp-venv/bin/python that exists.
-
-Defaults: the mlx-lm folder and GGUF of the bundled model as engine.loading.registry resolves them.
+  engine        our engine as shipped: engine.scheduling.service.Engine on load_model(folder) (the
+                CPU kernels; OpenBLAS preloaded, as `mlxchat` does), scheduler thread, prefix cache
+                off, greedy. Prefill tok/s = prompt tokens / TTFT of the 512-token prompt (sent as
+                raw text); decode tok/s = tokens after the first / time from the first to the last
+                token event, after the short chat prompt.
+  engine-fp32   the same with MLXCHAT_KERNELS=0: the fallback fp32 layout (engine/kernels/cpu_layout.py).
+  mlx-lm        mlx_lm.load() as is (quantized layers, MLX's own CPU ops), mlx_lm generate_step.
+  llama.cpp     llama-cpp-python on the GGUF (bundled model only), threads = ours, greedy argmax.
+                Its interpreter: --llama-python, else $MLXCHAT_LLAMA_PYTHON, else
+                bench/.venv-llamacpp/bin/python, made by `bash bench/setup-llamacpp` (llama-cpp-python
+                0.3.36 built with GGML_NATIVE=OFF, AVX2/FMA/F16C); without it the row is skipped.
+Memory: resident set size (VmRSS) after the runs and its peak (VmHWM), in MB, for each row's process.
 """
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-LLAMA_PYTHONS = ["/work/llamacpp2/bin/python", "/work/llamacpp-venv/bin/python"]
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_VENV = Path(__file__).resolve().parent / ".venv-llamacpp"
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
-MKL_GLOBS = ["/tmp/mklvenv/lib/libmkl_rt.so*", sys.prefix + "/lib/libmkl_rt.so*"]
 RESULTS = Path(__file__).resolve().parent / "results" / "decode-cpu.json"
+ROWS = ("engine", "engine-fp32", "mlx-lm", "llama.cpp")
+
+# Random-weight llama shapes (mlx-lm configs); the SmolLM2 vocabulary, so its tokenizer serves.
+RANDOM_MODELS = {
+    "llama-350m": dict(hidden_size=1024, num_hidden_layers=24, intermediate_size=2816,
+                       num_attention_heads=16, num_key_value_heads=4),
+    "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
+                     num_attention_heads=32, num_key_value_heads=8),
+}
 
 
-# ----------------------------------------------------------------------------- MLX side
-def _fast_model(mlx_model):
-    """Build the fastest MLX variant found for this CPU from an mlx-lm model."""
+def _memory() -> dict[str, float]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                out["rss_mb" if line.startswith("VmRSS") else "peak_rss_mb"] = int(line.split()[1]) / 1024
+    return out
+
+
+def random_folder(name: str) -> Path:
+    """An mlx-lm folder with random 4-bit weights (group 32, fp16 scales), built once in the cache."""
     import mlx.core as mx
-    import mlx.nn as nn
-    from mlx_lm.models.cache import KVCache
-    from mlx_lm.utils import dequantize_model
+    from mlx.utils import tree_flatten
 
-    args = mlx_model.args
-    m = dequantize_model(mlx_model)
-    m.set_dtype(mx.float32)
-    f32 = lambda a: mx.array(a, dtype=mx.float32)  # noqa: E731
+    from bench.shapes import Shape, build_module
+    from engine.loading.registry import resolve
+    from engine.paths import cache_dir
 
-    class FastLlama:
-        def __init__(self):
-            self.n_heads = args.num_attention_heads
-            self.n_kv = args.num_key_value_heads
-            self.head_dim = args.head_dim or args.hidden_size // self.n_heads
-            self.eps = args.rms_norm_eps
-            self.theta = args.rope_theta
-            self.trad = args.rope_traditional
-            self.embed = f32(m.model.embed_tokens.weight)
-            self.lm_head = self.embed if args.tie_word_embeddings else f32(m.lm_head.weight)
-            self.norm = f32(m.model.norm.weight)
-            self.layers = []
-            for ly in m.model.layers:
-                a, p = ly.self_attn, ly.mlp
-                self.layers.append(dict(
-                    ln1=ly.input_layernorm.weight, ln2=ly.post_attention_layernorm.weight,
-                    wqkv=mx.concatenate([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                    wo=a.o_proj.weight,
-                    wgu=mx.concatenate([p.gate_proj.weight, p.up_proj.weight]),
-                    wd=p.down_proj.weight,
-                ))
-            self.n_q = self.n_heads * self.head_dim
-            self.n_k = self.n_kv * self.head_dim
-            self.inter = args.intermediate_size
-            mx.eval(self.embed, self.lm_head, self.norm, self.layers)
-
-        def make_cache(self):
-            return [KVCache() for _ in self.layers]
-
-        @staticmethod
-        def _lin(x, w):
-            B, L, D = x.shape
-            if B * L == 1:  # decode: W @ x avoids BLAS packing W as the B operand of a M=1 gemm
-                return (w @ x.reshape(D, 1)).reshape(B, L, -1)
-            return x @ w.T
-
-        def __call__(self, inputs, cache=None, **_):
-            B, L = inputs.shape
-            h = self.embed[inputs]
-            mask = "causal" if L > 1 else None
-            hd, nq, nk = self.head_dim, self.n_q, self.n_k
-            for ly, c in zip(self.layers, cache):
-                x = mx.fast.rms_norm(h, ly["ln1"], self.eps)
-                qkv = self._lin(x, ly["wqkv"])
-                q = qkv[..., :nq].reshape(B, L, self.n_heads, hd).transpose(0, 2, 1, 3)
-                k = qkv[..., nq:nq + nk].reshape(B, L, self.n_kv, hd).transpose(0, 2, 1, 3)
-                v = qkv[..., nq + nk:].reshape(B, L, self.n_kv, hd).transpose(0, 2, 1, 3)
-                q = mx.fast.rope(q, hd, traditional=self.trad, base=self.theta, scale=1.0, offset=c.offset)
-                k = mx.fast.rope(k, hd, traditional=self.trad, base=self.theta, scale=1.0, offset=c.offset)
-                k, v = c.update_and_fetch(k, v)
-                o = mx.fast.scaled_dot_product_attention(q, k, v, scale=hd ** -0.5, mask=mask)
-                o = o.transpose(0, 2, 1, 3).reshape(B, L, nq)
-                h = h + self._lin(o, ly["wo"])
-                x = mx.fast.rms_norm(h, ly["ln2"], self.eps)
-                gu = self._lin(x, ly["wgu"])
-                g, u = gu[..., :self.inter], gu[..., self.inter:]
-                h = h + self._lin(nn.silu(g) * u, ly["wd"])
-            h = mx.fast.rms_norm(h, self.norm, self.eps)
-            return self._lin(h, self.lm_head)
-
-    return FastLlama()
+    folder = cache_dir() / "bench-models" / name
+    if (folder / "model.safetensors").exists():
+        return folder
+    config = dict(model_type="llama", rms_norm_eps=1e-5, vocab_size=49152, rope_theta=100000.0,
+                  tie_word_embeddings=True, max_position_embeddings=8192, **RANDOM_MODELS[name])
+    model = build_module(Shape(name, config, bits=4, group_size=32), dtype=mx.float16)
+    tmp = folder.with_name(name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (tmp / "config.json").write_text(json.dumps({**config, "quantization": {"group_size": 32, "bits": 4}}))
+    _, bundled = resolve(None)
+    for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (bundled / file).exists():
+            shutil.copy(bundled / file, tmp / file)
+    tmp.rename(folder)
+    return folder
 
 
-def _mlx_worker(variant, model_path, job):
+# ----------------------------------------------------------------------------- workers
+def _measure(run, job, load_s):
+    """run(prompt_ids, n) -> (seconds to the first token, seconds for the n after it, tokens)."""
+    run(job["short"], 8)  # warm-up (allocator, caches)
+    pre = [len(job["long"]) / run(job["long"], 0)[0] for _ in range(job["reps"])]
+    decs, toks = [], None
+    for _ in range(job["reps"]):
+        _, td, toks = run(job["short"], job["gen"])
+        decs.append(job["gen"] / td)
+    return dict(load_s=load_s, prefill_tps=max(pre), decode_tps=max(decs), prefill_all=pre,
+                decode_all=decs, tokens=toks[1:], **_memory())
+
+
+def _mlx_lm_worker(model_path, job):
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
     t = time.perf_counter()
     model, _ = load(model_path)
-    if variant.startswith("mlx-fast"):
-        model = _fast_model(model)
-    elif variant == "mlx-f32-openblas":
-        from mlx_lm.utils import dequantize_model
-        model = dequantize_model(model)
-        model.set_dtype(mx.float32)
-        mx.eval(model.parameters())
     load_s = time.perf_counter() - t
 
     def run(prompt, n):
@@ -152,43 +124,21 @@ def _mlx_worker(variant, model_path, job):
     return _measure(run, job, load_s)
 
 
-def _measure(run, job, load_s):
-    run(job["short"], 8)  # warm-up (kernel JIT, allocator)
-    pre = [len(job["long"]) / run(job["long"], 0)[0] for _ in range(job["reps"])]
-    decs, toks = [], None
-    for _ in range(job["reps"]):
-        _, td, toks = run(job["short"], job["gen"])
-        decs.append(job["gen"] / td)
-    return dict(load_s=load_s, prefill_tps=max(pre), decode_tps=max(decs),
-                prefill_all=pre, decode_all=decs, tokens=toks[1:])
-
-
-# --------------------------------------------------------------------------- our engine
-def _engine_worker(variant, job):
-    """Our engine end to end: load_model(None) and the Engine service or generate()."""
-    from engine.decoding.generate import build_prompt, generate
-    from engine.loading.registry import load_model
+def _engine_worker(model_path, job):
+    """Our engine end to end: the Engine service on load_model(folder)."""
     from engine.decoding.sampling import SamplingParams
+    from engine.device import describe
+    from engine.kernels import active_path
     from engine.scheduling.service import Engine
 
     t = time.perf_counter()
-    if variant == "engine":
-        eng = Engine(None, max_running=1, max_queued=1, prefix_cache=False).start()
-        lm = eng.lm
-
-        def events(params, **prompt):
-            return eng.submit(params=params, **prompt).events(timeout=600)
-    else:
-        lm = eng = load_model(None)
-
-        def events(params, **prompt):
-            return generate(lm, build_prompt(lm, **prompt), params)
+    eng = Engine(model_path, max_running=1, max_queued=1, prefix_cache=False).start()
     load_s = time.perf_counter() - t
 
     def run(n, **prompt):
         t0 = time.perf_counter()
         stamps, toks, done = [], [], None
-        for e in events(SamplingParams(max_tokens=n), **prompt):
+        for e in eng.submit(params=SamplingParams(max_tokens=n), **prompt).events(timeout=1800):
             if e.kind == "token":
                 stamps.append(time.perf_counter())
                 toks.append(e.token)
@@ -198,44 +148,39 @@ def _engine_worker(variant, job):
 
     try:
         run(8, prompt_tokens=job["short"])  # warm-up
-        pre, decs, decs_short, n_prompt, toks = [], [], [], None, None
+        pre, decs, n_prompt, toks = [], [], None, None
         for _ in range(job["reps"]):
-            t0, stamps, _, done = run(job["gen"], text=job["long_text"])
+            t0, stamps, _, done = run(1, text=job["long_text"])
             n_prompt = done.usage.prompt_tokens
             pre.append(n_prompt / (stamps[0] - t0))
-            decs.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
         for _ in range(job["reps"]):
             _, stamps, toks, _ = run(job["gen"] + 1, prompt_tokens=job["short"])
-            decs_short.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+            decs.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
     finally:
-        if variant == "engine":
-            eng.stop()
-    from engine.device import describe
+        eng.stop()
     return dict(load_s=load_s, prefill_tps=max(pre), decode_tps=max(decs), prefill_all=pre,
-                decode_all=decs, decode_short_tps=max(decs_short), decode_short_all=decs_short,
-                prompt_tokens=n_prompt, tokens=toks[1:], device=describe(),
-                layout=sorted({type(m).__name__ for _, m in lm.model.named_modules()
-                               if "Linear" in type(m).__name__}))
+                decode_all=decs, prompt_tokens=n_prompt, tokens=toks[1:], device=describe(),
+                path=active_path(), **_memory())
 
 
-# ----------------------------------------------------------------------- llama.cpp side
 def _llama_worker(gguf, job):
     import numpy as np
     from llama_cpp import Llama
 
     t = time.perf_counter()
-    llm = Llama(model_path=gguf, n_ctx=2048, n_threads=2, n_threads_batch=2, n_batch=512,
-                verbose=False)
+    llm = Llama(model_path=gguf, n_ctx=2048, n_threads=job["threads"], n_threads_batch=job["threads"],
+                n_batch=512, verbose=False)
     load_s = time.perf_counter() - t
+    n_vocab = llm.n_vocab()
+
+    def last_argmax():
+        # llama-cpp-python 0.3.36 no longer copies logits into llm.scores unless logits_all
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
 
     def run(prompt, n):
         llm.reset()
         t0 = time.perf_counter()
-        if one_by_one:  # workaround for builds whose batched decode crashes (see below)
-            for t in prompt:
-                llm.eval([t])
-        else:
-            llm.eval(prompt)
+        llm.eval(prompt)
         toks = [last_argmax()]
         t1 = time.perf_counter()
         for _ in range(n):
@@ -243,36 +188,15 @@ def _llama_worker(gguf, job):
             toks.append(last_argmax())
         return t1 - t0, time.perf_counter() - t1, toks
 
-    def last_argmax():
-        # llama-cpp-python 0.3.36 no longer copies logits into llm.scores unless logits_all
-        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
-
-    n_vocab = llm.n_vocab()
-    # A GGML_NATIVE=ON build on this (Firecracker) VM enables ggml's AMX kernels and then
-    # segfaults in llama_decode on any multi-token batch; LLAMA_ONE_BY_ONE=1 feeds prompts one
-    # token at a time so decode can still be measured (prefill is then not representative).
-    one_by_one = os.environ.get("LLAMA_ONE_BY_ONE") == "1"
-
     return _measure(run, job, load_s)
 
 
 # ------------------------------------------------------------------------------ driver
-def _blas_preload():
-    for pat in MKL_GLOBS:
-        hits = sorted(glob.glob(pat))
-        if hits:
-            return hits[0], {"LD_LIBRARY_PATH": os.path.dirname(hits[0])}
-    if os.path.exists(OPENBLAS):
-        return OPENBLAS, {}
-    return None, {}
-
-
 def _sub(cmd, env_extra, job):
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
     env = dict(os.environ, **env_extra)
-    p = subprocess.run(cmd + ["--job", f.name], env=env, capture_output=True, text=True,
-                       cwd=str(Path(__file__).resolve().parent.parent))
+    p = subprocess.run(cmd + ["--job", f.name], env=env, capture_output=True, text=True, cwd=str(ROOT))
     os.unlink(f.name)
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("RESULT "):
@@ -280,47 +204,11 @@ def _sub(cmd, env_extra, job):
     return {"error": (p.stderr or p.stdout)[-2000:]}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mlx-model", help="mlx-lm folder (default: the bundled model's, converted)")
-    ap.add_argument("--gguf", help="GGUF for llama.cpp (default: the bundled model's)")
-    ap.add_argument("--llama-python", default=os.environ.get("MLXCHAT_LLAMA_PYTHON"),
-                    help="python with llama_cpp importable (default: $MLXCHAT_LLAMA_PYTHON, else "
-                         "the first of " + ", ".join(LLAMA_PYTHONS) + " that exists)")
-    ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--gen-tokens", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=1, help="run every row this many times, in turn")
-    ap.add_argument("--blas", default="auto", help="'auto', 'none', or a path to a BLAS .so")
-    ap.add_argument("--rows", default="mlx-lm,mlx-f32-openblas,mlx-fast-openblas,mlx-fast,engine,"
-                                      "engine-generate,llama.cpp")
-    ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--job", help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
-
-    if a.worker:
-        job = json.load(open(a.job))
-        if a.worker == "llama.cpp":
-            r = _llama_worker(a.gguf, job)
-        elif a.worker.startswith("engine"):
-            r = _engine_worker(a.worker, job)
-        else:
-            r = _mlx_worker(a.worker, a.mlx_model, job)
-        print("RESULT " + json.dumps(r), flush=True)
-        return
-
-    if a.mlx_model is None or a.gguf is None:
-        from engine.loading import bundled
-        from engine.loading.registry import resolve
-        a.mlx_model = a.mlx_model or str(resolve(None)[1])
-        a.gguf = a.gguf or str(bundled.ensure_bundled_gguf())
-    if a.llama_python is None:
-        a.llama_python = next((p for p in LLAMA_PYTHONS if os.path.exists(p)), sys.executable)
-
+def _job(folder: str, a) -> dict:
     from mlx_lm import load
-    _, tok = load(a.mlx_model)
-    text = (Path(__file__).resolve().parent.parent / "engine" / "gguf.py").read_text()
+
+    _, tok = load(folder)
+    text = (ROOT / "engine" / "loading" / "gguf.py").read_text()
     while len(tok.encode(text)) < a.prompt_tokens:
         text += text
     long_ids = tok.encode(text)[: a.prompt_tokens]
@@ -328,92 +216,117 @@ def main(argv=None):
         [{"role": "user", "content": "Write a short story about a robot who learns to paint."}],
         add_generation_prompt=True)
     # The engine rows take the long prompt as raw text: text that encodes back to the same ids.
-    long_text = tok.decode(long_ids)
-    job = dict(long=long_ids, long_text=long_text, short=list(short_ids), gen=a.gen_tokens,
-               reps=a.reps)
+    return dict(long=long_ids, long_text=tok.decode(long_ids), short=list(short_ids),
+                gen=a.gen_tokens, reps=a.reps, threads=a.threads)
 
-    if a.blas == "auto":
-        blas, blas_env = _blas_preload()
-    elif a.blas == "none":
-        blas, blas_env = None, {}
-    else:
-        blas, blas_env = a.blas, {"LD_LIBRARY_PATH": os.path.dirname(a.blas)}
-    me = [sys.executable, "-m", "bench.decode", "--mlx-model", a.mlx_model, "--gguf", a.gguf]
-    def run_row(name):
-        if name == "mlx-lm":
-            r = _sub(me + ["--worker", "mlx-lm"], {}, job)
-        elif name == "mlx-fast":
-            env = dict(blas_env, LD_PRELOAD=blas) if blas else {}
-            r = _sub(me + ["--worker", "mlx-fast"], env, job)
-            r["blas"] = blas
-        elif name in ("mlx-f32-openblas", "mlx-fast-openblas"):
-            env = {"LD_PRELOAD": OPENBLAS} if os.path.exists(OPENBLAS) else {}
-            r = _sub(me + ["--worker", name], env, job)
-        elif name in ("engine", "engine-generate"):
-            env = {"LD_PRELOAD": OPENBLAS} if os.path.exists(OPENBLAS) else {}
-            r = _sub(me + ["--worker", name], env, job)
-        elif name == "llama.cpp":
-            py = a.llama_python
-            r = _sub([py, str(Path(__file__).resolve()), "--gguf", a.gguf, "--worker", "llama.cpp"], {}, job)
-            r["python"] = py
-        else:
-            raise SystemExit(f"unknown row {name}")
-        return r
 
-    # Rows run in rounds (every row once per round) and each keeps its best figures: on a shared
-    # machine, load that comes and goes then hits every row alike.
-    rows = {}
-    for round_ in range(a.rounds):
-        for name in a.rows.split(","):
-            r = run_row(name)
-            if name not in rows or "error" in rows[name]:
-                rows[name] = r
-            elif "error" not in r:
-                best = rows[name]
-                for key in ("prefill", "decode", "decode_short"):
-                    if f"{key}_tps" in r:
-                        best[f"{key}_all"] = best.get(f"{key}_all", []) + r[f"{key}_all"]
-                        best[f"{key}_tps"] = max(best[f"{key}_all"])
-            print(f"  [{round_ + 1}] {name}: " + (f"prefill {r['prefill_tps']:.1f} tok/s, decode {r['decode_tps']:.2f} tok/s"
-                                   if "error" not in r else "ERROR " + r["error"][-300:]), flush=True)
-
-    # Ratios against mlx-lm (the baseline) and llama.cpp. "decode" is after the short chat prompt
-    # for every row (the engine rows: `decode_short_tps`); the engine rows also give decode after
-    # their 512-token raw-text prompt (`decode_tps` in the JSON).
+def _table(model: str, rows: dict) -> None:
     base, llama = rows.get("mlx-lm", {}), rows.get("llama.cpp", {})
-    ref = base.get("tokens")
-    dec = lambda r: r.get("decode_short_tps", r.get("decode_tps", float("nan")))  # noqa: E731
-    ratio = lambda x, r, key: x / r[key] if key in r else float("nan")  # noqa: E731
-    print(f"\n{'variant':<18} {'prefill tok/s':>13} {'x mlx-lm':>8} {'x llama':>8} {'decode tok/s':>12} "
-          f"{'x mlx-lm':>8} {'x llama':>8} {'decode@512':>10}  greedy match")
+    ref = rows.get("mlx-lm", {}).get("tokens")
+    print(f"\n{model}\n{'row':<12} {'prefill tok/s':>13} {'x mlx-lm':>8} {'x llama':>8} "
+          f"{'decode tok/s':>12} {'x mlx-lm':>8} {'x llama':>8} {'RSS MB':>7} {'peak MB':>7}  greedy match")
+    ratio = lambda r, other, key: r[key] / other[key] if key in other else float("nan")  # noqa: E731
     for name, r in rows.items():
-        if "error" in r:
-            print(f"{name:<18} ERROR")
+        if "error" in r or "skipped" in r:
+            print(f"{name:<12} {r.get('skipped') or 'ERROR ' + r['error'][-300:]}")
             continue
-        match = "-"
-        if ref and r.get("tokens"):
-            same = 0
-            for x, y in zip(r["tokens"], ref):
-                if x != y:
-                    break
-                same += 1
-            r["greedy_prefix_match"] = same
-            match = f"{same}/{len(ref)}"
-        r["x_mlx_lm"] = dict(prefill=ratio(r["prefill_tps"], base, "prefill_tps"),
-                             decode=dec(r) / dec(base) if "decode_tps" in base else float("nan"))
-        r["x_llama_cpp"] = dict(prefill=ratio(r["prefill_tps"], llama, "prefill_tps"),
-                                decode=dec(r) / dec(llama) if "decode_tps" in llama else float("nan"))
-        at512 = f"{r['decode_tps']:.2f}" if "decode_short_tps" in r else "-"
-        print(f"{name:<18} {r['prefill_tps']:>13.1f} {r['x_mlx_lm']['prefill']:>8.2f} "
-              f"{r['x_llama_cpp']['prefill']:>8.2f} {dec(r):>12.2f} {r['x_mlx_lm']['decode']:>8.2f} "
-              f"{r['x_llama_cpp']['decode']:>8.2f} {at512:>10}  {match}")
+        same = 0
+        for x, y in zip(r["tokens"], ref or []):
+            if x != y:
+                break
+            same += 1
+        r["greedy_prefix_match_vs_mlx_lm"] = same if ref else None
+        r["x_mlx_lm"] = dict(prefill=ratio(r, base, "prefill_tps"), decode=ratio(r, base, "decode_tps"))
+        r["x_llama_cpp"] = dict(prefill=ratio(r, llama, "prefill_tps"), decode=ratio(r, llama, "decode_tps"))
+        print(f"{name:<12} {r['prefill_tps']:>13.1f} {r['x_mlx_lm']['prefill']:>8.2f} "
+              f"{r['x_llama_cpp']['prefill']:>8.2f} {r['decode_tps']:>12.2f} {r['x_mlx_lm']['decode']:>8.2f} "
+              f"{r['x_llama_cpp']['decode']:>8.2f} {r['rss_mb']:>7.0f} {r['peak_rss_mb']:>7.0f}  "
+              f"{f'{same}/{len(ref)}' if ref else '-'}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="bundled", help="bundled, llama-350m, llama-1b (comma-separated)")
+    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--llama-python", default=os.environ.get("MLXCHAT_LLAMA_PYTHON"),
+                    help="python with llama_cpp importable (default: $MLXCHAT_LLAMA_PYTHON, else "
+                         f"{LLAMA_VENV}/bin/python from `bash bench/setup-llamacpp`)")
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--gen-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1, help="run every row this many times, in turn")
+    ap.add_argument("--threads", type=int, default=None, help="threads for every row (default: ours)")
+    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--model-path", help=argparse.SUPPRESS)
+    ap.add_argument("--job", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+
+    if a.worker:
+        job = json.load(open(a.job))
+        worker = {"llama.cpp": _llama_worker, "mlx-lm": _mlx_lm_worker}.get(a.worker, _engine_worker)
+        print("RESULT " + json.dumps(worker(a.model_path, job)), flush=True)
+        return
+
+    from engine.kernels.native import thread_count
+    from engine.loading import bundled
+    from engine.loading.registry import resolve
+
+    a.threads = a.threads or thread_count()
+    llama_py = a.llama_python or str(LLAMA_VENV / "bin" / "python")
+    me = [sys.executable, "-m", "bench.decode"]
+    threads_env = {"MLXCHAT_THREADS": str(a.threads)}
+    blas_env = {"LD_PRELOAD": OPENBLAS} if os.path.exists(OPENBLAS) else {}
+    results = {}
+    for model in a.models.split(","):
+        folder = str(resolve(None)[1]) if model == "bundled" else str(random_folder(model))
+        job = _job(folder, a)
+
+        def run_row(name):
+            if name == "engine":
+                return _sub(me + ["--worker", "engine", "--model-path", folder], {**blas_env, **threads_env}, job)
+            if name == "engine-fp32":
+                return _sub(me + ["--worker", "engine", "--model-path", folder],
+                            {**blas_env, **threads_env, "MLXCHAT_KERNELS": "0"}, job)
+            if name == "mlx-lm":
+                return _sub(me + ["--worker", "mlx-lm", "--model-path", folder], {}, job)
+            if name == "llama.cpp":
+                if model != "bundled":
+                    return {"skipped": "llama.cpp runs the bundled GGUF only"}
+                if not os.path.exists(llama_py):
+                    return {"skipped": f"no llama.cpp: run `bash bench/setup-llamacpp` (makes {llama_py})"}
+                gguf = str(bundled.ensure_bundled_gguf())
+                r = _sub([llama_py, str(Path(__file__).resolve()), "--worker", "llama.cpp",
+                          "--model-path", gguf], {}, job)
+                return {**r, "python": llama_py}
+            raise SystemExit(f"unknown row {name}")
+
+        # Rows run in rounds (every row once per round) and each keeps its best figures: on a
+        # shared machine, load that comes and goes then hits every row alike.
+        rows = {}
+        for round_ in range(a.rounds):
+            for name in a.rows.split(","):
+                r = run_row(name)
+                best = rows.get(name)
+                if best is None or "error" in best or "skipped" in best:
+                    rows[name] = r
+                elif "error" not in r and "skipped" not in r:
+                    for key in ("prefill", "decode"):
+                        best[f"{key}_all"] += r[f"{key}_all"]
+                        best[f"{key}_tps"] = max(best[f"{key}_all"])
+                shown = (f"prefill {r['prefill_tps']:.1f} tok/s, decode {r['decode_tps']:.2f} tok/s"
+                         if "prefill_tps" in r else r.get("skipped") or "ERROR " + r["error"][-300:])
+                print(f"  [{model} {round_ + 1}] {name}: {shown}", flush=True)
+        _table(model, rows)
+        results[model] = dict(folder=folder, rows=rows)
+
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens, reps=a.reps, rounds=a.rounds,
-                mlx_model=a.mlx_model, gguf=a.gguf, llama_python=a.llama_python,
-                cpus=os.cpu_count(), load_avg=os.getloadavg(), time=time.time(),
+                threads=a.threads, llama_python=llama_py, cpus=os.cpu_count(), load_avg=os.getloadavg(),
+                time=time.time(),
                 command="python -m bench.decode " + " ".join(argv if argv is not None else sys.argv[1:]))
-    out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    out.write_text(json.dumps(dict(meta=meta, models=results), indent=1))
     print(f"\nwrote {out}")
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from .errors import EngineError
+from .kernels import active_path
 
 log = logging.getLogger(__name__)
 DEVICES = ("auto", "cpu", "gpu")
@@ -105,7 +106,7 @@ def describe(device: mx.Device | None = None) -> str:
             parts.append(f"{mem[0] / 1e9:.1f} GB")
         return f"gpu ({', '.join(parts)})"
     blas = "OpenBLAS" if fast_blas_loaded() else "reference BLAS"
-    return f"cpu ({os.cpu_count()} cores, {blas})"
+    return f"cpu ({os.cpu_count()} cores, {blas}; {active_path()})"
 
 
 # MLX's CPU wheel ships a slow reference BLAS; Debian's threaded OpenBLAS, preloaded before MLX
@@ -177,4 +178,4 @@ def report(device: mx.Device | None = None) -> dict[str, Any]:
     return {"device": device.type.name if hasattr(device.type, "name") else str(device.type),
             "backend": backend(device), "description": describe(device),
             "name": _info(device).get("device_name"), "memory_bytes": total,
-            "memory_source": source, "mlx": mx.__version__}
+            "memory_source": source, "mlx": mx.__version__, "compute_path": active_path()}

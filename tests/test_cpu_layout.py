@@ -1,5 +1,6 @@
 """engine/kernels/cpu_layout.py: the fp32 + W @ x layout computes the same logits as the plain fp32 model,
-keeps mlx-lm's model classes, and is chosen only on the CPU with an optimised BLAS loaded."""
+keeps mlx-lm's model classes, and is chosen only on the CPU with an optimised BLAS loaded, when our
+CPU kernels are not available (here: turned off with MLXCHAT_KERNELS=0)."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -83,6 +84,7 @@ def fresh(lm):
 
 
 def test_layout_only_on_the_cpu_with_a_fast_blas(lm, monkeypatch):
+    monkeypatch.setenv("MLXCHAT_KERNELS", "0")
     monkeypatch.setattr(device, "fast_blas_loaded", lambda: True)
     model, config = fresh(lm)
     assert cpu_layout.cpu_layout_wanted()[0]
@@ -106,14 +108,17 @@ def test_layout_only_on_the_cpu_with_a_fast_blas(lm, monkeypatch):
 
 
 def test_layout_skipped_when_fp32_would_not_fit_in_memory(lm, monkeypatch):
+    monkeypatch.setenv("MLXCHAT_KERNELS", "0")
     monkeypatch.setattr(device, "fast_blas_loaded", lambda: True)
     monkeypatch.setattr(device, "available_ram", lambda: 100 << 20)  # fp32 needs ~540 MB
     model, config = fresh(lm)
     assert nn.QuantizedLinear in kinds(registry._fastest_layout(model, config))
 
 
-def test_the_shipped_model_runs_in_the_layout_when_a_fast_blas_is_loaded(lm):
+def test_the_model_runs_in_the_layout_when_the_kernels_are_off(monkeypatch):
     """scripts/test preloads OpenBLAS, as `mlxchat` does for itself."""
     if not device.fast_blas_loaded():
         pytest.skip("no optimised BLAS in this process (run through scripts/test)")
-    assert MatvecLinear in kinds(lm.model) and nn.QuantizedLinear not in kinds(lm.model)
+    monkeypatch.setenv("MLXCHAT_KERNELS", "0")
+    model = registry.load_model(None).model
+    assert MatvecLinear in kinds(model) and nn.QuantizedLinear not in kinds(model)

@@ -63,7 +63,7 @@ class MatvecEmbedding(nn.Embedding):
 _SWAPS = ((nn.Linear, MatvecLinear), (nn.Embedding, MatvecEmbedding))
 
 
-def _swap(module: nn.Module) -> int:
+def swap_matvec(module: nn.Module) -> int:
     """Change the class of every plain nn.Linear / nn.Embedding under `module`; returns how many."""
     count = 0
     for _, child in module.named_modules():
@@ -109,7 +109,7 @@ def to_cpu_layout(model: nn.Module) -> nn.Module:
 
     model = dequantize_model(model)
     model.set_dtype(mx.float32)
-    swapped = _swap(model)
+    swapped = swap_matvec(model)
     mx.eval(model.parameters())
     log.info("CPU layout: fp32 weights; %d matmul layers take one-token products as W @ x", swapped)
     return model

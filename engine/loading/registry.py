@@ -156,7 +156,8 @@ Transform = Callable[[nn.Module], nn.Module]
 
 
 def _fastest_layout(model: nn.Module, config: dict[str, Any]) -> nn.Module:
-    """On the CPU with an optimised BLAS, run the model in engine/kernels/cpu_layout.py's layout: fp32
+    """On the CPU, run a quantized model on our kernels (engine/kernels/layout.py); where they
+    cannot load, or for a dense model, with an optimised BLAS, in engine/kernels/cpu_layout.py's layout: fp32
     weights (dequantized where quantized) with one-token matmuls written as W @ x.
 
     MLX's CPU kernels for quantized and half-precision matmuls are single-threaded and slow; fp32
@@ -166,8 +167,12 @@ def _fastest_layout(model: nn.Module, config: dict[str, Any]) -> nn.Module:
     than half of the free RAM also stays as loaded.
     """
     from ..kernels.cpu_layout import cpu_layout_wanted, fp32_bytes, to_cpu_layout
+    from ..kernels.layout import kernel_layout_wanted, to_kernel_layout
     from ..device import available_ram
 
+    wanted, why = kernel_layout_wanted(model)  # our CPU kernels, weights kept quantized
+    if wanted:
+        return to_kernel_layout(model)
     wanted, why = cpu_layout_wanted()
     if not wanted:
         if "quantization" in config:

@@ -1,0 +1,76 @@
+// Shared declarations of mlxchat's CPU kernels: the quantized-weight view, the per-ISA kernel
+// table (one compilation unit per instruction set, chosen at run time) and the thread pool.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <functional>
+
+namespace mlxchat {
+
+enum class SType : int { F32 = 0, F16 = 1, BF16 = 2 };
+
+static inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16;
+  const uint32_t exp = (h >> 10) & 0x1f;
+  const uint32_t mant = h & 0x3ff;
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact in fp32
+    float r = float(mant) * 5.9604644775390625e-8f;
+    return sign ? -r : r;
+  }
+  uint32_t f = exp == 31 ? (sign | 0x7f800000u | (mant << 13))
+                         : (sign | ((exp + 112) << 23) | (mant << 13));
+  float r;
+  std::memcpy(&r, &f, 4);
+  return r;
+}
+
+static inline float load_scalar(const void* p, SType t, int64_t i) {
+  switch (t) {
+    case SType::F32:
+      return static_cast<const float*>(p)[i];
+    case SType::F16:
+      return half_to_float(static_cast<const uint16_t*>(p)[i]);
+    default: {
+      uint32_t f = uint32_t(static_cast<const uint16_t*>(p)[i]) << 16;
+      float r;
+      std::memcpy(&r, &f, 4);
+      return r;
+    }
+  }
+}
+
+// MLX's affine quantized matrix (N, K): w packs 32/bits values per uint32 (lowest bits first),
+// scales and biases are (N, K / gs); element (n, k) = q * scale + bias.
+struct QMat {
+  const uint32_t* w;
+  const void* scales;
+  const void* biases;
+  SType st;
+  int64_t N, K;
+  int bits, gs;
+};
+
+struct Impl {
+  const char* name;
+  // Reorders M rows of x (K floats each) into the layout qmv_rows reads (xp: M * K floats).
+  void (*prep_x)(const QMat&, const float* x, int M, float* xp);
+  // y[m * ldy + n] = sum_k x[m, k] * W[n, k] for n in [n0, n1), m < M (M <= 8).
+  void (*qmv_rows)(const QMat&, const float* xp, int M, int64_t n0, int64_t n1, float* y,
+                   int64_t ldy);
+  // out[n * K + k] = W[n, k] (fp32) for n in [n0, n1).
+  void (*dequant_rows)(const QMat&, int64_t n0, int64_t n1, float* out);
+  float (*dot)(const float* a, const float* b, int64_t n);
+  void (*axpy)(float a, const float* x, float* y, int64_t n);  // y += a * x
+};
+
+const Impl* impl_generic();
+const Impl* impl_avx2();
+const Impl* impl_avx512();
+
+// A persistent pool: blocks are handed out from one atomic counter, the caller works too.
+int num_threads();
+void set_num_threads(int n);
+void parallel_for(int64_t nblocks, const std::function<void(int64_t)>& fn);
+
+}  // namespace mlxchat

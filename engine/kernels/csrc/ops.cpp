@@ -1,0 +1,707 @@
+// mlxchat's CPU primitives for MLX and their Python bindings (module _mlxchat_kernels).
+//
+// Each op is an MLX UnaryPrimitive: building it only adds a graph node; eval_cpu dispatches
+// the work onto the stream's CPU thread through MLX's command encoder, as MLX's own CPU ops do,
+// and the kernels there split it over our thread pool. fp32 activations only; the Python side
+// (engine/kernels/ops.py) checks inputs and takes MLX's own ops for anything else.
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "common.h"
+#include "mlx/backend/common/utils.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+
+namespace mlxchat {
+namespace {
+
+bool has_avx512() {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+#else
+  return false;
+#endif
+}
+
+bool has_avx2() {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+const Impl* g_impl = nullptr;
+
+const Impl* impl() {
+  if (!g_impl) {
+#if defined(MLXCHAT_HAVE_X86_UNITS)
+    g_impl = has_avx512() ? impl_avx512() : has_avx2() ? impl_avx2() : impl_generic();
+#else
+    g_impl = impl_generic();
+#endif
+  }
+  return g_impl;
+}
+
+// A row-contiguous view of `a`'s data: its own, or a gathered copy in `tmp`.
+template <class T>
+const T* contiguous_as(const mx::array& a, std::vector<T>& tmp) {
+  if (a.flags().row_contiguous) return a.data<T>();
+  tmp.resize(a.size());
+  const T* src = a.data<T>();
+  for (size_t i = 0; i < a.size(); ++i) tmp[i] = src[mx::elem_to_loc(int(i), a.shape(), a.strides())];
+  return tmp.data();
+}
+
+const float* contiguous_f32(const mx::array& a, std::vector<float>& tmp) {
+  return contiguous_as<float>(a, tmp);
+}
+
+SType stype(mx::Dtype t) {
+  if (t == mx::float16) return SType::F16;
+  if (t == mx::bfloat16) return SType::BF16;
+  return SType::F32;
+}
+
+void alloc(mx::array& out) { out.set_data(mx::allocator::malloc(out.nbytes())); }
+
+mx::Stream cpu_stream() {
+  mx::Stream s = mx::to_stream(mx::StreamOrDevice{});
+  if (s.device != mx::Device::cpu) throw std::invalid_argument("mlxchat kernels run on the CPU only");
+  return s;
+}
+
+mx::array weak(const mx::array& a) { return mx::array::unsafe_weak_copy(a); }
+
+
+// ------------------------------------------------------------------ plain kernels (one thread)
+
+void rms_norm_rows(const float* x, const float* w, float eps, int64_t rows, int64_t D, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * D;
+    float acc[8] = {};
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8)
+      for (int j = 0; j < 8; ++j) acc[j] += xr[i + j] * xr[i + j];
+    float ss = 0;
+    for (int j = 0; j < 8; ++j) ss += acc[j];
+    for (; i < D; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.0f / std::sqrt(ss / float(D) + eps);
+    for (int64_t k = 0; k < D; ++k) y[r * D + k] = (xr[k] * inv) * w[k];
+  }
+}
+
+struct RopeParams {
+  int dims;
+  bool trad;
+  float base, scale;
+};
+
+// Rows of D floats; row r sits at position offset + r % L. The same fp32 steps as MLX's rope.
+void rope_rows(const float* x, float* y, int64_t rows, int64_t L, int64_t D, const RopeParams& p,
+               int offset) {
+  const int half = p.dims / 2;
+  std::vector<float> inv(half), cs(size_t(L) * half), sn(size_t(L) * half);
+  const float step = float(std::log(double(p.base)) / half);
+  for (int i = 0; i < half; ++i) inv[i] = std::exp(float(-i) * step);
+  for (int64_t t = 0; t < L; ++t) {
+    const float pos = (float(t) + float(offset)) * p.scale;
+    for (int i = 0; i < half; ++i) {
+      const float th = pos * inv[i];
+      cs[t * half + i] = std::cos(th);
+      sn[t * half + i] = std::sin(th);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * D;
+    float* yr = y + r * D;
+    const float* c = cs.data() + (r % L) * half;
+    const float* s = sn.data() + (r % L) * half;
+    for (int i = 0; i < half; ++i) {
+      const int64_t a = p.trad ? 2 * i : i, b = p.trad ? 2 * i + 1 : i + half;
+      const float x1 = xr[a], x2 = xr[b];
+      yr[a] = x1 * c[i] - x2 * s[i];
+      yr[b] = x1 * s[i] + x2 * c[i];
+    }
+    for (int64_t k = p.dims; k < D; ++k) yr[k] = xr[k];
+  }
+}
+
+// K or V as (base pointer, strides of batch, head, position); last-axis stride 1.
+struct KV {
+  const float* p;
+  int64_t st[3];
+};
+
+KV kv_view(const mx::array& a, std::vector<float>& tmp) {
+  KV v;
+  if (a.strides(3) == 1) {
+    v.p = a.data<float>();
+    for (int i = 0; i < 3; ++i) v.st[i] = a.strides(i);
+    return v;
+  }
+  v.p = contiguous_f32(a, tmp);
+  v.st[2] = a.shape(3);
+  v.st[1] = v.st[2] * a.shape(2);
+  v.st[0] = v.st[1] * a.shape(1);
+  return v;
+}
+
+// Single-query attention: q (B, H, 1, D) contiguous, K/V (B, Hk, S, D); y (B, H, 1, D).
+void attention(const float* q, const KV& k, const KV& v, int64_t B, int64_t H, int64_t Hk,
+               int64_t S, int64_t D, float scale, float* y) {
+  const Impl* I = impl();
+  const int64_t rep = H / Hk;
+  parallel_for(B * H, [&](int64_t bh) {
+    const int64_t b = bh / H, h = bh % H, hk = h / rep;
+    std::vector<float> qs(D), sc(S);
+    for (int64_t i = 0; i < D; ++i) qs[i] = q[bh * D + i] * scale;
+    const float* kb = k.p + b * k.st[0] + hk * k.st[1];
+    const float* vb = v.p + b * v.st[0] + hk * v.st[1];
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < S; ++t) {
+      sc[t] = I->dot(qs.data(), kb + t * k.st[2], D);
+      top = std::max(top, sc[t]);
+    }
+    float sum = 0;
+    for (int64_t t = 0; t < S; ++t) sum += (sc[t] = std::exp(sc[t] - top));
+    float* yr = y + bh * D;
+    std::fill(yr, yr + D, 0.0f);
+    const float inv = 1.0f / sum;
+    for (int64_t t = 0; t < S; ++t) I->axpy(sc[t] * inv, vb + t * v.st[2], yr, D);
+  });
+}
+
+// ---------------------------------------------------------------- quantized matmul (x @ W.T)
+
+// A quantized matrix's view; its arrays' gathered copies (if any were needed) live in `keep`.
+struct QHold {
+  std::vector<uint32_t> w;
+  std::vector<uint16_t> s16, b16;
+  std::vector<float> s32, b32;
+};
+
+QMat qmat(const mx::array& w, const mx::array& s, const mx::array& b, int gs, int bits, QHold& keep) {
+  const SType st = stype(s.dtype());
+  const void *sp, *bp;
+  if (st == SType::F32) {
+    sp = contiguous_as<float>(s, keep.s32);
+    bp = contiguous_as<float>(b, keep.b32);
+  } else {
+    sp = contiguous_as<uint16_t>(s, keep.s16);
+    bp = contiguous_as<uint16_t>(b, keep.b16);
+  }
+  return QMat{contiguous_as<uint32_t>(w, keep.w), sp, bp, st, w.shape(0),
+              int64_t(w.shape(1)) * (32 / bits), bits, gs};
+}
+
+void run_qmm(const float* x, int64_t rows, const QMat& W, float* y) {
+  const Impl* I = impl();
+  const int64_t N = W.N, K = W.K;
+  const int threads = num_threads();
+  const int64_t nblocks = std::max<int64_t>(1, std::min<int64_t>(N / 16, int64_t(threads) * 8));
+  const int64_t per = (N + nblocks - 1) / nblocks;
+  std::vector<float> xp(size_t(std::min<int64_t>(rows, 8) * K));
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    const int M = int(std::min<int64_t>(8, rows - r0));
+    I->prep_x(W, x + r0 * K, M, xp.data());
+    float* yr = y + r0 * N;
+    const float* xpp = xp.data();
+    parallel_for(nblocks, [&](int64_t b) {
+      const int64_t n0 = b * per, n1 = std::min(N, n0 + per);
+      if (n0 < n1) I->qmv_rows(W, xpp, M, n0, n1, yr, N);
+    });
+  }
+}
+
+// y_i = x @ W_i.T for several matrices sharing x (K columns): one parallel_for over all rows.
+void run_qmm_multi(const float* x, int64_t rows, const std::vector<QMat>& Ws,
+                   const std::vector<float*>& ys) {
+  const Impl* I = impl();
+  const int64_t K = Ws[0].K;
+  int64_t total = 0;
+  for (auto& W : Ws) total += W.N;
+  const int threads = num_threads();
+  const int64_t nblocks = std::max<int64_t>(1, std::min<int64_t>(total / 16, int64_t(threads) * 8));
+  const int64_t per = (total + nblocks - 1) / nblocks;
+  std::vector<float> xp(size_t(std::min<int64_t>(rows, 8) * K));
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    const int M = int(std::min<int64_t>(8, rows - r0));
+    I->prep_x(Ws[0], x + r0 * K, M, xp.data());
+    const float* xpp = xp.data();
+    parallel_for(nblocks, [&](int64_t b) {
+      int64_t n0 = b * per, n1 = std::min(total, n0 + per);
+      for (size_t i = 0; i < Ws.size() && n0 < n1; ++i) {  // the block may span two matrices
+        const int64_t N = Ws[i].N;
+        if (n0 < N) {
+          const int64_t e = std::min(N, n1);
+          I->qmv_rows(Ws[i], xpp, M, n0, e, ys[i] + r0 * N, N);
+          n0 = e;
+        }
+        n0 -= N;
+        n1 -= N;
+      }
+    });
+  }
+}
+
+class QMatmul : public mx::UnaryPrimitive {
+ public:
+  QMatmul(mx::Stream s, int gs, int bits) : mx::UnaryPrimitive(s), gs_(gs), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    alloc(out);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([x = weak(in[0]), w = weak(in[1]), s = weak(in[2]), b = weak(in[3]),
+                  out = weak(out), gs = gs_, bits = bits_]() mutable {
+      std::vector<float> tmp;
+      QHold keep;
+      const float* xd = contiguous_f32(x, tmp);
+      run_qmm(xd, int64_t(x.size()) / x.shape(-1), qmat(w, s, b, gs, bits, keep), out.data<float>());
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat kernels run on the CPU only");
+  }
+  const char* name() const override { return "MlxchatQuantizedMatmul"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const QMatmul&>(other);
+    return gs_ == o.gs_ && bits_ == o.bits_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    auto shape = in[0].shape();
+    shape.back() = in[1].shape(0);
+    return {shape};
+  }
+
+ private:
+  int gs_, bits_;
+};
+
+void check_quantized(int64_t K, const mx::array& w, const mx::array& s, const mx::array& b, int gs,
+                     int bits) {
+  if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8");
+  if (gs != 32 && gs != 64 && gs != 128) throw std::invalid_argument("group size must be 32, 64 or 128");
+  if (w.dtype() != mx::uint32 || w.ndim() != 2) throw std::invalid_argument("w must be 2-D uint32");
+  if (K % gs != 0 || w.shape(1) * (32 / bits) != K)
+    throw std::invalid_argument("x's last dimension does not match the packed weight");
+  if (s.shape() != b.shape() || s.ndim() != 2 || s.shape(0) != w.shape(0) || s.shape(1) != K / gs)
+    throw std::invalid_argument("scales/biases do not match the weight");
+  if (s.dtype() != b.dtype() ||
+      (s.dtype() != mx::float32 && s.dtype() != mx::float16 && s.dtype() != mx::bfloat16))
+    throw std::invalid_argument("scales/biases must be float32, float16 or bfloat16");
+}
+
+mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& s,
+                           const mx::array& b, int gs, int bits) {
+  if (x.dtype() != mx::float32) throw std::invalid_argument("x must be float32");
+  check_quantized(x.shape(-1), w, s, b, gs, bits);
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  return mx::array(shape, mx::float32, std::make_shared<QMatmul>(cpu_stream(), gs, bits),
+                   {x, w, s, b});
+}
+
+// ---------------------------------------------------- dequantize (prompt prefill: then BLAS)
+
+class Dequantize : public mx::UnaryPrimitive {
+ public:
+  Dequantize(mx::Stream s, int gs, int bits) : mx::UnaryPrimitive(s), gs_(gs), bits_(bits) {}
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    alloc(out);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([w = weak(in[0]), s = weak(in[1]), b = weak(in[2]), out = weak(out), gs = gs_,
+                  bits = bits_]() mutable {
+      QHold keep;
+      const QMat W = qmat(w, s, b, gs, bits, keep);
+      const Impl* I = impl();
+      const int64_t nblocks = std::max<int64_t>(1, std::min<int64_t>(W.N / 16, num_threads() * 8));
+      const int64_t per = (W.N + nblocks - 1) / nblocks;
+      float* o = out.data<float>();
+      parallel_for(nblocks, [&](int64_t blk) {
+        const int64_t n0 = blk * per, n1 = std::min(W.N, n0 + per);
+        if (n0 < n1) I->dequant_rows(W, n0, n1, o);
+      });
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat kernels run on the CPU only");
+  }
+  const char* name() const override { return "MlxchatDequantize"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const Dequantize&>(other);
+    return gs_ == o.gs_ && bits_ == o.bits_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {{in[0].shape(0), in[0].shape(1) * (32 / bits_)}};
+  }
+
+ private:
+  int gs_, bits_;
+};
+
+mx::array dequantize(const mx::array& w, const mx::array& s, const mx::array& b, int gs, int bits) {
+  if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8");
+  check_quantized(int64_t(w.ndim() == 2 ? w.shape(1) : 0) * (32 / bits), w, s, b, gs, bits);
+  return mx::array({w.shape(0), w.shape(1) * (32 / bits)}, mx::float32,
+                   std::make_shared<Dequantize>(cpu_stream(), gs, bits), {w, s, b});
+}
+
+// ------------------------------------------------------------------------------- RMSNorm
+
+class RMSNorm : public mx::UnaryPrimitive {
+ public:
+  RMSNorm(mx::Stream s, float eps) : mx::UnaryPrimitive(s), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    alloc(out);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([x = weak(in[0]), w = weak(in[1]), out = weak(out), eps = eps_]() mutable {
+      std::vector<float> t0, t1;
+      const float* xd = contiguous_f32(x, t0);
+      const float* wd = contiguous_f32(w, t1);
+      const int64_t D = x.shape(-1);
+      rms_norm_rows(xd, wd, eps, int64_t(x.size()) / D, D, out.data<float>());
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat kernels run on the CPU only");
+  }
+  const char* name() const override { return "MlxchatRMSNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RMSNorm&>(other).eps_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {in[0].shape()};
+  }
+
+ private:
+  float eps_;
+};
+
+mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
+  if (x.dtype() != mx::float32 || w.dtype() != mx::float32) throw std::invalid_argument("float32 only");
+  if (w.ndim() != 1 || w.shape(0) != x.shape(-1)) throw std::invalid_argument("weight must be (D,)");
+  return mx::array(x.shape(), mx::float32, std::make_shared<RMSNorm>(cpu_stream(), eps), {x, w});
+}
+
+// ---------------------------------------------------------------------------------- RoPE
+
+class RoPE : public mx::UnaryPrimitive {
+ public:
+  RoPE(mx::Stream s, int dims, bool traditional, float base, float scale, int offset)
+      : mx::UnaryPrimitive(s), dims_(dims), trad_(traditional), base_(base), scale_(scale),
+        offset_(offset) {}
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    alloc(out);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([x = weak(in[0]), out = weak(out), dims = dims_, trad = trad_, base = base_,
+                  scale = scale_, offset = offset_]() mutable {
+      std::vector<float> tmp;
+      const float* xd = contiguous_f32(x, tmp);
+      const int64_t D = x.shape(-1);
+      rope_rows(xd, out.data<float>(), int64_t(x.size()) / D, x.shape(-2), D,
+                RopeParams{dims, trad, base, scale}, offset);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat kernels run on the CPU only");
+  }
+  const char* name() const override { return "MlxchatRoPE"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const RoPE&>(other);
+    return dims_ == o.dims_ && trad_ == o.trad_ && base_ == o.base_ && scale_ == o.scale_ &&
+           offset_ == o.offset_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {in[0].shape()};
+  }
+
+ private:
+  int dims_;
+  bool trad_;
+  float base_, scale_;
+  int offset_;
+};
+
+mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, int offset) {
+  if (x.dtype() != mx::float32) throw std::invalid_argument("float32 only");
+  if (x.ndim() < 2 || dims <= 0 || dims % 2 || dims > x.shape(-1))
+    throw std::invalid_argument("bad rope dims");
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<RoPE>(cpu_stream(), dims, traditional, base, scale, offset), {x});
+}
+
+// ------------------------------------------------ single-query attention over the KV cache
+
+class DecodeAttention : public mx::UnaryPrimitive {
+ public:
+  DecodeAttention(mx::Stream s, float scale) : mx::UnaryPrimitive(s), scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    alloc(out);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.dispatch([q = weak(in[0]), k = weak(in[1]), v = weak(in[2]), out = weak(out),
+                  scale = scale_]() mutable {
+      std::vector<float> tq, tk, tv;
+      const float* qd = contiguous_f32(q, tq);
+      const KV kv = kv_view(k, tk), vv = kv_view(v, tv);
+      attention(qd, kv, vv, q.shape(0), q.shape(1), k.shape(1), k.shape(2), q.shape(3), scale,
+                out.data<float>());
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat kernels run on the CPU only");
+  }
+  const char* name() const override { return "MlxchatDecodeAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return scale_ == static_cast<const DecodeAttention&>(other).scale_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {in[0].shape()};
+  }
+
+ private:
+  float scale_;
+};
+
+mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale) {
+  for (auto* a : {&q, &k, &v})
+    if (a->dtype() != mx::float32 || a->ndim() != 4) throw std::invalid_argument("4-D float32 only");
+  if (q.shape(2) != 1) throw std::invalid_argument("one query position only");
+  if (k.shape() != v.shape() || k.shape(0) != q.shape(0) || k.shape(3) != q.shape(3) ||
+      q.shape(1) % k.shape(1) != 0)
+    throw std::invalid_argument("q, k, v shapes do not match");
+  return mx::array(q.shape(), mx::float32, std::make_shared<DecodeAttention>(cpu_stream(), scale),
+                   {q, k, v});
+}
+
+
+// ------------------------------------------- a llama decoder layer's one-token step, in two ops
+//
+// attn_in:  q, k, v = rope(norm(h) @ Wq.T), rope(norm(h) @ Wk.T), norm(h) @ Wv.T
+// (the caller appends k and v to its KV cache, then)
+// block_out: h1 = h + attention(q, K, V) @ Wo.T;  out = h1 + mlp(norm2(h1))
+// with mlp(x) = (silu(x @ Wg.T) * (x @ Wu.T)) @ Wd.T. Each step is the same kernel, in the same
+// order, as the single ops above; only the graph nodes between them are gone.
+
+struct QSpec {
+  int gs, bits;
+  bool operator==(const QSpec& o) const { return gs == o.gs && bits == o.bits; }
+};
+
+class AttnIn : public mx::Primitive {
+ public:
+  AttnIn(mx::Stream s, float eps, std::vector<QSpec> q, int heads, int kv_heads, RopeParams rope,
+         int offset)
+      : mx::Primitive(s), eps_(eps), q_(std::move(q)), heads_(heads), kv_heads_(kv_heads),
+        rope_(rope), offset_(offset) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    for (auto& o : outs) alloc(o);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    std::vector<mx::array> ins, os;
+    for (auto& a : in) ins.push_back(weak(a));
+    for (auto& a : outs) os.push_back(weak(a));
+    enc.dispatch([ins = std::move(ins), os = std::move(os), eps = eps_, q = q_, rope = rope_,
+                  offset = offset_]() mutable {
+      std::vector<float> th, tw;
+      const auto& h = ins[0];
+      const int64_t Dm = h.shape(-1), B = int64_t(h.size()) / Dm;
+      std::vector<float> xn(size_t(B * Dm));
+      rms_norm_rows(contiguous_f32(h, th), contiguous_f32(ins[1], tw), eps, B, Dm, xn.data());
+      QHold keep[3];
+      std::vector<QMat> Ws;
+      for (int i = 0; i < 3; ++i)
+        Ws.push_back(qmat(ins[2 + 3 * i], ins[3 + 3 * i], ins[4 + 3 * i], q[i].gs, q[i].bits, keep[i]));
+      std::vector<float> qt(size_t(B * Ws[0].N)), kt(size_t(B * Ws[1].N));
+      run_qmm_multi(xn.data(), B, Ws, {qt.data(), kt.data(), os[2].data<float>()});
+      const int64_t D = os[0].shape(-1);
+      rope_rows(qt.data(), os[0].data<float>(), int64_t(qt.size()) / D, 1, D, rope, offset);
+      rope_rows(kt.data(), os[1].data<float>(), int64_t(kt.size()) / D, 1, D, rope, offset);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("mlxchat kernels run on the CPU only");
+  }
+  const char* name() const override { return "MlxchatAttnIn"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const AttnIn&>(other);
+    return eps_ == o.eps_ && q_ == o.q_ && heads_ == o.heads_ && kv_heads_ == o.kv_heads_ &&
+           rope_.dims == o.rope_.dims && rope_.trad == o.rope_.trad && rope_.base == o.rope_.base &&
+           rope_.scale == o.rope_.scale && offset_ == o.offset_;
+  }
+
+ private:
+  float eps_;
+  std::vector<QSpec> q_;
+  int heads_, kv_heads_;
+  RopeParams rope_;
+  int offset_;
+};
+
+class BlockOut : public mx::UnaryPrimitive {
+ public:
+  BlockOut(mx::Stream s, float scale, float eps, std::vector<QSpec> q)
+      : mx::UnaryPrimitive(s), scale_(scale), eps_(eps), q_(std::move(q)) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    alloc(out);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    std::vector<mx::array> ins;
+    for (auto& a : in) ins.push_back(weak(a));
+    enc.dispatch([ins = std::move(ins), out = weak(out), scale = scale_, eps = eps_,
+                  q = q_]() mutable {
+      std::vector<float> th, tq, tk, tv, tn;
+      const auto &h = ins[0], &qa = ins[1], &ka = ins[2], &va = ins[3];
+      const int64_t Dm = h.shape(-1), B = int64_t(h.size()) / Dm;
+      const int64_t H = qa.shape(1), D = qa.shape(3);
+      const float* hd = contiguous_f32(h, th);
+      std::vector<float> att(size_t(B * H * D));
+      attention(contiguous_f32(qa, tq), kv_view(ka, tk), kv_view(va, tv), B, H, ka.shape(1),
+                ka.shape(2), D, scale, att.data());
+      QHold keep[4];
+      const QMat Wo = qmat(ins[4], ins[5], ins[6], q[0].gs, q[0].bits, keep[0]);
+      const QMat Wg = qmat(ins[8], ins[9], ins[10], q[1].gs, q[1].bits, keep[1]);
+      const QMat Wu = qmat(ins[11], ins[12], ins[13], q[2].gs, q[2].bits, keep[2]);
+      const QMat Wd = qmat(ins[14], ins[15], ins[16], q[3].gs, q[3].bits, keep[3]);
+      std::vector<float> h1(size_t(B * Dm)), xn(size_t(B * Dm));
+      run_qmm(att.data(), B, Wo, h1.data());
+      for (int64_t i = 0; i < B * Dm; ++i) h1[i] = hd[i] + h1[i];
+      rms_norm_rows(h1.data(), contiguous_f32(ins[7], tn), eps, B, Dm, xn.data());
+      const int64_t I = Wg.N;
+      std::vector<float> g(size_t(B * I)), u(size_t(B * I));
+      run_qmm_multi(xn.data(), B, {Wg, Wu}, {g.data(), u.data()});
+      for (int64_t i = 0; i < B * I; ++i) g[i] = (g[i] * (1.0f / (1.0f + std::exp(-g[i])))) * u[i];
+      float* y = out.data<float>();
+      run_qmm(g.data(), B, Wd, y);
+      for (int64_t i = 0; i < B * Dm; ++i) y[i] = h1[i] + y[i];
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat kernels run on the CPU only");
+  }
+  const char* name() const override { return "MlxchatBlockOut"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const BlockOut&>(other);
+    return scale_ == o.scale_ && eps_ == o.eps_ && q_ == o.q_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {in[0].shape()};
+  }
+
+ private:
+  float scale_, eps_;
+  std::vector<QSpec> q_;
+};
+
+using QW = std::tuple<mx::array, mx::array, mx::array, int, int>;  // w, scales, biases, gs, bits
+
+void check_q(const QW& W, int64_t K) {
+  const auto& [w, s, b, gs, bits] = W;
+  check_quantized(K, w, s, b, gs, bits);
+}
+
+std::vector<mx::array> attn_in(const mx::array& h, const mx::array& norm, float eps, const QW& wq,
+                               const QW& wk, const QW& wv, int heads, int kv_heads, int rope_dims,
+                               bool traditional, float base, float scale, int offset) {
+  const int64_t Dm = h.shape(-1);
+  if (h.dtype() != mx::float32 || norm.dtype() != mx::float32 || h.ndim() != 3 || h.shape(1) != 1)
+    throw std::invalid_argument("h must be (B, 1, D) float32");
+  std::vector<mx::array> inputs{h, norm};
+  std::vector<QSpec> q;
+  for (auto* W : {&wq, &wk, &wv}) {
+    check_q(*W, Dm);
+    inputs.insert(inputs.end(), {std::get<0>(*W), std::get<1>(*W), std::get<2>(*W)});
+    q.push_back({std::get<3>(*W), std::get<4>(*W)});
+  }
+  if (q[1].bits != q[0].bits || q[2].bits != q[0].bits) throw std::invalid_argument("mixed bits");
+  const int B = h.shape(0);
+  const int64_t nq = std::get<0>(wq).shape(0), nk = std::get<0>(wk).shape(0);
+  if (nq % heads || nk % kv_heads || nq / heads != nk / kv_heads || std::get<0>(wv).shape(0) != nk)
+    throw std::invalid_argument("head shapes do not match the weights");
+  const int D = int(nq / heads);
+  if (rope_dims <= 0 || rope_dims % 2 || rope_dims > D) throw std::invalid_argument("bad rope dims");
+  return mx::array::make_arrays(
+      {{B, heads, 1, D}, {B, kv_heads, 1, D}, {B, kv_heads, 1, D}},
+      {mx::float32, mx::float32, mx::float32},
+      std::make_shared<AttnIn>(cpu_stream(), eps, q, heads, kv_heads,
+                               RopeParams{rope_dims, traditional, base, scale}, offset),
+      inputs);
+}
+
+mx::array block_out(const mx::array& h, const mx::array& q, const mx::array& k, const mx::array& v,
+                    float attn_scale, const QW& wo, const mx::array& norm, float eps, const QW& wg,
+                    const QW& wu, const QW& wd) {
+  const int64_t Dm = h.shape(-1);
+  if (h.dtype() != mx::float32 || norm.dtype() != mx::float32 || h.ndim() != 3 || h.shape(1) != 1)
+    throw std::invalid_argument("h must be (B, 1, D) float32");
+  for (auto* a : {&q, &k, &v})
+    if (a->dtype() != mx::float32 || a->ndim() != 4) throw std::invalid_argument("4-D float32 only");
+  if (q.shape(2) != 1 || k.shape() != v.shape() || k.shape(0) != q.shape(0) ||
+      k.shape(3) != q.shape(3) || q.shape(1) % k.shape(1) != 0 || q.shape(0) != h.shape(0))
+    throw std::invalid_argument("q, k, v shapes do not match");
+  check_q(wo, q.shape(1) * q.shape(3));
+  check_q(wg, Dm);
+  check_q(wu, Dm);
+  check_q(wd, std::get<0>(wg).shape(0));
+  if (std::get<0>(wo).shape(0) != Dm || std::get<0>(wd).shape(0) != Dm ||
+      std::get<0>(wu).shape(0) != std::get<0>(wg).shape(0) || std::get<4>(wg) != std::get<4>(wu))
+    throw std::invalid_argument("layer weights do not match");
+  std::vector<mx::array> inputs{h, q, k, v};
+  std::vector<QSpec> specs;
+  auto add = [&](const QW& W) {
+    inputs.insert(inputs.end(), {std::get<0>(W), std::get<1>(W), std::get<2>(W)});
+    specs.push_back({std::get<3>(W), std::get<4>(W)});
+  };
+  add(wo);
+  inputs.push_back(norm);
+  add(wg);
+  add(wu);
+  add(wd);
+  return mx::array(h.shape(), mx::float32,
+                   std::make_shared<BlockOut>(cpu_stream(), attn_scale, eps, specs), inputs);
+}
+
+}  // namespace
+}  // namespace mlxchat
+
+NB_MODULE(_mlxchat_kernels, m) {
+  using namespace mlxchat;
+  m.doc() = "mlxchat's CPU kernels for MLX (quantized matmul, RMSNorm, RoPE, decode attention)";
+  m.def("quantized_matmul", &quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
+        nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"));
+  m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
+        nb::arg("group_size"), nb::arg("bits"));
+  m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
+  m.def("rope", &rope, nb::arg("x"), nb::arg("dims"), nb::arg("traditional"), nb::arg("base"),
+        nb::arg("scale"), nb::arg("offset"));
+  m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("scale"));
+  m.def("attn_in", &attn_in, nb::arg("h"), nb::arg("norm"), nb::arg("eps"), nb::arg("wq"),
+        nb::arg("wk"), nb::arg("wv"), nb::arg("heads"), nb::arg("kv_heads"), nb::arg("rope_dims"),
+        nb::arg("traditional"), nb::arg("base"), nb::arg("scale"), nb::arg("offset"));
+  m.def("block_out", &block_out, nb::arg("h"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("attn_scale"), nb::arg("wo"), nb::arg("norm"), nb::arg("eps"), nb::arg("wg"),
+        nb::arg("wu"), nb::arg("wd"));
+  m.def("isa", [] { return std::string(impl()->name); });
+  m.def("num_threads", &num_threads);
+  m.def("set_num_threads", &set_num_threads, nb::arg("n"));
+  m.def("mlx_version", [] { return std::string(MLXCHAT_MLX_VERSION); });
+}

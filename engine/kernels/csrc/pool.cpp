@@ -1,0 +1,144 @@
+// The thread pool behind every multithreaded kernel. Work is split into blocks handed out from
+// one atomic counter (generation << 32 | next block); the caller claims blocks as well, so a
+// worker that the OS has descheduled (a shared, busy machine) delays nothing but its own block.
+// Idle workers spin briefly (decode issues kernels back to back), then sleep on a condvar.
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "common.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define MLXCHAT_PAUSE() _mm_pause()
+#else
+#define MLXCHAT_PAUSE() std::this_thread::yield()
+#endif
+
+namespace mlxchat {
+namespace {
+
+struct Slot {
+  std::atomic<int64_t> nblocks{0};
+  std::atomic<const std::function<void(int64_t)>*> fn{nullptr};
+  std::atomic<int64_t> done{0};
+};
+
+class Pool {
+ public:
+  explicit Pool(int n) : nthreads_(n) {
+    for (int i = 1; i < n; ++i) {
+      std::thread([this] { worker(); }).detach();
+    }
+  }
+
+  int size() const { return nthreads_; }
+
+  void run(int64_t nblocks, const std::function<void(int64_t)>& fn) {
+    std::unique_lock<std::mutex> busy(run_mu_, std::try_to_lock);
+    if (!busy.owns_lock() || nthreads_ <= 1 || nblocks <= 1) {
+      for (int64_t i = 0; i < nblocks; ++i) fn(i);  // another stream holds the pool
+      return;
+    }
+    const uint32_t g = ++gen_;
+    Slot& slot = slots_[g & 3];
+    slot.nblocks.store(nblocks, std::memory_order_relaxed);
+    slot.fn.store(&fn, std::memory_order_relaxed);
+    slot.done.store(0, std::memory_order_relaxed);
+    state_.store(uint64_t(g) << 32, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      { std::lock_guard<std::mutex> lk(mu_); }
+      cv_.notify_all();
+    }
+    while (claim(g)) {
+    }
+    for (int spins = 0; slot.done.load(std::memory_order_acquire) < nblocks; ++spins) {
+      if (spins < 4096) MLXCHAT_PAUSE(); else std::this_thread::yield();
+    }
+  }
+
+ private:
+  bool claim(uint32_t g) {
+    uint64_t st = state_.load(std::memory_order_acquire);
+    for (;;) {
+      if (uint32_t(st >> 32) != g) return false;
+      Slot& slot = slots_[g & 3];
+      const int64_t nb = slot.nblocks.load(std::memory_order_relaxed);
+      const auto* fn = slot.fn.load(std::memory_order_relaxed);
+      const uint32_t idx = uint32_t(st);
+      if (int64_t(idx) >= nb) return false;
+      if (state_.compare_exchange_weak(st, st + 1, std::memory_order_acq_rel,
+                                       std::memory_order_acquire)) {
+        (*fn)(idx);
+        slot.done.fetch_add(1, std::memory_order_release);
+        return true;
+      }
+    }
+  }
+
+  void worker() {
+    uint32_t seen = 0;
+    for (;;) {
+      const uint32_t g = uint32_t(state_.load(std::memory_order_acquire) >> 32);
+      if (g != seen) {
+        while (claim(g)) {
+        }
+        seen = g;
+        continue;
+      }
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(100);
+      bool woke = false;
+      for (int i = 0; !woke; ++i) {
+        for (int j = 0; j < 64; ++j) MLXCHAT_PAUSE();
+        woke = uint32_t(state_.load(std::memory_order_acquire) >> 32) != seen;
+        if (!woke && std::chrono::steady_clock::now() > until) break;
+      }
+      if (woke) continue;
+      std::unique_lock<std::mutex> lk(mu_);
+      sleepers_.fetch_add(1, std::memory_order_seq_cst);
+      cv_.wait(lk, [&] { return uint32_t(state_.load(std::memory_order_seq_cst) >> 32) != seen; });
+      sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  }
+
+  const int nthreads_;
+  std::mutex run_mu_;
+  uint32_t gen_ = 0;
+  Slot slots_[4];
+  std::atomic<uint64_t> state_{0};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<int> sleepers_{0};
+};
+
+std::mutex g_mu;
+int g_threads = 1;
+Pool* g_pool = nullptr;  // never destroyed: its detached workers live as long as the process
+
+}  // namespace
+
+int num_threads() {
+  std::lock_guard<std::mutex> lk(g_mu);
+  return g_threads;
+}
+
+void set_num_threads(int n) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  g_threads = n < 1 ? 1 : n;
+  if (g_pool && g_pool->size() != g_threads) g_pool = nullptr;  // the old pool's workers idle on
+}
+
+void parallel_for(int64_t nblocks, const std::function<void(int64_t)>& fn) {
+  Pool* pool;
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    if (!g_pool) g_pool = new Pool(g_threads);
+    pool = g_pool;
+  }
+  pool->run(nblocks, fn);
+}
+
+}  // namespace mlxchat

@@ -1,0 +1,219 @@
+"""Run mlx-lm's own model classes on mlxchat's CPU kernels, weights kept quantized.
+
+`to_kernel_layout` changes the class of leaf modules in place (their parameters stay the same
+arrays), as engine/kernels/cpu_layout.py does for its fp32 layout:
+
+- `nn.QuantizedLinear` -> `KernelLinear` and `nn.QuantizedEmbedding` -> `KernelEmbedding` (whose
+  `as_linear` is a tied output head): 1-8 rows run our quantized matmul straight on MLX's affine
+  layout, short prompts the same kernel 8 rows at a time; long prompts (BLAS_ROWS rows or more) run
+  the weight dequantized to fp32 through BLAS when an optimised BLAS is loaded;
+- `nn.RMSNorm` -> `KernelRMSNorm`, `nn.RoPE` -> `KernelRoPE`;
+- mlx-lm's llama `Attention` -> `KernelLlamaAttention`: one-token steps over a plain `KVCache`
+  take our single-query attention; everything else runs mlx-lm's own code;
+- mlx-lm's llama `TransformerBlock` -> `KernelLlamaBlock`: where every part of the layer took the
+  kernels, a one-token step is two fused ops around mlx-lm's own KV-cache update.
+
+Activations are fp32 (the non-quantized parameters are cast to fp32; scales and biases keep their
+dtype), and every weight is dequantized exactly (q * scale + bias in fp32) and accumulated in
+fp32. A layer the kernels cannot take (other bits, group sizes or modes) keeps MLX's own
+quantized op, with the reason logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache
+
+from . import native
+from .cpu_layout import swap_matvec
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 8
+# From this many rows on (prompt prefill), dequantizing a layer's weight to fp32 for one BLAS
+# product beats our kernel 8 rows at a time; below it the dequantization costs more than it saves.
+BLAS_ROWS = 64
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+
+
+def unsupported(module: nn.Module) -> str | None:
+    """Why our kernels cannot run this quantized module, or None when they can."""
+    mode = getattr(module, "mode", "affine")
+    if mode != "affine":
+        return f"quantization mode {mode!r} (only affine)"
+    if module.bits not in BITS:
+        return f"{module.bits}-bit weights (only {' and '.join(map(str, BITS))})"
+    if module.group_size not in GROUP_SIZES:
+        return f"group size {module.group_size} (only {', '.join(map(str, GROUP_SIZES))})"
+    if "biases" not in module or module["scales"].dtype not in (mx.float32, mx.float16, mx.bfloat16):
+        return "scales/biases of an unsupported kind"
+    return None
+
+
+class _Run:
+    """Set when a model is converted: the loaded extension, and whether products of BLAS_ROWS
+    rows or more run dequantized through BLAS (an optimised BLAS is loaded) or on the kernel."""
+
+    kernels: Any = None
+    blas = False
+
+
+def quantized_product(module: nn.Module, x: mx.array) -> mx.array:
+    """`x @ W.T` for a quantized module `W` (KernelLinear or KernelEmbedding), x in fp32."""
+    kernels = _Run.kernels
+    w, scales, biases = module["weight"], module["scales"], module["biases"]
+    if x.size // x.shape[-1] >= BLAS_ROWS and _Run.blas:
+        return x @ kernels.dequantize(w, scales, biases, module.group_size, module.bits).T
+    return kernels.quantized_matmul(x, w, scales, biases, module.group_size, module.bits)
+
+
+class KernelLinear(nn.QuantizedLinear):
+    def __call__(self, x: mx.array) -> mx.array:
+        y = quantized_product(self, x.astype(mx.float32))
+        return y + self["bias"] if "bias" in self else y
+
+
+class KernelEmbedding(nn.QuantizedEmbedding):
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.dequantize(self["weight"][x], self["scales"][x].astype(mx.float32),
+                             self["biases"][x].astype(mx.float32), self.group_size, self.bits)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return quantized_product(self, x.astype(mx.float32))
+
+
+class KernelRMSNorm(nn.RMSNorm):
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.dtype != mx.float32 or self.weight.dtype != mx.float32:
+            return super().__call__(x)
+        return _Run.kernels.rms_norm(x, self.weight, self.eps)
+
+
+class KernelRoPE(nn.RoPE):
+    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        if not isinstance(offset, int) or x.dtype != mx.float32 or x.ndim < 3:
+            return super().__call__(x, offset)  # per-row offsets (batched caches) and the like
+        return _Run.kernels.rope(x, self.dims, self.traditional, self.base, self.scale, offset)
+
+
+class KernelLlamaAttention(llama.Attention):
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        B, L, _ = x.shape
+        if L != 1 or mask is not None or type(cache) is not KVCache or x.dtype != mx.float32:
+            return super().__call__(x, mask, cache)
+        # One position: (B, 1, heads * dim) reshapes to (B, heads, 1, dim) without a transpose.
+        q = self.rope(self.q_proj(x).reshape(B, self.n_heads, 1, -1), offset=cache.offset)
+        k = self.rope(self.k_proj(x).reshape(B, self.n_kv_heads, 1, -1), offset=cache.offset)
+        v = self.v_proj(x).reshape(B, self.n_kv_heads, 1, -1)
+        k, v = cache.update_and_fetch(k, v)
+        out = _Run.kernels.decode_attention(q, k, v, self.scale)
+        return self.o_proj(out.reshape(B, 1, -1))
+
+
+def _qw(layer: nn.Module) -> tuple:
+    return layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits
+
+
+class KernelLlamaBlock(llama.TransformerBlock):
+    """mlx-lm's llama layer whose one-token step over a plain KVCache is two of our ops around the
+    cache update: attn_in (norm, q/k/v, RoPE) and block_out (attention, o_proj, residual, norm,
+    MLP, residual), each the same kernels as the single ops; other steps run mlx-lm's code."""
+
+    fused_decode = False  # set per layer by to_kernel_layout when every part can take the kernels
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if (not self.fused_decode or x.shape[1] != 1 or mask is not None
+                or type(cache) is not KVCache or x.dtype != mx.float32):
+            return super().__call__(x, mask, cache)
+        kernels, attn, mlp = _Run.kernels, self.self_attn, self.mlp
+        norm1, norm2, rope = self.input_layernorm, self.post_attention_layernorm, attn.rope
+        q, k, v = kernels.attn_in(x, norm1.weight, norm1.eps, _qw(attn.q_proj), _qw(attn.k_proj),
+                                  _qw(attn.v_proj), attn.n_heads, attn.n_kv_heads, rope.dims,
+                                  rope.traditional, rope.base, rope.scale, cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        return kernels.block_out(x, q, k, v, attn.scale, _qw(attn.o_proj), norm2.weight, norm2.eps,
+                                 _qw(mlp.gate_proj), _qw(mlp.up_proj), _qw(mlp.down_proj))
+
+
+def _fusable(block: nn.Module) -> bool:
+    attn, mlp = block.self_attn, block.mlp
+    projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                   mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    return (type(attn) is KernelLlamaAttention and type(attn.rope) is KernelRoPE
+            and type(block.input_layernorm) is KernelRMSNorm
+            and type(block.post_attention_layernorm) is KernelRMSNorm
+            and all(type(p) is KernelLinear and "bias" not in p for p in projections)
+            and len({p.bits for p in projections[:3]}) == 1
+            and mlp.gate_proj.bits == mlp.up_proj.bits)
+
+
+_SWAPS = (
+    (nn.QuantizedLinear, KernelLinear),
+    (nn.QuantizedEmbedding, KernelEmbedding),
+    (nn.RMSNorm, KernelRMSNorm),
+    (nn.RoPE, KernelRoPE),
+    (llama.Attention, KernelLlamaAttention),
+    (llama.TransformerBlock, KernelLlamaBlock),
+)
+_QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+
+
+def quantized_layers(model: nn.Module) -> int:
+    return sum(isinstance(m, _QUANTIZED) for _, m in model.named_modules())
+
+
+def kernel_layout_wanted(model: nn.Module) -> tuple[bool, str]:
+    """Whether to run `model` on our kernels here, and why (not)."""
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return False, "not running on the CPU"
+    if not quantized_layers(model):
+        return False, "the model has no quantized layers"
+    status = native.status()
+    return status.module is not None, status.reason
+
+
+def _to_fp32(module: nn.Module) -> None:
+    """Cast the module's own floating parameters to fp32, except a quantized layer's scales and
+    biases, which our kernels read as they are."""
+    quantized = isinstance(module, _QUANTIZED) and unsupported(module) is None
+    own = {k: v for k, v in module.items() if isinstance(v, mx.array)}
+    cast = {k: v.astype(mx.float32) for k, v in own.items()
+            if mx.issubdtype(v.dtype, mx.floating) and v.dtype != mx.float32
+            and not (quantized and k in ("scales", "biases"))}
+    if cast:
+        module.update(cast)
+
+
+def to_kernel_layout(model: nn.Module) -> nn.Module:
+    """Swap in the kernel-backed modules; returns the model. Call where kernel_layout_wanted()."""
+    from ..device import fast_blas_loaded
+
+    _Run.kernels = native.kernels()
+    _Run.blas = fast_blas_loaded()
+    counts: dict[str, int] = {}
+    for name, module in model.named_modules():
+        _to_fp32(module)
+        for plain, fast in _SWAPS:
+            if type(module) is not plain:  # exact type: leave subclasses (LoRA...) alone
+                continue
+            why = unsupported(module) if plain in _QUANTIZED else None
+            if why:
+                log.info("%s stays on MLX's quantized op: %s", name, why)
+                continue
+            module.__class__ = fast
+            counts[fast.__name__] = counts.get(fast.__name__, 0) + 1
+    for _, module in model.named_modules():
+        if type(module) is KernelLlamaBlock:
+            module.fused_decode = _fusable(module)
+    dense = swap_matvec(model)  # any dense fp32 layer left: W @ x for one row, as cpu_layout does
+    mx.eval(model.parameters())
+    log.info("CPU kernels (%s): %s; %d dense layers; prefill on %s", native.status().reason,
+             ", ".join(f"{n} {k}" for k, n in sorted(counts.items())), dense,
+             "fp32 BLAS" if _Run.blas else "the quantized kernel")
+    return model

@@ -1,0 +1,205 @@
+"""engine/kernels: each C++ kernel against MLX's own op on random shapes, odd sizes, every
+supported bits / group size and 1-8 rows, and layers the kernels cannot take falling back.
+
+Tolerances (fp32 everywhere; the kernels sum in another order than MLX does):
+- dequantize (prefill) vs mx.dequantize: equal;
+- quantized matmul vs mx.quantized_matmul on the same weights (scales as fp32): rtol 1e-4,
+  atol 1e-4 for outputs of magnitude ~10-100 (K up to 1536 products);
+- RMSNorm vs mx.fast.rms_norm: rtol 1e-5, atol 1e-5;
+- RoPE vs mx.fast.rope: atol 5e-5 (angles up to ~700 rad, where fp32 sin/cos implementations
+  differ by an ulp of the angle), 1e-5 at small offsets;
+- decode attention vs mx.fast.scaled_dot_product_attention: atol 1e-5.
+"""
+
+import logging
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from engine.kernels import active_path, native
+from engine.kernels.layout import KernelLinear, to_kernel_layout, unsupported
+
+pytestmark = pytest.mark.fast
+
+
+@pytest.fixture(scope="module")
+def kern():
+    """The built extension: CI installs the toolchain (scripts/setup), so it must load."""
+    module = native.kernels()
+    assert module is not None, native.status().reason
+    return module
+
+
+def quantized(n, k, bits, gs, scale_dtype=mx.float16, seed=0):
+    mx.random.seed(seed)
+    w, s, b = mx.quantize(mx.random.normal((n, k)), group_size=gs, bits=bits)
+    return w, s.astype(scale_dtype), b.astype(scale_dtype)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("gs", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+def test_quantized_matmul_matches_mlx(kern, bits, gs, rows):
+    for n, k in [(37, 384), (200, 3 * gs), (576, 1536)]:
+        w, s, b = quantized(n, k, bits, gs, seed=rows)
+        x = mx.random.normal((rows, k))
+        ref = mx.quantized_matmul(x, w, s.astype(mx.float32), b.astype(mx.float32),
+                                  transpose=True, group_size=gs, bits=bits)
+        ours = kern.quantized_matmul(x, w, s, b, gs, bits)
+        assert ours.shape == ref.shape and ours.dtype == mx.float32
+        assert mx.allclose(ours, ref, rtol=1e-4, atol=1e-4).item(), mx.abs(ours - ref).max().item()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_dequantize_matches_mlx_exactly(kern, bits, gs):
+    """The prefill path's dequantization (then BLAS): q * scale + bias, the same fp32 values."""
+    w, s, b = quantized(77, 2 * gs * 3, bits, gs)
+    ref = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), gs, bits)
+    assert mx.array_equal(kern.dequantize(w, s, b, gs, bits), ref).item()
+
+
+@pytest.mark.parametrize("scale_dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_quantized_matmul_scale_dtypes_and_shapes(kern, scale_dtype):
+    w, s, b = quantized(96, 256, 4, 64, scale_dtype)
+    ref_w = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), 64, 4)
+    for shape in [(256,), (1, 1, 256), (2, 1, 256), (3, 4, 256), (11, 256)]:  # 11 rows: chunks of 8
+        x = mx.random.normal(shape)
+        ours = kern.quantized_matmul(x, w, s, b, 64, 4)
+        assert ours.shape == (*shape[:-1], 96)
+        assert mx.allclose(ours, x @ ref_w.T, rtol=1e-4, atol=1e-4).item()
+    x = mx.random.normal((8, 512))[:, ::2]  # a strided (non-contiguous) input
+    assert mx.allclose(kern.quantized_matmul(x, w, s, b, 64, 4), x @ ref_w.T, rtol=1e-4, atol=1e-4).item()
+
+
+def test_quantized_matmul_same_result_on_any_thread_count(kern):
+    w, s, b = quantized(1000, 512, 4, 32)
+    x = mx.random.normal((3, 512))
+    before = kern.num_threads()
+    try:
+        kern.set_num_threads(1)
+        one = kern.quantized_matmul(x, w, s, b, 32, 4)
+        mx.eval(one)
+        kern.set_num_threads(3)
+        three = kern.quantized_matmul(x, w, s, b, 32, 4)
+        assert mx.array_equal(one, three).item()  # each output row is summed by one thread
+    finally:
+        kern.set_num_threads(before)
+
+
+@pytest.mark.parametrize("bad", [dict(bits=3), dict(gs=16), dict(k=100)])
+def test_quantized_matmul_rejects_what_it_cannot_run(kern, bad):
+    bits, gs, k = bad.get("bits", 4), bad.get("gs", 32), bad.get("k", 128)
+    w, s, b = quantized(16, 128, 4 if bits == 3 else bits, 32 if gs == 16 else gs)
+    with pytest.raises(ValueError):
+        kern.quantized_matmul(mx.random.normal((1, k)), w, s, b, gs, bits)
+
+
+@pytest.mark.parametrize("shape", [(576,), (1, 1, 576), (3, 7, 65)])
+def test_rms_norm_matches_mlx(kern, shape):
+    x, w = mx.random.normal(shape) * 3, mx.random.normal(shape[-1:])
+    ref = mx.fast.rms_norm(x, w, 1e-5)
+    assert mx.allclose(kern.rms_norm(x, w, 1e-5), ref, rtol=1e-5, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("traditional", [True, False])
+@pytest.mark.parametrize("dims,base,scale", [(64, 100000.0, 1.0), (32, 10000.0, 0.5), (18, 500.0, 2.0)])
+@pytest.mark.parametrize("offset", [0, 5, 700])
+def test_rope_matches_mlx(kern, traditional, dims, base, scale, offset):
+    x = mx.random.normal((2, 5, 9, 64)).transpose(0, 2, 1, 3)  # (B, heads, L, D), strided
+    ref = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
+    ours = kern.rope(x, dims, traditional, base, scale, offset)
+    atol = 5e-5 if offset * scale > 100 else 1e-5
+    assert mx.allclose(ours, ref, rtol=1e-5, atol=atol).item(), mx.abs(ours - ref).max().item()
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("length", [1, 37, 300])
+def test_decode_attention_matches_mlx(kern, heads, kv_heads, length):
+    q = mx.random.normal((2, heads, 1, 64))
+    k_buf, v_buf = mx.random.normal((2, kv_heads, 512, 64)), mx.random.normal((2, kv_heads, 512, 64))
+    k, v = k_buf[:, :, :length], v_buf[:, :, :length]  # a cache's prefix: strided, as in decoding
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125)
+    ours = kern.decode_attention(q, k, v, 0.125)
+    assert mx.allclose(ours, ref, rtol=1e-5, atol=1e-5).item(), mx.abs(ours - ref).max().item()
+
+
+def test_layers_the_kernels_cannot_take_keep_mlx_ops_with_a_reason(kern, caplog):
+    mx.random.seed(3)
+    model = nn.Sequential(nn.Linear(256, 128), nn.Linear(128, 64))
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda p, m: p == "layers.0")
+    nn.quantize(model, group_size=32, bits=3, class_predicate=lambda p, m: p == "layers.1")
+    x = mx.random.normal((1, 256))
+    ref = model(x)
+    assert unsupported(model.layers[0]) is None and "3-bit" in unsupported(model.layers[1])
+    with caplog.at_level(logging.INFO):
+        to_kernel_layout(model)
+    assert type(model.layers[0]) is KernelLinear
+    assert type(model.layers[1]) is nn.QuantizedLinear
+    assert "layers.1 stays on MLX's quantized op: 3-bit weights" in caplog.text
+    assert mx.allclose(model(x), ref.astype(mx.float32), rtol=1e-3, atol=1e-3).item()
+
+
+def test_active_path_names_the_kernels_and_threads(kern, monkeypatch):
+    assert active_path() == f"quantized CPU kernels ({kern.isa()}, {kern.num_threads()} threads)"
+    monkeypatch.setenv("MLXCHAT_KERNELS", "0")
+    assert active_path() == "fp32 layout (CPU kernels unavailable: turned off by MLXCHAT_KERNELS=0)"
+
+
+def test_thread_count_honours_mlxchat_threads(monkeypatch):
+    monkeypatch.setenv("MLXCHAT_THREADS", "3")
+    assert native.thread_count() == 3
+    monkeypatch.delenv("MLXCHAT_THREADS")
+    assert 1 <= native.thread_count() == native.physical_cores()
+
+
+def test_device_report_and_description_name_the_path(kern):
+    from engine import device
+
+    assert device.report()["compute_path"] == active_path()
+    assert device.describe(mx.Device(mx.cpu)).endswith(f"; {active_path()})")
+
+
+def tiny_llama_pair(bits, gs, traditional):
+    """(ours, reference): the same random quantized llama twice; ours in the kernel layout with fp16
+    scales, the reference on MLX's own ops with the same scales as fp32 (the exact same weights)."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2,
+                           intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                           rms_norm_eps=1e-5, vocab_size=320, rope_traditional=traditional,
+                           rope_theta=10000.0, tie_word_embeddings=True)
+    models = []
+    for _ in range(2):
+        mx.random.seed(7)
+        model = llama.Model(args)
+        nn.quantize(model, group_size=gs, bits=bits)
+        models.append(model)
+    ours, ref = models
+    params = dict(tree_flatten(ours.parameters()))
+    half = {k: v.astype(mx.float16) if k.endswith(("scales", "biases")) else v for k, v in params.items()}
+    ours.load_weights(list(half.items()))
+    ref.load_weights([(k, v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v)
+                      for k, v in half.items()])
+    return to_kernel_layout(ours), ref
+
+
+@pytest.mark.parametrize("bits,gs,traditional", [(4, 32, True), (4, 64, False), (8, 128, True)])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_layer_steps_match_mlx_lm(kern, bits, gs, traditional, batch):
+    """Prefill (5 tokens: the single ops), then one-token steps (the fused layer ops) with a KV
+    cache, 1 or 3 rows: logits within rtol 1e-4 / atol 1e-4 of mlx-lm's own model on MLX's ops."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.kernels.layout import KernelLlamaBlock
+
+    ours, ref = tiny_llama_pair(bits, gs, traditional)
+    assert all(type(layer) is KernelLlamaBlock and layer.fused_decode for layer in ours.model.layers)
+    caches = make_prompt_cache(ours), make_prompt_cache(ref)
+    tokens = mx.array([[5, 17, 200, 3, 99]] * batch) + mx.arange(batch)[:, None]
+    for step in range(5):
+        a, b = ours(tokens, cache=caches[0]), ref(tokens, cache=caches[1])
+        assert mx.allclose(a, b, rtol=1e-4, atol=1e-4).item(), (step, mx.abs(a - b).max().item())
+        tokens = mx.argmax(b[:, -1:], axis=-1)

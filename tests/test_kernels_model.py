@@ -1,0 +1,109 @@
+"""The real bundled model on our CPU kernels: weights stay quantized, greedy tokens equal mlx-lm's
+own generation on the converted folder as loaded (4-bit weights, fp16 scales), and a build that
+cannot load leaves the app answering on the fp32 layout, with one warning that names the fix."""
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm import load as mlx_lm_load
+from mlx_lm import stream_generate
+
+from engine.decoding.generate import build_prompt, generate
+from engine.decoding.sampling import SamplingParams
+from engine.kernels import active_path, native
+from engine.kernels.cpu_layout import fp32_bytes
+from engine.kernels.layout import KernelEmbedding, KernelLinear, KernelLlamaAttention
+
+REPO = Path(__file__).resolve().parent.parent
+CONVERSATIONS = {
+    "english": [{"role": "user", "content": "Explain in two sentences why the sky is blue."}],
+    "chinese": [{"role": "user", "content": "请用中文介绍一下巴黎。"}],
+    "multi-turn": [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name a fruit."},
+        {"role": "assistant", "content": "Apple."},
+        {"role": "user", "content": "Another one, with an emoji 🍎?"},
+    ],
+}
+
+
+def kinds(model):
+    return {type(m) for _, m in model.named_modules()}
+
+
+def test_the_bundled_model_runs_on_the_kernels_with_quantized_weights(lm):
+    assert active_path().startswith("quantized CPU kernels"), active_path()
+    found = kinds(lm.model)
+    assert {KernelLinear, KernelEmbedding, KernelLlamaAttention} <= found
+    assert nn.QuantizedLinear not in found and nn.Linear not in found
+    head = lm.model.model.embed_tokens  # tied: the output head is the 8-bit embedding
+    assert head["weight"].dtype == mx.uint32 and head.bits == 8
+    held = sum(v.nbytes for _, v in __import__("mlx.utils").utils.tree_flatten(lm.model.parameters()))
+    assert held < fp32_bytes(lm.model) / 4  # quantized, not the fp32 expansion
+
+
+@pytest.fixture(scope="module")
+def as_loaded(lm):
+    """mlx-lm's own model on the same converted folder, exactly as it loads."""
+    model, _ = mlx_lm_load(str(lm.path))
+    return model
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+def test_greedy_tokens_equal_mlx_lm_as_loaded(lm, as_loaded, conversation):
+    prompt = build_prompt(lm, messages=CONVERSATIONS[conversation])
+    ours = [e.token for e in generate(lm, prompt, SamplingParams(max_tokens=48)) if e.kind == "token"]
+    theirs = [r.token for r in stream_generate(as_loaded, lm.tokenizer, mx.array(prompt.tokens),
+                                               max_tokens=48)]
+    eos = set(lm.tokenizer.eos_token_ids)
+    assert ours == [t for t in theirs if t not in eos]
+    assert len(ours) > 8
+
+
+FALLBACK_SCRIPT = """
+from engine.decoding.generate import build_prompt, generate
+from engine.decoding.sampling import SamplingParams
+from engine.kernels import active_path
+from engine.loading.registry import load_model
+lm = load_model(None)
+prompt = build_prompt(lm, messages=[{"role": "user", "content": "What is the capital of France?"}])
+tokens = [e.token for e in generate(lm, prompt, SamplingParams(max_tokens=12)) if e.kind == "token"]
+print("PATH", active_path())
+print("TOKENS", tokens)
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_build_that_cannot_load_falls_back_with_one_warning(lm, tmp_path):
+    """A cached extension that does not load (as one built for another mlx) on a machine without
+    a compiler: the app still answers, on the fp32 layout, with the same greedy tokens."""
+    home = tmp_path / "home"
+    (home / "cache").mkdir(parents=True)
+    shared = Path(os.environ["MLXCHAT_HOME"]) / "cache"
+    for name in ("models", "converted"):
+        (home / "cache" / name).symlink_to(shared / name)
+    env = dict(os.environ, MLXCHAT_HOME=str(home), PYTHONPATH=str(REPO), PATH=str(tmp_path / "bin"))
+    env.pop("MLXCHAT_THREADS", None)
+    key = subprocess.run([sys.executable, "-c", "from engine.kernels.native import build_dir; "
+                          "print(build_dir())"], env=env, capture_output=True, text=True, check=True)
+    broken = Path(key.stdout.strip())
+    broken.mkdir(parents=True)
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    (broken / f"_mlxchat_kernels{suffix}").write_bytes(b"built for mlx 0.0.1")
+    out = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=500, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    warnings = [line for line in out.stderr.splitlines() if "CPU kernels are unavailable" in line]
+    assert len(warnings) == 1, out.stderr[-2000:]
+    assert "does not load" in warnings[0] and "missing build tools: cmake" in warnings[0]
+    assert "Fix: run scripts/setup" in warnings[0]
+    assert "PATH fp32 layout (CPU kernels unavailable:" in out.stdout
+    prompt = build_prompt(lm, messages=[{"role": "user", "content": "What is the capital of France?"}])
+    ours = [e.token for e in generate(lm, prompt, SamplingParams(max_tokens=12)) if e.kind == "token"]
+    assert f"TOKENS {ours}" in out.stdout
