@@ -2,7 +2,6 @@
 and loading it never stalls the requests already decoding."""
 
 import gc
-import json
 import os
 import shutil
 import threading

@@ -16,7 +16,7 @@ from mlx_lm import stream_generate
 
 from engine.decoding.generate import build_prompt, generate
 from engine.decoding.sampling import SamplingParams
-from engine.kernels import active_path, native
+from engine.kernels import active_path
 from engine.kernels.cpu_layout import fp32_bytes
 from engine.kernels.layout import KernelEmbedding, KernelLinear, KernelLlamaAttention
 
