@@ -17,8 +17,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine import (SAMPLING_OPTIONS, EngineError, InvalidRequest, Overloaded,
-                    RequestHandle, SamplingParams, SpeculativeOptions, Usage, device_report)
+from engine import (SAMPLING_OPTIONS, EngineError, InvalidRequest, ModelDefaults, Overloaded,
+                    RequestHandle, SamplingParams, SpeculativeOptions, Usage, device_report,
+                    keep_alive_seconds)
 
 from .runs import Runs
 from .security import api_error
@@ -28,14 +29,14 @@ from .turns import collect, start
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 # Fields clients send that change nothing here, accepted only with their default meaning.
-_NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False,
-            "parallel_tool_calls": None, "store": False}
+_NEUTRAL = {"n": 1, "logprobs": False, "parallel_tool_calls": None, "store": False}
 _IGNORED = {"user", "metadata"}
 # Every sampling option by its own name (max_tokens also as OpenAI's max_completion_tokens).
 _SAMPLING = {o.name: o.kind for o in SAMPLING_OPTIONS}
 _FIELDS = {"model", "messages", "stream", "stream_options", "max_completion_tokens",
            "stop", "response_format"} | set(_SAMPLING) | set(_NEUTRAL) | _IGNORED
 _FIELDS.add("speculative")  # an extension: opt-in speculative decoding, see `parse_speculative`
+_FIELDS.add("keep_alive")  # as Ollama's: how long the model stays loaded after this request
 _SPECULATIVE = {"draft": str, "k": int, "adaptive": bool}
 
 
@@ -55,6 +56,7 @@ class ChatRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    keep_alive: float | str | None = None  # as sent (checked); None: the server's --keep-alive
 
 
 def _typed(body: dict[str, Any], name: str, kind: type) -> Any:
@@ -105,8 +107,10 @@ def _messages(value: Any) -> list[dict[str, str]]:
     return out
 
 
-def parse_chat_request(body: Any, model_name: str | None) -> ChatRequest:
-    """Validate a `/v1/chat/completions` body; raises ApiError with the offending parameter."""
+def parse_chat_request(body: Any, model_name: str | None,
+                       defaults: ModelDefaults | None = None) -> ChatRequest:
+    """Validate a `/v1/chat/completions` body; raises ApiError with the offending parameter.
+    Sampling fields the body omits take the model's `defaults` (as the chat UI's do)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name in body:
@@ -140,7 +144,8 @@ def parse_chat_request(body: Any, model_name: str | None) -> ChatRequest:
     if schema is not None:
         sampling["json_schema"] = schema
     try:
-        params = SamplingParams(**sampling)
+        params = defaults.params(sampling) if defaults is not None else SamplingParams(**sampling)
+        keep_alive_seconds(body.get("keep_alive"))
     except InvalidRequest as exc:
         raise ApiError(400, str(exc), _param(exc), "invalid_value") from None
 
@@ -152,7 +157,8 @@ def parse_chat_request(body: Any, model_name: str | None) -> ChatRequest:
         raise ApiError(400, "'stream_options' may only hold 'include_usage' (a boolean)",
                        "stream_options")
     return ChatRequest(messages=messages, params=params, stream=stream,
-                       include_usage=bool(options.get("include_usage")))
+                       include_usage=bool(options.get("include_usage")),
+                       keep_alive=body.get("keep_alive"))
 
 
 def _json_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -260,10 +266,11 @@ async def chat_completions(request: Request) -> Response:
         if engine.model_name is None:
             return api_error(503, "a model is loading; try again shortly", "server_error",
                              "model_loading", headers={"Retry-After": "5"})
-        chat = parse_chat_request(body, engine.model_name)
+        chat = parse_chat_request(body, engine.model_name, engine.defaults)
         speculative = parse_speculative(body.get("speculative"))
         try:
-            handle = await start(engine, chat.messages, chat.params, speculative)
+            handle = await start(engine, chat.messages, chat.params, speculative,
+                                 keep_alive=chat.keep_alive)
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), _param(exc)) from None
         except Overloaded as exc:

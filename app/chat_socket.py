@@ -82,7 +82,7 @@ async def _respond(ws: WebSocket, cid: int, action: str, data: dict[str, Any],
     title = conv.title
     try:
         turn = start_turn(storage, conv, action, data)
-        params = sampling_params(conv.settings)
+        params = sampling_params(conv.settings, engine.defaults)
         speculative = speculative_options(conv.settings)
     except (ValueError, EngineError) as exc:
         await _notice(ws, str(exc))

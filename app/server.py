@@ -13,7 +13,7 @@ from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
 import static
-from engine import Engine, describe_device
+from engine import DEFAULT_KEEP_ALIVE_S, Engine, describe_device
 
 from . import api, ui
 from .runs import Runs
@@ -68,15 +68,17 @@ class _Server(uvicorn.Server):
 
 
 def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
-          open_browser: bool = True, allow_remote: bool = False, api_key: str | None = None) -> None:
-    """Load `model`, then serve the UI and the API until Ctrl-C."""
+          open_browser: bool = True, allow_remote: bool = False, api_key: str | None = None,
+          keep_alive: float | str | None = DEFAULT_KEEP_ALIVE_S) -> None:
+    """Load `model`, then serve the UI and the API until Ctrl-C; the model's weights are unloaded
+    after `keep_alive` idle seconds (None: never) and reloaded by the next request."""
     if not is_loopback(host) and not allow_remote:
         raise SystemExit(f"Refusing to listen on {host}: other machines could reach your chats. "
                          "Pass --allow-remote to do it anyway.")
     if not is_loopback(host):
         print(f"WARNING: listening on {host}; anyone who can reach this address can use the chat"
               f"{'' if api_key else ' and the API (no API key set)'}.", file=sys.stderr)
-    engine = Engine(model=model, persist_prefix_cache=True)
+    engine = Engine(model=model, persist_prefix_cache=True, keep_alive=keep_alive)
     print(f"Loading model {model or 'smollm2-135m-instruct (bundled)'} ...", file=sys.stderr)
     engine.start(progress=lambda stage: print(f"  {stage}", file=sys.stderr))
     allowed = None if host in WILDCARD_HOSTS else {*LOOPBACK_NAMES, host}

@@ -7,9 +7,11 @@ from engine import Engine, Event, RequestHandle, SamplingParams, SpeculativeOpti
 
 
 async def start(engine: Engine, messages: Sequence[dict[str, str]], params: SamplingParams,
-                speculative: SpeculativeOptions | None) -> RequestHandle:
+                speculative: SpeculativeOptions | None,
+                keep_alive: float | str | None = None) -> RequestHandle:
     """The submitted request, once accepted; raises the EngineError that refused it."""
-    handle = engine.submit(messages=messages, params=params, speculative=speculative)
+    handle = engine.submit(messages=messages, params=params, speculative=speculative,
+                           keep_alive=keep_alive)
     await handle.accepted()
     return handle
 

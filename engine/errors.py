@@ -39,4 +39,4 @@ class DownloadError(EngineError):
 
 
 class DownloadCancelled(DownloadError):
-    """The user cancelled a download; what arrived is kept and the next attempt resumes it."""
+    """The user cancelled a download; its complete files are kept for the next attempt."""

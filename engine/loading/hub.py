@@ -1,7 +1,9 @@
 """Downloading models from a Hugging Face hub (`mlxchat pull REPO[:FILE]`) and removing them.
 
 Downloads go through `huggingface_hub` into its standard cache (HF_HUB_CACHE), at the hub that
-HF_ENDPOINT names, and resume where an interrupted transfer stopped. Nothing downloaded is ever
+HF_ENDPOINT names. A transfer that breaks off resumes from where it stopped (huggingface_hub
+retries with a Range request); after a cancelled or failed pull, the files already complete are
+kept and the next pull fetches only the rest. Nothing downloaded is ever
 run: only safetensors / GGUF weights and tokenizer data files are fetched (never Python files or
 pickled weights, never `trust_remote_code`), each file is checked against the hash the hub lists
 for it, and a repository id must be `owner/name` (no paths). Before the first byte, the free disk
@@ -34,6 +36,7 @@ FOLDER_FILES = ("config.json", "generation_config.json", "model.safetensors.inde
                 "chat_template.json", "chat_template.jinja")
 PICKLED = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 PROGRESS_INTERVAL_S = 0.25
+PROGRESS_BYTES = 2**20  # a report at least this often, whatever the time
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,6 @@ def _endpoint() -> str | None:
 
 def _hub_error(exc: Exception, spec: PullSpec) -> DownloadError:
     """A clear message for what huggingface_hub or the network raised."""
-    import httpx
     from huggingface_hub import errors
 
     where = _endpoint() or "huggingface.co"
@@ -126,13 +128,15 @@ def _hub_error(exc: Exception, spec: PullSpec) -> DownloadError:
         return DownloadError(f"{spec.repo} has no such revision at {where}")
     if isinstance(exc, errors.EntryNotFoundError):
         return DownloadError(f"{spec.repo} has no file {spec.file or ''} at {where}")
-    if isinstance(exc, (httpx.TransportError, errors.OfflineModeIsEnabled)) or \
-            isinstance(exc, errors.LocalEntryNotFoundError):
+    # huggingface_hub's HTTP client (httpx, or its fork httpx2) names its network errors so
+    transport = any(c.__name__ == "TransportError" and c.__module__.startswith("httpx")
+                    for c in type(exc).__mro__)
+    if transport or isinstance(exc, (errors.OfflineModeIsEnabled, errors.LocalEntryNotFoundError)):
         return DownloadError(f"cannot reach {where}: check the network connection (offline?) and "
-                             "try again; what has arrived is kept")
+                             "try again")
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
         return DownloadError(f"the disk is full (or a file size limit was hit) while downloading "
-                             f"{spec.name}; free some space and pull again to resume")
+                             f"{spec.name}; free some space and pull again")
     if isinstance(exc, errors.HfHubHTTPError):
         return DownloadError(f"the hub refused the download of {spec.name}: {exc}")
     return DownloadError(f"download of {spec.name} failed: {type(exc).__name__}: {exc}")
@@ -230,6 +234,7 @@ class _Tracker:
         self.started = time.monotonic()
         self.start_bytes = 0  # bytes already there when this session began
         self.last_report = 0.0
+        self.last_bytes = 0
 
     def begin_file(self, name: str, initial: int) -> None:
         self.file, self.current = name, initial
@@ -237,7 +242,7 @@ class _Tracker:
 
     def add(self, n: int) -> None:
         if self.cancel is not None and self.cancel.is_set():
-            raise DownloadCancelled("download cancelled; pulling again resumes it")
+            raise DownloadCancelled("download cancelled; pulling again fetches only the files still missing")
         self.current += n
         self.report()
 
@@ -254,9 +259,10 @@ class _Tracker:
         return DownloadProgress(done, self.total, speed, eta, self.file, finished)
 
     def report(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if self.progress is not None and (force or now - self.last_report >= PROGRESS_INTERVAL_S):
-            self.last_report = now
+        now, done = time.monotonic(), self.done + self.current
+        if self.progress is not None and (force or now - self.last_report >= PROGRESS_INTERVAL_S
+                                          or done - self.last_bytes >= PROGRESS_BYTES):
+            self.last_report, self.last_bytes = now, done
             self.progress(self.snapshot())
 
 
@@ -309,7 +315,7 @@ def download(p: Plan, progress: Callable[[DownloadProgress], None] | None = None
     tracker = _Tracker(p.total_bytes, progress, cancel)
     for f in p.files:
         if cancel is not None and cancel.is_set():
-            raise DownloadCancelled("download cancelled; pulling again resumes it")
+            raise DownloadCancelled("download cancelled; pulling again fetches only the files still missing")
         try:
             path = Path(hf_hub_download(
                 p.spec.repo, f.name, revision=p.revision, cache_dir=hub_cache_dir(),
