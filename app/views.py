@@ -77,9 +77,12 @@ def parts(conn: Request | WebSocket) -> tuple[Storage, Engine]:
 
 
 def models_context(request: Request) -> dict[str, Any]:
+    from .picker import download_state
+
     engine = request.app.state.engine
     return {"models": engine.list_models(), "current_model": engine.model_name,
-            "switch": request.app.state.switch}
+            "switch": request.app.state.switch, "download": download_state(request),
+            "resident": engine.status().resident}
 
 
 def settings_context(conv: Conversation, errors: dict[str, str] | None = None,
