@@ -186,3 +186,38 @@ def test_remove_deletes_a_downloaded_model(hub):
     assert not repo_dir.exists() and "test/tiny" not in {m.name for m in list_models()}
     with pytest.raises(DownloadError, match="not a downloaded model"):
         remove_model("test/tiny")
+
+
+def test_the_model_picker_downloads_with_progress_and_deletes(hub, tmp_path):
+    import httpx
+
+    from engine import Engine
+    from live_server import serving
+
+    folder = build_folder(LLAMA, seed=0)
+    engine = Engine(str(folder)).start()
+    with serving(engine, tmp_path / "db.sqlite") as server:
+        http = httpx.Client(base_url=server.url, timeout=60)
+        r = http.post("/models/download", data={"spec": "test/tiny"})
+        assert r.status_code == 200 and 'sse-connect="/models/download/progress"' in r.text
+        progress, done = [], ""
+        with http.stream("GET", "/models/download/progress") as events:
+            kind = None
+            for line in events.iter_lines():
+                if line.startswith("event: "):
+                    kind = line[7:]
+                elif line.startswith("data: ") and kind == "progress":
+                    progress.append(line[6:])
+                elif line.startswith("data: ") and kind == "done":
+                    done += line[6:]
+                elif not line and kind == "done":
+                    break
+        assert progress and all(p.startswith("Downloading test/tiny") for p in progress)
+        assert "Downloaded test/tiny." in done and ">test/tiny<" in done
+        assert 'hx-confirm="Delete test/tiny' in done  # deleting asks first
+        r = http.post("/models/delete", data={"name": "test/tiny"})
+        assert "Deleted test/tiny." in r.text and ">test/tiny<" not in r.text
+        r = http.post("/models/download", data={"spec": "test/missing"})
+        with http.stream("GET", "/models/download/progress") as events:
+            text = "".join(events.iter_lines())
+        assert "no repository test/missing" in text
