@@ -17,9 +17,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine import (SAMPLING_OPTIONS, EngineError, InvalidRequest, Overloaded,
+from engine import (SAMPLING_OPTIONS, EngineError, InvalidRequest, ModelDefaults, Overloaded,
                     RequestHandle, SamplingParams, SpeculativeOptions, ToolRequest, Usage,
-                    device_report, tool_request)
+                    device_report, keep_alive_seconds, tool_request)
 
 from .api_choices import (MAX_CHOICES, collect_choices, logprobs_body, merged, message_body,
                           start_choices, system_fingerprint, tool_call_deltas, total_usage,
@@ -33,7 +33,7 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
          "tool": "tool"}
 
 # Fields clients send that change nothing here, accepted only with their default meaning.
-_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "store": False}
+_NEUTRAL = {"store": False}
 _IGNORED = {"user", "metadata"}
 # Every sampling option by its own name (max_tokens also as OpenAI's max_completion_tokens).
 _SAMPLING = {o.name: o.kind for o in SAMPLING_OPTIONS}
@@ -46,6 +46,7 @@ _FIELDS.add("speculative")  # an extension: opt-in speculative decoding, see `pa
 # "auto" (the default) returns it apart as `reasoning_content`.
 _FIELDS.add("reasoning_format")
 REASONING_FORMATS = ("auto", "none")
+_FIELDS.add("keep_alive")  # as Ollama's: how long the model stays loaded after this request
 _SPECULATIVE = {"draft": str, "k": int, "adaptive": bool}
 # Deeper JSON is refused before anything walks it recursively (schemas, the chat template).
 MAX_DEPTH = 64
@@ -74,6 +75,7 @@ class ChatRequest:
     n: int = 1
     tools: ToolRequest | None = None
     split_reasoning: bool = True
+    keep_alive: float | str | None = None  # as sent (checked); None: the server's --keep-alive
 
 
 def _typed(body: dict[str, Any], name: str, kind: type) -> Any:
@@ -169,8 +171,10 @@ def _check_text(text: str, where: str) -> None:
                            "invalid_value") from None
 
 
-def parse_chat_request(body: Any, model_name: str | None) -> ChatRequest:
-    """Validate a `/v1/chat/completions` body; raises ApiError with the offending parameter."""
+def parse_chat_request(body: Any, model_name: str | None,
+                       defaults: ModelDefaults | None = None) -> ChatRequest:
+    """Validate a `/v1/chat/completions` body; raises ApiError with the offending parameter.
+    Sampling fields the body omits take the model's `defaults` (as the chat UI's do)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name in body:
@@ -204,7 +208,8 @@ def parse_chat_request(body: Any, model_name: str | None) -> ChatRequest:
         sampling["json_schema"] = schema
     sampling.update(_choice_options(body))
     try:
-        params = SamplingParams(**sampling)
+        params = defaults.params(sampling) if defaults is not None else SamplingParams(**sampling)
+        keep_alive_seconds(body.get("keep_alive"))
         tools = tool_request(body.get("tools"), body.get("tool_choice"),
                              _typed(body, "parallel_tool_calls", bool))
     except InvalidRequest as exc:
@@ -227,7 +232,8 @@ def parse_chat_request(body: Any, model_name: str | None) -> ChatRequest:
                        "stream_options")
     return ChatRequest(messages=messages, params=params, stream=stream,
                        include_usage=bool(options.get("include_usage")), n=n or 1, tools=tools,
-                       split_reasoning=reasoning == "auto")
+                       split_reasoning=reasoning == "auto",
+                       keep_alive=body.get("keep_alive"))
 
 
 def _choice_options(body: dict[str, Any]) -> dict[str, Any]:
@@ -425,10 +431,11 @@ async def chat_completions(request: Request) -> Response:
         if engine.model_name is None:
             return api_error(503, "a model is loading; try again shortly", "server_error",
                              "model_loading", headers={"Retry-After": "5"})
-        chat = parse_chat_request(body, engine.model_name)
+        chat = parse_chat_request(body, engine.model_name, engine.defaults)
         speculative = parse_speculative(body.get("speculative"))
         handles = await submit_choices(engine, chat.messages, chat.params, chat.n, speculative,
-                                       tools=chat.tools, split_reasoning=chat.split_reasoning)
+                                       tools=chat.tools, split_reasoning=chat.split_reasoning,
+                                       keep_alive=chat.keep_alive)
     except ApiError as err:
         return err.response()
 

@@ -1,16 +1,16 @@
 """Conversation logic shared by the UI views: settings, what to send to the model, new turns.
 
 A conversation's settings are `{"preset": ..., "sampling": {...}, "system_prompt": ...,
-"speculative": None | {"draft": ...}}`; `sampling` holds `SamplingParams` fields and is validated by
-`SamplingParams` itself; `speculative` opts the conversation in to speculative decoding (off unless
+"speculative": None | {"draft": ...}}`; `sampling` holds the `SamplingParams` fields the user set
+(the others take the model's defaults, engine.ModelDefaults) and is validated by `SamplingParams`; `speculative` opts the conversation in to speculative decoding (off unless
 turned on).
 """
 
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from engine import (SAMPLING_OPTIONS, InvalidRequest, SamplingOption, SamplingParams,
-                    SpeculativeOptions, preset)
+from engine import (SAMPLING_OPTIONS, InvalidRequest, ModelDefaults, SamplingOption,
+                    SamplingParams, SpeculativeOptions)
 
 from .storage import DEFAULT_TITLE, Conversation, Message, Storage
 
@@ -19,14 +19,34 @@ SAMPLING_FIELDS: dict[str, SamplingOption] = {o.name: o for o in SAMPLING_OPTION
 TITLE_LENGTH = 60
 
 
-def preset_settings(name: str, family: str | None, system_prompt: str = "") -> dict[str, Any]:
-    params = preset(name, family)
-    sampling = {k: v for k, v in params.to_dict().items() if k in SAMPLING_FIELDS}
+def preset_settings(name: str, system_prompt: str = "") -> dict[str, Any]:
+    """`recommended`: every sampling value from the model's defaults; `greedy`: temperature 0."""
+    sampling: dict[str, Any] = {"temperature": 0.0} if name == "greedy" else {}
     return {"preset": name, "sampling": sampling, "system_prompt": system_prompt}
 
 
-def sampling_params(settings: Mapping[str, Any]) -> SamplingParams:
-    return SamplingParams(**settings.get("sampling", {}))
+def sampling_params(settings: Mapping[str, Any], defaults: ModelDefaults | None) -> SamplingParams:
+    """The conversation's own values over the model's defaults."""
+    sampling = settings.get("sampling", {})
+    return defaults.params(sampling) if defaults is not None else SamplingParams(**sampling)
+
+
+def default_sources(settings: Mapping[str, Any], defaults: ModelDefaults | None) -> dict[str, str]:
+    """What the settings panel says under each field: where its value comes from."""
+    if defaults is None:
+        return {}
+    own = settings.get("sampling", {})
+    out = {}
+    for name, d in defaults.values.items():
+        if own.get(name) is not None:
+            out[name] = f"this conversation's setting (model default: {_shown(d.value)}, {d.source_text})"
+        else:
+            out[name] = f"{_shown(d.value)}: {d.source_text}"
+    return out
+
+
+def _shown(value: Any) -> str:
+    return "random" if value is None else str(value)
 
 
 def speculative_options(settings: Mapping[str, Any]) -> SpeculativeOptions | None:

@@ -149,7 +149,7 @@ async def _turn(app: Any, cid: int, action: str, data: dict[str, Any], gen: _Gen
     title = conv.title
     try:
         turn = start_turn(storage, conv, action, data)
-        params = sampling_params(conv.settings)
+        params = sampling_params(conv.settings, engine.defaults)
         speculative = speculative_options(conv.settings)
     except (ValueError, EngineError) as exc:
         raise _Refused(str(exc)) from None

@@ -7,8 +7,8 @@ from typing import Any
 
 import click
 
-from engine import (DEVICES, PRESETS, SAMPLING_OPTIONS, Engine, EngineError, SamplingOption,
-                    SamplingParams, preset)
+from engine import (DEFAULT_KEEP_ALIVE_S, DEVICES, PRESETS, SAMPLING_OPTIONS, Engine, EngineError,
+                    SamplingOption, SamplingParams, keep_alive_seconds, preset)
 
 SHORT_FLAGS = {"temperature": "-t", "max_tokens": "-n"}
 
@@ -35,16 +35,14 @@ def _sampling_options(fn: Any) -> Any:
     return fn
 
 
-def _params(family: str | None, opts: dict[str, Any]) -> SamplingParams:
+def _params(engine: Engine, opts: dict[str, Any]) -> SamplingParams:
+    """`recommended`: the flags over the model's own defaults; `greedy`: over plain greedy."""
     overrides = {o.name: opts[o.name] for o in SAMPLING_OPTIONS if opts.get(o.name) is not None}
     if opts.get("stop"):
         overrides["stop"] = tuple(opts["stop"])
-    return preset(opts["preset"], family, **overrides)
-
-
-def _family(engine: Engine) -> str | None:
-    model = engine.model
-    return model.family if model else None
+    if opts["preset"] == "recommended":
+        return engine.params(overrides)
+    return preset(opts["preset"], **overrides)
 
 
 def _engine(model: str | None, device: str) -> Engine:
@@ -90,7 +88,7 @@ def generate(prompt: str, model: str | None, device: str, system: str | None, ra
     """Generate a reply to PROMPT and stream it to stdout."""
     try:
         engine = _engine(model, device)
-        params = _params(_family(engine), opts)
+        params = _params(engine, opts)
         if raw:
             handle = engine.submit(text=prompt, params=params)
         else:
@@ -117,7 +115,7 @@ def chat(model: str | None, device: str, system: str | None, **opts: Any) -> Non
         engine = _engine(model, device)
     except EngineError as exc:
         _fail(exc)
-    params = _params(_family(engine), opts)
+    params = _params(engine, opts)
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     click.echo("Type a message; /quit to leave, /reset to start over.", err=True)
     while True:
@@ -199,9 +197,14 @@ def models(import_wheel: str | None, as_json: bool) -> None:
 @click.option("--no-api-key", is_flag=True,
               help="With --allow-remote: serve without an API key anyway (anyone who can reach "
                    "the address can read your chats).")
+@click.option("--keep-alive", default=f"{DEFAULT_KEEP_ALIVE_S / 60:.0f}m", show_default=True,
+              callback=lambda ctx, param, value: _keep_alive(value),
+              help="Unload the model after this idle time (seconds, or e.g. 90s, 30m, 1h; "
+                   "negative: never); the next request reloads it.")
 def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
           device: str = "auto", no_browser: bool = False, allow_remote: bool = False,
-          api_key: str | None = None, no_api_key: bool = False) -> None:
+          api_key: str | None = None, no_api_key: bool = False,
+          keep_alive: float | None = DEFAULT_KEEP_ALIVE_S) -> None:
     """Start the chat server (and open the browser unless --no-browser)."""
     from app.server import serve as run_server
     from engine import select_device
@@ -209,9 +212,58 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
     try:
         select_device(device)
         run_server(host=host, port=port, model=model, open_browser=not no_browser,
-                   allow_remote=allow_remote, api_key=api_key, no_api_key=no_api_key)
+                   allow_remote=allow_remote, api_key=api_key, no_api_key=no_api_key,
+                   keep_alive=-1 if keep_alive is None else keep_alive)
     except EngineError as exc:
         _fail(exc)
+
+
+def _keep_alive(value: str) -> float | None:
+    try:
+        return keep_alive_seconds(value)
+    except EngineError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+@cli.command()
+@click.argument("spec", metavar="REPO[:FILE.gguf]")
+def pull(spec: str) -> None:
+    """Download a model from the Hugging Face hub: an mlx-lm folder (REPO) or one GGUF file
+    (REPO:FILE.gguf). Files already downloaded are kept; HF_ENDPOINT picks another hub."""
+    from engine import DownloadProgress, pull_model
+
+    def show(p: DownloadProgress) -> None:
+        click.echo(f"\r{p.describe():60}", nl=p.finished, err=True)
+
+    try:
+        name, path = pull_model(spec, progress=show)
+    except KeyboardInterrupt:
+        click.echo("\nCancelled; the same pull again fetches only the files still missing.", err=True)
+        sys.exit(130)
+    except EngineError as exc:
+        click.echo(err=True)
+        _fail(exc)
+    click.echo(f"Downloaded {name} to {path}; chat with it: mlxchat chat -m {name}", err=True)
+
+
+@cli.command()
+@click.argument("name")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+def rm(name: str, yes: bool) -> None:
+    """Delete a downloaded model (as `mlxchat models` names it) from the disk."""
+    from engine import list_models, remove_model
+
+    found = next((m for m in list_models() if m.name == name), None)
+    if found is None or found.source != "hf-cache":
+        _fail(EngineError(f"{name} is not a downloaded model (see `mlxchat models`)"))
+    size = f" ({found.size_bytes / 1e6:.0f} MB)" if found.size_bytes else ""
+    if not yes and not click.confirm(f"Delete {name}{size}?", err=True):
+        sys.exit(1)
+    try:
+        remove_model(name)
+    except EngineError as exc:
+        _fail(exc)
+    click.echo(f"Deleted {name}.", err=True)
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ from engine import PRESETS, Engine
 
 from .chat import SAMPLING_FIELDS, parse_settings_form, preset_settings, speculative_form
 from .storage import Conversation, Storage
-from .views import (conversation_of, current_id, family, message_views, models_context, not_found,
+from .views import (conversation_of, current_id, message_views, models_context, not_found,
                     parts, read_form, render, settings_context)
 
 async def index(request: Request) -> Response:
@@ -21,7 +21,7 @@ async def index(request: Request) -> Response:
 def _new_conversation(request: Request, copy_from: Conversation | None) -> Conversation:
     """Reuse an empty conversation if there is one; new ones keep the current settings."""
     storage, engine = parts(request)
-    settings = copy_from.settings if copy_from else preset_settings("recommended", family(engine))
+    settings = copy_from.settings if copy_from else preset_settings("recommended")
     empty = storage.empty_conversation()
     if empty is not None:
         storage.update_conversation(empty.id, settings=settings)
@@ -139,8 +139,7 @@ async def apply_preset(request: Request) -> Response:
     if name not in PRESETS:
         return HTMLResponse(render("_settings.html", **settings_context(
             conv, {"preset": f"Unknown preset {name!r}."}, engine=engine)))
-    settings = preset_settings(name, family(engine),
-                               str(form.get("system_prompt", "")).strip())
+    settings = preset_settings(name, str(form.get("system_prompt", "")).strip())
     settings["speculative"] = speculative_form(form)[0]  # a preset sets sampling only
     storage.update_conversation(conv.id, settings=settings)
     return HTMLResponse(render("_settings.html", **settings_context(conv, settings=settings,

@@ -1,15 +1,18 @@
-"""The model picker: switch the loaded model, with progress sent as server-sent events."""
+"""The model picker: switch the loaded model, download one from a hub and delete a downloaded
+one, with progress sent as server-sent events."""
 
 import asyncio
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine import EngineError
+from engine import (DownloadCancelled, DownloadProgress, EngineError, list_models, pull_model,
+                    remove_model)
 
 from .sse import sse
 from .views import models_context, read_form, render
@@ -69,7 +72,104 @@ async def model_progress(request: Request) -> Response:
                              headers={"Cache-Control": "no-cache"})
 
 
+@dataclass
+class ModelDownload:
+    """The one download that may be in progress, shown in the model picker."""
+
+    spec: str = ""
+    progress: DownloadProgress | None = None
+    error: str | None = None
+    finished: str | None = None  # the message once a download completed
+    task: asyncio.Task | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def active(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def describe(self) -> str:
+        if self.progress is None:
+            return f"Downloading {self.spec}…"
+        return f"Downloading {self.spec}: {self.progress.describe()}"
+
+
+def download_state(request: Request) -> ModelDownload:
+    state = request.app.state
+    if not hasattr(state, "download"):
+        state.download = ModelDownload()
+    return state.download
+
+
+async def start_download(request: Request) -> Response:
+    download = download_state(request)
+    spec = str((await read_form(request)).get("spec", "")).strip()
+    if not download.active and spec:
+        fresh = ModelDownload(spec=spec)
+        request.app.state.download = fresh
+
+        def progress(p: DownloadProgress) -> None:
+            fresh.progress = p
+
+        async def run() -> None:
+            try:
+                name, _ = await asyncio.to_thread(pull_model, spec, progress, fresh.cancel)
+                fresh.finished = f"Downloaded {name}."
+            except DownloadCancelled:
+                fresh.error = "Download cancelled; downloading again fetches only what is missing."
+            except EngineError as exc:
+                fresh.error = str(exc)
+
+        fresh.task = asyncio.create_task(run())
+    return HTMLResponse(render("_models.html", **models_context(request)))
+
+
+async def cancel_download(request: Request) -> Response:
+    download = download_state(request)
+    download.cancel.set()
+    if download.task is not None:
+        await asyncio.wait([download.task], timeout=30)
+    return HTMLResponse(render("_models.html", **models_context(request)))
+
+
+async def download_progress(request: Request) -> Response:
+    """Server-sent events while a download runs: `progress` text, then `done` with the picker."""
+    download = download_state(request)
+
+    async def events() -> AsyncIterator[str]:
+        while download.active:
+            yield sse(download.describe(), "progress")
+            await asyncio.sleep(0.5)
+        yield sse(render("_models.html", **models_context(request)), "done")
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def delete_model(request: Request) -> Response:
+    """Delete a downloaded model (the page asked for confirmation); never the loaded one."""
+    engine = request.app.state.engine
+    download = download_state(request)
+    name = str((await read_form(request)).get("name", ""))
+    found = next((m for m in list_models() if m.name == name), None)
+    download.finished = None
+    if found is None or found.source != "hf-cache":
+        download.error = f"{name} is not a downloaded model."
+    elif name == engine.model_name:
+        download.error = f"{name} is in use: switch to another model before deleting it."
+    else:
+        try:
+            await asyncio.to_thread(remove_model, name)
+            download.error, download.finished = None, f"Deleted {name}."
+        except EngineError as exc:
+            download.error = str(exc)
+    return HTMLResponse(render("_models.html", **models_context(request)))
+
+
 routes = [
     Route("/models/switch", switch_model, methods=["POST"]),
     Route("/models/progress", model_progress),
+    Route("/models/download", start_download, methods=["POST"]),
+    Route("/models/download/cancel", cancel_download, methods=["POST"]),
+    Route("/models/download/progress", download_progress),
+    Route("/models/delete", delete_model, methods=["POST"]),
 ]

@@ -14,7 +14,7 @@ from starlette.websockets import WebSocket
 from engine import PRESETS, DraftChoice, Engine
 from web import __file__ as _web_init
 
-from .chat import SAMPLING_FIELDS
+from .chat import SAMPLING_FIELDS, default_sources
 from .markdown import render_markdown, render_plain
 from .storage import Conversation, Message, Storage
 
@@ -77,17 +77,23 @@ def parts(conn: Request | WebSocket) -> tuple[Storage, Engine]:
 
 
 def models_context(request: Request) -> dict[str, Any]:
+    from .picker import download_state
+
     engine = request.app.state.engine
     return {"models": engine.list_models(), "current_model": engine.model_name,
-            "switch": request.app.state.switch}
+            "switch": request.app.state.switch, "download": download_state(request),
+            "resident": engine.status().resident}
 
 
 def settings_context(conv: Conversation, errors: dict[str, str] | None = None,
                       settings: dict[str, Any] | None = None, saved: bool = False,
                       engine: Engine | None = None) -> dict[str, Any]:
     model = engine.model if engine is not None else None
-    return {"conv": conv, "settings": settings or conv.settings, "errors": errors or {},
+    settings = settings or conv.settings
+    return {"conv": conv, "settings": settings, "errors": errors or {},
             "fields": SAMPLING_FIELDS, "presets": PRESETS, "saved": saved,
+            "sources": default_sources(settings, model.defaults if model else None),
+            "defaults": model.defaults if model else None,
             "drafts": [(d.draft, draft_label(d)) for d in model.drafts] if model else []}
 
 
@@ -96,11 +102,6 @@ def draft_label(choice: DraftChoice) -> str:
     if choice.kind == "truncated":
         return f"own first {choice.layers} of {choice.of_layers} layers"
     return {"self-q4": "own 4-bit weights", "mtp": "MTP head"}[choice.kind]
-
-
-def family(engine: Engine) -> str | None:
-    model = engine.model
-    return model.family if model else None
 
 
 def current_id(request: Request) -> int | None:

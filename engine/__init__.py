@@ -7,25 +7,32 @@ This is the engine's whole public face; the app imports nothing else from it (a 
     async for event in handle.stream(): ...      # or `for event in handle.events()` in a thread
 """
 
+from .decoding.defaults import SOURCES as DEFAULT_SOURCES, Default, ModelDefaults
 from .decoding.drafts import DraftChoice, SpeculativeOptions
 from .decoding.sampling import PRESETS, SAMPLING_OPTIONS, SamplingOption, SamplingParams, preset
 from .device import DEVICES, blas_preload_env, describe as describe_device
 from .device import report as device_report, select_device
-from .errors import EngineError, InvalidRequest, ModelLoadError, Overloaded, UnsupportedArchitecture
+from .errors import (DownloadCancelled, DownloadError, EngineError, InvalidRequest, ModelLoadError,
+                     Overloaded, UnsupportedArchitecture)
 from .decoding.tools import ToolRequest, tool_request
 from .events import (Channel, Event, FinishReason, RequestState, Timings, TokenLogprob, ToolCall,
                      TopLogprob, Usage)
 from .loading.bundled import import_wheel as import_bundled_wheel
+from .loading.hub import DownloadProgress, parse_spec as parse_pull_spec, pull as pull_model
+from .loading.hub import remove as remove_model
 from .loading.registry import ModelInfo, list_models
 from .paths import cache_dir, data_dir
+from .scheduling.keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
 from .scheduling.service import Engine, EngineStatus, ModelDescription, RequestHandle
 
 __all__ = [
-    "DEVICES", "PRESETS", "SAMPLING_OPTIONS", "Channel", "DraftChoice", "Engine", "EngineError",
-    "EngineStatus", "Event", "FinishReason", "InvalidRequest", "ModelDescription", "ModelInfo",
-    "ModelLoadError", "Overloaded", "RequestHandle", "RequestState", "SamplingOption",
-    "SamplingParams", "SpeculativeOptions", "Timings", "TokenLogprob", "ToolCall",
-    "ToolRequest", "TopLogprob", "UnsupportedArchitecture", "Usage",
+    "DEFAULT_KEEP_ALIVE_S", "DEFAULT_SOURCES", "DEVICES", "PRESETS", "SAMPLING_OPTIONS", "Channel",
+    "Default", "DownloadCancelled", "DownloadError", "DownloadProgress", "DraftChoice", "Engine",
+    "EngineError", "EngineStatus", "Event", "FinishReason", "InvalidRequest", "ModelDefaults",
+    "ModelDescription", "ModelInfo", "ModelLoadError", "Overloaded", "RequestHandle",
+    "RequestState", "SamplingOption", "SamplingParams", "SpeculativeOptions", "Timings",
+    "TokenLogprob", "ToolCall", "ToolRequest", "TopLogprob", "UnsupportedArchitecture", "Usage",
     "blas_preload_env", "cache_dir", "data_dir", "describe_device", "device_report",
-    "import_bundled_wheel", "list_models", "preset", "select_device", "tool_request",
+    "import_bundled_wheel", "keep_alive_seconds", "list_models", "parse_pull_spec", "preset",
+    "pull_model", "remove_model", "select_device", "tool_request",
 ]

@@ -32,3 +32,11 @@ class Overloaded(EngineError):
     def __init__(self, message: str, retry_after: float = 1.0):
         super().__init__(message, code="overloaded")
         self.retry_after = retry_after
+
+
+class DownloadError(EngineError):
+    """A model could not be downloaded: offline, not found, gated, too big, disk full, bad hash."""
+
+
+class DownloadCancelled(DownloadError):
+    """The user cancelled a download; its complete files are kept for the next attempt."""

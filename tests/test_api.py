@@ -151,7 +151,8 @@ BAD_REQUESTS = [
     ("stream_options without stream", _valid(stream_options={"include_usage": True}), 400, "stream_options"),
     ("unknown field", _valid(temprature=0.5), 400, "temprature"),
     ("too many choices", _valid(n=99), 400, "n"),
-    ("penalties", _valid(presence_penalty=0.5), 400, "presence_penalty"),
+    ("presence penalty out of range", _valid(presence_penalty=3), 400, "presence_penalty"),
+    ("keep_alive not a duration", _valid(keep_alive="soon"), 400, "keep_alive"),
     ("unknown response format", _valid(response_format={"type": "xml"}), 400, "response_format"),
 ]
 

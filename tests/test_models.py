@@ -137,7 +137,7 @@ def test_corrupt_gguf_is_a_clear_error(tmp_path, gguf_file, damage):
 
 
 def test_unknown_model_says_why(lm):
-    with pytest.raises(ModelLoadError, match="unknown model 'no-such-model'.*never downloads"):
+    with pytest.raises(ModelLoadError, match="unknown model 'no-such-model'.*`mlxchat pull no-such-model`"):
         load_model("no-such-model")
 
 

@@ -78,6 +78,12 @@ SAMPLING_OPTIONS: tuple[SamplingOption, ...] = (
                    high_open=True),
     SamplingOption("repetition_penalty", float, 1.0, 0, 10, "Repetition penalty",
                    "Above 1 discourages repeating earlier tokens.", low_open=True),
+    SamplingOption("repetition_context_size", int, 20, 1, None, "Penalty window",
+                   "How many of the latest tokens the penalties look at."),
+    SamplingOption("frequency_penalty", float, 0.0, -2, 2, "Frequency penalty",
+                   "Lowers a token's score by this much for each time it already appeared."),
+    SamplingOption("presence_penalty", float, 0.0, -2, 2, "Presence penalty",
+                   "Lowers a token's score by this much if it already appeared."),
     SamplingOption("max_tokens", int, 512, 1, None, "Max tokens",
                    "The most tokens to generate."),
     SamplingOption("seed", int, None, 0, 2**63 - 1, "Seed", "Seed for reproducible sampling."),
@@ -168,23 +174,18 @@ SamplingParams = make_dataclass(
 SamplingParams.__module__ = __name__
 
 
-# Recommended non-thinking settings per model family (from the model cards).
-_RECOMMENDED = {
-    "qwen3": dict(temperature=0.7, top_p=0.8, top_k=20, min_p=0.0),
-    "qwen3_5": dict(temperature=0.7, top_p=0.8, top_k=20, min_p=0.0),
-    "qwen3_next": dict(temperature=0.7, top_p=0.8, top_k=20, min_p=0.0),
-    "qwen2": dict(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05),
-    "llama": dict(temperature=0.2, top_p=0.9),  # SmolLM2's model card suggests low temperature
-}
 PRESETS = ("greedy", "recommended")
 
 
 def preset(name: str, family: str | None = None, **overrides: Any) -> SamplingParams:
-    """`greedy` or `recommended` (per model family, e.g. the `model_type` of its config)."""
+    """`greedy`, or `recommended` by model family alone (e.g. the `model_type` of its config);
+    a loaded model's own defaults are `Engine.defaults` (engine/decoding/defaults.py)."""
+    from .defaults import GLOBAL, KNOWN_FAMILIES
+
     if name == "greedy":
         base: dict[str, Any] = {}
     elif name == "recommended":
-        base = dict(_RECOMMENDED.get(family or "", dict(temperature=0.7, top_p=0.9)))
+        base = dict(KNOWN_FAMILIES.get(family or "", GLOBAL))
     else:
         raise InvalidRequest(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})",
                              field="preset", code="invalid_value")
@@ -208,9 +209,13 @@ class TokenSampler:
 
     def __init__(self, params: SamplingParams):
         self.params = params
+        window = params.repetition_context_size
         self.processors: list[LogitsProcessor] = make_logits_processors(
             logit_bias=params.logit_bias or None,
-            repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None)
+            repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
+            repetition_context_size=window,
+            presence_penalty=params.presence_penalty, presence_context_size=window,
+            frequency_penalty=params.frequency_penalty, frequency_context_size=window)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.key = mx.random.key(seed)
 

@@ -1,5 +1,6 @@
 """Which models exist and how to load them: the bundled default, GGUF files, mlx-lm folders and
-models already in the local Hugging Face cache (never downloaded)."""
+models in the local Hugging Face cache (downloaded by `mlxchat pull`, engine/loading/hub.py, or
+by other tools)."""
 
 import functools
 import hashlib
@@ -17,6 +18,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from . import bundled
 from ..errors import ModelLoadError
 from .gguf import convert_gguf
+from .hub import hub_cache_dir
+from .memory import shortfall, weight_files_bytes
 from ..kernels.gated_delta import use_chunked_prefill
 from ..paths import cache_dir
 
@@ -97,14 +100,18 @@ def weights_digest(folder: Path) -> str:
 
 
 def _hf_cache_models() -> list[ModelInfo]:
-    hub = Path(os.environ.get("HF_HUB_CACHE", Path.home() / ".cache" / "huggingface" / "hub"))
+    """mlx-lm folders (named owner/name) and GGUF files (owner/name:FILE.gguf) in the hub cache."""
     found = []
-    for repo in sorted(hub.glob("models--*")):
+    for repo in sorted(hub_cache_dir().glob("models--*")):
+        name = repo.name[len("models--"):].replace("--", "/")
         snapshots = sorted((repo / "snapshots").glob("*/config.json"), key=lambda p: p.stat().st_mtime)
-        if snapshots:
+        if snapshots and any(snapshots[-1].parent.glob("*.safetensors")):
             folder = snapshots[-1].parent
-            name = repo.name[len("models--"):].replace("--", "/")
             found.append(ModelInfo(name, "hf-cache", str(folder), _dir_size(folder.resolve())))
+        for gguf in sorted((repo / "snapshots").glob("*/**/*.gguf")):
+            if gguf.is_file():
+                file = gguf.relative_to(repo / "snapshots").as_posix().split("/", 1)[1]
+                found.append(ModelInfo(f"{name}:{file}", "hf-cache", str(gguf), gguf.stat().st_size))
     return found
 
 
@@ -116,7 +123,7 @@ def list_models() -> list[ModelInfo]:
     return models + _hf_cache_models()
 
 
-def _converted_folder(gguf: Path) -> Path:
+def converted_folder(gguf: Path) -> Path:
     """Each GGUF converts once into the cache, keyed by its path, size and mtime."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
@@ -124,7 +131,7 @@ def _converted_folder(gguf: Path) -> Path:
 
 
 def gguf_to_folder(gguf: Path) -> Path:
-    folder = _converted_folder(gguf)
+    folder = converted_folder(gguf)
     if not (folder / "config.json").exists():
         log.info("converting %s to an mlx-lm folder at %s", gguf, folder)
         convert_gguf(gguf, folder)
@@ -135,6 +142,10 @@ def resolve(name: str | None) -> tuple[str, Path]:
     """Map a model name or path to (display name, mlx-lm folder); raises ModelLoadError."""
     if name in (None, "", DEFAULT_MODEL, "default"):
         return DEFAULT_MODEL, gguf_to_folder(bundled.ensure_bundled_gguf())
+    if ":" in name and not Path(name).expanduser().exists():  # a downloaded GGUF, owner/name:FILE
+        for info in _hf_cache_models():
+            if info.name == name:
+                return info.name, gguf_to_folder(Path(info.path))
     path = Path(name).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -149,7 +160,8 @@ def resolve(name: str | None) -> tuple[str, Path]:
             return info.name, Path(info.path)
     known = ", ".join(m.name for m in list_models())
     raise ModelLoadError(f"unknown model {name!r}: not a file or folder, not in the local cache "
-                         f"(available: {known}). mlxchat never downloads models from a hub.")
+                         f"(available: {known}); `mlxchat pull {name}` downloads a hub model",
+                         code="model_not_found")
 
 
 Transform = Callable[[nn.Module], nn.Module]
@@ -194,6 +206,9 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
 
     try:
         display, folder = resolve(name)
+        why = shortfall(display, weight_files_bytes(folder.glob("*")))
+        if why:
+            raise ModelLoadError(f"not loading: {why}", code="insufficient_memory")
         try:
             model, tokenizer, config = mlx_lm_load(str(folder), return_config=True)
         except Exception as exc:  # mlx-lm raises ValueError/KeyError/FileNotFoundError...

@@ -13,6 +13,8 @@ step (engine/scheduling/batch.py).
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import gc
 import itertools
 import logging
 import queue
@@ -33,8 +35,10 @@ from ..errors import EngineError, InvalidRequest, Overloaded
 from ..events import FINAL_STATES, Event, FinishReason, RequestState, Timings, Usage
 from ..decoding.generate import Generation, build_prompt
 from ..loading.registry import LoadedModel, ModelInfo, list_models, load_model
+from ..decoding.defaults import ModelDefaults, resolve_defaults
 from ..decoding.sampling import SamplingParams
 from ..decoding.tools import ToolRequest
+from .keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,7 @@ class ModelDescription:
     family: str  # the config's model_type, e.g. "llama", "qwen3_5"
     context_length: int
     drafts: tuple[DraftChoice, ...]
+    defaults: ModelDefaults  # each sampling option's default for this model, with its source
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,7 @@ class EngineStatus:
     drafts: tuple[str, ...]  # the draft kept for the current model (at most one), by identity
     memory_budget: int
     reserved_bytes: int  # model-cache memory reserved by the admitted requests
+    resident: bool = False  # the model's weights are in memory (not unloaded after an idle time)
 
 
 @dataclass(eq=False)
@@ -84,6 +90,7 @@ class RequestHandle:
     error: str | None = None
     finish_reason: FinishReason | None = None
     cancel_requested: bool = False
+    keep_alive: float | None = None  # seconds the model stays loaded after this request (None: the engine's)
     _events: "queue.Queue[Event]" = field(default_factory=queue.Queue)
     _loop: asyncio.AbstractEventLoop | None = None
     _wakeup: asyncio.Event = field(default_factory=asyncio.Event)
@@ -167,8 +174,12 @@ class Engine:
                  fallback_to_default: bool = False, prefix_cache: bool = True,
                  persist_prefix_cache: bool = False,
                  load: Callable[..., LoadedModel] = load_model, batching: bool = True,
-                 memory_budget: int | None = None):
+                 memory_budget: int | None = None,
+                 keep_alive: float | str | None = DEFAULT_KEEP_ALIVE_S):
+        """`keep_alive`: unload the model's weights after it has been idle this long (seconds or
+        a duration such as "30m"; None or negative: never); the next request reloads them."""
         self.requested_model = model
+        self.keep_alive = keep_alive_seconds(keep_alive)
         self.max_running = max_running
         self.max_queued = max_queued
         self.fallback_to_default = fallback_to_default
@@ -200,6 +211,11 @@ class Engine:
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._described: ModelDescription | None = None
+        self._loaded_name: str | None = None  # as passed to `load`, for reloading after an unload
+        self._resident = False
+        self._idle_since = time.monotonic()
+        self._idle_keep: float | None = self.keep_alive
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, progress: Callable[[str], None] | None = None) -> "Engine":
@@ -236,12 +252,22 @@ class Engine:
 
     @property
     def model(self) -> ModelDescription | None:
-        """The loaded model, or None while none is."""
-        lm = self.lm
-        if lm is None:
-            return None
-        return ModelDescription(name=lm.name, family=lm.family, context_length=lm.context_length,
-                                drafts=draft_choices(lm))
+        """The current model (also while unloaded after an idle time), or None while none is."""
+        return self._described if self.lm is not None else None
+
+    @property
+    def defaults(self) -> ModelDefaults | None:
+        """The current model's sampling defaults, each with its source."""
+        model = self.model
+        return model.defaults if model is not None else None
+
+    def params(self, explicit: dict | None = None) -> SamplingParams:
+        """SamplingParams for the current model: `explicit` values (a request's fields, a
+        conversation's settings) over the model's defaults; raises InvalidRequest."""
+        defaults = self.defaults
+        if defaults is None:
+            raise EngineError("no model is loaded yet")
+        return defaults.params(explicit)
 
     def list_models(self) -> list[ModelInfo]:
         return list_models()
@@ -253,7 +279,7 @@ class Engine:
                 loading_drafts=len(self._preparing),
                 batch_rows=len(self._batch) if self._batch is not None else 0,
                 drafts=tuple(self._drafts), memory_budget=self.memory_budget,
-                reserved_bytes=self._reserved)
+                reserved_bytes=self._reserved, resident=self._resident)
 
     def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         """The model-cache memory a plain request of this size reserves while admitted."""
@@ -282,8 +308,22 @@ class Engine:
             self._draft_spellings.clear()
         del old
         mx.clear_cache()
-        self.lm = self._load(name, fallback_to_default=self.fallback_to_default)
+        self._described, self._resident = None, False
+        loaded = self._load(name, fallback_to_default=self.fallback_to_default)
+        # Our own record of it: an idle unload empties its `model`, never the caller's object.
+        self.lm = dataclasses.replace(loaded)
+        self._loaded_name = name
         self._footprint = kv_footprint(self.lm.model)
+        self._make_resident_parts()
+        lm = self.lm
+        self._described = ModelDescription(
+            name=lm.name, family=lm.family, context_length=lm.context_length,
+            drafts=draft_choices(lm), defaults=resolve_defaults(lm.name, lm.path, lm.family))
+        self._touch(self.keep_alive)
+        report("ready")
+
+    def _make_resident_parts(self) -> None:
+        """The decode batch and prefix cache of the model whose weights are in `self.lm`."""
         self._batch = DecodeBatch(self.lm.model)
         if self.use_prefix_cache:
             from ..cache.prefix_cache import PrefixCache, default_persist_dir
@@ -291,7 +331,53 @@ class Engine:
             persist_dir = default_persist_dir() if self.persist_prefix_cache else None
             self.prefix_cache = PrefixCache(self.lm, persist_dir=persist_dir,
                                             budget_bytes=lambda: self.memory_budget - self._reserved)
-        report("ready")
+        self._resident = True
+
+    # -- idle unload -----------------------------------------------------------------------------
+    def _touch(self, keep_alive: float | None) -> None:
+        """The model was just used: it stays loaded `keep_alive` seconds from now (None: always)."""
+        self._idle_since = time.monotonic()
+        self._idle_keep = keep_alive
+
+    def _until_unload(self) -> float | None:
+        """Under the lock, with nothing queued or running: seconds until the idle model should be
+        unloaded (<= 0: now), or None when it stays."""
+        if not self._resident or self._idle_keep is None or self._preparing or self._stopping:
+            return None
+        return self._idle_since + self._idle_keep - time.monotonic()
+
+    def _unload(self) -> None:
+        """On the scheduler thread, idle: return the weights' memory. The tokenizer, config and
+        description stay, so requests are still accepted; the persisted prefix-cache snapshots
+        are written first and found again after the reload."""
+        log.info("unloading %s after %.0f s idle", self.model_name, self._idle_keep or 0)
+        if self.prefix_cache is not None:
+            if self.persist_prefix_cache:
+                self.prefix_cache.persist(max_bytes=PERSIST_BYTES)
+            self.prefix_cache.close()
+        self.prefix_cache, self._batch = None, None
+        self._drafts.clear()
+        self._resident = False
+        assert self.lm is not None
+        self.lm.model = None  # type: ignore[assignment]
+        gc.collect()
+        mx.clear_cache()
+
+    def _ensure_resident(self) -> None:
+        """On the scheduler thread: reload the weights of a model unloaded after an idle time,
+        and give the requests that waited for them its new prefix cache."""
+        if self._resident or self.lm is None:
+            return
+        log.info("reloading %s", self.lm.name)
+        fresh = self._load(self._loaded_name, fallback_to_default=False)
+        self.lm.model = fresh.model
+        del fresh
+        self._make_resident_parts()
+        with self._lock:
+            waiting = list(self._queued) + self._running
+        for handle in waiting:
+            if handle.generation is not None and handle.generation.lm is self.lm:
+                handle.generation.prefix_cache = self.prefix_cache
 
     def _call(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the scheduler thread once no request is running or queued; blocks."""
@@ -319,12 +405,15 @@ class Engine:
     def submit(self, messages: Sequence[dict] | None = None, params: SamplingParams | None = None,
                *, prompt_tokens: Sequence[int] | None = None, text: str | None = None,
                speculative: SpeculativeOptions | None = None, tools: ToolRequest | None = None,
-               split_reasoning: bool = False) -> RequestHandle:
+               split_reasoning: bool = False,
+               keep_alive: float | str | None = None) -> RequestHandle:
         """Validate and enqueue a request without waiting; raises InvalidRequest or Overloaded at
         once. `speculative` opts in to speculative decoding (engine/decoding/drafts.py; the default
         is plain): a draft not loaded yet loads on the scheduler thread while the request is in
         `loading_draft`; if it cannot load, the request ends `failed` and `accepted()` raises.
-        `tools` and `split_reasoning`: see `Generation` (engine/decoding/generate.py)."""
+        `tools` and `split_reasoning`: see `Generation` (engine/decoding/generate.py).
+        A model unloaded after an idle time is reloaded before the request runs; `keep_alive`
+        (like Ollama's) sets how long it stays loaded after this request."""
         lm = self.lm
         if lm is None:
             raise EngineError("no model is loaded yet")
@@ -354,6 +443,7 @@ class Engine:
                 f"budget of {_mib(self.memory_budget)}; shorten the prompt or lower max_tokens",
                 field="max_tokens", code="over_memory_budget")
         handle = RequestHandle(id=f"req-{next(self._ids)}", generation=ready, kv_bytes=need,
+                               keep_alive=keep_alive_seconds(keep_alive, self.keep_alive),
                                _on_cancel=self._cancelled)
         try:
             handle._loop = asyncio.get_running_loop()
@@ -400,6 +490,7 @@ class Engine:
         factory, failure = None, None
         try:
             if not handle.cancel_requested:
+                self._ensure_resident()
                 if self.lm is not lm:
                     raise Overloaded(f"switching models: {lm.name} is being replaced",
                                      retry_after=5.0)
@@ -468,12 +559,21 @@ class Engine:
         while True:
             while not self._soon.empty():
                 self._soon.get()()
+            unload = False
             with self._wake:
                 # Stopping waits for the drafts being loaded: each request ends with its event.
                 while not ((self._stopping and not self._preparing) or self._queued
                            or self._running or not self._control.empty()
                            or not self._soon.empty()):
-                    self._wake.wait()
+                    wait_s = None if self._preparing else self._until_unload()
+                    if wait_s is not None and wait_s <= 0:
+                        unload = True
+                        break
+                    self._wake.wait(wait_s)
+            if unload:
+                self._unload()
+                continue
+            with self._wake:
                 if self._stopping and not self._running and not self._queued \
                         and not self._preparing and self._soon.empty():
                     return
@@ -489,6 +589,12 @@ class Engine:
             if task is not None:
                 task()
             elif running:
+                try:
+                    self._ensure_resident()
+                except Exception as exc:  # the weights cannot come back: these requests fail
+                    for h in running:
+                        self._advance(h, exc)
+                    continue
                 self._tick(running)
 
     def _tick(self, running: list[RequestHandle]) -> None:
@@ -574,6 +680,7 @@ class Engine:
     def _end(self, handle: RequestHandle, state: RequestState, events: list[Event]) -> None:
         """Under the lock: the request leaves admission, its last events are published."""
         self._reserved -= handle.kv_bytes
+        self._touch(handle.keep_alive)
         handle.error = events[-1].error if events else None
         handle.finish_reason = events[-1].finish_reason if events else state
         handle._enter(state)

@@ -1,0 +1,27 @@
+"""The settings panel says where each sampling default comes from."""
+
+from playwright.sync_api import Page, expect
+
+
+def test_settings_panel_shows_each_defaults_source(page: Page, shot):
+    page.goto("/")
+    if page.locator("#sidebar-toggle").is_visible():
+        page.click("#sidebar-toggle")
+    page.click("#new-chat")
+    expect(page.locator("#empty-chat")).to_be_visible()
+    page.click("#settings summary")
+    expect(page.locator("input[name=temperature]")).to_be_visible()
+    source = lambda field: page.locator(f"#settings-form .source[data-field={field}]")
+    expect(source("temperature")).to_have_text("0.2: mlxchat's preset for this model")
+    expect(source("repetition_penalty")).to_have_text("1.1: mlxchat's preset for this model")
+    expect(source("top_k")).to_have_text("0: mlxchat's default")
+    expect(page.locator("input[name=temperature]")).to_have_attribute("placeholder", "0.2")
+    page.fill("input[name=temperature]", "0.7")
+    page.click("#settings-form button[type=submit]")
+    expect(page.locator("#settings-form .saved")).to_be_visible()
+    expect(source("temperature")).to_have_text(
+        "this conversation's setting (model default: 0.2, mlxchat's preset for this model)")
+    shot(page, "settings-sources")
+    page.select_option("select[name=preset]", "recommended")  # back to the model's own values
+    expect(source("temperature")).to_have_text("0.2: mlxchat's preset for this model")
+    expect(page.locator("input[name=temperature]")).to_have_value("")

@@ -1,0 +1,64 @@
+"""Idle unload: after the keep-alive passes, the model's weights leave memory; the next request
+(through the API: never a 503) reloads them and answers exactly as before."""
+
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import Engine
+from live_server import openai_client, serving
+
+BUNDLED = "smollm2-135m-instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def wait_unloaded(engine: Engine, timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while engine.status().resident:
+        assert time.time() < deadline, "the model was not unloaded after its keep-alive"
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(600)
+def test_unloaded_after_keep_alive_and_the_next_answer_is_the_same(tmp_path):
+    engine = Engine(None, keep_alive=3).start()
+    with serving(engine, tmp_path / "db.sqlite") as server:
+        client = openai_client(server)
+        ask = lambda: client.chat.completions.create(model=BUNDLED, messages=QUESTION,
+                                                     max_tokens=24, seed=11)
+        before = ask().choices[0].message.content
+        assert engine.status().resident
+        loaded = rss_bytes()
+        wait_unloaded(engine)
+        unloaded = rss_bytes()
+        assert loaded - unloaded > 100 * 2**20, (loaded, unloaded)  # the weights' memory returned
+        assert engine.model is not None and engine.model.name == BUNDLED  # still the model
+        again = ask()  # reloads: an answer, not a 503
+        assert again.choices[0].message.content == before
+        assert engine.status().resident
+
+
+def test_a_request_keep_alive_of_zero_unloads_right_after_it(lm):
+    engine = Engine(lm.name, load=lambda name, **_: lm, keep_alive=-1).start()
+    try:
+        handle = engine.submit(QUESTION, engine.params({"max_tokens": 4, "temperature": 0}))
+        list(handle.events())
+        time.sleep(1)
+        assert engine.status().resident  # the server's keep-alive: forever
+        handle = engine.submit(QUESTION, engine.params({"max_tokens": 4, "temperature": 0}),
+                               keep_alive="0s")
+        first = "".join(e.text for e in handle.events())
+        wait_unloaded(engine, timeout=10)
+        handle = engine.submit(QUESTION, engine.params({"max_tokens": 4, "temperature": 0}))
+        assert "".join(e.text for e in handle.events()) == first
+        assert engine.status().resident
+    finally:
+        engine.stop()
