@@ -129,10 +129,23 @@ def connect(path: Path) -> sqlite3.Connection:
     db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     db.row_factory = sqlite3.Row
     db.execute("PRAGMA busy_timeout = 5000")  # first: another opener may hold the lock
-    db.execute("PRAGMA journal_mode = WAL")
+    _set_wal(db)
     db.execute("PRAGMA synchronous = NORMAL")
     db.execute("PRAGMA foreign_keys = ON")
     return db
+
+
+def _set_wal(db: sqlite3.Connection, attempts: int = 20) -> None:
+    """Switch to WAL. The switch needs a moment alone with the file, and SQLite may answer "locked"
+    at once rather than wait for a concurrent opener, so it is retried for a few seconds."""
+    for attempt in range(attempts):
+        try:
+            db.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or attempt == attempts - 1:
+                raise
+            time.sleep(0.25)
 
 
 _DAMAGED = (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)

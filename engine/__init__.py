@@ -10,8 +10,8 @@ This is the engine's whole public face; the app imports nothing else from it (a 
 from .decoding.defaults import SOURCES as DEFAULT_SOURCES, Default, ModelDefaults
 from .decoding.drafts import DraftChoice, SpeculativeOptions
 from .decoding.sampling import PRESETS, SAMPLING_OPTIONS, SamplingOption, SamplingParams, preset
-from .device import DEVICES, blas_preload_env, describe as describe_device
-from .device import report as device_report, select_device
+from .device import DEVICES, blas_preload_env, select_device
+from .kernels import describe_device, device_report
 from .errors import (DownloadCancelled, DownloadError, EngineError, InvalidRequest, ModelLoadError,
                      Overloaded, UnsupportedArchitecture)
 from .decoding.tools import ToolRequest, tool_request

@@ -18,7 +18,6 @@ from typing import Any
 import mlx.core as mx
 
 from .errors import EngineError
-from .kernels import active_path
 
 log = logging.getLogger(__name__)
 DEVICES = ("auto", "cpu", "gpu")
@@ -68,7 +67,7 @@ def select_device(preference: str = "auto") -> mx.Device:
     if preference == "auto" and not has_gpu:
         log.warning("no GPU is available to MLX (no Metal or CUDA backend); running on the CPU, "
                     "where decoding is much slower")
-    log.info("device: %s", describe(device))
+    log.info("device: %s", device)
     return device
 
 
@@ -106,7 +105,7 @@ def describe(device: mx.Device | None = None) -> str:
             parts.append(f"{mem[0] / 1e9:.1f} GB")
         return f"gpu ({', '.join(parts)})"
     blas = "OpenBLAS" if fast_blas_loaded() else "reference BLAS"
-    return f"cpu ({os.cpu_count()} cores, {blas}; {active_path()})"
+    return f"cpu ({os.cpu_count()} cores, {blas})"
 
 
 # MLX's CPU wheel ships a slow reference BLAS; Debian's threaded OpenBLAS, preloaded before MLX
@@ -178,4 +177,4 @@ def report(device: mx.Device | None = None) -> dict[str, Any]:
     return {"device": device.type.name if hasattr(device.type, "name") else str(device.type),
             "backend": backend(device), "description": describe(device),
             "name": _info(device).get("device_name"), "memory_bytes": total,
-            "memory_source": source, "mlx": mx.__version__, "compute_path": active_path()}
+            "memory_source": source, "mlx": mx.__version__}

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from engine.kernels import active_path, native
+from engine.kernels import active_path, describe_device, device_report, native
 from engine.kernels.layout import KernelLinear, to_kernel_layout, unsupported
 
 pytestmark = pytest.mark.fast
@@ -155,10 +155,8 @@ def test_thread_count_honours_mlxchat_threads(monkeypatch):
 
 
 def test_device_report_and_description_name_the_path(kern):
-    from engine import device
-
-    assert device.report()["compute_path"] == active_path()
-    assert device.describe(mx.Device(mx.cpu)).endswith(f"; {active_path()})")
+    assert device_report()["compute_path"] == active_path()
+    assert describe_device(mx.Device(mx.cpu)).endswith(f"; {active_path()})")
 
 
 def tiny_llama_pair(bits, gs, traditional):

@@ -33,9 +33,9 @@ def test_reasoning_apart_and_inline(server):
     client = openai_client(server)
     model = client.models.list().data[0].id
     # Greedy and the same prompt: the same tokens either way.
-    apart = client.chat.completions.create(model=model, messages=ASK, max_tokens=8,
+    apart = client.chat.completions.create(model=model, messages=ASK, max_tokens=8, temperature=0,
                                            logit_bias={str(THINK_END): -100})
-    inline = client.chat.completions.create(model=model, messages=ASK, max_tokens=8,
+    inline = client.chat.completions.create(model=model, messages=ASK, max_tokens=8, temperature=0,
                                             logit_bias={str(THINK_END): -100},
                                             extra_body={"reasoning_format": "none"})
     message = apart.choices[0].message
@@ -48,14 +48,14 @@ def test_reasoning_apart_and_inline(server):
 def test_reasoning_streamed_as_its_own_deltas(server):
     client = openai_client(server)
     model = client.models.list().data[0].id
-    stream = client.chat.completions.create(model=model, messages=ASK, max_tokens=8, stream=True,
+    stream = client.chat.completions.create(model=model, messages=ASK, max_tokens=8, temperature=0, stream=True,
                                             logit_bias={str(THINK_END): -100})
     reasoning, content = "", ""
     for chunk in stream:
         for c in chunk.choices:
             reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
             content += c.delta.content or ""
-    whole = client.chat.completions.create(model=model, messages=ASK, max_tokens=8,
+    whole = client.chat.completions.create(model=model, messages=ASK, max_tokens=8, temperature=0,
                                            logit_bias={str(THINK_END): -100})
     assert reasoning == whole.choices[0].message.model_extra["reasoning_content"]
     assert content == ""

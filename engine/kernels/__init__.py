@@ -1,7 +1,11 @@
 """mlxchat's CPU compute paths: our C++ kernels on quantized weights (native.py, layout.py), and
 the fp32 layout (cpu_layout.py) they fall back to."""
 
+from typing import Any
+
 import mlx.core as mx
+
+from .. import device as _device
 
 
 def active_path() -> str:
@@ -14,3 +18,17 @@ def active_path() -> str:
     if result.module is not None:
         return f"quantized CPU kernels ({result.reason})"
     return f"fp32 layout (CPU kernels unavailable: {result.reason})"
+
+
+def describe_device(device: mx.Device | None = None) -> str:
+    """`engine.device.describe`, naming on the CPU which compute path quantized models take."""
+    text = _device.describe(device)
+    if text.startswith("cpu ("):
+        text = f"{text[:-1]}; {active_path()})"
+    return text
+
+
+def device_report(device: mx.Device | None = None) -> dict[str, Any]:
+    """`engine.device.report` with the description above and the active compute path."""
+    return {**_device.report(device), "description": describe_device(device),
+            "compute_path": active_path()}

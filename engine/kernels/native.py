@@ -155,8 +155,11 @@ def _turned_off() -> bool:
 
 
 def _load() -> Status:
-    folder = build_dir()
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder = build_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return Status(None, f"no cache folder to build them in ({exc})")
     with open(folder / ".lock", "w") as lock:  # one build at a time, across processes
         fcntl.flock(lock, fcntl.LOCK_EX)
         path, error = _built(folder), None
