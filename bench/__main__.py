@@ -206,9 +206,6 @@ def suite_prefix(lm, shape: str, a) -> list[Row]:
             f"{len(tokens)} tokens, nothing cached; ours prefills in 2048-token chunks (GPU; 512 on "
             "CPU) stopping only where a snapshot is taken, mlx-lm in 2048-token chunks"),
     ]
-    notes = device.slow_paths(lm.family)
-    if notes:
-        rows[-1].notes += "; " + "; ".join(notes)
     return rows
 
 
@@ -404,7 +401,6 @@ def main(argv: list[str] | None = None) -> int:
             from .shapes import build
 
             lm = build(shape)
-            device.warn_slow_paths(lm.family)
             meta.setdefault("build_s", {})[shape] = time.perf_counter() - t
         except Exception as exc:
             rows.append(failed("build", shape, f"{type(exc).__name__}: {exc}"))

@@ -170,25 +170,6 @@ def memory_budget(fraction: float = 0.5, device: mx.Device | None = None) -> int
     return int(total * fraction)
 
 
-def slow_paths(model_type: str, device: mx.Device | None = None) -> list[str]:
-    """Known places where mlx-lm runs a slow fallback for this model on this device."""
-    notes = []
-    kind = backend(device)
-    if model_type in ("qwen3_5", "qwen3_5_moe", "qwen3_next") and kind != "metal":
-        notes.append(f"{model_type}: mlx-lm's gated-delta (linear attention) kernel is Metal-only; on "
-                     f"{kind} prompt prefill runs a per-token loop (tens of times slower than on a "
-                     f"Metal GPU); decoding is unaffected")
-    return notes
-
-
-def warn_slow_paths(model_type: str, device: mx.Device | None = None) -> list[str]:
-    """Log each known slow fallback for this model on this device; returns the notes."""
-    notes = slow_paths(model_type, device)
-    for note in notes:
-        log.warning("slow path: %s", note)
-    return notes
-
-
 def report(device: mx.Device | None = None) -> dict[str, Any]:
     """What a results file or /health records about the device."""
     device = _device(device)

@@ -84,15 +84,6 @@ def test_gpu_without_memory_info_falls_back_to_ram_with_a_log_line(monkeypatch, 
     assert any("no memory size" in r.getMessage() for r in caplog.records)
 
 
-def test_slow_path_for_hybrid_models_off_metal_is_logged(caplog):
-    device.select_device("cpu")
-    with caplog.at_level(logging.WARNING, logger="engine.device"):
-        notes = device.warn_slow_paths("qwen3_5")
-    assert notes and "per-token loop" in notes[0]
-    assert any("slow path" in r.getMessage() for r in caplog.records)
-    assert device.slow_paths("llama") == []
-
-
 def test_report_fields():
     device.select_device("cpu")
     r = device.report()

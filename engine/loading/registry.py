@@ -15,7 +15,6 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import bundled
-from ..device import warn_slow_paths
 from ..errors import ModelLoadError
 from .gguf import convert_gguf
 from ..kernels.gated_delta import use_chunked_prefill
@@ -206,5 +205,4 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
     # Materialise the weights here: lazy arrays belong to this thread's MLX stream, and the
     # scheduler thread that runs the model cannot evaluate them.
     mx.eval(model.parameters())
-    warn_slow_paths(str(config.get("model_type", "")))
     return LoadedModel(name=display, model=model, tokenizer=tokenizer, config=config, path=folder)
