@@ -13,7 +13,7 @@ from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
 import static
-from engine import Engine, describe_device
+from engine import Cluster, Engine, describe_device
 
 from . import api, ui
 from .runs import Runs
@@ -68,19 +68,24 @@ class _Server(uvicorn.Server):
 
 
 def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
-          open_browser: bool = True, allow_remote: bool = False, api_key: str | None = None) -> None:
-    """Load `model`, then serve the UI and the API until Ctrl-C."""
+          open_browser: bool = True, allow_remote: bool = False, api_key: str | None = None,
+          cluster: Cluster | None = None) -> None:
+    """Load `model`, then serve the UI and the API until Ctrl-C; with a `cluster`, as its rank 0."""
     if not is_loopback(host) and not allow_remote:
         raise SystemExit(f"Refusing to listen on {host}: other machines could reach your chats. "
                          "Pass --allow-remote to do it anyway.")
     if not is_loopback(host):
         print(f"WARNING: listening on {host}; anyone who can reach this address can use the chat"
               f"{'' if api_key else ' and the API (no API key set)'}.", file=sys.stderr)
-    engine = Engine(model=model, persist_prefix_cache=True)
+    engine = Engine(model=model, **(cluster.engine_options() if cluster else
+                                    {"persist_prefix_cache": True}))
+    if cluster is not None:
+        cluster.watch(engine)
     print(f"Loading model {model or 'smollm2-135m-instruct (bundled)'} ...", file=sys.stderr)
     engine.start(progress=lambda stage: print(f"  {stage}", file=sys.stderr))
     allowed = None if host in WILDCARD_HOSTS else {*LOOPBACK_NAMES, host}
     app = create_app(engine, allowed_hosts=allowed, api_key=api_key)
+    app.state.cluster = cluster
     shown = "127.0.0.1" if host in WILDCARD_HOSTS else host
     url = f"http://{f'[{shown}]' if ':' in shown else shown}:{port}/"
 
@@ -99,4 +104,6 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
         pass  # uvicorn re-raises Ctrl-C once its own clean shutdown is done
     finally:
         engine.stop()
+        if cluster is not None:
+            cluster.stop()
         app.state.storage.close()

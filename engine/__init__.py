@@ -9,6 +9,7 @@ This is the engine's whole public face; the app imports nothing else from it (a 
 
 from .decoding.drafts import DraftChoice, SpeculativeOptions
 from .decoding.sampling import PRESETS, SAMPLING_OPTIONS, SamplingOption, SamplingParams, preset
+from .distributed.cluster import Cluster
 from .device import DEVICES, blas_preload_env, describe as describe_device
 from .device import report as device_report, select_device
 from .errors import EngineError, InvalidRequest, ModelLoadError, Overloaded, UnsupportedArchitecture
@@ -19,7 +20,7 @@ from .paths import cache_dir, data_dir
 from .scheduling.service import Engine, EngineStatus, ModelDescription, RequestHandle
 
 __all__ = [
-    "DEVICES", "PRESETS", "SAMPLING_OPTIONS", "DraftChoice", "Engine", "EngineError",
+    "Cluster", "DEVICES", "PRESETS", "SAMPLING_OPTIONS", "DraftChoice", "Engine", "EngineError",
     "EngineStatus", "Event", "FinishReason", "InvalidRequest", "ModelDescription", "ModelInfo",
     "ModelLoadError", "Overloaded", "RequestHandle", "RequestState", "SamplingOption",
     "SamplingParams", "SpeculativeOptions", "Timings", "UnsupportedArchitecture", "Usage",

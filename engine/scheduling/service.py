@@ -193,6 +193,7 @@ class Engine:
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._halted: str | None = None  # why the engine stopped serving for good (see `halt`)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, progress: Callable[[str], None] | None = None) -> "Engine":
@@ -214,10 +215,33 @@ class Engine:
             self._stopping = True
             self._wake.notify_all()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            # a halted engine's thread may be blocked for good (see `halt`)
+            self._thread.join(timeout=1 if self._halted else 30)
         if self.prefix_cache is not None and self.persist_prefix_cache:
             # so that reopening the app continues long conversations without re-prefill
             self.prefix_cache.persist(max_bytes=PERSIST_BYTES)
+
+    def halt(self, reason: str) -> None:
+        """Fail every admitted request with `reason` and refuse new ones (EngineError) from now
+        on; safe from any thread. For failures the scheduler thread cannot recover from, such as
+        a rank of a sharded model gone: that thread may stay blocked in a collective that never
+        returns, so this does not wait for it."""
+        with self._wake:
+            if self._halted is not None:
+                return
+            self._halted = reason
+            handles = self._preparing + list(self._queued) + self._running
+            self._preparing, self._running = [], []
+            self._queued.clear()
+            for h in handles:
+                self._end(h, "failed", [Event("done", finish_reason="failed", error=reason,
+                                              usage=h.usage, timings=Timings())])
+            self._wake.notify_all()
+
+    @property
+    def halted(self) -> str | None:
+        """Why the engine stopped serving for good, or None."""
+        return self._halted
 
     @property
     def model_name(self) -> str | None:
@@ -311,6 +335,8 @@ class Engine:
         is plain): a draft not loaded yet loads on the scheduler thread while the request is in
         `loading_draft`; if it cannot load, the request ends `failed` and `accepted()` raises."""
         lm = self.lm
+        if self._halted is not None:
+            raise EngineError(self._halted)
         if lm is None:
             raise EngineError("no model is loaded yet")
         params = params or SamplingParams()
@@ -414,7 +440,7 @@ class Engine:
 
     # -- the scheduler thread --------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
+        while self._halted is None:
             while not self._soon.empty():
                 self._soon.get()()
             with self._wake:
@@ -489,6 +515,8 @@ class Engine:
 
     def _advance(self, handle: RequestHandle, outcome: list[Event] | Exception) -> None:
         """Publish one step's events (or its failure) and move the request's state on."""
+        if self._halted is not None:  # `halt` ended every request already
+            return
         gen = handle.generation
         if isinstance(outcome, Exception):  # isolated to this request
             log.error("request %s failed", handle.id, exc_info=outcome)

@@ -1,0 +1,101 @@
+"""Rank 0's side: the sharded model as the scheduler calls it.
+
+The scheduler calls the model exactly as on one process; this wrapper broadcasts each call as a
+plan first, so the followers run the same forward on their mirror of the same cache. Caches are
+mirrored by id: a cache made here (mlx-lm's `make_prompt_cache` asks the model's `make_cache`)
+gets the next id, and when rank 0 lets it go its id rides along with the next plan so the
+followers drop theirs too. A cache this wrapper did not make (a prefix-cache snapshot copy, a
+merged batch cache) has no mirror on the followers: such a call is refused rather than run
+out of step, which is why a sharded engine runs without prefix cache, batching or speculation.
+"""
+
+import itertools
+import threading
+import weakref
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..errors import EngineError
+from ..loading.registry import LoadedModel, load_model, resolve
+from .group import World
+from .plan import Op, Plan, broadcast
+
+
+class MirroredCache(list):
+    """A model cache whose twin lives on every follower under `cache_id`."""
+
+    cache_id: int
+
+
+def cache_offset(cache: list[Any]) -> int:
+    """Tokens held by the first layer that counts them (every rank checks it before a forward)."""
+    return next((int(c.offset) for c in cache if isinstance(getattr(c, "offset", None), int)), 0)
+
+
+class Coordinator:
+    """Rank 0's end of the plan channel; one caller at a time (the scheduler thread)."""
+
+    def __init__(self, world: World):
+        self.world = world
+        self._ids = itertools.count(1)
+        self._dropped: list[int] = []
+        self._lock = threading.Lock()
+        self.steps = 0  # plans sent
+
+    def new_cache(self, model: nn.Module) -> MirroredCache:
+        cache = MirroredCache(make_prompt_cache(model))
+        cache.cache_id = next(self._ids)
+        weakref.finalize(cache, self._release, cache.cache_id)
+        return cache
+
+    def _release(self, cache_id: int) -> None:
+        with self._lock:
+            self._dropped.append(cache_id)
+
+    def send(self, plan: Plan) -> Plan:
+        with self._lock:
+            plan.drops, self._dropped = self._dropped, []
+        self.steps += 1
+        return broadcast(self.world.group, plan)
+
+
+class ShardedModel:
+    """Looks like the model to the engine; each call is broadcast before it runs here."""
+
+    def __init__(self, model: nn.Module, coordinator: Coordinator):
+        self.model = model
+        self.coordinator = coordinator
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def make_cache(self) -> list[Any]:
+        return self.coordinator.new_cache(self.model)
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None, **kwargs: Any) -> mx.array:
+        if not isinstance(cache, MirroredCache) or kwargs:
+            raise EngineError("a sharded model runs only plain requests on caches it made "
+                              "(no prefix cache, batching or speculative decoding)")
+        sent = self.coordinator.send(Plan(Op.FORWARD, cache.cache_id, tuple(inputs.shape),
+                                          cache_offset(cache), tokens=inputs))
+        out = self.model(sent.tokens.astype(inputs.dtype), cache=cache)
+        # Every rank must run this call's collectives now and in this order, even if the caller
+        # ends up not reading the result (a cancelled request).
+        mx.async_eval(out)
+        return out
+
+
+def sharded_loader(world: World, coordinator: Coordinator) -> Callable[..., LoadedModel]:
+    """`Engine(load=...)` for rank 0: every rank loads the same folder and shards it."""
+
+    def load(name: str | None, *, fallback_to_default: bool = False) -> LoadedModel:
+        _, folder = resolve(name)  # a bad name fails here, before any follower loads anything
+        coordinator.send(Plan(Op.LOAD, name=str(folder)))
+        lm = load_model(str(folder), group=world.group)
+        lm.model = ShardedModel(lm.model, coordinator)
+        return lm
+
+    return load
