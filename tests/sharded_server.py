@@ -17,7 +17,8 @@ def serve_command(port: int, model: Path) -> list[str]:
 
 
 class ShardedServer:
-    """`ranks` processes of `mlxchat serve --model MODEL`; rank 0 answers at `url`."""
+    """`ranks` processes of `mlxchat serve --model MODEL`; rank 0 answers at `url`. With one
+    rank it is a plain single-process server (no distributed variables set)."""
 
     def __init__(self, root: Path, model: Path, ranks: int = 2):
         self.root, self.model, self.ranks = root, model, ranks
@@ -31,9 +32,10 @@ class ShardedServer:
         hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(self.ranks)]))
         heartbeat = f"127.0.0.1:{free_port()}"
         for rank in range(self.ranks):
-            env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile),
-                   "MLXCHAT_HEARTBEAT": heartbeat,
-                   "MLXCHAT_HOME": str(app_home(self.root / f"home{rank}"))}
+            env = {**os.environ, "MLXCHAT_HOME": str(app_home(self.root / f"home{rank}"))}
+            if self.ranks > 1:
+                env.update(MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile),
+                           MLXCHAT_HEARTBEAT=heartbeat)
             with open(self.logs[rank], "ab") as log:
                 self.procs.append(subprocess.Popen(serve_command(self.port, self.model), cwd=REPO,
                                                    env=env, stdout=log, stderr=subprocess.STDOUT))
