@@ -78,8 +78,10 @@ def parts(conn: Request | WebSocket) -> tuple[Storage, Engine]:
 
 def models_context(request: Request) -> dict[str, Any]:
     engine = request.app.state.engine
+    cluster = getattr(request.app.state, "cluster", None)  # a sharded model (engine/distributed/)
     return {"models": engine.list_models(), "current_model": engine.model_name,
-            "switch": request.app.state.switch}
+            "switch": request.app.state.switch,
+            "sharded_over": cluster.health()["world_size"] if cluster else None}
 
 
 def settings_context(conv: Conversation, errors: dict[str, str] | None = None,

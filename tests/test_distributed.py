@@ -2,7 +2,8 @@
 
 Each server is real: `mlxchat serve` processes started with the variables `mlx.launch` sets, a
 tiny random llama sharded by mlx-lm, compared with a plain single-process server of the same
-folder.
+folder. No bundled model is needed, but the file runs in the real-model tier: three
+servers and a few thousand collectives take minutes, over the fast tier's budget.
 """
 
 import threading
@@ -10,14 +11,10 @@ import time
 from pathlib import Path
 
 import httpx
-import mlx.core as mx
 import pytest
 
-from engine.distributed.plan import Op, Plan, broadcast
 from tests.sharded_server import ShardedServer
 from tests.tiny_models import LLAMA, build_folder
-
-pytestmark = pytest.mark.fast
 
 PROMPTS = ["Tell me about the sea.", "请介绍一下长城。"]
 
@@ -53,22 +50,15 @@ def text(answer: dict) -> str:
     return answer["choices"][0]["message"]["content"]
 
 
-def test_plan_survives_the_broadcast():
-    group = mx.distributed.init()  # one rank: the sum is rank 0's own array
-    tokens = mx.array([[5, 7, 49151]], dtype=mx.uint32)
-    got = broadcast(group, Plan(Op.FORWARD, 3, (1, 3), 17, drops=[1, 2], name="m", tokens=tokens))
-    assert (got.op, got.cache_id, got.shape, got.offset, got.drops, got.name) == \
-        (Op.FORWARD, 3, (1, 3), 17, [1, 2], "m")
-    assert got.tokens.tolist() == [[5, 7, 49151]]
-    assert broadcast(group, Plan(Op.STOP)).tokens is None
-
-
 def test_health_reports_the_group(sharded, single):
     health = httpx.get(f"{sharded.url}/health").json()
     assert health["status"] == "ok"
     assert health["distributed"] == {"world_size": 2, "ranks_alive": [0, 1], "backend": "ring",
                                      "ranks_gone": {}}
     assert "distributed" not in httpx.get(f"{single.url}/health").json()
+    page = httpx.get(f"{sharded.url}/", follow_redirects=True)
+    assert page.status_code == 200 and "sharded over 2 processes" in page.text
+    assert "sharded over" not in httpx.get(f"{single.url}/", follow_redirects=True).text
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -117,7 +107,9 @@ def test_concurrent_streams_and_a_cancellation_keep_ranks_in_step(sharded, singl
 def test_thousands_of_collectives_without_a_hang(sharded, single):
     # 600 tokens: three plan collectives and two per layer for each, about 6,600 in all
     messages = [{"role": "user", "content": "Count."}]
-    assert text(ask(sharded, messages, max_tokens=600)) == text(ask(single, messages, 600))
+    mine = ask(sharded, messages, max_tokens=600)
+    assert mine["usage"]["completion_tokens"] == 600
+    assert text(mine) == text(ask(single, messages, 600))
 
 
 def test_a_dead_rank_fails_the_answer_and_new_requests_get_503(model, tmp_path):
