@@ -139,3 +139,12 @@ def test_a_dead_rank_fails_the_answer_and_new_requests_get_503(model, tmp_path):
     finally:
         codes = server.stop()
     assert codes[0] is not None  # rank 0 exits although its scheduler thread is blocked
+
+
+def test_speculative_decoding_is_refused_and_ranks_stay_in_step(sharded, single):
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    reply = httpx.post(f"{sharded.url}/v1/chat/completions", timeout=60, json={
+        "model": sharded.model.name, "messages": messages, "max_tokens": 8, "temperature": 0,
+        "speculative": {"draft": "self-q4", "k": 2}})
+    assert reply.status_code == 400 and "sharded" in reply.text
+    assert text(ask(sharded, messages)) == text(ask(single, messages))

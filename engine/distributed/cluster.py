@@ -43,7 +43,8 @@ class Cluster:
         the followers cannot mirror yet stay off (engine/distributed/sharded.py)."""
         assert self.coordinator is not None
         return {"load": sharded_loader(self.world, self.coordinator), "prefix_cache": False,
-                "persist_prefix_cache": False, "batching": False}
+                "persist_prefix_cache": False, "batching": False,
+                "speculation": False}
 
     def watch(self, engine: Haltable) -> None:
         """Rank 0: halt `engine` (fail its requests, refuse new ones) once a rank is gone."""

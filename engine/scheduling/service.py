@@ -165,7 +165,7 @@ class Engine:
                  fallback_to_default: bool = False, prefix_cache: bool = True,
                  persist_prefix_cache: bool = False,
                  load: Callable[..., LoadedModel] = load_model, batching: bool = True,
-                 memory_budget: int | None = None):
+                 memory_budget: int | None = None, speculation: bool = True):
         self.requested_model = model
         self.max_running = max_running
         self.max_queued = max_queued
@@ -173,6 +173,7 @@ class Engine:
         self.use_prefix_cache = prefix_cache
         self.persist_prefix_cache = persist_prefix_cache
         self.batching = batching
+        self.speculation = speculation  # off for a sharded model (engine/distributed/)
         # One budget for the model caches of admitted requests and the prefix cache's snapshots:
         # the prefix cache may hold what the admitted requests do not reserve.
         self.memory_budget = memory_budget if memory_budget is not None else device_memory_budget()
@@ -342,6 +343,9 @@ class Engine:
         params = params or SamplingParams()
         prompt = build_prompt(lm, messages=messages, prompt_tokens=prompt_tokens, text=text)
         factory = None
+        if speculative is not None and not self.speculation:
+            raise InvalidRequest("speculative decoding is not available with a model sharded "
+                                 "over several processes", field="speculative")
         if speculative is not None:
             check_draft(lm, speculative.draft)
             entry = self._drafts.get(speculative.draft)
