@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.live_server import REPO, app_home, free_port, wait_healthy
+from tests.live_server import REPO, free_port, wait_healthy
 
 
 def serve_command(port: int, model: Path) -> list[str]:
@@ -32,7 +32,10 @@ class ShardedServer:
         hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(self.ranks)]))
         heartbeat = f"127.0.0.1:{free_port()}"
         for rank in range(self.ranks):
-            env = {**os.environ, "MLXCHAT_HOME": str(app_home(self.root / f"home{rank}"))}
+            # a home of its own, caches included: no prefix-cache files from earlier runs
+            home = self.root / f"home{rank}"
+            home.mkdir(parents=True, exist_ok=True)
+            env = {**os.environ, "MLXCHAT_HOME": str(home)}
             if self.ranks > 1:
                 env.update(MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile),
                            MLXCHAT_HEARTBEAT=heartbeat)

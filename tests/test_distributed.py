@@ -66,10 +66,18 @@ def test_greedy_answers_equal_one_process(sharded, single, prompt):
     messages = [{"role": "user", "content": prompt}]
     mine, theirs = ask(sharded, messages), ask(single, messages)
     assert text(mine) == text(theirs) and mine["usage"]["completion_tokens"] == 24
-    # the next turn, on the first answer
+    assert mine["usage"] == theirs["usage"]
+    # the next turn, on the first answer: the prefix cache reuses the same tokens on both
     messages += [{"role": "assistant", "content": text(mine)},
                  {"role": "user", "content": "And then?"}]
-    assert text(ask(sharded, messages)) == text(ask(single, messages))
+    mine, theirs = ask(sharded, messages), ask(single, messages)
+    assert text(mine) == text(theirs) and mine["usage"] == theirs["usage"]
+    assert mine["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # an edit of that last turn branches off the same cached prefix
+    messages[-1] = {"role": "user", "content": "And after that?"}
+    mine, theirs = ask(sharded, messages), ask(single, messages)
+    assert text(mine) == text(theirs) and mine["usage"] == theirs["usage"]
+    assert mine["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 def test_concurrent_streams_and_a_cancellation_keep_ranks_in_step(sharded, single):

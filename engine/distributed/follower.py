@@ -6,6 +6,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..cache.prefix_cache import copy_cache, restore
 from ..loading.registry import load_model
 from .group import World
 from .plan import Op, broadcast
@@ -33,6 +34,10 @@ def follow(world: World) -> int:
             mx.clear_cache()
             model = load_model(plan.name, group=world.group).model
             log.info("rank %d loaded its shard of %s", world.rank, plan.name)
+        elif plan.op == Op.COPY:
+            caches[plan.target] = copy_cache(caches[plan.cache_id])
+        elif plan.op == Op.RESTORE:
+            caches[plan.target] = restore(caches[plan.cache_id], plan.length)
         elif plan.op == Op.FORWARD:
             if model is None:
                 raise RuntimeError("forward before any model was loaded")

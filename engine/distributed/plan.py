@@ -13,14 +13,15 @@ from enum import IntEnum
 import mlx.core as mx
 
 VERSION = 1
-HEADER = 8  # version, op, cache id, rows, columns, drops, name length, cache offset
+HEADER = 10  # version, op, cache id, rows, columns, drops, name length, offset, target, length
 
 
 class Op(IntEnum):
     FORWARD = 1  # run the model on `tokens` (rows x columns) with cache `cache_id`
     LOAD = 2  # load model `name` (and shard it); every cache is dropped
     STOP = 3  # leave the follower loop
-    SYNC = 4  # nothing to run but the drops
+    COPY = 4  # cache `target` := a compact copy of cache `cache_id` (a prefix-cache snapshot)
+    RESTORE = 5  # cache `target` := the first `length` tokens of snapshot `cache_id`
 
 
 @dataclass
@@ -31,6 +32,8 @@ class Plan:
     offset: int = 0  # tokens the cache holds before a forward (checked by every rank)
     drops: list[int] = field(default_factory=list)  # caches rank 0 let go of since the last plan
     name: str = ""
+    target: int = 0  # the new cache of a COPY or RESTORE
+    length: int = 0  # tokens a RESTORE keeps
     tokens: mx.array | None = None  # int32 (rows, columns), lazy
 
 
@@ -45,18 +48,19 @@ def broadcast(group: mx.distributed.Group, plan: Plan | None) -> Plan:
     if plan is not None:
         name = list(plan.name.encode())
         header = mx.array([VERSION, int(plan.op), plan.cache_id, *plan.shape, len(plan.drops),
-                           len(name), plan.offset], dtype=mx.int32)
+                           len(name), plan.offset, plan.target, plan.length], dtype=mx.int32)
         control = mx.array(plan.drops + name, dtype=mx.int32)
         if plan.tokens is not None:
             tokens = plan.tokens.astype(mx.int32)
-    version, op, cache_id, rows, cols, ndrops, nname, offset = _bcast(group, header, (HEADER,)).tolist()
+    version, op, cache_id, rows, cols, ndrops, nname, offset, target, length = _bcast(
+        group, header, (HEADER,)).tolist()
     if version != VERSION:
         raise RuntimeError(f"plan version {version}, expected {VERSION}: ranks run different code")
     values: list[int] = []
     if ndrops + nname:
         values = _bcast(group, control, (ndrops + nname,)).tolist()
     out = Plan(Op(op), cache_id, (rows, cols), offset, values[:ndrops],
-               bytes(values[ndrops:]).decode())
+               bytes(values[ndrops:]).decode(), target, length)
     if op == Op.FORWARD:
         out.tokens = _bcast(group, tokens, (rows, cols))
     return out

@@ -4,9 +4,10 @@ The scheduler calls the model exactly as on one process; this wrapper broadcasts
 plan first, so the followers run the same forward on their mirror of the same cache. Caches are
 mirrored by id: a cache made here (mlx-lm's `make_prompt_cache` asks the model's `make_cache`)
 gets the next id, and when rank 0 lets it go its id rides along with the next plan so the
-followers drop theirs too. A cache this wrapper did not make (a prefix-cache snapshot copy, a
-merged batch cache) has no mirror on the followers: such a call is refused rather than run
-out of step, which is why a sharded engine runs without prefix cache, batching or speculation.
+followers drop theirs too. Prefix-cache snapshots and the caches restored from them are
+mirrored the same way (engine/cache/prefix_cache.py asks `mirror`), so reuse works as on one
+process. A cache with no twin on the followers (a merged batch cache) is refused rather than
+run out of step, which is why a sharded engine runs without batching or speculation.
 """
 
 import itertools
@@ -28,6 +29,14 @@ class MirroredCache(list):
     """A model cache whose twin lives on every follower under `cache_id`."""
 
     cache_id: int
+    coordinator: "Coordinator"
+
+    def mirror(self, out: list[Any], length: int | None) -> "MirroredCache":
+        """`out`, a copy of this cache (or of its first `length` tokens), made on every rank."""
+        made = self.coordinator.adopt(out)
+        op = Op.COPY if length is None else Op.RESTORE
+        self.coordinator.send(Plan(op, self.cache_id, target=made.cache_id, length=length or 0))
+        return made
 
 
 def cache_offset(cache: list[Any]) -> int:
@@ -46,8 +55,12 @@ class Coordinator:
         self.steps = 0  # plans sent
 
     def new_cache(self, model: nn.Module) -> MirroredCache:
-        cache = MirroredCache(make_prompt_cache(model))
-        cache.cache_id = next(self._ids)
+        return self.adopt(make_prompt_cache(model))
+
+    def adopt(self, layers: list[Any]) -> MirroredCache:
+        """`layers` under the next id; its twins are dropped when rank 0 lets it go."""
+        cache = MirroredCache(layers)
+        cache.cache_id, cache.coordinator = next(self._ids), self
         weakref.finalize(cache, self._release, cache.cache_id)
         return cache
 
