@@ -45,9 +45,8 @@ class ShardedServer:
         wait_healthy(self.url, alive=lambda: all(p.poll() is None for p in self.procs))
         return self
 
-    def kill(self, rank: int) -> None:
-        self.procs[rank].send_signal(signal.SIGKILL)
-        self.procs[rank].wait(30)
+    def signal(self, rank: int, sig: int) -> None:
+        self.procs[rank].send_signal(sig)
 
     def stop(self) -> list[int | None]:
         """Ctrl-C to rank 0, as on a terminal; returns every rank's exit code (None: still running)."""

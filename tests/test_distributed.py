@@ -6,6 +6,7 @@ folder. No bundled model is needed, but the file runs in the real-model tier: th
 servers and a few thousand collectives take minutes, over the fast tier's budget.
 """
 
+import signal
 import threading
 import time
 from pathlib import Path
@@ -120,7 +121,8 @@ def test_thousands_of_collectives_without_a_hang(sharded, single):
     assert text(mine) == text(ask(single, messages, 600))
 
 
-def test_a_dead_rank_fails_the_answer_and_new_requests_get_503(model, tmp_path):
+@pytest.mark.parametrize("how", ["killed", "stalled"])
+def test_a_dead_rank_fails_the_answer_and_new_requests_get_503(model, tmp_path, how):
     server = ShardedServer(tmp_path, model, ranks=2).start()
     try:
         body = {"model": model.name, "messages": [{"role": "user", "content": "Go on."}],
@@ -131,20 +133,23 @@ def test_a_dead_rank_fails_the_answer_and_new_requests_get_503(model, tmp_path):
             for line in reply.iter_lines():
                 lines.append(line)
                 if len(lines) == 10:
-                    server.kill(1)
+                    server.signal(1, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
                     killed = time.monotonic()
         ended = time.monotonic() - killed
         assert ended < 10, ended
         errors = [line for line in lines if '"error"' in line]
-        assert len(errors) == 1 and "rank 1 is gone" in errors[0], lines[-3:]
+        gone = "rank 1 is gone" if how == "killed" else "rank 1 stopped responding"
+        assert len(errors) == 1 and gone in errors[0], lines[-3:]
         health = httpx.get(f"{server.url}/health").json()
         assert health["status"] == "failed"
         assert health["distributed"]["ranks_alive"] == [0]
         assert list(health["distributed"]["ranks_gone"]) == ["1"]
         retry = httpx.post(f"{server.url}/v1/chat/completions", timeout=10, json={
             "model": model.name, "messages": [{"role": "user", "content": "Hi"}]})
-        assert retry.status_code == 503 and "rank 1 is gone" in retry.text
+        assert retry.status_code == 503 and gone in retry.text
     finally:
+        if how == "stalled":
+            server.signal(1, signal.SIGKILL)  # a stopped process cannot exit by itself
         codes = server.stop()
     assert codes[0] is not None  # rank 0 exits although its scheduler thread is blocked
 

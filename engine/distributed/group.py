@@ -45,12 +45,15 @@ def _backend() -> str:
 
 
 def _heartbeat_address() -> tuple[str, int] | None:
-    """MLXCHAT_HEARTBEAT if set; with the ring backend, rank 0's first IP and the port after the
-    highest ring port in the hostfile (mlx.launch numbers ring ports upwards from one start)."""
-    given = os.environ.get(HEARTBEAT_ENV)
+    """MLXCHAT_HEARTBEAT if set; with NCCL or JACCL the port after rank 0's coordinator port;
+    with the ring backend, rank 0's first IP and the port after the highest ring port in the
+    hostfile (mlx.launch numbers ring ports upwards from one start)."""
+    given = os.environ.get(HEARTBEAT_ENV) or os.environ.get("MLX_JACCL_COORDINATOR")
     if given:
         host, _, port = given.rpartition(":")
-        return host, int(port)
+        return host, int(port) + (0 if os.environ.get(HEARTBEAT_ENV) else 1)
+    if os.environ.get("NCCL_HOST_IP") and os.environ.get("NCCL_PORT"):
+        return os.environ["NCCL_HOST_IP"], int(os.environ["NCCL_PORT"]) + 1
     hostfile = os.environ.get("MLX_HOSTFILE", "")
     try:
         with open(hostfile) as f:
