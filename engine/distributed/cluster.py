@@ -40,11 +40,11 @@ class Cluster:
 
     def engine_options(self) -> dict[str, Any]:
         """Rank 0's `Engine(...)` options: every rank loads its shard; the features whose caches
-        the followers cannot mirror yet stay off (engine/distributed/sharded.py), and prefix-cache
+        the followers cannot mirror yet (speculation) stay off (engine/distributed/sharded.py), and prefix-cache
         snapshots stay in memory (no files per rank yet)."""
         assert self.coordinator is not None
         return {"load": sharded_loader(self.world, self.coordinator), "prefix_cache": True,
-                "persist_prefix_cache": False, "batching": False,
+                "persist_prefix_cache": False, "batching": True,
                 "speculation": False}
 
     def watch(self, engine: Haltable) -> None:

@@ -10,7 +10,7 @@ from ..cache.prefix_cache import copy_cache, restore
 from ..loading.registry import load_model
 from .group import World
 from .plan import Op, broadcast
-from .sharded import cache_offset
+from .sharded import batch_edit, cache_offset
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,10 @@ def follow(world: World) -> int:
             caches[plan.target] = copy_cache(caches[plan.cache_id])
         elif plan.op == Op.RESTORE:
             caches[plan.target] = restore(caches[plan.cache_id], plan.length)
+        elif plan.op in (Op.MERGE, Op.EXTEND, Op.EXTRACT, Op.FILTER):
+            made = batch_edit(plan, caches)
+            if made is not None:
+                caches[plan.target] = made
         elif plan.op == Op.FORWARD:
             if model is None:
                 raise RuntimeError("forward before any model was loaded")

@@ -13,7 +13,8 @@ from enum import IntEnum
 import mlx.core as mx
 
 VERSION = 1
-HEADER = 10  # version, op, cache id, rows, columns, drops, name length, offset, target, length
+HEADER = 11  # version, op, cache id, rows, columns, drops, name length, offset, target, length,
+# values
 
 
 class Op(IntEnum):
@@ -22,6 +23,10 @@ class Op(IntEnum):
     STOP = 3  # leave the follower loop
     COPY = 4  # cache `target` := a compact copy of cache `cache_id` (a prefix-cache snapshot)
     RESTORE = 5  # cache `target` := the first `length` tokens of snapshot `cache_id`
+    MERGE = 6  # cache `target` := mlx-lm's batch cache of one row, cache `cache_id`
+    EXTEND = 7  # batch cache `target` gains the rows of batch cache `cache_id`
+    EXTRACT = 8  # cache `target` := row `length` of batch cache `cache_id`
+    FILTER = 9  # batch cache `cache_id` keeps the rows `values`
 
 
 @dataclass
@@ -33,7 +38,8 @@ class Plan:
     drops: list[int] = field(default_factory=list)  # caches rank 0 let go of since the last plan
     name: str = ""
     target: int = 0  # the new cache of a COPY or RESTORE
-    length: int = 0  # tokens a RESTORE keeps
+    length: int = 0  # tokens a RESTORE keeps, the row an EXTRACT takes
+    values: list[int] = field(default_factory=list)  # the rows a FILTER keeps
     tokens: mx.array | None = None  # int32 (rows, columns), lazy
 
 
@@ -48,19 +54,21 @@ def broadcast(group: mx.distributed.Group, plan: Plan | None) -> Plan:
     if plan is not None:
         name = list(plan.name.encode())
         header = mx.array([VERSION, int(plan.op), plan.cache_id, *plan.shape, len(plan.drops),
-                           len(name), plan.offset, plan.target, plan.length], dtype=mx.int32)
-        control = mx.array(plan.drops + name, dtype=mx.int32)
+                           len(name), plan.offset, plan.target, plan.length, len(plan.values)],
+                          dtype=mx.int32)
+        control = mx.array(plan.drops + name + plan.values, dtype=mx.int32)
         if plan.tokens is not None:
             tokens = plan.tokens.astype(mx.int32)
-    version, op, cache_id, rows, cols, ndrops, nname, offset, target, length = _bcast(
+    version, op, cache_id, rows, cols, ndrops, nname, offset, target, length, nvalues = _bcast(
         group, header, (HEADER,)).tolist()
     if version != VERSION:
         raise RuntimeError(f"plan version {version}, expected {VERSION}: ranks run different code")
     values: list[int] = []
-    if ndrops + nname:
-        values = _bcast(group, control, (ndrops + nname,)).tolist()
+    if ndrops + nname + nvalues:
+        values = _bcast(group, control, (ndrops + nname + nvalues,)).tolist()
     out = Plan(Op(op), cache_id, (rows, cols), offset, values[:ndrops],
-               bytes(values[ndrops:]).decode(), target, length)
+               bytes(values[ndrops:ndrops + nname]).decode(), target, length,
+               values[ndrops + nname:])
     if op == Op.FORWARD:
         out.tokens = _bcast(group, tokens, (rows, cols))
     return out

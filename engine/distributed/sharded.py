@@ -6,8 +6,9 @@ mirrored by id: a cache made here (mlx-lm's `make_prompt_cache` asks the model's
 gets the next id, and when rank 0 lets it go its id rides along with the next plan so the
 followers drop theirs too. Prefix-cache snapshots and the caches restored from them are
 mirrored the same way (engine/cache/prefix_cache.py asks `mirror`), so reuse works as on one
-process. A cache with no twin on the followers (a merged batch cache) is refused rather than
-run out of step, which is why a sharded engine runs without batching or speculation.
+process, and so are the batch caches of requests decoding together (engine/scheduling/batch.py
+asks for `batch_merged`, `batch_extend`, `batch_extracted`, `batch_filter`). A cache with no twin on the followers is
+refused rather than run out of step; speculative decoding (draft caches) stays off.
 """
 
 import itertools
@@ -17,12 +18,31 @@ from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import EngineError
 from ..loading.registry import LoadedModel, load_model, resolve
 from .group import World
 from .plan import Op, Plan, broadcast
+
+
+def batch_edit(plan: Plan, caches: dict[int, list[Any]]) -> list[Any] | None:
+    """The batch-cache edit `plan` describes, on `caches` by id (every rank runs this); returns
+    the new cache of MERGE and EXTRACT."""
+    source = caches[plan.cache_id]
+    if plan.op == Op.MERGE:
+        return _merge_caches([source])
+    if plan.op == Op.EXTEND:
+        for batch_layer, row_layer in zip(caches[plan.target], source):
+            batch_layer.extend(row_layer)
+        return None
+    if plan.op == Op.EXTRACT:
+        return [layer.extract(plan.length) for layer in source]
+    keep = mx.array(plan.values)
+    for layer in source:
+        layer.filter(keep)
+    return None
 
 
 class MirroredCache(list):
@@ -37,6 +57,25 @@ class MirroredCache(list):
         op = Op.COPY if length is None else Op.RESTORE
         self.coordinator.send(Plan(op, self.cache_id, target=made.cache_id, length=length or 0))
         return made
+
+    def _batch(self, plan: Plan, other: "MirroredCache | None" = None) -> "MirroredCache | None":
+        self.coordinator.send(plan)
+        caches = {self.cache_id: self, **({other.cache_id: other} if other is not None else {})}
+        made = batch_edit(plan, caches)
+        return self.coordinator.adopt(made, plan.target) if made is not None else None
+
+    def batch_merged(self) -> "MirroredCache | None":
+        return self._batch(Plan(Op.MERGE, self.cache_id, target=self.coordinator.next_id()))
+
+    def batch_extend(self, row: "MirroredCache") -> None:
+        self._batch(Plan(Op.EXTEND, row.cache_id, target=self.cache_id), row)
+
+    def batch_extracted(self, i: int) -> "MirroredCache | None":
+        return self._batch(Plan(Op.EXTRACT, self.cache_id, target=self.coordinator.next_id(),
+                                length=i))
+
+    def batch_filter(self, keep: list[int]) -> None:
+        self._batch(Plan(Op.FILTER, self.cache_id, values=keep))
 
 
 def cache_offset(cache: list[Any]) -> int:
@@ -57,10 +96,14 @@ class Coordinator:
     def new_cache(self, model: nn.Module) -> MirroredCache:
         return self.adopt(make_prompt_cache(model))
 
-    def adopt(self, layers: list[Any]) -> MirroredCache:
-        """`layers` under the next id; its twins are dropped when rank 0 lets it go."""
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def adopt(self, layers: list[Any], cache_id: int | None = None) -> MirroredCache:
+        """`layers` under `cache_id` (default: the next id); its twins are dropped when rank 0
+        lets it go."""
         cache = MirroredCache(layers)
-        cache.cache_id, cache.coordinator = next(self._ids), self
+        cache.cache_id, cache.coordinator = cache_id or self.next_id(), self
         weakref.finalize(cache, self._release, cache.cache_id)
         return cache
 
