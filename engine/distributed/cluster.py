@@ -23,7 +23,6 @@ class Cluster:
         self.world = world
         self.coordinator = Coordinator(world) if world.rank == 0 else None
         self.watchdog: Watchdog | None = None
-        self._engine: Haltable | None = None
 
     @classmethod
     def join(cls) -> "Cluster | None":
@@ -49,7 +48,6 @@ class Cluster:
 
     def watch(self, engine: Haltable) -> None:
         """Rank 0: halt `engine` (fail its requests, refuse new ones) once a rank is gone."""
-        self._engine = engine
         self.watchdog = Watchdog(self.world, lambda rank, reason: engine.halt(
             f"the sharded model lost {reason}; restart the server"))
 
