@@ -403,9 +403,12 @@ async def _cancel_on_disconnect(request: Request, handles: list[RequestHandle]) 
 
 async def health(request: Request) -> JSONResponse:
     engine = request.app.state.engine
-    return JSONResponse({"status": "ok" if engine.model_name else "loading",
-                         "model": engine.model_name, "generating": len(request.app.state.runs),
-                         "device": device_report()})
+    status = "failed" if engine.halted else "ok" if engine.model_name else "loading"
+    cluster = getattr(request.app.state, "cluster", None)  # a sharded model (engine/distributed/)
+    return JSONResponse({"status": status, "model": engine.model_name,
+                         "generating": len(request.app.state.runs), "device": device_report(),
+                         **({"error": engine.halted} if engine.halted else {}),
+                         **({"distributed": cluster.health()} if cluster else {})})
 
 
 async def list_models(request: Request) -> JSONResponse:

@@ -205,15 +205,22 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
           device: str = "auto", no_browser: bool = False, allow_remote: bool = False,
           api_key: str | None = None, no_api_key: bool = False,
           keep_alive: float | None = DEFAULT_KEEP_ALIVE_S) -> None:
-    """Start the chat server (and open the browser unless --no-browser)."""
+    """Start the chat server (and open the browser unless --no-browser).
+
+    Under `mlx.launch` every rank runs this: rank 0 serves, the others hold their shard of the
+    model and follow rank 0 (engine/distributed/)."""
     from app.server import serve as run_server
-    from engine import select_device
+    from engine import Cluster, select_device
 
     try:
         select_device(device)
+        cluster = Cluster.join()
+        if cluster is not None and cluster.rank != 0:
+            cluster.follow()
+            return
         run_server(host=host, port=port, model=model, open_browser=not no_browser,
                    allow_remote=allow_remote, api_key=api_key, no_api_key=no_api_key,
-                   keep_alive=-1 if keep_alive is None else keep_alive)
+                   keep_alive=-1 if keep_alive is None else keep_alive, cluster=cluster)
     except EngineError as exc:
         _fail(exc)
 

@@ -24,7 +24,7 @@ from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
 import static
-from engine import DEFAULT_KEEP_ALIVE_S, Engine, data_dir, describe_device
+from engine import DEFAULT_KEEP_ALIVE_S, Cluster, Engine, data_dir, describe_device
 
 from . import api, api_completions, login, ui
 from .connections import HeaderTimeoutProtocol
@@ -148,10 +148,11 @@ def _check_remote(host: str, allow_remote: bool, api_key: str | None, no_api_key
 
 def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
           open_browser: bool = True, allow_remote: bool = False, api_key: str | None = None,
-          no_api_key: bool = False, keep_alive: float | str | None = DEFAULT_KEEP_ALIVE_S) -> None:
+          no_api_key: bool = False, keep_alive: float | str | None = DEFAULT_KEEP_ALIVE_S,
+          cluster: Cluster | None = None) -> None:
     """Load `model`, then serve the UI and the API until Ctrl-C or SIGTERM/SIGHUP; the model's
     weights are unloaded after `keep_alive` idle seconds (None: never) and reloaded by the next
-    request."""
+    request. With a `cluster`, serve as its rank 0 (the only rank that opens the data folder)."""
     _check_remote(host, allow_remote, api_key, no_api_key)
     try:
         folder = data_dir()
@@ -163,23 +164,28 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
     except FolderBusy as exc:
         raise SystemExit(str(exc)) from None
     try:
-        _run(_bind(host, port), host, port, model, open_browser, api_key, keep_alive)
+        _run(_bind(host, port), host, port, model, open_browser, api_key, keep_alive, cluster)
     finally:
         lock.release()
 
 
 def _run(sock: socket.socket, host: str, port: int, model: str | None, open_browser: bool,
-         api_key: str | None, keep_alive: float | str | None) -> None:
+         api_key: str | None, keep_alive: float | str | None, cluster: Cluster | None) -> None:
     storage = Storage()
     if storage.moved_aside is not None:
         print(f"The database was damaged: kept it as {storage.moved_aside} and started a new one.",
               file=sys.stderr)
-    engine = Engine(model=model, persist_prefix_cache=True, keep_alive=keep_alive)
+    # A sharded model stays loaded: its followers cannot unload and reload in step yet.
+    engine = Engine(model=model, **(cluster.engine_options() if cluster else
+                                    {"persist_prefix_cache": True, "keep_alive": keep_alive}))
+    if cluster is not None:
+        cluster.watch(engine)
     try:
         print(f"Loading model {model or 'smollm2-135m-instruct (bundled)'} ...", file=sys.stderr)
         engine.start(progress=lambda stage: print(f"  {stage}", file=sys.stderr))
         allowed = None if host in WILDCARD_HOSTS else {*LOOPBACK_NAMES, host}
         app = create_app(engine, allowed_hosts=allowed, api_key=api_key, storage=storage)
+        app.state.cluster = cluster
         shown = "127.0.0.1" if host in WILDCARD_HOSTS else host
         url = f"http://{f'[{shown}]' if ':' in shown else shown}:{port}/"
 
@@ -192,6 +198,8 @@ def _run(sock: socket.socket, host: str, port: int, model: str | None, open_brow
         _Server(uvicorn_config(app), app.state.runs, started).run(sockets=[sock])
     finally:
         engine.stop()  # persists the prefix cache
+        if cluster is not None:
+            cluster.stop()
         storage.close()
         sock.close()
         print("mlxchat stopped.", file=sys.stderr, flush=True)

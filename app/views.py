@@ -80,9 +80,11 @@ def models_context(request: Request) -> dict[str, Any]:
     from .picker import download_state
 
     engine = request.app.state.engine
+    cluster = getattr(request.app.state, "cluster", None)  # a sharded model (engine/distributed/)
     return {"models": engine.list_models(), "current_model": engine.model_name,
             "switch": request.app.state.switch, "download": download_state(request),
-            "resident": engine.status().resident}
+            "resident": engine.status().resident,
+            "sharded_over": cluster.health()["world_size"] if cluster else None}
 
 
 def settings_context(conv: Conversation, errors: dict[str, str] | None = None,

@@ -10,6 +10,7 @@ This is the engine's whole public face; the app imports nothing else from it (a 
 from .decoding.defaults import SOURCES as DEFAULT_SOURCES, Default, ModelDefaults
 from .decoding.drafts import DraftChoice, SpeculativeOptions
 from .decoding.sampling import PRESETS, SAMPLING_OPTIONS, SamplingOption, SamplingParams, preset
+from .distributed.cluster import Cluster
 from .device import DEVICES, blas_preload_env, select_device
 from .kernels import describe_device, device_report
 from .errors import (DownloadCancelled, DownloadError, EngineError, InvalidRequest, ModelLoadError,
@@ -26,12 +27,13 @@ from .scheduling.keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
 from .scheduling.service import Engine, EngineStatus, ModelDescription, RequestHandle
 
 __all__ = [
-    "DEFAULT_KEEP_ALIVE_S", "DEFAULT_SOURCES", "DEVICES", "PRESETS", "SAMPLING_OPTIONS", "Channel",
-    "Default", "DownloadCancelled", "DownloadError", "DownloadProgress", "DraftChoice", "Engine",
-    "EngineError", "EngineStatus", "Event", "FinishReason", "InvalidRequest", "ModelDefaults",
-    "ModelDescription", "ModelInfo", "ModelLoadError", "Overloaded", "RequestHandle",
-    "RequestState", "SamplingOption", "SamplingParams", "SpeculativeOptions", "Timings",
-    "TokenLogprob", "ToolCall", "ToolRequest", "TopLogprob", "UnsupportedArchitecture", "Usage",
+    "Cluster", "DEFAULT_KEEP_ALIVE_S", "DEFAULT_SOURCES", "DEVICES", "PRESETS", "SAMPLING_OPTIONS",
+    "Channel", "Default", "DownloadCancelled", "DownloadError", "DownloadProgress", "DraftChoice",
+    "Engine", "EngineError", "EngineStatus", "Event", "FinishReason", "InvalidRequest",
+    "ModelDefaults", "ModelDescription", "ModelInfo", "ModelLoadError", "Overloaded",
+    "RequestHandle", "RequestState", "SamplingOption", "SamplingParams", "SpeculativeOptions",
+    "Timings", "TokenLogprob", "ToolCall", "ToolRequest", "TopLogprob", "UnsupportedArchitecture",
+    "Usage",
     "blas_preload_env", "cache_dir", "data_dir", "describe_device", "device_report",
     "import_bundled_wheel", "keep_alive_seconds", "list_models", "parse_pull_spec", "preset",
     "pull_model", "remove_model", "select_device", "tool_request",

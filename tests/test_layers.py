@@ -13,7 +13,8 @@ pytestmark = pytest.mark.fast
 ROOT = Path(__file__).resolve().parent.parent
 # Lowest first; a module may import its own layer or lower ones.
 LAYERS = [("errors", "events", "paths", "device"), ("kernels",), ("loading",), ("decoding",),
-          ("cache",), ("scheduling",), ("__init__",)]
+          ("cache",), ("scheduling",), ("distributed",),
+          ("__init__",)]
 
 
 def layer_of(module: str) -> int:

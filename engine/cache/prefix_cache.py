@@ -80,7 +80,7 @@ def copy_cache(cache: Sequence[Any]) -> list[Any]:
             arrays = [mx.contiguous(a) if a is not None else None for a in c.cache]
             out.append(ArraysCache.from_state((arrays, None, None)))
     mx.eval(list(_arrays(out)))
-    return out
+    return _mirrored(cache, out, None)
 
 
 def restore(snapshot: Sequence[Any], length: int) -> list[Any]:
@@ -97,7 +97,14 @@ def restore(snapshot: Sequence[Any], length: int) -> list[Any]:
         else:
             out.append(ArraysCache.from_state(([a[...] if a is not None else None for a in c.cache],
                                                None, None)))
-    return out
+    return _mirrored(snapshot, out, length)
+
+
+def _mirrored(source: Sequence[Any], out: list[Any], length: int | None) -> list[Any]:
+    """A sharded model's caches have twins on the other ranks (engine/distributed/sharded.py):
+    a copy of one (`length` None) or a restore from one is made there too."""
+    mirror = getattr(source, "mirror", None)
+    return mirror(out, length) if mirror is not None else out
 
 
 def _layers(snapshot: Sequence[Any]) -> list[files.Layer]:

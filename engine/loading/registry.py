@@ -199,9 +199,12 @@ def _fastest_layout(model: nn.Module, config: dict[str, Any]) -> nn.Module:
 
 
 def load_model(name: str | None = None, *, fallback_to_default: bool = False,
-               transform: Transform | None = None) -> LoadedModel:
+               transform: Transform | None = None,
+               group: mx.distributed.Group | None = None) -> LoadedModel:
     """Load a model by name or path. With `fallback_to_default`, a model that cannot load is
-    logged with its reason and the bundled model is loaded instead; otherwise the error is raised."""
+    logged with its reason and the bundled model is loaded instead; otherwise the error is raised.
+    With a distributed `group`, keep only this rank's tensor-parallel shard (engine/distributed/);
+    the shard stays in mlx-lm's own sharded layers, without the CPU layout."""
     from mlx_lm import load as mlx_lm_load
 
     try:
@@ -218,7 +221,12 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
             log.warning("model %r failed to load (%s); falling back to %s", name, exc, DEFAULT_MODEL)
             return load_model(None, transform=transform)
         raise
-    model = _fastest_layout(model, config)
+    if group is not None:
+        if not hasattr(model, "shard"):
+            raise ModelLoadError(f"mlx-lm cannot shard {display!r} ({config.get('model_type')})")
+        model.shard(group)
+    else:
+        model = _fastest_layout(model, config)
     use_chunked_prefill(model)  # Qwen3.5 / Qwen3-Next: chunked linear-attention prefill
     if transform is not None:
         model = transform(model)

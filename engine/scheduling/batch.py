@@ -56,6 +56,13 @@ def kv_footprint(model: nn.Module) -> KVFootprint:
     return KVFootprint(per_token, fixed, can_batch(cache))
 
 
+def _edit(cache: list[Any], name: str, local: Any, *args: Any) -> Any:
+    """`local(*args)`, or for a sharded model's cache its method `name`, which makes the same edit
+    on every rank (engine/distributed/sharded.py)."""
+    mirrored = getattr(cache, name, None)
+    return mirrored(*args) if mirrored is not None else local(*args)
+
+
 class DecodeBatch:
     """The generations decoding together on one model, in row order."""
 
@@ -73,10 +80,10 @@ class DecodeBatch:
 
     def join(self, gen: Generation) -> None:
         """Move `gen`'s cache into the batch as a new last row."""
-        merged = _merge_caches([gen.cache])
+        merged = _edit(gen.cache, "batch_merged", lambda: _merge_caches([gen.cache]))
         if self.rows:
-            for batch_layer, row_layer in zip(self.cache, merged):
-                batch_layer.extend(row_layer)
+            _edit(self.cache, "batch_extend", lambda row: [b.extend(r) for b, r in zip(self.cache, row)],
+                  merged)
         else:
             self.cache = merged
         # The batch holds this request's keys and values now; its own copy is released. While it
@@ -90,15 +97,14 @@ class DecodeBatch:
     def leave(self, gen: Generation) -> None:
         """Hand `gen` its row of the cache back and drop the row from the batch."""
         i = next(i for i, g in enumerate(self.rows) if g is gen)
-        gen.cache = [layer.extract(i) for layer in self.cache]
+        gen.cache = _edit(self.cache, "batch_extracted", lambda i: [c.extract(i) for c in self.cache], i)
         gen.prefix_cache = self._stores.pop(id(gen))
         if gen.prefix_cache is not None and POLICY.save_at_finish(gen.finish_reason):
             gen.prefix_cache.save(list(gen.fed), gen.cache)  # the save its finish skipped
         del self.rows[i]
         if self.rows:
-            keep = mx.array([j for j in range(len(self.rows) + 1) if j != i])
-            for layer in self.cache:
-                layer.filter(keep)
+            keep = [j for j in range(len(self.rows) + 1) if j != i]
+            _edit(self.cache, "batch_filter", lambda k: [c.filter(mx.array(k)) for c in self.cache], keep)
         else:
             self.cache = []
 

@@ -175,9 +175,10 @@ class Engine:
                  persist_prefix_cache: bool = False,
                  load: Callable[..., LoadedModel] = load_model, batching: bool = True,
                  memory_budget: int | None = None,
-                 keep_alive: float | str | None = DEFAULT_KEEP_ALIVE_S):
+                 keep_alive: float | str | None = DEFAULT_KEEP_ALIVE_S, speculation: bool = True):
         """`keep_alive`: unload the model's weights after it has been idle this long (seconds or
-        a duration such as "30m"; None or negative: never); the next request reloads them."""
+        a duration such as "30m"; None or negative: never); the next request reloads them.
+        `speculation=False` refuses speculative requests (a sharded model)."""
         self.requested_model = model
         self.keep_alive = keep_alive_seconds(keep_alive)
         self.max_running = max_running
@@ -186,6 +187,7 @@ class Engine:
         self.use_prefix_cache = prefix_cache
         self.persist_prefix_cache = persist_prefix_cache
         self.batching = batching
+        self.speculation = speculation  # off for a sharded model (engine/distributed/)
         # One budget for the model caches of admitted requests and the prefix cache's snapshots:
         # the prefix cache may hold what the admitted requests do not reserve.
         self.memory_budget = memory_budget if memory_budget is not None else device_memory_budget()
@@ -216,6 +218,7 @@ class Engine:
         self._resident = False
         self._idle_since = time.monotonic()
         self._idle_keep: float | None = self.keep_alive
+        self._halted: str | None = None  # why the engine stopped serving for good (see `halt`)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, progress: Callable[[str], None] | None = None) -> "Engine":
@@ -240,11 +243,34 @@ class Engine:
             self._stopping = True
             self._wake.notify_all()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            # a halted engine's thread may be blocked for good (see `halt`)
+            self._thread.join(timeout=1 if self._halted else 30)
         self._draft_jobs.put(None)
         if self.prefix_cache is not None and self.persist_prefix_cache:
             # so that reopening the app continues long conversations without re-prefill
             self.prefix_cache.persist(max_bytes=PERSIST_BYTES)
+
+    def halt(self, reason: str) -> None:
+        """Fail every admitted request with `reason` and refuse new ones (EngineError) from now
+        on; safe from any thread. For failures the scheduler thread cannot recover from, such as
+        a rank of a sharded model gone: that thread may stay blocked in a collective that never
+        returns, so this does not wait for it."""
+        with self._wake:
+            if self._halted is not None:
+                return
+            self._halted = reason
+            handles = self._preparing + list(self._queued) + self._running
+            self._preparing, self._running = [], []
+            self._queued.clear()
+            for h in handles:
+                self._end(h, "failed", [Event("done", finish_reason="failed", error=reason,
+                                              usage=h.usage, timings=Timings())])
+            self._wake.notify_all()
+
+    @property
+    def halted(self) -> str | None:
+        """Why the engine stopped serving for good, or None."""
+        return self._halted
 
     @property
     def model_name(self) -> str | None:
@@ -415,12 +441,17 @@ class Engine:
         A model unloaded after an idle time is reloaded before the request runs; `keep_alive`
         (like Ollama's) sets how long it stays loaded after this request."""
         lm = self.lm
+        if self._halted is not None:
+            raise EngineError(self._halted)
         if lm is None:
             raise EngineError("no model is loaded yet")
         params = params or SamplingParams()
         prompt = build_prompt(lm, messages=messages, prompt_tokens=prompt_tokens, text=text,
                               tools=tools)
         factory = None
+        if speculative is not None and not self.speculation:
+            raise InvalidRequest("speculative decoding is not available with a model sharded "
+                                 "over several processes", field="speculative")
         if speculative is not None:
             check_draft(lm, speculative.draft)
             with self._lock:
@@ -556,7 +587,7 @@ class Engine:
 
     # -- the scheduler thread --------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
+        while self._halted is None:
             while not self._soon.empty():
                 self._soon.get()()
             unload = False
@@ -649,6 +680,8 @@ class Engine:
 
     def _advance(self, handle: RequestHandle, outcome: list[Event] | Exception) -> None:
         """Publish one step's events (or its failure) and move the request's state on."""
+        if self._halted is not None:  # `halt` ended every request already
+            return
         gen = handle.generation
         if isinstance(outcome, Exception):  # isolated to this request
             log.error("request %s failed", handle.id, exc_info=outcome)

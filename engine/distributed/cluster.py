@@ -1,0 +1,69 @@
+"""The distributed layer as the app uses it: join the group, then either serve (rank 0) or follow."""
+
+import logging
+from typing import Any, Protocol
+
+from .follower import follow
+from .group import World, join, launched
+from .heartbeat import Watchdog, beat
+from .plan import Op, Plan
+from .sharded import Coordinator, sharded_loader
+
+log = logging.getLogger(__name__)
+
+
+class Haltable(Protocol):
+    def halt(self, reason: str) -> None: ...
+
+
+class Cluster:
+    """This process's membership in a sharded server (`mlx.launch ... -- mlxchat serve`)."""
+
+    def __init__(self, world: World):
+        self.world = world
+        self.coordinator = Coordinator(world) if world.rank == 0 else None
+        self.watchdog: Watchdog | None = None
+
+    @classmethod
+    def join(cls) -> "Cluster | None":
+        """The cluster `mlx.launch` started this process in, or None when it did not (or the
+        group has one rank): plain single-process serving."""
+        if not launched():
+            return None
+        world = join()
+        return cls(world) if world.size > 1 else None
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    def engine_options(self) -> dict[str, Any]:
+        """Rank 0's `Engine(...)` options: every rank loads its shard; the features whose caches
+        the followers cannot mirror yet (speculation) stay off (engine/distributed/sharded.py), and prefix-cache
+        snapshots stay in memory (no files per rank yet)."""
+        assert self.coordinator is not None
+        return {"load": sharded_loader(self.world, self.coordinator), "prefix_cache": True,
+                "persist_prefix_cache": False, "batching": True,
+                "speculation": False, "keep_alive": None}
+
+    def watch(self, engine: Haltable) -> None:
+        """Rank 0: halt `engine` (fail its requests, refuse new ones) once a rank is gone."""
+        self.watchdog = Watchdog(self.world, lambda rank, reason: engine.halt(
+            f"the sharded model lost {reason}; restart the server"))
+
+    def health(self) -> dict[str, Any]:
+        alive = self.watchdog.alive() if self.watchdog else [self.rank]
+        dead = self.watchdog.dead if self.watchdog else {}
+        return {"world_size": self.world.size, "ranks_alive": alive, "backend": self.world.backend,
+                "ranks_gone": {str(r): why for r, why in dead.items()}}
+
+    def stop(self) -> None:
+        """Rank 0, after the engine stopped: let every follower leave its loop (skipped when a
+        rank is gone; the followers end when rank 0's heartbeat connection closes)."""
+        if self.coordinator is not None and not (self.watchdog and self.watchdog.dead):
+            self.coordinator.send(Plan(Op.STOP))
+
+    def follow(self) -> int:
+        """Ranks other than 0: run rank 0's plans until it stops; returns how many were run."""
+        beat(self.world)
+        return follow(self.world)

@@ -1,0 +1,157 @@
+"""Rank 0's side: the sharded model as the scheduler calls it.
+
+The scheduler calls the model exactly as on one process; this wrapper broadcasts each call as a
+plan first, so the followers run the same forward on their mirror of the same cache. Caches are
+mirrored by id: a cache made here (mlx-lm's `make_prompt_cache` asks the model's `make_cache`)
+gets the next id, and when rank 0 lets it go its id rides along with the next plan so the
+followers drop theirs too. Prefix-cache snapshots and the caches restored from them are
+mirrored the same way (engine/cache/prefix_cache.py asks `mirror`), so reuse works as on one
+process, and so are the batch caches of requests decoding together (engine/scheduling/batch.py
+asks for `batch_merged`, `batch_extend`, `batch_extracted`, `batch_filter`). A cache with no twin on the followers is
+refused rather than run out of step; speculative decoding (draft caches) stays off.
+"""
+
+import itertools
+import threading
+import weakref
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import _merge_caches
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..errors import EngineError
+from ..loading.registry import LoadedModel, load_model, resolve
+from .group import World
+from .plan import Op, Plan, broadcast
+
+
+def batch_edit(plan: Plan, caches: dict[int, list[Any]]) -> list[Any] | None:
+    """The batch-cache edit `plan` describes, on `caches` by id (every rank runs this); returns
+    the new cache of MERGE and EXTRACT."""
+    source = caches[plan.cache_id]
+    if plan.op == Op.MERGE:
+        return _merge_caches([source])
+    if plan.op == Op.EXTEND:
+        for batch_layer, row_layer in zip(caches[plan.target], source):
+            batch_layer.extend(row_layer)
+        return None
+    if plan.op == Op.EXTRACT:
+        return [layer.extract(plan.length) for layer in source]
+    keep = mx.array(plan.values)
+    for layer in source:
+        layer.filter(keep)
+    return None
+
+
+class MirroredCache(list):
+    """A model cache whose twin lives on every follower under `cache_id`."""
+
+    cache_id: int
+    coordinator: "Coordinator"
+
+    def mirror(self, out: list[Any], length: int | None) -> "MirroredCache":
+        """`out`, a copy of this cache (or of its first `length` tokens), made on every rank."""
+        made = self.coordinator.adopt(out)
+        op = Op.COPY if length is None else Op.RESTORE
+        self.coordinator.send(Plan(op, self.cache_id, target=made.cache_id, length=length or 0))
+        return made
+
+    def _batch(self, plan: Plan, other: "MirroredCache | None" = None) -> "MirroredCache | None":
+        self.coordinator.send(plan)
+        caches = {self.cache_id: self, **({other.cache_id: other} if other is not None else {})}
+        made = batch_edit(plan, caches)
+        return self.coordinator.adopt(made, plan.target) if made is not None else None
+
+    def batch_merged(self) -> "MirroredCache | None":
+        return self._batch(Plan(Op.MERGE, self.cache_id, target=self.coordinator.next_id()))
+
+    def batch_extend(self, row: "MirroredCache") -> None:
+        self._batch(Plan(Op.EXTEND, row.cache_id, target=self.cache_id), row)
+
+    def batch_extracted(self, i: int) -> "MirroredCache | None":
+        return self._batch(Plan(Op.EXTRACT, self.cache_id, target=self.coordinator.next_id(),
+                                length=i))
+
+    def batch_filter(self, keep: list[int]) -> None:
+        self._batch(Plan(Op.FILTER, self.cache_id, values=keep))
+
+
+def cache_offset(cache: list[Any]) -> int:
+    """Tokens held by the first layer that counts them (every rank checks it before a forward)."""
+    return next((int(c.offset) for c in cache if isinstance(getattr(c, "offset", None), int)), 0)
+
+
+class Coordinator:
+    """Rank 0's end of the plan channel; one caller at a time (the scheduler thread)."""
+
+    def __init__(self, world: World):
+        self.world = world
+        self._ids = itertools.count(1)
+        self._dropped: list[int] = []
+        self._lock = threading.Lock()
+        self.steps = 0  # plans sent
+
+    def new_cache(self, model: nn.Module) -> MirroredCache:
+        return self.adopt(make_prompt_cache(model))
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def adopt(self, layers: list[Any], cache_id: int | None = None) -> MirroredCache:
+        """`layers` under `cache_id` (default: the next id); its twins are dropped when rank 0
+        lets it go."""
+        cache = MirroredCache(layers)
+        cache.cache_id, cache.coordinator = cache_id or self.next_id(), self
+        weakref.finalize(cache, self._release, cache.cache_id)
+        return cache
+
+    def _release(self, cache_id: int) -> None:
+        with self._lock:
+            self._dropped.append(cache_id)
+
+    def send(self, plan: Plan) -> Plan:
+        with self._lock:
+            plan.drops, self._dropped = self._dropped, []
+        self.steps += 1
+        return broadcast(self.world.group, plan)
+
+
+class ShardedModel:
+    """Looks like the model to the engine; each call is broadcast before it runs here."""
+
+    def __init__(self, model: nn.Module, coordinator: Coordinator):
+        self.model = model
+        self.coordinator = coordinator
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def make_cache(self) -> list[Any]:
+        return self.coordinator.new_cache(self.model)
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None, **kwargs: Any) -> mx.array:
+        if not isinstance(cache, MirroredCache) or kwargs:
+            raise EngineError("a sharded model runs only plain requests on caches it made "
+                              "(no prefix cache, batching or speculative decoding)")
+        sent = self.coordinator.send(Plan(Op.FORWARD, cache.cache_id, tuple(inputs.shape),
+                                          cache_offset(cache), tokens=inputs))
+        out = self.model(sent.tokens.astype(inputs.dtype), cache=cache)
+        # Every rank must run this call's collectives now and in this order, even if the caller
+        # ends up not reading the result (a cancelled request).
+        mx.async_eval(out)
+        return out
+
+
+def sharded_loader(world: World, coordinator: Coordinator) -> Callable[..., LoadedModel]:
+    """`Engine(load=...)` for rank 0: every rank loads the same folder and shards it."""
+
+    def load(name: str | None, *, fallback_to_default: bool = False) -> LoadedModel:
+        _, folder = resolve(name)  # a bad name fails here, before any follower loads anything
+        coordinator.send(Plan(Op.LOAD, name=str(folder)))
+        lm = load_model(str(folder), group=world.group)
+        lm.model = ShardedModel(lm.model, coordinator)
+        return lm
+
+    return load
