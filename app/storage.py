@@ -11,6 +11,7 @@ process crash.
 """
 
 import json
+import re
 import sqlite3
 import threading
 import time
@@ -76,8 +77,40 @@ _V3 = """
         ALTER TABLE messages ADD COLUMN speculative TEXT;
 """
 
+# Full-text search of titles and message text (FTS5 tables over the real ones, kept in step by
+# triggers, filled from the rows already there). Answers are saved as they stream, so only a change
+# of the indexed column touches the index.
+_V4 = """
+        CREATE VIRTUAL TABLE conversations_fts USING fts5(
+            title, content='conversations', content_rowid='id', tokenize='unicode61 remove_diacritics 2');
+        CREATE VIRTUAL TABLE messages_fts USING fts5(
+            content, content='messages', content_rowid='id', tokenize='unicode61 remove_diacritics 2');
+        CREATE TRIGGER conversations_fts_insert AFTER INSERT ON conversations BEGIN
+            INSERT INTO conversations_fts(rowid, title) VALUES (new.id, new.title);
+        END;
+        CREATE TRIGGER conversations_fts_delete AFTER DELETE ON conversations BEGIN
+            INSERT INTO conversations_fts(conversations_fts, rowid, title) VALUES ('delete', old.id, old.title);
+        END;
+        CREATE TRIGGER conversations_fts_update AFTER UPDATE OF title ON conversations BEGIN
+            INSERT INTO conversations_fts(conversations_fts, rowid, title) VALUES ('delete', old.id, old.title);
+            INSERT INTO conversations_fts(rowid, title) VALUES (new.id, new.title);
+        END;
+        CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN
+            INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
+        END;
+        CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages BEGIN
+            INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
+        END;
+        CREATE TRIGGER messages_fts_update AFTER UPDATE OF content ON messages BEGIN
+            INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
+            INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
+        END;
+        INSERT INTO conversations_fts(conversations_fts) VALUES ('rebuild');
+        INSERT INTO messages_fts(messages_fts) VALUES ('rebuild');
+"""
+
 # Append only: the schema version of a database (PRAGMA user_version) is how many have run.
-MIGRATIONS: list[str] = [_V1, _V2, _V3]
+MIGRATIONS: list[str] = [_V1, _V2, _V3, _V4]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -109,6 +142,17 @@ def connect(path: Path) -> sqlite3.Connection:
     db.execute("PRAGMA foreign_keys = ON")
     db.execute("PRAGMA busy_timeout = 5000")
     return db
+
+
+_WORD = re.compile(r"\w+")
+
+
+def fts_query(text: str) -> str | None:
+    """An FTS5 query matching rows with words that start with each word of `text`, or None when it
+    has no words. Every word is quoted, so FTS syntax in user text (quotes, `*`, `-`, `NEAR`,
+    `column:`) is searched for, never interpreted."""
+    words = _WORD.findall(text)
+    return " ".join(f'"{w}"*' for w in words) if words else None
 
 
 # --- records ------------------------------------------------------------------------------------
@@ -212,10 +256,12 @@ class Storage:
         return _conversation(rows[0]) if rows else None
 
     def list_conversations(self, search: str = "", limit: int = 200) -> list[Conversation]:
-        """Newest first; `search` matches the title or any message text (case-insensitive)."""
-        if not search.strip():
+        """Newest first; `search` keeps those whose title or any message (any version) holds
+        words starting with each of its words, accents and case aside (FTS5)."""
+        query = fts_query(search)
+        if query is None and not search.strip():
             rows = self._query("SELECT * FROM conversations ORDER BY updated DESC LIMIT ?", (limit,))
-        else:
+        elif query is None:  # no word characters at all (say "++" or an emoji): plain substring
             pattern = "%" + search.strip().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
             rows = self._query(
                 """SELECT * FROM conversations c WHERE c.title LIKE ?1 ESCAPE '\\'
@@ -223,6 +269,15 @@ class Storage:
                               AND m.content LIKE ?1 ESCAPE '\\')
                    ORDER BY updated DESC LIMIT ?2""",
                 (pattern, limit),
+            )
+        else:
+            rows = self._query(
+                """SELECT * FROM conversations WHERE id IN
+                       (SELECT rowid FROM conversations_fts WHERE conversations_fts MATCH ?1)
+                   OR id IN (SELECT conversation_id FROM messages WHERE id IN
+                       (SELECT rowid FROM messages_fts WHERE messages_fts MATCH ?1))
+                   ORDER BY updated DESC LIMIT ?2""",
+                (query, limit),
             )
         return [_conversation(r) for r in rows]
 
