@@ -109,8 +109,16 @@ _V4 = """
         INSERT INTO messages_fts(messages_fts) VALUES ('rebuild');
 """
 
+# A user turn's attached documents (JSON: [{name, text, tokens}]), an answer's tool calls (JSON,
+# OpenAI's shape) and the call a tool result answers.
+_V5 = """
+        ALTER TABLE messages ADD COLUMN attachments TEXT;
+        ALTER TABLE messages ADD COLUMN tool_calls TEXT;
+        ALTER TABLE messages ADD COLUMN tool_call_id TEXT;
+"""
+
 # Append only: the schema version of a database (PRAGMA user_version) is how many have run.
-MIGRATIONS: list[str] = [_V1, _V2, _V3, _V4]
+MIGRATIONS: list[str] = [_V1, _V2, _V3, _V4, _V5]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -187,6 +195,9 @@ class Message:
     error: str | None
     created: float
     speculative: dict[str, Any] | None = None  # statistics, when it was decoded speculatively
+    attachments: list[dict[str, Any]] | None = None  # documents of a user turn: name, text, tokens
+    tool_calls: list[dict[str, Any]] | None = None  # an answer's calls, as OpenAI sends them
+    tool_call_id: str | None = None  # the call a `tool` message answers
 
 
 def _conversation(row: sqlite3.Row) -> Conversation:
@@ -195,10 +206,13 @@ def _conversation(row: sqlite3.Row) -> Conversation:
     return Conversation(**d)
 
 
+_JSON_COLUMNS = ("sampling", "speculative", "attachments", "tool_calls")
+
+
 def _message(row: sqlite3.Row) -> Message:
     d = dict(row)
-    d["sampling"] = json.loads(d["sampling"]) if d["sampling"] else None
-    d["speculative"] = json.loads(d["speculative"]) if d.get("speculative") else None
+    for key in _JSON_COLUMNS:
+        d[key] = json.loads(d[key]) if d.get(key) else None
     return Message(**d)
 
 
@@ -307,16 +321,18 @@ class Storage:
 
     def add_message(self, cid: int, parent_id: int | None, role: str, content: str, *,
                     state: str = "done", model: str | None = None,
-                    sampling: dict[str, Any] | None = None) -> Message:
+                    sampling: dict[str, Any] | None = None,
+                    attachments: list[dict[str, Any]] | None = None) -> Message:
         """Insert a message under `parent_id` and make it the conversation's active leaf."""
         assert state in MESSAGE_STATES, state
         now = time.time()
         with self._transaction() as db:
             mid = db.execute(
                 """INSERT INTO messages (conversation_id, parent_id, role, content, model, sampling,
-                   state, created) VALUES (?,?,?,?,?,?,?,?)""",
+                   state, created, attachments) VALUES (?,?,?,?,?,?,?,?,?)""",
                 (cid, parent_id, role, content, model,
-                 json.dumps(sampling) if sampling is not None else None, state, now),
+                 json.dumps(sampling) if sampling is not None else None, state, now,
+                 json.dumps(attachments) if attachments else None),
             ).lastrowid
             db.execute("UPDATE conversations SET leaf_id = ?, updated = ? WHERE id = ?",
                              (mid, now, cid))
@@ -394,7 +410,8 @@ class Storage:
 EXPORT_FORMAT = "mlxchat.conversation/1"
 _MESSAGE_COLUMNS = ("role", "content", "model", "sampling", "ttft_ms", "tokens_per_s",
                     "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "state",
-                    "error", "created", "speculative")
+                    "error", "created", "speculative", "attachments", "tool_calls", "tool_call_id")
+_ROLES = ("system", "user", "assistant", "tool")
 
 
 def export_conversation(storage: Storage, cid: int) -> dict[str, Any]:
@@ -429,16 +446,19 @@ def import_conversation(storage: Storage, data: dict[str, Any]) -> Conversation:
         ids: dict[int, int] = {}
         previous = None
         for i, m in enumerate(data["messages"]):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
-                    or not isinstance(m.get("content"), str):
-                raise ValueError(f"messages[{i}] must have a role and text content")
+            if not isinstance(m, dict) or m.get("role") not in _ROLES or not (
+                    isinstance(m.get("content"), str) or m.get("content") is None and m.get("tool_calls")):
+                raise ValueError(f"messages[{i}] must have a role ({', '.join(_ROLES)}) and text "
+                                 "content (or tool calls)")
             row = {k: m.get(k) for k in _MESSAGE_COLUMNS} if ours else \
-                {"role": m["role"], "content": m["content"]}
+                {"role": m["role"], "content": m.get("content") or "",
+                 "tool_calls": m.get("tool_calls"), "tool_call_id": m.get("tool_call_id")}
             row.setdefault("created", now)
             row["created"] = row["created"] or now
             row["state"] = row.get("state") or "done"
-            for key in ("sampling", "speculative"):
-                row[key] = json.dumps(row[key]) if row.get(key) is not None else None
+            for key in _JSON_COLUMNS:
+                if key in row:
+                    row[key] = json.dumps(row[key]) if row[key] is not None else None
             parent = ids.get(m.get("parent")) if ours else previous
             cols = ", ".join(("conversation_id", "parent_id", *row))
             marks = ", ".join("?" * (len(row) + 2))
