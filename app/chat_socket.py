@@ -14,8 +14,9 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine import EngineError, Event, RequestHandle
 
-from .chat import engine_messages, sampling_params, speculative_options, start_turn
+from .chat import sampling_params, speculative_options, start_turn
 from .markdown import render_markdown
+from .overflow import answer_messages, prepare_send
 from .storage import Storage
 from .turns import start
 from .views import message_views, parts, render
@@ -81,8 +82,12 @@ async def _respond(ws: WebSocket, cid: int, action: str, data: dict[str, Any],
     conv = storage.get_conversation(cid)
     title = conv.title
     try:
-        turn = start_turn(storage, conv, action, data)
         params = sampling_params(conv.settings)
+        conv, overflow_notice = prepare_send(engine, storage, conv, action, data, params.max_tokens)
+        if overflow_notice:  # too long for the context: nothing is recorded, the user chooses
+            await ws.send_text(overflow_notice)
+            return
+        turn = start_turn(storage, conv, action, data)
         speculative = speculative_options(conv.settings)
     except (ValueError, EngineError) as exc:
         await _notice(ws, str(exc))
@@ -106,8 +111,8 @@ async def _respond(ws: WebSocket, cid: int, action: str, data: dict[str, Any],
     text, final, error = "", None, None
     try:
         await ws.send_text(opening)
-        gen.handle = await start(engine, engine_messages(conv.settings, path[:-1]), params,
-                                 speculative)
+        gen.handle = await start(engine, answer_messages(engine, conv.settings, path[:-1],
+                                                         params.max_tokens), params, speculative)
         if gen.stop_requested:  # Stop pressed before the request existed
             gen.handle.cancel()
         with ws.app.state.runs.track(gen.handle):

@@ -19,6 +19,7 @@ from .loading.bundled import import_wheel as import_bundled_wheel
 from .loading.registry import ModelInfo, list_models
 from .paths import cache_dir, data_dir
 from .scheduling.service import Engine, EngineStatus, ModelDescription, RequestHandle
+from .decoding.generate import build_prompt as _build_prompt
 
 __all__ = [
     "DEVICES", "PRESETS", "SAMPLING_OPTIONS", "Channel", "DraftChoice", "Engine", "EngineError",
@@ -27,5 +28,18 @@ __all__ = [
     "SamplingParams", "SpeculativeOptions", "Timings", "TokenLogprob", "ToolCall",
     "ToolRequest", "TopLogprob", "UnsupportedArchitecture", "Usage",
     "blas_preload_env", "cache_dir", "data_dir", "describe_device", "device_report",
-    "import_bundled_wheel", "list_models", "preset", "select_device", "tool_request",
+    "count_tokens", "import_bundled_wheel", "list_models", "preset", "select_device",
+    "tool_request",
 ]
+
+
+def count_tokens(engine: Engine, *, text: str | None = None, messages: list[dict] | None = None,
+                 tools: ToolRequest | None = None) -> int:
+    """How many tokens the loaded model's tokenizer makes of `text` (raw) or of `messages` as a
+    prompt (through the chat template, `tools` offered), exactly as a request would be counted."""
+    lm = engine.lm
+    if lm is None:
+        raise EngineError("no model is loaded yet")
+    if text is not None and not text.strip():
+        return 0
+    return len(_build_prompt(lm, messages=messages, text=text, tools=tools).tokens)
