@@ -51,6 +51,10 @@ _FIELDS.add("reasoning_format")
 _FIELDS.add("truncate")
 REASONING_FORMATS = ("auto", "none")
 _SPECULATIVE = {"draft": str, "k": int, "adaptive": bool}
+# Deeper JSON is refused before anything walks it recursively (schemas, the chat template).
+MAX_DEPTH = 64
+# Bodies from this size on are parsed and checked off the event loop.
+INLINE_BODY_BYTES = 64 * 1024
 
 
 class ApiError(Exception):
@@ -117,7 +121,7 @@ def _messages(value: Any) -> list[dict[str, str]]:
         if not isinstance(m, dict):
             raise ApiError(400, f"messages[{i}] must be an object", f"messages[{i}]")
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got "
                                 f"{json.dumps(role)}", f"messages[{i}].role")
         content = m.get("content")
@@ -126,6 +130,47 @@ def _messages(value: Any) -> list[dict[str, str]]:
         out.append({"role": ROLES[role], "content": _content(i, content),
                     **tool_fields(i, role, m)})
     return out
+
+
+def load_body(raw: bytes) -> Any:
+    """The request body as JSON, checked for what would break later: nesting deeper than
+    MAX_DEPTH, and strings that are not valid Unicode (lone surrogates such as "\\ud800", which
+    JSON allows but UTF-8 cannot encode). Raises ApiError."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, f"the request body is nested more than {MAX_DEPTH} levels deep") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+    _check_json(body)
+    return body
+
+
+def _check_json(body: Any) -> None:
+    pending: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while pending:
+        value, where, depth = pending.pop()
+        if depth > MAX_DEPTH:
+            raise ApiError(400, f"the request body is nested more than {MAX_DEPTH} levels deep",
+                           where.split(".")[0].split("[")[0] or None)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, where)
+                pending.append((item, f"{where}.{key}" if where else key, depth + 1))
+        elif isinstance(value, list):
+            pending.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(value, where)
+
+
+def _check_text(text: str, where: str) -> None:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, f"{where or 'the request body'} holds a string that is not valid "
+                                "Unicode (a lone surrogate)", where or None,
+                           "invalid_value") from None
 
 
 def parse_chat_request(body: Any, model_name: str | None) -> ChatRequest:
@@ -137,7 +182,8 @@ def parse_chat_request(body: Any, model_name: str | None) -> ChatRequest:
             raise ApiError(400, f"Unrecognized request argument supplied: {name}", name,
                            "unknown_parameter")
     for name, neutral in _NEUTRAL.items():
-        if body.get(name) not in (None, neutral):
+        value = body.get(name)
+        if value is not None and (type(value) is not type(neutral) or value != neutral):
             raise ApiError(400, f"'{name}' is not supported (only {json.dumps(neutral)})", name,
                            "unsupported_parameter")
     model = _typed(body, "model", str)
@@ -166,7 +212,7 @@ def parse_chat_request(body: Any, model_name: str | None) -> ChatRequest:
         tools = tool_request(body.get("tools"), body.get("tool_choice"),
                              _typed(body, "parallel_tool_calls", bool))
     except InvalidRequest as exc:
-        raise ApiError(400, str(exc), _param(exc), exc.code or "invalid_value") from None
+        raise ApiError(400, public_error(str(exc)), _param(exc), exc.code or "invalid_value") from None
     n = _typed(body, "n", int)
     if n is not None and not 1 <= n <= MAX_CHOICES:
         raise ApiError(400, f"'n' must be an integer in [1, {MAX_CHOICES}], got {n}", "n",
@@ -223,7 +269,49 @@ def _json_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | Non
         raise ApiError(400, "'response_format.json_schema' must be an object with 'schema' (a JSON "
                             "Schema object) and optionally 'name', 'description' and 'strict'",
                        "response_format")
+    loop = _ref_loop(spec["schema"])
+    if loop is not None:
+        raise ApiError(400, f"'response_format.json_schema.schema' refers to itself through "
+                            f"{json.dumps(loop)}: no JSON value can match it", "response_format",
+                       "invalid_value")
     return spec["schema"]
+
+
+def _ref_loop(schema: dict[str, Any]) -> str | None:
+    """A local `$ref` whose chain of references comes back to itself (`{"$ref": "#"}`, or `a`
+    defined as `{"$ref": "#/definitions/a"}`): such a schema accepts nothing, and the grammar
+    engine would only find out while generating."""
+    def resolve(ref: str) -> Any:
+        if not ref.startswith("#"):
+            return None
+        node: Any = schema
+        for part in filter(None, ref[1:].split("/")):
+            key = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and key in node:
+                node = node[key]
+            elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+                node = node[int(key)]
+            else:
+                return None
+        return node
+
+    pending = [schema]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, list):
+            pending.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        pending.extend(node.values())
+        seen, current = {id(node)}, node
+        while isinstance(current, dict) and isinstance(current.get("$ref"), str):
+            target = resolve(current["$ref"])
+            if id(target) in seen:
+                return current["$ref"]
+            seen.add(id(target))
+            current = target
+    return None
 
 
 def parse_speculative(value: Any) -> SpeculativeOptions | None:
@@ -271,7 +359,7 @@ def usage_body(usage: Usage, stats: dict[str, Any] | None = None) -> dict[str, A
     speculative = (stats or {}).get("speculative")
     if speculative is not None:  # an extension, only for requests that opted in
         body["speculative"] = {k: speculative[k] for k in (
-            "drafted", "accepted", "acceptance_rate", "tokens_per_target_step")}
+            "drafted", "accepted", "acceptance_rate", "tokens_per_target_step", "switched_off")}
     return body
 
 
@@ -299,13 +387,19 @@ async def list_models(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": data})
 
 
+def public_error(message: str | None) -> str:
+    """An engine failure as a client may see it: its first line only (a grammar engine's error
+    goes on with its internal state)."""
+    line = (message or "").strip().split("\n", 1)[0]
+    return line[:300] or "generation failed"
+
+
 async def chat_completions(request: Request) -> Response:
     engine = request.app.state.engine
     try:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+        raw = await request.body()
+        body = load_body(raw) if len(raw) < INLINE_BODY_BYTES else \
+            await asyncio.to_thread(load_body, raw)
         if engine.model_name is None:
             return api_error(503, "a model is loading; try again shortly", "server_error",
                              "model_loading", headers={"Retry-After": "5"})
@@ -336,7 +430,7 @@ async def chat_completions(request: Request) -> Response:
     finals = [c.final for c in choices]
     failed = next((f for f in finals if f.finish_reason == "failed"), None)
     if failed is not None:
-        return api_error(500, failed.error or "generation failed", "server_error", "generation_failed")
+        return api_error(500, public_error(failed.error), "server_error", "generation_failed")
     return JSONResponse({
         **meta, "object": "chat.completion",
         "choices": [{"index": i, "message": message_body(c), "finish_reason": c.final.finish_reason,
@@ -366,7 +460,7 @@ async def submit_choices(engine: Any, messages: list[dict[str, Any]] | None,
     try:
         return await start_choices(engine, messages, params, n, speculative, **options)
     except InvalidRequest as exc:
-        raise ApiError(400, str(exc), _param(exc), exc.code) from None
+        raise ApiError(400, public_error(str(exc)), _param(exc), exc.code) from None
     except Overloaded as exc:
         raise ApiError(429, str(exc), type_="rate_limit_exceeded", code="rate_limit_exceeded",
                        headers={"Retry-After": str(math.ceil(exc.retry_after))}) from None
@@ -400,7 +494,7 @@ async def _sse(request: Request, runs: Runs, handles: list[RequestHandle], meta:
                     if event.text or lps:
                         yield chunk(i, {key: event.text}, logprobs=lps)
                 elif event.finish_reason == "failed":
-                    yield _data({"error": {"message": event.error or "generation failed",
+                    yield _data({"error": {"message": public_error(event.error),
                                            "type": "server_error", "param": None,
                                            "code": "generation_failed"}})
                 else:

@@ -14,7 +14,8 @@ from starlette.routing import Route
 
 from engine import InvalidRequest, RequestHandle, SamplingParams, TokenLogprob
 
-from .api import _SAMPLING, ApiError, _cancel_on_disconnect, _param, _typed, submit_choices, usage_body
+from .api import (_SAMPLING, ApiError, _cancel_on_disconnect, _param, _typed, public_error,
+                  submit_choices, usage_body)
 from .api_choices import MAX_CHOICES, collect_choices, merged, system_fingerprint, total_usage, tracked
 from .security import api_error
 from .sse import sse
@@ -118,7 +119,7 @@ async def completions(request: Request) -> Response:
     finals = [c.final for c in choices]
     failed = next((f for f in finals if f.finish_reason == "failed"), None)
     if failed is not None:
-        return api_error(500, failed.error or "generation failed", "server_error", "generation_failed")
+        return api_error(500, public_error(failed.error), "server_error", "generation_failed")
     return JSONResponse({**meta, "choices": [
         {"index": i, "text": "".join(c.content), "finish_reason": c.final.finish_reason,
          "logprobs": _legacy_logprobs(c.logprobs, wanted)} for i, c in enumerate(choices)],

@@ -1,5 +1,6 @@
 """Files attached in the composer: chips showing each file's token count (or why it was refused),
-carrying the text back with the message, which stores it as documents inside the user turn."""
+carrying the text back with the message, which stores it as documents inside the user turn.
+Uploads are bounded by the server's body limit (security.BodyLimit: 413 beyond it)."""
 
 import json
 
@@ -8,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse
 from starlette.routing import Route
 
-from .documents import MAX_FILE_BYTES, NotAttachable, attachment
+from .documents import NotAttachable, attachment
 from .views import parts, render
 
 MAX_FILES = 10
@@ -24,7 +25,7 @@ async def attach(request: Request) -> HTMLResponse:
                 continue
             name = upload.filename or "attachment"
             try:
-                doc = attachment(engine, name, await upload.read(MAX_FILE_BYTES + 1))
+                doc = attachment(engine, name, await upload.read())  # BodyLimit bounds it
             except NotAttachable as exc:
                 chips.append(render("_attachment.html", name=name, error=str(exc)))
             else:

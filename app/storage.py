@@ -123,21 +123,45 @@ SCHEMA_VERSION = len(MIGRATIONS)
 
 
 def migrate(db: sqlite3.Connection, target: int = SCHEMA_VERSION) -> int:
-    """Apply the migrations `db` lacks, each in its own transaction; return the new version."""
+    """Apply the migrations `db` lacks, each in its own transaction; return the new version.
+
+    Each step takes the database's write lock (BEGIN IMMEDIATE) before it reads the version, so
+    two processes opening one database at once cannot both apply the same migration."""
+    version = _version(db)
+    for number in range(version + 1, target + 1):
+        # One step, one transaction: a failed migration leaves the previous version intact.
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            version = _version(db)
+            if version < number:
+                for statement in _statements(MIGRATIONS[number - 1]):
+                    db.execute(statement)
+                db.execute(f"PRAGMA user_version = {number}")
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+    return max(_version(db), target)
+
+
+def _version(db: sqlite3.Connection) -> int:
     version = db.execute("PRAGMA user_version").fetchone()[0]
     if version > SCHEMA_VERSION:
         raise RuntimeError(
             f"the database is schema version {version}, newer than this mlxchat ({SCHEMA_VERSION})"
         )
-    for number in range(version + 1, target + 1):
-        # One script, one transaction: a failed migration leaves the previous version intact.
-        try:
-            db.executescript(f"BEGIN; {MIGRATIONS[number - 1]}; PRAGMA user_version = {number}; COMMIT;")
-        except sqlite3.Error:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
-    return max(version, target)
+    return version
+
+
+def _statements(script: str) -> Iterator[str]:
+    """The SQL statements of a migration script, one by one (so that they share a transaction)."""
+    current = ""
+    for piece in script.split(";"):
+        current += piece + ";"
+        if sqlite3.complete_statement(current):
+            if current.strip(" \n\t;"):
+                yield current
+            current = ""
 
 
 def connect(path: Path) -> sqlite3.Connection:
@@ -145,10 +169,10 @@ def connect(path: Path) -> sqlite3.Connection:
     # isolation_level=None: we open transactions ourselves (autocommit otherwise).
     db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     db.row_factory = sqlite3.Row
+    db.execute("PRAGMA busy_timeout = 5000")  # first: another opener may hold the lock
     db.execute("PRAGMA journal_mode = WAL")
     db.execute("PRAGMA synchronous = NORMAL")
     db.execute("PRAGMA foreign_keys = ON")
-    db.execute("PRAGMA busy_timeout = 5000")
     return db
 
 
@@ -161,6 +185,41 @@ def fts_query(text: str) -> str | None:
     `column:`) is searched for, never interpreted."""
     words = _WORD.findall(text)
     return " ".join(f'"{w}"*' for w in words) if words else None
+
+
+_DAMAGED = (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+
+
+def open_database(path: Path) -> tuple[sqlite3.Connection, Path | None]:
+    """The migrated database at `path`, and where a damaged file there was moved (else None).
+
+    A file SQLite cannot read as a database is kept, renamed `<name>.corrupt-<time>` (with its
+    -wal and -shm files), and a fresh database takes its place."""
+    try:
+        db = connect(path)
+        try:
+            db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            migrate(db)
+        except BaseException:
+            db.close()
+            raise
+        return db, None
+    except sqlite3.DatabaseError as exc:
+        if getattr(exc, "sqlite_errorcode", None) not in _DAMAGED:
+            raise
+    aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+    for suffix in ("", "-wal", "-shm"):
+        part = Path(f"{path}{suffix}")
+        if part.exists():
+            part.rename(f"{aside}{suffix}")
+    db = connect(path)
+    migrate(db)
+    return db, aside
+
+
+def valid_id(value: int) -> bool:
+    """Whether `value` can be a row id (SQLite's are signed 64-bit; larger ones overflow)."""
+    return 0 < value < 2**63
 
 
 # --- records ------------------------------------------------------------------------------------
@@ -226,9 +285,8 @@ class Storage:
 
     def __init__(self, path: Path | None = None):
         self.path = Path(path) if path else default_db_path()
-        self._db = connect(self.path)
+        self._db, self.moved_aside = open_database(self.path)
         self._lock = threading.Lock()
-        migrate(self._db)
 
     def close(self) -> None:
         with self._lock:
@@ -266,6 +324,8 @@ class Storage:
         return self.get_conversation(cid)
 
     def get_conversation(self, cid: int) -> Conversation | None:
+        if not valid_id(cid):
+            return None
         rows = self._query("SELECT * FROM conversations WHERE id = ?", (cid,))
         return _conversation(rows[0]) if rows else None
 
@@ -339,6 +399,8 @@ class Storage:
         return self.get_message(mid)
 
     def get_message(self, mid: int) -> Message | None:
+        if not valid_id(mid):
+            return None
         rows = self._query("SELECT * FROM messages WHERE id = ?", (mid,))
         return _message(rows[0]) if rows else None
 
@@ -393,6 +455,8 @@ class Storage:
 
     def select_branch(self, cid: int, mid: int) -> None:
         """Show the branch through message `mid`, down to its newest descendant."""
+        if not valid_id(mid):
+            return
         leaf = mid
         while True:
             rows = self._query("SELECT max(id) FROM messages WHERE parent_id = ?", (leaf,))

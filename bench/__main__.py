@@ -203,8 +203,8 @@ def suite_prefix(lm, shape: str, a) -> list[Row]:
             + ("trimmable KV: longest common prefix" if trimmable else
                "non-trimmable linear-attention state: only its end-of-system-prompt snapshot") + ")"),
         Row("prefix", shape, "TTFT cold", "ms", c * 1e3, m * 1e3, "mlx_lm.stream_generate", "",
-            f"{len(tokens)} tokens, nothing cached; ours prefills in checkpointed 512-token chunks, "
-            "mlx-lm in 2048-token chunks"),
+            f"{len(tokens)} tokens, nothing cached; ours prefills in 2048-token chunks (GPU; 512 on "
+            "CPU) stopping only where a snapshot is taken, mlx-lm in 2048-token chunks"),
     ]
     return rows
 
@@ -288,12 +288,16 @@ def suite_concurrency(lm, shape: str, a) -> list[Row]:
     tps = {k: [r["aggregate_tps"] for r in v] for k, v in runs.items()}
     med = {k: common.median(v) for k, v in tps.items()}
     first_tokens = [r.get("first_token_s") for r in runs["many"]]
+    last_first = [f[-1] / f[0] for f in first_tokens if f and f[0] > 0]
     return [
         Row("concurrency", shape, f"aggregate, {n} streams vs mlx-lm batch_generate", "tok/s", med["many"],
             med["mlx_batch"], f"mlx_lm batch_generate of {n}", ">= 1.0",
             f"median of {a.reps}; ours {common.spread(tps['many'])}, batch_generate "
             f"{common.spread(tps['mlx_batch'])}; {gen} tokens per stream after 128-token prompts, wall "
-            f"time incl. prefill", {"all": tps, "first_token_s": first_tokens}),
+            f"time incl. prefill; last stream's first token / first stream's: median "
+            f"{common.fmt(common.median(last_first)) if last_first else '-'}x "
+            f"{common.spread(last_first) if last_first else ''}",
+            {"all": tps, "first_token_s": first_tokens, "last_over_first_token": last_first}),
         Row("concurrency", shape, f"aggregate, {n} streams vs 1", "tok/s", med["many"], med["one"],
             "ours, 1 stream", ">= 4.0", f"median of {a.reps}; ours 1 stream {common.spread(tps['one'])}; "
             f"mlx-lm 1 stream {common.fmt(med['mlx_one'])} tok/s"),

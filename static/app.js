@@ -77,6 +77,16 @@
   document.addEventListener("drop", (e) => { if (inComposer(e) && attach(e.dataTransfer.files)) e.preventDefault(); });
   document.addEventListener("paste", (e) => { if (inComposer(e) && attach(e.clipboardData.files)) e.preventDefault(); });
   document.addEventListener("htmx:afterRequest", (e) => { if (e.target.id === "attach-form") e.target.reset(); });
+  // An upload the server refused outright (413: over its body limit) says so where chips or the
+  // import result would have gone.
+  document.addEventListener("htmx:responseError", (e) => {
+    const target = e.detail.target;
+    if (!target || !["attachments", "import-result"].includes(target.id)) return;
+    const p = document.createElement("p");
+    p.className = "field-error";
+    p.textContent = e.detail.xhr.status === 413 ? "That upload is too large." : `Upload failed (${e.detail.xhr.status}).`;
+    target.append(p);
+  });
 
   // Follow a streaming answer unless the user scrolled up to read.
   let follow = true;

@@ -103,8 +103,9 @@ class ThreadedServer:
         self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                timeout_graceful_shutdown=2)
+        from app.server import uvicorn_config
+
+        config = uvicorn_config(app, host="127.0.0.1", port=self.port)  # as `serve()` runs it
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

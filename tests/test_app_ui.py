@@ -38,6 +38,7 @@ def new_conversation(http, max_tokens: int = 4) -> int:
 def turn(server, cid: int, **message) -> list[str]:
     """Send one action over the chat socket; collect fragments until the Send button returns."""
     with connect(server.url.replace("http://", "ws://") + f"/c/{cid}/ws", origin=server.url) as ws:
+        ws.recv(timeout=60)  # the conversation's current state, sent on every (re)connect
         ws.send(json.dumps(message))
         fragments = []
         while True:

@@ -76,6 +76,7 @@ def payload(chip: str) -> str:
 def socket_send(server, cid: int, message: dict) -> list[str]:
     """Send one action; collect fragments until the answer ends or a notice comes instead."""
     with connect(server.url.replace("http://", "ws://") + f"/c/{cid}/ws", origin=server.url) as ws:
+        ws.recv(timeout=60)  # the conversation's current state, sent on every (re)connect
         ws.send(json.dumps(message))
         fragments = []
         while True:

@@ -306,4 +306,7 @@ def test_adaptive_k_falls_back_to_plain_steps_when_drafts_fail():
     list(generate(lm, build_prompt(lm, prompt_tokens=PROMPTS[0]), SamplingParams(max_tokens=40),
                   speculator=spec))
     assert spec.accepted == 0
-    assert spec.drafted < spec.steps  # mostly k = 0 after the first failures, with probes
+    # k = 0 is decoded by plain pipelined steps (no target steps of their own), and speculation
+    # that keeps failing steps aside within a few rounds
+    assert spec.steps <= config.trial_rounds + 1
+    assert spec.stats()["plain_tokens_per_s"] is not None

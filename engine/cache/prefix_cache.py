@@ -1,7 +1,7 @@
 """Prefix cache: snapshots of a model's cache at conversation checkpoints, found by token equality.
 
-`Generation` saves a snapshot at every message checkpoint of the prompt, at the whole prompt and at
-the end of the answer; a new request fetches the longest reusable prefix of its tokens. Lookup
+`Generation` saves snapshots where engine/decoding/snapshots.py says (the prompt's end, the answer's
+end and, for non-trimmable caches, chosen message ends and branch points); a new request fetches the longest reusable prefix of its tokens. Lookup
 walks a radix trie over token ids, never message ids: a chat template may render earlier turns
 differently once later turns exist, and only truly equal tokens may be reused.
 
@@ -341,6 +341,13 @@ class PrefixCache:
             self._evict(keep=snapshot)
         if self._writer is not None:
             self._writer.poke()
+
+    def branch_point(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` the cached snapshots' token runs share: where this
+        prompt leaves what is cached (a snapshot there serves the next prompt that branches off
+        at the same place; engine/decoding/snapshots.py)."""
+        with self._lock:
+            return _walk(self._root, tokens)[1] if self.enabled else 0
 
     # -- queries -------------------------------------------------------------------------------
     def stats(self) -> CacheStats:

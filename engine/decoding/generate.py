@@ -1,5 +1,5 @@
-"""One request's generation: chunked prefill that pauses at message checkpoints, then decoding one
-token per step. `Generation.step()` does one unit of work so a scheduler can interleave requests and
+"""One request's generation: chunked prefill that stops only where a snapshot is taken
+(engine/decoding/snapshots.py), then decoding one token per step. `Generation.step()` does one unit of work so a scheduler can interleave requests and
 cancel between steps; `generate()` runs it to the end for callers that just want the events.
 
 The decode loop mirrors `mlx_lm.generate.generate_step` (the next step's graph is built and
@@ -20,6 +20,7 @@ from ..events import Channel, Event, Timings, Usage
 from ..loading.registry import LoadedModel
 from .logprobs import token_logprob
 from .sampling import SamplingParams, TokenSampler
+from .snapshots import POLICY
 from .stops import StopMatcher
 from .tools import ToolRequest, constraint as tool_constraint, markers as tool_markers, parse_calls
 from .tools import prepare as prepare_tools
@@ -27,7 +28,13 @@ from .tools import prepare as prepare_tools
 if TYPE_CHECKING:
     from .speculative import Speculator
 
-PREFILL_CHUNK = 512
+
+
+def default_prefill_chunk() -> int:
+    """Prompt tokens per prefill forward. Each chunk ends with an evaluation (a device sync on a
+    GPU, where large chunks pay); on the CPU one chunk is seconds of work during which no other
+    request decodes, so chunks stay small there."""
+    return 2048 if mx.default_device() == mx.gpu else 512
 
 
 class PrefixStore(Protocol):
@@ -39,6 +46,10 @@ class PrefixStore(Protocol):
 
     def save(self, tokens: Sequence[int], cache: list[Any]) -> None:
         """Snapshot `cache`, which holds exactly `tokens`; later mutation must not affect it."""
+
+    def branch_point(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` the cached snapshots share (where this prompt leaves
+        what is cached)."""
 
 
 def build_prompt(lm: LoadedModel, messages: Sequence[dict] | None = None,
@@ -78,7 +89,7 @@ class Generation:
     """The state of one request from prefill to its final event."""
 
     def __init__(self, lm: LoadedModel, prompt: Prompt, params: SamplingParams,
-                 prefix_cache: PrefixStore | None = None, prefill_chunk: int = PREFILL_CHUNK,
+                 prefix_cache: PrefixStore | None = None, prefill_chunk: int | None = None,
                  speculator: "Speculator | None" = None, tools: ToolRequest | None = None,
                  split_reasoning: bool = False):
         """`tools`: the request's tools (their calls are parsed, and constrained where they must
@@ -94,7 +105,7 @@ class Generation:
         self.speculator = speculator  # opt-in: decode by draft-and-verify (engine/decoding/speculative.py)
         self.lm, self.prompt, self.params = lm, prompt, params
         self.prefix_cache = prefix_cache
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = prefill_chunk or default_prefill_chunk()
         self.sampler = TokenSampler(params)
         if params.json_schema is not None:  # JSON mode: the grammar masks logits last
             if speculator is not None:  # draft-and-verify would run the grammar out of order
@@ -132,6 +143,10 @@ class Generation:
         self.finish_reason: str | None = None
         self._next: tuple[mx.array, mx.array] | None = None
         self._history: mx.array | None = None
+        self._stops: list[int] = []  # prompt positions where prefill saves a snapshot
+        # With a speculator: plain tokens to decode before the next speculative round (None: plain
+        # to the end, speculation switched itself off; engine/decoding/speculative.py decides).
+        self._plain_left: int | None = 0
         self._cancel = False
 
     def _channels(self, lm: LoadedModel, prompt: Prompt, split_reasoning: bool) -> ChannelSplitter | None:
@@ -171,6 +186,9 @@ class Generation:
         else:
             self.cache, self.reused = make_prompt_cache(self.lm.model), 0
         self.fed = list(tokens[: self.reused])
+        branch = self.prefix_cache.branch_point(tokens) if self.prefix_cache is not None else 0
+        self._stops = POLICY.prefill_stops(self.prompt, self.reused,
+                                           can_trim_prompt_cache(self.cache), branch)
         if self.sampler.processors:
             self._history = mx.array(self.fed, dtype=mx.uint32)
 
@@ -187,8 +205,9 @@ class Generation:
             self.prefix_cache.save(list(self.fed), self.cache)
 
     # -- work ----------------------------------------------------------------------------------
-    def step(self) -> list[Event]:
-        """One prefill chunk or one decoded token; returns the events it produced."""
+    def step(self, prefill_limit: int | None = None) -> list[Event]:
+        """One prefill chunk (of at most `prefill_limit` prompt tokens, if given) or one decoded
+        token; returns the events it produced."""
         if self.done:
             return []
         if self._cancel:
@@ -196,41 +215,61 @@ class Generation:
         if self.cache is None:
             self._begin()
         if self.in_prefill:
-            return self._prefill_step()
+            return self._prefill_step(prefill_limit or self.prefill_chunk)
         return self._decode_step()
 
-    def _prefill_step(self) -> list[Event]:
+    @property
+    def prefill_left(self) -> int:
+        """Prompt tokens not yet fed to the model (0 once decoding)."""
+        if not self.in_prefill:
+            return 0
+        return len(self.prompt.tokens) - len(self.fed)
+
+    def _prefill_step(self, limit: int) -> list[Event]:
         tokens = self.prompt.tokens
         last = len(tokens) - 1  # the last prompt token goes through the first decode step
         pos = len(self.fed)
         if pos < last:
-            ends = [c for c in self.prompt.checkpoints if pos < c <= last] + [last]
-            end = min(ends[0], pos + self.prefill_chunk)
+            stop = next((s for s in self._stops if s > pos), last)
+            end = min(stop, pos + min(limit, self.prefill_chunk))
             self._feed(mx.array(tokens[pos:end], dtype=mx.uint32))
             self.fed.extend(tokens[pos:end])
             mx.eval([c.state for c in self.cache])
-            if end in self.prompt.checkpoints:
+            if end in self._stops:
                 self._save()
             return []
-        if not can_trim_prompt_cache(self.cache) and pos > self.reused:
-            # A non-trimmable cache (linear-attention state) is reusable only at the exact length
-            # where it was saved, and a fetch stops one token short of the prompt: keep that one
-            # so repeating or regenerating this prompt re-runs only its last token.
-            self._save()
         logits = self._feed(mx.array(tokens[last:], dtype=mx.uint32))
         self.fed.append(tokens[last])
         self._next = self.sampler(logits[:, -1, :], self._history)
         mx.async_eval(*self._next)
-        self._save()  # the whole prompt: always a checkpoint
+        self._save()  # the whole prompt
         return []
 
     def _decode_step(self) -> list[Event]:
-        if self.speculator is not None and self._next is None:
-            return self._speculative_step()
-        y, _ = self._next
-        if self.speculator is not None:  # the prompt's token: emit it, then speculate from it
+        spec = self.speculator
+        if spec is None:
+            return self._plain_step()
+        start, emitted = time.perf_counter(), len(self.generated)
+        if self._next is None:  # speculating: the cache lags the emitted sequence
+            self._plain_left = spec.plain_run()
+            if self._plain_left == 0:
+                events = self._speculative_step()
+                spec.record(True, len(self.generated) - emitted, time.perf_counter() - start)
+                return events
+            self._resume_plain()
+            return []
+        if self._plain_left == 0:  # the token the cache lacks: emit it, then speculate from it
+            y, _ = self._next
             self._next = None
             return self._emit([y.item()])
+        events = self._plain_step()
+        spec.record(False, len(self.generated) - emitted, time.perf_counter() - start)
+        if self._plain_left:
+            self._plain_left -= 1
+        return events
+
+    def _plain_step(self) -> list[Event]:
+        y, _ = self._next
         if len(self.generated) + 1 >= self.params.max_tokens:  # the last token: nothing to feed
             self._pending_logprobs = self._next[1]
             self._next = None
@@ -238,13 +277,26 @@ class Generation:
         logits = self.lm.model(self.decode_input()[None], cache=self.cache)
         return self.decode_output(logits[:, -1, :])
 
+    def _resume_plain(self) -> None:
+        """From speculative to plain decoding: feed the target what its cache lacks of the emitted
+        tokens and sample the next one, as the end of prefill does."""
+        seq = list(self.prompt.tokens) + self.generated
+        logits = self.lm.model(mx.array(seq[len(self.fed):], dtype=mx.uint32)[None], cache=self.cache)
+        self.fed = seq
+        if self.sampler.processors:
+            self._history = mx.array(seq, dtype=mx.uint32)
+        self._next = self.sampler(logits[:, -1, :], self._history)
+        mx.async_eval(*self._next)
+
     # A decode step split around its model call, so that engine/scheduling/batch.py can run one model call
     # for many generations; `_decode_step` is `decode_output(model(decode_input()))`.
     @property
     def batchable(self) -> bool:
-        """Decoding plainly with a token to feed next (not its last one, not cancelled)."""
-        return (self.speculator is None and not self.done and not self._cancel
-                and self._next is not None and len(self.generated) + 1 < self.params.max_tokens)
+        """Decoding plainly with a token to feed next (not cancelled). A row's last token is fed
+        too (one wasted row of a model call that runs anyway), so it need not leave the batch
+        before its last step."""
+        return ((self.speculator is None or self._plain_left is None) and not self.done
+                and not self._cancel and self._next is not None)
 
     def decode_input(self) -> mx.array:
         """The sampled token not yet fed, as model input of shape (1,), added to the history."""
@@ -345,7 +397,7 @@ class Generation:
             tail = [Event("token", text=piece, channel=channel) for channel, piece in pieces if piece]
         if self._next is not None:
             mx.eval(*self._next)  # let the step in flight finish so the cache is consistent
-        if self.first_token_at is not None and reason != "cancelled":
+        if self.first_token_at is not None and POLICY.save_at_finish(reason):
             self._save()
         stats = {"speculative": self.speculator.stats()} if self.speculator is not None else {}
         return tail + [Event("done", text=text, finish_reason=reason, usage=self.usage(),

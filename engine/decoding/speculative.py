@@ -166,6 +166,8 @@ class SpecConfig:
     verify_cost: float = 0.05  # each extra token in the verification pass
     prior_acceptance: float = 0.6
     probe_every: int = 8  # with k = 0 chosen, draft one token this often to keep measuring
+    trial_rounds: int = 4  # speculative rounds before plain decoding is timed for comparison
+    trial_tokens: int = 8  # plain tokens timed then
 
     def expected_speedup(self, alpha: float, k: int) -> float:
         tokens = sum(alpha**i for i in range(k + 1))
@@ -205,6 +207,23 @@ class AdaptiveK:
         if drafted:
             self.accepts = self.DECAY * self.accepts + accepted
             self.trials = self.DECAY * self.trials + accepted + (accepted < drafted)
+
+
+class Pace:
+    """Tokens per second of one way of decoding, over a decaying window of recent steps."""
+
+    DECAY = 0.7
+
+    def __init__(self) -> None:
+        self.tokens = self.seconds = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens = self.DECAY * self.tokens + tokens
+        self.seconds = self.DECAY * self.seconds + seconds
+
+    @property
+    def rate(self) -> float | None:
+        return self.tokens / self.seconds if self.tokens and self.seconds > 0 else None
 
 
 # -- drafters -------------------------------------------------------------------------------------
@@ -276,6 +295,38 @@ class Speculator:
         self.policy = AdaptiveK(config)
         self.body, self.head = split_model(target) if drafter.needs_hidden else (None, None)
         self.drafted = self.accepted = self.steps = self.emitted = 0
+        # Whether it pays, measured: speculative rounds against plain (pipelined) decoding of the
+        # same request. A drafter that reads the target's hidden states cannot skip tokens, so
+        # with one it never pauses and never switches off; nor does a fixed k (adaptive off).
+        self.can_pause = not drafter.needs_hidden and config.adaptive
+        self.speculative_pace, self.plain_pace = Pace(), Pace()
+        self.switched_off = False
+        self._k: int | None = None  # k for the next round, decided by `plain_run`
+
+    def plain_run(self) -> int | None:
+        """Before a round: 0 to speculate now, n > 0 to decode n tokens plainly first (k = 0 was
+        chosen, or plain decoding is being timed), None to decode plainly to the end: speculation
+        measured slower than plain decoding and switched itself off."""
+        if self.switched_off:
+            return None
+        if not self.can_pause:
+            return 0
+        spec, plain = self.speculative_pace.rate, self.plain_pace.rate
+        if plain is None and self.steps >= self.config.trial_rounds:
+            return self.config.trial_tokens
+        if plain is not None and spec is not None and spec < plain:
+            self.switched_off = True
+            return None
+        k = self.policy.choose()
+        if k == 0:
+            self._k = 1  # the round after the plain run probes the acceptance again
+            return self.config.probe_every
+        self._k = k
+        return 0
+
+    def record(self, speculative: bool, tokens: int, seconds: float) -> None:
+        """Wall time of a decode step of this request and the tokens it emitted."""
+        (self.speculative_pace if speculative else self.plain_pace).add(tokens, seconds)
 
     def _forward(self, inputs: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array | None]:
         if self.body is None:
@@ -320,7 +371,9 @@ class Speculator:
         """One draft-and-verify round. `seq` is the whole sequence so far (prompt + output), of which
         `cache` holds the first `length`; at most `budget` tokens may be emitted. Returns the new
         tokens (at least one) and how many tokens of seq + new the cache holds now."""
-        k = max(min(self.policy.choose(), budget - 1), 0)
+        k = self._k if self._k is not None else self.policy.choose()
+        self._k = None
+        k = max(min(k, budget - 1), 0)
         params = sampler.params
         sampler.key, key = mx.random.split(sampler.key)
         draft_key, accept_key = mx.random.split(key)
@@ -367,7 +420,14 @@ class Speculator:
             "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
             "target_steps": self.steps,
             "tokens_per_target_step": self.emitted / self.steps if self.steps else None,
+            "switched_off": self.switched_off,
+            "speculative_tokens_per_s": _round(self.speculative_pace.rate),
+            "plain_tokens_per_s": _round(self.plain_pace.rate),
         }
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 1)
 
 
 def model_speculator(target: LoadedModel, draft: LoadedModel | nn.Module,

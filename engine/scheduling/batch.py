@@ -23,6 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..events import Event
 from ..decoding.generate import Generation, PrefixStore
+from ..decoding.snapshots import POLICY
 
 
 def can_batch(cache: list[Any]) -> bool:
@@ -91,7 +92,7 @@ class DecodeBatch:
         i = next(i for i, g in enumerate(self.rows) if g is gen)
         gen.cache = [layer.extract(i) for layer in self.cache]
         gen.prefix_cache = self._stores.pop(id(gen))
-        if gen.prefix_cache is not None and gen.finish_reason in ("stop", "length", "tool_calls"):
+        if gen.prefix_cache is not None and POLICY.save_at_finish(gen.finish_reason):
             gen.prefix_cache.save(list(gen.fed), gen.cache)  # the save its finish skipped
         del self.rows[i]
         if self.rows:

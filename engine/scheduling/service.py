@@ -38,6 +38,11 @@ from ..decoding.tools import ToolRequest
 log = logging.getLogger(__name__)
 
 SWITCH_INTERVAL_S = 2e-4
+# Prompt tokens prefilled per tick, in prefill chunks: one while requests decode (each tick of
+# prefill delays their next token), more while nothing decodes, so that requests arriving
+# together start together and the batch runs full from its first step.
+PREFILL_CHUNKS_DECODING = 1
+PREFILL_CHUNKS_IDLE = 4
 PERSIST_BYTES = 512 * 2**20  # prefix-cache snapshots written to disk at shutdown
 
 
@@ -151,9 +156,10 @@ class RequestHandle:
 class Engine:
     """Owns one loaded model and runs every request on a single scheduler thread.
 
-    Each scheduler tick does one prefill chunk (of the oldest request still in prefill), the solo
-    steps that cannot be batched (a request's last token, cancellations, speculative decoding) and
-    one batched decode step for every other decoding request (engine/scheduling/batch.py).
+    Each scheduler tick prefills up to a budget of prompt tokens (oldest request first, several
+    short prompts in one tick; see PREFILL_CHUNKS_*), runs the solo steps that cannot be batched
+    (cancellations, speculative decoding, a lone decoder) and one batched decode step for every
+    other decoding request (engine/scheduling/batch.py).
     """
 
     def __init__(self, model: str | None = None, *, max_running: int = 4, max_queued: int = 8,
@@ -448,8 +454,9 @@ class Engine:
                 batch.join(gen)
         solo = [h for h in running if h.generation not in batch]
         prefilling = [h for h in solo if h.generation.in_prefill and not h.cancel_requested]
+        decoding = len(prefilling) < len(running)
         if prefilling:
-            self._step(prefilling[0])  # the oldest: finishing one prompt first gives earlier TTFTs
+            self._prefill(prefilling, PREFILL_CHUNKS_DECODING if decoding else PREFILL_CHUNKS_IDLE)
         for h in solo:
             if h not in prefilling:
                 self._step(h)
@@ -463,9 +470,23 @@ class Engine:
             for gen, outcome in results:
                 self._advance(by_gen[id(gen)], outcome)
 
-    def _step(self, handle: RequestHandle) -> None:
+    def _prefill(self, prefilling: list[RequestHandle], chunks: int) -> None:
+        """Prefill the oldest prompts first (finishing one before starting the next gives earlier
+        first tokens) within `chunks` prefill chunks' worth of tokens; each prompt still runs in
+        its own model calls, so requests stay isolated."""
+        budget = chunks * prefilling[0].generation.prefill_chunk
+        for h in prefilling:
+            gen = h.generation
+            while budget > 0 and gen.in_prefill and not gen.done:
+                left = gen.prefill_left
+                self._step(h, prefill_limit=budget)
+                budget -= max(left - gen.prefill_left, 1)
+            if budget <= 0:
+                return
+
+    def _step(self, handle: RequestHandle, prefill_limit: int | None = None) -> None:
         try:
-            outcome: list[Event] | Exception = handle.generation.step()
+            outcome: list[Event] | Exception = handle.generation.step(prefill_limit)
         except Exception as exc:
             outcome = exc
         self._advance(handle, outcome)

@@ -1,0 +1,47 @@
+"""The login page for a server started with `--api-key`: the browser trades the key for a session
+cookie (HttpOnly: scripts cannot read it; SameSite=Strict: other sites cannot send it)."""
+
+import asyncio
+
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Route
+
+from .security import LOGIN_PATH, SESSION_COOKIE, same, session_token
+from .views import read_form, render
+
+FAILED_LOGIN_DELAY_S = 1.0  # slows down guessing
+
+
+def _next(target: str | None) -> str:
+    """Where to go after logging in: a path on this server only (no `//host` or scheme)."""
+    if target and target.startswith("/") and not target.startswith("//") and "\\" not in target:
+        return target
+    return "/"
+
+
+async def login_page(request: Request) -> Response:
+    return HTMLResponse(render("login.html", next=_next(request.query_params.get("next")),
+                               error=None))
+
+
+async def login(request: Request) -> Response:
+    api_key = request.app.state.api_key
+    form = await read_form(request)
+    target = _next(form.get("next"))
+    if not api_key:
+        return RedirectResponse(target, status_code=303)
+    if not same(form.get("key", ""), api_key):
+        await asyncio.sleep(FAILED_LOGIN_DELAY_S)
+        return HTMLResponse(render("login.html", next=target, error="That is not this server's key."),
+                            status_code=401)
+    response = RedirectResponse(target, status_code=303)
+    response.set_cookie(SESSION_COOKIE, session_token(api_key), httponly=True, samesite="strict",
+                        path="/")
+    return response
+
+
+routes = [
+    Route(LOGIN_PATH, login_page),
+    Route(LOGIN_PATH, login, methods=["POST"]),
+]

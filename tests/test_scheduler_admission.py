@@ -1,0 +1,131 @@
+"""Admission that fills the batch: requests that arrive while the scheduler is busy all prefill in
+its next tick and decode together from their first batched step, each giving the tokens it gives
+alone, and a request cancelled on the way in (queued, in prefill or decoding) ends alone.
+
+To make "arrive while the scheduler is busy" (and "cancelled in prefill") exact, the model (the
+real tiny model) can hold a call of a given length until the test releases it.
+"""
+
+import dataclasses
+import threading
+
+import pytest
+
+from engine.decoding.generate import build_prompt, generate
+from engine.decoding.sampling import SamplingParams
+from tiny_models import tiny_llama, tiny_qwen3_5
+
+pytestmark = pytest.mark.fast
+
+
+class GatedModel:
+    """The real model, recording every call's batch size; `hold(n)` makes the next call over `n`
+    tokens wait (on the scheduler thread) until released."""
+
+    def __init__(self, model):
+        self.model = model
+        self.holds: dict[int, tuple[threading.Event, threading.Event]] = {}
+        self.batch_sizes: list[int] = []
+
+    def hold(self, length: int) -> tuple[threading.Event, threading.Event]:
+        """(set once the call has started, set it to let the call go on)"""
+        self.holds[length] = threading.Event(), threading.Event()
+        return self.holds[length]
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        held = self.holds.pop(inputs.shape[1], None)
+        if held is not None:
+            held[0].set()
+            assert held[1].wait(timeout=60)
+        self.batch_sizes.append(inputs.shape[0])
+        return self.model(inputs, cache=cache, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_5"])
+def base(request):
+    return tiny_llama() if request.param == "llama" else tiny_qwen3_5()
+
+
+def params_for(i: int, max_tokens: int) -> SamplingParams:
+    if i % 2 == 0:
+        return SamplingParams(max_tokens=max_tokens)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.9, top_p=0.95, seed=500 + i)
+
+
+def alone(lm, prompt, params) -> list[int]:
+    return [e.token for e in generate(lm, build_prompt(lm, prompt_tokens=prompt), params)
+            if e.kind == "token"]
+
+
+def tokens_of(handle) -> list[int]:
+    events = list(handle.events(timeout=120))
+    assert [e.kind for e in events].count("done") == 1 and events[-1].kind == "done"
+    return [e.token for e in events if e.kind == "token"]
+
+
+FIRST = list(range(1000, 1040))
+PROMPTS = [list(range(2000 + 100 * i, 2030 + 100 * i + 7 * i)) for i in range(7)]  # 30-72 tokens
+
+
+def start_busy(base, serve, **options):
+    """An engine whose scheduler is inside the first request's prefill chunk; returns the event
+    that lets it go on."""
+    model = GatedModel(base.model)
+    engine = serve(dataclasses.replace(base, model=model), prefix_cache=False, **options)
+    entered, release = model.hold(len(FIRST) - 1)  # its last token is fed by the next call
+    first = engine.submit(prompt_tokens=FIRST, params=params_for(0, 14))
+    assert entered.wait(timeout=60)
+    return engine, model, first, release
+
+
+def test_requests_arriving_together_decode_in_one_full_batch(base, serve):
+    engine, model, first, release = start_busy(base, serve, max_running=8)
+    params = [params_for(i + 1, 6) for i in range(7)]
+    handles = [engine.submit(prompt_tokens=p, params=q) for p, q in zip(PROMPTS, params)]
+    release.set()
+
+    assert tokens_of(first) == alone(base, FIRST, params_for(0, 14))
+    for handle, prompt, p in zip(handles, PROMPTS, params):
+        assert tokens_of(handle) == alone(base, prompt, p)
+        assert handle.state == "finished"
+    # Every batched step ran all eight rows: the seven prompts prefilled in one tick, joined at
+    # once and stayed until their last token (the first request, longer, then ends alone).
+    batched = [n for n in model.batch_sizes if n > 1]
+    assert batched and set(batched) == {8}
+    assert len(batched) == 6
+
+
+def test_cancelling_during_batched_admission_touches_no_other_request(base, serve):
+    engine, model, first, release = start_busy(base, serve, max_running=6, max_queued=4)
+    params = [params_for(i + 1, 8) for i in range(7)]
+    handles = [engine.submit(prompt_tokens=p, params=q) for p, q in zip(PROMPTS, params)]
+    queued, prefilling, decoding = handles[6], handles[4], handles[1]
+    assert queued.state == "queued"
+    queued.cancel()  # no slot for it yet: it ends at once
+    # The next tick admits five and prefills them in order; hold it inside the fourth one's chunk
+    # and cancel the fifth, admitted but not started.
+    entered, go_on = model.hold(len(PROMPTS[3]) - 1)
+    release.set()
+    assert entered.wait(timeout=60)
+    assert prefilling.state == "prefill"
+    prefilling.cancel()
+    go_on.set()
+    events = decoding.events(timeout=60)
+    assert next(events).kind == "token"
+    decoding.cancel()
+
+    for i, handle in enumerate(handles):
+        if handle in (queued, prefilling, decoding):
+            out = list(handle.events(timeout=60)) if handle is not decoding else list(events)
+            assert out[-1].finish_reason == "cancelled" and handle.state == "cancelled"
+        else:
+            assert tokens_of(handle) == alone(base, PROMPTS[i], params[i])
+    assert tokens_of(first) == alone(base, FIRST, params_for(0, 14))
+    assert [s for s, _ in queued.transitions] == ["queued", "cancelled"]
+    assert [s for s, _ in prefilling.transitions] == ["queued", "prefill", "cancelled"]
+    assert [s for s, _ in decoding.transitions][-2:] == ["decoding", "cancelled"]
+    status = engine.status()
+    assert (status.running, status.queued, status.batch_rows, status.reserved_bytes) == (0, 0, 0, 0)
