@@ -25,6 +25,7 @@ from .api_choices import (MAX_CHOICES, collect_choices, logprobs_body, merged, m
                           start_choices, system_fingerprint, tool_call_deltas, total_usage,
                           tracked)
 from .api_tools import tool_fields
+from .context import TRUNCATE_MODES, drop_oldest
 from .runs import Runs
 from .security import api_error
 from .sse import sse
@@ -45,6 +46,9 @@ _FIELDS.add("speculative")  # an extension: opt-in speculative decoding, see `pa
 # An extension (llama.cpp's name): "none" keeps a thinking model's reasoning inline in `content`;
 # "auto" (the default) returns it apart as `reasoning_content`.
 _FIELDS.add("reasoning_format")
+# An extension: "oldest" drops the oldest turns (a leading system message stays) until the prompt
+# and max_tokens fit the context; without it a prompt too long is refused (context_length_exceeded).
+_FIELDS.add("truncate")
 REASONING_FORMATS = ("auto", "none")
 _FIELDS.add("keep_alive")  # as Ollama's: how long the model stays loaded after this request
 _SPECULATIVE = {"draft": str, "k": int, "adaptive": bool}
@@ -436,7 +440,8 @@ async def chat_completions(request: Request) -> Response:
                              "model_loading", headers={"Retry-After": "5"})
         chat = parse_chat_request(body, engine.model_name, engine.defaults)
         speculative = parse_speculative(body.get("speculative"))
-        handles = await submit_choices(engine, chat.messages, chat.params, chat.n, speculative,
+        messages = _truncated(engine, body.get("truncate"), chat)
+        handles = await submit_choices(engine, messages, chat.params, chat.n, speculative,
                                        tools=chat.tools, split_reasoning=chat.split_reasoning,
                                        keep_alive=chat.keep_alive)
     except ApiError as err:
@@ -469,6 +474,19 @@ async def chat_completions(request: Request) -> Response:
                     for i, c in enumerate(choices)],
         "usage": usage_body(total_usage(finals), finals[0].stats),
     })
+
+
+def _truncated(engine: Any, mode: Any, chat: ChatRequest) -> list[dict[str, Any]]:
+    """The request's messages, the oldest dropped to fit if it asked (`"truncate": "oldest"`)."""
+    if mode is None:
+        return chat.messages
+    if mode not in TRUNCATE_MODES:
+        raise ApiError(400, f"'truncate' must be one of {', '.join(TRUNCATE_MODES)}", "truncate",
+                       "invalid_value")
+    try:
+        return drop_oldest(engine, chat.messages, chat.params.max_tokens, chat.tools)
+    except InvalidRequest as exc:
+        raise ApiError(400, str(exc), _param(exc), exc.code) from None
 
 
 async def submit_choices(engine: Any, messages: list[dict[str, Any]] | None,

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 from engine import (SAMPLING_OPTIONS, InvalidRequest, ModelDefaults, SamplingOption,
                     SamplingParams, SpeculativeOptions)
 
+from .documents import parse_attachments, with_documents
 from .storage import DEFAULT_TITLE, Conversation, Message, Storage
 
 # Form fields of the settings panel, one per sampling option. Blank means the default.
@@ -93,18 +94,24 @@ def parse_settings_form(form: Mapping[str, str]) -> tuple[dict[str, Any], dict[s
     return settings, errors
 
 
-def engine_messages(settings: Mapping[str, Any], path: list[Message]) -> list[dict[str, str]]:
-    """The prompt for the next answer: the system prompt, then the active path.
+def engine_messages(settings: Mapping[str, Any], path: list[Message]) -> list[dict[str, Any]]:
+    """The prompt for the next answer: the system prompt, then the active path (a user turn with
+    its attached documents, tool calls and results as OpenAI writes them).
 
     Failed answers without text are left out; a stopped answer is part of the conversation.
     """
-    messages = []
+    messages: list[dict[str, Any]] = []
     if settings.get("system_prompt"):
         messages.append({"role": "system", "content": settings["system_prompt"]})
     for m in path:
-        if m.role == "assistant" and m.state == "failed" and not m.content:
+        if m.role == "assistant" and m.state == "failed" and not m.content and not m.tool_calls:
             continue
-        messages.append({"role": m.role, "content": m.content})
+        message: dict[str, Any] = {"role": m.role, "content": with_documents(m.content, m.attachments)}
+        if m.tool_calls:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
     return messages
 
 
@@ -127,7 +134,8 @@ def start_turn(storage: Storage, conv: Conversation, action: str, data: Mapping[
         if not content:
             raise ValueError("Type a message first.")
         path = storage.active_path(conv.id)
-        user = storage.add_message(conv.id, path[-1].id if path else None, "user", content)
+        user = storage.add_message(conv.id, path[-1].id if path else None, "user", content,
+                                   attachments=parse_attachments(data.get("attachments")))
         if conv.title == DEFAULT_TITLE and not path:
             storage.rename_conversation(conv.id, _title(content))
         return Turn(user.id, user, rerender=False)
@@ -137,7 +145,8 @@ def start_turn(storage: Storage, conv: Conversation, action: str, data: Mapping[
             raise ValueError("Only your own messages can be edited.")
         if not content:
             raise ValueError("The edited message is empty.")
-        user = storage.add_message(conv.id, target.parent_id, "user", content)
+        user = storage.add_message(conv.id, target.parent_id, "user", content,
+                                   attachments=target.attachments)  # an edit keeps its documents
         return Turn(user.id, user, rerender=True)
     if target.role != "assistant" or target.parent_id is None:  # regenerate
         raise ValueError("Only answers can be regenerated.")

@@ -17,8 +17,9 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine import EngineError, Event, RequestHandle
 
-from .chat import engine_messages, sampling_params, speculative_options, start_turn
+from .chat import sampling_params, speculative_options, start_turn
 from .markdown import render_markdown
+from .overflow import answer_messages, prepare_send
 from .storage import Storage
 from .turns import Conversations, start
 from .views import message_views, parts, render
@@ -148,8 +149,13 @@ async def _turn(app: Any, cid: int, action: str, data: dict[str, Any], gen: _Gen
         raise _Refused(_DELETED)
     title = conv.title
     try:
-        turn = start_turn(storage, conv, action, data)
         params = sampling_params(conv.settings, engine.defaults)
+        conv, overflow_notice = prepare_send(engine, storage, conv, action, data, params.max_tokens)
+        if overflow_notice:  # too long for the context: nothing is recorded, the user chooses
+            await pages.send(cid, overflow_notice
+                             + render("_composer_actions.html", generating=False, oob=True))
+            return
+        turn = start_turn(storage, conv, action, data)
         speculative = speculative_options(conv.settings)
     except (ValueError, EngineError) as exc:
         raise _Refused(str(exc)) from None
@@ -174,8 +180,8 @@ async def _turn(app: Any, cid: int, action: str, data: dict[str, Any], gen: _Gen
     text, final, error = "", None, None
     try:
         await pages.send(cid, opening)
-        gen.handle = await start(engine, engine_messages(conv.settings, path[:-1]), params,
-                                 speculative)
+        gen.handle = await start(engine, answer_messages(engine, conv.settings, path[:-1],
+                                                         params.max_tokens), params, speculative)
         if gen.stop_requested:  # Stop pressed before the request existed
             gen.handle.cancel()
         with app.state.runs.track(gen.handle):

@@ -3,10 +3,12 @@
 Model text is untrusted. markdown-it escapes any HTML in it and refuses `javascript:`-style links;
 nh3 then keeps only an allow-list of tags, attributes and URL schemes, so even a markdown-it bug
 cannot let script, event handlers or dangerous URLs through. We add two things ourselves, after
-escaping: a copy button on each code block and a collapsible block for `<think>` reasoning.
+escaping: a copy button on each code block and a collapsible block for `<think>` reasoning. Tool
+calls and tool results are never markdown: escaped text in collapsible blocks.
 """
 
 import html
+import json
 import re
 
 import nh3
@@ -66,6 +68,33 @@ def render_markdown(text: str) -> str:
         pos = match.end()
     parts.append(_md.render(text[pos:]))
     return _clean("".join(parts))
+
+
+def _pretty(arguments: object) -> str:
+    """Tool arguments as indented JSON where they parse, else as they came."""
+    try:
+        value = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        return str(arguments)
+    return json.dumps(value, indent=2, ensure_ascii=False)
+
+
+def render_tool_calls(calls: list[dict]) -> str:
+    """An answer's tool calls, each a collapsed block: the function's name, its arguments."""
+    blocks = []
+    for call in calls:
+        fn = call.get("function") or {}
+        blocks.append(
+            f'<details class="tool-call"><summary>Tool call: <code>{html.escape(str(fn.get("name")))}'
+            f'</code></summary><pre><code>{html.escape(_pretty(fn.get("arguments")))}</code></pre></details>')
+    return _clean("".join(blocks))
+
+
+def render_tool_result(text: str, call_id: str | None) -> str:
+    """A tool's result as a collapsed block of plain text, whatever it holds."""
+    label = f"Tool result <code>{html.escape(call_id)}</code>" if call_id else "Tool result"
+    return _clean(f'<details class="tool-result"><summary>{label}</summary>'
+                  f"<pre>{html.escape(text)}</pre></details>")
 
 
 def render_plain(text: str) -> str:

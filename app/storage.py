@@ -11,6 +11,7 @@ process crash.
 """
 
 import json
+import re
 import sqlite3
 import threading
 import time
@@ -76,8 +77,48 @@ _V3 = """
         ALTER TABLE messages ADD COLUMN speculative TEXT;
 """
 
+# Full-text search of titles and message text (FTS5 tables over the real ones, kept in step by
+# triggers, filled from the rows already there). Answers are saved as they stream, so only a change
+# of the indexed column touches the index.
+_V4 = """
+        CREATE VIRTUAL TABLE conversations_fts USING fts5(
+            title, content='conversations', content_rowid='id', tokenize='unicode61 remove_diacritics 2');
+        CREATE VIRTUAL TABLE messages_fts USING fts5(
+            content, content='messages', content_rowid='id', tokenize='unicode61 remove_diacritics 2');
+        CREATE TRIGGER conversations_fts_insert AFTER INSERT ON conversations BEGIN
+            INSERT INTO conversations_fts(rowid, title) VALUES (new.id, new.title);
+        END;
+        CREATE TRIGGER conversations_fts_delete AFTER DELETE ON conversations BEGIN
+            INSERT INTO conversations_fts(conversations_fts, rowid, title) VALUES ('delete', old.id, old.title);
+        END;
+        CREATE TRIGGER conversations_fts_update AFTER UPDATE OF title ON conversations BEGIN
+            INSERT INTO conversations_fts(conversations_fts, rowid, title) VALUES ('delete', old.id, old.title);
+            INSERT INTO conversations_fts(rowid, title) VALUES (new.id, new.title);
+        END;
+        CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN
+            INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
+        END;
+        CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages BEGIN
+            INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
+        END;
+        CREATE TRIGGER messages_fts_update AFTER UPDATE OF content ON messages BEGIN
+            INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
+            INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
+        END;
+        INSERT INTO conversations_fts(conversations_fts) VALUES ('rebuild');
+        INSERT INTO messages_fts(messages_fts) VALUES ('rebuild');
+"""
+
+# A user turn's attached documents (JSON: [{name, text, tokens}]), an answer's tool calls (JSON,
+# OpenAI's shape) and the call a tool result answers.
+_V5 = """
+        ALTER TABLE messages ADD COLUMN attachments TEXT;
+        ALTER TABLE messages ADD COLUMN tool_calls TEXT;
+        ALTER TABLE messages ADD COLUMN tool_call_id TEXT;
+"""
+
 # Append only: the schema version of a database (PRAGMA user_version) is how many have run.
-MIGRATIONS: list[str] = [_V1, _V2, _V3]
+MIGRATIONS: list[str] = [_V1, _V2, _V3, _V4, _V5]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -148,6 +189,17 @@ def _set_wal(db: sqlite3.Connection, attempts: int = 20) -> None:
             time.sleep(0.25)
 
 
+_WORD = re.compile(r"\w+")
+
+
+def fts_query(text: str) -> str | None:
+    """An FTS5 query matching rows with words that start with each word of `text`, or None when it
+    has no words. Every word is quoted, so FTS syntax in user text (quotes, `*`, `-`, `NEAR`,
+    `column:`) is searched for, never interpreted."""
+    words = _WORD.findall(text)
+    return " ".join(f'"{w}"*' for w in words) if words else None
+
+
 _DAMAGED = (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
 
 
@@ -215,6 +267,9 @@ class Message:
     error: str | None
     created: float
     speculative: dict[str, Any] | None = None  # statistics, when it was decoded speculatively
+    attachments: list[dict[str, Any]] | None = None  # documents of a user turn: name, text, tokens
+    tool_calls: list[dict[str, Any]] | None = None  # an answer's calls, as OpenAI sends them
+    tool_call_id: str | None = None  # the call a `tool` message answers
 
 
 def _conversation(row: sqlite3.Row) -> Conversation:
@@ -223,10 +278,13 @@ def _conversation(row: sqlite3.Row) -> Conversation:
     return Conversation(**d)
 
 
+_JSON_COLUMNS = ("sampling", "speculative", "attachments", "tool_calls")
+
+
 def _message(row: sqlite3.Row) -> Message:
     d = dict(row)
-    d["sampling"] = json.loads(d["sampling"]) if d["sampling"] else None
-    d["speculative"] = json.loads(d["speculative"]) if d.get("speculative") else None
+    for key in _JSON_COLUMNS:
+        d[key] = json.loads(d[key]) if d.get(key) else None
     return Message(**d)
 
 
@@ -285,10 +343,12 @@ class Storage:
         return _conversation(rows[0]) if rows else None
 
     def list_conversations(self, search: str = "", limit: int = 200) -> list[Conversation]:
-        """Newest first; `search` matches the title or any message text (case-insensitive)."""
-        if not search.strip():
+        """Newest first; `search` keeps those whose title or any message (any version) holds
+        words starting with each of its words, accents and case aside (FTS5)."""
+        query = fts_query(search)
+        if query is None and not search.strip():
             rows = self._query("SELECT * FROM conversations ORDER BY updated DESC LIMIT ?", (limit,))
-        else:
+        elif query is None:  # no word characters at all (say "++" or an emoji): plain substring
             pattern = "%" + search.strip().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
             rows = self._query(
                 """SELECT * FROM conversations c WHERE c.title LIKE ?1 ESCAPE '\\'
@@ -296,6 +356,15 @@ class Storage:
                               AND m.content LIKE ?1 ESCAPE '\\')
                    ORDER BY updated DESC LIMIT ?2""",
                 (pattern, limit),
+            )
+        else:
+            rows = self._query(
+                """SELECT * FROM conversations WHERE id IN
+                       (SELECT rowid FROM conversations_fts WHERE conversations_fts MATCH ?1)
+                   OR id IN (SELECT conversation_id FROM messages WHERE id IN
+                       (SELECT rowid FROM messages_fts WHERE messages_fts MATCH ?1))
+                   ORDER BY updated DESC LIMIT ?2""",
+                (query, limit),
             )
         return [_conversation(r) for r in rows]
 
@@ -325,16 +394,18 @@ class Storage:
 
     def add_message(self, cid: int, parent_id: int | None, role: str, content: str, *,
                     state: str = "done", model: str | None = None,
-                    sampling: dict[str, Any] | None = None) -> Message:
+                    sampling: dict[str, Any] | None = None,
+                    attachments: list[dict[str, Any]] | None = None) -> Message:
         """Insert a message under `parent_id` and make it the conversation's active leaf."""
         assert state in MESSAGE_STATES, state
         now = time.time()
         with self._transaction() as db:
             mid = db.execute(
                 """INSERT INTO messages (conversation_id, parent_id, role, content, model, sampling,
-                   state, created) VALUES (?,?,?,?,?,?,?,?)""",
+                   state, created, attachments) VALUES (?,?,?,?,?,?,?,?,?)""",
                 (cid, parent_id, role, content, model,
-                 json.dumps(sampling) if sampling is not None else None, state, now),
+                 json.dumps(sampling) if sampling is not None else None, state, now,
+                 json.dumps(attachments) if attachments else None),
             ).lastrowid
             db.execute("UPDATE conversations SET leaf_id = ?, updated = ? WHERE id = ?",
                              (mid, now, cid))
@@ -416,7 +487,8 @@ class Storage:
 EXPORT_FORMAT = "mlxchat.conversation/1"
 _MESSAGE_COLUMNS = ("role", "content", "model", "sampling", "ttft_ms", "tokens_per_s",
                     "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "state",
-                    "error", "created", "speculative")
+                    "error", "created", "speculative", "attachments", "tool_calls", "tool_call_id")
+_ROLES = ("system", "user", "assistant", "tool")
 
 
 def export_conversation(storage: Storage, cid: int) -> dict[str, Any]:
@@ -451,16 +523,19 @@ def import_conversation(storage: Storage, data: dict[str, Any]) -> Conversation:
         ids: dict[int, int] = {}
         previous = None
         for i, m in enumerate(data["messages"]):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
-                    or not isinstance(m.get("content"), str):
-                raise ValueError(f"messages[{i}] must have a role and text content")
+            if not isinstance(m, dict) or m.get("role") not in _ROLES or not (
+                    isinstance(m.get("content"), str) or m.get("content") is None and m.get("tool_calls")):
+                raise ValueError(f"messages[{i}] must have a role ({', '.join(_ROLES)}) and text "
+                                 "content (or tool calls)")
             row = {k: m.get(k) for k in _MESSAGE_COLUMNS} if ours else \
-                {"role": m["role"], "content": m["content"]}
+                {"role": m["role"], "content": m.get("content") or "",
+                 "tool_calls": m.get("tool_calls"), "tool_call_id": m.get("tool_call_id")}
             row.setdefault("created", now)
             row["created"] = row["created"] or now
             row["state"] = row.get("state") or "done"
-            for key in ("sampling", "speculative"):
-                row[key] = json.dumps(row[key]) if row.get(key) is not None else None
+            for key in _JSON_COLUMNS:
+                if key in row:
+                    row[key] = json.dumps(row[key]) if row[key] is not None else None
             parent = ids.get(m.get("parent")) if ours else previous
             cols = ", ".join(("conversation_id", "parent_id", *row))
             marks = ", ".join("?" * (len(row) + 2))

@@ -1,9 +1,11 @@
-"""The chat UI: server-rendered pages and htmx fragments (pages.py), the model picker (picker.py)
-and a WebSocket per open conversation (chat_socket.py)."""
+"""The chat UI: server-rendered pages and htmx fragments (pages.py), the model picker (picker.py),
+a WebSocket per open conversation (chat_socket.py), export/import (exports.py), attachments
+(attachments.py) and the notice for conversations longer than the context (overflow.py)."""
 
-from . import chat_socket, pages, picker
+from . import attachments, chat_socket, exports, overflow, pages, picker
 from .picker import ModelSwitch
 
-routes = [*pages.routes, *picker.routes, *chat_socket.routes]
+routes = [*pages.routes, *exports.routes, *attachments.routes, *overflow.routes, *picker.routes,
+          *chat_socket.routes]
 
 __all__ = ["ModelSwitch", "routes"]

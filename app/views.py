@@ -15,7 +15,7 @@ from engine import PRESETS, DraftChoice, Engine
 from web import __file__ as _web_init
 
 from .chat import SAMPLING_FIELDS, default_sources
-from .markdown import render_markdown, render_plain
+from .markdown import render_markdown, render_plain, render_tool_calls, render_tool_result
 from .storage import Conversation, Message, Storage
 
 # Autoescaping everywhere: titles and user text are escaped; model output is inserted only after
@@ -50,6 +50,15 @@ class MessageView:
     regenerable: bool  # the last answer
 
 
+def _body(m: Message) -> str:
+    """A message's HTML: answers as sanitised markdown (with their tool calls), the rest as typed."""
+    if m.role == "assistant":
+        return render_markdown(m.content) + render_tool_calls(m.tool_calls or [])
+    if m.role == "tool":
+        return render_tool_result(m.content, m.tool_call_id)
+    return render_plain(m.content)
+
+
 def message_views(storage: Storage, path: list[Message]) -> list[MessageView]:
     last_user = next((m.id for m in reversed(path) if m.role == "user"), None)
     last_answer = path[-1].id if path and path[-1].role == "assistant" else None
@@ -59,7 +68,7 @@ def message_views(storage: Storage, path: list[Message]) -> list[MessageView]:
         i = versions.index(m.id)
         views.append(MessageView(
             m=m,
-            html=render_markdown(m.content) if m.role == "assistant" else render_plain(m.content),
+            html=_body(m),
             index=i + 1, count=len(versions),
             prev_id=versions[i - 1] if i > 0 else None,
             next_id=versions[i + 1] if i + 1 < len(versions) else None,
@@ -68,8 +77,8 @@ def message_views(storage: Storage, path: list[Message]) -> list[MessageView]:
     return views
 
 
-def render(name: str, **context: Any) -> str:
-    return templates.get_template(name).render(**context)
+def render(template: str, **context: Any) -> str:
+    return templates.get_template(template).render(**context)
 
 
 def parts(conn: Request | WebSocket) -> tuple[Storage, Engine]:

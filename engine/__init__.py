@@ -25,6 +25,7 @@ from .loading.registry import ModelInfo, list_models
 from .paths import cache_dir, data_dir
 from .scheduling.keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
 from .scheduling.service import Engine, EngineStatus, ModelDescription, RequestHandle
+from .decoding.generate import build_prompt as _build_prompt
 
 __all__ = [
     "Cluster", "DEFAULT_KEEP_ALIVE_S", "DEFAULT_SOURCES", "DEVICES", "PRESETS", "SAMPLING_OPTIONS",
@@ -35,6 +36,18 @@ __all__ = [
     "Timings", "TokenLogprob", "ToolCall", "ToolRequest", "TopLogprob", "UnsupportedArchitecture",
     "Usage",
     "blas_preload_env", "cache_dir", "data_dir", "describe_device", "device_report",
-    "import_bundled_wheel", "keep_alive_seconds", "list_models", "parse_pull_spec", "preset",
-    "pull_model", "remove_model", "select_device", "tool_request",
+    "count_tokens", "import_bundled_wheel", "keep_alive_seconds", "list_models", "parse_pull_spec",
+    "preset", "pull_model", "remove_model", "select_device", "tool_request",
 ]
+
+
+def count_tokens(engine: Engine, *, text: str | None = None, messages: list[dict] | None = None,
+                 tools: ToolRequest | None = None) -> int:
+    """How many tokens the loaded model's tokenizer makes of `text` (raw) or of `messages` as a
+    prompt (through the chat template, `tools` offered), exactly as a request would be counted."""
+    lm = engine.lm
+    if lm is None:
+        raise EngineError("no model is loaded yet")
+    if text is not None and not text.strip():
+        return 0
+    return len(_build_prompt(lm, messages=messages, text=text, tools=tools).tokens)

@@ -33,6 +33,7 @@
     else if (t.closest("#sidebar-toggle")) setSidebar(!document.body.classList.contains("sidebar-open"));
     else if (t.matches(".code > .copy")) copy(t.parentElement.querySelector("code").innerText, t);
     else if (t.matches(".copy-message")) copy(t.closest(".message").querySelector(".body").innerText, t);
+    else if (t.matches(".remove-chip")) t.closest(".chip").remove();
   });
 
   document.addEventListener("keydown", (e) => {
@@ -53,9 +54,38 @@
     }
   });
 
-  // Clear the composer once its message is on its way.
+  // Clear the composer (text and attachment chips) once its message is on its way.
   document.addEventListener("htmx:wsAfterSend", (e) => {
-    if (e.target.id === "composer") e.target.reset();
+    if (e.target.id !== "composer") return;
+    document.getElementById("prompt").defaultValue = "";
+    e.target.reset();
+    document.getElementById("attachments").replaceChildren();
+  });
+
+  // Dropped or pasted files go through the attach form's file input (htmx posts it on change).
+  function attach(files) {
+    const input = document.getElementById("attach-file");
+    if (!input || !files || !files.length) return false;
+    const list = new DataTransfer();
+    for (const f of files) list.items.add(f);
+    input.files = list.files;
+    input.dispatchEvent(new Event("change", { bubbles: true }));
+    return true;
+  }
+  const inComposer = (e) => e.target instanceof Element && e.target.closest(".composer");
+  document.addEventListener("dragover", (e) => { if (inComposer(e)) e.preventDefault(); });
+  document.addEventListener("drop", (e) => { if (inComposer(e) && attach(e.dataTransfer.files)) e.preventDefault(); });
+  document.addEventListener("paste", (e) => { if (inComposer(e) && attach(e.clipboardData.files)) e.preventDefault(); });
+  document.addEventListener("htmx:afterRequest", (e) => { if (e.target.id === "attach-form") e.target.reset(); });
+  // An upload the server refused outright (413: over its body limit) says so where chips or the
+  // import result would have gone.
+  document.addEventListener("htmx:responseError", (e) => {
+    const target = e.detail.target;
+    if (!target || !["attachments", "import-result"].includes(target.id)) return;
+    const p = document.createElement("p");
+    p.className = "field-error";
+    p.textContent = e.detail.xhr.status === 413 ? "That upload is too large." : `Upload failed (${e.detail.xhr.status}).`;
+    target.append(p);
   });
 
   // Follow a streaming answer unless the user scrolled up to read.

@@ -85,7 +85,7 @@ def test_conversation_round_trip_and_search(storage):
     assert [c.id for c in storage.list_conversations("rust")] == [a.id]
     assert [c.id for c in storage.list_conversations("SOURDOUGH")] == [b.id]
     assert [c.id for c in storage.list_conversations("100%")] == [b.id]
-    assert [c.id for c in storage.list_conversations("h_bread")] == [b.id]
+    assert [c.id for c in storage.list_conversations("sourdough_bread")] == [b.id]  # FTS words
     assert storage.list_conversations("1000%") == []
     assert storage.empty_conversation().id == a.id
     storage.delete_conversation(b.id)

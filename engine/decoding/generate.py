@@ -392,7 +392,7 @@ class Generation:
                     calls = tuple(parse_calls(self.lm.tokenizer, self.tools, self.tool_text))
                 except Exception:  # noqa: BLE001 - an unfinished or malformed call stays text
                     pieces.append(("content", self.tool_text))
-                if calls and reason == "stop":
+                if calls and reason == "stop" and self.tools.choice != "named":  # as OpenAI
                     self.finish_reason = reason = "tool_calls"
             tail = [Event("token", text=piece, channel=channel) for channel, piece in pieces if piece]
         if self._next is not None:

@@ -7,8 +7,10 @@ calls that must be made are valid by construction.
   tool-aware template as they are, and written in that same fallback form for the others.
 - `tool_choice` "required" or a named function: the whole answer is decoded under an llguidance
   grammar (as JSON mode is) that admits only `{"name": <an offered function>, "arguments": <JSON
-  matching its parameters schema>}`, so even a small model returns a valid call. One call per
-  answer in this mode.
+  matching its parameters schema>}`, so even a small model returns a valid call. With "required"
+  and `parallel_tool_calls` (the default) the grammar admits a JSON array of one or more such
+  calls; a named function, or `parallel_tool_calls: false`, is one call. As OpenAI does, a named
+  call ends with `finish_reason` "stop", a required one with "tool_calls".
 - `auto`: free text until the family's tool-call opener (mlx-lm's `TokenizerWrapper` knows it),
   then, for families whose calls are that same JSON object (mlx-lm's `json_tools` format, and the
   fallback), the same grammar for the call (a lazy grammar, as llama.cpp has); the request ends
@@ -185,6 +187,13 @@ def call_schema(tools: ToolRequest) -> dict[str, Any]:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
+def forced_schema(tools: ToolRequest) -> dict[str, Any]:
+    """What a forced answer must be: one call, or a list of calls where several are allowed."""
+    if tools.choice == "required" and tools.parallel:
+        return {"type": "array", "items": call_schema(tools), "minItems": 1}
+    return call_schema(tools)
+
+
 def markers(tokenizer: Any) -> tuple[str, str]:
     """The family's (opener, closer) of a tool call, or the fallback's."""
     if getattr(tokenizer, "has_tool_calling", False):
@@ -225,7 +234,7 @@ class LazyCallConstraint:
 def constraint(tokenizer: Any, tools: ToolRequest, prompt_length: int) -> Any:
     """The logits processor that keeps this request's calls valid, or None (calls unconstrained)."""
     if tools.forced:
-        return JsonConstraint(ll_tokenizer(tokenizer), check_schema(call_schema(tools)), prompt_length)
+        return JsonConstraint(ll_tokenizer(tokenizer), check_schema(forced_schema(tools)), prompt_length)
     if tools.choice == "auto" and json_calls(tokenizer):
         return LazyCallConstraint(tokenizer, call_schema(tools), prompt_length)
     return None
@@ -243,7 +252,8 @@ def parse_calls(tokenizer: Any, tools: ToolRequest, text: str) -> list[ToolCall]
     """The calls in the tool channel's text (for `auto`, it starts with the opener); raises
     ValueError when it holds no complete call (e.g. cut by max_tokens)."""
     if tools.forced:
-        return [_call(json.loads(text))]
+        parsed = json.loads(text)
+        return [_call(one) for one in (parsed if isinstance(parsed, list) else [parsed])]
     opener, closer = markers(tokenizer)
     parser = _parser(tokenizer)
     calls = []

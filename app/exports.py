@@ -1,0 +1,133 @@
+"""Export and import over HTTP: one conversation as Markdown (the branch shown) or JSON (every
+version, see `export_conversation`), all of them as one zip of those JSON files, and an upload
+form that imports our JSON, such a zip, or a plain OpenAI `messages` list as new conversations."""
+
+import io
+import json
+import re
+import zipfile
+from typing import Any
+
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Route
+
+from .storage import Storage, export_conversation, import_conversation
+from .views import conversation_of, not_found, parts, render
+
+def _filename(title: str, suffix: str) -> str:
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", title).strip("-.")[:60] or "conversation"
+    return f"{stem}{suffix}"
+
+
+def _download(body: str | bytes, media_type: str, filename: str) -> Response:
+    return Response(body, media_type=media_type,
+                    headers={"Content-Disposition": f'attachment; filename="{filename}"'})
+
+
+def conversation_markdown(storage: Storage, cid: int) -> str:
+    """The branch shown, as a person would read it."""
+    conv = storage.get_conversation(cid)
+    lines = [f"# {conv.title}", ""]
+    if conv.model:
+        lines += [f"Model: {conv.model}", ""]
+    if conv.settings.get("system_prompt"):
+        lines += ["## System", "", conv.settings["system_prompt"], ""]
+    for m in storage.active_path(cid):
+        lines += [f"## {m.role.capitalize()}", ""]
+        for doc in m.attachments or ():
+            lines += [f"Attached: {doc['name']}", "", "```", doc["text"], "```", ""]
+        if m.content:
+            lines += [m.content, ""]
+        for call in m.tool_calls or ():
+            fn = call.get("function", {})
+            lines += [f"Tool call `{fn.get('name')}`:", "", "```json", str(fn.get("arguments")), "```", ""]
+    return "\n".join(lines)
+
+
+async def export_json(request: Request) -> Response:
+    conv = conversation_of(request)
+    if conv is None:
+        return not_found()
+    data = export_conversation(request.app.state.storage, conv.id)
+    return _download(json.dumps(data, ensure_ascii=False, indent=1), "application/json",
+                     _filename(conv.title, ".json"))
+
+
+async def export_markdown(request: Request) -> Response:
+    conv = conversation_of(request)
+    if conv is None:
+        return not_found()
+    return _download(conversation_markdown(request.app.state.storage, conv.id),
+                     "text/markdown; charset=utf-8", _filename(conv.title, ".md"))
+
+
+async def export_all(request: Request) -> Response:
+    storage, _ = parts(request)
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for conv in storage.list_conversations(limit=-1):
+            data = export_conversation(storage, conv.id)
+            archive.writestr(f"conversation-{conv.id}.json",
+                             json.dumps(data, ensure_ascii=False, indent=1))
+    return _download(buffer.getvalue(), "application/zip", "mlxchat-conversations.zip")
+
+
+def _documents(raw: bytes) -> list[Any]:
+    """The JSON documents in an upload: each member of a zip archive, or the file itself."""
+    if zipfile.is_zipfile(io.BytesIO(raw)):
+        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+            names = sorted(n for n in archive.namelist() if n.endswith(".json"))
+            return [json.loads(archive.read(n)) for n in names]
+    return [json.loads(raw)]
+
+
+def import_documents(storage: Storage, raw: bytes) -> list[int]:
+    """Import every conversation of an upload, all or nothing; raises ValueError."""
+    try:
+        documents = _documents(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"not a JSON file or a zip of them ({exc})") from None
+    if not documents:
+        raise ValueError("the archive holds no conversation")
+    # A bare list is a plain OpenAI `messages` list.
+    documents = [{"messages": d} if isinstance(d, list) else d for d in documents]
+    imported = []
+    try:
+        for data in documents:
+            imported.append(import_conversation(storage, data).id)
+    except ValueError:
+        for cid in imported:  # all or nothing
+            storage.delete_conversation(cid)
+        raise
+    return imported
+
+
+async def import_upload(request: Request) -> Response:
+    storage, _ = parts(request)
+    async with request.form(max_files=1) as form:
+        upload = form.get("file")
+        raw = await upload.read() if isinstance(upload, UploadFile) else b""  # BodyLimit bounds it
+    error = None
+    if not raw:
+        error = "Choose a file to import."
+    else:
+        try:
+            cid = import_documents(storage, raw)[0]
+        except ValueError as exc:
+            error = f"Could not import: {exc}"
+    if error:
+        return HTMLResponse(render("_import_result.html", error=error),
+                            status_code=200 if request.headers.get("hx-request") else 400)
+    if request.headers.get("hx-request"):
+        return Response(headers={"HX-Redirect": f"/c/{cid}"})
+    return RedirectResponse(f"/c/{cid}", status_code=303)
+
+
+routes = [
+    Route("/c/{cid:int}/export.json", export_json),
+    Route("/c/{cid:int}/export.md", export_markdown),
+    Route("/export.zip", export_all),
+    Route("/import", import_upload, methods=["POST"]),
+]
