@@ -2,8 +2,8 @@
 (through the API: never a 503) reloads them and answers exactly as before."""
 
 import time
-from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from engine import Engine
@@ -13,11 +13,10 @@ BUNDLED = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
+def weight_bytes() -> int:
+    """MLX's live allocations in this process (the server runs in it). Not RSS: the quantized
+    weights the CPU kernels keep are small arrays that the C allocator need not hand back."""
+    return mx.get_active_memory()
 
 
 def wait_unloaded(engine: Engine, timeout: float = 30) -> None:
@@ -36,10 +35,10 @@ def test_unloaded_after_keep_alive_and_the_next_answer_is_the_same(tmp_path):
                                                      max_tokens=24, seed=11)
         before = ask().choices[0].message.content
         assert engine.status().resident
-        loaded = rss_bytes()
+        loaded = weight_bytes()
         wait_unloaded(engine)
-        unloaded = rss_bytes()
-        assert loaded - unloaded > 100 * 2**20, (loaded, unloaded)  # the weights' memory returned
+        unloaded = weight_bytes()
+        assert loaded - unloaded > 50 * 2**20, (loaded, unloaded)  # the weights' memory returned
         assert engine.model is not None and engine.model.name == BUNDLED  # still the model
         again = ask()  # reloads: an answer, not a 503
         assert again.choices[0].message.content == before
