@@ -128,8 +128,11 @@ class KernelLlamaBlock(llama.TransformerBlock):
     fused_decode = False  # set per layer by to_kernel_layout when every part can take the kernels
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        # A transform after the layout (e.g. dequantizing for a speculative target) replaces the
+        # quantized projections: then the fused step no longer applies.
         if (not self.fused_decode or x.shape[1] != 1 or mask is not None
-                or type(cache) is not KVCache or x.dtype != mx.float32):
+                or type(cache) is not KVCache or x.dtype != mx.float32
+                or type(self.self_attn.q_proj) is not KernelLinear):
             return super().__call__(x, mask, cache)
         kernels, attn, mlp = _Run.kernels, self.self_attn, self.mlp
         norm1, norm2, rope = self.input_layernorm, self.post_attention_layernorm, attn.rope
