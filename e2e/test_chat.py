@@ -12,23 +12,14 @@ LONG = "Write a very long story about a dragon who learns to cook."
 STATS = re.compile(r"reused (\d+) of (\d+) prompt tokens · TTFT \d+ ms")
 
 
-def open_settings(page: Page) -> None:
-    """Open the conversation's settings panel (a click on its summary toggles it)."""
-    preset = page.locator("select[name=preset]")
-    if not preset.is_visible():
-        page.click("#settings summary")
-    expect(preset).to_be_visible()
-
-
 def new_chat(page: Page, max_tokens: int = 12) -> int:
     """Open a fresh conversation with greedy sampling and a short answer length."""
     page.goto("/")
     if page.locator("#sidebar-toggle").is_visible():  # narrow window: the sidebar is folded away
         page.click("#sidebar-toggle")
     page.click("#new-chat")
-    page.wait_for_load_state()
     expect(page.locator("#empty-chat")).to_be_visible()
-    open_settings(page)
+    page.click("#settings summary")
     page.select_option("select[name=preset]", "greedy")
     expect(page.locator("#settings-form .saved")).to_be_visible()
     page.fill("input[name=max_tokens]", str(max_tokens))
