@@ -453,20 +453,11 @@ async def chat_completions(request: Request) -> Response:
     runs = request.app.state.runs
     wants_logprobs = chat.params.logprobs is not None
     if chat.stream:
-        return StreamingResponse(_sse(request, runs, handles, meta, chat.include_usage,
-                                      wants_logprobs),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    with tracked(runs, handles):
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, handles))
-        try:
-            choices = await collect_choices(handles)
-        finally:
-            watcher.cancel()
+        return sse_response(_sse(request, runs, handles, meta, chat.include_usage, wants_logprobs))
+    choices = await finished_choices(request, runs, handles)
+    if isinstance(choices, Response):
+        return choices
     finals = [c.final for c in choices]
-    failed = next((f for f in finals if f.finish_reason == "failed"), None)
-    if failed is not None:
-        return api_error(500, public_error(failed.error), "server_error", "generation_failed")
     return JSONResponse({
         **meta, "object": "chat.completion",
         "choices": [{"index": i, "message": message_body(c), "finish_reason": c.final.finish_reason,
@@ -487,6 +478,27 @@ def _truncated(engine: Any, mode: Any, chat: ChatRequest) -> list[dict[str, Any]
         return drop_oldest(engine, chat.messages, chat.params.max_tokens, chat.tools)
     except InvalidRequest as exc:
         raise ApiError(400, str(exc), _param(exc), exc.code) from None
+
+
+def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def finished_choices(request: Request, runs: Runs,
+                           handles: list[RequestHandle]) -> list[Any] | Response:
+    """Every choice once finished (a client that leaves cancels them), or the 500 response when
+    one failed."""
+    with tracked(runs, handles):
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, handles))
+        try:
+            choices = await collect_choices(handles)
+        finally:
+            watcher.cancel()
+    failed = next((c.final for c in choices if c.final.finish_reason == "failed"), None)
+    if failed is not None:
+        return api_error(500, public_error(failed.error), "server_error", "generation_failed")
+    return choices
 
 
 async def submit_choices(engine: Any, messages: list[dict[str, Any]] | None,

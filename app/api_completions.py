@@ -9,14 +9,14 @@ import uuid
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine import InvalidRequest, RequestHandle, SamplingParams, TokenLogprob
 
-from .api import (_SAMPLING, ApiError, _cancel_on_disconnect, _param, _typed, public_error,
-                  submit_choices, usage_body)
-from .api_choices import MAX_CHOICES, collect_choices, merged, system_fingerprint, total_usage, tracked
+from .api import (_SAMPLING, ApiError, _cancel_on_disconnect, _param, _typed, finished_choices,
+                  sse_response, submit_choices, usage_body)
+from .api_choices import MAX_CHOICES, merged, system_fingerprint, total_usage, tracked
 from .security import api_error
 from .sse import sse
 
@@ -107,19 +107,11 @@ async def completions(request: Request) -> Response:
             "system_fingerprint": system_fingerprint(engine.model_name)}
     runs, wanted = request.app.state.runs, params.logprobs is not None
     if stream:
-        return StreamingResponse(_stream(request, runs, handles, meta, include_usage, wanted),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    with tracked(runs, handles):
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, handles))
-        try:
-            choices = await collect_choices(handles)
-        finally:
-            watcher.cancel()
+        return sse_response(_stream(request, runs, handles, meta, include_usage, wanted))
+    choices = await finished_choices(request, runs, handles)
+    if isinstance(choices, Response):
+        return choices
     finals = [c.final for c in choices]
-    failed = next((f for f in finals if f.finish_reason == "failed"), None)
-    if failed is not None:
-        return api_error(500, public_error(failed.error), "server_error", "generation_failed")
     return JSONResponse({**meta, "choices": [
         {"index": i, "text": "".join(c.content), "finish_reason": c.final.finish_reason,
          "logprobs": _legacy_logprobs(c.logprobs, wanted)} for i, c in enumerate(choices)],
