@@ -17,9 +17,14 @@ def new_chat(page: Page, max_tokens: int = 12) -> int:
     page.goto("/")
     if page.locator("#sidebar-toggle").is_visible():  # narrow window: the sidebar is folded away
         page.click("#sidebar-toggle")
+    # New chat may reuse this very (empty) conversation, so wait for the page to be replaced,
+    # not for a URL or an empty chat: both can already be there before the click lands.
+    page.evaluate("document.getElementById('settings').dataset.stale = '1'")
     page.click("#new-chat")
+    expect(page.locator("#settings:not([data-stale])")).to_be_attached()
     expect(page.locator("#empty-chat")).to_be_visible()
     page.click("#settings summary")
+    expect(page.locator("select[name=preset]")).to_be_visible()
     page.select_option("select[name=preset]", "greedy")
     expect(page.locator("#settings-form .saved")).to_be_visible()
     page.fill("input[name=max_tokens]", str(max_tokens))

@@ -38,7 +38,7 @@ def first_logprobs(lm, messages):
 def test_logprobs_are_the_models_log_softmax(lm, client):
     expected = first_logprobs(lm, ASK)
     r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, logprobs=True,
-                                       top_logprobs=3)
+                                       top_logprobs=3, temperature=0)
     entries = r.choices[0].logprobs.content
     assert len(entries) == r.usage.completion_tokens
     first = entries[0]
@@ -51,7 +51,8 @@ def test_logprobs_are_the_models_log_softmax(lm, client):
     assert bytes(first.bytes).decode() == first.token
 
     chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2,
-                                                 logprobs=True, top_logprobs=3, stream=True))
+                                                 logprobs=True, top_logprobs=3, stream=True,
+                                                 temperature=0))
     streamed = [e for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
     assert [(e.token, round(e.logprob, 4)) for e in streamed] == [
         (e.token, round(e.logprob, 4)) for e in entries]
@@ -59,9 +60,10 @@ def test_logprobs_are_the_models_log_softmax(lm, client):
 
 def test_logit_bias_bans_a_token(lm, client):
     best = int(mx.argmax(first_logprobs(lm, ASK)).item())
-    plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, logprobs=True)
+    plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, logprobs=True,
+                                           temperature=0)
     banned = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, logprobs=True,
-                                            logit_bias={str(best): -100})
+                                            temperature=0, logit_bias={str(best): -100})
     assert plain.choices[0].logprobs.content[0].token == lm.tokenizer.decode([best])
     assert banned.choices[0].logprobs.content[0].token != lm.tokenizer.decode([best])
 
