@@ -1,5 +1,7 @@
 """The chat UI's pages and htmx fragments: conversations, their messages and settings."""
 
+from typing import Any
+
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
@@ -125,9 +127,15 @@ async def save_settings(request: Request) -> Response:
     if errors:  # show what was typed, next to what is wrong with it
         settings["sampling"] = {name: form.get(name, "") for name in SAMPLING_FIELDS}
     else:
-        storage.update_conversation(conv.id, settings=settings)
+        storage.update_conversation(conv.id, settings=_kept(conv, settings))
     return HTMLResponse(render("_settings.html", **settings_context(
         conv, errors, settings, saved=not errors, engine=engine)))
+
+
+def _kept(conv: Conversation, panel: dict[str, Any]) -> dict[str, Any]:
+    """The panel's settings over the conversation's: what the panel does not show (the opt-in to
+    dropping old turns, a waiting draft) stays as it was."""
+    return {**conv.settings, **panel}
 
 
 async def apply_preset(request: Request) -> Response:
@@ -141,7 +149,7 @@ async def apply_preset(request: Request) -> Response:
             conv, {"preset": f"Unknown preset {name!r}."}, engine=engine)))
     settings = preset_settings(name, str(form.get("system_prompt", "")).strip())
     settings["speculative"] = speculative_form(form)[0]  # a preset sets sampling only
-    storage.update_conversation(conv.id, settings=settings)
+    storage.update_conversation(conv.id, settings=_kept(conv, settings))
     return HTMLResponse(render("_settings.html", **settings_context(conv, settings=settings,
                                                                         saved=True, engine=engine)))
 

@@ -82,6 +82,15 @@ def test_settings_validation_and_presets(http, server):
     assert "Unknown preset" in http.post(f"/c/{cid}/settings/preset", data={"preset": "wild"}).text
 
 
+def test_saving_settings_keeps_the_opt_in_to_dropping_old_turns(http, server):
+    cid = new_conversation(http)
+    turn(server, cid, action="send", content="Hi", truncate="oldest")
+    assert server.storage.get_conversation(cid).settings["truncate"] == "oldest"
+    http.post(f"/c/{cid}/settings", data={"temperature": "0", "max_tokens": "5"})
+    http.post(f"/c/{cid}/settings/preset", data={"preset": "greedy"})
+    assert server.storage.get_conversation(cid).settings["truncate"] == "oldest"
+
+
 def test_send_streams_then_finalises_with_statistics(http, server):
     cid = new_conversation(http)
     fragments = turn(server, cid, action="send", content="Say hello.")
