@@ -41,3 +41,12 @@ def serve():
     yield start
     for engine in engines:
         engine.stop()
+
+
+@pytest.fixture
+def http(server):
+    """An HTTP client for the module's `server` fixture (a real server on 127.0.0.1)."""
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client

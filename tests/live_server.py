@@ -134,6 +134,17 @@ def serving(engine, db_path: Path) -> Iterator[ThreadedServer]:
         engine.stop()
 
 
+@contextmanager
+def engine_serving(folder: Path, lm=None) -> Iterator[ThreadedServer]:
+    """`serving` on a fresh engine: the bundled model, or `lm` (a loaded tiny model) when given;
+    the database in `folder`."""
+    from engine import Engine
+
+    engine = Engine(lm.name, load=lambda name, **_: lm) if lm is not None else Engine()
+    with serving(engine.start(), folder / "db.sqlite") as server:
+        yield server
+
+
 def openai_client(server: ThreadedServer):
     """The official `openai` client pointed at `server`'s API."""
     import openai

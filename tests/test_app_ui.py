@@ -3,27 +3,17 @@
 import json
 import re
 
-import httpx
 import pytest
 from websockets.sync.client import connect
 
 from app.storage import Storage
-from live_server import serving
+from live_server import engine_serving
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from engine.scheduling.service import Engine
-
-    engine = Engine().start()
-    with serving(engine, tmp_path_factory.mktemp("ui") / "db.sqlite") as s:
+    with engine_serving(tmp_path_factory.mktemp("ui")) as s:
         yield s
-
-
-@pytest.fixture
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
 
 
 def new_conversation(http, max_tokens: int = 4) -> int:

@@ -4,10 +4,9 @@ acceptance and tokens per step in the stats line; with it off (the default) noth
 
 import re
 
-import httpx
 import pytest
 
-from live_server import serving
+from live_server import engine_serving
 from test_app_ui import new_conversation, turn
 from tiny_models import tiny_llama
 
@@ -16,18 +15,8 @@ pytestmark = pytest.mark.fast
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from engine.scheduling.service import Engine
-
-    lm = tiny_llama()
-    engine = Engine(lm.name, load=lambda name, **_: lm).start()
-    with serving(engine, tmp_path_factory.mktemp("ui-spec") / "db.sqlite") as s:
+    with engine_serving(tmp_path_factory.mktemp("ui-spec"), tiny_llama()) as s:
         yield s
-
-
-@pytest.fixture
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
 
 
 def test_toggling_speculative_decoding_shows_acceptance_under_the_answer(http, server):

@@ -9,13 +9,12 @@ import html
 import json
 import re
 
-import httpx
 import openai
 import pytest
 from websockets.sync.client import connect
 
 from app.documents import with_documents
-from live_server import openai_client, serving
+from live_server import engine_serving, openai_client
 from test_app_ui import new_conversation
 from tiny_models import tiny_llama
 
@@ -31,17 +30,8 @@ def lm():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, lm):
-    from engine.scheduling.service import Engine
-
-    engine = Engine(lm.name, load=lambda name, **_: lm).start()
-    with serving(engine, tmp_path_factory.mktemp("attach") / "db.sqlite") as s:
+    with engine_serving(tmp_path_factory.mktemp("attach"), lm) as s:
         yield s
-
-
-@pytest.fixture
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
 
 
 def pdf(text: str) -> bytes:

@@ -10,15 +10,12 @@ import httpx
 import pytest
 
 from app.storage import export_conversation
-from live_server import serving
+from live_server import engine_serving
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from engine.scheduling.service import Engine
-
-    engine = Engine().start()
-    with serving(engine, tmp_path_factory.mktemp("export") / "db.sqlite") as s:
+    with engine_serving(tmp_path_factory.mktemp("export")) as s:
         yield s
 
 
