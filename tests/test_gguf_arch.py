@@ -18,6 +18,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 
+from engine import UnsupportedArchitecture
 from engine.loading.registry import load_model
 
 pytestmark = pytest.mark.fast
@@ -228,3 +229,66 @@ def test_tokenizer_and_chat_template_come_from_the_metadata(tmp_path):
     assert encoded[:2] == [tokens.index("<s>"), tokens.index("hi")]
     assert lm.tokenizer.decode(encoded[1:]) == "hi why"
     assert lm.tokenizer.eos_token_id == tokens.index("<end_of_turn>")
+
+
+# Llama 3.1: llama.cpp stores the "llama3" RoPE scaling only as per-frequency factors.
+LLAMA3 = {"model_type": "llama", **SHAPE, "rope_theta": 500000.0, "tie_word_embeddings": False}
+LLAMA3_SCALINGS = {
+    "published": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+    "fitted": {"factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 16.0,
+               "original_max_position_embeddings": 512},
+}
+
+
+def _llama_cpp_rope_freqs(config: dict) -> np.ndarray:
+    """The `rope_freqs` tensor convert_hf_to_gguf.py writes for a "llama3" rope_scaling."""
+    scaling, base, dim = config["rope_scaling"], config["rope_theta"], config["head_dim"]
+    old = scaling["original_max_position_embeddings"]
+    low_wavelen = old / scaling["low_freq_factor"]
+    high_wavelen = old / scaling["high_freq_factor"]
+    factors = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * np.pi * base ** (i / dim)
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(scaling["factor"])
+        else:
+            smooth = (old / wavelen - scaling["low_freq_factor"]) / (
+                scaling["high_freq_factor"] - scaling["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / scaling["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+@pytest.mark.parametrize("case", list(LLAMA3_SCALINGS))
+def test_llama3_rope_freqs_become_mlx_lm_rope_scaling(tmp_path, case):
+    config = {**LLAMA3, "vocab_size": VOCAB,
+              "rope_scaling": {"rope_type": "llama3", **LLAMA3_SCALINGS[case]}}
+    reference, weights = _reference(config, seed=5)
+    freqs = _llama_cpp_rope_freqs(config)
+    assert 1.0 < freqs.max() and freqs.min() == 1.0  # the scaling reaches these positions
+    scaled, plain = tmp_path / "scaled.gguf", tmp_path / "plain.gguf"
+    _write_gguf(scaled, "llama", config, weights, lambda w: w.add_tensor("rope_freqs.weight", freqs))
+    _write_gguf(plain, "llama", config, weights, lambda w: None)
+
+    lm = load_model(str(scaled))
+    assert lm.config["rope_scaling"]["rope_type"] == "llama3"
+    mx.random.seed(0)
+    tokens = mx.random.randint(0, VOCAB, (1, 600))  # positions past the scaled wavelengths
+    theirs = reference(tokens).astype(mx.float32)
+    scale = mx.abs(theirs).max().item()
+    assert mx.abs(lm.model(tokens).astype(mx.float32) - theirs).max().item() < 1e-3 * scale
+    # Without the factors (plain RoPE) the same weights answer differently: the check can fail.
+    unscaled = load_model(str(plain)).model(tokens).astype(mx.float32)
+    assert mx.abs(unscaled - theirs).max().item() > 1e-2 * scale
+
+
+def test_rope_freqs_that_are_not_llama3_scaling_are_refused(tmp_path):
+    config = {**LLAMA3, "vocab_size": VOCAB}
+    _, weights = _reference(config, seed=5)
+    odd = np.linspace(3.0, 1.0, config["head_dim"] // 2).astype(np.float32)  # decreasing
+    path = tmp_path / "odd.gguf"
+    _write_gguf(path, "llama", config, weights, lambda w: w.add_tensor("rope_freqs.weight", odd))
+    with pytest.raises(UnsupportedArchitecture, match="rope_freqs are not a Llama 3 RoPE"):
+        load_model(str(path))

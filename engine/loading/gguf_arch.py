@@ -8,6 +8,8 @@ What llama.cpp's `convert_hf_to_gguf.py` changes, and how it is undone here:
   Gemma by 1 + weight). mlx-lm's Gemma classes add the 1 themselves, so it is subtracted here.
 - phi3: q/k/v and gate/up stay fused (`attn_qkv`, `ffn_up`), as mlx-lm's phi3 expects them.
 - qwen3moe: experts stored stacked (`ffn_*_exps`), as mlx-lm's `switch_mlp` expects them.
+- llama 3.1: its RoPE scaling stored as per-frequency factors (`rope_freqs`), turned back into
+  mlx-lm's "llama3" `rope_scaling` (gguf_rope.py).
 """
 
 import re
@@ -17,6 +19,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from ..errors import UnsupportedArchitecture
+from .gguf_rope import llama3_rope_scaling
 
 _COMMON_LAYER = {
     "attn_norm": "input_layernorm",
@@ -66,7 +69,12 @@ def _llama(get, config, side):
     # Mistral-style files are llama too. Like llama.cpp's llama graph, full attention on every
     # layer: a `sliding_window` key, where present, is not applied (mlx-lm's llama class needs at
     # least one full-attention layer, and Mistral's window spans its usual contexts anyway).
-    return {"rope_traditional": True, "attention_bias": False, "mlp_bias": False}
+    extra: dict[str, Any] = {"rope_traditional": True, "attention_bias": False, "mlp_bias": False}
+    if "rope_freqs" in side:  # Llama 3.1's scaled long context
+        scaling = llama3_rope_scaling(side["rope_freqs"], config["rope_theta"], config["head_dim"])
+        if scaling is not None:
+            extra["rope_scaling"] = scaling
+    return extra
 
 
 def _pre_attn_scalar(config, big_layer_count: int) -> float:
@@ -132,7 +140,7 @@ def _qwen3moe(get, config, side):
 
 
 ARCHITECTURES: dict[str, Arch] = {
-    "llama": Arch("llama", LLAMA_LAYER, extra_config=_llama),
+    "llama": Arch("llama", LLAMA_LAYER, extra_config=_llama, dropped=("rope_freqs",)),
     "qwen2": Arch("qwen2", LLAMA_LAYER),
     "qwen3": Arch("qwen3", LLAMA_LAYER),
     "gemma2": Arch("gemma2", _GEMMA_LAYER, norm_shift=1.0, extra_config=_gemma2),
