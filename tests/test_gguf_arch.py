@@ -64,6 +64,21 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _windowed_gemma2(model, window: int):
+    """Gemma 2 as Hugging Face and llama.cpp run it, from mlx-lm's gemma2 layers (whose model
+    has no window): even layers see only the last `window` tokens, odd layers all of them."""
+    def forward(tokens: mx.array) -> mx.array:
+        h = model.model.embed_tokens(tokens) * (model.args.hidden_size ** 0.5)
+        n = tokens.shape[1]
+        i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+        for index, layer in enumerate(model.layers):
+            visible = (j <= i) & ((i - j < window) if index % 2 == 0 else True)
+            h = layer(h, mx.array(visible), None)
+        logits = model.model.embed_tokens.as_linear(model.model.norm(h))
+        return mx.tanh(logits / model.final_logit_softcapping) * model.final_logit_softcapping
+    return forward
+
+
 def _reference(config: dict, seed: int):
     """The HF-layout model with random weights; norm weights random too, so offsets show."""
     model_class, args_class = _get_classes(config)
@@ -77,6 +92,8 @@ def _reference(config: dict, seed: int):
         elif name.endswith(".weight"):
             weights[name] = mx.random.normal(weights[name].shape) * 0.2
     model.load_weights(list(weights.items()))
+    if config["model_type"] == "gemma2":
+        model = _windowed_gemma2(model, config["sliding_window"])
     return model, {k: np.array(v, dtype=np.float32) for k, v in weights.items()}
 
 
@@ -134,7 +151,7 @@ def _write_gguf(path, arch: str, config: dict, weights: dict[str, np.ndarray], m
 
 CASES = {
     "gemma2": (
-        {"model_type": "gemma2", **SHAPE, "query_pre_attn_scalar": 16,
+        {"model_type": "gemma2", **SHAPE, "query_pre_attn_scalar": 16, "sliding_window": 4,
          "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
         lambda w: (w.add_attn_logit_softcapping(50.0), w.add_final_logit_softcapping(30.0),
                    w.add_sliding_window(4)),
@@ -292,3 +309,24 @@ def test_rope_freqs_that_are_not_llama3_scaling_are_refused(tmp_path):
     _write_gguf(path, "llama", config, weights, lambda w: w.add_tensor("rope_freqs.weight", odd))
     with pytest.raises(UnsupportedArchitecture, match="rope_freqs are not a Llama 3 RoPE"):
         load_model(str(path))
+
+
+def test_gemma2_sliding_window_applies_in_the_cache_too(tmp_path):
+    """Token by token through the model's own cache (a rotating one for the sliding layers), the
+    logits past the window equal the windowed reference; without the window they would not."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    config, meta = CASES["gemma2"]
+    config = {**config, "vocab_size": VOCAB}
+    reference, weights = _reference(config, seed=3)
+    path = tmp_path / "tiny-gemma2.gguf"
+    _write_gguf(path, "gemma2", config, weights, meta)
+    lm = load_model(str(path))
+    assert lm.config["sliding_window"] == 4
+    cache = make_prompt_cache(lm.model)
+    steps = [lm.model(mx.array([[t]]), cache=cache)[0, -1] for t in TOKENS]
+    theirs = reference(mx.array([TOKENS]))[0].astype(mx.float32)
+    scale = mx.abs(theirs).max().item()
+    assert mx.abs(mx.stack(steps).astype(mx.float32) - theirs).max().item() < 1e-3 * scale
+    unwindowed = _windowed_gemma2(lm.model, window=len(TOKENS))(mx.array([TOKENS]))[0]
+    assert mx.abs(unwindowed.astype(mx.float32) - theirs).max().item() > 1e-2 * scale

@@ -4,6 +4,7 @@ llama.cpp's converter made that must be undone, and `config.json` fields.
 What llama.cpp's `convert_hf_to_gguf.py` changes, and how it is undone here:
 - llama: q/k rows permuted so that RoPE rotates interleaved pairs. Rather than permuting back, the
   config asks mlx-lm for the traditional (interleaved) RoPE, which is the same computation.
+- gemma2: its sliding window goes into the config for gemma2_window.py (mlx-lm's gemma2 has none).
 - gemma2/gemma3: every `*norm.weight` stored with 1 added (llama.cpp multiplies by the weight,
   Gemma by 1 + weight). mlx-lm's Gemma classes add the 1 themselves, so it is subtracted here.
 - phi3: q/k/v and gate/up stay fused (`attn_qkv`, `ffn_up`), as mlx-lm's phi3 expects them.
@@ -87,6 +88,8 @@ def _pre_attn_scalar(config, big_layer_count: int) -> float:
 
 def _gemma2(get, config, side):
     return {
+        # llama.cpp's default where the file has no key (every Gemma 2 has this window)
+        "sliding_window": get("attention.sliding_window", 4096),
         "attn_logit_softcapping": get("attn_logit_softcapping", 50.0),
         "final_logit_softcapping": get("final_logit_softcapping", 30.0),
         "query_pre_attn_scalar": _pre_attn_scalar(config, 46),
