@@ -330,3 +330,30 @@ def test_gemma2_sliding_window_applies_in_the_cache_too(tmp_path):
     assert mx.abs(mx.stack(steps).astype(mx.float32) - theirs).max().item() < 1e-3 * scale
     unwindowed = _windowed_gemma2(lm.model, window=len(TOKENS))(mx.array([TOKENS]))[0]
     assert mx.abs(unwindowed.astype(mx.float32) - theirs).max().item() > 1e-2 * scale
+
+
+def test_gemma2_batched_decoding_equals_one_at_a_time(tmp_path):
+    """Rows of different lengths decoded together (left-padded batch masks over grouped-query
+    heads, which mlx-lm's own gemma2 cannot take) give each row's logprobs as decoded alone."""
+    from engine import Engine
+
+    config, meta = CASES["gemma2"]
+    config = {**config, "vocab_size": VOCAB}
+    _, weights = _reference(config, seed=3)
+    path = tmp_path / "tiny-gemma2.gguf"
+    _write_gguf(path, "gemma2", config, weights, meta)
+    engine = Engine(str(path), max_running=4, prefix_cache=False).start()
+    try:
+        params = engine.params({"max_tokens": 8, "temperature": 0}).with_(logprobs=2)
+        asks = [[{"role": "user", "content": text}] for text in ("hi", "abc hi w", "why hello hi")]
+
+        def logprobs(handles):
+            return [[(e.logprobs.token, round(e.logprobs.logprob, 4)) for e in h.events()
+                     if e.logprobs is not None] for h in handles]
+
+        alone = [logprobs([engine.submit(m, params)])[0] for m in asks]
+        together = logprobs([engine.submit(m, params) for m in asks])
+    finally:
+        engine.stop()
+    assert all(len(row) == 8 for row in alone)
+    assert together == alone

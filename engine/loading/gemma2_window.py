@@ -5,8 +5,9 @@ than the window).
 Gemma 2 alternates: even layers attend to the last `sliding_window` tokens, odd layers to all of
 them (Hugging Face's and llama.cpp's layout). Done as mlx-lm's gemma3 does it: a rotating cache of
 the window's size and a window mask for the sliding layers, mlx-lm's own gemma2 layers otherwise.
-`model_classes` picks this class for any gemma2 config that names a window (a converted GGUF or a
-downloaded mlx-lm folder) and mlx-lm's own class for everything else.
+`model_classes` picks this class for every gemma2 config (a converted GGUF or a downloaded mlx-lm
+folder; without a `sliding_window` key, Gemma 2's 4096) and mlx-lm's own class for the others.
+It also makes batched decoding work, which fails in mlx-lm's gemma2 with grouped-query heads.
 """
 
 from dataclasses import dataclass
@@ -30,12 +31,20 @@ class GemmaModel(gemma2.GemmaModel):
         h = h * (self.args.hidden_size**0.5)
         if cache is None:
             cache = [None] * len(self.layers)
-        window = create_attention_mask(h, cache[0], window_size=self.args.sliding_window,
-                                       return_array=True)
-        full = create_attention_mask(h, cache[1], return_array=True) if len(cache) > 1 else None
+        window = self._fit(create_attention_mask(h, cache[0], return_array=True,
+                                                 window_size=self.args.sliding_window))
+        full = self._fit(create_attention_mask(h, cache[1], return_array=True)
+                         if len(cache) > 1 else None)
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
             h = layer(h, window if i % 2 == 0 else full, c)
         return self.norm(h)
+
+
+    def _fit(self, mask: mx.array | None) -> mx.array | None:
+        """A batch's per-row mask (B, 1, L, S) made to broadcast over gemma2's grouped-query
+        scores (B, kv heads, repeats, L, S); mlx-lm's gemma2 fails on batched decoding there."""
+        grouped = self.args.num_attention_heads > self.args.num_key_value_heads
+        return mask[:, :, None] if mask is not None and mask.ndim == 4 and grouped else mask
 
 
 class Model(gemma2.Model):
@@ -49,7 +58,7 @@ class Model(gemma2.Model):
 
 
 def model_classes(config: dict[str, Any]) -> tuple[type, type]:
-    """mlx-lm's `get_model_classes`: this module's Gemma 2 where a window is set, else mlx-lm's."""
-    if config.get("model_type") == "gemma2" and config.get("sliding_window"):
+    """mlx-lm's `get_model_classes`: this module's Gemma 2 for gemma2, else mlx-lm's class."""
+    if config.get("model_type") == "gemma2":
         return Model, ModelArgs
     return _get_classes(config)
