@@ -123,3 +123,23 @@ def test_the_switch_waits_for_the_running_request_to_finish(server):
     assert r.status_code == 200 and r.json()["model"] == TINY
     assert finished["long"] < finished["switch"]
     assert chat(server, MODEL).status_code == 200  # back, for the tests after this one
+
+
+@pytest.mark.fast
+def test_a_model_opened_from_a_folder_can_be_named_again_after_a_switch(tmp_path, monkeypatch):
+    """The server started on a model folder (not in the hub cache): after a request switched to
+    another model, the folder's model is still local, listed, and a request switches back."""
+    from engine.scheduling.service import Engine
+
+    hub = tmp_path / "hub"
+    tiny = _cache_repo(hub, TINY)
+    for f in build_folder(LLAMA, seed=3).iterdir():
+        shutil.copy(f, tiny / f.name)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    folder = build_folder(LLAMA, seed=4)
+    with serving(Engine(str(folder)).start(), tmp_path / "db.sqlite") as server:
+        assert loaded(server) == folder.name and models(server)[:1] == [folder.name]
+        assert chat(server, TINY).json()["model"] == TINY
+        assert folder.name in models(server)
+        r = chat(server, folder.name)
+        assert r.status_code == 200 and r.json()["model"] == folder.name == loaded(server)
