@@ -144,7 +144,7 @@ def test_not_enough_disk_is_refused_before_any_byte(hub):
     assert not any("/resolve/" in path for _, path, _ in hub.log)
 
 
-def test_a_full_disk_mid_transfer_is_a_clear_error(hub, tmp_path):
+def test_a_full_disk_mid_transfer_is_a_clear_error(hub, tiny_files):
     """The disk fills up (a file size limit of 1 MB) while `mlxchat pull` writes."""
     def limit():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -155,6 +155,11 @@ def test_a_full_disk_mid_transfer_is_a_clear_error(hub, tmp_path):
                             env=env, preexec_fn=limit, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert "the disk is full" in result.stderr and "free some space and pull again" in result.stderr
+    before = len(hub.log)
+    _, folder = pull_model("test/tiny")  # room again: the file that filled the disk resumes
+    resumed = [rng for method, _, rng in hub.log[before:] if method == "GET" and rng]
+    assert resumed and 0 < _range_start(resumed[0]) <= 2**20
+    assert (folder / "model.safetensors").read_bytes() == tiny_files["model.safetensors"]
 
 
 def test_a_file_that_does_not_match_its_hash_is_deleted(hub):

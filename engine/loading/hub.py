@@ -242,7 +242,7 @@ class _Tracker:
 
     def add(self, n: int) -> None:
         if self.cancel is not None and self.cancel.is_set():
-            raise DownloadCancelled("download cancelled; pulling again fetches only the files still missing")
+            raise DownloadCancelled("download cancelled; pulling again fetches only the bytes still missing")
         self.current += n
         self.report()
 
@@ -346,7 +346,7 @@ def download(p: Plan, progress: Callable[[DownloadProgress], None] | None = None
     tracker = _Tracker(p.total_bytes, progress, cancel)
     for f in p.files:
         if cancel is not None and cancel.is_set():
-            raise DownloadCancelled("download cancelled; pulling again fetches only the files still missing")
+            raise DownloadCancelled("download cancelled; pulling again fetches only the bytes still missing")
         try:
             path = _fetch(p, f, _bar_class(tracker, f.name))
         except DownloadCancelled:
