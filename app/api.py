@@ -24,6 +24,8 @@ from engine import (SAMPLING_OPTIONS, EngineError, InvalidRequest, ModelDefaults
 from .api_choices import (MAX_CHOICES, collect_choices, logprobs_body, merged, message_body,
                           start_choices, system_fingerprint, tool_call_deltas, total_usage,
                           tracked)
+from .api_errors import ApiError
+from .api_models import local_models, use_model
 from .api_tools import tool_fields
 from .context import TRUNCATE_MODES, drop_oldest
 from .runs import Runs
@@ -56,18 +58,6 @@ _SPECULATIVE = {"draft": str, "k": int, "adaptive": bool}
 MAX_DEPTH = 64
 # Bodies from this size on are parsed and checked off the event loop.
 INLINE_BODY_BYTES = 64 * 1024
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type_: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        return api_error(self.status, self.message, self.type, self.code, self.param, self.headers)
 
 
 @dataclass(frozen=True)
@@ -416,9 +406,9 @@ async def health(request: Request) -> JSONResponse:
 
 
 async def list_models(request: Request) -> JSONResponse:
-    """Only the loaded model: it is the one a request can name."""
-    name = request.app.state.engine.model_name
-    data = [{"id": name, "object": "model", "created": 0, "owned_by": "mlxchat"}] if name else []
+    """Every local model, the loaded one first: a request naming any of them loads it."""
+    data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "mlxchat"}
+            for m in local_models(request.app.state.engine)]
     return JSONResponse({"object": "list", "data": data})
 
 
@@ -438,6 +428,10 @@ async def chat_completions(request: Request) -> Response:
         if engine.model_name is None:
             return api_error(503, "a model is loading; try again shortly", "server_error",
                              "model_loading", headers={"Retry-After": "5"})
+        wanted = body.get("model") if isinstance(body, dict) else None
+        if isinstance(wanted, str) and wanted != engine.model_name:
+            parse_chat_request(body, wanted, engine.defaults)  # a bad request loads nothing
+            await use_model(request, wanted)
         chat = parse_chat_request(body, engine.model_name, engine.defaults)
         speculative = parse_speculative(body.get("speculative"))
         messages = _truncated(engine, body.get("truncate"), chat)

@@ -16,6 +16,7 @@ from engine import InvalidRequest, RequestHandle, SamplingParams, TokenLogprob
 
 from .api import (_SAMPLING, ApiError, _cancel_on_disconnect, _param, _typed, finished_choices,
                   sse_response, submit_choices, usage_body)
+from .api_models import use_model
 from .api_choices import MAX_CHOICES, merged, system_fingerprint, total_usage, tracked
 from .security import api_error
 from .sse import sse
@@ -98,6 +99,10 @@ async def completions(request: Request) -> Response:
         if engine.model_name is None:
             return api_error(503, "a model is loading; try again shortly", "server_error",
                              "model_loading", headers={"Retry-After": "5"})
+        wanted = body.get("model") if isinstance(body, dict) else None
+        if isinstance(wanted, str) and wanted != engine.model_name:
+            parse(body, wanted)  # a bad request loads nothing
+            await use_model(request, wanted)
         prompt, params, n, stream, include_usage = parse(body, engine.model_name)
         handles = await submit_choices(engine, None, params, n, None, text=prompt)
     except ApiError as err:

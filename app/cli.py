@@ -236,7 +236,8 @@ def _keep_alive(value: str) -> float | None:
 @click.argument("spec", metavar="REPO[:FILE.gguf]")
 def pull(spec: str) -> None:
     """Download a model from the Hugging Face hub: an mlx-lm folder (REPO) or one GGUF file
-    (REPO:FILE.gguf). Files already downloaded are kept; HF_ENDPOINT picks another hub."""
+    (REPO:FILE.gguf). A pull that stops (Ctrl-C, a dropped connection, a full disk) resumes
+    where it stopped the next time; HF_ENDPOINT picks another hub."""
     from engine import DownloadProgress, pull_model
 
     def show(p: DownloadProgress) -> None:
@@ -245,7 +246,7 @@ def pull(spec: str) -> None:
     try:
         name, path = pull_model(spec, progress=show)
     except KeyboardInterrupt:
-        click.echo("\nCancelled; the same pull again fetches only the files still missing.", err=True)
+        click.echo("\nCancelled; the same pull again resumes where this one stopped.", err=True)
         sys.exit(130)
     except EngineError as exc:
         click.echo(err=True)

@@ -11,8 +11,8 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine import (DownloadCancelled, DownloadProgress, EngineError, list_models, pull_model,
-                    remove_model)
+from engine import (DownloadCancelled, DownloadProgress, Engine, EngineError, list_models,
+                    pull_model, remove_model)
 
 from .sse import sse
 from .views import models_context, read_form, render
@@ -35,6 +35,26 @@ class ModelSwitch:
         return f"{self.stage.capitalize() or 'Loading'} {self.name}… {time.time() - self.started:.0f} s"
 
 
+def begin_switch(switch: ModelSwitch, engine: Engine, name: str) -> asyncio.Task:
+    """Start loading `name` as the picker's one model load; the task's result is the
+    EngineError that stopped it (also kept in `switch.error`), or None once loaded."""
+    switch.name, switch.stage, switch.started, switch.error = name, "", time.time(), None
+
+    def progress(stage: str) -> None:
+        switch.stage = stage
+
+    async def load() -> EngineError | None:
+        try:
+            await asyncio.to_thread(engine.switch_model, name, progress=progress)
+        except EngineError as exc:
+            switch.error = f"Could not load {name}: {exc}"
+            return exc
+        return None
+
+    switch.task = asyncio.create_task(load())
+    return switch.task
+
+
 async def switch_model(request: Request) -> Response:
     engine = request.app.state.engine
     switch: ModelSwitch = request.app.state.switch
@@ -43,18 +63,7 @@ async def switch_model(request: Request) -> Response:
         if name not in {m.name for m in engine.list_models()}:
             switch.error = f"Unknown model {name!r}."
         else:
-            switch.name, switch.stage, switch.started, switch.error = name, "", time.time(), None
-
-            def progress(stage: str) -> None:
-                switch.stage = stage
-
-            async def load() -> None:
-                try:
-                    await asyncio.to_thread(engine.switch_model, name, progress=progress)
-                except EngineError as exc:
-                    switch.error = f"Could not load {name}: {exc}"
-
-            switch.task = asyncio.create_task(load())
+            begin_switch(switch, engine, name)
     return HTMLResponse(render("_models.html", **models_context(request)))
 
 

@@ -8,19 +8,21 @@ import pytest
 
 from engine import Engine
 
+# Ordinary first prompts on which the bundled model's plain greedy decoding falls into a loop
+# (checked below), so that defaults which stopped preventing loops would fail this test.
 PROMPTS = [
-    "What is the capital of France?",
-    "Give me three tips for sleeping better.",
-    "Explain what a computer virus is.",
-    "How do I boil an egg?",
-    "Write a short poem about the sea.",
-    "What are the benefits of regular exercise?",
-    "Why is the sky blue?",
-    "Suggest a name for a small bakery.",
-    "What should I pack for a weekend hiking trip?",
-    "Summarise the plot of Cinderella in a few sentences.",
-    "How can I save money on groceries?",
-    "What is photosynthesis?",
+    "List ten fruits.",
+    "Write a letter to a friend.",
+    "Write a song about summer.",
+    "Tell me about dolphins.",
+    "Write a motivational speech.",
+    "Describe a dog.",
+    "Write a poem about love.",
+    "Tell me about cats.",
+    "Describe the ocean.",
+    "Describe your best friend.",
+    "Describe your ideal day.",
+    "What is love?",
 ]
 MAX_TOKENS = 200
 
@@ -39,16 +41,24 @@ def test_the_loop_detector():
     assert not loops("Yes. Yes. Yes. Yes.")  # short sentences are not a loop
 
 
+def answers(engine: Engine, explicit: dict) -> list[str]:
+    """One answer a prompt, all decoded together, each with its own fixed seed."""
+    handles = [engine.submit([{"role": "user", "content": p}],
+                             engine.params({**explicit, "max_tokens": MAX_TOKENS, "seed": 100 + i}))
+               for i, p in enumerate(PROMPTS)]
+    return ["".join(e.text for e in h.events()) for h in handles]
+
+
 @pytest.mark.timeout(900)
 def test_first_answers_on_the_defaults_do_not_loop():
     engine = Engine(None, max_running=len(PROMPTS), max_queued=0).start()
     try:
-        handles = [engine.submit([{"role": "user", "content": p}],
-                                 engine.params({"max_tokens": MAX_TOKENS, "seed": 100 + i}))
-                   for i, p in enumerate(PROMPTS)]
-        answers = ["".join(e.text for e in h.events()) for h in handles]
+        greedy = answers(engine, {"temperature": 0})
+        defaults = answers(engine, {})
     finally:
         engine.stop()
-    looping = [(p, a) for p, a in zip(PROMPTS, answers) if loops(a)]
-    assert all(answers)
+    # The prompts find loops: plain greedy decoding falls into them on most.
+    assert sum(map(loops, greedy)) >= len(PROMPTS) * 2 // 3, greedy
+    looping = [(p, a) for p, a in zip(PROMPTS, defaults) if loops(a)]
+    assert all(defaults)
     assert len(looping) <= 1, looping

@@ -18,6 +18,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 
+from engine import UnsupportedArchitecture
 from engine.loading.registry import load_model
 
 pytestmark = pytest.mark.fast
@@ -63,6 +64,21 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _windowed_gemma2(model, window: int):
+    """Gemma 2 as Hugging Face and llama.cpp run it, from mlx-lm's gemma2 layers (whose model
+    has no window): even layers see only the last `window` tokens, odd layers all of them."""
+    def forward(tokens: mx.array) -> mx.array:
+        h = model.model.embed_tokens(tokens) * (model.args.hidden_size ** 0.5)
+        n = tokens.shape[1]
+        i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+        for index, layer in enumerate(model.layers):
+            visible = (j <= i) & ((i - j < window) if index % 2 == 0 else True)
+            h = layer(h, mx.array(visible), None)
+        logits = model.model.embed_tokens.as_linear(model.model.norm(h))
+        return mx.tanh(logits / model.final_logit_softcapping) * model.final_logit_softcapping
+    return forward
+
+
 def _reference(config: dict, seed: int):
     """The HF-layout model with random weights; norm weights random too, so offsets show."""
     model_class, args_class = _get_classes(config)
@@ -76,6 +92,8 @@ def _reference(config: dict, seed: int):
         elif name.endswith(".weight"):
             weights[name] = mx.random.normal(weights[name].shape) * 0.2
     model.load_weights(list(weights.items()))
+    if config["model_type"] == "gemma2":
+        model = _windowed_gemma2(model, config["sliding_window"])
     return model, {k: np.array(v, dtype=np.float32) for k, v in weights.items()}
 
 
@@ -133,7 +151,7 @@ def _write_gguf(path, arch: str, config: dict, weights: dict[str, np.ndarray], m
 
 CASES = {
     "gemma2": (
-        {"model_type": "gemma2", **SHAPE, "query_pre_attn_scalar": 16,
+        {"model_type": "gemma2", **SHAPE, "query_pre_attn_scalar": 16, "sliding_window": 4,
          "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
         lambda w: (w.add_attn_logit_softcapping(50.0), w.add_final_logit_softcapping(30.0),
                    w.add_sliding_window(4)),
@@ -228,3 +246,114 @@ def test_tokenizer_and_chat_template_come_from_the_metadata(tmp_path):
     assert encoded[:2] == [tokens.index("<s>"), tokens.index("hi")]
     assert lm.tokenizer.decode(encoded[1:]) == "hi why"
     assert lm.tokenizer.eos_token_id == tokens.index("<end_of_turn>")
+
+
+# Llama 3.1: llama.cpp stores the "llama3" RoPE scaling only as per-frequency factors.
+LLAMA3 = {"model_type": "llama", **SHAPE, "rope_theta": 500000.0, "tie_word_embeddings": False}
+LLAMA3_SCALINGS = {
+    "published": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+    "fitted": {"factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 16.0,
+               "original_max_position_embeddings": 512},
+}
+
+
+def _llama_cpp_rope_freqs(config: dict) -> np.ndarray:
+    """The `rope_freqs` tensor convert_hf_to_gguf.py writes for a "llama3" rope_scaling."""
+    scaling, base, dim = config["rope_scaling"], config["rope_theta"], config["head_dim"]
+    old = scaling["original_max_position_embeddings"]
+    low_wavelen = old / scaling["low_freq_factor"]
+    high_wavelen = old / scaling["high_freq_factor"]
+    factors = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * np.pi * base ** (i / dim)
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(scaling["factor"])
+        else:
+            smooth = (old / wavelen - scaling["low_freq_factor"]) / (
+                scaling["high_freq_factor"] - scaling["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / scaling["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+@pytest.mark.parametrize("case", list(LLAMA3_SCALINGS))
+def test_llama3_rope_freqs_become_mlx_lm_rope_scaling(tmp_path, case):
+    config = {**LLAMA3, "vocab_size": VOCAB,
+              "rope_scaling": {"rope_type": "llama3", **LLAMA3_SCALINGS[case]}}
+    reference, weights = _reference(config, seed=5)
+    freqs = _llama_cpp_rope_freqs(config)
+    assert 1.0 < freqs.max() and freqs.min() == 1.0  # the scaling reaches these positions
+    scaled, plain = tmp_path / "scaled.gguf", tmp_path / "plain.gguf"
+    _write_gguf(scaled, "llama", config, weights, lambda w: w.add_tensor("rope_freqs.weight", freqs))
+    _write_gguf(plain, "llama", config, weights, lambda w: None)
+
+    lm = load_model(str(scaled))
+    assert lm.config["rope_scaling"]["rope_type"] == "llama3"
+    mx.random.seed(0)
+    tokens = mx.random.randint(0, VOCAB, (1, 600))  # positions past the scaled wavelengths
+    theirs = reference(tokens).astype(mx.float32)
+    scale = mx.abs(theirs).max().item()
+    assert mx.abs(lm.model(tokens).astype(mx.float32) - theirs).max().item() < 1e-3 * scale
+    # Without the factors (plain RoPE) the same weights answer differently: the check can fail.
+    unscaled = load_model(str(plain)).model(tokens).astype(mx.float32)
+    assert mx.abs(unscaled - theirs).max().item() > 1e-2 * scale
+
+
+def test_rope_freqs_that_are_not_llama3_scaling_are_refused(tmp_path):
+    config = {**LLAMA3, "vocab_size": VOCAB}
+    _, weights = _reference(config, seed=5)
+    odd = np.linspace(3.0, 1.0, config["head_dim"] // 2).astype(np.float32)  # decreasing
+    path = tmp_path / "odd.gguf"
+    _write_gguf(path, "llama", config, weights, lambda w: w.add_tensor("rope_freqs.weight", odd))
+    with pytest.raises(UnsupportedArchitecture, match="rope_freqs are not a Llama 3 RoPE"):
+        load_model(str(path))
+
+
+def test_gemma2_sliding_window_applies_in_the_cache_too(tmp_path):
+    """Token by token through the model's own cache (a rotating one for the sliding layers), the
+    logits past the window equal the windowed reference; without the window they would not."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    config, meta = CASES["gemma2"]
+    config = {**config, "vocab_size": VOCAB}
+    reference, weights = _reference(config, seed=3)
+    path = tmp_path / "tiny-gemma2.gguf"
+    _write_gguf(path, "gemma2", config, weights, meta)
+    lm = load_model(str(path))
+    assert lm.config["sliding_window"] == 4
+    cache = make_prompt_cache(lm.model)
+    steps = [lm.model(mx.array([[t]]), cache=cache)[0, -1] for t in TOKENS]
+    theirs = reference(mx.array([TOKENS]))[0].astype(mx.float32)
+    scale = mx.abs(theirs).max().item()
+    assert mx.abs(mx.stack(steps).astype(mx.float32) - theirs).max().item() < 1e-3 * scale
+    unwindowed = _windowed_gemma2(lm.model, window=len(TOKENS))(mx.array([TOKENS]))[0]
+    assert mx.abs(unwindowed.astype(mx.float32) - theirs).max().item() > 1e-2 * scale
+
+
+def test_gemma2_batched_decoding_equals_one_at_a_time(tmp_path):
+    """Rows of different lengths decoded together (left-padded batch masks over grouped-query
+    heads, which mlx-lm's own gemma2 cannot take) give each row's logprobs as decoded alone."""
+    from engine import Engine
+
+    config, meta = CASES["gemma2"]
+    config = {**config, "vocab_size": VOCAB}
+    _, weights = _reference(config, seed=3)
+    path = tmp_path / "tiny-gemma2.gguf"
+    _write_gguf(path, "gemma2", config, weights, meta)
+    engine = Engine(str(path), max_running=4, prefix_cache=False).start()
+    try:
+        params = engine.params({"max_tokens": 8, "temperature": 0}).with_(logprobs=2)
+        asks = [[{"role": "user", "content": text}] for text in ("hi", "abc hi w", "why hello hi")]
+
+        def logprobs(handles):
+            return [[(e.logprobs.token, round(e.logprobs.logprob, 4)) for e in h.events()
+                     if e.logprobs is not None] for h in handles]
+
+        alone = [logprobs([engine.submit(m, params)])[0] for m in asks]
+        together = logprobs([engine.submit(m, params) for m in asks])
+    finally:
+        engine.stop()
+    assert all(len(row) == 8 for row in alone)
+    assert together == alone

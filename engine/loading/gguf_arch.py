@@ -4,10 +4,13 @@ llama.cpp's converter made that must be undone, and `config.json` fields.
 What llama.cpp's `convert_hf_to_gguf.py` changes, and how it is undone here:
 - llama: q/k rows permuted so that RoPE rotates interleaved pairs. Rather than permuting back, the
   config asks mlx-lm for the traditional (interleaved) RoPE, which is the same computation.
+- gemma2: its sliding window goes into the config for gemma2_window.py (mlx-lm's gemma2 has none).
 - gemma2/gemma3: every `*norm.weight` stored with 1 added (llama.cpp multiplies by the weight,
   Gemma by 1 + weight). mlx-lm's Gemma classes add the 1 themselves, so it is subtracted here.
 - phi3: q/k/v and gate/up stay fused (`attn_qkv`, `ffn_up`), as mlx-lm's phi3 expects them.
 - qwen3moe: experts stored stacked (`ffn_*_exps`), as mlx-lm's `switch_mlp` expects them.
+- llama 3.1: its RoPE scaling stored as per-frequency factors (`rope_freqs`), turned back into
+  mlx-lm's "llama3" `rope_scaling` (gguf_rope.py).
 """
 
 import re
@@ -17,6 +20,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from ..errors import UnsupportedArchitecture
+from .gguf_rope import llama3_rope_scaling
 
 _COMMON_LAYER = {
     "attn_norm": "input_layernorm",
@@ -66,7 +70,12 @@ def _llama(get, config, side):
     # Mistral-style files are llama too. Like llama.cpp's llama graph, full attention on every
     # layer: a `sliding_window` key, where present, is not applied (mlx-lm's llama class needs at
     # least one full-attention layer, and Mistral's window spans its usual contexts anyway).
-    return {"rope_traditional": True, "attention_bias": False, "mlp_bias": False}
+    extra: dict[str, Any] = {"rope_traditional": True, "attention_bias": False, "mlp_bias": False}
+    if "rope_freqs" in side:  # Llama 3.1's scaled long context
+        scaling = llama3_rope_scaling(side["rope_freqs"], config["rope_theta"], config["head_dim"])
+        if scaling is not None:
+            extra["rope_scaling"] = scaling
+    return extra
 
 
 def _pre_attn_scalar(config, big_layer_count: int) -> float:
@@ -79,6 +88,8 @@ def _pre_attn_scalar(config, big_layer_count: int) -> float:
 
 def _gemma2(get, config, side):
     return {
+        # llama.cpp's default where the file has no key (every Gemma 2 has this window)
+        "sliding_window": get("attention.sliding_window", 4096),
         "attn_logit_softcapping": get("attn_logit_softcapping", 50.0),
         "final_logit_softcapping": get("final_logit_softcapping", 30.0),
         "query_pre_attn_scalar": _pre_attn_scalar(config, 46),
@@ -132,7 +143,7 @@ def _qwen3moe(get, config, side):
 
 
 ARCHITECTURES: dict[str, Arch] = {
-    "llama": Arch("llama", LLAMA_LAYER, extra_config=_llama),
+    "llama": Arch("llama", LLAMA_LAYER, extra_config=_llama, dropped=("rope_freqs",)),
     "qwen2": Arch("qwen2", LLAMA_LAYER),
     "qwen3": Arch("qwen3", LLAMA_LAYER),
     "gemma2": Arch("gemma2", _GEMMA_LAYER, norm_shift=1.0, extra_config=_gemma2),

@@ -1,9 +1,9 @@
 """Downloading models from a Hugging Face hub (`mlxchat pull REPO[:FILE]`) and removing them.
 
 Downloads go through `huggingface_hub` into its standard cache (HF_HUB_CACHE), at the hub that
-HF_ENDPOINT names. A transfer that breaks off resumes from where it stopped (huggingface_hub
-retries with a Range request); after a cancelled or failed pull, the files already complete are
-kept and the next pull fetches only the rest. Nothing downloaded is ever
+HF_ENDPOINT names. A transfer that breaks off resumes from where it stopped (huggingface_hub's
+`http_get` retries with a Range request); after a cancelled or failed pull, the complete files and
+the partial one are kept and the next pull fetches only the rest. Nothing downloaded is ever
 run: only safetensors / GGUF weights and tokenizer data files are fetched (never Python files or
 pickled weights, never `trust_remote_code`), each file is checked against the hash the hub lists
 for it, and a repository id must be `owner/name` (no paths). Before the first byte, the free disk
@@ -242,7 +242,7 @@ class _Tracker:
 
     def add(self, n: int) -> None:
         if self.cancel is not None and self.cancel.is_set():
-            raise DownloadCancelled("download cancelled; pulling again fetches only the files still missing")
+            raise DownloadCancelled("download cancelled; pulling again fetches only the bytes still missing")
         self.current += n
         self.report()
 
@@ -305,21 +305,50 @@ def _digest(path: Path, f: RemoteFile) -> tuple[str, str]:
     return expected.lower(), h.hexdigest()
 
 
+def _fetch(p: Plan, f: RemoteFile, bar: type) -> Path:
+    """One file into huggingface_hub's cache layout (`blobs/<etag>`, linked from
+    `snapshots/<commit>/<name>`). The bytes go to `blobs/<etag>.incomplete` first, which stays when
+    a pull is cancelled or fails: the next pull asks only for the rest (a Range request).
+    huggingface_hub's own `hf_hub_download` deletes its partial file on any error."""
+    from filelock import FileLock
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import build_hf_headers
+
+    etag = f.sha256 or f.blob_id
+    if not etag:
+        raise DownloadError(f"the hub lists no hash for {f.name} of {p.spec.repo}")
+    blob = _repo_dir(p.spec.repo) / "blobs" / etag
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{blob}.lock"):  # another pull of the same file (the CLI and the UI) waits
+        if not blob.exists():
+            partial = blob.with_name(f"{etag}.incomplete")
+            with partial.open("ab") as out:
+                if out.tell() > f.size:  # not a prefix of this file: start again
+                    out.truncate(0)
+                http_get(hf_hub_url(p.spec.repo, f.name, revision=p.revision, endpoint=_endpoint()),
+                         out, resume_size=out.tell(), headers=build_hf_headers(),
+                         expected_size=f.size or None, displayed_filename=f.name, tqdm_class=bar)
+            os.replace(partial, blob)
+    link = _repo_dir(p.spec.repo) / "snapshots" / p.revision / f.name
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not link.exists():
+        link.unlink(missing_ok=True)  # a dangling link to a deleted blob
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    return link
+
+
 def download(p: Plan, progress: Callable[[DownloadProgress], None] | None = None,
              cancel: threading.Event | None = None) -> Path:
     """Fetch `p`'s files (resuming partial ones) and check each against its hash; returns the
     snapshot folder (an mlx-lm folder) or the GGUF file."""
-    from huggingface_hub import hf_hub_download
-
     check_room(p)
     tracker = _Tracker(p.total_bytes, progress, cancel)
     for f in p.files:
         if cancel is not None and cancel.is_set():
-            raise DownloadCancelled("download cancelled; pulling again fetches only the files still missing")
+            raise DownloadCancelled("download cancelled; pulling again fetches only the bytes still missing")
         try:
-            path = Path(hf_hub_download(
-                p.spec.repo, f.name, revision=p.revision, cache_dir=hub_cache_dir(),
-                endpoint=_endpoint(), tqdm_class=_bar_class(tracker, f.name)))
+            path = _fetch(p, f, _bar_class(tracker, f.name))
         except DownloadCancelled:
             raise
         except Exception as exc:

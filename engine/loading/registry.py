@@ -205,7 +205,9 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
     logged with its reason and the bundled model is loaded instead; otherwise the error is raised.
     With a distributed `group`, keep only this rank's tensor-parallel shard (engine/distributed/);
     the shard stays in mlx-lm's own sharded layers, without the CPU layout."""
-    from mlx_lm import load as mlx_lm_load
+    from mlx_lm.utils import load_model as mlx_lm_load_model, load_tokenizer
+
+    from .gemma2_window import model_classes
 
     try:
         display, folder = resolve(name)
@@ -213,7 +215,9 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
         if why:
             raise ModelLoadError(f"not loading: {why}", code="insufficient_memory")
         try:
-            model, tokenizer, config = mlx_lm_load(str(folder), return_config=True)
+            # mlx_lm.load's two steps, with Gemma 2's sliding window (gemma2_window.py)
+            model, config = mlx_lm_load_model(folder, get_model_classes=model_classes)
+            tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
         except Exception as exc:  # mlx-lm raises ValueError/KeyError/FileNotFoundError...
             raise ModelLoadError(f"cannot load model {display!r} from {folder}: {exc}") from exc
     except ModelLoadError as exc:

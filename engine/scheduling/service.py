@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator, Sequence
 
 import mlx.core as mx
@@ -34,6 +35,7 @@ from ..device import memory_budget as device_memory_budget
 from ..errors import EngineError, InvalidRequest, Overloaded
 from ..events import FINAL_STATES, Event, FinishReason, RequestState, Timings, Usage
 from ..decoding.generate import Generation, build_prompt
+from ..loading.memory import weight_files_bytes
 from ..loading.registry import LoadedModel, ModelInfo, list_models, load_model
 from ..decoding.defaults import ModelDefaults, resolve_defaults
 from ..decoding.sampling import SamplingParams
@@ -215,6 +217,7 @@ class Engine:
         self._stopping = False
         self._described: ModelDescription | None = None
         self._loaded_name: str | None = None  # as passed to `load`, for reloading after an unload
+        self._opened: dict[str, ModelInfo] = {}  # models loaded from a path, by display name
         self._resident = False
         self._idle_since = time.monotonic()
         self._idle_keep: float | None = self.keep_alive
@@ -296,7 +299,11 @@ class Engine:
         return defaults.params(explicit)
 
     def list_models(self) -> list[ModelInfo]:
-        return list_models()
+        """The local models (bundled, downloaded), then those this engine loaded from a folder or
+        GGUF path: any of them can be named to `switch_model`."""
+        found = list_models()
+        names = {m.name for m in found}
+        return found + [m for m in self._opened.values() if m.name not in names]
 
     def status(self) -> EngineStatus:
         with self._lock:
@@ -317,8 +324,12 @@ class Engine:
 
     def switch_model(self, name: str, progress: Callable[[str], None] | None = None,
                      cancel_running: bool = False) -> None:
-        """Load another model once running and queued requests end (or are cancelled, if asked);
-        meanwhile new requests are refused with Overloaded."""
+        """Load another model (a name `list_models` gives, or a path) once running and queued
+        requests end (or are cancelled, if asked); meanwhile new requests are refused with
+        Overloaded. A model that cannot load raises ModelLoadError with the previous model
+        loaded again."""
+        opened = self._opened.get(name)
+        name = opened.path if opened is not None and opened.path else name
         if cancel_running:
             for h in self._admitted():  # outside the lock: cancelling a queued request takes it
                 h.cancel()
@@ -328,6 +339,7 @@ class Engine:
         """Runs on the scheduler thread with no request running."""
         report = progress or (lambda stage: None)
         report("loading")
+        previous = self._loaded_name if self.lm is not None else _NONE
         old, self.lm, self.prefix_cache, self._batch = self.lm, None, None, None
         with self._lock:  # the loader keeps a draft only while its model is self.lm
             self._drafts.clear()
@@ -335,10 +347,21 @@ class Engine:
         del old
         mx.clear_cache()
         self._described, self._resident = None, False
-        loaded = self._load(name, fallback_to_default=self.fallback_to_default)
+        try:
+            loaded = self._load(name, fallback_to_default=self.fallback_to_default)
+        except EngineError:
+            if previous is not _NONE:  # keep serving the model that was loaded, then say why
+                log.warning("could not load %s; reloading %s", name, previous)
+                self._install(previous, None)  # type: ignore[arg-type]
+            raise
         # Our own record of it: an idle unload empties its `model`, never the caller's object.
         self.lm = dataclasses.replace(loaded)
         self._loaded_name = name
+        if name and Path(name).expanduser().exists():
+            path = Path(name).expanduser()
+            self._opened[self.lm.name] = ModelInfo(
+                self.lm.name, "gguf" if path.is_file() else "folder", str(path),
+                weight_files_bytes([path] if path.is_file() else path.glob("*")))
         self._footprint = kv_footprint(self.lm.model)
         self._make_resident_parts()
         lm = self.lm
@@ -719,6 +742,9 @@ class Engine:
         handle._enter(state)
         for event in events:
             handle._publish(event)
+
+
+_NONE = object()  # no model was loaded (None itself names the bundled model)
 
 
 def _mib(n: int) -> str:

@@ -1,0 +1,56 @@
+"""Which model an API request runs on: a request naming another local model loads it first, under
+the model picker's rules (one load at a time, after the running requests end), as Ollama and
+LM Studio do; a name no local model has is a 404 listing the ones there are."""
+
+import asyncio
+from typing import Any
+
+from starlette.requests import Request
+
+from engine import Engine, ModelInfo
+
+from .api_errors import ApiError
+from .picker import ModelSwitch, begin_switch
+
+# Loads one request may wait through before it gives up (other clients keep switching models).
+MAX_SWITCHES = 3
+
+
+def local_models(engine: Engine) -> list[ModelInfo]:
+    """Every model a request may name: the loaded one first, then the others `mlxchat models`
+    lists and those this server loaded from a folder or GGUF path."""
+    found = engine.list_models()
+    return sorted(found, key=lambda m: m.name != engine.model_name)
+
+
+async def use_model(request: Request, name: Any) -> None:
+    """Make `name` the loaded model (None: whichever is loaded); raises ApiError when no local
+    model has that name or it cannot load. A name that is not a string is left to the parser."""
+    engine: Engine = request.app.state.engine
+    switch: ModelSwitch = request.app.state.switch
+    if not isinstance(name, str):
+        return
+    for _ in range(MAX_SWITCHES):
+        if switch.loading:  # the picker's or another request's load: wait for it first
+            target, task = switch.name, switch.task
+            failure = await asyncio.shield(task)  # type: ignore[arg-type]
+            if target == name and failure is not None:
+                raise _load_failed(name, failure)
+            continue
+        if name == engine.model_name:
+            return
+        if name not in {m.name for m in engine.list_models()}:
+            available = ", ".join(m.name for m in local_models(engine))
+            raise ApiError(404, f"The model '{name}' does not exist here (local models: "
+                                f"{available}); `mlxchat pull` downloads one", "model",
+                           "model_not_found")
+        failure = await asyncio.shield(begin_switch(switch, engine, name))
+        if failure is not None:
+            raise _load_failed(name, failure)
+    raise ApiError(409, f"other requests keep switching the model; '{name}' was not loaded, "
+                        "try again", "model", "model_busy", headers={"Retry-After": "5"})
+
+
+def _load_failed(name: str, exc: Exception) -> ApiError:
+    code = getattr(exc, "code", None) or "model_load_failed"
+    return ApiError(503, f"Could not load '{name}': {exc}", "model", code, type_="server_error")
