@@ -20,8 +20,11 @@ class ShardedServer:
     """`ranks` processes of `mlxchat serve --model MODEL`; rank 0 answers at `url`. With one
     rank it is a plain single-process server (no distributed variables set)."""
 
-    def __init__(self, root: Path, model: Path, ranks: int = 2):
-        self.root, self.model, self.ranks = root, model, ranks
+    def __init__(self, root: Path, model: Path | str, ranks: int = 2,
+                 env: dict[str, str] | None = None):
+        """`model`: a folder, or a name the servers resolve (a hub-cache entry with `env`'s
+        HF_HUB_CACHE). Starting again on the same `root` reuses every rank's home (its caches)."""
+        self.root, self.model, self.ranks, self.env = root, Path(model), ranks, env or {}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: list[subprocess.Popen] = []
@@ -35,7 +38,7 @@ class ShardedServer:
             # a home of its own, caches included: no prefix-cache files from earlier runs
             home = self.root / f"home{rank}"
             home.mkdir(parents=True, exist_ok=True)
-            env = {**os.environ, "MLXCHAT_HOME": str(home)}
+            env = {**os.environ, **self.env, "MLXCHAT_HOME": str(home)}
             if self.ranks > 1:
                 env.update(MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile),
                            MLXCHAT_HEARTBEAT=heartbeat)
@@ -60,6 +63,10 @@ class ShardedServer:
                 p.kill()
                 codes.append(None)
         return codes
+
+    def snapshot_files(self, rank: int) -> list[Path]:
+        """The prefix-cache snapshot files rank `rank` keeps (in its own home)."""
+        return sorted((self.root / f"home{rank}").glob("cache/prompt-cache/*/*/*.safetensors"))
 
     def output(self, rank: int) -> str:
         return self.logs[rank].read_text(errors="replace")

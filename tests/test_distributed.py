@@ -159,5 +159,8 @@ def test_speculative_decoding_is_refused_and_ranks_stay_in_step(sharded, single)
     reply = httpx.post(f"{sharded.url}/v1/chat/completions", timeout=60, json={
         "model": sharded.model.name, "messages": messages, "max_tokens": 8, "temperature": 0,
         "speculative": {"draft": "self-q4", "k": 2}})
-    assert reply.status_code == 400 and "sharded" in reply.text
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "speculative" and "sharded" in error["message"]
+    assert "do not mirror the draft model's cache" in error["message"]  # why, not only what
     assert text(ask(sharded, messages)) == text(ask(single, messages))
