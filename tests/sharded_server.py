@@ -10,6 +10,10 @@ from pathlib import Path
 
 from tests.live_server import MODEL_HOME, REPO, free_port, wait_healthy
 
+# every rank loads its shard and builds nothing (CPU kernels shared), but on a busy 2-core
+# machine several ranks starting at once take minutes
+START_TIMEOUT_S = 420
+
 
 def serve_command(port: int, model: Path) -> list[str]:
     return [sys.executable, "-m", "app.cli", "serve", "--no-browser", "--port", str(port),
@@ -52,7 +56,12 @@ class ShardedServer:
             with open(self.logs[rank], "ab") as log:
                 self.procs.append(subprocess.Popen(serve_command(self.port, self.model), cwd=REPO,
                                                    env=env, stdout=log, stderr=subprocess.STDOUT))
-        wait_healthy(self.url, alive=lambda: all(p.poll() is None for p in self.procs))
+        try:
+            wait_healthy(self.url, timeout=START_TIMEOUT_S,
+                         alive=lambda: all(p.poll() is None for p in self.procs))
+        except BaseException:
+            self.stop()  # no server left running by a failed start
+            raise
         return self
 
     def signal(self, rank: int, sig: int) -> None:
