@@ -20,7 +20,7 @@ from .group import World
 log = logging.getLogger(__name__)
 
 BEAT_S = 0.5
-SILENT_S = 3.0
+SILENT_S = 5.0  # 3 s gave false alarms on a busy 2-core machine while a follower loaded
 JOIN_S = 120.0
 
 

@@ -169,10 +169,11 @@ def sharded_loader(world: World, coordinator: Coordinator) -> Callable[..., Load
     """`Engine(load=...)` for rank 0: every rank loads the same folder and shards it."""
 
     def load(name: str | None, *, fallback_to_default: bool = False) -> LoadedModel:
-        _, folder = resolve(name)  # a bad name fails here, before any follower loads anything
+        display, folder = resolve(name)  # a bad name fails here, before any follower loads
         coordinator.use_files(None)  # the file work queued so far rides along with the LOAD
         coordinator.send(Plan(Op.LOAD, name=str(folder)))
         lm = load_model(str(folder), group=world.group)
+        lm.name = display  # as the picker lists it (a hub model's folder is a snapshot hash)
         shards = SnapshotShards(world, coordinator, lm.model)
         coordinator.use_files(shards)
         lm.model = ShardedModel(lm.model, coordinator, shards)
