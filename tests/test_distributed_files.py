@@ -93,6 +93,19 @@ def test_a_restart_reuses_every_ranks_snapshot_files(hub, single, tmp_path):
     finally:
         stop(server)
 
+    # rank 1's files gone: at startup rank 0 lets go of its own, as no rank can use them
+    names = [p.name for p in server.snapshot_files(0)]
+    assert names and names == [p.name for p in server.snapshot_files(1)]
+    for path in server.snapshot_files(1):
+        path.unlink()
+    server = ShardedServer(tmp_path, A, env=hub).start()
+    try:
+        assert server.snapshot_files(0) == []
+        got = ask(server, follow_up)
+        assert text(got) == text(expected) and cached(got) == 0
+    finally:
+        stop(server)
+
 
 def switch(server: ShardedServer, name: str) -> None:
     """Switch the model as the UI's model picker does, and wait until it is loaded."""
