@@ -62,7 +62,8 @@ def worker(folder: str, tokens: int, mode: str) -> None:
         return
     if cluster is not None:
         out["collective_ms"] = collective_ms(cluster.world.group)
-        engine = Engine(folder, **cluster.engine_options())
+        # no snapshot files: every run starts cold, as the one-process runs do
+        engine = Engine(folder, **{**cluster.engine_options(), "persist_prefix_cache": False})
         cluster.watch(engine)
     elif mode == "one-sharded":
         group = mx.distributed.init()  # a group of one: mlx-lm's sharded layers, no network

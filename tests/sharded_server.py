@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.live_server import REPO, free_port, wait_healthy
+from tests.live_server import MODEL_HOME, REPO, free_port, wait_healthy
+
+# every rank loads its shard and builds nothing (CPU kernels shared), but on a busy 2-core
+# machine several ranks starting at once take minutes
+START_TIMEOUT_S = 420
 
 
 def serve_command(port: int, model: Path) -> list[str]:
@@ -20,8 +24,11 @@ class ShardedServer:
     """`ranks` processes of `mlxchat serve --model MODEL`; rank 0 answers at `url`. With one
     rank it is a plain single-process server (no distributed variables set)."""
 
-    def __init__(self, root: Path, model: Path, ranks: int = 2):
-        self.root, self.model, self.ranks = root, model, ranks
+    def __init__(self, root: Path, model: Path | str, ranks: int = 2,
+                 env: dict[str, str] | None = None):
+        """`model`: a folder, or a name the servers resolve (a hub-cache entry with `env`'s
+        HF_HUB_CACHE). Starting again on the same `root` reuses every rank's home (its caches)."""
+        self.root, self.model, self.ranks, self.env = root, Path(model), ranks, env or {}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: list[subprocess.Popen] = []
@@ -35,14 +42,26 @@ class ShardedServer:
             # a home of its own, caches included: no prefix-cache files from earlier runs
             home = self.root / f"home{rank}"
             home.mkdir(parents=True, exist_ok=True)
-            env = {**os.environ, "MLXCHAT_HOME": str(home)}
+            # ... but the CPU kernels built once for every test (a build per home costs minutes
+            # on a busy 2-core machine)
+            kernels = home / "cache" / "kernels"
+            if not kernels.is_symlink():
+                kernels.parent.mkdir(parents=True, exist_ok=True)
+                (MODEL_HOME / "cache" / "kernels").mkdir(parents=True, exist_ok=True)
+                kernels.symlink_to(MODEL_HOME / "cache" / "kernels", target_is_directory=True)
+            env = {**os.environ, **self.env, "MLXCHAT_HOME": str(home)}
             if self.ranks > 1:
                 env.update(MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile),
                            MLXCHAT_HEARTBEAT=heartbeat)
             with open(self.logs[rank], "ab") as log:
                 self.procs.append(subprocess.Popen(serve_command(self.port, self.model), cwd=REPO,
                                                    env=env, stdout=log, stderr=subprocess.STDOUT))
-        wait_healthy(self.url, alive=lambda: all(p.poll() is None for p in self.procs))
+        try:
+            wait_healthy(self.url, timeout=START_TIMEOUT_S,
+                         alive=lambda: all(p.poll() is None for p in self.procs))
+        except BaseException:
+            self.stop()  # no server left running by a failed start
+            raise
         return self
 
     def signal(self, rank: int, sig: int) -> None:
@@ -60,6 +79,10 @@ class ShardedServer:
                 p.kill()
                 codes.append(None)
         return codes
+
+    def snapshot_files(self, rank: int) -> list[Path]:
+        """The prefix-cache snapshot files rank `rank` keeps (in its own home)."""
+        return sorted((self.root / f"home{rank}").glob("cache/prompt-cache/*/*/*.safetensors"))
 
     def output(self, rank: int) -> str:
         return self.logs[rank].read_text(errors="replace")

@@ -139,7 +139,10 @@ def test_a_dead_rank_fails_the_answer_and_new_requests_get_503(model, tmp_path, 
         assert ended < 10, ended
         errors = [line for line in lines if '"error"' in line]
         gone = "rank 1 is gone" if how == "killed" else "rank 1 stopped responding"
-        assert len(errors) == 1 and gone in errors[0], lines[-3:]
+        # a killed peer: the ring backend may fail the collective in flight before the watchdog
+        # hears the heartbeat connection close (which of the two comes first is a race)
+        said = (gone, "connection to a peer was lost") if how == "killed" else (gone,)
+        assert len(errors) == 1 and any(s in errors[0] for s in said), lines[-3:]
         health = httpx.get(f"{server.url}/health").json()
         assert health["status"] == "failed"
         assert health["distributed"]["ranks_alive"] == [0]
@@ -159,5 +162,8 @@ def test_speculative_decoding_is_refused_and_ranks_stay_in_step(sharded, single)
     reply = httpx.post(f"{sharded.url}/v1/chat/completions", timeout=60, json={
         "model": sharded.model.name, "messages": messages, "max_tokens": 8, "temperature": 0,
         "speculative": {"draft": "self-q4", "k": 2}})
-    assert reply.status_code == 400 and "sharded" in reply.text
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "speculative" and "sharded" in error["message"]
+    assert "do not mirror the draft model's cache" in error["message"]  # why, not only what
     assert text(ask(sharded, messages)) == text(ask(single, messages))

@@ -26,6 +26,10 @@ at once by `persist()` at shutdown. Files are kept under a disk byte budget, lea
 deleted first. A restart indexes the files by their tokens and loads one on its first hit; the
 memory copy, when there is one, is always used first. A file that fails any check is deleted with
 one warning and the request recomputes what it would have reused.
+
+A sharded model (engine/distributed/) offers `snapshot_shards`: then each rank keeps its own
+shard's files in a folder of its own, and the prefix cache tells it what it wrote and deleted,
+keeps only the files every rank holds, and uses a file only once every rank's shard loaded.
 """
 
 import hashlib
@@ -107,13 +111,13 @@ def _mirrored(source: Sequence[Any], out: list[Any], length: int | None) -> list
     return mirror(out, length) if mirror is not None else out
 
 
-def _layers(snapshot: Sequence[Any]) -> list[files.Layer]:
+def snapshot_layers(snapshot: Sequence[Any]) -> list[files.Layer]:
     """A snapshot's arrays by layer, as they are (no MLX op: safe on another thread)."""
     return [("KVCache", [c.keys, c.values]) if type(c) is KVCache else ("ArraysCache", list(c.cache))
             for c in snapshot]
 
 
-def _from_layers(layers: Sequence[files.Layer], length: int) -> list[Any]:
+def from_layers(layers: Sequence[files.Layer], length: int) -> list[Any]:
     return [KVCache.from_state((arrays[0], arrays[1], length)) if kind == "KVCache"
             else ArraysCache.from_state((arrays, None, None)) for kind, arrays in layers]
 
@@ -265,6 +269,10 @@ class PrefixCache:
         if not self.enabled:
             log.info("prefix cache off for %s: unsupported cache types %s", lm.name, self.layer_types)
         self.dir = persist_dir / self.key if persist_dir is not None and self.enabled else None
+        # a sharded model's ranks each keep their shard's files (engine/distributed/snapshots.py)
+        self._shards = getattr(lm.model, "snapshot_shards", None) if self.dir is not None else None
+        if self._shards is not None:
+            self.dir = self._shards.folder(self.dir)
         self.disk_budget = int(disk_budget_bytes)
         self._root = _Node()
         self._lock = threading.RLock()
@@ -335,7 +343,7 @@ class PrefixCache:
                 node.snapshot = Snapshot(length=n, cache=None)
             snapshot = node.snapshot
             if snapshot.file is not None:  # an unread file: the fresh copy replaces it
-                snapshot.file.unlink(missing_ok=True)
+                self._unlink(snapshot.file)
                 snapshot.file, snapshot.file_bytes = None, 0
             snapshot.cache, snapshot.nbytes = copy, size
             self._bytes += size
@@ -437,7 +445,9 @@ class PrefixCache:
                 cache = snapshot.cache  # read once: eviction may drop it meanwhile
                 if cache is not None:
                     written.append((snapshot, tokens,
-                                    files.write(self.dir, tokens, _layers(cache), self._identity)))
+                                    files.write(self.dir, tokens, snapshot_layers(cache), self._identity)))
+                    if self._shards is not None:  # while `cache` is held: the other ranks' twin
+                        self._shards.written(cache, tokens)
             with self._lock:
                 for snapshot, tokens, path in written:
                     self._adopt(snapshot, tokens, path)
@@ -458,7 +468,7 @@ class PrefixCache:
             for path in self.dir.iterdir():
                 if path not in kept and (path.suffix == files.SUFFIX
                                          or path.name.endswith(files.TMP_SUFFIX)):
-                    path.unlink(missing_ok=True)
+                    self._unlink(path)
         return kept
 
     def close(self) -> None:
@@ -471,7 +481,7 @@ class PrefixCache:
         walked, matched = _walk(self._root, tokens)
         depth, node = walked[-1]
         if not (matched == depth == len(tokens) and node.snapshot is snapshot):
-            path.unlink(missing_ok=True)
+            self._unlink(path)
             return
         snapshot.file, snapshot.file_bytes = path, path.stat().st_size
         if self.trimmable:  # shorter files on its path are this one trimmed: delete them
@@ -492,7 +502,7 @@ class PrefixCache:
 
     def _forget_file(self, node: _Node) -> None:
         snapshot = node.snapshot
-        snapshot.file.unlink(missing_ok=True)
+        self._unlink(snapshot.file)
         snapshot.file, snapshot.file_bytes = None, 0
         if snapshot.cache is None:
             node.snapshot = None
@@ -500,7 +510,12 @@ class PrefixCache:
 
     def _reject(self, path: Path, why: Exception) -> None:
         log.warning("prefix cache: skipping and deleting %s: %s", path, why)
+        self._unlink(path)
+
+    def _unlink(self, path: Path) -> None:
         path.unlink(missing_ok=True)
+        if self._shards is not None and path.suffix == files.SUFFIX:
+            self._shards.deleted(path.name)
 
     def _scan_disk(self) -> None:
         """Index the files' snapshots by their tokens from the headers alone (arrays stay on disk
@@ -522,6 +537,18 @@ class PrefixCache:
             if node.snapshot is None:
                 node.snapshot = Snapshot(length=len(header.tokens), cache=None)
             node.snapshot.file, node.snapshot.file_bytes = path, path.stat().st_size
+        if self._shards is not None:
+            self._agree_with_shards()
+
+    def _agree_with_shards(self) -> None:
+        """Keep only the files every rank of a sharded model holds and trusts (each checked its
+        own shard); the model's cache layout comes with the answer."""
+        nodes = {n.snapshot.file.name: n for n in _subtree(self._root)
+                 if n.snapshot is not None and n.snapshot.file is not None}
+        kept, self._layout = self._shards.agree(self.key, sorted(nodes))
+        for name, node in nodes.items():
+            if name not in kept:
+                self._forget_file(node)
 
     def _load(self, node: _Node) -> bool:
         """Bring a persisted snapshot into memory once every check passes; else delete the file
@@ -533,8 +560,12 @@ class PrefixCache:
                 raise files.BadSnapshot("its tokens changed since it was indexed")
             if self._layout is None:
                 self._layout = files.cache_layout(self.lm.model)
-            cache = _from_layers(files.load_arrays(snapshot.file, header, self._layout),
-                                 snapshot.length)
+            cache = from_layers(files.load_arrays(snapshot.file, header, self._layout),
+                                snapshot.length)
+            if self._shards is not None:
+                cache = self._shards.read(snapshot.file.name, cache, snapshot.length)
+                if cache is None:
+                    raise files.BadSnapshot("another rank's shard of it failed its checks")
         except (files.BadSnapshot, OSError) as exc:
             self._reject(snapshot.file, exc)
             snapshot.file, snapshot.file_bytes = None, 0

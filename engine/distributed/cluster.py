@@ -38,12 +38,12 @@ class Cluster:
         return self.world.rank
 
     def engine_options(self) -> dict[str, Any]:
-        """Rank 0's `Engine(...)` options: every rank loads its shard; the features whose caches
-        the followers cannot mirror yet (speculation) stay off (engine/distributed/sharded.py), and prefix-cache
-        snapshots stay in memory (no files per rank yet)."""
+        """Rank 0's `Engine(...)` options: every rank loads its shard and persists its shard of
+        the prefix cache (engine/distributed/snapshots.py); speculation, whose caches the
+        followers cannot mirror yet, stays off (engine/distributed/sharded.py)."""
         assert self.coordinator is not None
         return {"load": sharded_loader(self.world, self.coordinator), "prefix_cache": True,
-                "persist_prefix_cache": False, "batching": True,
+                "persist_prefix_cache": True, "batching": True,
                 "speculation": False, "keep_alive": None}
 
     def watch(self, engine: Haltable) -> None:

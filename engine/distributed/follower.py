@@ -7,10 +7,11 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache.prefix_cache import copy_cache, restore
-from ..loading.registry import load_model
+from ..loading.registry import LoadedModel, load_model
 from .group import World
 from .plan import Op, broadcast
 from .sharded import batch_edit, cache_offset
+from .snapshots import FollowerFiles
 
 log = logging.getLogger(__name__)
 
@@ -19,21 +20,26 @@ def follow(world: World) -> int:
     """The follower loop; returns the number of plans run. Never decides anything itself: a
     plan that does not fit this rank's state (an unknown cache at a nonzero offset, an offset
     that differs) is a bug that would desynchronise the ranks, so it raises."""
-    model = None
+    lm: LoadedModel | None = None
     caches: dict[int, list[Any]] = {}
+    snapshot_files = FollowerFiles(world)
     steps = 0
     while True:
         plan = broadcast(world.group, None)
         steps += 1
+        snapshot_files.work(plan, caches)
         for cache_id in plan.drops:
             caches.pop(cache_id, None)
         if plan.op == Op.STOP:
+            snapshot_files.close()
             return steps
         if plan.op == Op.LOAD:
-            model, caches = None, {}
+            lm, caches = None, {}
             mx.clear_cache()
-            model = load_model(plan.name, group=world.group).model
+            lm = load_model(plan.name, group=world.group)
             log.info("rank %d loaded its shard of %s", world.rank, plan.name)
+        elif lm is None:
+            raise RuntimeError(f"{plan.op.name} before any model was loaded")
         elif plan.op == Op.COPY:
             caches[plan.target] = copy_cache(caches[plan.cache_id])
         elif plan.op == Op.RESTORE:
@@ -42,13 +48,17 @@ def follow(world: World) -> int:
             made = batch_edit(plan, caches)
             if made is not None:
                 caches[plan.target] = made
+        elif plan.op == Op.CHECK:
+            snapshot_files.check(plan, lm)
+        elif plan.op == Op.READ:
+            made = snapshot_files.read(plan)
+            if made is not None:
+                caches[plan.target] = made
         elif plan.op == Op.FORWARD:
-            if model is None:
-                raise RuntimeError("forward before any model was loaded")
             cache = caches.get(plan.cache_id)
             if cache is None:
-                cache = caches[plan.cache_id] = make_prompt_cache(model)
+                cache = caches[plan.cache_id] = make_prompt_cache(lm.model)
             if cache_offset(cache) != plan.offset:
                 raise RuntimeError(f"cache {plan.cache_id} holds {cache_offset(cache)} tokens, "
                                    f"rank 0's holds {plan.offset}: the ranks diverged")
-            mx.eval(model(plan.tokens.astype(mx.uint32), cache=cache))
+            mx.eval(lm.model(plan.tokens.astype(mx.uint32), cache=cache))

@@ -1,7 +1,8 @@
 """A side channel that tells rank 0 within seconds when another rank is gone.
 
-A collective with a dead peer does not return on this MLX (the ring backend logs its send/recv
-errors and the call stays blocked), so rank 0 cannot learn it from the model call. Each follower
+A collective with a dead peer often does not return on this MLX (the ring backend logs its
+send/recv errors and the call stays blocked; now and then it fails the call instead), so rank 0
+cannot count on learning it from the model call. Each follower
 keeps a TCP connection to rank 0 and writes a byte every BEAT_S; rank 0's watchdog declares a
 rank dead when its connection closes (the process ended) or stays silent for SILENT_S (stalled),
 or when it never connects within JOIN_S. A follower whose connection breaks exits: rank 0 is gone.
@@ -20,7 +21,7 @@ from .group import World
 log = logging.getLogger(__name__)
 
 BEAT_S = 0.5
-SILENT_S = 3.0
+SILENT_S = 5.0  # 3 s gave false alarms on a busy 2-core machine while a follower loaded
 JOIN_S = 120.0
 
 

@@ -7,8 +7,10 @@ gets the next id, and when rank 0 lets it go its id rides along with the next pl
 followers drop theirs too. Prefix-cache snapshots and the caches restored from them are
 mirrored the same way (engine/cache/prefix_cache.py asks `mirror`), so reuse works as on one
 process, and so are the batch caches of requests decoding together (engine/scheduling/batch.py
-asks for `batch_merged`, `batch_extend`, `batch_extracted`, `batch_filter`). A cache with no twin on the followers is
-refused rather than run out of step; speculative decoding (draft caches) stays off.
+asks for `batch_merged`, `batch_extend`, `batch_extracted`, `batch_filter`), and so are the
+snapshot files, each rank its own shard's (engine/distributed/snapshots.py). A cache with no twin
+on the followers is refused rather than run out of step. Speculative decoding stays off: its draft
+model and caches, and the verify step's rollback of rejected tokens, have no plan ops yet.
 """
 
 import itertools
@@ -24,7 +26,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..errors import EngineError
 from ..loading.registry import LoadedModel, load_model, resolve
 from .group import World
-from .plan import Op, Plan, broadcast
+from .plan import FileWork, Op, Plan, broadcast
+from .snapshots import SnapshotShards
 
 
 def batch_edit(plan: Plan, caches: dict[int, list[Any]]) -> list[Any] | None:
@@ -90,7 +93,11 @@ class Coordinator:
         self.world = world
         self._ids = itertools.count(1)
         self._dropped: list[int] = []
-        self._lock = threading.Lock()
+        self._work: list[FileWork] = []
+        self._files: SnapshotShards | None = None  # the loaded model's snapshot files
+        # reentrant: a cache collected while the lock is held (a garbage collection) releases
+        # its id under it
+        self._lock = threading.RLock()
         self.steps = 0  # plans sent
 
     def new_cache(self, model: nn.Module) -> MirroredCache:
@@ -111,9 +118,22 @@ class Coordinator:
         with self._lock:
             self._dropped.append(cache_id)
 
+    def use_files(self, files: SnapshotShards | None) -> None:
+        """From now on only `files` (the loaded model's) hands file work to the followers."""
+        with self._lock:
+            self._files = files
+
+    def file_work(self, files: SnapshotShards, work: FileWork) -> None:
+        """Queue `work` for the next plan, unless it comes from a model no longer loaded (its
+        caches are gone from the followers; the next CHECK drops rank 0's file then)."""
+        with self._lock:
+            if files is self._files:
+                self._work.append(work)
+
     def send(self, plan: Plan) -> Plan:
         with self._lock:
             plan.drops, self._dropped = self._dropped, []
+            plan.files, self._work = self._work, []
         self.steps += 1
         return broadcast(self.world.group, plan)
 
@@ -121,9 +141,10 @@ class Coordinator:
 class ShardedModel:
     """Looks like the model to the engine; each call is broadcast before it runs here."""
 
-    def __init__(self, model: nn.Module, coordinator: Coordinator):
+    def __init__(self, model: nn.Module, coordinator: Coordinator, shards: SnapshotShards):
         self.model = model
         self.coordinator = coordinator
+        self.snapshot_shards = shards  # engine/cache/prefix_cache.py persists through it
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
@@ -148,10 +169,14 @@ def sharded_loader(world: World, coordinator: Coordinator) -> Callable[..., Load
     """`Engine(load=...)` for rank 0: every rank loads the same folder and shards it."""
 
     def load(name: str | None, *, fallback_to_default: bool = False) -> LoadedModel:
-        _, folder = resolve(name)  # a bad name fails here, before any follower loads anything
+        display, folder = resolve(name)  # a bad name fails here, before any follower loads
+        coordinator.use_files(None)  # the file work queued so far rides along with the LOAD
         coordinator.send(Plan(Op.LOAD, name=str(folder)))
         lm = load_model(str(folder), group=world.group)
-        lm.model = ShardedModel(lm.model, coordinator)
+        lm.name = display  # as the picker lists it (a hub model's folder is a snapshot hash)
+        shards = SnapshotShards(world, coordinator, lm.model)
+        coordinator.use_files(shards)
+        lm.model = ShardedModel(lm.model, coordinator, shards)
         return lm
 
     return load

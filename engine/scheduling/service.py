@@ -474,7 +474,9 @@ class Engine:
         factory = None
         if speculative is not None and not self.speculation:
             raise InvalidRequest("speculative decoding is not available with a model sharded "
-                                 "over several processes", field="speculative")
+                                 "over several processes: the other ranks do not mirror the "
+                                 "draft model's cache or the rollback of rejected draft tokens",
+                                 field="speculative")
         if speculative is not None:
             check_draft(lm, speculative.draft)
             with self._lock:
