@@ -302,8 +302,11 @@ class Engine:
         """The local models (bundled, downloaded), then those this engine loaded from a folder or
         GGUF path: any of them can be named to `switch_model`."""
         found = list_models()
-        names = {m.name for m in found}
-        return found + [m for m in self._opened.values() if m.name not in names]
+        found += [m for m in self._opened.values() if m.name not in {m.name for m in found}]
+        lm = self.lm  # always listed, however it was loaded
+        if lm is not None and lm.name not in {m.name for m in found}:
+            found.append(ModelInfo(lm.name, "folder", str(lm.path), None))
+        return found
 
     def status(self) -> EngineStatus:
         with self._lock:
