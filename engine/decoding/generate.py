@@ -245,6 +245,43 @@ class Generation:
         self._save()  # the whole prompt
         return []
 
+    # Prefill split around its model call, so that engine/scheduling/batch.py can prefill several
+    # requests in one call: `prefill_input` then, after the call, `prefilled` do what
+    # `_prefill_step` does.
+    def prefill_input(self, limit: int) -> list[int]:
+        """Start the request if it has not started, and return the prompt tokens its next prefill
+        step feeds: a chunk of at most `limit` ending at the next stop, or the last prompt token
+        alone (whose logits give the first token)."""
+        if self.cache is None:
+            self._begin()
+        tokens, pos = self.prompt.tokens, len(self.fed)
+        last = len(tokens) - 1
+        if pos < last:
+            stop = next((s for s in self._stops if s > pos), last)
+            return list(tokens[pos:min(stop, pos + min(limit, self.prefill_chunk))])
+        return list(tokens[last:])
+
+    def prefilled(self, tokens: list[int], cache: list[Any], logits: mx.array | None) -> None:
+        """`tokens` (from `prefill_input`) went through the model into `cache`, this request's own
+        cache from now on; `logits` (1, vocab) follow the last prompt token, when they were fed."""
+        self.cache = cache
+        if self._history is not None:
+            self._history = mx.concatenate([self._history, mx.array(tokens, dtype=mx.uint32)])
+        self.fed.extend(tokens)
+        if logits is None:
+            if len(self.fed) in self._stops:
+                self._save()
+            return
+        self._next = self.sampler(logits, self._history)
+        mx.async_eval(*self._next)
+        self._save()  # the whole prompt
+
+    @property
+    def prefills_alone(self) -> bool:
+        """Whether its prefill must run in its own model calls (a speculator prefills its draft
+        with the target)."""
+        return self.speculator is not None
+
     def _decode_step(self) -> list[Event]:
         spec = self.speculator
         if spec is None:
