@@ -130,3 +130,35 @@ def test_cancelling_during_batched_admission_touches_no_other_request(base, serv
     assert [s for s, _ in decoding.transitions][-2:] == ["decoding", "cancelled"]
     status = engine.status()
     assert (status.running, status.queued, status.batch_rows, status.reserved_bytes) == (0, 0, 0, 0)
+
+
+def test_prompts_prefilled_together_reuse_their_prefix_cache(base, serve):
+    """The next turns of three conversations, arriving together, prefill together on top of what
+    their first turns left in the prefix cache (caches of different lengths, merged left-padded),
+    reuse it and give the tokens each gives alone; a turn after them reuses theirs."""
+    model = GatedModel(base.model)
+    engine = serve(dataclasses.replace(base, model=model), prefix_cache=True, max_running=4)
+    params = SamplingParams(max_tokens=5)
+    turn1 = PROMPTS[:3]
+    answers = [tokens_of(engine.submit(prompt_tokens=t, params=params)) for t in turn1]
+    turn2 = [t + a + list(range(4000 + 50 * i, 4010 + 53 * i)) for i, (t, a) in
+             enumerate(zip(turn1, answers))]
+    entered, release = model.hold(len(FIRST) - 1)
+    first = engine.submit(prompt_tokens=FIRST, params=params_for(0, 4))
+    assert entered.wait(timeout=60)
+    model.shapes.clear()
+    handles = [engine.submit(prompt_tokens=t, params=params) for t in turn2]
+    release.set()
+
+    outputs = []
+    for handle, t1, t2 in zip(handles, turn1, turn2):
+        events = list(handle.events(timeout=120))
+        outputs.append([e.token for e in events if e.kind == "token"])
+        assert outputs[-1] == alone(base, t2, params)
+        assert events[-1].usage.cached_tokens >= len(t1)
+    assert tokens_of(first) == alone(base, FIRST, params_for(0, 4))
+    assert (3, 1) in model.shapes and any(rows == 3 and n > 1 for rows, n in model.shapes)
+    turn3 = turn2[1] + outputs[1] + [7, 8, 9]
+    last = list(engine.submit(prompt_tokens=turn3, params=params).events(timeout=120))
+    assert last[-1].usage.cached_tokens >= len(turn2[1])
+    assert [e.token for e in last if e.kind == "token"] == alone(base, turn3, params)
