@@ -146,7 +146,7 @@ class Generation:
         self._stops: list[int] = []  # prompt positions where prefill saves a snapshot
         # With a speculator: plain tokens to decode before the next speculative round (None: plain
         # to the end, speculation switched itself off; engine/decoding/speculative.py decides).
-        self._plain_left: int | None = 0
+        self._plain_left: int | None = speculator.opening_run() if speculator is not None else 0
         self._cancel = False
 
     def _channels(self, lm: LoadedModel, prompt: Prompt, split_reasoning: bool) -> ChannelSplitter | None:
@@ -288,7 +288,7 @@ class Generation:
             return self._plain_step()
         start, emitted = time.perf_counter(), len(self.generated)
         if self._next is None:  # speculating: the cache lags the emitted sequence
-            self._plain_left = spec.plain_run()
+            self._plain_left = spec.plain_run(emitted)
             if self._plain_left == 0:
                 events = self._speculative_step()
                 spec.record(True, len(self.generated) - emitted, time.perf_counter() - start)
@@ -300,7 +300,8 @@ class Generation:
             self._next = None
             return self._emit([y.item()])
         events = self._plain_step()
-        spec.record(False, len(self.generated) - emitted, time.perf_counter() - start)
+        if emitted:  # the first token's step also waited for the end of prefill
+            spec.record(False, len(self.generated) - emitted, time.perf_counter() - start)
         if self._plain_left:
             self._plain_left -= 1
         return events

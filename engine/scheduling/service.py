@@ -678,21 +678,22 @@ class Engine:
                 return
 
     def _prefill_together(self, prefilling: list[RequestHandle], budget: int, chunk: int) -> int:
-        """Requests arriving together prefill together: each call feeds every prompt that can
-        share it its next chunk (right-padded, engine/scheduling/batch.py `prefill_together`),
-        then one call feeds all of them their last prompt token and samples their first tokens, so
-        they join the decode batch at once. A prompt's chunks and stops are those of its solo
-        prefill. Returns the budget left."""
+        """Short prompts arriving together prefill together: a call feeds, oldest first, the
+        next chunks of as many prompts as fit in one chunk's worth of tokens (right-padded,
+        engine/scheduling/batch.py `prefill_together`; a long prompt fills a call alone, as
+        before), then one call feeds all of them their last prompt token and samples their first
+        tokens, so they join the decode batch at once. A prompt's chunks end at the stops of its
+        solo prefill. Returns the budget left."""
         alone: set[int] = set()
 
         def ready(tail: bool) -> list[tuple[RequestHandle, list[int]]]:
             nonlocal budget
-            group = []
+            group, room = [], chunk
             for h in prefilling:
                 gen = h.generation
                 if id(h) in alone or gen.done or not gen.in_prefill or h.cancel_requested:
                     continue
-                if not tail and budget <= 0:
+                if not tail and (budget <= 0 or room <= 0):
                     continue
                 try:
                     tokens = gen.prefill_input(max(min(budget, chunk), 1))
@@ -704,8 +705,11 @@ class Engine:
                 if not can_prefill_together(gen):
                     alone.add(id(h))
                     continue
+                if not tail and group and len(tokens) > room:  # a later call takes it
+                    continue
                 group.append((h, tokens))
                 budget -= len(tokens)
+                room -= len(tokens)
             return group
 
         while True:
