@@ -54,13 +54,14 @@ def can_prefill_together(gen: Generation) -> bool:
             and not _mirrored(gen.cache))
 
 
-def prefill_together(model: nn.Module, rows: list[tuple[Generation, list[int]]]) -> None:
+def prefill_together(model: nn.Module, rows: list[tuple[Generation, list[int]]]) -> list[Exception | None]:
     """Feed each generation its next prefill tokens (`Generation.prefill_input`) in one model call,
     as mlx-lm's `BatchGenerator` prefills: the rows' caches merged (left-padded to a common
     length), the inputs right-padded to the longest, the padding moved to the left after the call
     (`prepare` / `finalize` of mlx-lm's batch caches), then each row's cache extracted back to it.
     A row whose tokens end its prompt gets the logits of its last token (all rows of the call
-    should then be one token long: the logits are only computed when some row reads them)."""
+    should then be one token long: the logits are only computed when some row reads them).
+    Returns each row's failure (its sampling raised) or None; a failing model call raises."""
     cache = _merge_caches([gen.cache for gen, _ in rows])
     lengths = [len(tokens) for _, tokens in rows]
     width = max(lengths)
@@ -74,10 +75,16 @@ def prefill_together(model: nn.Module, rows: list[tuple[Generation, list[int]]])
         for layer in cache:
             layer.finalize()
     mx.eval([layer.state for layer in cache])
+    failures: list[Exception | None] = []
     for i, (gen, tokens) in enumerate(rows):
         ends = len(gen.fed) + len(tokens) == len(gen.prompt.tokens)
-        gen.prefilled(tokens, [layer.extract(i) for layer in cache],
-                      logits[i : i + 1, lengths[i] - 1, :] if ends else None)
+        try:
+            gen.prefilled(tokens, [layer.extract(i) for layer in cache],
+                          logits[i : i + 1, lengths[i] - 1, :] if ends else None)
+            failures.append(None)
+        except Exception as exc:  # isolated to this row; the scheduler fails that request
+            failures.append(exc)
+    return failures
 
 
 def kv_footprint(model: nn.Module) -> KVFootprint:

@@ -728,8 +728,8 @@ class Engine:
         if not group:
             return
         try:
-            prefill_together(self.lm.model, [(h.generation, tokens) for h, tokens in group])
-            outcomes: list[list[Event] | Exception] = [[] for _ in group]
+            failures = prefill_together(self.lm.model, [(h.generation, t) for h, t in group])
+            outcomes: list[list[Event] | Exception] = [f if f is not None else [] for f in failures]
         except Exception as exc:  # the shared model call: every request in it fails
             outcomes = [exc] * len(group)
         for (h, _), outcome in zip(group, outcomes):
