@@ -164,10 +164,10 @@ class RequestHandle:
 class Engine:
     """Owns one loaded model and runs every request on a single scheduler thread.
 
-    Each scheduler tick prefills up to a budget of prompt tokens (oldest request first, several
-    short prompts in one tick; see PREFILL_CHUNKS_*), runs the solo steps that cannot be batched
-    (cancellations, speculative decoding, a lone decoder) and one batched decode step for every
-    other decoding request (engine/scheduling/batch.py).
+    Each scheduler tick prefills up to a budget of prompt tokens (oldest request first, short
+    prompts that wait together in shared model calls; see PREFILL_CHUNKS_*), runs the solo steps
+    that cannot be batched (cancellations, speculative decoding, a lone decoder) and one batched
+    decode step for every other decoding request (engine/scheduling/batch.py).
     """
 
     def __init__(self, model: str | None = None, *, max_running: int = 4, max_queued: int = 8,
