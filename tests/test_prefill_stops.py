@@ -53,11 +53,11 @@ class Reply:
     prefill_calls: int  # model calls before the first token (the last prompt token's included)
 
 
-def run(lm, messages, cache=None, chunk=LARGE, seed=None) -> Reply:
+def run(lm, messages, cache=None, chunk=LARGE, seed=None, last_with_chunk=False) -> Reply:
     params = SamplingParams(max_tokens=6) if seed is None else \
         SamplingParams(max_tokens=6, temperature=0.9, top_p=0.95, seed=seed)
     gen = Generation(lm, build_prompt(lm, messages=messages), params, prefix_cache=cache,
-                     prefill_chunk=chunk)
+                     prefill_chunk=chunk, last_with_chunk=last_with_chunk)
     start = len(lm.model.calls)
     events, prefill_calls = [], None
     while not gen.done:
@@ -167,3 +167,22 @@ def test_a_long_chat_sent_at_once_prefills_without_stops_and_its_last_turn_edits
     # A new conversation with the same system prompt reuses the system prompt's snapshot.
     other = [SYSTEM, user("Something else entirely.")]
     assert ask(lm, other, cache).cached >= build_prompt(lm, messages=other).checkpoints[0]
+
+
+def test_the_last_token_fed_with_a_short_final_chunk_keeps_tokens_and_reuse(lm):
+    """As on a GPU: the last prompt token goes through the model with a short final chunk (one
+    call fewer in every time to first token). An edited last turn then prefills in one call on
+    the dense model (the hybrid one stops one token before the end, so its last token stays
+    alone), with the tokens of the cache-off reference and the reuse of the separate call."""
+    chat = [SYSTEM, question("rivers"), assistant("Rivers flow to the sea."), question("tides")]
+    edited = chat[:-1] + [question("owls")]
+    replies = {}
+    for together in (True, False):
+        cache = PrefixCache(lm, budget_bytes=2**30)
+        first = run(lm, chat, cache, chunk=128, last_with_chunk=together)
+        replies[together] = (first, run(lm, edited, cache, chunk=128, last_with_chunk=together))
+    (first, on), (first_apart, apart) = replies[True], replies[False]
+    assert first.tokens == first_apart.tokens == run(lm, chat, chunk=SMALL).tokens
+    assert on.tokens == apart.tokens == run(lm, edited, chunk=SMALL).tokens
+    assert on.cached == apart.cached > len(build_prompt(lm, messages=chat[:1]).tokens)
+    assert on.prefill_calls == apart.prefill_calls - (1 if cache.trimmable else 0)

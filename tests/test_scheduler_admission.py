@@ -1,6 +1,7 @@
 """Admission that fills the batch: requests that arrive while the scheduler is busy all prefill in
-its next tick and decode together from their first batched step, each giving the tokens it gives
-alone, and a request cancelled on the way in (queued, in prefill or decoding) ends alone.
+its next tick, together (one right-padded model call for their prompts, one for their last
+tokens), and decode together from their first batched step, each giving the tokens it gives
+alone; a request cancelled on the way in (queued, in prefill or decoding) ends alone.
 
 To make "arrive while the scheduler is busy" (and "cancelled in prefill") exact, the model (the
 real tiny model) can hold a call of a given length until the test releases it.
@@ -19,13 +20,13 @@ pytestmark = pytest.mark.fast
 
 
 class GatedModel:
-    """The real model, recording every call's batch size; `hold(n)` makes the next call over `n`
-    tokens wait (on the scheduler thread) until released."""
+    """The real model, recording every call's shape (rows, tokens); `hold(n)` makes the next call
+    over `n` tokens wait (on the scheduler thread) until released."""
 
     def __init__(self, model):
         self.model = model
         self.holds: dict[int, tuple[threading.Event, threading.Event]] = {}
-        self.batch_sizes: list[int] = []
+        self.shapes: list[tuple[int, int]] = []
 
     def hold(self, length: int) -> tuple[threading.Event, threading.Event]:
         """(set once the call has started, set it to let the call go on)"""
@@ -37,7 +38,7 @@ class GatedModel:
         if held is not None:
             held[0].set()
             assert held[1].wait(timeout=60)
-        self.batch_sizes.append(inputs.shape[0])
+        self.shapes.append(tuple(inputs.shape))
         return self.model(inputs, cache=cache, **kwargs)
 
     def __getattr__(self, name):
@@ -91,11 +92,12 @@ def test_requests_arriving_together_decode_in_one_full_batch(base, serve):
     for handle, prompt, p in zip(handles, PROMPTS, params):
         assert tokens_of(handle) == alone(base, prompt, p)
         assert handle.state == "finished"
-    # Every batched step ran all eight rows: the seven prompts prefilled in one tick, joined at
-    # once and stayed until their last token (the first request, longer, then ends alone).
-    batched = [n for n in model.batch_sizes if n > 1]
-    assert batched and set(batched) == {8}
-    assert len(batched) == 6
+    # The seven prompts prefilled in one call (right-padded to the longest, all but its last
+    # token) and their last tokens in a second; then every batched step ran all eight rows: they
+    # joined at once and stayed until their last token (the first request, longer, ends alone).
+    together = [shape for shape in model.shapes if shape[0] > 1]
+    assert together[:2] == [(7, max(map(len, PROMPTS)) - 1), (7, 1)]
+    assert together[2:] == [(8, 1)] * 6
 
 
 def test_cancelling_during_batched_admission_touches_no_other_request(base, serve):
@@ -105,9 +107,8 @@ def test_cancelling_during_batched_admission_touches_no_other_request(base, serv
     queued, prefilling, decoding = handles[6], handles[4], handles[1]
     assert queued.state == "queued"
     queued.cancel()  # no slot for it yet: it ends at once
-    # The next tick admits five and prefills them in order; hold it inside the fourth one's chunk
-    # and cancel the fifth, admitted but not started.
-    entered, go_on = model.hold(len(PROMPTS[3]) - 1)
+    # The next tick admits five and prefills them in one call; hold it and cancel one of them.
+    entered, go_on = model.hold(max(map(len, PROMPTS[:5])) - 1)
     release.set()
     assert entered.wait(timeout=60)
     assert prefilling.state == "prefill"
@@ -129,3 +130,35 @@ def test_cancelling_during_batched_admission_touches_no_other_request(base, serv
     assert [s for s, _ in decoding.transitions][-2:] == ["decoding", "cancelled"]
     status = engine.status()
     assert (status.running, status.queued, status.batch_rows, status.reserved_bytes) == (0, 0, 0, 0)
+
+
+def test_prompts_prefilled_together_reuse_their_prefix_cache(base, serve):
+    """The next turns of three conversations, arriving together, prefill together on top of what
+    their first turns left in the prefix cache (caches of different lengths, merged left-padded),
+    reuse it and give the tokens each gives alone; a turn after them reuses theirs."""
+    model = GatedModel(base.model)
+    engine = serve(dataclasses.replace(base, model=model), prefix_cache=True, max_running=4)
+    params = SamplingParams(max_tokens=5)
+    turn1 = PROMPTS[:3]
+    answers = [tokens_of(engine.submit(prompt_tokens=t, params=params)) for t in turn1]
+    turn2 = [t + a + list(range(4000 + 50 * i, 4010 + 53 * i)) for i, (t, a) in
+             enumerate(zip(turn1, answers))]
+    entered, release = model.hold(len(FIRST) - 1)
+    first = engine.submit(prompt_tokens=FIRST, params=params_for(0, 4))
+    assert entered.wait(timeout=60)
+    model.shapes.clear()
+    handles = [engine.submit(prompt_tokens=t, params=params) for t in turn2]
+    release.set()
+
+    outputs = []
+    for handle, t1, t2 in zip(handles, turn1, turn2):
+        events = list(handle.events(timeout=120))
+        outputs.append([e.token for e in events if e.kind == "token"])
+        assert outputs[-1] == alone(base, t2, params)
+        assert events[-1].usage.cached_tokens >= len(t1)
+    assert tokens_of(first) == alone(base, FIRST, params_for(0, 4))
+    assert (3, 1) in model.shapes and any(rows == 3 and n > 1 for rows, n in model.shapes)
+    turn3 = turn2[1] + outputs[1] + [7, 8, 9]
+    last = list(engine.submit(prompt_tokens=turn3, params=params).events(timeout=120))
+    assert last[-1].usage.cached_tokens >= len(turn2[1])
+    assert [e.token for e in last if e.kind == "token"] == alone(base, turn3, params)

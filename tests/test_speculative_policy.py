@@ -63,6 +63,22 @@ def test_speculation_that_loses_switches_itself_off_and_says_so(target, params):
         assert tokens == plain
 
 
+def test_a_losing_draft_steps_aside_within_a_few_tokens(target):
+    """Plain decoding is timed first (the opening tokens), so a draft that loses is switched off
+    right after its trial rounds, each of which emits one token: then plain to the end."""
+    config = SpecConfig()
+    draft = slow(tiny_llama(seed=1))
+    params = SamplingParams(max_tokens=60)
+    plain, _ = run(target, params)
+    tokens, done = run(target, params, model_speculator(target, draft, config))
+    stats = done.stats["speculative"]
+    assert stats["switched_off"] is True and stats["accepted"] == 0
+    # the opening plain tokens, the one emitted before the first round, one per round
+    assert stats["switched_off_at_token"] <= config.trial_tokens + 1 + config.trial_rounds
+    assert stats["target_steps"] <= config.trial_rounds
+    assert tokens == plain
+
+
 def test_speculation_that_wins_stays_on_after_timing_plain_decoding(target):
     params = SamplingParams(max_tokens=40)
     slow_target = slow(target, delay=0.1)

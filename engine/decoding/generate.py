@@ -37,6 +37,20 @@ def default_prefill_chunk() -> int:
     return 2048 if mx.default_device() == mx.gpu else 512
 
 
+# The last prompt token rides with a final prefill chunk of at most this many tokens (its logits
+# read from that call: every position's logits are computed, so only for short chunks).
+LAST_WITH_CHUNK_MAX = 512
+
+
+def last_with_chunk_default() -> bool:
+    """Whether a prompt's last token goes through the model with its final prefill chunk rather
+    than in a call of its own (as mlx-lm's `generate_step` feeds it). On a GPU the call of its own
+    costs a pass over the weights and a sync in every time to first token (a decode step's time,
+    a large part of an edited turn's); on the CPU it stays alone, so tokens equal mlx-lm's bit for
+    bit."""
+    return mx.default_device() == mx.gpu
+
+
 class PrefixStore(Protocol):
     """What generation needs from a prefix cache (see engine/cache/prefix_cache.py)."""
 
@@ -91,9 +105,10 @@ class Generation:
     def __init__(self, lm: LoadedModel, prompt: Prompt, params: SamplingParams,
                  prefix_cache: PrefixStore | None = None, prefill_chunk: int | None = None,
                  speculator: "Speculator | None" = None, tools: ToolRequest | None = None,
-                 split_reasoning: bool = False):
+                 split_reasoning: bool = False, last_with_chunk: bool | None = None):
         """`tools`: the request's tools (their calls are parsed, and constrained where they must
-        be made); `split_reasoning`: token events say which channel their text is in."""
+        be made); `split_reasoning`: token events say which channel their text is in;
+        `last_with_chunk`: see `last_with_chunk_default` (None: that default)."""
         check_fits(lm, prompt, params)
         if speculator is not None and (params.logprobs is not None or (tools and tools.choice != "none")):
             raise InvalidRequest("logprobs and tools cannot be combined with speculative decoding; "
@@ -106,6 +121,7 @@ class Generation:
         self.lm, self.prompt, self.params = lm, prompt, params
         self.prefix_cache = prefix_cache
         self.prefill_chunk = prefill_chunk or default_prefill_chunk()
+        self.last_with_chunk = last_with_chunk_default() if last_with_chunk is None else last_with_chunk
         self.sampler = TokenSampler(params)
         if params.json_schema is not None:  # JSON mode: the grammar masks logits last
             if speculator is not None:  # draft-and-verify would run the grammar out of order
@@ -146,7 +162,7 @@ class Generation:
         self._stops: list[int] = []  # prompt positions where prefill saves a snapshot
         # With a speculator: plain tokens to decode before the next speculative round (None: plain
         # to the end, speculation switched itself off; engine/decoding/speculative.py decides).
-        self._plain_left: int | None = 0
+        self._plain_left: int | None = speculator.opening_run() if speculator is not None else 0
         self._cancel = False
 
     def _channels(self, lm: LoadedModel, prompt: Prompt, split_reasoning: bool) -> ChannelSplitter | None:
@@ -227,23 +243,68 @@ class Generation:
 
     def _prefill_step(self, limit: int) -> list[Event]:
         tokens = self.prompt.tokens
-        last = len(tokens) - 1  # the last prompt token goes through the first decode step
+        last = len(tokens) - 1  # its logits give the first token
         pos = len(self.fed)
         if pos < last:
             stop = next((s for s in self._stops if s > pos), last)
             end = min(stop, pos + min(limit, self.prefill_chunk))
+            if (self.last_with_chunk and end == last and last not in self._stops
+                    and end - pos < LAST_WITH_CHUNK_MAX):
+                return self._prefill_last(pos)  # the final chunk takes the last token
             self._feed(mx.array(tokens[pos:end], dtype=mx.uint32))
             self.fed.extend(tokens[pos:end])
             mx.eval([c.state for c in self.cache])
             if end in self._stops:
                 self._save()
             return []
-        logits = self._feed(mx.array(tokens[last:], dtype=mx.uint32))
-        self.fed.append(tokens[last])
+        return self._prefill_last(last)
+
+    def _prefill_last(self, pos: int) -> list[Event]:
+        """Feed the prompt from `pos` to its end and sample the first token from the last logits."""
+        tokens = self.prompt.tokens
+        logits = self._feed(mx.array(tokens[pos:], dtype=mx.uint32))
+        self.fed.extend(tokens[pos:])
         self._next = self.sampler(logits[:, -1, :], self._history)
         mx.async_eval(*self._next)
         self._save()  # the whole prompt
         return []
+
+    # Prefill split around its model call, so that engine/scheduling/batch.py can prefill several
+    # requests in one call: `prefill_input` then, after the call, `prefilled` do what
+    # `_prefill_step` does.
+    def prefill_input(self, limit: int) -> list[int]:
+        """Start the request if it has not started, and return the prompt tokens its next prefill
+        step feeds: a chunk of at most `limit` ending at the next stop, or the last prompt token
+        alone (whose logits give the first token)."""
+        if self.cache is None:
+            self._begin()
+        tokens, pos = self.prompt.tokens, len(self.fed)
+        last = len(tokens) - 1
+        if pos < last:
+            stop = next((s for s in self._stops if s > pos), last)
+            return list(tokens[pos:min(stop, pos + min(limit, self.prefill_chunk))])
+        return list(tokens[last:])
+
+    def prefilled(self, tokens: list[int], cache: list[Any], logits: mx.array | None) -> None:
+        """`tokens` (from `prefill_input`) went through the model into `cache`, this request's own
+        cache from now on; `logits` (1, vocab) follow the last prompt token, when they were fed."""
+        self.cache = cache
+        if self._history is not None:
+            self._history = mx.concatenate([self._history, mx.array(tokens, dtype=mx.uint32)])
+        self.fed.extend(tokens)
+        if logits is None:
+            if len(self.fed) in self._stops:
+                self._save()
+            return
+        self._next = self.sampler(logits, self._history)
+        mx.async_eval(*self._next)
+        self._save()  # the whole prompt
+
+    @property
+    def prefills_alone(self) -> bool:
+        """Whether its prefill must run in its own model calls (a speculator prefills its draft
+        with the target)."""
+        return self.speculator is not None
 
     def _decode_step(self) -> list[Event]:
         spec = self.speculator
@@ -251,7 +312,7 @@ class Generation:
             return self._plain_step()
         start, emitted = time.perf_counter(), len(self.generated)
         if self._next is None:  # speculating: the cache lags the emitted sequence
-            self._plain_left = spec.plain_run()
+            self._plain_left = spec.plain_run(emitted)
             if self._plain_left == 0:
                 events = self._speculative_step()
                 spec.record(True, len(self.generated) - emitted, time.perf_counter() - start)
@@ -263,7 +324,8 @@ class Generation:
             self._next = None
             return self._emit([y.item()])
         events = self._plain_step()
-        spec.record(False, len(self.generated) - emitted, time.perf_counter() - start)
+        if emitted:  # the first token's step also waited for the end of prefill
+            spec.record(False, len(self.generated) - emitted, time.perf_counter() - start)
         if self._plain_left:
             self._plain_left -= 1
         return events

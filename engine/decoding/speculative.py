@@ -166,8 +166,8 @@ class SpecConfig:
     verify_cost: float = 0.05  # each extra token in the verification pass
     prior_acceptance: float = 0.6
     probe_every: int = 8  # with k = 0 chosen, draft one token this often to keep measuring
-    trial_rounds: int = 4  # speculative rounds before plain decoding is timed for comparison
-    trial_tokens: int = 8  # plain tokens timed then
+    trial_tokens: int = 4  # plain tokens decoded (and timed) before the first round
+    trial_rounds: int = 3  # speculative rounds after which it stays on only while it is faster
 
     def expected_speedup(self, alpha: float, k: int) -> float:
         tokens = sum(alpha**i for i in range(k + 1))
@@ -301,23 +301,32 @@ class Speculator:
         self.can_pause = not drafter.needs_hidden and config.adaptive
         self.speculative_pace, self.plain_pace = Pace(), Pace()
         self.switched_off = False
+        self.switched_off_at: int | None = None  # tokens emitted when it switched off
         self._k: int | None = None  # k for the next round, decided by `plain_run`
 
-    def plain_run(self) -> int | None:
-        """Before a round: 0 to speculate now, n > 0 to decode n tokens plainly first (k = 0 was
-        chosen, or plain decoding is being timed), None to decode plainly to the end: speculation
-        measured slower than plain decoding and switched itself off."""
+    def opening_run(self) -> int:
+        """Plain tokens to decode before the first round: they time plain decoding, for the
+        comparison, at no cost (they are what decoding without a draft would do anyway)."""
+        return self.config.trial_tokens if self.can_pause else 0
+
+    def plain_run(self, emitted: int) -> int | None:
+        """After a round (`emitted` tokens so far): 0 to speculate now, n > 0 to decode n tokens
+        plainly first (k = 0 was chosen, or plain decoding is being timed), None to decode plainly
+        to the end. Speculation switches itself off as soon as it is measured slower than plain
+        decoding and either the acceptance seen so far makes drafting not pay (k = 0) or it has
+        had its `trial_rounds`: a draft that loses costs a round or few, then nothing."""
         if self.switched_off:
             return None
         if not self.can_pause:
             return 0
         spec, plain = self.speculative_pace.rate, self.plain_pace.rate
+        k = self.policy.choose()
+        if plain is not None and spec is not None and spec < plain \
+                and (k == 0 or self.steps >= self.config.trial_rounds):
+            self.switched_off, self.switched_off_at = True, emitted
+            return None
         if plain is None and self.steps >= self.config.trial_rounds:
             return self.config.trial_tokens
-        if plain is not None and spec is not None and spec < plain:
-            self.switched_off = True
-            return None
-        k = self.policy.choose()
         if k == 0:
             self._k = 1  # the round after the plain run probes the acceptance again
             return self.config.probe_every
@@ -421,6 +430,7 @@ class Speculator:
             "target_steps": self.steps,
             "tokens_per_target_step": self.emitted / self.steps if self.steps else None,
             "switched_off": self.switched_off,
+            "switched_off_at_token": self.switched_off_at,
             "speculative_tokens_per_s": _round(self.speculative_pace.rate),
             "plain_tokens_per_s": _round(self.plain_pace.rate),
         }

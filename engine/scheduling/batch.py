@@ -42,6 +42,51 @@ class KVFootprint(NamedTuple):
         return int(self.per_token * tokens + self.fixed)
 
 
+def _mirrored(cache: list[Any]) -> bool:
+    """A sharded model's cache (engine/distributed/sharded.py): its batch edits are mirrored on
+    every rank, which has no plan for a padded prefill, so such requests prefill alone."""
+    return hasattr(cache, "batch_merged")
+
+
+def can_prefill_together(gen: Generation) -> bool:
+    """Whether `gen` (started: its cache fetched) can prefill in a call shared with others."""
+    return (not gen.prefills_alone and gen.cache is not None and can_batch(gen.cache)
+            and not _mirrored(gen.cache))
+
+
+def prefill_together(model: nn.Module, rows: list[tuple[Generation, list[int]]]) -> list[Exception | None]:
+    """Feed each generation its next prefill tokens (`Generation.prefill_input`) in one model call,
+    as mlx-lm's `BatchGenerator` prefills: the rows' caches merged (left-padded to a common
+    length), the inputs right-padded to the longest, the padding moved to the left after the call
+    (`prepare` / `finalize` of mlx-lm's batch caches), then each row's cache extracted back to it.
+    A row whose tokens end its prompt gets the logits of its last token (all rows of the call
+    should then be one token long: the logits are only computed when some row reads them).
+    Returns each row's failure (its sampling raised) or None; a failing model call raises."""
+    cache = _merge_caches([gen.cache for gen, _ in rows])
+    lengths = [len(tokens) for _, tokens in rows]
+    width = max(lengths)
+    padding = [width - n for n in lengths]
+    inputs = mx.array([tokens + [0] * (width - len(tokens)) for _, tokens in rows], dtype=mx.uint32)
+    if max(padding):
+        for layer in cache:
+            layer.prepare(lengths=lengths, right_padding=padding)
+    logits = model(inputs, cache=cache)
+    if max(padding):
+        for layer in cache:
+            layer.finalize()
+    mx.eval([layer.state for layer in cache])
+    failures: list[Exception | None] = []
+    for i, (gen, tokens) in enumerate(rows):
+        ends = len(gen.fed) + len(tokens) == len(gen.prompt.tokens)
+        try:
+            gen.prefilled(tokens, [layer.extract(i) for layer in cache],
+                          logits[i : i + 1, lengths[i] - 1, :] if ends else None)
+            failures.append(None)
+        except Exception as exc:  # isolated to this row; the scheduler fails that request
+            failures.append(exc)
+    return failures
+
+
 def kv_footprint(model: nn.Module) -> KVFootprint:
     """Measure the footprint by running one token through a fresh cache."""
     cache = make_prompt_cache(model)
@@ -78,21 +123,29 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def join(self, gen: Generation) -> None:
-        """Move `gen`'s cache into the batch as a new last row."""
-        merged = _edit(gen.cache, "batch_merged", lambda: _merge_caches([gen.cache]))
-        if self.rows:
+    def join(self, gens: list[Generation]) -> None:
+        """Move the caches of `gens` into the batch as new last rows (merged in one edit unless
+        the model is sharded, whose edits are mirrored one cache at a time)."""
+        if len(gens) > 1 and not any(_mirrored(g.cache) for g in gens):
+            self._append(_merge_caches([g.cache for g in gens]))
+        else:
+            for gen in gens:
+                self._append(_edit(gen.cache, "batch_merged", lambda: _merge_caches([gen.cache])))
+        for gen in gens:
+            # The batch holds this request's keys and values now; its own copy is released. While
+            # it is a row the scheduler never steps it alone, so nothing reads `gen.cache`, and its
+            # prefix store is held back so that finishing inside a batched step saves nothing yet.
+            gen.cache = []
+            self._stores[id(gen)] = gen.prefix_cache
+            gen.prefix_cache = None
+            self.rows.append(gen)
+
+    def _append(self, merged: list[Any]) -> None:
+        if self.cache:
             _edit(self.cache, "batch_extend", lambda row: [b.extend(r) for b, r in zip(self.cache, row)],
                   merged)
         else:
             self.cache = merged
-        # The batch holds this request's keys and values now; its own copy is released. While it
-        # is a row the scheduler never steps it alone, so nothing reads `gen.cache`, and its prefix
-        # store is held back so that finishing inside a batched step saves nothing yet.
-        gen.cache = []
-        self._stores[id(gen)] = gen.prefix_cache
-        gen.prefix_cache = None
-        self.rows.append(gen)
 
     def leave(self, gen: Generation) -> None:
         """Hand `gen` its row of the cache back and drop the row from the batch."""

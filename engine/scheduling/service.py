@@ -28,7 +28,7 @@ from typing import AsyncIterator, Callable, Iterator, Sequence
 
 import mlx.core as mx
 
-from .batch import DecodeBatch, KVFootprint, kv_footprint
+from .batch import DecodeBatch, KVFootprint, can_prefill_together, kv_footprint, prefill_together
 from ..decoding.drafts import (DraftChoice, SpeculativeOptions, SpeculatorFactory, check_draft,
                                draft_choices, draft_identity, load_draft)
 from ..device import memory_budget as device_memory_budget
@@ -166,10 +166,10 @@ class RequestHandle:
 class Engine:
     """Owns one loaded model and runs every request on a single scheduler thread.
 
-    Each scheduler tick prefills up to a budget of prompt tokens (oldest request first, several
-    short prompts in one tick; see PREFILL_CHUNKS_*), runs the solo steps that cannot be batched
-    (cancellations, speculative decoding, a lone decoder) and one batched decode step for every
-    other decoding request (engine/scheduling/batch.py).
+    Each scheduler tick prefills up to a budget of prompt tokens (oldest request first, short
+    prompts that wait together in shared model calls; see PREFILL_CHUNKS_*), runs the solo steps
+    that cannot be batched (cancellations, speculative decoding, a lone decoder) and one batched
+    decode step for every other decoding request (engine/scheduling/batch.py).
     """
 
     def __init__(self, model: str | None = None, *, max_running: int = 4, max_queued: int = 8,
@@ -661,12 +661,15 @@ class Engine:
         # A lone decoder runs solo: its plain cache and pipelined step beat a one-row batch.
         use_batch = self.batching and self._footprint.batchable and \
             sum(h.generation.batchable for h in running) >= 2
+        joining = []
         for h in running:
             gen = h.generation
             if gen in batch and not (gen.batchable and use_batch):
                 batch.leave(gen)
             elif use_batch and gen.batchable and gen not in batch:
-                batch.join(gen)
+                joining.append(gen)
+        if joining:
+            batch.join(joining)
         solo = [h for h in running if h.generation not in batch]
         prefilling = [h for h in solo if h.generation.in_prefill and not h.cancel_requested]
         decoding = len(prefilling) < len(running)
@@ -686,18 +689,79 @@ class Engine:
                 self._advance(by_gen[id(gen)], outcome)
 
     def _prefill(self, prefilling: list[RequestHandle], chunks: int) -> None:
-        """Prefill the oldest prompts first (finishing one before starting the next gives earlier
-        first tokens) within `chunks` prefill chunks' worth of tokens; each prompt still runs in
-        its own model calls, so requests stay isolated."""
-        budget = chunks * prefilling[0].generation.prefill_chunk
+        """Prefill within `chunks` prefill chunks' worth of prompt tokens, oldest prompts first:
+        the prompts that can share a model call in calls of several (`_prefill_together`), the
+        others each in its own calls, finishing one before starting the next."""
+        chunk = prefilling[0].generation.prefill_chunk
+        budget = chunks * chunk
+        if self.batching:
+            budget = self._prefill_together(prefilling, budget, chunk)
         for h in prefilling:
             gen = h.generation
-            while budget > 0 and gen.in_prefill and not gen.done:
+            while budget > 0 and gen.in_prefill and not gen.done and not h.cancel_requested:
                 left = gen.prefill_left
                 self._step(h, prefill_limit=budget)
                 budget -= max(left - gen.prefill_left, 1)
             if budget <= 0:
                 return
+
+    def _prefill_together(self, prefilling: list[RequestHandle], budget: int, chunk: int) -> int:
+        """Short prompts arriving together prefill together: a call feeds, oldest first, the
+        next chunks of as many prompts as fit in one chunk's worth of tokens (right-padded,
+        engine/scheduling/batch.py `prefill_together`; a long prompt fills a call alone, as
+        before), then one call feeds all of them their last prompt token and samples their first
+        tokens, so they join the decode batch at once. A prompt's chunks end at the stops of its
+        solo prefill. Returns the budget left."""
+        alone: set[int] = set()
+
+        def ready(tail: bool) -> list[tuple[RequestHandle, list[int]]]:
+            nonlocal budget
+            group, room = [], chunk
+            for h in prefilling:
+                gen = h.generation
+                if id(h) in alone or gen.done or not gen.in_prefill or h.cancel_requested:
+                    continue
+                if not tail and (budget <= 0 or room <= 0):
+                    continue
+                try:
+                    tokens = gen.prefill_input(max(min(budget, chunk), 1))
+                except Exception as exc:  # e.g. its prefix-cache fetch: this request fails alone
+                    self._advance(h, exc)
+                    continue
+                if (gen.prefill_left == 1) != tail:
+                    continue
+                if not can_prefill_together(gen):
+                    alone.add(id(h))
+                    continue
+                if not tail and group and len(tokens) > room:  # a later call takes it
+                    continue
+                group.append((h, tokens))
+                budget -= len(tokens)
+                room -= len(tokens)
+            return group
+
+        while True:
+            body = ready(tail=False)
+            self._run_together(body)
+            tail = ready(tail=True)  # the prompts just finished too: one token each
+            self._run_together(tail)
+            if not body and not tail or budget <= 0:
+                return max(budget, 0)
+
+    def _run_together(self, group: list[tuple[RequestHandle, list[int]]]) -> None:
+        if len(group) == 1:  # alone it runs as its own prefill step does
+            h, tokens = group[0]
+            self._step(h, prefill_limit=len(tokens))
+            return
+        if not group:
+            return
+        try:
+            failures = prefill_together(self.lm.model, [(h.generation, t) for h, t in group])
+            outcomes: list[list[Event] | Exception] = [f if f is not None else [] for f in failures]
+        except Exception as exc:  # the shared model call: every request in it fails
+            outcomes = [exc] * len(group)
+        for (h, _), outcome in zip(group, outcomes):
+            self._advance(h, outcome)
 
     def _step(self, handle: RequestHandle, prefill_limit: int | None = None) -> None:
         try:
