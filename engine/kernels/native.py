@@ -162,10 +162,11 @@ def _turned_off() -> bool:
 
 def int8_activations() -> bool:
     """Whether models converted now take the lossy int8-activation path (`MLXCHAT_KERNELS=int8`):
-    1-8 row products quantize x per 32-element block to int8 (as llama.cpp's q8 blocks do) and
-    sum integer products against the weights' codes. Off by default: the exact path gives the same
-    greedy tokens as mlx-lm; this one passes the perplexity gate in tests/test_kernels_quality.py
-    on the bundled model but not token identity."""
+    1-8 row products of the output head and the attention projections quantize x per 32-element
+    block to int8 (as llama.cpp's q8 blocks do) and sum integer products against the weights'
+    codes (layout.py says why the MLP stays exact). Off by default: the exact path gives mlx-lm's
+    greedy tokens; this one passes the perplexity gate (tests/test_kernels_quality.py) but not
+    token identity."""
     return _setting() == "int8"
 
 

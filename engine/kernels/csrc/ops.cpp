@@ -711,15 +711,15 @@ mx::array block_out(const mx::array& h, const mx::array& q, const mx::array& k, 
     throw std::invalid_argument("layer weights do not match");
   std::vector<mx::array> inputs{h, q, k, v};
   std::vector<QSpec> specs;
-  auto add = [&](const QW& W) {
+  auto add = [&](const QW& W, bool i8) {
     inputs.insert(inputs.end(), {std::get<0>(W), std::get<1>(W), std::get<2>(W)});
-    specs.push_back({std::get<3>(W), std::get<4>(W), int8});
+    specs.push_back({std::get<3>(W), std::get<4>(W), i8});
   };
-  add(wo);
+  add(wo, int8);  // int8 activations for o_proj only: the MLP stays exact (see layout.py)
   inputs.push_back(norm);
-  add(wg);
-  add(wu);
-  add(wd);
+  add(wg, false);
+  add(wu, false);
+  add(wd, false);
   return mx::array(h.shape(), mx::float32,
                    std::make_shared<BlockOut>(cpu_stream(), attn_scale, eps, specs), inputs);
 }
