@@ -119,6 +119,14 @@ struct Vec {
     lo = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, m4)), g.lut);
     hi = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), m4)), g.lut);
   }
+  // 2n 4-bit codes from n bytes, in their natural order, as floats: a = first n, b = next n.
+  static void codes4(const uint8_t* p, F& a, F& b) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+    a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+    b = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)));
+  }
 };
 
 #elif MLXCHAT_SIMD == 256
@@ -146,6 +154,13 @@ struct Vec {
     lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(raw, m4))), g.s, g.b);
     hi = _mm256_fmadd_ps(
         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), m4))), g.s, g.b);
+  }
+  static void codes4(const uint8_t* p, F& a, F& b) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m128i c = _mm_unpacklo_epi8(_mm_and_si128(raw, m4), _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+    a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c));
+    b = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c, 8)));
   }
 };
 
@@ -422,15 +437,11 @@ void dequant(const QMat& W, int64_t n0, int64_t n1, float* out) {
         if constexpr (BITS == 8) {
           Vec::store(o + k, Vec::fma(Vec::u8(wr + k), vs, vb));
           Vec::store(o + k + Vec::n, Vec::fma(Vec::u8(wr + k + Vec::n), vs, vb));
-        } else {  // n bytes -> 2n codes in natural order (low nibble first)
-          uint8_t codes[2 * Vec::n];
-          for (int i = 0; i < Vec::n; ++i) {
-            const uint8_t byte = wr[k / 2 + i];
-            codes[2 * i] = byte & 0x0F;
-            codes[2 * i + 1] = byte >> 4;
-          }
-          Vec::store(o + k, Vec::fma(Vec::u8(codes), vs, vb));
-          Vec::store(o + k + Vec::n, Vec::fma(Vec::u8(codes + Vec::n), vs, vb));
+        } else {
+          typename Vec::F a, b;
+          Vec::codes4(wr + k / 2, a, b);
+          Vec::store(o + k, Vec::fma(a, vs, vb));
+          Vec::store(o + k + Vec::n, Vec::fma(b, vs, vb));
         }
       }
     }
