@@ -71,6 +71,34 @@ const Impl* impl() {
   return g_impl;
 }
 
+// The units this CPU can run, fastest first (the default is the first).
+std::vector<const Impl*> supported_impls() {
+  std::vector<const Impl*> out;
+#if defined(MLXCHAT_HAVE_X86_UNITS)
+  if (has_avx512vnni()) out.push_back(impl_avx512vnni());
+  if (has_avx512()) out.push_back(impl_avx512());
+  if (has_avx2()) out.push_back(impl_avx2());
+#endif
+  out.push_back(impl_generic());
+  return out;
+}
+
+std::vector<std::string> isas() {
+  std::vector<std::string> names;
+  for (const Impl* i : supported_impls()) names.push_back(i->name);
+  return names;
+}
+
+// Runs the kernels on another supported unit (tests check every unit this CPU can run).
+void set_isa(const std::string& name) {
+  for (const Impl* i : supported_impls())
+    if (name == i->name) {
+      g_impl = i;
+      return;
+    }
+  throw std::invalid_argument("this CPU cannot run the " + name + " kernels");
+}
+
 // A row-contiguous view of `a`'s data: its own, or a gathered copy in `tmp`.
 template <class T>
 const T* contiguous_as(const mx::array& a, std::vector<T>& tmp) {
@@ -747,6 +775,8 @@ NB_MODULE(_mlxchat_kernels, m) {
         nb::arg("attn_scale"), nb::arg("wo"), nb::arg("norm"), nb::arg("eps"), nb::arg("wg"),
         nb::arg("wu"), nb::arg("wd"), nb::arg("int8") = false);
   m.def("isa", [] { return std::string(impl()->name); });
+  m.def("isas", &isas);
+  m.def("set_isa", &set_isa, nb::arg("name"));
   m.def("num_threads", &num_threads);
   m.def("set_num_threads", &set_num_threads, nb::arg("n"));
   m.def("mlx_version", [] { return std::string(MLXCHAT_MLX_VERSION); });
