@@ -402,16 +402,13 @@ class Dequantize : public mx::UnaryPrimitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     enc.dispatch([w = weak(in[0]), s = weak(in[1]), b = weak(in[2]), out = weak(out), gs = gs_,
                   bits = bits_]() mutable {
+      // One thread: the BLAS product that follows runs on OpenBLAS's threads, and our pool's
+      // workers between them (or one of them descheduled mid-block on a busy machine, with the
+      // caller waiting for it) cost more wall time than the split saves; the dequantization
+      // is a few percent of the product.
       QHold keep;
       const QMat W = qmat(w, s, b, gs, bits, keep);
-      const Impl* I = impl();
-      const int64_t nblocks = std::max<int64_t>(1, std::min<int64_t>(W.N / 16, num_threads() * 8));
-      const int64_t per = (W.N + nblocks - 1) / nblocks;
-      float* o = out.data<float>();
-      parallel_for(nblocks, [&](int64_t blk) {
-        const int64_t n0 = blk * per, n1 = std::min(W.N, n0 + per);
-        if (n0 < n1) I->dequant_rows(W, n0, n1, o);
-      });
+      impl()->dequant_rows(W, 0, W.N, out.data<float>());
     });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
