@@ -295,60 +295,6 @@ void rows_q8(const QMat& W, const Q8Rows& X, int64_t n0, int64_t n1, float* y, i
   }
 }
 
-#if MLXCHAT_SIMD == 512 && defined(__AVX512VNNI__)
-// 4-bit weights with VNNI: two blocks per 512-bit dpbusd. The weights' 32 bytes (two blocks) give
-// [lo0 lo1] and [hi0 hi1] nibbles; a lane shuffle makes [lo0 hi0 lo1 hi1], the order prep_x8
-// stores x in. The fp32 scale of each half (d_j * s_g) is dexp (d_j in 8 lanes, per x row)
-// times sexp (s_g in 8 lanes, per pair of blocks).
-template <int M>
-void rows4_q8_vnni(const QMat& W, const Q8Rows& X, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  const int64_t K = W.K, G = K / W.gs, bpg = W.gs / 32, nb = K / 32;
-  float* sc = scratch(2 * G + M * G + M * nb * 8);
-  float* bi = sc + G;
-  float* gsum = bi + G;
-  float* dexp = gsum + M * G;
-  for (int m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < G; ++g) {
-      float t = 0;
-      for (int64_t j = 0; j < bpg; ++j) t += X.s[m * nb + g * bpg + j];
-      gsum[m * G + g] = t;
-    }
-    for (int64_t j = 0; j < nb; ++j)
-      _mm256_storeu_ps(dexp + (m * nb + j) * 8, _mm256_set1_ps(X.d[m * nb + j]));
-  }
-  const __m256i m4 = _mm256_set1_epi8(0x0F), c4 = _mm256_set1_epi8(8);
-  const __m512i zero = _mm512_setzero_si512();
-  for (int64_t n = n0; n < n1; ++n) {
-    row_scales(W, n, G, sc, bi);
-    const uint8_t* wr = reinterpret_cast<const uint8_t*>(W.w) + n * (K / 2);
-    __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < nb; j += 2) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + j * 16));
-      const __m256i lo = _mm256_sub_epi8(_mm256_and_si256(raw, m4), c4);
-      const __m256i hi = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), c4);
-      __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-      w = _mm512_shuffle_i64x2(w, w, _MM_SHUFFLE(3, 1, 2, 0));
-      const __m512i wabs = _mm512_abs_epi8(w);
-      const __mmask64 neg = _mm512_movepi8_mask(w);
-      const __m512 sexp = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(sc[j / bpg])),
-                                             _mm256_set1_ps(sc[(j + 1) / bpg]), 1);
-      for (int m = 0; m < M; ++m) {
-        const __m512i xq = _mm512_loadu_si512(X.q + m * K + j * 32);
-        const __m512i isum = _mm512_dpbusd_epi32(zero, wabs, _mm512_mask_sub_epi8(xq, neg, zero, xq));
-        const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(dexp + (m * nb + j) * 8), sexp);
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[m]);
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      float bsum = 0;
-      for (int64_t g = 0; g < G; ++g) bsum += (bi[g] + 8.0f * sc[g]) * gsum[m * G + g];
-      y[m * ldy + n] = _mm512_reduce_add_ps(acc[m]) + bsum;
-    }
-  }
-}
-#endif
-
 #else  // portable C++
 
 constexpr int kBlock4 = 0;  // natural order
@@ -531,9 +477,6 @@ void rows(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int6
 
 template <int M>
 void rows8bit(const QMat& W, const Q8Rows& X, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-#if MLXCHAT_SIMD == 512 && defined(__AVX512VNNI__)
-  if (W.bits == 4 && (W.K / 32) % 2 == 0) return rows4_q8_vnni<M>(W, X, n0, n1, y, ldy);
-#endif
   if (W.bits == 4)
     rows_q8<M, 4>(W, X, n0, n1, y, ldy);
   else
