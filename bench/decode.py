@@ -18,6 +18,8 @@ Rows:
                 off, greedy. Prefill tok/s = prompt tokens / TTFT of the 512-token prompt (sent as
                 raw text); decode tok/s = tokens after the first / time from the first to the last
                 token event, after the short chat prompt.
+  engine-int8   the same with MLXCHAT_KERNELS=int8: int8 activations for the output head and the
+                attention projections in 1-8 row products (lossy; tests/test_kernels_quality.py).
   engine-fp32   the same with MLXCHAT_KERNELS=0: the fallback fp32 layout (engine/kernels/cpu_layout.py).
   mlx-lm        mlx_lm.load() as is (quantized layers, MLX's own CPU ops), mlx_lm generate_step.
   llama.cpp     llama-cpp-python on the GGUF (bundled model only), threads = ours, greedy argmax.
@@ -42,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LLAMA_VENV = Path(__file__).resolve().parent / ".venv-llamacpp"
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 RESULTS = Path(__file__).resolve().parent / "results" / "decode-cpu.json"
-ROWS = ("engine", "engine-fp32", "mlx-lm", "llama.cpp")
+ROWS = ("engine", "engine-int8", "engine-fp32", "mlx-lm", "llama.cpp")
 
 # Random-weight llama shapes (mlx-lm configs); the SmolLM2 vocabulary, so its tokenizer serves.
 RANDOM_MODELS = {
@@ -285,6 +287,9 @@ def main(argv=None):
         def run_row(name):
             if name == "engine":
                 return _sub(me + ["--worker", "engine", "--model-path", folder], {**blas_env, **threads_env}, job)
+            if name == "engine-int8":
+                return _sub(me + ["--worker", "engine", "--model-path", folder],
+                            {**blas_env, **threads_env, "MLXCHAT_KERNELS": "int8"}, job)
             if name == "engine-fp32":
                 return _sub(me + ["--worker", "engine", "--model-path", folder],
                             {**blas_env, **threads_env, "MLXCHAT_KERNELS": "0"}, job)

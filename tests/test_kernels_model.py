@@ -107,3 +107,18 @@ def test_a_build_that_cannot_load_falls_back_with_one_warning(lm, tmp_path):
     prompt = build_prompt(lm, messages=[{"role": "user", "content": "What is the capital of France?"}])
     ours = [e.token for e in generate(lm, prompt, SamplingParams(max_tokens=12)) if e.kind == "token"]
     assert f"TOKENS {ours}" in out.stdout
+
+
+@pytest.mark.timeout(600)
+def test_a_load_transform_runs_before_the_cpu_layout():
+    """A dequantizing transform (a speculative target's) sees the model as loaded; the layout then
+    takes the dense model it leaves: no kernel-backed or quantized layer remains, and it answers."""
+    from engine.decoding.speculative import dequantize
+    from engine.kernels.layout import KernelLlamaBlock
+    from engine.loading.registry import load_model
+
+    dense = load_model(None, transform=dequantize(mx.float32))
+    found = kinds(dense.model)
+    assert not found & {KernelLinear, KernelEmbedding, KernelLlamaBlock, nn.QuantizedLinear}
+    prompt = build_prompt(dense, messages=CONVERSATIONS["english"])
+    assert [e.token for e in generate(dense, prompt, SamplingParams(max_tokens=4)) if e.kind == "token"]

@@ -12,11 +12,12 @@ def active_path() -> str:
     """Which path quantized models take in this process, with the reason for any fallback."""
     if mx.default_device().type != mx.DeviceType.cpu:
         return "mlx (GPU)"
-    from .native import status
+    from . import native
 
-    result = status()
+    result = native.status()
     if result.module is not None:
-        return f"quantized CPU kernels ({result.reason})"
+        extra = ", int8 activations" if native.int8_activations() else ""
+        return f"quantized CPU kernels ({result.reason}{extra})"
     return f"fp32 layout (CPU kernels unavailable: {result.reason})"
 
 

@@ -16,7 +16,8 @@ arrays), as engine/kernels/cpu_layout.py does for its fp32 layout:
 Activations are fp32 (the non-quantized parameters are cast to fp32; scales and biases keep their
 dtype), and every weight is dequantized exactly (q * scale + bias in fp32) and accumulated in
 fp32. A layer the kernels cannot take (other bits, group sizes or modes) keeps MLX's own
-quantized op, with the reason logged.
+quantized op, with the reason logged. With `MLXCHAT_KERNELS=int8` at conversion
+(native.int8_activations), products of 1-8 rows take the lossy int8-activation kernels instead.
 """
 
 from __future__ import annotations
@@ -64,22 +65,28 @@ class _Run:
     blas = False
 
 
-def quantized_product(module: nn.Module, x: mx.array) -> mx.array:
+def quantized_product(module: "KernelLinear | KernelEmbedding", x: mx.array) -> mx.array:
     """`x @ W.T` for a quantized module `W` (KernelLinear or KernelEmbedding), x in fp32."""
     kernels = _Run.kernels
     w, scales, biases = module["weight"], module["scales"], module["biases"]
-    if x.size // x.shape[-1] >= BLAS_ROWS and _Run.blas:
+    rows = x.size // x.shape[-1]
+    if rows >= BLAS_ROWS and _Run.blas:
         return x @ kernels.dequantize(w, scales, biases, module.group_size, module.bits).T
-    return kernels.quantized_matmul(x, w, scales, biases, module.group_size, module.bits)
+    return kernels.quantized_matmul(x, w, scales, biases, module.group_size, module.bits,
+                                    int8=module.int8_activations and rows <= MAX_ROWS)
 
 
 class KernelLinear(nn.QuantizedLinear):
+    int8_activations = False  # set per layer by to_kernel_layout
+
     def __call__(self, x: mx.array) -> mx.array:
         y = quantized_product(self, x.astype(mx.float32))
         return y + self["bias"] if "bias" in self else y
 
 
 class KernelEmbedding(nn.QuantizedEmbedding):
+    int8_activations = False  # set per layer by to_kernel_layout
+
     def __call__(self, x: mx.array) -> mx.array:
         return mx.dequantize(self["weight"][x], self["scales"][x].astype(mx.float32),
                              self["biases"][x].astype(mx.float32), self.group_size, self.bits)
@@ -126,22 +133,22 @@ class KernelLlamaBlock(llama.TransformerBlock):
     MLP, residual), each the same kernels as the single ops; other steps run mlx-lm's code."""
 
     fused_decode = False  # set per layer by to_kernel_layout when every part can take the kernels
+    int8_activations = False  # likewise, for its products
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        # A transform after the layout (e.g. dequantizing for a speculative target) replaces the
-        # quantized projections: then the fused step no longer applies.
         if (not self.fused_decode or x.shape[1] != 1 or mask is not None
-                or type(cache) is not KVCache or x.dtype != mx.float32
-                or type(self.self_attn.q_proj) is not KernelLinear):
+                or type(cache) is not KVCache or x.dtype != mx.float32):
             return super().__call__(x, mask, cache)
         kernels, attn, mlp = _Run.kernels, self.self_attn, self.mlp
         norm1, norm2, rope = self.input_layernorm, self.post_attention_layernorm, attn.rope
         q, k, v = kernels.attn_in(x, norm1.weight, norm1.eps, _qw(attn.q_proj), _qw(attn.k_proj),
                                   _qw(attn.v_proj), attn.n_heads, attn.n_kv_heads, rope.dims,
-                                  rope.traditional, rope.base, rope.scale, cache.offset)
+                                  rope.traditional, rope.base, rope.scale, cache.offset,
+                                  int8=self.int8_activations)
         k, v = cache.update_and_fetch(k, v)
         return kernels.block_out(x, q, k, v, attn.scale, _qw(attn.o_proj), norm2.weight, norm2.eps,
-                                 _qw(mlp.gate_proj), _qw(mlp.up_proj), _qw(mlp.down_proj))
+                                 _qw(mlp.gate_proj), _qw(mlp.up_proj), _qw(mlp.down_proj),
+                                 int8=self.int8_activations)
 
 
 def _fusable(block: nn.Module) -> bool:
@@ -193,12 +200,25 @@ def _to_fp32(module: nn.Module) -> None:
         module.update(cast)
 
 
+def _int8_part(name: str, module: nn.Module) -> bool:
+    """Where the int8 path applies: the output head (a tied embedding) and the attention
+    projections (a fused layer passes it to o_proj and q/k/v only). The MLP stays exact: on the
+    bundled model its int8 products alone moved perplexity by about 1%, past the 0.5% gate
+    (tests/test_kernels_quality.py), while the head and attention together moved it by 0.02%."""
+    if type(module) is not KernelLinear:
+        return True
+    parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+    return "attn" in parent or "attention" in parent
+
+
 def to_kernel_layout(model: nn.Module) -> nn.Module:
-    """Swap in the kernel-backed modules; returns the model. Call where kernel_layout_wanted()."""
+    """Swap in the kernel-backed modules; returns the model. Call where kernel_layout_wanted(), on
+    the model as it will run: a later change of its layers (e.g. dequantizing them) is not seen."""
     from ..device import fast_blas_loaded
 
     _Run.kernels = native.kernels()
     _Run.blas = fast_blas_loaded()
+    int8 = native.int8_activations()
     counts: dict[str, int] = {}
     for name, module in model.named_modules():
         _to_fp32(module)
@@ -211,12 +231,15 @@ def to_kernel_layout(model: nn.Module) -> nn.Module:
                 continue
             module.__class__ = fast
             counts[fast.__name__] = counts.get(fast.__name__, 0) + 1
-    for _, module in model.named_modules():
+    for name, module in model.named_modules():
         if type(module) is KernelLlamaBlock:
             module.fused_decode = _fusable(module)
+        if type(module) in (KernelLinear, KernelEmbedding, KernelLlamaBlock):
+            module.int8_activations = int8 and _int8_part(name, module)
     dense = swap_matvec(model)  # any dense fp32 layer left: W @ x for one row, as cpu_layout does
     mx.eval(model.parameters())
-    log.info("CPU kernels (%s): %s; %d dense layers; prefill on %s", native.status().reason,
+    log.info("CPU kernels (%s%s): %s; %d dense layers; prefill on %s", native.status().reason,
+             ", int8 activations for 1-8 rows" if int8 else "",
              ", ".join(f"{n} {k}" for k, n in sorted(counts.items())), dense,
              "fp32 BLAS" if _Run.blas else "the quantized kernel")
     return model

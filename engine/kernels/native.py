@@ -9,8 +9,9 @@ mlx, CPU or kernel source builds anew; the extension still picks its AVX-512, AV
 unit at run time. Any failure (no compiler, no CMake or nanobind, a build for another mlx) gives
 one warning naming the fix, and the models keep today's fp32 layout (engine/kernels/cpu_layout.py).
 
-`MLXCHAT_KERNELS=0` turns the kernels off; `MLXCHAT_THREADS` sets their thread count (default:
-the physical cores this process may run on).
+`MLXCHAT_KERNELS=0` turns the kernels off; `MLXCHAT_KERNELS=int8` runs them with int8
+activations (`int8_activations()`); `MLXCHAT_THREADS` sets their thread count (default: the
+physical cores this process may run on).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ MODULE = "_mlxchat_kernels"
 FIX = ("run scripts/setup (it installs cmake, g++ and nanobind), or `apt-get install cmake g++` "
        "and `pip install nanobind`, then restart")
 # The CPU flags that change which code the build can run.
-_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "asimd", "neon")
+_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+             "asimd", "neon")
 
 
 @dataclass(frozen=True)
@@ -150,8 +152,22 @@ def thread_count() -> int:
     return physical_cores()
 
 
+def _setting() -> str:
+    return os.environ.get("MLXCHAT_KERNELS", "1").strip().lower()
+
+
 def _turned_off() -> bool:
-    return os.environ.get("MLXCHAT_KERNELS", "1").strip().lower() in ("0", "off", "no", "false")
+    return _setting() in ("0", "off", "no", "false")
+
+
+def int8_activations() -> bool:
+    """Whether models converted now take the lossy int8-activation path (`MLXCHAT_KERNELS=int8`):
+    1-8 row products of the output head and the attention projections quantize x per 32-element
+    block to int8 (as llama.cpp's q8 blocks do) and sum integer products against the weights'
+    codes (layout.py says why the MLP stays exact). Off by default: the exact path gives mlx-lm's
+    greedy tokens; this one passes the perplexity gate (tests/test_kernels_quality.py) but not
+    token identity."""
+    return _setting() == "int8"
 
 
 def _load() -> Status:

@@ -229,11 +229,11 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
         if not hasattr(model, "shard"):
             raise ModelLoadError(f"mlx-lm cannot shard {display!r} ({config.get('model_type')})")
         model.shard(group)
-    else:
+    if transform is not None:  # first: the layout below takes the layers the transform leaves
+        model = transform(model)
+    if group is None:
         model = _fastest_layout(model, config)
     use_chunked_prefill(model)  # Qwen3.5 / Qwen3-Next: chunked linear-attention prefill
-    if transform is not None:
-        model = transform(model)
     # Materialise the weights here: lazy arrays belong to this thread's MLX stream, and the
     # scheduler thread that runs the model cannot evaluate them.
     mx.eval(model.parameters())

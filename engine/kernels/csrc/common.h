@@ -51,6 +51,15 @@ struct QMat {
   int bits, gs;
 };
 
+// M rows of x quantized per 32-element block for the int8 path: q (M * K int8 values; with
+// 4-bit weights the SIMD units store each block's even elements, then its odd ones), d (the
+// blocks' scales, x ~= d * q) and s (each block's exact fp32 sum), M * K / 32 floats each.
+struct Q8Rows {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+};
+
 struct Impl {
   const char* name;
   // Reorders M rows of x (K floats each) into the layout qmv_rows reads (xp: M * K floats).
@@ -58,6 +67,11 @@ struct Impl {
   // y[m * ldy + n] = sum_k x[m, k] * W[n, k] for n in [n0, n1), m < M (M <= 8).
   void (*qmv_rows)(const QMat&, const float* xp, int M, int64_t n0, int64_t n1, float* y,
                    int64_t ldy);
+  // Quantizes M rows of x (K floats each) into q, d, s as Q8Rows describes.
+  void (*prep_x8)(const QMat&, const float* x, int M, int8_t* q, float* d, float* s);
+  // As qmv_rows, from int8 activations: integer dot products per block, fp32 scales.
+  void (*qmv_rows_q8)(const QMat&, const Q8Rows& x, int M, int64_t n0, int64_t n1, float* y,
+                      int64_t ldy);
   // out[n * K + k] = W[n, k] (fp32) for n in [n0, n1).
   void (*dequant_rows)(const QMat&, int64_t n0, int64_t n1, float* out);
   float (*dot)(const float* a, const float* b, int64_t n);
@@ -67,6 +81,7 @@ struct Impl {
 const Impl* impl_generic();
 const Impl* impl_avx2();
 const Impl* impl_avx512();
+const Impl* impl_avx512vnni();
 
 // A persistent pool: blocks are handed out from one atomic counter, the caller works too.
 int num_threads();

@@ -1,12 +1,19 @@
-// The per-ISA kernels: built three times (AVX-512, AVX2+FMA, portable C++) with different
-// compiler flags and MLXCHAT_ISA naming the unit; common.h's impl_<isa>() picks one at run time.
+// The per-ISA kernels: built four times (AVX-512 with VNNI, AVX-512, AVX2+FMA, portable C++)
+// with different compiler flags and MLXCHAT_ISA naming the unit; common.h's impl_<isa>() picks
+// one at run time.
 //
-// Quantized matrix x (1-8 rows): each weight is dequantized exactly (q * scale + bias, fp32)
-// and multiplied into an fp32 accumulator. The SIMD units read 4-bit weights a byte at a time
-// (low nibble = even element, high nibble = odd element), so prep_x stores each block of x as
-// its even elements followed by its odd ones; the weights then need no shuffling.
-#include <cmath>
-
+// Exact path, quantized matrix x (1-8 rows): each weight is dequantized exactly
+// (q * scale + bias, fp32) and multiplied into an fp32 accumulator. The SIMD units read 4-bit
+// weights a byte at a time (low nibble = even element, high nibble = odd element), so prep_x
+// stores each block of x as its even elements followed by its odd ones; the weights then need
+// no shuffling. One body serves AVX-512 and AVX2: `Vec` below names the register width and the
+// few operations that differ.
+//
+// int8 path (lossy, opt-in): x arrives quantized per 32-element block (int8 values, one fp32
+// scale and the block's exact fp32 sum; see Q8Rows). A block's dot product with the weights'
+// integer codes is exact in int32 (AVX2 maddubs/madd, or AVX-512 VNNI dpbusd), then scaled in
+// fp32: sum_k x_k w_k = s_g * sum_blocks d_j * (sum_k qx_k q_k) + b_g * sum_k x_k.
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -25,14 +32,17 @@
 namespace mlxchat {
 namespace {
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-constexpr int kBlock4 = 32;  // 4-bit elements per 16-byte load
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define MLXCHAT_SIMD 512
+constexpr const char* kName = "avx512-vnni";
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+#define MLXCHAT_SIMD 512
 constexpr const char* kName = "avx512";
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kBlock4 = 16;  // 4-bit elements per 8-byte load
+#define MLXCHAT_SIMD 256
 constexpr const char* kName = "avx2";
 #else
-constexpr int kBlock4 = 0;  // natural order
+#define MLXCHAT_SIMD 0
 constexpr const char* kName = "generic";
 #endif
 
@@ -69,134 +79,119 @@ inline void row_scales(const QMat& W, int64_t n, int64_t G, float* s, float* b) 
   }
 }
 
-void prep_x(const QMat& W, const float* x, int M, float* xp) {
-  const int64_t K = W.K;
-  if (W.bits != 4 || kBlock4 == 0) {
-    std::memcpy(xp, x, sizeof(float) * M * K);
-    return;
-  }
-  constexpr int half = kBlock4 / 2;
-  for (int64_t i = 0; i < M * K; i += kBlock4) {
-    for (int j = 0; j < half; ++j) {
-      xp[i + j] = x[i + 2 * j];
-      xp[i + half + j] = x[i + 2 * j + 1];
-    }
-  }
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-
-// A group's 16 possible weights (q * scale + bias, q = 0..15) fit one register: the nibbles
-// index it with a permute instead of being converted and scaled one by one.
-template <int M>
-void rows4(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  const int64_t K = W.K, G = K / W.gs;
-  const __m128i m4 = _mm_set1_epi8(0x0F);
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  float* sc = scratch(2 * G);
-  float* bi = sc + G;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wr = reinterpret_cast<const uint8_t*>(W.w) + n * (K / 2);
-    row_scales(W, n, G, sc, bi);
-    __m512 a0[M], a1[M];
-    for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
-      const __m512 lut = _mm512_fmadd_ps(iota, _mm512_set1_ps(sc[g]), _mm512_set1_ps(bi[g]));
-      for (int64_t k = g * W.gs, e = k + W.gs; k < e; k += 32) {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k / 2));
-        const __m128i lo = _mm_and_si128(raw, m4);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
-        const __m512 wl = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(lo), lut);
-        const __m512 wh = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(hi), lut);
-        for (int m = 0; m < M; ++m) {
-          a0[m] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xp + m * K + k), a0[m]);
-          a1[m] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xp + m * K + k + 16), a1[m]);
-        }
-      }
-    }
-    for (int m = 0; m < M; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
-  }
-}
-
-template <int M>
-void rows8(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  const int64_t K = W.K, G = K / W.gs;
-  float* sc = scratch(2 * G);
-  float* bi = sc + G;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wr = reinterpret_cast<const uint8_t*>(W.w) + n * K;
-    __m512 a0[M], a1[M];
-    row_scales(W, n, G, sc, bi);
-    for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
-      const __m512 vs = _mm512_set1_ps(sc[g]), vb = _mm512_set1_ps(bi[g]);
-      for (int64_t k = g * W.gs, e = k + W.gs; k < e; k += 32) {
-        const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k));
-        const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + k + 16));
-        const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(r0)), vs, vb);
-        const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(r1)), vs, vb);
-        for (int m = 0; m < M; ++m) {
-          a0[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp + m * K + k), a0[m]);
-          a1[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp + m * K + k + 16), a1[m]);
-        }
-      }
-    }
-    for (int m = 0; m < M; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
-  }
-}
-
-float dot(const float* a, const float* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  float r = _mm512_reduce_add_ps(acc);
-  for (; i < n; ++i) r += a[i] * b[i];
-  return r;
-}
-
-void axpy(float a, const float* x, float* y, int64_t n) {
-  const __m512 va = _mm512_set1_ps(a);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] += a * x[i];
-}
-
-#elif defined(__AVX2__) && defined(__FMA__)
-
-inline float hsum(__m256 v) {
+#if MLXCHAT_SIMD
+inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+#endif
+
+#if MLXCHAT_SIMD == 512
+
+// A group's 16 possible 4-bit weights (q * scale + bias, q = 0..15) fit one register: the
+// nibbles index it with a permute instead of being converted and scaled one by one.
+struct Vec {
+  using F = __m512;
+  static constexpr int n = 16;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float a) { return _mm512_set1_ps(a); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static float sum(F a) { return _mm512_reduce_add_ps(a); }
+  static F u8(const uint8_t* p) {  // n bytes -> n floats
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  struct Group4 {
+    __m512 lut;
+  };
+  static Group4 group4(float s, float b) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return {_mm512_fmadd_ps(iota, _mm512_set1_ps(s), _mm512_set1_ps(b))};
+  }
+  // 2n 4-bit weights from n bytes: the even elements into lo, the odd ones into hi.
+  static void nibbles(const Group4& g, const uint8_t* p, F& lo, F& hi) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    lo = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, m4)), g.lut);
+    hi = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), m4)), g.lut);
+  }
+  // 2n 4-bit codes from n bytes, in their natural order, as floats: a = first n, b = next n.
+  static void codes4(const uint8_t* p, F& a, F& b) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+    a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+    b = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)));
+  }
+};
+
+#elif MLXCHAT_SIMD == 256
+
+struct Vec {
+  using F = __m256;
+  static constexpr int n = 8;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float a) { return _mm256_set1_ps(a); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static float sum(F v) { return hsum256(v); }
+  static F u8(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  struct Group4 {
+    __m256 s, b;
+  };
+  static Group4 group4(float s, float b) { return {_mm256_set1_ps(s), _mm256_set1_ps(b)}; }
+  static void nibbles(const Group4& g, const uint8_t* p, F& lo, F& hi) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(raw, m4))), g.s, g.b);
+    hi = _mm256_fmadd_ps(
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), m4))), g.s, g.b);
+  }
+  static void codes4(const uint8_t* p, F& a, F& b) {
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m128i c = _mm_unpacklo_epi8(_mm_and_si128(raw, m4), _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+    a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c));
+    b = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c, 8)));
+  }
+};
+
+#endif
+
+#if MLXCHAT_SIMD
+
+constexpr int kBlock4 = 2 * Vec::n;  // 4-bit elements per nibbles() call
 
 template <int M>
 void rows4(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   const int64_t K = W.K, G = K / W.gs;
-  const __m128i m4 = _mm_set1_epi8(0x0F);
   float* sc = scratch(2 * G);
   float* bi = sc + G;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = reinterpret_cast<const uint8_t*>(W.w) + n * (K / 2);
-    __m256 a0[M], a1[M];
     row_scales(W, n, G, sc, bi);
-    for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
+    typename Vec::F a0[M], a1[M];
+    for (int m = 0; m < M; ++m) a0[m] = a1[m] = Vec::zero();
     for (int64_t g = 0; g < G; ++g) {
-      const __m256 vs = _mm256_set1_ps(sc[g]), vb = _mm256_set1_ps(bi[g]);
-      for (int64_t k = g * W.gs, e = k + W.gs; k < e; k += 16) {
-        const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + k / 2));
-        const __m128i lo = _mm_and_si128(raw, m4);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
-        const __m256 wl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vs, vb);
-        const __m256 wh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vs, vb);
+      const auto grp = Vec::group4(sc[g], bi[g]);
+      for (int64_t k = g * W.gs, e = k + W.gs; k < e; k += kBlock4) {
+        typename Vec::F wl, wh;
+        Vec::nibbles(grp, wr + k / 2, wl, wh);
         for (int m = 0; m < M; ++m) {
-          a0[m] = _mm256_fmadd_ps(wl, _mm256_loadu_ps(xp + m * K + k), a0[m]);
-          a1[m] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(xp + m * K + k + 8), a1[m]);
+          a0[m] = Vec::fma(wl, Vec::load(xp + m * K + k), a0[m]);
+          a1[m] = Vec::fma(wh, Vec::load(xp + m * K + k + Vec::n), a1[m]);
         }
       }
     }
-    for (int m = 0; m < M; ++m) y[m * ldy + n] = hsum(_mm256_add_ps(a0[m], a1[m]));
+    for (int m = 0; m < M; ++m) y[m * ldy + n] = Vec::sum(Vec::add(a0[m], a1[m]));
   }
 }
 
@@ -207,44 +202,103 @@ void rows8(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int
   float* bi = sc + G;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = reinterpret_cast<const uint8_t*>(W.w) + n * K;
-    __m256 a0[M], a1[M];
     row_scales(W, n, G, sc, bi);
-    for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
+    typename Vec::F a0[M], a1[M];
+    for (int m = 0; m < M; ++m) a0[m] = a1[m] = Vec::zero();
     for (int64_t g = 0; g < G; ++g) {
-      const __m256 vs = _mm256_set1_ps(sc[g]), vb = _mm256_set1_ps(bi[g]);
-      for (int64_t k = g * W.gs, e = k + W.gs; k < e; k += 16) {
-        const __m128i r0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + k));
-        const __m128i r1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + k + 8));
-        const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(r0)), vs, vb);
-        const __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(r1)), vs, vb);
+      const auto vs = Vec::set1(sc[g]), vb = Vec::set1(bi[g]);
+      for (int64_t k = g * W.gs, e = k + W.gs; k < e; k += 2 * Vec::n) {
+        const auto w0 = Vec::fma(Vec::u8(wr + k), vs, vb);
+        const auto w1 = Vec::fma(Vec::u8(wr + k + Vec::n), vs, vb);
         for (int m = 0; m < M; ++m) {
-          a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp + m * K + k), a0[m]);
-          a1[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp + m * K + k + 8), a1[m]);
+          a0[m] = Vec::fma(w0, Vec::load(xp + m * K + k), a0[m]);
+          a1[m] = Vec::fma(w1, Vec::load(xp + m * K + k + Vec::n), a1[m]);
         }
       }
     }
-    for (int m = 0; m < M; ++m) y[m * ldy + n] = hsum(_mm256_add_ps(a0[m], a1[m]));
+    for (int m = 0; m < M; ++m) y[m * ldy + n] = Vec::sum(Vec::add(a0[m], a1[m]));
   }
 }
 
 float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
+  auto acc = Vec::zero();
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float r = hsum(acc);
+  for (; i + Vec::n <= n; i += Vec::n) acc = Vec::fma(Vec::load(a + i), Vec::load(b + i), acc);
+  float r = Vec::sum(acc);
   for (; i < n; ++i) r += a[i] * b[i];
   return r;
 }
 
 void axpy(float a, const float* x, float* y, int64_t n) {
-  const __m256 va = _mm256_set1_ps(a);
+  const auto va = Vec::set1(a);
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i + Vec::n <= n; i += Vec::n) Vec::store(y + i, Vec::fma(va, Vec::load(x + i), Vec::load(y + i)));
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
+// ---- int8 activations: one 32-element block per 256-bit integer dot product. The weights'
+// codes enter centred (q - 8 for 4 bits, q - 128 for 8), which halves the error the int8
+// rounding of x brings; the centre moves into the bias (b + 8s or b + 128s), which multiplies
+// x's exact sum. u8 x s8 instructions take |q - c| and the sign moves onto x: products stay
+// within 128 * 127, so maddubs's int16 pairs cannot saturate.
+inline __m256i dot_block(__m256i w, __m256i x) {
+  const __m256i wabs = _mm256_sign_epi8(w, w), xs = _mm256_sign_epi8(x, w);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), wabs, xs);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), _mm256_set1_epi16(1));
+#endif
+}
+constexpr bool kSplit4 = true;  // 4-bit blocks of x: even elements, then odd (prep_x8)
+
+template <int M, int BITS>
+void rows_q8(const QMat& W, const Q8Rows& X, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  constexpr float centre = BITS == 4 ? 8.0f : 128.0f;
+  const int64_t K = W.K, G = K / W.gs, bpg = W.gs / 32, nb = K / 32;
+  float* sc = scratch(2 * G + M * G);
+  float* bi = sc + G;
+  float* gsum = bi + G;  // x's exact sum over each weight group
+  for (int m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0;
+      for (int64_t j = 0; j < bpg; ++j) s += X.s[m * nb + g * bpg + j];
+      gsum[m * G + g] = s;
+    }
+  const __m128i m4 = _mm_set1_epi8(0x0F), c4 = _mm_set1_epi8(8);
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
+  for (int64_t n = n0; n < n1; ++n) {
+    row_scales(W, n, G, sc, bi);
+    const uint8_t* wr = reinterpret_cast<const uint8_t*>(W.w) + n * (K * BITS / 8);
+    __m256 acc[M];
+    float bsum[M] = {};
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const float s = sc[g], b = bi[g] + centre * s;
+      for (int64_t j = g * bpg; j < (g + 1) * bpg; ++j) {
+        __m256i w;
+        if constexpr (BITS == 4) {
+          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + j * 16));
+          w = _mm256_set_m128i(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), c4),
+                               _mm_sub_epi8(_mm_and_si128(raw, m4), c4));
+        } else {
+          w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + j * 32)), flip);
+        }
+        for (int m = 0; m < M; ++m) {
+          const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X.q + m * K + j * 32));
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_block(w, xq)),
+                                   _mm256_set1_ps(X.d[m * nb + j] * s), acc[m]);
+        }
+      }
+      for (int m = 0; m < M; ++m) bsum[m] += b * gsum[m * G + g];
+    }
+    for (int m = 0; m < M; ++m) y[m * ldy + n] = hsum256(acc[m]) + bsum[m];
+  }
+}
+
 #else  // portable C++
+
+constexpr int kBlock4 = 0;  // natural order
+constexpr bool kSplit4 = false;
 
 template <int M, int BITS>
 void rows_generic(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int64_t ldy) {
@@ -283,6 +337,36 @@ void rows8(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int
   rows_generic<M, 8>(W, xp, n0, n1, y, ldy);
 }
 
+template <int M, int BITS>
+void rows_q8(const QMat& W, const Q8Rows& X, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  constexpr int per_word = 32 / BITS;
+  constexpr uint32_t mask = (1u << BITS) - 1;
+  constexpr int32_t centre = 1 << (BITS - 1);  // as the SIMD units: see rows_q8 there
+  const int64_t K = W.K, G = K / W.gs, bpg = W.gs / 32, nb = K / 32, words = K / per_word;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint32_t* wr = W.w + n * words;
+    float acc[M] = {};
+    for (int64_t g = 0; g < G; ++g) {
+      float s, b;
+      scale_bias(W, n * G + g, s, b);
+      b += float(centre) * s;
+      for (int64_t j = g * bpg; j < (g + 1) * bpg; ++j) {
+        int32_t q[32];
+        for (int w = 0; w < 32 / per_word; ++w) {
+          const uint32_t word = wr[j * (32 / per_word) + w];
+          for (int p = 0; p < per_word; ++p) q[w * per_word + p] = int32_t((word >> (p * BITS)) & mask) - centre;
+        }
+        for (int m = 0; m < M; ++m) {
+          int32_t isum = 0;
+          for (int k = 0; k < 32; ++k) isum += q[k] * int32_t(X.q[m * K + j * 32 + k]);
+          acc[m] += float(isum) * (X.d[m * nb + j] * s) + b * X.s[m * nb + j];
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m * ldy + n] = acc[m];
+  }
+}
+
 float dot(const float* a, const float* b, int64_t n) {
   float acc[8] = {};
   int64_t i = 0;
@@ -300,30 +384,79 @@ void axpy(float a, const float* x, float* y, int64_t n) {
 
 #endif
 
+void prep_x(const QMat& W, const float* x, int M, float* xp) {
+  const int64_t K = W.K;
+  if (W.bits != 4 || kBlock4 == 0) {
+    std::memcpy(xp, x, sizeof(float) * M * K);
+    return;
+  }
+  constexpr int half = kBlock4 / 2;
+  for (int64_t i = 0; i < M * K; i += kBlock4) {
+    for (int j = 0; j < half; ++j) {
+      xp[i + j] = x[i + 2 * j];
+      xp[i + half + j] = x[i + 2 * j + 1];
+    }
+  }
+}
+
+// x (M rows of K) -> int8 per 32-element block: d = max|x| / 127, q = round(x / d), and the
+// block's exact fp32 sum (it multiplies the weights' biases).
+void prep_x8(const QMat& W, const float* x, int M, int8_t* q, float* d, float* s) {
+  const bool split = kSplit4 && W.bits == 4;
+  for (int64_t j = 0; j < int64_t(M) * W.K / 32; ++j) {
+    const float* xb = x + j * 32;
+    float amax = 0, sum = 0;
+    for (int k = 0; k < 32; ++k) {
+      amax = std::max(amax, std::fabs(xb[k]));
+      sum += xb[k];
+    }
+    const float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+    d[j] = scale;
+    s[j] = sum;
+    int8_t* qb = q + j * 32;
+    for (int k = 0; k < 32; ++k) {
+      const int8_t v = int8_t(std::nearbyint(xb[k] * inv));
+      qb[split ? (k & 1) * 16 + k / 2 : k] = v;
+    }
+  }
+}
+
 template <int BITS>
 void dequant(const QMat& W, int64_t n0, int64_t n1, float* out) {
-  constexpr int per_word = 32 / BITS;
-  constexpr uint32_t mask = (1u << BITS) - 1;
   const int64_t K = W.K, G = K / W.gs;
   float* sc = scratch(2 * G);
   float* bi = sc + G;
   for (int64_t n = n0; n < n1; ++n) {
     row_scales(W, n, G, sc, bi);
-    const uint32_t* wr = W.w + n * (K / per_word);
     float* o = out + n * K;
+#if MLXCHAT_SIMD
+    const uint8_t* wr = reinterpret_cast<const uint8_t*>(W.w) + n * (K * BITS / 8);
+    for (int64_t g = 0; g < G; ++g) {
+      const auto vs = Vec::set1(sc[g]), vb = Vec::set1(bi[g]);
+      for (int64_t k = g * W.gs, e = k + W.gs; k < e; k += 2 * Vec::n) {
+        if constexpr (BITS == 8) {
+          Vec::store(o + k, Vec::fma(Vec::u8(wr + k), vs, vb));
+          Vec::store(o + k + Vec::n, Vec::fma(Vec::u8(wr + k + Vec::n), vs, vb));
+        } else {
+          typename Vec::F a, b;
+          Vec::codes4(wr + k / 2, a, b);
+          Vec::store(o + k, Vec::fma(a, vs, vb));
+          Vec::store(o + k + Vec::n, Vec::fma(b, vs, vb));
+        }
+      }
+    }
+#else
+    constexpr int per_word = 32 / BITS;
+    constexpr uint32_t mask = (1u << BITS) - 1;
+    const uint32_t* wr = W.w + n * (K / per_word);
     for (int64_t g = 0; g < G; ++g) {
       const float s = sc[g], b = bi[g];
       for (int64_t k = g * W.gs, e = k + W.gs; k < e; k += per_word) {
         const uint32_t word = wr[k / per_word];
-        for (int p = 0; p < per_word; ++p) {
-#if defined(__FMA__)
-          o[k + p] = std::fma(float((word >> (p * BITS)) & mask), s, b);  // as the matmul kernels
-#else
-          o[k + p] = float((word >> (p * BITS)) & mask) * s + b;
-#endif
-        }
+        for (int p = 0; p < per_word; ++p) o[k + p] = float((word >> (p * BITS)) & mask) * s + b;
       }
     }
+#endif
   }
 }
 
@@ -342,6 +475,14 @@ void rows(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int6
     rows8<M>(W, xp, n0, n1, y, ldy);
 }
 
+template <int M>
+void rows8bit(const QMat& W, const Q8Rows& X, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  if (W.bits == 4)
+    rows_q8<M, 4>(W, X, n0, n1, y, ldy);
+  else
+    rows_q8<M, 8>(W, X, n0, n1, y, ldy);
+}
+
 void qmv_rows(const QMat& W, const float* xp, int M, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   switch (M) {
     case 1: return rows<1>(W, xp, n0, n1, y, ldy);
@@ -355,7 +496,20 @@ void qmv_rows(const QMat& W, const float* xp, int M, int64_t n0, int64_t n1, flo
   }
 }
 
-const Impl kImpl{kName, prep_x, qmv_rows, dequant_rows, dot, axpy};
+void qmv_rows_q8(const QMat& W, const Q8Rows& X, int M, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  switch (M) {
+    case 1: return rows8bit<1>(W, X, n0, n1, y, ldy);
+    case 2: return rows8bit<2>(W, X, n0, n1, y, ldy);
+    case 3: return rows8bit<3>(W, X, n0, n1, y, ldy);
+    case 4: return rows8bit<4>(W, X, n0, n1, y, ldy);
+    case 5: return rows8bit<5>(W, X, n0, n1, y, ldy);
+    case 6: return rows8bit<6>(W, X, n0, n1, y, ldy);
+    case 7: return rows8bit<7>(W, X, n0, n1, y, ldy);
+    default: return rows8bit<8>(W, X, n0, n1, y, ldy);
+  }
+}
+
+const Impl kImpl{kName, prep_x, qmv_rows, prep_x8, qmv_rows_q8, dequant_rows, dot, axpy};
 
 }  // namespace
 

@@ -37,6 +37,15 @@ bool has_avx512() {
 #endif
 }
 
+bool has_avx512vnni() {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  return has_avx512() && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
 bool has_avx2() {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
@@ -51,12 +60,43 @@ const Impl* g_impl = nullptr;
 const Impl* impl() {
   if (!g_impl) {
 #if defined(MLXCHAT_HAVE_X86_UNITS)
-    g_impl = has_avx512() ? impl_avx512() : has_avx2() ? impl_avx2() : impl_generic();
+    g_impl = has_avx512vnni() ? impl_avx512vnni()
+             : has_avx512()   ? impl_avx512()
+             : has_avx2()     ? impl_avx2()
+                              : impl_generic();
 #else
     g_impl = impl_generic();
 #endif
   }
   return g_impl;
+}
+
+// The units this CPU can run, fastest first (the default is the first).
+std::vector<const Impl*> supported_impls() {
+  std::vector<const Impl*> out;
+#if defined(MLXCHAT_HAVE_X86_UNITS)
+  if (has_avx512vnni()) out.push_back(impl_avx512vnni());
+  if (has_avx512()) out.push_back(impl_avx512());
+  if (has_avx2()) out.push_back(impl_avx2());
+#endif
+  out.push_back(impl_generic());
+  return out;
+}
+
+std::vector<std::string> isas() {
+  std::vector<std::string> names;
+  for (const Impl* i : supported_impls()) names.push_back(i->name);
+  return names;
+}
+
+// Runs the kernels on another supported unit (tests check every unit this CPU can run).
+void set_isa(const std::string& name) {
+  for (const Impl* i : supported_impls())
+    if (name == i->name) {
+      g_impl = i;
+      return;
+    }
+  throw std::invalid_argument("this CPU cannot run the " + name + " kernels");
 }
 
 // A row-contiguous view of `a`'s data: its own, or a gathered copy in `tmp`.
@@ -211,28 +251,58 @@ QMat qmat(const mx::array& w, const mx::array& s, const mx::array& b, int gs, in
               int64_t(w.shape(1)) * (32 / bits), bits, gs};
 }
 
-void run_qmm(const float* x, int64_t rows, const QMat& W, float* y) {
+// x's rows (at most 8) as the kernels read them: fp32 (reordered by prep_x) or, on the int8
+// path, quantized per 32-element block by prep_x8.
+struct XRows {
+  bool int8;
+  std::vector<float> xp;
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+
+  XRows(bool int8, int64_t K) : int8(int8) {
+    if (int8) {
+      q.resize(size_t(8 * K));
+      d.resize(size_t(8 * K / 32));
+      s.resize(size_t(8 * K / 32));
+    } else {
+      xp.resize(size_t(8 * K));
+    }
+  }
+  void prep(const Impl* I, const QMat& W, const float* x, int M) {
+    if (int8)
+      I->prep_x8(W, x, M, q.data(), d.data(), s.data());
+    else
+      I->prep_x(W, x, M, xp.data());
+  }
+  void rows(const Impl* I, const QMat& W, int M, int64_t n0, int64_t n1, float* y, int64_t ldy) const {
+    if (int8)
+      I->qmv_rows_q8(W, Q8Rows{q.data(), d.data(), s.data()}, M, n0, n1, y, ldy);
+    else
+      I->qmv_rows(W, xp.data(), M, n0, n1, y, ldy);
+  }
+};
+
+void run_qmm(const float* x, int64_t rows, const QMat& W, float* y, bool int8) {
   const Impl* I = impl();
   const int64_t N = W.N, K = W.K;
   const int threads = num_threads();
   const int64_t nblocks = std::max<int64_t>(1, std::min<int64_t>(N / 16, int64_t(threads) * 8));
   const int64_t per = (N + nblocks - 1) / nblocks;
-  std::vector<float> xp(size_t(std::min<int64_t>(rows, 8) * K));
+  XRows xr(int8, K);
   for (int64_t r0 = 0; r0 < rows; r0 += 8) {
     const int M = int(std::min<int64_t>(8, rows - r0));
-    I->prep_x(W, x + r0 * K, M, xp.data());
+    xr.prep(I, W, x + r0 * K, M);
     float* yr = y + r0 * N;
-    const float* xpp = xp.data();
     parallel_for(nblocks, [&](int64_t b) {
       const int64_t n0 = b * per, n1 = std::min(N, n0 + per);
-      if (n0 < n1) I->qmv_rows(W, xpp, M, n0, n1, yr, N);
+      if (n0 < n1) xr.rows(I, W, M, n0, n1, yr, N);
     });
   }
 }
 
 // y_i = x @ W_i.T for several matrices sharing x (K columns): one parallel_for over all rows.
 void run_qmm_multi(const float* x, int64_t rows, const std::vector<QMat>& Ws,
-                   const std::vector<float*>& ys) {
+                   const std::vector<float*>& ys, bool int8) {
   const Impl* I = impl();
   const int64_t K = Ws[0].K;
   int64_t total = 0;
@@ -240,18 +310,17 @@ void run_qmm_multi(const float* x, int64_t rows, const std::vector<QMat>& Ws,
   const int threads = num_threads();
   const int64_t nblocks = std::max<int64_t>(1, std::min<int64_t>(total / 16, int64_t(threads) * 8));
   const int64_t per = (total + nblocks - 1) / nblocks;
-  std::vector<float> xp(size_t(std::min<int64_t>(rows, 8) * K));
+  XRows xr(int8, K);
   for (int64_t r0 = 0; r0 < rows; r0 += 8) {
     const int M = int(std::min<int64_t>(8, rows - r0));
-    I->prep_x(Ws[0], x + r0 * K, M, xp.data());
-    const float* xpp = xp.data();
+    xr.prep(I, Ws[0], x + r0 * K, M);
     parallel_for(nblocks, [&](int64_t b) {
       int64_t n0 = b * per, n1 = std::min(total, n0 + per);
       for (size_t i = 0; i < Ws.size() && n0 < n1; ++i) {  // the block may span two matrices
         const int64_t N = Ws[i].N;
         if (n0 < N) {
           const int64_t e = std::min(N, n1);
-          I->qmv_rows(Ws[i], xpp, M, n0, e, ys[i] + r0 * N, N);
+          xr.rows(I, Ws[i], M, n0, e, ys[i] + r0 * N, N);
           n0 = e;
         }
         n0 -= N;
@@ -263,7 +332,8 @@ void run_qmm_multi(const float* x, int64_t rows, const std::vector<QMat>& Ws,
 
 class QMatmul : public mx::UnaryPrimitive {
  public:
-  QMatmul(mx::Stream s, int gs, int bits) : mx::UnaryPrimitive(s), gs_(gs), bits_(bits) {}
+  QMatmul(mx::Stream s, int gs, int bits, bool int8)
+      : mx::UnaryPrimitive(s), gs_(gs), bits_(bits), int8_(int8) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     alloc(out);
@@ -271,20 +341,21 @@ class QMatmul : public mx::UnaryPrimitive {
     for (auto& a : in) enc.set_input_array(a);
     enc.set_output_array(out);
     enc.dispatch([x = weak(in[0]), w = weak(in[1]), s = weak(in[2]), b = weak(in[3]),
-                  out = weak(out), gs = gs_, bits = bits_]() mutable {
+                  out = weak(out), gs = gs_, bits = bits_, int8 = int8_]() mutable {
       std::vector<float> tmp;
       QHold keep;
       const float* xd = contiguous_f32(x, tmp);
-      run_qmm(xd, int64_t(x.size()) / x.shape(-1), qmat(w, s, b, gs, bits, keep), out.data<float>());
+      run_qmm(xd, int64_t(x.size()) / x.shape(-1), qmat(w, s, b, gs, bits, keep), out.data<float>(),
+              int8);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
     throw std::runtime_error("mlxchat kernels run on the CPU only");
   }
-  const char* name() const override { return "MlxchatQuantizedMatmul"; }
+  const char* name() const override { return int8_ ? "MlxchatQuantizedMatmulInt8" : "MlxchatQuantizedMatmul"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QMatmul&>(other);
-    return gs_ == o.gs_ && bits_ == o.bits_;
+    return gs_ == o.gs_ && bits_ == o.bits_ && int8_ == o.int8_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     auto shape = in[0].shape();
@@ -294,6 +365,7 @@ class QMatmul : public mx::UnaryPrimitive {
 
  private:
   int gs_, bits_;
+  bool int8_;
 };
 
 void check_quantized(int64_t K, const mx::array& w, const mx::array& s, const mx::array& b, int gs,
@@ -311,12 +383,12 @@ void check_quantized(int64_t K, const mx::array& w, const mx::array& s, const mx
 }
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& s,
-                           const mx::array& b, int gs, int bits) {
+                           const mx::array& b, int gs, int bits, bool int8) {
   if (x.dtype() != mx::float32) throw std::invalid_argument("x must be float32");
   check_quantized(x.shape(-1), w, s, b, gs, bits);
   auto shape = x.shape();
   shape.back() = w.shape(0);
-  return mx::array(shape, mx::float32, std::make_shared<QMatmul>(cpu_stream(), gs, bits),
+  return mx::array(shape, mx::float32, std::make_shared<QMatmul>(cpu_stream(), gs, bits, int8),
                    {x, w, s, b});
 }
 
@@ -330,16 +402,13 @@ class Dequantize : public mx::UnaryPrimitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     enc.dispatch([w = weak(in[0]), s = weak(in[1]), b = weak(in[2]), out = weak(out), gs = gs_,
                   bits = bits_]() mutable {
+      // One thread: the BLAS product that follows runs on OpenBLAS's threads, and our pool's
+      // workers between them (or one of them descheduled mid-block on a busy machine, with the
+      // caller waiting for it) cost more wall time than the split saves; the dequantization
+      // is a few percent of the product.
       QHold keep;
       const QMat W = qmat(w, s, b, gs, bits, keep);
-      const Impl* I = impl();
-      const int64_t nblocks = std::max<int64_t>(1, std::min<int64_t>(W.N / 16, num_threads() * 8));
-      const int64_t per = (W.N + nblocks - 1) / nblocks;
-      float* o = out.data<float>();
-      parallel_for(nblocks, [&](int64_t blk) {
-        const int64_t n0 = blk * per, n1 = std::min(W.N, n0 + per);
-        if (n0 < n1) I->dequant_rows(W, n0, n1, o);
-      });
+      impl()->dequant_rows(W, 0, W.N, out.data<float>());
     });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -503,7 +572,8 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
 
 struct QSpec {
   int gs, bits;
-  bool operator==(const QSpec& o) const { return gs == o.gs && bits == o.bits; }
+  bool int8;  // int8 activations (the lossy path) for this product
+  bool operator==(const QSpec& o) const { return gs == o.gs && bits == o.bits && int8 == o.int8; }
 };
 
 class AttnIn : public mx::Primitive {
@@ -531,7 +601,7 @@ class AttnIn : public mx::Primitive {
       for (int i = 0; i < 3; ++i)
         Ws.push_back(qmat(ins[2 + 3 * i], ins[3 + 3 * i], ins[4 + 3 * i], q[i].gs, q[i].bits, keep[i]));
       std::vector<float> qt(size_t(B * Ws[0].N)), kt(size_t(B * Ws[1].N));
-      run_qmm_multi(xn.data(), B, Ws, {qt.data(), kt.data(), os[2].data<float>()});
+      run_qmm_multi(xn.data(), B, Ws, {qt.data(), kt.data(), os[2].data<float>()}, q[0].int8);
       const int64_t D = os[0].shape(-1);
       rope_rows(qt.data(), os[0].data<float>(), int64_t(qt.size()) / D, 1, D, rope, offset);
       rope_rows(kt.data(), os[1].data<float>(), int64_t(kt.size()) / D, 1, D, rope, offset);
@@ -582,15 +652,15 @@ class BlockOut : public mx::UnaryPrimitive {
       const QMat Wu = qmat(ins[11], ins[12], ins[13], q[2].gs, q[2].bits, keep[2]);
       const QMat Wd = qmat(ins[14], ins[15], ins[16], q[3].gs, q[3].bits, keep[3]);
       std::vector<float> h1(size_t(B * Dm)), xn(size_t(B * Dm));
-      run_qmm(att.data(), B, Wo, h1.data());
+      run_qmm(att.data(), B, Wo, h1.data(), q[0].int8);
       for (int64_t i = 0; i < B * Dm; ++i) h1[i] = hd[i] + h1[i];
       rms_norm_rows(h1.data(), contiguous_f32(ins[7], tn), eps, B, Dm, xn.data());
       const int64_t I = Wg.N;
       std::vector<float> g(size_t(B * I)), u(size_t(B * I));
-      run_qmm_multi(xn.data(), B, {Wg, Wu}, {g.data(), u.data()});
+      run_qmm_multi(xn.data(), B, {Wg, Wu}, {g.data(), u.data()}, q[1].int8);
       for (int64_t i = 0; i < B * I; ++i) g[i] = (g[i] * (1.0f / (1.0f + std::exp(-g[i])))) * u[i];
       float* y = out.data<float>();
-      run_qmm(g.data(), B, Wd, y);
+      run_qmm(g.data(), B, Wd, y, q[3].int8);
       for (int64_t i = 0; i < B * Dm; ++i) y[i] = h1[i] + y[i];
     });
   }
@@ -620,7 +690,7 @@ void check_q(const QW& W, int64_t K) {
 
 std::vector<mx::array> attn_in(const mx::array& h, const mx::array& norm, float eps, const QW& wq,
                                const QW& wk, const QW& wv, int heads, int kv_heads, int rope_dims,
-                               bool traditional, float base, float scale, int offset) {
+                               bool traditional, float base, float scale, int offset, bool int8) {
   const int64_t Dm = h.shape(-1);
   if (h.dtype() != mx::float32 || norm.dtype() != mx::float32 || h.ndim() != 3 || h.shape(1) != 1)
     throw std::invalid_argument("h must be (B, 1, D) float32");
@@ -629,7 +699,7 @@ std::vector<mx::array> attn_in(const mx::array& h, const mx::array& norm, float 
   for (auto* W : {&wq, &wk, &wv}) {
     check_q(*W, Dm);
     inputs.insert(inputs.end(), {std::get<0>(*W), std::get<1>(*W), std::get<2>(*W)});
-    q.push_back({std::get<3>(*W), std::get<4>(*W)});
+    q.push_back({std::get<3>(*W), std::get<4>(*W), int8});
   }
   if (q[1].bits != q[0].bits || q[2].bits != q[0].bits) throw std::invalid_argument("mixed bits");
   const int B = h.shape(0);
@@ -648,7 +718,7 @@ std::vector<mx::array> attn_in(const mx::array& h, const mx::array& norm, float 
 
 mx::array block_out(const mx::array& h, const mx::array& q, const mx::array& k, const mx::array& v,
                     float attn_scale, const QW& wo, const mx::array& norm, float eps, const QW& wg,
-                    const QW& wu, const QW& wd) {
+                    const QW& wu, const QW& wd, bool int8) {
   const int64_t Dm = h.shape(-1);
   if (h.dtype() != mx::float32 || norm.dtype() != mx::float32 || h.ndim() != 3 || h.shape(1) != 1)
     throw std::invalid_argument("h must be (B, 1, D) float32");
@@ -666,15 +736,15 @@ mx::array block_out(const mx::array& h, const mx::array& q, const mx::array& k, 
     throw std::invalid_argument("layer weights do not match");
   std::vector<mx::array> inputs{h, q, k, v};
   std::vector<QSpec> specs;
-  auto add = [&](const QW& W) {
+  auto add = [&](const QW& W, bool i8) {
     inputs.insert(inputs.end(), {std::get<0>(W), std::get<1>(W), std::get<2>(W)});
-    specs.push_back({std::get<3>(W), std::get<4>(W)});
+    specs.push_back({std::get<3>(W), std::get<4>(W), i8});
   };
-  add(wo);
+  add(wo, int8);  // int8 activations for o_proj only: the MLP stays exact (see layout.py)
   inputs.push_back(norm);
-  add(wg);
-  add(wu);
-  add(wd);
+  add(wg, false);
+  add(wu, false);
+  add(wd, false);
   return mx::array(h.shape(), mx::float32,
                    std::make_shared<BlockOut>(cpu_stream(), attn_scale, eps, specs), inputs);
 }
@@ -686,7 +756,7 @@ NB_MODULE(_mlxchat_kernels, m) {
   using namespace mlxchat;
   m.doc() = "mlxchat's CPU kernels for MLX (quantized matmul, RMSNorm, RoPE, decode attention)";
   m.def("quantized_matmul", &quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
-        nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"));
+        nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"), nb::arg("int8") = false);
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"));
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
@@ -696,11 +766,14 @@ NB_MODULE(_mlxchat_kernels, m) {
         nb::arg("scale"));
   m.def("attn_in", &attn_in, nb::arg("h"), nb::arg("norm"), nb::arg("eps"), nb::arg("wq"),
         nb::arg("wk"), nb::arg("wv"), nb::arg("heads"), nb::arg("kv_heads"), nb::arg("rope_dims"),
-        nb::arg("traditional"), nb::arg("base"), nb::arg("scale"), nb::arg("offset"));
+        nb::arg("traditional"), nb::arg("base"), nb::arg("scale"), nb::arg("offset"),
+        nb::arg("int8") = false);
   m.def("block_out", &block_out, nb::arg("h"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("attn_scale"), nb::arg("wo"), nb::arg("norm"), nb::arg("eps"), nb::arg("wg"),
-        nb::arg("wu"), nb::arg("wd"));
+        nb::arg("wu"), nb::arg("wd"), nb::arg("int8") = false);
   m.def("isa", [] { return std::string(impl()->name); });
+  m.def("isas", &isas);
+  m.def("set_isa", &set_isa, nb::arg("name"));
   m.def("num_threads", &num_threads);
   m.def("set_num_threads", &set_num_threads, nb::arg("n"));
   m.def("mlx_version", [] { return std::string(MLXCHAT_MLX_VERSION); });
