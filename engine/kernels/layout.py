@@ -115,6 +115,10 @@ class KernelRoPE(nn.RoPE):
         return _Run.kernels.rope(x, self.dims, self.traditional, self.base, self.scale, offset)
 
 
+def _int32(a: mx.array) -> mx.array:
+    return a if a.dtype == mx.int32 else a.astype(mx.int32)
+
+
 def _one_token_step(x: mx.array, mask: Any, cache: Any) -> tuple[bool, mx.array | None]:
     """Whether this step is one our decode ops take, and for a `BatchKVCache` each row's first
     visible key (its left padding; None for a plain `KVCache`)."""
@@ -123,13 +127,13 @@ def _one_token_step(x: mx.array, mask: Any, cache: Any) -> tuple[bool, mx.array 
     if type(cache) is KVCache and mask is None:
         return True, None
     if type(cache) is BatchKVCache and (mask is None or isinstance(mask, mx.array)):
-        return True, cache.left_padding.astype(mx.int32)
+        return True, _int32(cache.left_padding)
     return False, None
 
 
 def _row_offsets(cache: Any) -> mx.array | None:
     """A `BatchKVCache`'s per-row positions of the incoming token (None for a plain cache)."""
-    return cache.offset.astype(mx.int32) if type(cache) is BatchKVCache else None
+    return _int32(cache.offset) if type(cache) is BatchKVCache else None
 
 
 class KernelLlamaAttention(llama.Attention):
