@@ -240,7 +240,7 @@ def test_device_report_and_description_name_the_path(kern):
     assert describe_device(mx.Device(mx.cpu)).endswith(f"; {active_path()})")
 
 
-def tiny_llama_pair(bits, gs, traditional):
+def tiny_llama_pair(bits, gs, traditional, **overrides):
     """(ours, reference): the same random quantized llama twice; ours in the kernel layout with fp16
     scales, the reference on MLX's own ops with the same scales as fp32 (the exact same weights)."""
     from mlx.utils import tree_flatten
@@ -249,7 +249,7 @@ def tiny_llama_pair(bits, gs, traditional):
     args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2,
                            intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                            rms_norm_eps=1e-5, vocab_size=320, rope_traditional=traditional,
-                           rope_theta=10000.0, tie_word_embeddings=True)
+                           rope_theta=10000.0, tie_word_embeddings=True, **overrides)
     models = []
     for _ in range(2):
         mx.random.seed(7)
@@ -300,11 +300,18 @@ PROMPTS = [[5, 17, 200, 3, 99, 41, 7], [12, 8], [300, 2, 77, 150]]
 
 
 @pytest.mark.parametrize("bits,gs,traditional", [(4, 32, True), (4, 64, False), (8, 128, True)])
-def test_fused_batched_steps_match_mlx_lm(kern, bits, gs, traditional):
+@pytest.mark.parametrize("fused", [True, False])
+def test_batched_steps_match_mlx_lm(kern, bits, gs, traditional, fused):
     """One-token steps over a BatchKVCache with rows of different lengths (left padding 0, 5 and
-    3): the fused ops with per-row RoPE positions and hidden padding keys give logits within
+    3): the fused layer ops (or, in a layer they cannot take, as with biased projections, our
+    decode attention) with per-row RoPE positions and hidden padding keys give logits within
     rtol 1e-4 / atol 1e-4 of mlx-lm's own model (its mask, MLX's ops), over 6 steps."""
-    ours, ref = tiny_llama_pair(bits, gs, traditional)
+    from engine.kernels.layout import KernelLlamaAttention, KernelLlamaBlock
+
+    ours, ref = tiny_llama_pair(bits, gs, traditional, attention_bias=not fused)
+    layers = ours.model.layers
+    assert all(type(layer) is KernelLlamaBlock and layer.fused_decode == fused for layer in layers)
+    assert all(type(layer.self_attn) is KernelLlamaAttention for layer in layers)
     (ca, a), (cb, b) = left_padded_batch(ours, PROMPTS), left_padded_batch(ref, PROMPTS)
     for step in range(6):
         assert mx.allclose(a, b, rtol=1e-4, atol=1e-4).item(), (step, mx.abs(a - b).max().item())

@@ -158,8 +158,9 @@ def _qw(layer: nn.Module) -> tuple:
 
 class KernelLlamaBlock(llama.TransformerBlock):
     """mlx-lm's llama layer whose one-token step over a KVCache or BatchKVCache is two of our ops
-    around the cache update: attn_in (norm, q/k/v, RoPE) and block_out (attention, o_proj, residual, norm,
-    MLP, residual), each the same kernels as the single ops; other steps run mlx-lm's code."""
+    around the cache update: attn_in (norm, q/k/v, RoPE) and block_out (attention, o_proj,
+    residual, norm, MLP, residual), each the same kernels as the single ops; other steps run
+    mlx-lm's code."""
 
     fused_decode = False  # set per layer by to_kernel_layout when every part can take the kernels
     int8_activations = False  # likewise, for its products
