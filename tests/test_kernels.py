@@ -128,6 +128,22 @@ def test_decode_attention_matches_mlx(kern, heads, kv_heads, length):
     assert mx.allclose(ours, ref, rtol=1e-5, atol=1e-5).item(), mx.abs(ours - ref).max().item()
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1)])
+def test_decode_attention_hides_each_rows_left_padding(kern, heads, kv_heads):
+    """Per-row first visible keys (a BatchKVCache's left padding) vs MLX's attention with the
+    mask mlx-lm builds for it: atol 1e-5."""
+    length, starts = 40, mx.array([0, 7, 39, 12], dtype=mx.int32)
+    q = mx.random.normal((4, heads, 1, 64))
+    k_buf, v_buf = mx.random.normal((4, kv_heads, 256, 64)), mx.random.normal((4, kv_heads, 256, 64))
+    k, v = k_buf[:, :, :length], v_buf[:, :, :length]
+    mask = (starts[:, None] <= mx.arange(length)[None])[:, None, None, :]
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    ours = kern.decode_attention(q, k, v, 0.125, starts=starts)
+    assert mx.allclose(ours, ref, rtol=1e-5, atol=1e-5).item(), mx.abs(ours - ref).max().item()
+    with pytest.raises(ValueError):
+        kern.decode_attention(q, k, v, 0.125, starts=starts[:3])
+
+
 def test_layers_the_kernels_cannot_take_keep_mlx_ops_with_a_reason(kern, caplog):
     mx.random.seed(3)
     model = nn.Sequential(nn.Linear(256, 128), nn.Linear(128, 64))
@@ -224,7 +240,7 @@ def test_device_report_and_description_name_the_path(kern):
     assert describe_device(mx.Device(mx.cpu)).endswith(f"; {active_path()})")
 
 
-def tiny_llama_pair(bits, gs, traditional):
+def tiny_llama_pair(bits, gs, traditional, **overrides):
     """(ours, reference): the same random quantized llama twice; ours in the kernel layout with fp16
     scales, the reference on MLX's own ops with the same scales as fp32 (the exact same weights)."""
     from mlx.utils import tree_flatten
@@ -233,7 +249,7 @@ def tiny_llama_pair(bits, gs, traditional):
     args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2,
                            intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                            rms_norm_eps=1e-5, vocab_size=320, rope_traditional=traditional,
-                           rope_theta=10000.0, tie_word_embeddings=True)
+                           rope_theta=10000.0, tie_word_embeddings=True, **overrides)
     models = []
     for _ in range(2):
         mx.random.seed(7)
@@ -266,3 +282,60 @@ def test_fused_layer_steps_match_mlx_lm(kern, bits, gs, traditional, batch):
         a, b = ours(tokens, cache=caches[0]), ref(tokens, cache=caches[1])
         assert mx.allclose(a, b, rtol=1e-4, atol=1e-4).item(), (step, mx.abs(a - b).max().item())
         tokens = mx.argmax(b[:, -1:], axis=-1)
+
+
+def left_padded_batch(model, prompts):
+    """A BatchKVCache per layer, prefilled with `prompts` left-padded as mlx-lm's BatchGenerator
+    pads them; returns (caches, last-position logits)."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    width = max(map(len, prompts))
+    padding = [width - len(p) for p in prompts]
+    caches = [BatchKVCache(padding) for _ in model.layers]
+    logits = model(mx.array([[0] * n + p for n, p in zip(padding, prompts)]), cache=caches)
+    return caches, logits[:, -1:]
+
+
+PROMPTS = [[5, 17, 200, 3, 99, 41, 7], [12, 8], [300, 2, 77, 150]]
+
+
+@pytest.mark.parametrize("bits,gs,traditional", [(4, 32, True), (4, 64, False), (8, 128, True)])
+@pytest.mark.parametrize("fused", [True, False])
+def test_batched_steps_match_mlx_lm(kern, bits, gs, traditional, fused):
+    """One-token steps over a BatchKVCache with rows of different lengths (left padding 0, 5 and
+    3): the fused layer ops (or, in a layer they cannot take, as with biased projections, our
+    decode attention) with per-row RoPE positions and hidden padding keys give logits within
+    rtol 1e-4 / atol 1e-4 of mlx-lm's own model (its mask, MLX's ops), over 6 steps."""
+    from engine.kernels.layout import KernelLlamaAttention, KernelLlamaBlock
+
+    ours, ref = tiny_llama_pair(bits, gs, traditional, attention_bias=not fused)
+    layers = ours.model.layers
+    assert all(type(layer) is KernelLlamaBlock and layer.fused_decode == fused for layer in layers)
+    assert all(type(layer.self_attn) is KernelLlamaAttention for layer in layers)
+    (ca, a), (cb, b) = left_padded_batch(ours, PROMPTS), left_padded_batch(ref, PROMPTS)
+    for step in range(6):
+        assert mx.allclose(a, b, rtol=1e-4, atol=1e-4).item(), (step, mx.abs(a - b).max().item())
+        tokens = mx.argmax(b, axis=-1)
+        a, b = ours(tokens, cache=ca), ref(tokens, cache=cb)
+
+
+def test_fused_batched_greedy_tokens_equal_each_row_alone(kern):
+    """Greedy decoding of three rows together over a BatchKVCache gives each row the tokens it
+    gets decoded alone over a plain KVCache (both on the fused ops)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    ours, _ = tiny_llama_pair(4, 32, True)
+    caches, logits = left_padded_batch(ours, PROMPTS)
+    together = []
+    for _ in range(10):
+        tokens = mx.argmax(logits, axis=-1)
+        together.append(tokens[:, 0].tolist())
+        logits = ours(tokens, cache=caches)
+    for row, prompt in enumerate(PROMPTS):
+        cache, alone = make_prompt_cache(ours), []
+        logits = ours(mx.array([prompt]), cache=cache)[:, -1:]
+        for _ in range(10):
+            token = mx.argmax(logits, axis=-1)
+            alone.append(token.item())
+            logits = ours(token, cache=cache)
+        assert alone == [step[row] for step in together], row

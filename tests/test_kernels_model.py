@@ -122,3 +122,35 @@ def test_a_load_transform_runs_before_the_cpu_layout():
     assert not found & {KernelLinear, KernelEmbedding, KernelLlamaBlock, nn.QuantizedLinear}
     prompt = build_prompt(dense, messages=CONVERSATIONS["english"])
     assert [e.token for e in generate(dense, prompt, SamplingParams(max_tokens=4)) if e.kind == "token"]
+
+
+def test_batched_greedy_steps_equal_each_row_alone_and_mlx_lm(lm, as_loaded):
+    """The three identity conversations decoded together over mlx-lm's BatchKVCache (left-padded
+    to the longest prompt; one-token steps on our fused ops with per-row positions) give each row
+    the greedy tokens it gets alone over a plain KVCache, and the tokens mlx-lm's own model gives
+    the same batch on its own ops and mask."""
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+    prompts = [build_prompt(lm, messages=c).tokens for c in CONVERSATIONS.values()]
+    width = max(map(len, prompts))
+    padded = mx.array([[0] * (width - len(p)) + p for p in prompts])
+
+    def batched(model, steps=16):
+        cache = [BatchKVCache([width - len(p) for p in prompts]) for _ in model.layers]
+        logits, out = model(padded, cache=cache)[:, -1:], []
+        for _ in range(steps):
+            tokens = mx.argmax(logits, axis=-1)
+            out.append(tokens[:, 0].tolist())
+            logits = model(tokens, cache=cache)
+        return [list(row) for row in zip(*out)]
+
+    ours = batched(lm.model)
+    for row, prompt in enumerate(prompts):
+        cache, alone = make_prompt_cache(lm.model), []
+        logits = lm.model(mx.array([prompt]), cache=cache)[:, -1:]
+        for _ in range(16):
+            token = mx.argmax(logits, axis=-1)
+            alone.append(token.item())
+            logits = lm.model(token, cache=cache)
+        assert ours[row] == alone, row
+    assert ours == batched(as_loaded)

@@ -9,9 +9,15 @@ arrays), as engine/kernels/cpu_layout.py does for its fp32 layout:
   the weight dequantized to fp32 through BLAS when an optimised BLAS is loaded;
 - `nn.RMSNorm` -> `KernelRMSNorm`, `nn.RoPE` -> `KernelRoPE`;
 - mlx-lm's llama `Attention` -> `KernelLlamaAttention`: one-token steps over a plain `KVCache`
-  take our single-query attention; everything else runs mlx-lm's own code;
+  or a `BatchKVCache` take our single-query attention; everything else runs mlx-lm's own code;
 - mlx-lm's llama `TransformerBlock` -> `KernelLlamaBlock`: where every part of the layer took the
   kernels, a one-token step is two fused ops around mlx-lm's own KV-cache update.
+
+A one-token step over mlx-lm's `BatchKVCache` (the scheduler's batched decoding) gives each row
+its own RoPE position (the cache's per-row `offset`) and hides the keys before each row's
+`left_padding`. That is all the mask does that mlx-lm's llama model builds for such a step
+(`cache.make_mask(1)`: key t is visible to row b when `left_padding[b] <= t`), so the mask
+itself is not read.
 
 Activations are fp32 (the non-quantized parameters are cast to fp32; scales and biases keep their
 dtype), and every weight is dequantized exactly (q * scale + bias in fp32) and accumulated in
@@ -28,7 +34,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from . import native
 from .cpu_layout import swap_matvec
@@ -109,17 +115,40 @@ class KernelRoPE(nn.RoPE):
         return _Run.kernels.rope(x, self.dims, self.traditional, self.base, self.scale, offset)
 
 
+def _int32(a: mx.array) -> mx.array:
+    return a if a.dtype == mx.int32 else a.astype(mx.int32)
+
+
+def _one_token_step(x: mx.array, mask: Any, cache: Any) -> tuple[bool, mx.array | None]:
+    """Whether this step is one our decode ops take, and for a `BatchKVCache` each row's first
+    visible key (its left padding; None for a plain `KVCache`)."""
+    if x.shape[1] != 1 or x.dtype != mx.float32:
+        return False, None
+    if type(cache) is KVCache and mask is None:
+        return True, None
+    if type(cache) is BatchKVCache and (mask is None or isinstance(mask, mx.array)):
+        return True, _int32(cache.left_padding)
+    return False, None
+
+
+def _row_offsets(cache: Any) -> mx.array | None:
+    """A `BatchKVCache`'s per-row positions of the incoming token (None for a plain cache)."""
+    return _int32(cache.offset) if type(cache) is BatchKVCache else None
+
+
 class KernelLlamaAttention(llama.Attention):
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        B, L, _ = x.shape
-        if L != 1 or mask is not None or type(cache) is not KVCache or x.dtype != mx.float32:
+        ours, starts = _one_token_step(x, mask, cache)
+        if not ours:
             return super().__call__(x, mask, cache)
+        B = x.shape[0]
         # One position: (B, 1, heads * dim) reshapes to (B, heads, 1, dim) without a transpose.
+        # Per-row offsets (an array) take MLX's rope (KernelRoPE passes them on).
         q = self.rope(self.q_proj(x).reshape(B, self.n_heads, 1, -1), offset=cache.offset)
         k = self.rope(self.k_proj(x).reshape(B, self.n_kv_heads, 1, -1), offset=cache.offset)
         v = self.v_proj(x).reshape(B, self.n_kv_heads, 1, -1)
         k, v = cache.update_and_fetch(k, v)
-        out = _Run.kernels.decode_attention(q, k, v, self.scale)
+        out = _Run.kernels.decode_attention(q, k, v, self.scale, starts=starts)
         return self.o_proj(out.reshape(B, 1, -1))
 
 
@@ -128,27 +157,30 @@ def _qw(layer: nn.Module) -> tuple:
 
 
 class KernelLlamaBlock(llama.TransformerBlock):
-    """mlx-lm's llama layer whose one-token step over a plain KVCache is two of our ops around the
-    cache update: attn_in (norm, q/k/v, RoPE) and block_out (attention, o_proj, residual, norm,
-    MLP, residual), each the same kernels as the single ops; other steps run mlx-lm's code."""
+    """mlx-lm's llama layer whose one-token step over a KVCache or BatchKVCache is two of our ops
+    around the cache update: attn_in (norm, q/k/v, RoPE) and block_out (attention, o_proj,
+    residual, norm, MLP, residual), each the same kernels as the single ops; other steps run
+    mlx-lm's code."""
 
     fused_decode = False  # set per layer by to_kernel_layout when every part can take the kernels
     int8_activations = False  # likewise, for its products
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        if (not self.fused_decode or x.shape[1] != 1 or mask is not None
-                or type(cache) is not KVCache or x.dtype != mx.float32):
+        ours, starts = _one_token_step(x, mask, cache) if self.fused_decode else (False, None)
+        if not ours:
             return super().__call__(x, mask, cache)
+        offsets = _row_offsets(cache)
         kernels, attn, mlp = _Run.kernels, self.self_attn, self.mlp
         norm1, norm2, rope = self.input_layernorm, self.post_attention_layernorm, attn.rope
         q, k, v = kernels.attn_in(x, norm1.weight, norm1.eps, _qw(attn.q_proj), _qw(attn.k_proj),
                                   _qw(attn.v_proj), attn.n_heads, attn.n_kv_heads, rope.dims,
-                                  rope.traditional, rope.base, rope.scale, cache.offset,
-                                  int8=self.int8_activations)
+                                  rope.traditional, rope.base, rope.scale,
+                                  0 if offsets is not None else cache.offset,
+                                  int8=self.int8_activations, offsets=offsets)
         k, v = cache.update_and_fetch(k, v)
         return kernels.block_out(x, q, k, v, attn.scale, _qw(attn.o_proj), norm2.weight, norm2.eps,
                                  _qw(mlp.gate_proj), _qw(mlp.up_proj), _qw(mlp.down_proj),
-                                 int8=self.int8_activations)
+                                 int8=self.int8_activations, starts=starts)
 
 
 def _fusable(block: nn.Module) -> bool:

@@ -4,14 +4,17 @@
 // the work onto the stream's CPU thread through MLX's command encoder, as MLX's own CPU ops do,
 // and the kernels there split it over our thread pool. fp32 activations only; the Python side
 // (engine/kernels/ops.py) checks inputs and takes MLX's own ops for anything else.
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -183,6 +186,14 @@ void rope_rows(const float* x, float* y, int64_t rows, int64_t L, int64_t D, con
   }
 }
 
+// Rows of D floats in B groups of `per` rows (one position each); group b sits at position
+// offsets[b] (a batched cache's per-row offsets).
+void rope_rows_at(const float* x, float* y, int64_t B, int64_t per, int64_t D, const RopeParams& p,
+                  const int32_t* offsets) {
+  for (int64_t b = 0; b < B; ++b)
+    rope_rows(x + b * per * D, y + b * per * D, per, 1, D, p, offsets[b]);
+}
+
 // K or V as (base pointer, strides of batch, head, position); last-axis stride 1.
 struct KV {
   const float* p;
@@ -203,28 +214,32 @@ KV kv_view(const mx::array& a, std::vector<float>& tmp) {
   return v;
 }
 
-// Single-query attention: q (B, H, 1, D) contiguous, K/V (B, Hk, S, D); y (B, H, 1, D).
+// Single-query attention: q (B, H, 1, D) contiguous, K/V (B, Hk, S, D); y (B, H, 1, D). With
+// `starts`, row b attends to keys starts[b]..S-1 only (a batched cache's left padding hidden, as
+// mlx-lm's mask does); a row with no key left gets zeros.
 void attention(const float* q, const KV& k, const KV& v, int64_t B, int64_t H, int64_t Hk,
-               int64_t S, int64_t D, float scale, float* y) {
+               int64_t S, int64_t D, float scale, float* y, const int32_t* starts = nullptr) {
   const Impl* I = impl();
   const int64_t rep = H / Hk;
   parallel_for(B * H, [&](int64_t bh) {
     const int64_t b = bh / H, h = bh % H, hk = h / rep;
+    const int64_t t0 = starts ? std::clamp<int64_t>(starts[b], 0, S) : 0;
+    float* yr = y + bh * D;
+    std::fill(yr, yr + D, 0.0f);
+    if (t0 == S) return;
     std::vector<float> qs(D), sc(S);
     for (int64_t i = 0; i < D; ++i) qs[i] = q[bh * D + i] * scale;
     const float* kb = k.p + b * k.st[0] + hk * k.st[1];
     const float* vb = v.p + b * v.st[0] + hk * v.st[1];
     float top = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < S; ++t) {
+    for (int64_t t = t0; t < S; ++t) {
       sc[t] = I->dot(qs.data(), kb + t * k.st[2], D);
       top = std::max(top, sc[t]);
     }
     float sum = 0;
-    for (int64_t t = 0; t < S; ++t) sum += (sc[t] = std::exp(sc[t] - top));
-    float* yr = y + bh * D;
-    std::fill(yr, yr + D, 0.0f);
+    for (int64_t t = t0; t < S; ++t) sum += (sc[t] = std::exp(sc[t] - top));
     const float inv = 1.0f / sum;
-    for (int64_t t = 0; t < S; ++t) I->axpy(sc[t] * inv, vb + t * v.st[2], yr, D);
+    for (int64_t t = t0; t < S; ++t) I->axpy(sc[t] * inv, vb + t * v.st[2], yr, D);
   });
 }
 
@@ -522,17 +537,20 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
 
 class DecodeAttention : public mx::UnaryPrimitive {
  public:
-  DecodeAttention(mx::Stream s, float scale) : mx::UnaryPrimitive(s), scale_(scale) {}
+  DecodeAttention(mx::Stream s, float scale, bool starts)
+      : mx::UnaryPrimitive(s), scale_(scale), starts_(starts) {}
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     alloc(out);
     auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.dispatch([q = weak(in[0]), k = weak(in[1]), v = weak(in[2]), out = weak(out),
-                  scale = scale_]() mutable {
+    enc.dispatch([q = weak(in[0]), k = weak(in[1]), v = weak(in[2]),
+                  st = starts_ ? weak(in[3]) : weak(in[0]), out = weak(out), scale = scale_,
+                  starts = starts_]() mutable {
       std::vector<float> tq, tk, tv;
+      std::vector<int32_t> ts;
       const float* qd = contiguous_f32(q, tq);
       const KV kv = kv_view(k, tk), vv = kv_view(v, tv);
       attention(qd, kv, vv, q.shape(0), q.shape(1), k.shape(1), k.shape(2), q.shape(3), scale,
-                out.data<float>());
+                out.data<float>(), starts ? contiguous_as<int32_t>(st, ts) : nullptr);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -540,7 +558,8 @@ class DecodeAttention : public mx::UnaryPrimitive {
   }
   const char* name() const override { return "MlxchatDecodeAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return scale_ == static_cast<const DecodeAttention&>(other).scale_;
+    auto& o = static_cast<const DecodeAttention&>(other);
+    return scale_ == o.scale_ && starts_ == o.starts_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     return {in[0].shape()};
@@ -548,17 +567,28 @@ class DecodeAttention : public mx::UnaryPrimitive {
 
  private:
   float scale_;
+  bool starts_;
 };
 
-mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale) {
+// A batched step's per-row int32 vector (offsets or first valid keys): (B,) int32.
+void check_rows(const std::optional<mx::array>& a, int64_t B, const char* what) {
+  if (a && (a->dtype() != mx::int32 || a->ndim() != 1 || a->shape(0) != B))
+    throw std::invalid_argument(std::string(what) + " must be a (batch,) int32 array");
+}
+
+mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                           const std::optional<mx::array>& starts) {
   for (auto* a : {&q, &k, &v})
     if (a->dtype() != mx::float32 || a->ndim() != 4) throw std::invalid_argument("4-D float32 only");
   if (q.shape(2) != 1) throw std::invalid_argument("one query position only");
   if (k.shape() != v.shape() || k.shape(0) != q.shape(0) || k.shape(3) != q.shape(3) ||
       q.shape(1) % k.shape(1) != 0)
     throw std::invalid_argument("q, k, v shapes do not match");
-  return mx::array(q.shape(), mx::float32, std::make_shared<DecodeAttention>(cpu_stream(), scale),
-                   {q, k, v});
+  check_rows(starts, q.shape(0), "starts");
+  std::vector<mx::array> inputs{q, k, v};
+  if (starts) inputs.push_back(*starts);
+  return mx::array(q.shape(), mx::float32,
+                   std::make_shared<DecodeAttention>(cpu_stream(), scale, bool(starts)), inputs);
 }
 
 
@@ -579,9 +609,9 @@ struct QSpec {
 class AttnIn : public mx::Primitive {
  public:
   AttnIn(mx::Stream s, float eps, std::vector<QSpec> q, int heads, int kv_heads, RopeParams rope,
-         int offset)
+         int offset, bool offsets)
       : mx::Primitive(s), eps_(eps), q_(std::move(q)), heads_(heads), kv_heads_(kv_heads),
-        rope_(rope), offset_(offset) {}
+        rope_(rope), offset_(offset), offsets_(offsets) {}
 
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
     for (auto& o : outs) alloc(o);
@@ -590,7 +620,7 @@ class AttnIn : public mx::Primitive {
     for (auto& a : in) ins.push_back(weak(a));
     for (auto& a : outs) os.push_back(weak(a));
     enc.dispatch([ins = std::move(ins), os = std::move(os), eps = eps_, q = q_, rope = rope_,
-                  offset = offset_]() mutable {
+                  offset = offset_, offsets = offsets_]() mutable {
       std::vector<float> th, tw;
       const auto& h = ins[0];
       const int64_t Dm = h.shape(-1), B = int64_t(h.size()) / Dm;
@@ -603,8 +633,15 @@ class AttnIn : public mx::Primitive {
       std::vector<float> qt(size_t(B * Ws[0].N)), kt(size_t(B * Ws[1].N));
       run_qmm_multi(xn.data(), B, Ws, {qt.data(), kt.data(), os[2].data<float>()}, q[0].int8);
       const int64_t D = os[0].shape(-1);
-      rope_rows(qt.data(), os[0].data<float>(), int64_t(qt.size()) / D, 1, D, rope, offset);
-      rope_rows(kt.data(), os[1].data<float>(), int64_t(kt.size()) / D, 1, D, rope, offset);
+      if (offsets) {  // per-row positions: row b's heads at offsets[b]
+        std::vector<int32_t> to;
+        const int32_t* offs = contiguous_as<int32_t>(ins[11], to);
+        rope_rows_at(qt.data(), os[0].data<float>(), B, os[0].shape(1), D, rope, offs);
+        rope_rows_at(kt.data(), os[1].data<float>(), B, os[1].shape(1), D, rope, offs);
+      } else {
+        rope_rows(qt.data(), os[0].data<float>(), int64_t(qt.size()) / D, 1, D, rope, offset);
+        rope_rows(kt.data(), os[1].data<float>(), int64_t(kt.size()) / D, 1, D, rope, offset);
+      }
     });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -615,7 +652,7 @@ class AttnIn : public mx::Primitive {
     auto& o = static_cast<const AttnIn&>(other);
     return eps_ == o.eps_ && q_ == o.q_ && heads_ == o.heads_ && kv_heads_ == o.kv_heads_ &&
            rope_.dims == o.rope_.dims && rope_.trad == o.rope_.trad && rope_.base == o.rope_.base &&
-           rope_.scale == o.rope_.scale && offset_ == o.offset_;
+           rope_.scale == o.rope_.scale && offset_ == o.offset_ && offsets_ == o.offsets_;
   }
 
  private:
@@ -624,28 +661,31 @@ class AttnIn : public mx::Primitive {
   int heads_, kv_heads_;
   RopeParams rope_;
   int offset_;
+  bool offsets_;
 };
 
 class BlockOut : public mx::UnaryPrimitive {
  public:
-  BlockOut(mx::Stream s, float scale, float eps, std::vector<QSpec> q)
-      : mx::UnaryPrimitive(s), scale_(scale), eps_(eps), q_(std::move(q)) {}
+  BlockOut(mx::Stream s, float scale, float eps, std::vector<QSpec> q, bool starts)
+      : mx::UnaryPrimitive(s), scale_(scale), eps_(eps), q_(std::move(q)), starts_(starts) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     alloc(out);
     auto& enc = mx::cpu::get_command_encoder(stream());
     std::vector<mx::array> ins;
     for (auto& a : in) ins.push_back(weak(a));
-    enc.dispatch([ins = std::move(ins), out = weak(out), scale = scale_, eps = eps_,
-                  q = q_]() mutable {
+    enc.dispatch([ins = std::move(ins), out = weak(out), scale = scale_, eps = eps_, q = q_,
+                  starts = starts_]() mutable {
       std::vector<float> th, tq, tk, tv, tn;
       const auto &h = ins[0], &qa = ins[1], &ka = ins[2], &va = ins[3];
       const int64_t Dm = h.shape(-1), B = int64_t(h.size()) / Dm;
       const int64_t H = qa.shape(1), D = qa.shape(3);
       const float* hd = contiguous_f32(h, th);
       std::vector<float> att(size_t(B * H * D));
+      std::vector<int32_t> ts;
       attention(contiguous_f32(qa, tq), kv_view(ka, tk), kv_view(va, tv), B, H, ka.shape(1),
-                ka.shape(2), D, scale, att.data());
+                ka.shape(2), D, scale, att.data(),
+                starts ? contiguous_as<int32_t>(ins[17], ts) : nullptr);
       QHold keep[4];
       const QMat Wo = qmat(ins[4], ins[5], ins[6], q[0].gs, q[0].bits, keep[0]);
       const QMat Wg = qmat(ins[8], ins[9], ins[10], q[1].gs, q[1].bits, keep[1]);
@@ -670,7 +710,7 @@ class BlockOut : public mx::UnaryPrimitive {
   const char* name() const override { return "MlxchatBlockOut"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const BlockOut&>(other);
-    return scale_ == o.scale_ && eps_ == o.eps_ && q_ == o.q_;
+    return scale_ == o.scale_ && eps_ == o.eps_ && q_ == o.q_ && starts_ == o.starts_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     return {in[0].shape()};
@@ -679,6 +719,7 @@ class BlockOut : public mx::UnaryPrimitive {
  private:
   float scale_, eps_;
   std::vector<QSpec> q_;
+  bool starts_;
 };
 
 using QW = std::tuple<mx::array, mx::array, mx::array, int, int>;  // w, scales, biases, gs, bits
@@ -690,7 +731,8 @@ void check_q(const QW& W, int64_t K) {
 
 std::vector<mx::array> attn_in(const mx::array& h, const mx::array& norm, float eps, const QW& wq,
                                const QW& wk, const QW& wv, int heads, int kv_heads, int rope_dims,
-                               bool traditional, float base, float scale, int offset, bool int8) {
+                               bool traditional, float base, float scale, int offset, bool int8,
+                               const std::optional<mx::array>& offsets) {
   const int64_t Dm = h.shape(-1);
   if (h.dtype() != mx::float32 || norm.dtype() != mx::float32 || h.ndim() != 3 || h.shape(1) != 1)
     throw std::invalid_argument("h must be (B, 1, D) float32");
@@ -708,17 +750,21 @@ std::vector<mx::array> attn_in(const mx::array& h, const mx::array& norm, float 
     throw std::invalid_argument("head shapes do not match the weights");
   const int D = int(nq / heads);
   if (rope_dims <= 0 || rope_dims % 2 || rope_dims > D) throw std::invalid_argument("bad rope dims");
+  check_rows(offsets, B, "offsets");
+  if (offsets) inputs.push_back(*offsets);
   return mx::array::make_arrays(
       {{B, heads, 1, D}, {B, kv_heads, 1, D}, {B, kv_heads, 1, D}},
       {mx::float32, mx::float32, mx::float32},
       std::make_shared<AttnIn>(cpu_stream(), eps, q, heads, kv_heads,
-                               RopeParams{rope_dims, traditional, base, scale}, offset),
+                               RopeParams{rope_dims, traditional, base, scale}, offset,
+                               bool(offsets)),
       inputs);
 }
 
 mx::array block_out(const mx::array& h, const mx::array& q, const mx::array& k, const mx::array& v,
                     float attn_scale, const QW& wo, const mx::array& norm, float eps, const QW& wg,
-                    const QW& wu, const QW& wd, bool int8) {
+                    const QW& wu, const QW& wd, bool int8,
+                    const std::optional<mx::array>& starts) {
   const int64_t Dm = h.shape(-1);
   if (h.dtype() != mx::float32 || norm.dtype() != mx::float32 || h.ndim() != 3 || h.shape(1) != 1)
     throw std::invalid_argument("h must be (B, 1, D) float32");
@@ -745,8 +791,11 @@ mx::array block_out(const mx::array& h, const mx::array& q, const mx::array& k, 
   add(wg, false);
   add(wu, false);
   add(wd, false);
+  check_rows(starts, h.shape(0), "starts");
+  if (starts) inputs.push_back(*starts);
   return mx::array(h.shape(), mx::float32,
-                   std::make_shared<BlockOut>(cpu_stream(), attn_scale, eps, specs), inputs);
+                   std::make_shared<BlockOut>(cpu_stream(), attn_scale, eps, specs, bool(starts)),
+                   inputs);
 }
 
 }  // namespace
@@ -763,14 +812,14 @@ NB_MODULE(_mlxchat_kernels, m) {
   m.def("rope", &rope, nb::arg("x"), nb::arg("dims"), nb::arg("traditional"), nb::arg("base"),
         nb::arg("scale"), nb::arg("offset"));
   m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
-        nb::arg("scale"));
+        nb::arg("scale"), nb::arg("starts") = nb::none());
   m.def("attn_in", &attn_in, nb::arg("h"), nb::arg("norm"), nb::arg("eps"), nb::arg("wq"),
         nb::arg("wk"), nb::arg("wv"), nb::arg("heads"), nb::arg("kv_heads"), nb::arg("rope_dims"),
         nb::arg("traditional"), nb::arg("base"), nb::arg("scale"), nb::arg("offset"),
-        nb::arg("int8") = false);
+        nb::arg("int8") = false, nb::arg("offsets") = nb::none());
   m.def("block_out", &block_out, nb::arg("h"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("attn_scale"), nb::arg("wo"), nb::arg("norm"), nb::arg("eps"), nb::arg("wg"),
-        nb::arg("wu"), nb::arg("wd"), nb::arg("int8") = false);
+        nb::arg("wu"), nb::arg("wd"), nb::arg("int8") = false, nb::arg("starts") = nb::none());
   m.def("isa", [] { return std::string(impl()->name); });
   m.def("isas", &isas);
   m.def("set_isa", &set_isa, nb::arg("name"));
