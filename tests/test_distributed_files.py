@@ -8,7 +8,6 @@ hub-cache entries, so that the model picker lists them.
 
 import shutil
 import time
-from pathlib import Path
 
 import httpx
 import pytest
