@@ -44,6 +44,16 @@ def serve():
 
 
 @pytest.fixture
+def storage(tmp_path):
+    """A real SQLite database in a fresh folder, closed at the end of the test."""
+    from app.storage import Storage
+
+    s = Storage(tmp_path / "db.sqlite")
+    yield s
+    s.close()
+
+
+@pytest.fixture
 def http(server):
     """An HTTP client for the module's `server` fixture (a real server on 127.0.0.1)."""
     import httpx

@@ -4,16 +4,9 @@ list imports as a new conversation, and search finds the copy by a message's tex
 
 import pytest
 
-from app.storage import Storage, export_conversation, import_conversation
+from app.storage import export_conversation, import_conversation
 
 pytestmark = pytest.mark.fast
-
-
-@pytest.fixture
-def storage(tmp_path):
-    s = Storage(tmp_path / "db.sqlite")
-    yield s
-    s.close()
 
 
 def sample(storage):

@@ -5,19 +5,12 @@ reach the model as OpenAI messages again."""
 import pytest
 
 from app.chat import engine_messages
-from app.storage import Storage, import_conversation
+from app.storage import import_conversation
 from app.views import message_views
 
 pytestmark = pytest.mark.fast
 
 HOSTILE = '<script>alert(1)</script><img src=x onerror="alert(2)">'
-
-
-@pytest.fixture
-def storage(tmp_path):
-    s = Storage(tmp_path / "db.sqlite")
-    yield s
-    s.close()
 
 
 def imported(storage):

@@ -10,13 +10,6 @@ from app.storage import Storage, connect, migrate
 pytestmark = pytest.mark.fast
 
 
-@pytest.fixture
-def storage(tmp_path):
-    s = Storage(tmp_path / "db.sqlite")
-    yield s
-    s.close()
-
-
 def ids(storage, text):
     return {c.id for c in storage.list_conversations(text)}
 

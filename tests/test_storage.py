@@ -9,13 +9,6 @@ from app.storage import MIGRATIONS, SCHEMA_VERSION, Storage, connect, migrate
 pytestmark = pytest.mark.fast
 
 
-@pytest.fixture
-def storage(tmp_path):
-    s = Storage(tmp_path / "mlxchat.db")
-    yield s
-    s.close()
-
-
 def test_new_database_is_current_version_in_wal_mode(tmp_path):
     Storage(tmp_path / "db.sqlite").close()
     db = sqlite3.connect(tmp_path / "db.sqlite")
