@@ -24,7 +24,7 @@ from engine import (SAMPLING_OPTIONS, EngineError, InvalidRequest, ModelDefaults
 from .api_choices import (MAX_CHOICES, collect_choices, logprobs_body, merged, message_body,
                           start_choices, system_fingerprint, tool_call_deltas, total_usage,
                           tracked)
-from .api_errors import ApiError
+from .api_errors import ApiError, check_fields
 from .api_models import local_models, use_model
 from .api_tools import tool_fields
 from .context import TRUNCATE_MODES, drop_oldest
@@ -169,12 +169,7 @@ def parse_chat_request(body: Any, model_name: str | None,
                        defaults: ModelDefaults | None = None) -> ChatRequest:
     """Validate a `/v1/chat/completions` body; raises ApiError with the offending parameter.
     Sampling fields the body omits take the model's `defaults` (as the chat UI's do)."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    for name in body:
-        if name not in _FIELDS:
-            raise ApiError(400, f"Unrecognized request argument supplied: {name}", name,
-                           "unknown_parameter")
+    check_fields(body, _FIELDS)
     for name, neutral in _NEUTRAL.items():
         value = body.get(name)
         if value is not None and (type(value) is not type(neutral) or value != neutral):

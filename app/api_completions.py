@@ -16,6 +16,7 @@ from engine import InvalidRequest, RequestHandle, SamplingParams, TokenLogprob
 
 from .api import (_SAMPLING, ApiError, _cancel_on_disconnect, _param, _typed, finished_choices,
                   sse_response, submit_choices, usage_body)
+from .api_errors import check_fields
 from .api_models import use_model
 from .api_choices import MAX_CHOICES, merged, system_fingerprint, total_usage, tracked
 from .security import api_error
@@ -40,12 +41,7 @@ def _legacy_logprobs(entries: list[TokenLogprob], wanted: bool) -> dict[str, Any
 
 def parse(body: Any, model_name: str) -> tuple[str, SamplingParams, int, bool, bool]:
     """(prompt, params, n, stream, include_usage) of a `/v1/completions` body."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    for name in body:
-        if name not in _FIELDS:
-            raise ApiError(400, f"Unrecognized request argument supplied: {name}", name,
-                           "unknown_parameter")
+    check_fields(body, _FIELDS)
     for name, neutral in (("echo", False), ("suffix", None), ("presence_penalty", 0),
                           ("frequency_penalty", 0)):
         if body.get(name) not in (None, neutral):
