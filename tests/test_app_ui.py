@@ -25,15 +25,17 @@ def new_conversation(http, max_tokens: int = 4) -> int:
     return cid
 
 
-def turn(server, cid: int, **message) -> list[str]:
-    """Send one action over the chat socket; collect fragments until the Send button returns."""
+def turn(server, cid: int, ends: tuple[str, ...] = ('id="send"', 'class="notice-text"'),
+         **message) -> list[str]:
+    """Send one action over the chat socket; collect fragments until one holds an `ends` marker
+    (by default: the Send button returns, or a notice)."""
     with connect(server.url.replace("http://", "ws://") + f"/c/{cid}/ws", origin=server.url) as ws:
         ws.recv(timeout=60)  # the conversation's current state, sent on every (re)connect
         ws.send(json.dumps(message))
         fragments = []
         while True:
             fragments.append(ws.recv(timeout=120))
-            if 'id="send"' in fragments[-1] or 'class="notice-text"' in fragments[-1]:
+            if any(end in fragments[-1] for end in ends):
                 return fragments
 
 

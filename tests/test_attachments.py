@@ -11,11 +11,10 @@ import re
 
 import openai
 import pytest
-from websockets.sync.client import connect
 
 from app.documents import with_documents
 from live_server import engine_serving, openai_client
-from test_app_ui import new_conversation
+from test_app_ui import new_conversation, turn
 from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.fast
@@ -65,15 +64,8 @@ def payload(chip: str) -> str:
 
 def socket_send(server, cid: int, message: dict) -> list[str]:
     """Send one action; collect fragments until the answer ends or a notice comes instead."""
-    with connect(server.url.replace("http://", "ws://") + f"/c/{cid}/ws", origin=server.url) as ws:
-        ws.recv(timeout=60)  # the conversation's current state, sent on every (re)connect
-        ws.send(json.dumps(message))
-        fragments = []
-        while True:
-            fragments.append(ws.recv(timeout=120))
-            if any(end in fragments[-1] for end in ('id="send"', 'class="context-overflow"',
-                                                     'class="notice-text"')):
-                return fragments
+    return turn(server, cid, ends=('id="send"', 'class="context-overflow"', 'class="notice-text"'),
+                **message)
 
 
 def test_chips_count_tokens_with_the_models_tokenizer(http, lm):
