@@ -301,12 +301,12 @@ class Engine:
     def list_models(self) -> list[ModelInfo]:
         """The local models (bundled, downloaded), then those this engine loaded from a folder or
         GGUF path: any of them can be named to `switch_model`."""
-        found = list_models()
-        found += [m for m in self._opened.values() if m.name not in {m.name for m in found}]
-        lm = self.lm  # always listed, however it was loaded
-        if lm is not None and lm.name not in {m.name for m in found}:
-            found.append(ModelInfo(lm.name, "folder", str(lm.path), None))
-        return found
+        found = {m.name: m for m in list_models()}
+        for m in self._opened.values():
+            found.setdefault(m.name, m)
+        if self.lm is not None:  # always listed, however it was loaded
+            found.setdefault(self.lm.name, ModelInfo(self.lm.name, "folder", str(self.lm.path), None))
+        return list(found.values())
 
     def status(self) -> EngineStatus:
         with self._lock:
