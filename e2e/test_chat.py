@@ -50,23 +50,32 @@ def wait_answer(page: Page, state: str = "done"):
     return answer
 
 
+# Records every distinct text of the newest answer as the page changes, so that what the
+# test sees does not depend on how fast it polls (a screenshot can miss a dozen tokens).
+RECORD_RENDERINGS = """() => {
+    window.renderings = [];
+    new MutationObserver(() => {
+        const body = [...document.querySelectorAll('#messages article.assistant .body')].pop();
+        const text = body ? body.innerText : '';
+        if (text.trim() && text !== window.renderings.at(-1)) window.renderings.push(text);
+    }).observe(document.getElementById('messages'),
+               {childList: true, subtree: true, characterData: true});
+}"""
+
+
 def test_answer_streams_in_token_by_token(page, shot):
-    new_chat(page, max_tokens=16)
-    send(page, "Name three colors.")
-    expect(last(page, "user")).to_contain_text("Name three colors.")
+    new_chat(page, max_tokens=64)  # long enough to span several of the server's flushes
+    page.evaluate(RECORD_RENDERINGS)
+    send(page, LONG)
+    expect(last(page, "user")).to_contain_text(LONG)
     expect(page.locator("#prompt")).to_have_value("")  # the composer is cleared
     answer = last(page, "assistant")
-    seen: list[str] = []
-    while answer.get_attribute("data-state") == "streaming":
-        text = answer.locator(".body").inner_text()
-        if text.strip() and (not seen or text != seen[-1]):
-            seen.append(text)
-            if len(seen) == 2:
-                shot(page, "01-streaming")
-        time.sleep(0.03)
+    expect(answer.locator(".body")).not_to_be_empty()
+    shot(page, "01-streaming")
+    expect(answer).to_have_attribute("data-state", "done")
+    seen: list[str] = page.evaluate("window.renderings")
     assert len(seen) >= 3, seen  # several partial renderings before the end
     assert len(seen[0]) < len(seen[-1])  # (markdown may reflow text in between)
-    expect(answer).to_have_attribute("data-state", "done")
     expect(answer.locator(".stats")).to_contain_text(STATS)
     expect(page.locator("#send")).to_be_visible()
     shot(page, "02-answered")
