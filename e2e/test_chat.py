@@ -1,7 +1,6 @@
 """The chat UI in a real Chromium against a real server running the bundled model."""
 
 import re
-import time
 from pathlib import Path
 
 from playwright.sync_api import Page, expect
@@ -12,8 +11,8 @@ LONG = "Write a very long story about a dragon who learns to cook."
 STATS = re.compile(r"reused (\d+) of (\d+) prompt tokens · TTFT \d+ ms")
 
 
-def new_chat(page: Page, max_tokens: int = 12) -> int:
-    """Open a fresh conversation with greedy sampling and a short answer length."""
+def open_new_chat(page: Page) -> None:
+    """Click "New chat" and wait until the page shows the new, empty conversation."""
     page.goto("/")
     if page.locator("#sidebar-toggle").is_visible():  # narrow window: the sidebar is folded away
         page.click("#sidebar-toggle")
@@ -23,14 +22,21 @@ def new_chat(page: Page, max_tokens: int = 12) -> int:
     page.click("#new-chat")
     expect(page.locator("#settings:not([data-stale])")).to_be_attached()
     expect(page.locator("#empty-chat")).to_be_visible()
+
+
+def new_chat(page: Page, max_tokens: int = 12) -> int:
+    """Open a fresh conversation with greedy sampling and a short answer length."""
+    open_new_chat(page)
     page.click("#settings summary")
     expect(page.locator("select[name=preset]")).to_be_visible()
     page.select_option("select[name=preset]", "greedy")
     expect(page.locator("#settings-form .saved")).to_be_visible()
     page.fill("input[name=max_tokens]", str(max_tokens))
+    # The preset's "saved" mark is still showing: wait for the form the save sends back.
+    page.evaluate("document.getElementById('settings-form').dataset.stale = '1'")
     page.click("#settings-form button[type=submit]")
+    expect(page.locator("#settings-form:not([data-stale]) .saved")).to_be_visible()
     expect(page.locator("input[name=max_tokens]")).to_have_value(str(max_tokens))
-    expect(page.locator("#settings-form .saved")).to_be_visible()
     page.click("#settings summary")  # close the panel
     return int(re.search(r"/c/(\d+)", page.url).group(1))
 
@@ -58,8 +64,7 @@ RECORD_RENDERINGS = """() => {
         const body = [...document.querySelectorAll('#messages article.assistant .body')].pop();
         const text = body ? body.innerText : '';
         if (text.trim() && text !== window.renderings.at(-1)) window.renderings.push(text);
-    }).observe(document.getElementById('messages'),
-               {childList: true, subtree: true, characterData: true});
+    }).observe(document.body, {childList: true, subtree: true, characterData: true});
 }"""
 
 
@@ -87,9 +92,7 @@ def test_stop_keeps_the_partial_answer_and_the_next_message_works(page, shot):
     answer = last(page, "assistant")
     expect(answer.locator(".body")).not_to_be_empty()
     page.press("#prompt", "Escape")  # keyboard Stop
-    started = time.monotonic()
     expect(answer).to_have_attribute("data-state", "stopped")
-    assert time.monotonic() - started < 10
     partial = answer.locator(".body").inner_text()
     assert partial.strip()
     expect(answer.locator(".status.stopped")).to_have_text("stopped")
@@ -252,8 +255,11 @@ def test_switch_model_shows_progress_and_answers_with_it(page, hf_cache: Path, s
     new_chat(page, max_tokens=6)
     other = page.locator("#models button.model", has_text="local/smollm2-copy")
     expect(other).to_be_enabled()
-    other.click()
-    expect(page.locator("#models .progress")).to_contain_text("local/smollm2-copy")
+    with page.expect_response("**/models/switch") as switched:
+        other.click()
+    # The load may end before a poll could see the progress line, so read it from the response.
+    assert 'class="progress"' in switched.value.text()
+    assert "local/smollm2-copy" in switched.value.text()
     shot(page, "10-model-loading")
     expect(page.locator("#models button.model.current")).to_contain_text("local/smollm2-copy")
     send(page, "Hi!")

@@ -2,13 +2,11 @@
 
 from playwright.sync_api import Page, expect
 
+from test_chat import open_new_chat
+
 
 def test_settings_panel_shows_each_defaults_source(page: Page, shot):
-    page.goto("/")
-    if page.locator("#sidebar-toggle").is_visible():
-        page.click("#sidebar-toggle")
-    page.click("#new-chat")
-    expect(page.locator("#empty-chat")).to_be_visible()
+    open_new_chat(page)
     page.click("#settings summary")
     expect(page.locator("input[name=temperature]")).to_be_visible()
     # A new chat keeps the settings of the one it came from (other tests set greedy): back to the

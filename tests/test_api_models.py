@@ -105,22 +105,25 @@ def test_a_bad_request_naming_another_model_loads_nothing(server):
 def test_the_switch_waits_for_the_running_request_to_finish(server):
     """As the picker's switch does: the request running on the old model ends normally first."""
     finished: dict[str, float] = {}
+    replies: dict[str, httpx.Response] = {}
 
     def long_answer() -> None:
-        r = chat(server, MODEL, max_tokens=24, temperature=0.7, seed=1)
-        assert r.status_code == 200 and r.json()["model"] == MODEL
+        replies["long"] = chat(server, MODEL, max_tokens=64, temperature=0.7, seed=1)
         finished["long"] = time.monotonic()
 
     runner = threading.Thread(target=long_answer)
     runner.start()
     deadline = time.monotonic() + 60
-    while httpx.get(f"{server.url}/health").json()["generating"] == 0:
-        assert time.monotonic() < deadline and runner.is_alive()
-        time.sleep(0.05)
+    while httpx.get(f"{server.url}/health", timeout=60).json()["generating"] == 0:
+        assert time.monotonic() < deadline and "long" not in replies
+        time.sleep(0.02)
     r = chat(server, TINY)
     finished["switch"] = time.monotonic()
     runner.join(300)
     assert r.status_code == 200 and r.json()["model"] == TINY
+    long = replies["long"]
+    assert long.status_code == 200 and long.json()["model"] == MODEL
+    assert long.json()["choices"][0]["finish_reason"] in ("length", "stop")
     assert finished["long"] < finished["switch"]
     assert chat(server, MODEL).status_code == 200  # back, for the tests after this one
 

@@ -136,7 +136,7 @@ def test_a_dead_rank_fails_the_answer_and_new_requests_get_503(model, tmp_path, 
                     server.signal(1, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
                     killed = time.monotonic()
         ended = time.monotonic() - killed
-        assert ended < 10, ended
+        assert ended < 30, ended  # the watchdog's silence limit plus a busy machine's slack
         errors = [line for line in lines if '"error"' in line]
         gone = "rank 1 is gone" if how == "killed" else "rank 1 stopped responding"
         # a killed peer: the ring backend may fail the collective in flight before the watchdog

@@ -108,7 +108,7 @@ def test_final_assistant_message_is_continued(lm, client):
     messages = ASK + [{"role": "assistant", "content": "My favourite fruit is the"}]
     prompt = build_prompt(lm, messages=messages).tokens
     assert lm.tokenizer.decode(prompt).endswith("My favourite fruit is the")
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
     assert r.usage.prompt_tokens == len(prompt)
     expected = lm.tokenizer.decode([int(mx.argmax(first_logprobs(lm, messages)).item())])
     assert r.choices[0].message.content.startswith(expected)
@@ -116,11 +116,12 @@ def test_final_assistant_message_is_continued(lm, client):
 
 def test_legacy_completions(client):
     r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3,
-                                  logprobs=2)
+                                  logprobs=2, temperature=0)
     c = r.choices[0]
     assert r.object == "text_completion" and c.finish_reason == "length" and c.text
     assert len(c.logprobs.tokens) == 3 and "".join(c.logprobs.tokens) == c.text
     assert all(len(t) == 2 for t in c.logprobs.top_logprobs)
     streamed = "".join(ch.choices[0].text for ch in client.completions.create(
-        model=MODEL, prompt="The capital of France is", max_tokens=3, stream=True) if ch.choices)
+        model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0, stream=True)
+        if ch.choices)
     assert streamed == c.text

@@ -34,7 +34,7 @@ class SlowModel:
         return getattr(self.model, name)
 
 
-def slow(lm, delay=0.02):
+def slow(lm, delay=0.1):
     return dataclasses.replace(lm, model=SlowModel(lm.model, delay))
 
 

@@ -75,9 +75,7 @@ def test_ctrl_c_during_stream_saves_the_partial_answer_and_exits(tmp_path):
         cid = new_conversation(server.url)
         with chat_socket(server.url, cid) as ws:
             updates = stream_for(ws, 1.0)
-            started = time.monotonic()
             assert server.interrupt() == 0
-            assert time.monotonic() - started < 15
     finally:
         server.stop()
     conv, (_, stopped) = answer(tmp_path / "home")
