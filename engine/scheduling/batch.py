@@ -123,7 +123,7 @@ class DecodeBatch:
         self._sampled_rows: list[Generation] = []
 
     def __contains__(self, gen: Generation) -> bool:
-        return any(g is gen for g in self.rows)
+        return id(gen) in self._stores  # every row has its entry there
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -175,7 +175,11 @@ class DecodeBatch:
         emitting raises gets its exception back; the other rows are unaffected."""
         rows = list(self.rows)
         previous = [g.next_token for g in rows]
-        inputs = mx.concatenate([g.decode_input() for g in rows])
+        fed = [g.decode_input() for g in rows]
+        # the rows of the last step, in its order: its tokens are one array already
+        pipelined = self._sampled is not None and len(self._sampled_rows) == len(rows) and \
+            all(a is b for a, b in zip(self._sampled_rows, rows))
+        inputs = self._sampled if pipelined else mx.concatenate(fed)
         logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]
         tokens, logprobs, failures = sample_rows([g.sampler for g in rows],
                                                  [g.history for g in rows], logits)
@@ -184,8 +188,7 @@ class DecodeBatch:
                 gen.sample_next(tokens[i:i + 1], logprobs[i:i + 1])
         wanted = any(g.params.logprobs is not None for g in rows)
         mx.async_eval([tokens, logprobs] if wanted else tokens)
-        if self._sampled is not None and len(self._sampled_rows) == len(rows) and \
-                all(a is b for a, b in zip(self._sampled_rows, rows)):
+        if pipelined:
             values = self._sampled.tolist()
         else:  # rows joined or left since: their tokens come from several arrays
             values = mx.concatenate([y.reshape(1) for y in previous]).tolist()
