@@ -1,6 +1,7 @@
-"""The step loop around the batched model call: 8 concurrent streams on a model whose compute is
-tiny (2 layers, hidden 64) but whose vocabulary is a real one's, so that what runs around the
-model call (sampling, logits processors, host syncs, handing tokens to readers) is most of a step.
+"""The step loop around the batched model call: 8 concurrent streams on a model whose layers are
+tiny (2 layers, hidden 64) but whose vocabulary is a real one's, so that a step is the work that
+scales with the vocabulary (output head, log-softmax, sampling) and the host work around the model
+call (building the step, host syncs, handing tokens to the readers).
 
     python -m bench.concurrency_step [--streams 8] [--gen 64] [--reps 5] [--vocab 49152]
                                      [--profile FILE] [--baseline-engine DIR]
@@ -12,7 +13,7 @@ CPU time per token of the thread that drives the model (our scheduler thread; th
 `batch_generate`): on a GPU that time is what the device waits for when it is not hidden behind
 the step in flight. Our reader threads' time (tokens handed to the streams) is not in it.
 `--profile FILE` also runs ours once under cProfile (the scheduler thread) and writes the
-cumulative-time listing to FILE.
+cumulative-time listing to FILE. JSON goes to bench/results/concurrency-step-cpu.json.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import cProfile
 import importlib
 import importlib.util
 import io
+import json
+import os
 import pstats
 import sys
 import time
@@ -32,6 +35,7 @@ import mlx.core as mx
 from . import common
 from .shapes import Shape, build_module, prompt_ids
 
+RESULTS = Path(__file__).resolve().parent / "results" / "concurrency-step-cpu.json"
 CONFIG = {
     "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
     "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
@@ -138,15 +142,21 @@ def main() -> None:
         if base is not None:
             base.close()
     print(f"{a.streams} streams x {a.gen} tokens, vocab {a.vocab}, median of {a.reps}:")
+    result = {"command": "python -m bench.concurrency_step " + " ".join(sys.argv[1:]),
+              "load_average": os.getloadavg()[0], "streams": a.streams, "gen": a.gen,
+              "vocab": a.vocab, "reps": a.reps, "runs": runs}
     for key, unit in (("aggregate_tps", "tok/s"), ("host_us_per_token", "us of host CPU per token")):
         got = {k: [r[key] for r in v] for k, v in runs.items()}
         med = {k: common.median(v) for k, v in got.items()}
+        result[f"median_{key}"] = med
         print(f"  {unit}: ours {med['ours']:.1f} ({common.spread(got['ours'])}), batch_generate "
               f"{med['mlx']:.1f} ({common.spread(got['mlx'])}), ratio {med['ours'] / med['mlx']:.3f}x")
         if "base" in med:
             print(f"    baseline engine {med['base']:.1f} ({common.spread(got['base'])}), ratio "
                   f"{med['base'] / med['mlx']:.3f}x")
-
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(f"wrote {RESULTS}")
 
 if __name__ == "__main__":
     main()

@@ -379,15 +379,10 @@ class Generation:
         """The tokens so far (prompt + output fed), kept only when a logits processor reads them."""
         return self._history
 
-    @property
-    def next_token(self) -> mx.array:
-        """The sampled token not yet read, shape (1,) (possibly still being evaluated)."""
-        return self._next[0]
-
     def sample_next(self, token: mx.array, model_logprobs: mx.array) -> mx.array:
         """`token` (1,), sampled (not yet evaluated) with `model_logprobs` (1, vocab) from the
-        logits of `decode_input()`'s token, is the next one; returns the token sampled before it,
-        which `accept` must get once read. A batch samples all rows at once
+        logits of `decode_input()`'s token, is the next one; returns the token sampled before it
+        (the one fed), which `accept` must get once read. A batch samples all rows at once
         (engine/decoding/sampling.py `sample_rows`) and evaluates them together."""
         y, self._pending_logprobs = self._next
         self._next = (token, model_logprobs)

@@ -164,22 +164,24 @@ class DecodeBatch:
             keep = [j for j in range(len(self.rows) + 1) if j != i]
             _edit(self.cache, "batch_filter", lambda k: [c.filter(mx.array(k)) for c in self.cache], keep)
         else:
-            self.cache = []
+            self.cache, self._sampled, self._sampled_rows = [], None, []
 
     def step(self) -> list[tuple[Generation, list[Event] | Exception]]:
         """One model call for all rows, their next tokens sampled together
         (engine/decoding/sampling.py `sample_rows`) and evaluated asynchronously, then one read of
-        the tokens they replace, as mlx-lm's `BatchGenerator` pipelines: when the rows are those
-        of the last step, those tokens are that step's own evaluated array, so reading them does
-        not wait for this step (a new op on them would queue behind it). A row whose sampling or
-        emitting raises gets its exception back; the other rows are unaffected."""
+        the tokens just fed, pipelined as mlx-lm's `BatchGenerator` is: those tokens are an array
+        whose evaluation was queued before this step (the last step's own array while the rows
+        stay the same), so reading it does not wait for this step, and the host builds the next
+        step while the device runs this one. A row whose sampling or emitting raises gets its
+        exception back; the other rows are unaffected."""
         rows = list(self.rows)
-        previous = [g.next_token for g in rows]
-        fed = [g.decode_input() for g in rows]
-        # the rows of the last step, in its order: its tokens are one array already
-        pipelined = self._sampled is not None and len(self._sampled_rows) == len(rows) and \
-            all(a is b for a, b in zip(self._sampled_rows, rows))
-        inputs = self._sampled if pipelined else mx.concatenate(fed)
+        fed = [g.decode_input() for g in rows]  # each row's token (added to its history)
+        if self._sampled is not None and len(self._sampled_rows) == len(rows) and \
+                all(a is b for a, b in zip(self._sampled_rows, rows)):
+            inputs = self._sampled
+        else:  # rows joined or left since the last step: its tokens were not one array
+            inputs = mx.concatenate(fed)
+            mx.async_eval(inputs)
         logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]
         tokens, logprobs, failures = sample_rows([g.sampler for g in rows],
                                                  [g.history for g in rows], logits)
@@ -188,10 +190,7 @@ class DecodeBatch:
                 gen.sample_next(tokens[i:i + 1], logprobs[i:i + 1])
         wanted = any(g.params.logprobs is not None for g in rows)
         mx.async_eval([tokens, logprobs] if wanted else tokens)
-        if pipelined:
-            values = self._sampled.tolist()
-        else:  # rows joined or left since: their tokens come from several arrays
-            values = mx.concatenate([y.reshape(1) for y in previous]).tolist()
+        values = inputs.tolist()
         self._sampled, self._sampled_rows = (tokens, rows) if not failures else (None, [])
         results: list[tuple[Generation, list[Event] | Exception]] = []
         for i, (gen, token) in enumerate(zip(rows, values)):
