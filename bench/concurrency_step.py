@@ -4,7 +4,8 @@ scales with the vocabulary (output head, log-softmax, sampling) and the host wor
 call (building the step, host syncs, handing tokens to the readers).
 
     python -m bench.concurrency_step [--streams 8] [--gen 64] [--reps 5] [--vocab 49152]
-                                     [--profile FILE] [--baseline-engine DIR]
+                                     [--layers 2] [--hidden 64] [--profile FILE]
+                                     [--baseline-engine DIR]
 
 Ours (`engine.scheduling.service.Engine`, prefix cache off, greedy) against mlx-lm's
 `batch_generate` on the same model object and the same prompt ids, runs interleaved. Per side:
@@ -43,12 +44,14 @@ CONFIG = {
 }
 
 
-def tiny_lm(vocab: int):
-    """The 2-layer llama with a `vocab`-token head, fp32, as an engine `LoadedModel`."""
+def tiny_lm(vocab: int, layers: int = 2, hidden: int = 64):
+    """A small llama (`layers` layers of width `hidden`) with a `vocab`-token head, fp32, as an
+    engine `LoadedModel`."""
     from engine.loading.registry import LoadedModel
     from .shapes import IdTokenizer
 
-    config = {**CONFIG, "vocab_size": vocab}
+    config = {**CONFIG, "vocab_size": vocab, "num_hidden_layers": layers, "hidden_size": hidden,
+              "intermediate_size": 2 * hidden}
     model = build_module(Shape("tiny-vocab", config), mx.float32)
     return LoadedModel(name=f"random:tiny-vocab-{vocab}", model=model, tokenizer=IdTokenizer(vocab),
                        config=config, path=Path("/nonexistent/tiny-vocab"), extras={})
@@ -118,12 +121,14 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--profile", default=None)
     parser.add_argument("--baseline-engine", default=None, metavar="DIR",
                         help="also run the engine package in DIR/engine (e.g. main's), side by side")
     a = parser.parse_args()
 
-    lm = tiny_lm(a.vocab)
+    lm = tiny_lm(a.vocab, a.layers, a.hidden)
     prompts = [prompt_ids(a.prompt, a.vocab, seed=100 + i) for i in range(a.streams)]
     svc = common.EngineService(lm, max_running=a.streams, prefix_cache=False)
     base = engine_copy(a.baseline_engine, lm, a.streams) if a.baseline_engine else None
@@ -144,7 +149,7 @@ def main() -> None:
     print(f"{a.streams} streams x {a.gen} tokens, vocab {a.vocab}, median of {a.reps}:")
     result = {"command": "python -m bench.concurrency_step " + " ".join(sys.argv[1:]),
               "load_average": os.getloadavg()[0], "streams": a.streams, "gen": a.gen,
-              "vocab": a.vocab, "reps": a.reps, "runs": runs}
+              "vocab": a.vocab, "layers": a.layers, "hidden": a.hidden, "reps": a.reps, "runs": runs}
     for key, unit in (("aggregate_tps", "tok/s"), ("host_us_per_token", "us of host CPU per token")):
         got = {k: [r[key] for r in v] for k, v in runs.items()}
         med = {k: common.median(v) for k, v in got.items()}
