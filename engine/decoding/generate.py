@@ -370,15 +370,22 @@ class Generation:
     def decode_output(self, logits: mx.array) -> list[Event]:
         """Sample the next token from `logits` (1, vocab) for `decode_input()`'s token, start
         evaluating it before reading this one (as mlx-lm does), and emit this one."""
-        y = self.sample_next(logits)
+        y = self.sample_next(*self.sampler(logits, self._history))
         mx.async_eval(*self._next)
         return self.accept(y.item())
 
-    def sample_next(self, logits: mx.array) -> mx.array:
-        """Build (not evaluate) the next token's sampling from `logits`; return the token sampled
-        before it, which `accept` must get once read. A batch evaluates all rows at once."""
+    @property
+    def history(self) -> mx.array | None:
+        """The tokens so far (prompt + output fed), kept only when a logits processor reads them."""
+        return self._history
+
+    def sample_next(self, token: mx.array, model_logprobs: mx.array) -> mx.array:
+        """`token` (1,), sampled (not yet evaluated) with `model_logprobs` (1, vocab) from the
+        logits of `decode_input()`'s token, is the next one; returns the token sampled before it
+        (the one fed), which `accept` must get once read. A batch samples all rows at once
+        (engine/decoding/sampling.py `sample_rows`) and evaluates them together."""
         y, self._pending_logprobs = self._next
-        self._next = self.sampler(logits, self._history)
+        self._next = (token, model_logprobs)
         return y
 
     def accept(self, token: int) -> list[Event]:

@@ -9,7 +9,7 @@ would produce (`key, sub = split(key)` per draw), so our tokens equal `mlx_lm.ge
 import math
 import random
 from dataclasses import asdict, dataclass, field, make_dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
@@ -223,7 +223,17 @@ class TokenSampler:
         """`logits` has shape (1, vocab); `history` holds the tokens so far (prompt + output).
         Returns the token and the model's own log-softmax (before any processor or transform)."""
         model_logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if self.processors and history is not None:
+        token = self.pick(logits, model_logprobs, history)
+        assert token is not None
+        return token, model_logprobs
+
+    def pick(self, logits: mx.array, model_logprobs: mx.array, history: mx.array | None,
+             shared_argmax: bool = False) -> mx.array | None:
+        """The token (shape (1,)) for one row of `logits` and its log-softmax `model_logprobs`;
+        with `shared_argmax`, None for a greedy row that no processor changes: its token is the
+        argmax of `model_logprobs`, which a batch takes for all such rows in one op."""
+        processed = bool(self.processors) and history is not None
+        if processed:
             for processor in self.processors:
                 logits = processor(history, logits)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -231,7 +241,41 @@ class TokenSampler:
             logprobs = model_logprobs
         p = self.params
         if p.greedy:
-            return mx.argmax(logprobs, axis=-1), model_logprobs
+            return None if shared_argmax and not processed else mx.argmax(logprobs, axis=-1)
         self.key, sub = mx.random.split(self.key)
         filtered = filter_logprobs(logprobs, p)
-        return mx.random.categorical(filtered * (1.0 / p.temperature), key=sub), model_logprobs
+        return mx.random.categorical(filtered * (1.0 / p.temperature), key=sub)
+
+
+def sample_rows(samplers: Sequence[TokenSampler], histories: Sequence[mx.array | None],
+                logits: mx.array) -> tuple[mx.array, mx.array, dict[int, Exception]]:
+    """Row i of `logits` (rows, vocab) sampled by `samplers[i]` with `histories[i]`, each token
+    the one that sampler would pick alone. Returns the tokens (rows,), the model's log-softmax
+    (rows, vocab) and the rows whose sampling raised (e.g. a grammar's processor), by index: their
+    token is a placeholder, the other rows are unaffected.
+
+    The log-softmax is one op for all rows, and so is the argmax of every plain greedy row; only
+    rows with logits processors or a temperature run ops of their own (each draws from its own
+    key: MLX's categorical sampling takes one key per call, so seeded rows cannot share one)."""
+    model_logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    picks: dict[int, mx.array] = {}
+    failures: dict[int, Exception] = {}
+    for i, sampler in enumerate(samplers):
+        try:
+            token = sampler.pick(logits[i:i + 1], model_logprobs[i:i + 1], histories[i],
+                                 shared_argmax=True)
+        except Exception as exc:  # isolated to this row
+            failures[i] = exc
+            continue
+        if token is not None:
+            picks[i] = token
+    if not picks:
+        return mx.argmax(model_logprobs, axis=-1), model_logprobs, failures
+    picked = mx.concatenate(list(picks.values()))
+    if len(picks) == len(samplers):
+        return picked, model_logprobs, failures
+    # each row reads the batch's argmax or its own pick: one gather over both
+    where = {row: len(samplers) + j for j, row in enumerate(picks)}
+    source = mx.array([where.get(i, i) for i in range(len(samplers))], dtype=mx.uint32)
+    greedy = mx.argmax(model_logprobs, axis=-1)
+    return mx.concatenate([greedy, picked])[source], model_logprobs, failures

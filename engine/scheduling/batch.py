@@ -7,8 +7,9 @@ batch caches (`BatchKVCache` left-pads keys to a common length, `ArraysCache` st
 state) on joining and extracted back on leaving, so outside the batch a `Generation` owns a normal
 cache again: prefix-cache saves and solo steps work unchanged.
 
-Each row is sampled by its own `TokenSampler` from its own slice of the logits, so a seeded request
-draws the same keys alone or batched. With MLX's own CPU kernels the batched logits of each row are
+Each row is sampled as its own `TokenSampler` would sample it alone (`sample_rows`: the greedy rows
+in one op, the others from their own slice of the logits), so a seeded request draws the same keys
+alone or batched. With MLX's own CPU kernels the batched logits of each row are
 bit-identical to a batch-1 call (measured for the bundled Q4 llama, fp32 llama and the hybrid
 qwen3_5, with rows of different lengths). With OpenBLAS, fp32 matmul results can change in the last
 bits with the number of rows; tests/test_scheduler.py checks that no token changes.
@@ -23,6 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..events import Event
 from ..decoding.generate import Generation, PrefixStore
+from ..decoding.sampling import sample_rows
 from ..decoding.snapshots import POLICY
 
 
@@ -116,9 +118,12 @@ class DecodeBatch:
         self.rows: list[Generation] = []
         self.cache: list[Any] = []
         self._stores: dict[int, PrefixStore | None] = {}
+        # the tokens the last step sampled (evaluating) and the rows they belong to, in order
+        self._sampled: mx.array | None = None
+        self._sampled_rows: list[Generation] = []
 
     def __contains__(self, gen: Generation) -> bool:
-        return any(g is gen for g in self.rows)
+        return id(gen) in self._stores  # every row has its entry there
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -159,30 +164,41 @@ class DecodeBatch:
             keep = [j for j in range(len(self.rows) + 1) if j != i]
             _edit(self.cache, "batch_filter", lambda k: [c.filter(mx.array(k)) for c in self.cache], keep)
         else:
-            self.cache = []
+            self.cache, self._sampled, self._sampled_rows = [], None, []
 
     def step(self) -> list[tuple[Generation, list[Event] | Exception]]:
-        """One model call for all rows, one evaluation of every row's next token and one read of
-        the tokens they replace (a sync per row would stall the device once per row). A row whose
-        sampling or emitting raises gets its exception back; the other rows are unaffected."""
-        inputs = mx.concatenate([g.decode_input() for g in self.rows])
+        """One model call for all rows, their next tokens sampled together
+        (engine/decoding/sampling.py `sample_rows`) and evaluated asynchronously, then one read of
+        the tokens just fed, pipelined as mlx-lm's `BatchGenerator` is: those tokens are an array
+        whose evaluation was queued before this step (the last step's own array while the rows
+        stay the same), so reading it does not wait for this step, and the host builds the next
+        step while the device runs this one. A row whose sampling or emitting raises gets its
+        exception back; the other rows are unaffected."""
+        rows = list(self.rows)
+        fed = [g.decode_input() for g in rows]  # each row's token (added to its history)
+        if self._sampled is not None and len(self._sampled_rows) == len(rows) and \
+                all(a is b for a, b in zip(self._sampled_rows, rows)):
+            inputs = self._sampled
+        else:  # rows joined or left since the last step: its tokens were not one array
+            inputs = mx.concatenate(fed)
+            mx.async_eval(inputs)
         logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]
-        outcomes: list[list[Event] | Exception | mx.array] = []
-        for i, gen in enumerate(self.rows):
-            try:
-                outcomes.append(gen.sample_next(logits[i : i + 1]))
-            except Exception as exc:  # isolated to this row; the scheduler fails that request
-                outcomes.append(exc)
-        sampled = [o for o in outcomes if isinstance(o, mx.array)]
-        mx.async_eval([g._next for g, o in zip(self.rows, outcomes) if isinstance(o, mx.array)])
-        tokens = iter(mx.concatenate([y.reshape(1) for y in sampled]).tolist() if sampled else [])
+        tokens, logprobs, failures = sample_rows([g.sampler for g in rows],
+                                                 [g.history for g in rows], logits)
+        for i, gen in enumerate(rows):
+            if i not in failures:
+                gen.sample_next(tokens[i:i + 1], logprobs[i:i + 1])
+        wanted = any(g.params.logprobs is not None for g in rows)
+        mx.async_eval([tokens, logprobs] if wanted else tokens)
+        values = inputs.tolist()
+        self._sampled, self._sampled_rows = (tokens, rows) if not failures else (None, [])
         results: list[tuple[Generation, list[Event] | Exception]] = []
-        for gen, outcome in zip(self.rows, outcomes):
-            if isinstance(outcome, Exception):
-                results.append((gen, outcome))
+        for i, (gen, token) in enumerate(zip(rows, values)):
+            if i in failures:
+                results.append((gen, failures[i]))
                 continue
             try:
-                results.append((gen, gen.accept(next(tokens))))
+                results.append((gen, gen.accept(token)))
             except Exception as exc:
                 results.append((gen, exc))
         return results

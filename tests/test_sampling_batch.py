@@ -1,0 +1,63 @@
+"""Sampling a batch of rows at once (`sample_rows`): each row's token is the one its own sampler
+picks from that row alone, whatever the other rows are, and a row whose sampling raises fails
+alone."""
+
+import mlx.core as mx
+import pytest
+
+from engine.decoding.sampling import SamplingParams, TokenSampler, sample_rows
+
+pytestmark = pytest.mark.fast
+
+VOCAB = 1000
+KINDS = [
+    SamplingParams(),  # plain greedy: the batch's shared argmax
+    SamplingParams(temperature=0.8, seed=7),
+    SamplingParams(repetition_penalty=1.5),  # greedy through a processor
+    SamplingParams(temperature=1.2, top_p=0.9, top_k=40, min_p=0.05, seed=8),
+    SamplingParams(logit_bias={5: 100.0}),
+    SamplingParams(),
+]
+
+
+def rows_of(n: int, seed: int) -> mx.array:
+    return mx.random.normal((n, VOCAB), key=mx.random.key(seed)) * 4
+
+
+def history_for(sampler: TokenSampler, i: int) -> mx.array | None:
+    return mx.array([i, 3, 3, 9], dtype=mx.uint32) if sampler.processors else None
+
+
+@pytest.mark.parametrize("order", [list(range(6)), [3, 1, 0, 5, 2, 4], [1, 3], [0, 5]])
+def test_each_row_gets_the_token_its_sampler_picks_alone(order):
+    params = [KINDS[k] for k in order]
+    batched = [TokenSampler(p) for p in params]
+    solo = [TokenSampler(p) for p in params]
+    histories = [history_for(s, i) for i, s in enumerate(batched)]
+    for step in range(4):  # seeded rows advance their own keys step by step
+        logits = rows_of(len(params), seed=step)
+        tokens, logprobs, failures = sample_rows(batched, histories, logits)
+        assert failures == {} and tokens.shape == (len(params),)
+        for i, sampler in enumerate(solo):
+            token, row_logprobs = sampler(logits[i:i + 1], histories[i])
+            assert tokens[i].item() == token.item()
+            assert mx.array_equal(logprobs[i:i + 1], row_logprobs).item()
+    # the bias of 100 forces its token
+    if 4 in order:
+        assert tokens[order.index(4)].item() == 5
+
+
+def test_a_row_whose_sampling_raises_fails_alone():
+    samplers = [TokenSampler(p) for p in KINDS[:4]]
+
+    def broken(history, logits):
+        raise ValueError("grammar fault")
+
+    samplers[2].processors.append(broken)
+    histories = [history_for(s, i) for i, s in enumerate(samplers)]
+    logits = rows_of(4, seed=11)
+    tokens, _, failures = sample_rows(samplers, histories, logits)
+    assert list(failures) == [2] and "grammar fault" in str(failures[2])
+    alone = [TokenSampler(p) for p in KINDS[:4]]
+    for i in (0, 1, 3):
+        assert tokens[i].item() == alone[i](logits[i:i + 1], histories[i])[0].item()
