@@ -1,6 +1,7 @@
 """Tool calling on a tiny random model whose chat template has tool markers (mlx-lm infers its
 `json_tools` parser): `auto` decodes free text until the opener, then a valid call, parsed by the
-family's parser; invalid `tools` / `tool_choice` get 400 in OpenAI's error shape."""
+family's parser, every call of the answer with `parallel_tool_calls` (the default), one without;
+invalid `tools` / `tool_choice` get 400 in OpenAI's error shape."""
 
 import json
 
@@ -54,7 +55,7 @@ def test_auto_free_text_without_the_opener(client):
 def test_auto_call_after_the_opener_is_parsed(client, stream):
     model = client.models.list().data[0].id
     # The random model is pushed to open a call at once; from there the grammar writes it.
-    kwargs = dict(model=model, messages=ASK, tools=TOOLS, max_tokens=30,
+    kwargs = dict(model=model, messages=ASK, tools=TOOLS, max_tokens=80,
                   logit_bias={str(OPENER): 100})
     if not stream:
         c = client.chat.completions.create(**kwargs).choices[0]
@@ -71,9 +72,56 @@ def test_auto_call_after_the_opener_is_parsed(client, stream):
                 finish = ch.finish_reason or finish
         calls = list(calls.values())
     assert finish == "tool_calls"
-    assert len(calls) == 1 and calls[0][0] == "get_weather"
-    assert json.loads(calls[0][1])["unit"] in ("celsius", "fahrenheit")
+    assert calls and all(name == "get_weather" for name, _ in calls)
+    assert all(json.loads(args)["unit"] in ("celsius", "fahrenheit") for _, args in calls)
     assert not content  # the opener and the call never reach `content`
+
+
+def streamed(stream):
+    """(calls as (index, id, name, arguments) rebuilt from the deltas by index, finish_reason)."""
+    calls, finish = {}, None
+    for chunk in stream:
+        for ch in chunk.choices:
+            assert not ch.delta.content
+            for d in ch.delta.tool_calls or []:
+                i, call_id, name, args = calls.get(d.index, (d.index, None, "", ""))
+                calls[d.index] = (i, d.id or call_id, name + (d.function.name or ""),
+                                  args + (d.function.arguments or ""))
+            finish = ch.finish_reason or finish
+    return list(calls.values()), finish
+
+
+# The model is pushed to open a call and, after each, to close it, so it keeps calling until
+# max_tokens: every complete call comes back (the one cut off does not).
+KEEP_CALLING = {str(OPENER): 100, str(OPENER + 1): 100}
+
+
+def test_auto_returns_every_call_of_an_answer(client):
+    kwargs = dict(model=client.models.list().data[0].id, messages=ASK, tools=TOOLS,
+                  max_tokens=60, temperature=0, logit_bias=KEEP_CALLING)
+    c = client.chat.completions.create(**kwargs).choices[0]
+    calls = [(t.id, t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+    assert len(calls) >= 2, calls
+    assert c.finish_reason == "length" and not c.message.content
+    assert all(name == "get_weather" and json.loads(args)["unit"] in ("celsius", "fahrenheit")
+               for _, name, args in calls)
+    assert len({call_id for call_id, _, _ in calls}) == len(calls)
+    deltas, finish = streamed(client.chat.completions.create(stream=True, **kwargs))
+    assert [i for i, *_ in deltas] == list(range(len(calls)))  # one index per call, increasing
+    assert [(name, args) for _, _, name, args in deltas] == [(n, a) for _, n, a in calls]
+    assert all(call_id for _, call_id, _, _ in deltas) and finish == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_auto_without_parallel_calls_makes_one(client, stream):
+    kwargs = dict(model=client.models.list().data[0].id, messages=ASK, tools=TOOLS,
+                  max_tokens=60, temperature=0, logit_bias=KEEP_CALLING, parallel_tool_calls=False)
+    if stream:
+        calls, finish = streamed(client.chat.completions.create(stream=True, **kwargs))
+    else:
+        c = client.chat.completions.create(**kwargs).choices[0]
+        calls, finish = c.message.tool_calls, c.finish_reason
+    assert len(calls) == 1 and finish == "tool_calls"
 
 
 BAD = {
