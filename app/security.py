@@ -131,8 +131,10 @@ class OriginGuard(_Guard):
 
 SESSION_COOKIE = "mlxchat_session"
 LOGIN_PATH = "/login"
-# Reachable without the key: the liveness probe, the page's assets and the login page itself.
-_OPEN_PATHS = ("/health", LOGIN_PATH)
+LOGOUT_PATH = "/logout"
+# Reachable without the key: the liveness probe, the page's assets, the login page itself, and
+# logging out (it only clears the cookie, so a stale one can be cleared too).
+_OPEN_PATHS = ("/health", LOGIN_PATH, LOGOUT_PATH)
 _OPEN_PREFIXES = ("/static/",)
 
 
