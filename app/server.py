@@ -60,7 +60,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
             Middleware(OriginGuard),  # cross-site writes and WebSockets: 403
             Middleware(ApiKeyGuard, api_key=api_key),  # with --api-key, all but /health: 401
             Middleware(BodyLimit),  # oversized bodies 413, slow ones 408, before the app reads
-            Middleware(SecurityHeaders),  # CSP, nosniff, no framing, no referrer
+            Middleware(SecurityHeaders),  # CSP, nosniff, no framing, no referrer to other sites
         ],
     )
     app.state.engine = engine
