@@ -1,5 +1,6 @@
 """The login page for a server started with `--api-key`: the browser trades the key for a session
-cookie (HttpOnly: scripts cannot read it; SameSite=Strict: other sites cannot send it)."""
+cookie (HttpOnly: scripts cannot read it; SameSite=Strict: other sites cannot send it), and
+logging out clears it (a POST, so `OriginGuard` refuses it from another site)."""
 
 import asyncio
 
@@ -7,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from .security import LOGIN_PATH, SESSION_COOKIE, same, session_token
+from .security import LOGIN_PATH, LOGOUT_PATH, SESSION_COOKIE, same, session_token
 from .views import read_form, render
 
 FAILED_LOGIN_DELAY_S = 1.0  # slows down guessing
@@ -41,7 +42,14 @@ async def login(request: Request) -> Response:
     return response
 
 
+async def logout(request: Request) -> Response:
+    response = RedirectResponse(LOGIN_PATH if request.app.state.api_key else "/", status_code=303)
+    response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
+    return response
+
+
 routes = [
     Route(LOGIN_PATH, login_page),
     Route(LOGIN_PATH, login, methods=["POST"]),
+    Route(LOGOUT_PATH, logout, methods=["POST"]),
 ]

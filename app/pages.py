@@ -39,6 +39,7 @@ async def conversation_page(request: Request) -> Response:
     html = render(
         "chat.html", conversations=storage.list_conversations(), current_id=conv.id,
         q="", views=message_views(storage, storage.active_path(conv.id)), generating=False,
+        logout=bool(request.app.state.api_key),
         **settings_context(conv, engine=request.app.state.engine), **models_context(request),
     )
     # Boosted navigation: make the address bar show the conversation (also after a redirect).

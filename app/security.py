@@ -60,14 +60,16 @@ def api_error(status: int, message: str, type_: str, code: str | None = None,
 
 
 # The UI never needs inline script, framing, or anything from another origin. `frame-ancestors`
-# stops a hostile page from framing the UI to trick clicks (clickjacking).
+# stops a hostile page from framing the UI to trick clicks (clickjacking). Other sites get no
+# referrer; our own pages keep theirs, because under `no-referrer` a browser sends `Origin: null`
+# with a plain form post (the login and logout forms), which `OriginGuard` refuses.
 SECURITY_HEADERS = [
     (b"content-security-policy",
      b"default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
      b"connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'"),
     (b"x-content-type-options", b"nosniff"),
     (b"x-frame-options", b"DENY"),
-    (b"referrer-policy", b"no-referrer"),
+    (b"referrer-policy", b"same-origin"),
 ]
 
 
@@ -131,8 +133,10 @@ class OriginGuard(_Guard):
 
 SESSION_COOKIE = "mlxchat_session"
 LOGIN_PATH = "/login"
-# Reachable without the key: the liveness probe, the page's assets and the login page itself.
-_OPEN_PATHS = ("/health", LOGIN_PATH)
+LOGOUT_PATH = "/logout"
+# Reachable without the key: the liveness probe, the page's assets, the login page itself, and
+# logging out (it only clears the cookie, so a stale one can be cleared too).
+_OPEN_PATHS = ("/health", LOGIN_PATH, LOGOUT_PATH)
 _OPEN_PREFIXES = ("/static/",)
 
 

@@ -4,7 +4,8 @@ Start-up checks everything that can fail before the model loads (the address, th
 its lock, the port) and answers each fault with one line and a non-zero exit. SIGINT, SIGTERM and
 SIGHUP all shut down the same way: generations are cancelled (each stream ends with its final
 event and its answer is saved), the engine stops and persists its prefix cache, the database
-closes, and the process exits 0.
+closes, and the process exits 0. One that comes while the model still loads exits 0 at once too
+(the database closed, nothing cached yet to persist).
 """
 
 import errno
@@ -59,7 +60,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
             Middleware(OriginGuard),  # cross-site writes and WebSockets: 403
             Middleware(ApiKeyGuard, api_key=api_key),  # with --api-key, all but /health: 401
             Middleware(BodyLimit),  # oversized bodies 413, slow ones 408, before the app reads
-            Middleware(SecurityHeaders),  # CSP, nosniff, no framing, no referrer
+            Middleware(SecurityHeaders),  # CSP, nosniff, no framing, no referrer to other sites
         ],
     )
     app.state.engine = engine
@@ -112,6 +113,34 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             self.on_started()
+
+
+class _StoppedStarting(BaseException):
+    """A shutdown signal that came before uvicorn took the signals over (the model loading)."""
+
+    def __init__(self, sig: int):
+        super().__init__(sig)
+        self.name = signal.Signals(sig).name
+
+
+@contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """While the server starts, a shutdown signal raises `_StoppedStarting` in the main thread,
+    which is only waiting for the engine's thread to load the model; the default handlers would
+    kill the process (SIGTERM, SIGHUP) or wait for the load and print a traceback (SIGINT)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(sig: int, frame: Any) -> None:
+        raise _StoppedStarting(sig)
+
+    previous = {sig: signal.signal(sig, stop) for sig in SHUTDOWN_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -180,14 +209,17 @@ def _run(sock: socket.socket, host: str, port: int, model: str | None, open_brow
                                     {"persist_prefix_cache": True, "keep_alive": keep_alive}))
     if cluster is not None:
         cluster.watch(engine)
+    loaded, stopped = False, ""
     try:
-        print(f"Loading model {model or 'smollm2-135m-instruct (bundled)'} ...", file=sys.stderr)
-        engine.start(progress=lambda stage: print(f"  {stage}", file=sys.stderr))
-        allowed = None if host in WILDCARD_HOSTS else {*LOOPBACK_NAMES, host}
-        app = create_app(engine, allowed_hosts=allowed, api_key=api_key, storage=storage)
-        app.state.cluster = cluster
-        shown = "127.0.0.1" if host in WILDCARD_HOSTS else host
-        url = f"http://{f'[{shown}]' if ':' in shown else shown}:{port}/"
+        with _stop_on_signals():
+            print(f"Loading model {model or 'smollm2-135m-instruct (bundled)'} ...", file=sys.stderr)
+            engine.start(progress=lambda stage: print(f"  {stage}", file=sys.stderr))
+            loaded = True
+            allowed = None if host in WILDCARD_HOSTS else {*LOOPBACK_NAMES, host}
+            app = create_app(engine, allowed_hosts=allowed, api_key=api_key, storage=storage)
+            app.state.cluster = cluster
+            shown = "127.0.0.1" if host in WILDCARD_HOSTS else host
+            url = f"http://{f'[{shown}]' if ':' in shown else shown}:{port}/"
 
         def started() -> None:
             print(f"mlxchat is running at {url}  (model: {engine.model_name} on "
@@ -196,10 +228,13 @@ def _run(sock: socket.socket, host: str, port: int, model: str | None, open_brow
                 threading.Thread(target=webbrowser.open, args=(url,), daemon=True).start()
 
         _Server(uvicorn_config(app), app.state.runs, started).run(sockets=[sock])
+    except _StoppedStarting as signalled:  # an exit as clean as a served one's, with status 0
+        stopped = f" ({signalled.name} while {'starting' if loaded else 'loading the model'})"
     finally:
-        engine.stop()  # persists the prefix cache
+        if loaded:  # else the load runs on in the engine's (daemon) thread: nothing to persist
+            engine.stop()  # persists the prefix cache
         if cluster is not None:
             cluster.stop()
         storage.close()
         sock.close()
-        print("mlxchat stopped.", file=sys.stderr, flush=True)
+        print(f"mlxchat stopped{stopped}.", file=sys.stderr, flush=True)

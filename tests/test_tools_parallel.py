@@ -1,6 +1,7 @@
 """`parallel_tool_calls` under the forced-call grammar, on a tiny model's tokenizer (the bundled
 one): with `required` the grammar admits a list of several valid calls and they parse as several
-calls; with `parallel_tool_calls: false` or a named function only one call object is admitted."""
+calls; with `parallel_tool_calls: false` or a named function only one call object is admitted.
+In `auto`, every call of the text is parsed (one without `parallel_tool_calls`)."""
 
 import json
 
@@ -56,3 +57,14 @@ def test_one_call_when_parallel_calls_are_off_or_a_function_is_named(tokenizer, 
     assert not admits(tokenizer, tools, compact(TWO))
     assert admits(tokenizer, tools, compact(TWO[0]))
     assert [c.name for c in parse_calls(tokenizer, tools, compact(TWO[0]))] == ["add"]
+
+
+def test_auto_parses_every_call_and_leaves_out_only_a_last_one_cut_off(tokenizer):
+    tools = tool_request(TOOLS)  # "auto"; the tiny llama has no tool markers: the fallback's
+    one, two = (f"<tool_call>{compact(t)}</tool_call>" for t in TWO)
+    assert [c.name for c in parse_calls(tokenizer, tools, one + "\n" + two)] == ["add", "echo"]
+    assert [c.name for c in parse_calls(tokenizer, tools, one + two[:-20])] == ["add"]
+    with pytest.raises(ValueError):  # a broken call before the last is an error, not dropped
+        parse_calls(tokenizer, tools, one[:-25] + "</tool_call>" + two)
+    one_only = tool_request(TOOLS, "auto", False)
+    assert [c.name for c in parse_calls(tokenizer, one_only, one + two)] == ["add"]

@@ -13,9 +13,10 @@ calls that must be made are valid by construction.
   call ends with `finish_reason` "stop", a required one with "tool_calls".
 - `auto`: free text until the family's tool-call opener (mlx-lm's `TokenizerWrapper` knows it),
   then, for families whose calls are that same JSON object (mlx-lm's `json_tools` format, and the
-  fallback), the same grammar for the call (a lazy grammar, as llama.cpp has); the request ends
-  when the call is complete. Other families' calls are decoded freely and parsed by their
-  mlx-lm parser.
+  fallback), the same grammar for the call (a lazy grammar, as llama.cpp has); with
+  `parallel_tool_calls` (the default) the grammar lets the call be closed and another opened,
+  else the request ends when the call is complete. Other families' calls are decoded freely and
+  parsed by their mlx-lm parser (the first kept without `parallel_tool_calls`).
 - `none`: tools are shown to the model but no call is parsed.
 """
 
@@ -211,14 +212,39 @@ def json_calls(tokenizer: Any) -> bool:
     return _parser(tokenizer) is json_tools.parse_tool_call
 
 
+def _marker_term(tokenizer: Any, marker: str) -> str:
+    """A marker in llguidance's Lark: its added token (by id) where it is one, else its text."""
+    ids = tokenizer.encode(marker, add_special_tokens=False)
+    if len(ids) == 1 and ll_tokenizer(tokenizer).is_special_token(ids[0]):
+        return f"<[{ids[0]}]>"
+    return json.dumps(marker)
+
+
+def calls_grammar(tokenizer: Any, tools: ToolRequest) -> str:
+    """The grammar after the opener in `auto`: one call; with `parallel_tool_calls`, further calls
+    each closed and the next opened (`</tool_call>`, an optional newline, `<tool_call>`) before
+    the answer ends."""
+    schema = call_schema(tools)
+    grammar = check_schema(schema)
+    opener, closer = markers(tokenizer)
+    if not (tools.parallel and closer):
+        return grammar
+    from llguidance import LLMatcher
+
+    sep = f'{_marker_term(tokenizer, closer)} "\\n"? {_marker_term(tokenizer, opener)}'
+    body = json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}})
+    return LLMatcher.grammar_from_lark(f"%llguidance {{}}\nstart: call ({sep} call)* "
+                                       f"{_marker_term(tokenizer, closer)}?\ncall: %json {body}\n")
+
+
 class LazyCallConstraint:
     """A logits processor that lets the model write freely until its text ends in the tool-call
-    opener, then constrains the call to `call_schema` (see the module docstring)."""
+    opener, then constrains the calls to `calls_grammar` (see the module docstring)."""
 
-    def __init__(self, tokenizer: Any, schema: dict[str, Any], prompt_length: int):
+    def __init__(self, tokenizer: Any, grammar: str, prompt_length: int):
         self.tokenizer = tokenizer
         self.opener = markers(tokenizer)[0]
-        self.grammar = check_schema(schema)
+        self.grammar = grammar
         self.prompt_length = prompt_length
         self.inner: JsonConstraint | None = None
 
@@ -236,7 +262,7 @@ def constraint(tokenizer: Any, tools: ToolRequest, prompt_length: int) -> Any:
     if tools.forced:
         return JsonConstraint(ll_tokenizer(tokenizer), check_schema(forced_schema(tools)), prompt_length)
     if tools.choice == "auto" and json_calls(tokenizer):
-        return LazyCallConstraint(tokenizer, call_schema(tools), prompt_length)
+        return LazyCallConstraint(tokenizer, calls_grammar(tokenizer, tools), prompt_length)
     return None
 
 
@@ -249,19 +275,26 @@ def _call(parsed: dict[str, Any]) -> ToolCall:
 
 
 def parse_calls(tokenizer: Any, tools: ToolRequest, text: str) -> list[ToolCall]:
-    """The calls in the tool channel's text (for `auto`, it starts with the opener); raises
-    ValueError when it holds no complete call (e.g. cut by max_tokens)."""
+    """The calls in the tool channel's text (for `auto`, it starts with the opener): all of them,
+    or the first without `parallel_tool_calls`; a last call cut off (by max_tokens) is left out.
+    Raises ValueError when the text holds no complete call."""
     if tools.forced:
         parsed = json.loads(text)
         return [_call(one) for one in (parsed if isinstance(parsed, list) else [parsed])]
     opener, closer = markers(tokenizer)
     parser = _parser(tokenizer)
     calls = []
-    for part in text.split(opener)[1:]:
+    parts = text.split(opener)[1:]
+    for i, part in enumerate(parts):
         body = part.split(closer)[0] if closer else part
-        parsed = parser(body, list(tools.tools))
+        try:
+            parsed = parser(body, list(tools.tools))
+        except Exception:  # noqa: BLE001 - the family's parser raises what it raises
+            if calls and i == len(parts) - 1 and not (closer and closer in part):
+                break  # the last call, unfinished
+            raise
         for one in parsed if isinstance(parsed, list) else [parsed]:
             calls.append(_call(one))
     if not calls:
         raise ValueError("no tool call in the answer")
-    return calls
+    return calls if tools.parallel else calls[:1]
