@@ -21,14 +21,23 @@ from tiny_models import tiny_llama, tiny_qwen3_5
 
 
 class CountingModel:
-    """The real model, recording the batch size of every call (to see that batching happens)."""
+    """The real model, recording the batch size of every call (to see that batching happens).
+    Every call first waits for `gate` (open unless a test clears it), so that a test can submit
+    all its requests before the next model call however slowly its threads run; with
+    `prefill_delay`, calls over more than one token take that much longer, so that a request
+    stays in prefill for a while."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, prefill_delay: float = 0.0):
+        self.model, self.prefill_delay = model, prefill_delay
+        self.gate = threading.Event()
+        self.gate.set()
         self.batch_sizes: list[int] = []
         self.shapes: list[tuple[int, ...]] = []
 
     def __call__(self, inputs, cache=None, **kwargs):
+        assert self.gate.wait(timeout=60)
+        if inputs.shape[1] > 1:
+            time.sleep(self.prefill_delay)
         self.batch_sizes.append(inputs.shape[0])
         self.shapes.append(tuple(inputs.shape))
         return self.model(inputs, cache=cache, **kwargs)
@@ -37,8 +46,8 @@ class CountingModel:
         return getattr(self.model, name)
 
 
-def counted(lm):
-    return dataclasses.replace(lm, model=CountingModel(lm.model))
+def counted(lm, **options):
+    return dataclasses.replace(lm, model=CountingModel(lm.model, **options))
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +109,9 @@ def test_overflow_is_refused_and_admitted_requests_match_running_alone(model, lm
     target = counted(base)
     engine = serve(target, max_running=4, max_queued=4, prefix_cache=False)
 
+    target.model.gate.clear()
     results = submit_at_once(engine, requests)
+    target.model.gate.set()
 
     refused = [r for r in results if isinstance(r, Overloaded)]
     admitted = [(i, r) for i, r in enumerate(results) if not isinstance(r, Overloaded)]
@@ -134,7 +145,9 @@ def test_cancel_anywhere_closes_every_request_and_frees_its_memory(llama, serve)
     decoding, in random order and at random depths: each one ends with one final event, memory
     returns to where it was, and the next request matches a fresh engine's."""
     rng = random.Random(5)
-    engine = serve(llama, max_running=2, max_queued=8, prefix_cache=False)
+    # Slow prefill chunks, so that a request polled into prefill is still there when cancelled.
+    engine = serve(counted(llama, prefill_delay=0.05), max_running=2, max_queued=8,
+                   prefix_cache=False)
     probe = dict(prompt_tokens=list(range(300, 340)))
     tokens(engine.submit(params=SamplingParams(max_tokens=4), **probe))  # warm up
     baseline = mx.get_active_memory()
@@ -191,12 +204,14 @@ class FaultyParams(SamplingParams):
 def test_a_fault_in_one_request_fails_only_that_one(where, llama, serve):
     target = counted(llama)
     engine = serve(target, max_running=4, prefix_cache=False)
+    target.model.gate.clear()  # all four are submitted before the first model call
     requests = [(dict(prompt_tokens=list(range(100 + 50 * i, 130 + 50 * i))),
                  params_for(i, 12)) for i in range(4)]
     # In decode it fails at its sixth draw, by when all four requests decode in one batch.
     faulty = FaultyParams(max_tokens=12, fault_at=6 if where == "decode" else 1)
     handles = [engine.submit(params=faulty if i == 1 else p, **prompt)
                for i, (prompt, p) in enumerate(requests)]
+    target.model.gate.set()
 
     for i, handle in enumerate(handles):
         events = list(handle.events(timeout=60))
@@ -219,12 +234,15 @@ def test_a_fault_in_one_request_fails_only_that_one(where, llama, serve):
 
 
 def test_states_and_timestamps_follow_the_lifecycle(llama, serve):
-    engine = serve(llama, max_running=1, max_queued=2)
+    target = counted(llama)
+    engine = serve(target, max_running=1, max_queued=2)
+    target.model.gate.clear()  # the first request cannot end before the third is cancelled
     first = engine.submit(prompt_tokens=list(range(100, 140)), params=SamplingParams(max_tokens=8))
     second = engine.submit(prompt_tokens=list(range(200, 240)), params=SamplingParams(max_tokens=5))
     third = engine.submit(prompt_tokens=list(range(300, 340)), params=SamplingParams(max_tokens=5))
     assert second.state == third.state == "queued"
     third.cancel()
+    target.model.gate.set()
     out = {h.id: list(h.events(timeout=60)) for h in (first, second, third)}
 
     assert [s for s, _ in third.transitions] == ["queued", "cancelled"]

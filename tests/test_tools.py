@@ -58,7 +58,8 @@ CHOICES = {"required": "required", "named": {"type": "function", "function": {"n
 @pytest.mark.parametrize("choice", CHOICES)
 def test_forced_calls_validate(client, choice):
     r = client.chat.completions.create(model="smollm2-135m-instruct", messages=ASK, tools=TOOLS,
-                                       tool_choice=CHOICES[choice], max_tokens=40)
+                                       tool_choice=CHOICES[choice], max_tokens=40,
+                                       temperature=0)
     c = r.choices[0]
     # As OpenAI: a named call ends with "stop"; required calls may be several (parallel calls).
     assert c.finish_reason == ("stop" if choice == "named" else "tool_calls"), c
@@ -75,7 +76,7 @@ def test_forced_calls_validate(client, choice):
 def test_forced_calls_validate_streamed(client, choice):
     stream = client.chat.completions.create(model="smollm2-135m-instruct", messages=ASK,
                                             tools=TOOLS, tool_choice=CHOICES[choice],
-                                            max_tokens=40, stream=True)
+                                            max_tokens=40, temperature=0, stream=True)
     calls, finish = streamed_calls(stream)
     assert finish == ("stop" if choice == "named" else "tool_calls")
     assert len(calls) == 1 if choice == "named" else len(calls) >= 1
