@@ -104,7 +104,7 @@ def main() -> None:
     if args.worker:
         worker(args.worker[0], args.tokens, args.worker[1])
         return
-    from tests.tiny_models import build_folder
+    from bench.shapes import build_folder
 
     folder = str(build_folder(SHAPE))
     env = {**os.environ, "PYTHONPATH": str(REPO)}

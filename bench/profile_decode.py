@@ -1,11 +1,15 @@
 """Where a decode step's time goes on our CPU kernels (bundled model, one token, warm KV cache).
 
-    python -m bench.profile_decode [--threads N] [--context 200]
+    python -m bench.profile_decode [--threads N] [--context 200] [--batch 1 4]
 
 CPU time (process_time) per token, so that load from other processes on a shared machine
 counts less: the whole step, the tied 8-bit output head alone, the fused layer ops alone
 (30 x attn_in + block_out on the same input and cache), and the rest (embedding, KV-cache updates, final
 norm, graph building and MLX's scheduling). Also the bytes of weights read per token.
+
+`--batch 1 4` also times whole decode steps of 1 and 4 rows over mlx-lm's BatchKVCache, as the
+scheduler batches concurrent streams: the sizes take turns, five rounds, wall and CPU ms per step
+(median [min-max]) and each size's wall time against the first; the context grows as it runs.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--batch", type=int, nargs="+", default=[], help="also time steps of these many rows")
     a = ap.parse_args(argv)
     os.environ["MLXCHAT_THREADS"] = str(a.threads)
 
@@ -79,6 +84,43 @@ def main(argv=None):
     rest = times["whole step"] - times["output head (8-bit, 49152 x 576)"] - times["30 layers: attn_in + block_out"]
     print(f"  {'rest (cache updates, graph, MLX)':<36} {rest:7.2f}")
     print(f"  weights {weights / 1e6:.0f} MB: {weights / times['whole step'] / 1e6:.1f} GB/s of CPU time")
+    if a.batch:
+        batched_steps(model, a.batch, a.context, a.steps)
+
+
+def batched_steps(model, sizes: list[int], context: int, steps: int, rounds: int = 5) -> None:
+    """Decode steps of each batch size in turn over BatchKVCache; prints ms per step."""
+    import statistics
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    runs = {}
+    for b in sizes:
+        cache = [BatchKVCache([0] * b) for _ in model.layers]
+        mx.eval(model(mx.array([list(range(100, 100 + context))] * b), cache=cache))
+        token = mx.array([[42]] * b)
+        runs[b] = lambda cache=cache, token=token: model(token, cache=cache)
+    wall: dict[int, list[float]] = {b: [] for b in sizes}
+    cpu: dict[int, list[float]] = {b: [] for b in sizes}
+    per_round = max(1, steps // rounds)
+    for _ in range(rounds):
+        for b, fn in runs.items():
+            mx.eval(fn())
+            w, c = time.perf_counter(), time.process_time()
+            for _ in range(per_round):
+                mx.eval(fn())
+            wall[b].append((time.perf_counter() - w) / per_round * 1e3)
+            cpu[b].append((time.process_time() - c) / per_round * 1e3)
+
+    def show(v: list[float]) -> str:
+        return f"{statistics.median(v):6.1f} [{min(v):.1f}-{max(v):.1f}]"
+
+    first = statistics.median(wall[sizes[0]])
+    print(f"batched steps over BatchKVCache ({rounds} rounds of {per_round}), ms per step:")
+    for b in sizes:
+        print(f"  b={b}: wall {show(wall[b])}  CPU {show(cpu[b])}  "
+              f"wall x{statistics.median(wall[b]) / first:.2f} of b={sizes[0]}")
 
 
 if __name__ == "__main__":

@@ -9,13 +9,20 @@ Speed runs need no text: prompts are token ids drawn directly (`prompt_ids`), an
 EOS, so every run decodes exactly the tokens it asks for. Both our engine and mlx-lm get the same
 tokenizer object, so neither side pays for detokenizing more than the other.
 
+`build_folder(config, seed)` writes a random-weight model as a real mlx-lm folder instead (with the
+bundled SmolLM2 tokenizer files), which `load_model` and `mlx_lm.server` load as they would a
+user's model; tests/tiny_models.py builds its tiny models with it.
+
     python -m bench.shapes            # list the shapes with their parameter counts
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -195,13 +202,18 @@ def _randomize(model: nn.Module, dtype: mx.Dtype, seed: int) -> None:
     model.update(tree_map(fill, model.parameters()))
 
 
-def build_module(shape: Shape, dtype: mx.Dtype = mx.bfloat16, seed: int = 0) -> nn.Module:
+def build_module(shape: Shape, dtype: mx.Dtype | None = mx.bfloat16, seed: int = 0) -> nn.Module:
+    """The mlx-lm model of `shape`, with N(0, 1/fan_in) weights in `dtype` or, with `dtype` None,
+    mlx-lm's own initialisation (fp32) under `mx.random.seed(seed)`."""
     from mlx_lm.utils import _get_classes
 
     config = copy.deepcopy(shape.config)
     model_class, args_class = _get_classes(config)
+    if dtype is None:
+        mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
-    _randomize(model, dtype, seed)
+    if dtype is not None:
+        _randomize(model, dtype, seed)
     if shape.bits:
         nn.quantize(model, group_size=shape.group_size, bits=shape.bits)
     mx.eval(model.parameters())
@@ -230,6 +242,34 @@ def build(name: str, dtype: mx.Dtype = mx.bfloat16, seed: int = 0):
     return LoadedModel(name=f"random:{name}", model=model, tokenizer=IdTokenizer(text["vocab_size"]),
                        config=config, path=Path(f"/nonexistent/random-{name}"),
                        extras={"shape": name, "weights_bytes": nbytes(model)})
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def build_folder(config: dict[str, Any], seed: int = 0, root: Path | None = None) -> Path:
+    """Write an mlx-lm folder with random weights for `config` (mlx-lm's own seeded
+    initialisation) and the bundled model's tokenizer files, under `root` (default: our cache).
+    The folder's name hashes the config and seed, so it is built once and reused."""
+    from engine.loading.registry import resolve
+    from engine.paths import cache_dir
+
+    key = hashlib.sha256(json.dumps([config, seed], sort_keys=True).encode()).hexdigest()[:12]
+    folder = (root or cache_dir() / "tiny-models") / f"{config['model_type']}-{key}"
+    if (folder / "model.safetensors").exists():
+        return folder
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model = build_module(Shape(folder.name, config), dtype=None, seed=seed)
+    mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    _, tokenizer_folder = resolve(None)  # the bundled model, converted once
+    for name in TOKENIZER_FILES:
+        if (tokenizer_folder / name).exists():
+            shutil.copy(tokenizer_folder / name, tmp / name)
+    tmp.rename(folder)
+    return folder
 
 
 def vocab_size(name: str) -> int:

@@ -11,6 +11,7 @@ from mlx_lm.utils import dequantize_model
 
 from engine import device
 from engine.kernels import cpu_layout
+from engine.kernels.fastest import fastest_layout
 from engine.loading import registry
 from engine.kernels.cpu_layout import MatvecEmbedding, MatvecLinear, fp32_bytes, to_cpu_layout
 
@@ -88,13 +89,13 @@ def test_layout_only_on_the_cpu_with_a_fast_blas(lm, monkeypatch):
     monkeypatch.setattr(device, "fast_blas_loaded", lambda: True)
     model, config = fresh(lm)
     assert cpu_layout.cpu_layout_wanted()[0]
-    assert MatvecLinear in kinds(registry._fastest_layout(model, config))
+    assert MatvecLinear in kinds(fastest_layout(model, config))
 
     monkeypatch.setattr(device, "fast_blas_loaded", lambda: False)
     model, config = fresh(lm)
     wanted, why = cpu_layout.cpu_layout_wanted()
     assert not wanted and "BLAS" in why
-    kept = kinds(registry._fastest_layout(model, config))
+    kept = kinds(fastest_layout(model, config))
     assert nn.QuantizedLinear in kept and MatvecLinear not in kept
 
     monkeypatch.setattr(device, "fast_blas_loaded", lambda: True)
@@ -103,7 +104,7 @@ def test_layout_only_on_the_cpu_with_a_fast_blas(lm, monkeypatch):
     model, config = fresh(lm)
     wanted, why = cpu_layout.cpu_layout_wanted()
     assert not wanted and "CPU" in why
-    kept = kinds(registry._fastest_layout(model, config))
+    kept = kinds(fastest_layout(model, config))
     assert nn.QuantizedLinear in kept and MatvecLinear not in kept
 
 
@@ -112,7 +113,7 @@ def test_layout_skipped_when_fp32_would_not_fit_in_memory(lm, monkeypatch):
     monkeypatch.setattr(device, "fast_blas_loaded", lambda: True)
     monkeypatch.setattr(device, "available_ram", lambda: 100 << 20)  # fp32 needs ~540 MB
     model, config = fresh(lm)
-    assert nn.QuantizedLinear in kinds(registry._fastest_layout(model, config))
+    assert nn.QuantizedLinear in kinds(fastest_layout(model, config))
 
 
 def test_the_model_runs_in_the_layout_when_the_kernels_are_off(monkeypatch):

@@ -205,6 +205,20 @@ def test_quantized_matmul_on_every_unit(kern, isa, bits, gs, rows):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("int8", [False, True])
+def test_each_row_of_a_multi_row_product_equals_that_row_alone(kern, isa, bits, int8):
+    """Batched decoding equals solo decoding only if the 2-8 row kernels sum each row exactly
+    as the 1-row kernel does: bit for bit, on each unit, odd output counts included."""
+    w, s, b = quantized(203, 576, bits, 32, seed=11)
+    x = mx.random.normal((8, 576))
+    alone = mx.concatenate([kern.quantized_matmul(x[i:i + 1], w, s, b, 32, bits, int8=int8)
+                            for i in range(8)])
+    for rows in range(2, 9):
+        batched = kern.quantized_matmul(x[:rows], w, s, b, 32, bits, int8=int8)
+        assert mx.array_equal(batched, alone[:rows]).item(), (rows, mx.abs(batched - alone[:rows]).max().item())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("gs", [32, 64, 128])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_int8_activation_matmul_matches_its_reference(kern, bits, gs, rows):

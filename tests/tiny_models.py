@@ -1,8 +1,9 @@
 """Tiny random-weight mlx-lm models for tests and benchmarks.
 
-Each model is written as a real mlx-lm folder (config.json, model.safetensors and the bundled
-SmolLM2 tokenizer files, so chat templates work) and loaded through `engine.loading.registry.load_model`,
-exactly as a user's model would be. The same folder can be served by `mlx_lm.server`.
+Each model is written as a real mlx-lm folder by `bench.shapes.build_folder` (config.json,
+model.safetensors and the bundled SmolLM2 tokenizer files, so chat templates work) and loaded
+through `engine.loading.registry.load_model`, exactly as a user's model would be. The same folder
+can be served by `mlx_lm.server`.
 
 Weights are random but seeded, and the folder name is derived from the config and seed, so a
 folder is built once per cache directory and reused.
@@ -18,15 +19,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-from mlx.utils import tree_flatten
-from mlx_lm.utils import _get_classes
-
-from engine.paths import cache_dir
-from engine.loading.registry import LoadedModel, load_model, resolve
+from bench.shapes import build_folder
+from engine.loading.registry import LoadedModel, load_model
 
 VOCAB = 49152  # the bundled SmolLM2 tokenizer's vocabulary
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 LLAMA = {
     "model_type": "llama",
@@ -82,29 +78,6 @@ QWEN3_NEXT = {
     "rope_theta": 10000.0,
     "partial_rotary_factor": 0.25,
 }
-
-
-def build_folder(config: dict[str, Any], seed: int = 0, root: Path | None = None) -> Path:
-    """Write an mlx-lm folder with random weights for `config` (once; later calls reuse it)."""
-    key = hashlib.sha256(json.dumps([config, seed], sort_keys=True).encode()).hexdigest()[:12]
-    folder = (root or cache_dir() / "tiny-models") / f"{config['model_type']}-{key}"
-    if (folder / "model.safetensors").exists():
-        return folder
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model_class, args_class = _get_classes(config)
-    mx.random.seed(seed)
-    model = model_class(args_class.from_dict(config))
-    weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(str(tmp / "model.safetensors"), weights)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    _, tokenizer_folder = resolve(None)  # the bundled model, converted once
-    for name in TOKENIZER_FILES:
-        if (tokenizer_folder / name).exists():
-            shutil.copy(tokenizer_folder / name, tmp / name)
-    tmp.rename(folder)
-    return folder
 
 
 def tiny_model(config: dict[str, Any], seed: int = 0, root: Path | None = None) -> LoadedModel:

@@ -20,6 +20,7 @@ from ..errors import ModelLoadError
 from .gguf import convert_gguf
 from .hub import hub_cache_dir
 from .memory import shortfall, weight_files_bytes
+from ..kernels.fastest import fastest_layout
 from ..kernels.gated_delta import use_chunked_prefill
 from ..paths import cache_dir
 
@@ -167,37 +168,6 @@ def resolve(name: str | None) -> tuple[str, Path]:
 Transform = Callable[[nn.Module], nn.Module]
 
 
-def _fastest_layout(model: nn.Module, config: dict[str, Any]) -> nn.Module:
-    """On the CPU, run a quantized model on our kernels (engine/kernels/layout.py); where they
-    cannot load, or for a dense model, with an optimised BLAS, in engine/kernels/cpu_layout.py's layout: fp32
-    weights (dequantized where quantized) with one-token matmuls written as W @ x.
-
-    MLX's CPU kernels for quantized and half-precision matmuls are single-threaded and slow; fp32
-    matmuls go to BLAS. Measured on the bundled model (bench/decode.py, 2 cores, OpenBLAS): prefill
-    ~16x and decode ~1.7x mlx-lm on the Q4 weights, greedy tokens identical. Without a fast BLAS fp32
-    is slower, and on a GPU the model stays as loaded. A model whose fp32 weights would take more
-    than half of the free RAM also stays as loaded.
-    """
-    from ..kernels.cpu_layout import cpu_layout_wanted, fp32_bytes, to_cpu_layout
-    from ..kernels.layout import kernel_layout_wanted, to_kernel_layout
-    from ..device import available_ram
-
-    wanted, why = kernel_layout_wanted(model)  # our CPU kernels, weights kept quantized
-    if wanted:
-        return to_kernel_layout(model)
-    wanted, why = cpu_layout_wanted()
-    if not wanted:
-        if "quantization" in config:
-            log.info("keeping quantized weights: %s", why)
-        return model
-    need, limit = fp32_bytes(model), available_ram() // 2
-    if need > limit:
-        log.warning("keeping the weights as loaded: fp32 would take %.1f GB, over half of the free "
-                    "RAM (%.1f GB); expect slow CPU matmuls", need / 1e9, limit / 1e9)
-        return model
-    return to_cpu_layout(model)
-
-
 def load_model(name: str | None = None, *, fallback_to_default: bool = False,
                transform: Transform | None = None,
                group: mx.distributed.Group | None = None) -> LoadedModel:
@@ -232,7 +202,7 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
     if transform is not None:  # first: the layout below takes the layers the transform leaves
         model = transform(model)
     if group is None:
-        model = _fastest_layout(model, config)
+        model = fastest_layout(model, config)
     use_chunked_prefill(model)  # Qwen3.5 / Qwen3-Next: chunked linear-attention prefill
     # Materialise the weights here: lazy arrays belong to this thread's MLX stream, and the
     # scheduler thread that runs the model cannot evaluate them.

@@ -112,12 +112,12 @@ struct Vec {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     return {_mm512_fmadd_ps(iota, _mm512_set1_ps(s), _mm512_set1_ps(b))};
   }
-  // 2n 4-bit weights from n bytes: the even elements into lo, the odd ones into hi.
+  // 2n 4-bit weights from n bytes: the even elements into lo, the odd ones into hi. The
+  // permute reads only an index's low 4 bits, so one widening of the bytes serves both nibbles.
   static void nibbles(const Group4& g, const uint8_t* p, F& lo, F& hi) {
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    lo = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, m4)), g.lut);
-    hi = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), m4)), g.lut);
+    const __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm512_permutexvar_ps(raw, g.lut);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4), g.lut);
   }
   // 2n 4-bit codes from n bytes, in their natural order, as floats: a = first n, b = next n.
   static void codes4(const uint8_t* p, F& a, F& b) {

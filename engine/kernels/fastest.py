@@ -1,0 +1,41 @@
+"""Which compute layout a freshly loaded model takes on this machine (engine/loading runs it)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import mlx.nn as nn
+
+from .. import device
+
+log = logging.getLogger(__name__)
+
+
+def fastest_layout(model: nn.Module, config: dict[str, Any]) -> nn.Module:
+    """On the CPU, run a quantized model on our kernels (layout.py); where they cannot load, or
+    for a dense model, with an optimised BLAS, in cpu_layout.py's layout: fp32 weights
+    (dequantized where quantized) with one-token matmuls written as W @ x.
+
+    MLX's CPU kernels for quantized and half-precision matmuls are single-threaded and slow; fp32
+    matmuls go to BLAS. Without a fast BLAS fp32 is slower, and on a GPU the model stays as
+    loaded. A model whose fp32 weights would take more than half of the free RAM also stays as
+    loaded. `config` is the model's config.json (its "quantization" entry says it is quantized).
+    """
+    from .cpu_layout import cpu_layout_wanted, fp32_bytes, to_cpu_layout
+    from .layout import kernel_layout_wanted, to_kernel_layout
+
+    wanted, why = kernel_layout_wanted(model)  # our CPU kernels, weights kept quantized
+    if wanted:
+        return to_kernel_layout(model)
+    wanted, why = cpu_layout_wanted()
+    if not wanted:
+        if "quantization" in config:
+            log.info("keeping quantized weights: %s", why)
+        return model
+    need, limit = fp32_bytes(model), device.available_ram() // 2
+    if need > limit:
+        log.warning("keeping the weights as loaded: fp32 would take %.1f GB, over half of the free "
+                    "RAM (%.1f GB); expect slow CPU matmuls", need / 1e9, limit / 1e9)
+        return model
+    return to_cpu_layout(model)
