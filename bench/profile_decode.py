@@ -10,6 +10,9 @@ norm, graph building and MLX's scheduling). Also the bytes of weights read per t
 `--batch 1 4` also times whole decode steps of 1 and 4 rows over mlx-lm's BatchKVCache, as the
 scheduler batches concurrent streams: the sizes take turns, five rounds, wall and CPU ms per step
 (median [min-max]) and each size's wall time against the first; the context grows as it runs.
+Then the same step's parts at each size, each evaluated on its own (wall ms, median): the
+output head, the 30 layers' attn_in, block_out and, inside block_out, the attention alone, the
+30 KV-cache updates, the mask; what grows most with the rows shows there.
 """
 from __future__ import annotations
 
@@ -121,6 +124,78 @@ def batched_steps(model, sizes: list[int], context: int, steps: int, rounds: int
     for b in sizes:
         print(f"  b={b}: wall {show(wall[b])}  CPU {show(cpu[b])}  "
               f"wall x{statistics.median(wall[b]) / first:.2f} of b={sizes[0]}")
+    parts = {b: step_parts(model, b, context, steps) for b in sizes}
+    print("parts of a batched step, each alone, wall ms (median):")
+    print(f"  {'part':<34}" + "".join(f"{'b=' + str(b):>9}" for b in sizes))
+    for name in parts[sizes[0]]:
+        print(f"  {name:<34}" + "".join(f"{parts[b][name]:9.2f}" for b in sizes))
+
+
+def step_parts(model, b: int, context: int, steps: int) -> dict[str, float]:
+    """Wall ms (median of `steps`) of each part of a `b`-row decode step over BatchKVCache."""
+    import statistics
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    from engine.kernels import native
+    from engine.kernels.layout import quantized_product
+
+    kernels, inner = native.kernels(), model.model
+    cache = [BatchKVCache([0] * b) for _ in model.layers]
+    mx.eval(model(mx.array([list(range(100, 100 + context))] * b), cache=cache))
+    h = inner.embed_tokens(mx.array([[42]] * b))
+    mx.eval(h)
+
+    def qw(m):
+        return m["weight"], m["scales"], m["biases"], m.group_size, m.bits
+
+    def attn_in(layer, c):
+        a, n, r = layer.self_attn, layer.input_layernorm, layer.self_attn.rope
+        return kernels.attn_in(h, n.weight, n.eps, qw(a.q_proj), qw(a.k_proj), qw(a.v_proj),
+                               a.n_heads, a.n_kv_heads, r.dims, r.traditional, r.base, r.scale, 0,
+                               offsets=c.offset)
+
+    qs = [attn_in(layer, c)[0] for layer, c in zip(inner.layers, cache)]
+    kv = mx.zeros((b, model.layers[0].self_attn.n_kv_heads, 1, qs[0].shape[-1]))
+    mx.eval(qs, kv)
+
+    def block_out(layer, c, q):
+        a, m, n = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+        k, v = c.keys_and_values()
+        return kernels.block_out(h, q, k, v, a.scale, qw(a.o_proj), n.weight, n.eps,
+                                 qw(m.gate_proj), qw(m.up_proj), qw(m.down_proj),
+                                 starts=c.left_padding)
+
+    def updates():
+        out = [c.update_and_fetch(kv, kv) for c in cache]
+        for c in cache:
+            c.trim(1)
+        return out
+
+    layers = list(zip(inner.layers, cache, qs))
+    parts = {
+        "output head (norm + 8-bit head)": lambda: quantized_product(inner.embed_tokens, inner.norm(h)),
+        "30 x attn_in (norm, q/k/v, RoPE)": lambda: [attn_in(la, c) for la, c, _ in layers],
+        "30 x block_out (attention .. MLP)": lambda: [block_out(*x) for x in layers],
+        "  of which 30 x attention": lambda: [kernels.decode_attention(q, *c.keys_and_values(),
+                                                                     la.self_attn.scale,
+                                                                     starts=c.left_padding)
+                                              for la, c, q in layers],
+        "30 x KV-cache update": updates,
+        "mask": lambda: cache[0].make_mask(1),
+    }
+    times = {}
+    for name, fn in parts.items():
+        for _ in range(3):
+            mx.eval(fn())
+        runs = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            mx.eval(fn())
+            runs.append(time.perf_counter() - t)
+        times[name] = statistics.median(runs) * 1e3
+    return times
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@
 // fp32: sum_k x_k w_k = s_g * sum_blocks d_j * (sum_k qx_k q_k) + b_g * sum_k x_k.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "common.h"
@@ -236,6 +237,45 @@ void axpy(float a, const float* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
+// One head's attention with D = NV vectors: q and the running output stay in registers, the
+// same operations in the same order as dot() per key and axpy() per value.
+template <int NV>
+void attend_nv(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t t0,
+               int64_t S, float* sc, float* y) {
+  typename Vec::F qv[NV], acc[NV];
+  for (int i = 0; i < NV; ++i) {
+    qv[i] = Vec::load(q + i * Vec::n);
+    acc[i] = Vec::zero();
+  }
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t t = t0; t < S; ++t) {
+    const float* kr = k + t * ks;
+    auto d = Vec::zero();
+    for (int i = 0; i < NV; ++i) d = Vec::fma(qv[i], Vec::load(kr + i * Vec::n), d);
+    sc[t] = Vec::sum(d);
+    top = std::max(top, sc[t]);
+  }
+  float sum = 0;
+  for (int64_t t = t0; t < S; ++t) sum += (sc[t] = std::exp(sc[t] - top));
+  const float inv = 1.0f / sum;
+  for (int64_t t = t0; t < S; ++t) {
+    const auto a = Vec::set1(sc[t] * inv);
+    const float* vr = v + t * vs;
+    for (int i = 0; i < NV; ++i) acc[i] = Vec::fma(a, Vec::load(vr + i * Vec::n), acc[i]);
+  }
+  for (int i = 0; i < NV; ++i) Vec::store(y + i * Vec::n, acc[i]);
+}
+
+bool attend(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t t0,
+            int64_t S, int64_t D, float* sc, float* y) {
+  switch (D) {
+    case 2 * Vec::n: attend_nv<2>(q, k, ks, v, vs, t0, S, sc, y); return true;
+    case 4 * Vec::n: attend_nv<4>(q, k, ks, v, vs, t0, S, sc, y); return true;
+    case 8 * Vec::n: attend_nv<8>(q, k, ks, v, vs, t0, S, sc, y); return true;
+    default: return false;
+  }
+}
+
 // ---- int8 activations: one 32-element block per 256-bit integer dot product. The weights'
 // codes enter centred (q - 8 for 4 bits, q - 128 for 8), which halves the error the int8
 // rounding of x brings; the centre moves into the bias (b + 8s or b + 128s), which multiplies
@@ -382,6 +422,11 @@ void axpy(float a, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+bool attend(const float*, const float*, int64_t, const float*, int64_t, int64_t, int64_t, int64_t,
+            float*, float*) {
+  return false;  // the caller's dot/axpy loop
+}
+
 #endif
 
 void prep_x(const QMat& W, const float* x, int M, float* xp) {
@@ -509,7 +554,7 @@ void qmv_rows_q8(const QMat& W, const Q8Rows& X, int M, int64_t n0, int64_t n1, 
   }
 }
 
-const Impl kImpl{kName, prep_x, qmv_rows, prep_x8, qmv_rows_q8, dequant_rows, dot, axpy};
+const Impl kImpl{kName, prep_x, qmv_rows, prep_x8, qmv_rows_q8, dequant_rows, dot, axpy, attend};
 
 }  // namespace
 

@@ -156,11 +156,11 @@ struct RopeParams {
   float base, scale;
 };
 
-// Rows of D floats; row r sits at position offset + r % L. The same fp32 steps as MLX's rope.
-void rope_rows(const float* x, float* y, int64_t rows, int64_t L, int64_t D, const RopeParams& p,
-               int offset) {
+// cos and sin of positions offset + t (t < L) at each of the dims / 2 frequencies: cs and sn
+// (L * dims / 2 floats each, position-major). The same fp32 steps as MLX's rope.
+void rope_table(const RopeParams& p, int64_t L, int offset, float* cs, float* sn) {
   const int half = p.dims / 2;
-  std::vector<float> inv(half), cs(size_t(L) * half), sn(size_t(L) * half);
+  std::vector<float> inv(half);
   const float step = float(std::log(double(p.base)) / half);
   for (int i = 0; i < half; ++i) inv[i] = std::exp(float(-i) * step);
   for (int64_t t = 0; t < L; ++t) {
@@ -171,11 +171,17 @@ void rope_rows(const float* x, float* y, int64_t rows, int64_t L, int64_t D, con
       sn[t * half + i] = std::sin(th);
     }
   }
+}
+
+// Rows of D floats; row r takes the table's position r % L.
+void rope_apply(const float* x, float* y, int64_t rows, int64_t L, int64_t D, const RopeParams& p,
+                const float* cs, const float* sn) {
+  const int half = p.dims / 2;
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * D;
     float* yr = y + r * D;
-    const float* c = cs.data() + (r % L) * half;
-    const float* s = sn.data() + (r % L) * half;
+    const float* c = cs + (r % L) * half;
+    const float* s = sn + (r % L) * half;
     for (int i = 0; i < half; ++i) {
       const int64_t a = p.trad ? 2 * i : i, b = p.trad ? 2 * i + 1 : i + half;
       const float x1 = xr[a], x2 = xr[b];
@@ -186,12 +192,26 @@ void rope_rows(const float* x, float* y, int64_t rows, int64_t L, int64_t D, con
   }
 }
 
-// Rows of D floats in B groups of `per` rows (one position each); group b sits at position
-// offsets[b] (a batched cache's per-row offsets).
-void rope_rows_at(const float* x, float* y, int64_t B, int64_t per, int64_t D, const RopeParams& p,
-                  const int32_t* offsets) {
-  for (int64_t b = 0; b < B; ++b)
-    rope_rows(x + b * per * D, y + b * per * D, per, 1, D, p, offsets[b]);
+// Rows of D floats; row r sits at position offset + r % L.
+void rope_rows(const float* x, float* y, int64_t rows, int64_t L, int64_t D, const RopeParams& p,
+               int offset) {
+  const int half = p.dims / 2;
+  std::vector<float> cs(size_t(L) * half), sn(size_t(L) * half);
+  rope_table(p, L, offset, cs.data(), sn.data());
+  rope_apply(x, y, rows, L, D, p, cs.data(), sn.data());
+}
+
+// q and k of B batch rows, `hq` and `hk` heads of D floats each; batch row b sits at position
+// offsets[b] (a batched cache's per-row offsets). One table per row serves its q and k.
+void rope_qk_at(const float* q, float* qy, int64_t hq, const float* k, float* ky, int64_t hk,
+                int64_t B, int64_t D, const RopeParams& p, const int32_t* offsets) {
+  const int half = p.dims / 2;
+  std::vector<float> cs(half), sn(half);
+  for (int64_t b = 0; b < B; ++b) {
+    rope_table(p, 1, offsets[b], cs.data(), sn.data());
+    rope_apply(q + b * hq * D, qy + b * hq * D, hq, 1, D, p, cs.data(), sn.data());
+    rope_apply(k + b * hk * D, ky + b * hk * D, hk, 1, D, p, cs.data(), sn.data());
+  }
 }
 
 // K or V as (base pointer, strides of batch, head, position); last-axis stride 1.
@@ -231,6 +251,7 @@ void attention(const float* q, const KV& k, const KV& v, int64_t B, int64_t H, i
     for (int64_t i = 0; i < D; ++i) qs[i] = q[bh * D + i] * scale;
     const float* kb = k.p + b * k.st[0] + hk * k.st[1];
     const float* vb = v.p + b * v.st[0] + hk * v.st[1];
+    if (I->attend(qs.data(), kb, k.st[2], vb, v.st[2], t0, S, D, sc.data(), yr)) return;
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t t = t0; t < S; ++t) {
       sc[t] = I->dot(qs.data(), kb + t * k.st[2], D);
@@ -636,8 +657,8 @@ class AttnIn : public mx::Primitive {
       if (offsets) {  // per-row positions: row b's heads at offsets[b]
         std::vector<int32_t> to;
         const int32_t* offs = contiguous_as<int32_t>(ins[11], to);
-        rope_rows_at(qt.data(), os[0].data<float>(), B, os[0].shape(1), D, rope, offs);
-        rope_rows_at(kt.data(), os[1].data<float>(), B, os[1].shape(1), D, rope, offs);
+        rope_qk_at(qt.data(), os[0].data<float>(), os[0].shape(1), kt.data(), os[1].data<float>(),
+                   os[1].shape(1), B, D, rope, offs);
       } else {
         rope_rows(qt.data(), os[0].data<float>(), int64_t(qt.size()) / D, 1, D, rope, offset);
         rope_rows(kt.data(), os[1].data<float>(), int64_t(kt.size()) / D, 1, D, rope, offset);
