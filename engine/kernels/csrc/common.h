@@ -79,7 +79,7 @@ struct Impl {
   // One head's single-query attention over keys t0..S-1 (t0 < S): q (D floats, already scaled),
   // key t at k + t * ks, value t at v + t * vs; y (D floats) = the softmax-weighted sum of the
   // values; sc: S floats of scratch. The same arithmetic as dot() and axpy() per key, with q
-  // and y kept in registers; false where this unit has no such kernel for D.
+  // and y kept in registers and a vectorized exp; false where this unit has no such kernel for D.
   bool (*attend)(const float* q, const float* k, int64_t ks, const float* v, int64_t vs,
                  int64_t t0, int64_t S, int64_t D, float* sc, float* y);
 };

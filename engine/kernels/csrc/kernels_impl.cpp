@@ -103,6 +103,14 @@ struct Vec {
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static float sum(F a) { return _mm512_reduce_add_ps(a); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
+  static F round(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F pow2(F n) {  // 2^n for whole n in [-126, 127]
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
   static F u8(const uint8_t* p) {  // n bytes -> n floats
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
@@ -142,6 +150,14 @@ struct Vec {
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static float sum(F v) { return hsum256(v); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a * b
+  static F round(F a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F pow2(F n) {  // 2^n for whole n in [-126, 127]
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
   static F u8(const uint8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
@@ -237,8 +253,27 @@ void axpy(float a, const float* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
-// One head's attention with D = NV vectors: q and the running output stay in registers, the
-// same operations in the same order as dot() per key and axpy() per value.
+// exp(x) for x <= 0 (softmax terms), within a few ulp of std::exp: x = n ln2 + r with |r| <= ln2/2,
+// Cephes's degree-6 polynomial for exp(r), times 2^n; below -87.3 (where exp underflows) it
+// gives exp(-87.3), about 1e-38.
+inline Vec::F exp_neg(Vec::F x) {
+  x = Vec::max(x, Vec::set1(-87.33654f));
+  const auto n = Vec::round(Vec::mul(x, Vec::set1(1.44269504088896341f)));
+  auto r = Vec::fnma(n, Vec::set1(0.693359375f), x);
+  r = Vec::fnma(n, Vec::set1(-2.12194440e-4f), r);
+  auto p = Vec::set1(1.9875691500e-4f);
+  p = Vec::fma(p, r, Vec::set1(1.3981999507e-3f));
+  p = Vec::fma(p, r, Vec::set1(8.3334519073e-3f));
+  p = Vec::fma(p, r, Vec::set1(4.1665795894e-2f));
+  p = Vec::fma(p, r, Vec::set1(1.6666665459e-1f));
+  p = Vec::fma(p, r, Vec::set1(5.0000001201e-1f));
+  const auto y = Vec::add(Vec::fma(Vec::mul(p, r), r, r), Vec::set1(1.0f));
+  return Vec::mul(y, Vec::pow2(n));
+}
+
+// One head's attention with D = NV vectors: q and the running output stay in registers; the
+// same operations in the same order as dot() per key and axpy() per value; exp over a vector
+// of keys at a time.
 template <int NV>
 void attend_nv(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t t0,
                int64_t S, float* sc, float* y) {
@@ -255,8 +290,22 @@ void attend_nv(const float* q, const float* k, int64_t ks, const float* v, int64
     sc[t] = Vec::sum(d);
     top = std::max(top, sc[t]);
   }
-  float sum = 0;
-  for (int64_t t = t0; t < S; ++t) sum += (sc[t] = std::exp(sc[t] - top));
+  const auto vtop = Vec::set1(top);
+  auto vsum = Vec::zero();
+  int64_t t = t0;
+  for (; t + Vec::n <= S; t += Vec::n) {
+    const auto e = exp_neg(Vec::sub(Vec::load(sc + t), vtop));
+    Vec::store(sc + t, e);
+    vsum = Vec::add(vsum, e);
+  }
+  float sum = Vec::sum(vsum);
+  if (t < S) {  // the last keys, through a padded block
+    float tail[Vec::n];
+    std::fill(tail, tail + Vec::n, top);
+    std::copy(sc + t, sc + S, tail);
+    Vec::store(tail, exp_neg(Vec::sub(Vec::load(tail), vtop)));
+    for (int64_t j = t; j < S; ++j) sum += (sc[j] = tail[j - t]);
+  }
   const float inv = 1.0f / sum;
   for (int64_t t = t0; t < S; ++t) {
     const auto a = Vec::set1(sc[t] * inv);
