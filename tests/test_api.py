@@ -73,6 +73,17 @@ def test_health_and_models(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_models_retrieve_and_created(client):
+    listed = client.models.list().data[0]
+    one = client.models.retrieve(MODEL)
+    assert one.model_dump() == listed.model_dump()
+    assert one.id == MODEL and one.object == "model"
+    assert 1_500_000_000 < one.created <= time.time()  # a real Unix time, not 0
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("no-such-model")
+    assert err.value.body["code"] == "model_not_found" and "no-such-model" in err.value.body["message"]
+
+
 def test_openai_client_round_trip(client):
     r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, temperature=0)
     choice = r.choices[0]
