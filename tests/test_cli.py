@@ -18,7 +18,13 @@ def run(*args: str, input: str | None = None, env: dict | None = None) -> subpro
 def test_every_command_has_help(command):
     result = run(*command, "--help")
     assert result.returncode == 0
-    assert "Usage:" in result.stdout
+    assert result.stdout.startswith(" ".join(["Usage: mlxchat", *command]))
+
+
+def test_usage_errors_name_the_command():
+    result = run("generate", "--no-such-flag")
+    assert result.returncode == 2
+    assert "Usage: mlxchat generate" in result.stderr and "app.cli" not in result.stderr
 
 
 def test_generate_streams_the_answer(lm):
