@@ -23,7 +23,7 @@ from .security import api_error
 from .sse import sse
 
 _FIELDS = {"model", "prompt", "stream", "stream_options", "stop", "n", "logprobs", "logit_bias",
-           "echo", "user", "suffix", "presence_penalty", "frequency_penalty"} | set(_SAMPLING)
+           "user", "presence_penalty", "frequency_penalty"} | set(_SAMPLING)
 LEGACY_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 
 
@@ -42,8 +42,7 @@ def _legacy_logprobs(entries: list[TokenLogprob], wanted: bool) -> dict[str, Any
 def parse(body: Any, model_name: str) -> tuple[str, SamplingParams, int, bool, bool]:
     """(prompt, params, n, stream, include_usage) of a `/v1/completions` body."""
     check_fields(body, _FIELDS)
-    for name, neutral in (("echo", False), ("suffix", None), ("presence_penalty", 0),
-                          ("frequency_penalty", 0)):
+    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0)):
         if body.get(name) not in (None, neutral):
             raise ApiError(400, f"'{name}' is not supported", name, "unsupported_parameter")
     model = _typed(body, "model", str)
