@@ -163,3 +163,19 @@ def test_unknown_fields_are_still_refused(client):
         with pytest.raises(openai.BadRequestError) as err:
             create(model=MODEL, max_tokens=1, extra_body={"frobnicate": True}, **kwargs)
         assert err.value.body["code"] == "unknown_parameter" and err.value.body["param"] == "frobnicate"
+
+
+def test_legacy_completions_take_every_single_prompt_form(lm, client):
+    text = "The capital of France is"
+    tokens = lm.tokenizer.encode(text)
+    expected = client.completions.create(model=MODEL, prompt=text, max_tokens=3, temperature=0)
+    for prompt in ([text], tokens, [tokens]):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+        assert r.choices[0].text == expected.choices[0].text, prompt
+        assert r.usage.prompt_tokens == len(tokens)
+    for prompt in (["one", "two"], [tokens, tokens], [], [1, "x"], [[]]):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        assert err.value.body["param"] == "prompt"
+        if len(prompt) == 2 and prompt[0] != 1:
+            assert "one prompt per request" in err.value.body["message"]
