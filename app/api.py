@@ -25,7 +25,7 @@ from .api_choices import (MAX_CHOICES, collect_choices, logprobs_body, merged, m
                           start_choices, system_fingerprint, tool_call_deltas, total_usage,
                           tracked)
 from .api_errors import ApiError, check_fields
-from .api_models import local_models, use_model
+from .api_models import find_model, local_models, model_object, use_model
 from .api_tools import tool_fields
 from .context import TRUNCATE_MODES, drop_oldest
 from .runs import Runs
@@ -402,9 +402,17 @@ async def health(request: Request) -> JSONResponse:
 
 async def list_models(request: Request) -> JSONResponse:
     """Every local model, the loaded one first: a request naming any of them loads it."""
-    data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "mlxchat"}
-            for m in local_models(request.app.state.engine)]
+    data = [model_object(m) for m in local_models(request.app.state.engine)]
     return JSONResponse({"object": "list", "data": data})
+
+
+async def retrieve_model(request: Request) -> JSONResponse:
+    """One local model, as OpenAI's `models.retrieve` asks for it."""
+    try:
+        model = find_model(request.app.state.engine, request.path_params["model"])
+    except ApiError as exc:
+        return exc.response()
+    return JSONResponse(model_object(model))
 
 
 def public_error(message: str | None) -> str:
@@ -550,5 +558,6 @@ async def _sse(request: Request, runs: Runs, handles: list[RequestHandle], meta:
 routes = [
     Route("/health", health),
     Route("/v1/models", list_models),
+    Route("/v1/models/{model:path}", retrieve_model),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
 ]

@@ -23,7 +23,7 @@ from .security import api_error
 from .sse import sse
 
 _FIELDS = {"model", "prompt", "stream", "stream_options", "stop", "n", "logprobs", "logit_bias",
-           "echo", "user", "suffix", "presence_penalty", "frequency_penalty"} | set(_SAMPLING)
+           "user", "presence_penalty", "frequency_penalty"} | set(_SAMPLING)
 LEGACY_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 
 
@@ -39,22 +39,37 @@ def _legacy_logprobs(entries: list[TokenLogprob], wanted: bool) -> dict[str, Any
             "text_offset": offsets}
 
 
-def parse(body: Any, model_name: str) -> tuple[str, SamplingParams, int, bool, bool]:
-    """(prompt, params, n, stream, include_usage) of a `/v1/completions` body."""
+def _is_tokens(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompt(prompt: Any) -> str | list[int]:
+    """The one prompt of a request, as text or token ids; OpenAI's forms are a string, token ids,
+    or an array of either (one prompt per completion: here, one per request)."""
+    if isinstance(prompt, list) and prompt and not _is_tokens(prompt) and \
+            all(isinstance(p, str) or _is_tokens(p) for p in prompt):
+        if len(prompt) > 1:
+            raise ApiError(400, f"'prompt' holds {len(prompt)} prompts; send one prompt per "
+                                "request", "prompt", "invalid_value")
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt or _is_tokens(prompt):
+        return prompt
+    raise ApiError(400, "'prompt' must be a non-empty string or an array of token ids",
+                   "prompt", "invalid_value")
+
+
+def parse(body: Any, model_name: str) -> tuple[str | list[int], SamplingParams, int, bool, bool]:
+    """(prompt as text or token ids, params, n, stream, include_usage) of a `/v1/completions` body."""
     check_fields(body, _FIELDS)
-    for name, neutral in (("echo", False), ("suffix", None), ("presence_penalty", 0),
-                          ("frequency_penalty", 0)):
+    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0)):
         if body.get(name) not in (None, neutral):
             raise ApiError(400, f"'{name}' is not supported", name, "unsupported_parameter")
     model = _typed(body, "model", str)
     if model is not None and model != model_name:
         raise ApiError(404, f"The model '{model}' does not exist or is not loaded "
                             f"(this server runs '{model_name}')", "model", "model_not_found")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise ApiError(400, "'prompt' must be a non-empty string", "prompt", "invalid_value")
+    prompt = _prompt(body.get("prompt"))
     sampling = {k: v for k, kind in _SAMPLING.items() if (v := _typed(body, k, kind)) is not None}
     sampling.setdefault("max_tokens", LEGACY_MAX_TOKENS)
     stop = body.get("stop")
@@ -100,7 +115,8 @@ async def completions(request: Request) -> Response:
             parse(body, wanted)  # a bad request loads nothing
             await use_model(request, wanted)
         prompt, params, n, stream, include_usage = parse(body, engine.model_name)
-        handles = await submit_choices(engine, None, params, n, None, text=prompt)
+        handles = await submit_choices(engine, None, params, n, None, **(
+            {"text": prompt} if isinstance(prompt, str) else {"prompt_tokens": prompt}))
     except ApiError as err:
         return err.response()
     meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",

@@ -1,10 +1,13 @@
 """The API's refusals: an HTTP status with an error in the OpenAI format."""
 
+from collections.abc import Callable
 from typing import Any
 
-from starlette.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from .security import api_error
+from .security import api_error, is_api_path
 
 
 class ApiError(Exception):
@@ -19,12 +22,54 @@ class ApiError(Exception):
         return api_error(self.status, self.message, self.type, self.code, self.param, self.headers)
 
 
+# The codes of the routing errors an API client may meet (an unknown path, a wrong method).
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Routing errors (404, 405, ...): OpenAI's JSON under /v1, Starlette's plain text elsewhere."""
+    assert isinstance(exc, HTTPException)
+    if not is_api_path(request.url.path):
+        return PlainTextResponse(exc.detail, status_code=exc.status_code, headers=exc.headers)
+    message = f"{exc.detail}: {request.method} {request.url.path}"
+    return api_error(exc.status_code, message, "invalid_request_error",
+                     _HTTP_CODES.get(exc.status_code), headers=exc.headers)
+
+
+def _never(value: Any) -> bool:
+    return False
+
+
+# OpenAI request fields (chat and legacy completions) that an endpoint does not read: each is
+# accepted, and ignored, when null or when its value asks for nothing this server would do
+# differently; any other value is refused with what it asks for.
+OPENAI_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "reasoning_effort": (lambda v: isinstance(v, str), "must be a string (a hint, ignored here)"),
+    "service_tier": (lambda v: isinstance(v, str), "must be a string (ignored here)"),
+    "prediction": (lambda v: isinstance(v, dict), "must be an object (ignored here)"),
+    "modalities": (lambda v: v == ["text"], 'asks for output this server does not give: only ["text"]'),
+    "audio": (_never, "asks for audio output, which this server does not give (send null)"),
+    "web_search_options": (_never, "asks for a web search, which this server does not do (send null)"),
+    "functions": (lambda v: v == [], "is not supported: declare functions in 'tools'"),
+    "function_call": (lambda v: v in ("none", "auto"), "is not supported: use 'tool_choice'"),
+    "best_of": (lambda v: v == 1 and type(v) is int, "is not supported: only 1"),
+    "echo": (lambda v: v is False, "is not supported: only false"),
+    "suffix": (lambda v: v == "", "is not supported: only an empty suffix"),
+}
+
+
 def check_fields(body: Any, fields: set[str]) -> dict[str, Any]:
-    """`body` if it is a JSON object naming only `fields`; else the ApiError OpenAI gives."""
+    """`body` if it is a JSON object naming only `fields` and `OPENAI_FIELDS` (with values they
+    accept); else the ApiError OpenAI gives."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    for name in body:
-        if name not in fields:
+    for name, value in body.items():
+        if name in fields:
+            continue
+        if name not in OPENAI_FIELDS:
             raise ApiError(400, f"Unrecognized request argument supplied: {name}", name,
                            "unknown_parameter")
+        accepts, refusal = OPENAI_FIELDS[name]
+        if value is not None and not accepts(value):
+            raise ApiError(400, f"'{name}' {refusal}", name, "unsupported_parameter")
     return body

@@ -3,6 +3,8 @@ the model picker's rules (one load at a time, after the running requests end), a
 LM Studio do; a name no local model has is a 404 listing the ones there are."""
 
 import asyncio
+import time
+from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request
@@ -11,6 +13,9 @@ from engine import Engine, ModelInfo
 
 from .api_errors import ApiError
 from .picker import ModelSwitch, begin_switch
+
+# When this server started: the `created` of a model whose files are not on disk.
+STARTED = int(time.time())
 
 # Loads one request may wait through before it gives up (other clients keep switching models).
 MAX_SWITCHES = 3
@@ -21,6 +26,21 @@ def local_models(engine: Engine) -> list[ModelInfo]:
     lists and those this server loaded from a folder or GGUF path."""
     found = engine.list_models()
     return sorted(found, key=lambda m: m.name != engine.model_name)
+
+
+def model_object(model: ModelInfo) -> dict[str, Any]:
+    """A model as OpenAI's `/v1/models` describes one; `created` is when its files were written."""
+    path = Path(model.path) if model.path else None
+    created = int(path.stat().st_mtime) if path is not None and path.exists() else STARTED
+    return {"id": model.name, "object": "model", "created": created, "owned_by": "mlxchat"}
+
+
+def find_model(engine: Engine, name: str) -> ModelInfo:
+    """The local model called `name`; else the 404 OpenAI gives for an unknown model."""
+    for model in local_models(engine):
+        if model.name == name:
+            return model
+    raise ApiError(404, f"The model '{name}' does not exist", "model", "model_not_found")
 
 
 async def use_model(request: Request, name: Any) -> None:

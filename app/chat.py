@@ -137,7 +137,7 @@ def start_turn(storage: Storage, conv: Conversation, action: str, data: Mapping[
         user = storage.add_message(conv.id, path[-1].id if path else None, "user", content,
                                    attachments=parse_attachments(data.get("attachments")))
         if conv.title == DEFAULT_TITLE and not path:
-            storage.rename_conversation(conv.id, _title(content))
+            storage.rename_conversation(conv.id, chat_title(content))
         return Turn(user.id, user, rerender=False)
     target = _own_message(storage, conv, data.get("message_id"))
     if action == "edit":
@@ -163,7 +163,8 @@ def _own_message(storage: Storage, conv: Conversation, mid: Any) -> Message:
     return message
 
 
-def _title(text: str) -> str:
+def chat_title(text: str) -> str:
+    """A conversation's title from its first message, as a new chat names itself."""
     line = " ".join(text.split())
     return line if len(line) <= TITLE_LENGTH else line[: TITLE_LENGTH - 1].rstrip() + "…"
 

@@ -282,7 +282,7 @@ def main() -> None:
         os.execve(sys.executable, [sys.executable, "-m", "app.cli", *sys.argv[1:]], env)
     code: int | str | None = 0
     try:
-        cli()
+        cli(prog_name="mlxchat")  # not "python -m app.cli": main() may start again as that
     except SystemExit as exc:
         code = exc.code
         if isinstance(code, str):  # a refusal with its reason: say it

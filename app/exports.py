@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
+from .chat import chat_title, preset_settings
 from .storage import Storage, export_conversation, import_conversation
 from .views import conversation_of, not_found, parts, render
 
@@ -83,8 +84,10 @@ def _documents(raw: bytes) -> list[Any]:
     return [json.loads(raw)]
 
 
-def import_documents(storage: Storage, raw: bytes) -> list[int]:
-    """Import every conversation of an upload, all or nothing; raises ValueError."""
+def import_documents(storage: Storage, raw: bytes, model: str | None) -> list[int]:
+    """Import every conversation of an upload, all or nothing; raises ValueError. A plain
+    `messages` list opens like a new chat: `model`, the recommended settings, titled by its
+    first question."""
     try:
         documents = _documents(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, zipfile.BadZipFile) as exc:
@@ -96,7 +99,8 @@ def import_documents(storage: Storage, raw: bytes) -> list[int]:
     imported = []
     try:
         for data in documents:
-            imported.append(import_conversation(storage, data).id)
+            imported.append(import_conversation(storage, data, model=model, title=chat_title,
+                                                settings=preset_settings("recommended")).id)
     except ValueError:
         for cid in imported:  # all or nothing
             storage.delete_conversation(cid)
@@ -105,7 +109,7 @@ def import_documents(storage: Storage, raw: bytes) -> list[int]:
 
 
 async def import_upload(request: Request) -> Response:
-    storage, _ = parts(request)
+    storage, engine = parts(request)
     async with request.form(max_files=1) as form:
         upload = form.get("file")
         raw = await upload.read() if isinstance(upload, UploadFile) else b""  # BodyLimit bounds it
@@ -114,7 +118,7 @@ async def import_upload(request: Request) -> Response:
         error = "Choose a file to import."
     else:
         try:
-            cid = import_documents(storage, raw)[0]
+            cid = import_documents(storage, raw, engine.model_name)[0]
         except ValueError as exc:
             error = f"Could not import: {exc}"
     if error:

@@ -91,12 +91,22 @@ class _Guard:
         raise NotImplementedError
 
 
-def _refusal(scope: Scope, status: int, text: str) -> ASGIApp:
+API_PREFIX = "/v1/"
+
+
+def is_api_path(path: str) -> bool:
+    """Whether `path` belongs to the OpenAI-compatible API, whose errors are OpenAI's JSON."""
+    return path.startswith(API_PREFIX) or path == API_PREFIX.rstrip("/")
+
+
+def _refusal(scope: Scope, status: int, text: str, code: str) -> ASGIApp:
     if scope["type"] == "websocket":
         async def close(scope: Scope, receive: Receive, send: Send) -> None:
             # Closing before accepting makes the server answer the handshake with HTTP 403.
             await send({"type": "websocket.close", "code": 1008, "reason": text})
         return close
+    if is_api_path(scope["path"]):
+        return api_error(status, text, "invalid_request_error", code)
     return PlainTextResponse(text, status_code=status)
 
 
@@ -114,7 +124,7 @@ class HostGuard(_Guard):
     def check(self, scope: Scope, headers: Headers) -> ASGIApp | None:
         if self.allowed_hosts is not None and \
                 _hostname(headers.get("host", "")) not in self.allowed_hosts:
-            return _refusal(scope, 400, "Invalid Host header")
+            return _refusal(scope, 400, "Invalid Host header", "invalid_host")
         return None
 
 
@@ -127,7 +137,7 @@ class OriginGuard(_Guard):
             origin = headers.get("origin")
             if headers.get("sec-fetch-site") == "cross-site" or \
                     (origin is not None and _origin_netloc(origin) != host.lower()):
-                return _refusal(scope, 403, "Cross-origin request refused")
+                return _refusal(scope, 403, "Cross-origin request refused", "cross_origin")
         return None
 
 
@@ -172,7 +182,7 @@ class ApiKeyGuard(_Guard):
         if same(_cookie(headers, SESSION_COOKIE), self.session):
             return None
         if scope["type"] == "websocket":
-            return _refusal(scope, 403, "Log in first")
+            return _refusal(scope, 403, "Log in first", "invalid_api_key")
         login = f"{LOGIN_PATH}?next={quote(path)}"
         if headers.get("hx-request"):
             return PlainTextResponse("Log in first", status_code=401, headers={"HX-Redirect": login})

@@ -20,6 +20,7 @@ from typing import Any, Iterable, Iterator
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
@@ -28,6 +29,7 @@ import static
 from engine import DEFAULT_KEEP_ALIVE_S, Cluster, Engine, data_dir, describe_device
 
 from . import api, api_completions, login, ui
+from .api_errors import http_error
 from .connections import HeaderTimeoutProtocol
 from .folder_lock import FolderBusy, FolderLock
 from .runs import Runs
@@ -54,6 +56,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     app = Starlette(
         routes=[*api.routes, *api_completions.routes, *login.routes, *ui.routes,
                 Mount("/static", StaticFiles(directory=STATIC_DIR))],
+        exception_handlers={HTTPException: http_error},
         # The security policy, outermost first; a refusal carries no security headers.
         middleware=[
             Middleware(HostGuard, allowed_hosts=allowed_hosts),  # DNS rebinding: 400

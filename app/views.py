@@ -14,7 +14,7 @@ from starlette.websockets import WebSocket
 from engine import PRESETS, DraftChoice, Engine
 from web import __file__ as _web_init
 
-from .chat import SAMPLING_FIELDS, default_sources
+from .chat import SAMPLING_FIELDS, default_sources, preset_settings
 from .markdown import render_markdown, render_plain, render_tool_calls, render_tool_result
 from .storage import Conversation, Message, Storage
 
@@ -100,7 +100,10 @@ def settings_context(conv: Conversation, errors: dict[str, str] | None = None,
                       settings: dict[str, Any] | None = None, saved: bool = False,
                       engine: Engine | None = None) -> dict[str, Any]:
     model = engine.model if engine is not None else None
-    settings = settings or conv.settings
+    # Conversations from old versions or foreign imports may lack keys: fill them as a new chat has.
+    settings = {**preset_settings("recommended"), **(settings or conv.settings or {})}
+    if not isinstance(settings.get("sampling"), dict):
+        settings["sampling"] = {}
     return {"conv": conv, "settings": settings, "errors": errors or {},
             "fields": SAMPLING_FIELDS, "presets": PRESETS, "saved": saved,
             "sources": default_sources(settings, model.defaults if model else None),

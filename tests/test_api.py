@@ -73,6 +73,41 @@ def test_health_and_models(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_models_retrieve_and_created(client):
+    listed = client.models.list().data[0]
+    one = client.models.retrieve(MODEL)
+    assert one.model_dump() == listed.model_dump()
+    assert one.id == MODEL and one.object == "model"
+    assert 1_500_000_000 < one.created <= time.time()  # a real Unix time, not 0
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("no-such-model")
+    assert err.value.body["code"] == "model_not_found" and "no-such-model" in err.value.body["message"]
+
+
+def openai_error(r: httpx.Response, status: int, code: str) -> dict:
+    assert r.status_code == status and r.headers["content-type"] == "application/json", r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == code
+    assert error["message"] and error["type"] == "invalid_request_error"
+    return error
+
+
+def test_errors_outside_the_handlers_are_openai_json_under_v1(server):
+    openai_error(httpx.get(f"{server.url}/v1/no/such/path"), 404, "not_found")
+    wrong = httpx.get(f"{server.url}/v1/chat/completions")
+    openai_error(wrong, 405, "method_not_allowed")
+    assert wrong.headers["allow"] == "POST"
+    openai_error(httpx.get(f"{server.url}/v1/models", headers={"Host": "evil.example"}),
+                 400, "invalid_host")
+    openai_error(post(server, {"messages": HELLO}, headers={"Origin": "http://evil.example"}),
+                 403, "cross_origin")
+    # The app's own paths keep their plain answers.
+    for r, status in [(httpx.get(f"{server.url}/no/such/page"), 404),
+                      (httpx.get(f"{server.url}/", headers={"Host": "evil.example"}), 400),
+                      (httpx.post(f"{server.url}/conversations", headers={"Origin": "http://evil.example"}), 403)]:
+        assert r.status_code == status and r.headers["content-type"].startswith("text/plain")
+
+
 def test_openai_client_round_trip(client):
     r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, temperature=0)
     choice = r.choices[0]

