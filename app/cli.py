@@ -104,6 +104,17 @@ def generate(prompt: str, model: str | None, device: str, system: str | None, ra
         _fail(exc)
 
 
+def _read_turn() -> str:
+    """One line from the user: after a `>>>` prompt on stderr at a terminal (stdout holds only
+    the answers), without a prompt when the input is piped."""
+    if sys.stdin.isatty():
+        return click.prompt(">>>", prompt_suffix=" ", default="", show_default=False, err=True)
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line.rstrip("\n")
+
+
 @cli.command()
 @model_option
 @device_option
@@ -120,13 +131,14 @@ def chat(model: str | None, device: str, system: str | None, **opts: Any) -> Non
     click.echo("Type a message; /quit to leave, /reset to start over.", err=True)
     while True:
         try:
-            line = click.prompt(">>>", prompt_suffix=" ", default="", show_default=False)
+            line = _read_turn()
         except (EOFError, click.Abort):
             break
         if line.strip() in ("/quit", "/exit"):
             break
         if line.strip() == "/reset":
             messages = messages[:1] if system else []
+            click.echo("(a new conversation)", err=True)
             continue
         if not line.strip():
             continue

@@ -49,6 +49,15 @@ def test_index_redirects_to_a_conversation_and_new_chats_reuse_an_empty_one(http
     assert http.get("/c/999999").status_code == 404
 
 
+def test_every_asset_the_page_links_is_served(http):
+    """Stylesheet, scripts and the icon (without one, browsers ask for /favicon.ico and log a 404)."""
+    page = http.get("/", follow_redirects=True).text
+    assets = re.findall(r'(?:href|src)="(/static/[^"]+)"', page)
+    assert any("favicon" in a for a in assets) and len(assets) >= 4
+    for asset in assets:
+        assert http.get(asset).status_code == 200, asset
+
+
 def test_new_chat_copies_the_settings_of_the_current_one(http, server):
     cid = new_conversation(http, max_tokens=7)
     http.post(f"/c/{cid}/settings", data={"max_tokens": "7", "system_prompt": "Be terse."})

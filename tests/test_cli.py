@@ -57,9 +57,11 @@ def test_empty_prompt_is_refused(lm):
 
 
 def test_chat_keeps_the_conversation(lm):
-    result = run("chat", "-n", "16", input="My name is Ada.\nWhat is my name?\n/quit\n")
+    result = run("chat", "-n", "16", input="My name is Ada.\nWhat is my name?\n/reset\n/quit\n")
     assert result.returncode == 0, result.stderr
     assert "Ada" in result.stdout
+    assert ">>>" not in result.stdout + result.stderr  # piped: no prompts, stdout holds answers
+    assert "(a new conversation)" in result.stderr
     # the second turn reused the first turn's prompt tokens
     stats = [line for line in result.stderr.splitlines() if line.startswith("[")]
     assert len(stats) == 2
