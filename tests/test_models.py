@@ -141,6 +141,16 @@ def test_unknown_model_says_why(lm):
         load_model("no-such-model")
 
 
+def test_a_file_that_is_not_a_model_says_so(lm, tmp_path, gguf_file):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not weights")
+    with pytest.raises(ModelLoadError, match="notes.txt is not a model: give a GGUF file"):
+        load_model(str(notes))
+    renamed = tmp_path / "weights.bin"  # a GGUF under another name still loads, by its magic
+    renamed.symlink_to(gguf_file)
+    assert load_model(str(renamed)).name == "weights"
+
+
 def test_fallback_to_default_only_when_asked(lm):
     with pytest.raises(ModelLoadError):
         load_model("no-such-model")

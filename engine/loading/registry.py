@@ -156,6 +156,12 @@ def resolve(name: str | None) -> tuple[str, Path]:
         if not (path / "config.json").exists():
             raise ModelLoadError(f"{path} is not an mlx-lm model folder (no config.json)")
         return path.name, path
+    if path.is_file():
+        with path.open("rb") as f:
+            if f.read(4) == b"GGUF":  # a GGUF file under another name
+                return path.stem, gguf_to_folder(path)
+        raise ModelLoadError(f"{path} is not a model: give a GGUF file or an mlx-lm model folder "
+                             "(one with config.json)")
     for info in _hf_cache_models():
         if info.name == name:
             return info.name, Path(info.path)
