@@ -22,8 +22,10 @@ def _next(target: str | None) -> str:
 
 
 async def login_page(request: Request) -> Response:
-    return HTMLResponse(render("login.html", next=_next(request.query_params.get("next")),
-                               error=None))
+    target = _next(request.query_params.get("next"))
+    if not request.app.state.api_key:  # nothing to log in to
+        return RedirectResponse(target, status_code=303)
+    return HTMLResponse(render("login.html", next=target, error=None))
 
 
 async def login(request: Request) -> Response:

@@ -86,3 +86,6 @@ def test_no_logout_control_without_a_key(engine, tmp_path):
     with running(engine, tmp_path, None) as s:
         page = httpx.get(s.url + "/", follow_redirects=True)
         assert page.status_code == 200 and "/logout" not in page.text
+        # nothing to log in to: the login page sends the browser on
+        login = httpx.get(s.url + "/login?next=/c/1", follow_redirects=False)
+        assert login.status_code == 303 and login.headers["location"] == "/c/1"
