@@ -240,6 +240,21 @@ def test_narrow_dark_layout(new_page, shot):
     page.click("#sidebar-toggle")
     expect(page.locator("#sidebar")).to_be_in_viewport()
     shot(page, "09-narrow-sidebar")
+    # the open sidebar covers its toggle: Escape or a tap beside it closes it
+    page.keyboard.press("Escape")
+    expect(page.locator("#sidebar")).not_to_be_in_viewport()
+    page.click("#sidebar-toggle")
+    expect(page.locator("#sidebar")).to_be_in_viewport()
+    page.mouse.click(380, 400)  # the chat, beside the sidebar
+    expect(page.locator("#sidebar")).not_to_be_in_viewport()
+    page.click("#settings summary")  # the settings panel fits the screen, scrolling inside
+    form = page.locator("#settings-form")
+    expect(form).to_be_visible()
+    box = form.bounding_box()
+    assert box["y"] + box["height"] <= 780, box
+    expect(form.locator("button[type=submit]")).to_be_visible()
+    page.click("#settings summary")
+    page.click("#sidebar-toggle")
     page.click("#theme-toggle")
     assert page.evaluate("getComputedStyle(document.body).backgroundColor") == "rgb(255, 255, 255)"
 

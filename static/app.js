@@ -29,8 +29,10 @@
   document.addEventListener("click", (e) => {
     const t = e.target;
     if (!(t instanceof Element)) return;
+    // On a narrow screen the open sidebar covers its toggle: a tap beside it closes it.
+    if (sidebarOpen() && !t.closest("#sidebar, #sidebar-toggle")) setSidebar(false);
     if (t.closest("#theme-toggle")) toggleTheme();
-    else if (t.closest("#sidebar-toggle")) setSidebar(!document.body.classList.contains("sidebar-open"));
+    else if (t.closest("#sidebar-toggle")) setSidebar(!sidebarOpen());
     else if (t.matches(".code > .copy")) copy(t.parentElement.querySelector("code").innerText, t);
     else if (t.matches(".copy-message")) copy(t.closest(".message").querySelector(".body").innerText, t);
     else if (t.matches(".remove-chip")) t.closest(".chip").remove();
@@ -42,6 +44,8 @@
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing && t instanceof HTMLTextAreaElement && t.form && t.form.hasAttribute("ws-send")) {
       e.preventDefault();
       if (t.value.trim()) t.form.requestSubmit();
+    } else if (e.key === "Escape" && sidebarOpen()) {
+      setSidebar(false);
     } else if (e.key === "Escape") {
       const stop = document.getElementById("stop");
       if (stop) { e.preventDefault(); stop.click(); }
@@ -98,6 +102,9 @@
     const list = document.getElementById("messages");
     if (list && follow) list.scrollTop = list.scrollHeight;
   });
+  function sidebarOpen() {
+    return document.body.classList.contains("sidebar-open");
+  }
   function setSidebar(open) {
     document.body.classList.toggle("sidebar-open", open);
     document.getElementById("sidebar-toggle")?.setAttribute("aria-expanded", String(open));
