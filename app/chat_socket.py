@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 FLUSH_EVERY_S = 0.05  # coalesce tokens into one swap at most this often
 SAVE_EVERY_S = 1.0  # how much streamed text a crash can lose at most
+RECONNECT_GRACE_S = 5.0  # an answer nobody watches goes on this long for a reload to come back
 
 
 @dataclass
@@ -83,8 +84,11 @@ async def chat_socket(ws: WebSocket) -> None:
     finally:
         running = pages.running(conv.id)
         if pages.leave(conv.id, id(ws)) == 0 and isinstance(running, _Generation) and running.running:
-            running.stop()  # nobody watches any more: stop, and save the partial answer
-            await asyncio.wait([running.task])
+            # A reload or a dropped connection comes back within moments: answer on for it.
+            await asyncio.wait([running.task], timeout=RECONNECT_GRACE_S)
+            if running.running and not pages.watched(conv.id):
+                running.stop()  # nobody watches any more: stop, and save the partial answer
+                await asyncio.wait([running.task])
 
 
 def _decode(message: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
@@ -207,7 +211,8 @@ async def _turn(app: Any, cid: int, action: str, data: dict[str, Any], gen: _Gen
     if storage.get_conversation(cid) is None or not views:
         raise _Refused(_DELETED)
     await pages.send(cid, render("_message.html", conv=conv, v=views[-1], oob=True)
-                     + render("_composer_actions.html", generating=False, oob=True))
+                     + render("_composer_actions.html", generating=False, oob=True)
+                     + render("_notice.html", text=""))  # "still answering" is over
 
 
 _DELETED = "This conversation has been deleted."

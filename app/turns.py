@@ -61,6 +61,10 @@ class Conversations:
             self._pages.pop(cid, None)
         return len(pages)
 
+    def watched(self, cid: int) -> bool:
+        """Whether any page shows the conversation."""
+        return bool(self._pages.get(cid))
+
     async def send(self, cid: int, html: str) -> None:
         """`html` to every page of the conversation; a page that has gone is forgotten."""
         for key, send in list(self._pages.get(cid, {}).items()):

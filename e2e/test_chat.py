@@ -217,6 +217,7 @@ def test_sidebar_search_rename_delete_and_keyboard(page, prompt_answer):
     page.locator(".conversation.current button.rename").click()  # prompt answered by the fixture
     expect(page.locator("#chat-title")).to_have_text(prompt_answer)
     expect(page.locator(".conversation.current a")).to_have_text(prompt_answer)
+    expect(page).to_have_title(f"{prompt_answer} · mlxchat")  # the tab follows
 
     page.locator("#prompt").focus()
     page.keyboard.press("Control+Shift+O")

@@ -117,6 +117,13 @@
     const prompt = document.getElementById("prompt");
     if (prompt) prompt.focus();
   }
+  // The tab's title follows the chat's (renamed, or named by its first message).
+  function syncTitle() {
+    const heading = document.getElementById("chat-title");
+    if (heading) document.title = `${heading.textContent.trim()} · mlxchat`;
+  }
+  document.addEventListener("htmx:afterSettle", syncTitle);
+  document.addEventListener("htmx:wsAfterMessage", syncTitle);
   document.addEventListener("DOMContentLoaded", opened);
   document.addEventListener("htmx:afterSwap", (e) => { if (e.target === document.body) opened(); });
 })();

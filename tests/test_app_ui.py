@@ -2,6 +2,7 @@
 
 import json
 import re
+import time
 
 import pytest
 from websockets.sync.client import connect
@@ -106,6 +107,39 @@ def test_send_streams_then_finalises_with_statistics(http, server):
     assert server.storage.get_conversation(cid).title == "Say hello."
     listing = http.get("/conversations", params={"q": "say hel"}).text
     assert "Say hello." in listing
+
+
+def _leave_after_the_first_token(server, cid: int, content: str) -> None:
+    with connect(server.url.replace("http://", "ws://") + f"/c/{cid}/ws", origin=server.url) as ws:
+        ws.recv(timeout=60)
+        ws.send(json.dumps({"action": "send", "content": content}))
+        while '-body" hx-swap-oob="innerHTML"' not in ws.recv(timeout=120):
+            pass
+
+
+def test_a_reload_mid_answer_keeps_it_going(http, server):
+    """The page goes (a reload, a dropped connection) and comes back: the answer goes on."""
+    cid = new_conversation(http, max_tokens=48)
+    _leave_after_the_first_token(server, cid, "Tell me a long story about a dragon.")
+    with connect(server.url.replace("http://", "ws://") + f"/c/{cid}/ws", origin=server.url) as ws:
+        assert 'id="stop"' in ws.recv(timeout=60)  # the state it finds: still answering
+        while 'id="send"' not in ws.recv(timeout=120):
+            pass
+    answer = server.storage.active_path(cid)[-1]
+    assert answer.state == "done" and answer.finish_reason in ("length", "stop")
+
+
+def test_an_answer_nobody_comes_back_to_stops(http, server, monkeypatch):
+    monkeypatch.setattr("app.chat_socket.RECONNECT_GRACE_S", 0.2)
+    cid = new_conversation(http, max_tokens=400)
+    _leave_after_the_first_token(server, cid, "Tell me a long story about a dragon.")
+    for _ in range(600):
+        answer = server.storage.active_path(cid)[-1]
+        if answer.state != "streaming":
+            break
+        time.sleep(0.1)
+    assert (answer.state, answer.finish_reason) == ("stopped", "cancelled")
+    assert answer.completion_tokens < 400
 
 
 def test_regenerate_edit_and_version_switching(http, server):

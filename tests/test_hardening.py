@@ -262,6 +262,7 @@ def test_two_pages_on_one_conversation_never_interleave_turns(server):
         final_two = frames_until(two, 'id="send"')[-1]  # it also sees the turn end
         final_one = frames_until(one, 'id="send"')[-1]
         assert 'data-state="done"' in final_one and 'data-state="done"' in final_two
+        assert '<div id="notice" hx-swap-oob="innerHTML"></div>' in final_two  # notice cleared
     path = server.storage.active_path(cid)
     assert [(m.role, m.content) for m in path][0] == ("user", "Count to ten.")
     assert [m.role for m in path] == ["user", "assistant"] and path[1].content
