@@ -150,3 +150,17 @@ def openai_client(server: ThreadedServer):
     import openai
 
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def ws_url(server: "ThreadedServer", cid: int) -> str:
+    """The chat socket of conversation `cid` on `server`."""
+    return server.url.replace("http://", "ws://") + f"/c/{cid}/ws"
+
+
+def frames_until(ws, marker: str, timeout: float = 120) -> list[str]:
+    """Frames of a chat socket until one contains `marker` (included)."""
+    frames = []
+    deadline = time.monotonic() + timeout
+    while not frames or marker not in frames[-1]:
+        frames.append(ws.recv(timeout=max(1.0, deadline - time.monotonic())))
+    return frames

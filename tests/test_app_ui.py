@@ -8,7 +8,7 @@ import pytest
 from websockets.sync.client import connect
 
 from app.storage import Storage
-from live_server import engine_serving
+from live_server import engine_serving, frames_until, ws_url
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def turn(server, cid: int, ends: tuple[str, ...] = ('id="send"', 'class="notice-
          **message) -> list[str]:
     """Send one action over the chat socket; collect fragments until one holds an `ends` marker
     (by default: the Send button returns, or a notice)."""
-    with connect(server.url.replace("http://", "ws://") + f"/c/{cid}/ws", origin=server.url) as ws:
+    with connect(ws_url(server, cid), origin=server.url) as ws:
         ws.recv(timeout=60)  # the conversation's current state, sent on every (re)connect
         ws.send(json.dumps(message))
         fragments = []
@@ -110,21 +110,19 @@ def test_send_streams_then_finalises_with_statistics(http, server):
 
 
 def _leave_after_the_first_token(server, cid: int, content: str) -> None:
-    with connect(server.url.replace("http://", "ws://") + f"/c/{cid}/ws", origin=server.url) as ws:
+    with connect(ws_url(server, cid), origin=server.url) as ws:
         ws.recv(timeout=60)
         ws.send(json.dumps({"action": "send", "content": content}))
-        while '-body" hx-swap-oob="innerHTML"' not in ws.recv(timeout=120):
-            pass
+        frames_until(ws, '-body" hx-swap-oob="innerHTML"')
 
 
 def test_a_reload_mid_answer_keeps_it_going(http, server):
     """The page goes (a reload, a dropped connection) and comes back: the answer goes on."""
     cid = new_conversation(http, max_tokens=48)
     _leave_after_the_first_token(server, cid, "Tell me a long story about a dragon.")
-    with connect(server.url.replace("http://", "ws://") + f"/c/{cid}/ws", origin=server.url) as ws:
+    with connect(ws_url(server, cid), origin=server.url) as ws:
         assert 'id="stop"' in ws.recv(timeout=60)  # the state it finds: still answering
-        while 'id="send"' not in ws.recv(timeout=120):
-            pass
+        frames_until(ws, 'id="send"')
     answer = server.storage.active_path(cid)[-1]
     assert answer.state == "done" and answer.finish_reason in ("length", "stop")
 

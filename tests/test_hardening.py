@@ -11,7 +11,7 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from app.server import create_app
-from live_server import ThreadedServer
+from live_server import ThreadedServer, frames_until, ws_url
 
 MODEL = "smollm2-135m-instruct"
 
@@ -38,23 +38,10 @@ def chat(**fields) -> dict:
             **fields}
 
 
-def ws_url(server, cid: int) -> str:
-    return server.url.replace("http://", "ws://") + f"/c/{cid}/ws"
-
-
 def new_conversation(server, max_tokens: int = 3) -> int:
     conv = server.storage.create_conversation(
         model=MODEL, settings={"sampling": {"temperature": 0.0, "max_tokens": max_tokens}})
     return conv.id
-
-
-def frames_until(ws, marker: str, timeout: float = 120) -> list[str]:
-    """Frames until one contains `marker` (included)."""
-    frames = []
-    deadline = time.monotonic() + timeout
-    while not frames or marker not in frames[-1]:
-        frames.append(ws.recv(timeout=max(1.0, deadline - time.monotonic())))
-    return frames
 
 
 # --- case 4: the API key guards everything but /health and the static assets ---------------------
