@@ -139,6 +139,11 @@ def gguf_to_folder(gguf: Path) -> Path:
     return folder
 
 
+def _starts_with_gguf_magic(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(4) == b"GGUF"
+
+
 def resolve(name: str | None) -> tuple[str, Path]:
     """Map a model name or path to (display name, mlx-lm folder); raises ModelLoadError."""
     if name in (None, "", DEFAULT_MODEL, "default"):
@@ -148,20 +153,17 @@ def resolve(name: str | None) -> tuple[str, Path]:
             if info.name == name:
                 return info.name, gguf_to_folder(Path(info.path))
     path = Path(name).expanduser()
+    if path.is_file():  # a GGUF file, by its name or (under another name) by its magic
+        if path.suffix == ".gguf" or _starts_with_gguf_magic(path):
+            return path.stem, gguf_to_folder(path)
+        raise ModelLoadError(f"{path} is not a model: give a GGUF file or an mlx-lm model folder "
+                             "(one with config.json)")
     if path.suffix == ".gguf":
-        if not path.is_file():
-            raise ModelLoadError(f"GGUF file not found: {path}")
-        return path.stem, gguf_to_folder(path)
+        raise ModelLoadError(f"GGUF file not found: {path}")
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelLoadError(f"{path} is not an mlx-lm model folder (no config.json)")
         return path.name, path
-    if path.is_file():
-        with path.open("rb") as f:
-            if f.read(4) == b"GGUF":  # a GGUF file under another name
-                return path.stem, gguf_to_folder(path)
-        raise ModelLoadError(f"{path} is not a model: give a GGUF file or an mlx-lm model folder "
-                             "(one with config.json)")
     for info in _hf_cache_models():
         if info.name == name:
             return info.name, Path(info.path)
