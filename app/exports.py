@@ -14,7 +14,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from .chat import chat_title, preset_settings
-from .storage import Storage, export_conversation, import_conversation
+from .storage import EXPORT_FORMAT, Storage, export_conversation, import_conversation
 from .views import conversation_of, not_found, parts, render
 
 def _filename(title: str, suffix: str) -> str:
@@ -84,6 +84,17 @@ def _documents(raw: bytes) -> list[Any]:
     return [json.loads(raw)]
 
 
+def _titled(data: Any) -> Any:
+    """A plain `messages` list without a title gets one as a new chat would: by its first question."""
+    if not isinstance(data, dict) or data.get("format") == EXPORT_FORMAT or data.get("title") \
+            or not isinstance(data.get("messages"), list):
+        return data
+    first = next((m["content"] for m in data["messages"] if isinstance(m, dict)
+                  and m.get("role") == "user" and isinstance(m.get("content"), str)
+                  and m["content"].strip()), None)
+    return {**data, "title": chat_title(first)} if first else data
+
+
 def import_documents(storage: Storage, raw: bytes, model: str | None) -> list[int]:
     """Import every conversation of an upload, all or nothing; raises ValueError. A plain
     `messages` list opens like a new chat: `model`, the recommended settings, titled by its
@@ -99,7 +110,7 @@ def import_documents(storage: Storage, raw: bytes, model: str | None) -> list[in
     imported = []
     try:
         for data in documents:
-            imported.append(import_conversation(storage, data, model=model, title=chat_title,
+            imported.append(import_conversation(storage, _titled(data), model=model,
                                                 settings=preset_settings("recommended")).id)
     except ValueError:
         for cid in imported:  # all or nothing

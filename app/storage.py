@@ -17,7 +17,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -509,21 +508,14 @@ def export_conversation(storage: Storage, cid: int) -> dict[str, Any]:
 
 
 def import_conversation(storage: Storage, data: dict[str, Any], model: str | None = None,
-                        settings: dict[str, Any] | None = None,
-                        title: Callable[[str], str] = str) -> Conversation:
+                        settings: dict[str, Any] | None = None) -> Conversation:
     """A new conversation from `export_conversation`'s JSON, or from a plain OpenAI `messages`
     list (`{"messages": [{"role", "content"}, ...]}`); raises ValueError on anything else.
-    A plain list carries no model or settings: it gets `model` and `settings`, as a new chat
-    would, and a title made by `title` from its first user message."""
+    A plain list carries no model or settings: it gets `model` and `settings`."""
     if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
         raise ValueError("not a conversation: expected an object with 'messages'")
     ours = data.get("format") == EXPORT_FORMAT
     now = time.time()
-    if not ours:
-        first = next((m.get("content") for m in data["messages"] if isinstance(m, dict)
-                      and m.get("role") == "user" and isinstance(m.get("content"), str)
-                      and m["content"].strip()), None)
-        data = {**data, "title": data.get("title") or (title(first) if first else None)}
     with storage._transaction() as db:
         cid = db.execute(
             "INSERT INTO conversations (title, created, updated, model, settings) VALUES (?,?,?,?,?)",
