@@ -72,13 +72,11 @@ def suite_decode(lm, shape: str, a) -> list[Row]:
     n = a.gen
     svc = common.EngineService(lm, max_running=1, prefix_cache=True)
     try:
-        svc.stream(prompt, 16)  # warm-up both paths (kernel compilation, allocator)
-        common.mlx_lm_stream(lm, prompt, 16)
         with common.progress(3 * a.reps, f"decode {shape}") as bar:
             runs = common.interleave({"ours": lambda: svc.stream(prompt, n),
                                       "mlx": lambda: common.mlx_lm_stream(lm, prompt, n),
                                       "direct": lambda: common.engine_direct(lm, direct_prompt, n)},
-                                     a.reps, bar)
+                                     a.reps, bar, warmup=True)
     finally:
         svc.close()
     step = common.raw_step_ms(lm, prompt)
@@ -271,18 +269,13 @@ def suite_concurrency(lm, shape: str, a) -> list[Row]:
         return {"aggregate_tps": n * gen / (time.perf_counter() - t)}
 
     svc = common.EngineService(lm, max_running=n, prefix_cache=False)
-    try:  # warm every kernel timed below: one stream, the batched step at 8 rows, mlx-lm's batch
-        svc.stream(prompts[0], 8)
-        svc.concurrent(prompts, 8)
-        with common.mlx_lm_paths(lm.model):
-            batch_generate(lm.model, lm.tokenizer, prompts, max_tokens=8)
-        common.mlx_lm_stream(lm, prompts[0], 8)
+    try:  # each side's warm-up is its timed workload run once (every batch size and cache shape)
         with common.progress(4 * a.reps, f"concurrency {shape}") as bar:
             runs = common.interleave({"one": lambda: svc.concurrent(prompts[:1], gen),
                                       "many": lambda: svc.concurrent(prompts, gen),
                                       "mlx_batch": mlx_batch,
                                       "mlx_one": lambda: {"aggregate_tps": common.mlx_lm_stream(
-                                          lm, prompts[0], gen)["tps"]}}, a.reps, bar)
+                                          lm, prompts[0], gen)["tps"]}}, a.reps, bar, warmup=True)
     finally:
         svc.close()
     tps = {k: [r["aggregate_tps"] for r in v] for k, v in runs.items()}

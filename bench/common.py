@@ -330,8 +330,13 @@ def raw_step_ms(lm, prompt: Sequence[int], steps: int = 32) -> float:
 
 
 def interleave(fns: dict[str, Callable[[], dict[str, Any]]], reps: int,
-               bar=None) -> dict[str, list[dict[str, Any]]]:
-    """Run each function `reps` times, alternating, so drift hits every side alike."""
+               bar=None, warmup: bool = False) -> dict[str, list[dict[str, Any]]]:
+    """Run each function `reps` times, alternating, so drift hits every side alike. `warmup`:
+    first run each once untimed, the same workload as its timed runs, so every kernel, batch size
+    and cache shape they meet is compiled and allocated before the first timed run."""
+    if warmup:
+        for fn in fns.values():
+            fn()
     out: dict[str, list[dict[str, Any]]] = {k: [] for k in fns}
     for i in range(reps):
         order = list(fns) if i % 2 == 0 else list(reversed(fns))

@@ -136,9 +136,7 @@ def main() -> None:
     if base is not None:
         sides["base"] = lambda: ours(base, prompts, a.gen)
     try:
-        for side in sides.values():  # warm up every side
-            side()
-        runs = common.interleave(sides, a.reps)
+        runs = common.interleave(sides, a.reps, warmup=True)
         if a.profile:
             with open(a.profile, "w") as f:
                 f.write(profiled(svc, prompts, a.gen))
