@@ -272,10 +272,15 @@ class EngineService:
         self.prefix_cache = prefix_cache and not self.note
 
     def stream(self, prompt: Sequence[int], max_tokens: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        return self._read(self._submit(prompt, max_tokens), t0)
+
+    def _submit(self, prompt: Sequence[int], max_tokens: int):
         from engine.decoding.sampling import SamplingParams
 
-        t0 = time.perf_counter()
-        handle = self.engine.submit(prompt_tokens=list(prompt), params=SamplingParams(max_tokens=max_tokens))
+        return self.engine.submit(prompt_tokens=list(prompt), params=SamplingParams(max_tokens=max_tokens))
+
+    def _read(self, handle, t0: float) -> dict[str, Any]:
         times = []
         for ev in handle.events(timeout=600):
             if ev.kind == "token":
@@ -286,17 +291,20 @@ class EngineService:
                 "start": t0, "end": times[-1] if times else t0}
 
     def concurrent(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> dict[str, Any]:
+        """The prompts submitted together (as `batch_generate` gets them), each read by its own
+        thread."""
         results: list[dict[str, Any] | None] = [None] * len(prompts)
         errors: list[BaseException] = []
 
-        def one(i: int) -> None:
+        def one(i: int, handle) -> None:
             try:
-                results[i] = self.stream(prompts[i], max_tokens)
+                results[i] = self._read(handle, t0)
             except BaseException as exc:
                 errors.append(exc)
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
         t0 = time.perf_counter()
+        handles = [self._submit(p, max_tokens) for p in prompts]
+        threads = [threading.Thread(target=one, args=(i, h)) for i, h in enumerate(handles)]
         for t in threads:
             t.start()
         for t in threads:

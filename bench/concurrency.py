@@ -9,6 +9,7 @@ start together and stream `--max-tokens` tokens each. Per side and N:
   aggregate_total_tok_s   all tokens divided by the wall time from submission (prefill included)
   p95_inter_token_ms      95th percentile of the gaps between consecutive tokens of a stream
   ttft_mean_s             mean time to first token
+  first_token_s           each stream's time to first token, sorted (how admission spreads them)
 Ours runs in-process (`engine.scheduling.service.Engine`, prefix cache off so every prompt is prefilled);
 mlx_lm.server runs as a real server (subprocess) on the bundled model's mlx-lm folder, with
 `--decode-concurrency` and `--prompt-concurrency` set to N, read over HTTP with SSE streaming.
@@ -53,6 +54,7 @@ def summarize(streams: list[list[float]], started: float) -> dict:
         "aggregate_total_tok_s": round(sum(map(len, streams)) / (max(lasts) - started), 3),
         "p95_inter_token_ms": round(1000 * gaps[int(0.95 * (len(gaps) - 1))], 1) if gaps else None,
         "ttft_mean_s": round(statistics.mean(f - started for f in firsts), 3),
+        "first_token_s": sorted(round(f - started, 3) for f in firsts),  # admission spread
     }
 
 
