@@ -157,7 +157,7 @@ class Generation:
         self.fed: list[int] = []  # tokens whose keys/values are in self.cache
         self.generated: list[int] = []
         self.finish_reason: str | None = None
-        self._next: tuple[mx.array, mx.array] | None = None
+        self._next: tuple[mx.array, mx.array | None] | None = None  # token, model logprobs
         self._history: mx.array | None = None
         self._stops: list[int] = []  # prompt positions where prefill saves a snapshot
         # With a speculator: plain tokens to decode before the next speculative round (None: plain
@@ -357,7 +357,7 @@ class Generation:
         """Decoding plainly with a token to feed next (not cancelled). A row's last token is fed
         too (one wasted row of a model call that runs anyway), so it need not leave the batch
         before its last step."""
-        return ((self.speculator is None or self._plain_left is None) and not self.done
+        return ((self.speculator is None or self._plain_left is None) and self.finish_reason is None
                 and not self._cancel and self._next is not None)
 
     def decode_input(self) -> mx.array:
@@ -379,11 +379,12 @@ class Generation:
         """The tokens so far (prompt + output fed), kept only when a logits processor reads them."""
         return self._history
 
-    def sample_next(self, token: mx.array, model_logprobs: mx.array) -> mx.array:
+    def sample_next(self, token: mx.array, model_logprobs: mx.array | None) -> mx.array:
         """`token` (1,), sampled (not yet evaluated) with `model_logprobs` (1, vocab) from the
         logits of `decode_input()`'s token, is the next one; returns the token sampled before it
         (the one fed), which `accept` must get once read. A batch samples all rows at once
-        (engine/decoding/sampling.py `sample_rows`) and evaluates them together."""
+        (engine/decoding/sampling.py `sample_rows`) and evaluates them together, and passes
+        `model_logprobs` only for a request that asked for logprobs."""
         y, self._pending_logprobs = self._next
         self._next = (token, model_logprobs)
         return y

@@ -262,6 +262,8 @@ def sample_rows(samplers: Sequence[TokenSampler], histories: Sequence[mx.array |
     failures: dict[int, Exception] = {}
     for i, sampler in enumerate(samplers):
         try:
+            if sampler.params.greedy and not (sampler.processors and histories[i] is not None):
+                continue  # what `pick` does with shared_argmax, without slicing the row's logits
             token = sampler.pick(logits[i:i + 1], model_logprobs[i:i + 1], histories[i],
                                  shared_argmax=True)
         except Exception as exc:  # isolated to this row

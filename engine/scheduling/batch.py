@@ -175,20 +175,24 @@ class DecodeBatch:
         step while the device runs this one. A row whose sampling or emitting raises gets its
         exception back; the other rows are unaffected."""
         rows = list(self.rows)
-        fed = [g.decode_input() for g in rows]  # each row's token (added to its history)
         if self._sampled is not None and len(self._sampled_rows) == len(rows) and \
                 all(a is b for a, b in zip(self._sampled_rows, rows)):
             inputs = self._sampled
+            for gen in rows:  # no op per row unless its history (logits processors) reads the token
+                if gen.history is not None:
+                    gen.decode_input()
         else:  # rows joined or left since the last step: its tokens were not one array
-            inputs = mx.concatenate(fed)
+            inputs = mx.concatenate([g.decode_input() for g in rows])
             mx.async_eval(inputs)
         logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]
         tokens, logprobs, failures = sample_rows([g.sampler for g in rows],
                                                  [g.history for g in rows], logits)
+        wanted = False
         for i, gen in enumerate(rows):
             if i not in failures:
-                gen.sample_next(tokens[i:i + 1], logprobs[i:i + 1])
-        wanted = any(g.params.logprobs is not None for g in rows)
+                keep = gen.params.logprobs is not None
+                wanted = wanted or keep
+                gen.sample_next(tokens[i:i + 1], logprobs[i:i + 1] if keep else None)
         mx.async_eval([tokens, logprobs] if wanted else tokens)
         values = inputs.tolist()
         self._sampled, self._sampled_rows = (tokens, rows) if not failures else (None, [])

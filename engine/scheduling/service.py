@@ -93,7 +93,9 @@ class RequestHandle:
     finish_reason: FinishReason | None = None
     cancel_requested: bool = False
     keep_alive: float | None = None  # seconds the model stays loaded after this request (None: the engine's)
-    _events: "queue.Queue[Event]" = field(default_factory=queue.Queue)
+    # SimpleQueue: a put is one C call (no Python lock and condition per token on the scheduler
+    # thread, whose time per token a small model's step waits for)
+    _events: "queue.SimpleQueue[Event]" = field(default_factory=queue.SimpleQueue)
     _loop: asyncio.AbstractEventLoop | None = None
     _wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     _on_cancel: Callable[["RequestHandle"], None] | None = None
@@ -202,8 +204,9 @@ class Engine:
         self._queued: deque[RequestHandle] = deque()
         self._running: list[RequestHandle] = []
         self._preparing: list[RequestHandle] = []  # loading_draft
-        self._control: "queue.Queue[Callable[[], None]]" = queue.Queue()
-        self._soon: "queue.Queue[Callable[[], None]]" = queue.Queue()  # between ticks: drafts
+        # SimpleQueues: the scheduler checks both every tick, and their `empty` is one C call
+        self._control: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
+        self._soon: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()  # between ticks: drafts
         # The resident draft (at most one), by identity, and the spellings known to name it;
         # changed under the lock by the loader thread and on model changes.
         self._drafts: dict[str, tuple[LoadedModel, SpeculatorFactory]] = {}
@@ -618,8 +621,8 @@ class Engine:
         while self._halted is None:
             while not self._soon.empty():
                 self._soon.get()()
-            unload = False
-            with self._wake:
+            unload, task, running = False, None, []
+            with self._wake:  # one lock section per tick: this loop runs once per token
                 # Stopping waits for the drafts being loaded: each request ends with its event.
                 while not ((self._stopping and not self._preparing) or self._queued
                            or self._running or not self._control.empty()
@@ -629,22 +632,21 @@ class Engine:
                         unload = True
                         break
                     self._wake.wait(wait_s)
+                if not unload:
+                    if self._stopping and not self._running and not self._queued \
+                            and not self._preparing and self._soon.empty():
+                        return
+                    if not self._running and not self._queued and not self._control.empty():
+                        task = self._control.get()
+                    else:
+                        while self._queued and len(self._running) < self.max_running:
+                            handle = self._queued.popleft()
+                            handle._enter("prefill")
+                            self._running.append(handle)
+                        running = list(self._running)
             if unload:
                 self._unload()
                 continue
-            with self._wake:
-                if self._stopping and not self._running and not self._queued \
-                        and not self._preparing and self._soon.empty():
-                    return
-                if not self._running and not self._queued and not self._control.empty():
-                    task = self._control.get()
-                else:
-                    task = None
-                    while self._queued and len(self._running) < self.max_running:
-                        handle = self._queued.popleft()
-                        handle._enter("prefill")
-                        self._running.append(handle)
-                running = list(self._running)
             if task is not None:
                 task()
             elif running:
@@ -658,19 +660,22 @@ class Engine:
 
     def _tick(self, running: list[RequestHandle]) -> None:
         batch = self._batch
+        # each request's state read once per tick (this runs for every token)
+        states = [(h, h.generation.batchable, h.generation in batch) for h in running]
         # A lone decoder runs solo: its plain cache and pipelined step beat a one-row batch.
         use_batch = self.batching and self._footprint.batchable and \
-            sum(h.generation.batchable for h in running) >= 2
-        joining = []
-        for h in running:
-            gen = h.generation
-            if gen in batch and not (gen.batchable and use_batch):
-                batch.leave(gen)
-            elif use_batch and gen.batchable and gen not in batch:
-                joining.append(gen)
+            sum(ok for _, ok, _ in states) >= 2
+        joining, solo = [], []
+        for h, ok, inside in states:
+            if inside and not (ok and use_batch):
+                batch.leave(h.generation)
+                solo.append(h)
+            elif not inside and ok and use_batch:
+                joining.append(h.generation)
+            elif not inside:
+                solo.append(h)
         if joining:
             batch.join(joining)
-        solo = [h for h in running if h.generation not in batch]
         prefilling = [h for h in solo if h.generation.in_prefill and not h.cancel_requested]
         decoding = len(prefilling) < len(running)
         if prefilling:
