@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 
 from engine.cache.prefix_cache import PrefixCache
-from engine.decoding.generate import Generation, build_prompt
+from engine.decoding.generate import LAST_WITH_CHUNK_MAX, Generation, build_prompt
 from engine.decoding.sampling import SamplingParams
 from tiny_models import tiny_llama, tiny_qwen3_5
 
@@ -186,3 +186,22 @@ def test_the_last_token_fed_with_a_short_final_chunk_keeps_tokens_and_reuse(lm):
     assert on.tokens == apart.tokens == run(lm, edited, chunk=SMALL).tokens
     assert on.cached == apart.cached > len(build_prompt(lm, messages=chat[:1]).tokens)
     assert on.prefill_calls == apart.prefill_calls - (1 if cache.trimmable else 0)
+
+
+def test_a_final_chunk_too_long_for_the_last_token_leaves_a_short_one_that_takes_it(lm):
+    """As on a GPU, with chunks larger than a final chunk may be to take the last prompt token
+    (every position's logits are computed): a long chat's prefill ends with a chunk short enough
+    to take it, not with a call for the last token alone, and gives the cache-off tokens."""
+    chat = [SYSTEM] + [m for t in TOPICS * 2 for m in (question(t), assistant("Noted."))]
+    chat.append(question("owls"))
+    n = len(build_prompt(lm, messages=chat).tokens)
+    assert n > LAST_WITH_CHUNK_MAX + 100
+    cache = PrefixCache(lm, budget_bytes=2**30)
+    start = len(lm.model.calls)
+    on = run(lm, chat, cache, chunk=LARGE, last_with_chunk=True)
+    calls = lm.model.calls[start:start + on.prefill_calls]
+    assert on.tokens == run(lm, chat, chunk=SMALL).tokens
+    if cache.trimmable:  # no stop: one large chunk, then the short one with the last token
+        assert calls == [n - LAST_WITH_CHUNK_MAX, LAST_WITH_CHUNK_MAX]
+    else:  # it stops one token before the end: the last token stays alone
+        assert calls[-1] == 1 and sum(calls) == n

@@ -248,9 +248,12 @@ class Generation:
         if pos < last:
             stop = next((s for s in self._stops if s > pos), last)
             end = min(stop, pos + min(limit, self.prefill_chunk))
-            if (self.last_with_chunk and end == last and last not in self._stops
-                    and end - pos < LAST_WITH_CHUNK_MAX):
-                return self._prefill_last(pos)  # the final chunk takes the last token
+            if self.last_with_chunk and end == last and last not in self._stops:
+                if end - pos < LAST_WITH_CHUNK_MAX:
+                    return self._prefill_last(pos)  # the final chunk takes the last token
+                # too long to take it: end early, leaving a final chunk short enough to take it
+                # (its logits cost less than a call over the weights for the last token alone)
+                end = last - (LAST_WITH_CHUNK_MAX - 1)
             self._feed(mx.array(tokens[pos:end], dtype=mx.uint32))
             self.fed.extend(tokens[pos:end])
             mx.eval([c.state for c in self.cache])
