@@ -152,16 +152,27 @@ class DecodeBatch:
         else:
             self.cache = merged
 
-    def leave(self, gen: Generation) -> None:
-        """Hand `gen` its row of the cache back and drop the row from the batch."""
-        i = next(i for i, g in enumerate(self.rows) if g is gen)
-        gen.cache = _edit(self.cache, "batch_extracted", lambda i: [c.extract(i) for c in self.cache], i)
-        gen.prefix_cache = self._stores.pop(id(gen))
-        if gen.prefix_cache is not None and POLICY.save_at_finish(gen.finish_reason):
-            gen.prefix_cache.save(list(gen.fed), gen.cache)  # the save its finish skipped
-        del self.rows[i]
+    def leave(self, gens: list[Generation]) -> None:
+        """Hand each of `gens` its row of the cache back and drop their rows from the batch in one
+        edit (rows that finish in the same step leave together, as in mlx-lm's `BatchGenerator`).
+        A finished row whose cache nothing will save gets no copy of its row."""
+        leaving = {id(g) for g in gens}
+        for i, gen in enumerate(self.rows):
+            if id(gen) not in leaving:
+                continue
+            store = self._stores.pop(id(gen))
+            saves = store is not None and POLICY.save_at_finish(gen.finish_reason)
+            if gen.done and not saves:
+                gen.cache = []
+            else:
+                gen.cache = _edit(self.cache, "batch_extracted",
+                                  lambda i: [c.extract(i) for c in self.cache], i)
+            gen.prefix_cache = store
+            if gen.done and saves:
+                store.save(list(gen.fed), gen.cache)  # the save its finish skipped
+        keep = [j for j, g in enumerate(self.rows) if id(g) not in leaving]
+        self.rows = [self.rows[j] for j in keep]
         if self.rows:
-            keep = [j for j in range(len(self.rows) + 1) if j != i]
             _edit(self.cache, "batch_filter", lambda k: [c.filter(mx.array(k)) for c in self.cache], keep)
         else:
             self.cache, self._sampled, self._sampled_rows = [], None, []

@@ -50,6 +50,11 @@ SWITCH_INTERVAL_S = 2e-4
 # together start together and the batch runs full from its first step.
 PREFILL_CHUNKS_DECODING = 1
 PREFILL_CHUNKS_IDLE = 4
+# Requests submitted together (parallel calls of one client, a burst of streams) start together:
+# an idle engine admits its first request once no other has arrived for ADMIT_QUIET_S, waiting at
+# most ADMIT_WAIT_S, so that the burst prefills in shared calls and decodes as one batch.
+ADMIT_QUIET_S = 5e-4
+ADMIT_WAIT_S = 5e-3
 PERSIST_BYTES = 512 * 2**20  # prefix-cache snapshots written to disk at shutdown
 
 
@@ -639,6 +644,8 @@ class Engine:
                     if not self._running and not self._queued and not self._control.empty():
                         task = self._control.get()
                     else:
+                        if not self._running and self._queued:
+                            self._settle()
                         while self._queued and len(self._running) < self.max_running:
                             handle = self._queued.popleft()
                             handle._enter("prefill")
@@ -658,6 +665,17 @@ class Engine:
                     continue
                 self._tick(running)
 
+    def _settle(self) -> None:
+        """Under the lock: wait while requests keep arriving (see ADMIT_QUIET_S)."""
+        deadline = time.monotonic() + ADMIT_WAIT_S
+        while len(self._queued) < self.max_running and not self._stopping:
+            seen = len(self._queued)
+            quiet_until = time.monotonic() + ADMIT_QUIET_S
+            while len(self._queued) == seen and (left := min(quiet_until, deadline) - time.monotonic()) > 0:
+                self._wake.wait(left)
+            if len(self._queued) == seen or time.monotonic() >= deadline:
+                return
+
     def _tick(self, running: list[RequestHandle]) -> None:
         batch = self._batch
         # each request's state read once per tick (this runs for every token)
@@ -665,15 +683,17 @@ class Engine:
         # A lone decoder runs solo: its plain cache and pipelined step beat a one-row batch.
         use_batch = self.batching and self._footprint.batchable and \
             sum(ok for _, ok, _ in states) >= 2
-        joining, solo = [], []
+        joining, leaving, solo = [], [], []
         for h, ok, inside in states:
             if inside and not (ok and use_batch):
-                batch.leave(h.generation)
+                leaving.append(h.generation)
                 solo.append(h)
             elif not inside and ok and use_batch:
                 joining.append(h.generation)
             elif not inside:
                 solo.append(h)
+        if leaving:
+            batch.leave(leaving)
         if joining:
             batch.join(joining)
         prefilling = [h for h in solo if h.generation.in_prefill and not h.cancel_requested]
@@ -690,6 +710,9 @@ class Engine:
             except Exception as exc:  # the shared model call: every row fails, the engine serves on
                 results = [(gen, exc) for gen in batch.rows]
                 self._batch = DecodeBatch(batch.model)
+            finished = [gen for gen, _ in results if gen.done and gen in self._batch]
+            if finished:
+                self._batch.leave(finished)
             for gen, outcome in results:
                 self._advance(by_gen[id(gen)], outcome)
 
@@ -714,8 +737,9 @@ class Engine:
         """Short prompts arriving together prefill together: a call feeds, oldest first, the
         next chunks of as many prompts as fit in one chunk's worth of tokens (right-padded,
         engine/scheduling/batch.py `prefill_together`; a long prompt fills a call alone, as
-        before), then one call feeds all of them their last prompt token and samples their first
-        tokens, so they join the decode batch at once. A prompt's chunks end at the stops of its
+        before), and once no body is left within the budget, one call feeds all of them their last
+        prompt token and samples their first tokens, so they join the decode batch at once (as
+        mlx-lm's `BatchGenerator` starts its batch). A prompt's chunks end at the stops of its
         solo prefill. Returns the budget left."""
         alone: set[int] = set()
 
@@ -745,13 +769,10 @@ class Engine:
                 room -= len(tokens)
             return group
 
-        while True:
-            body = ready(tail=False)
+        while body := ready(tail=False):
             self._run_together(body)
-            tail = ready(tail=True)  # the prompts just finished too: one token each
-            self._run_together(tail)
-            if not body and not tail or budget <= 0:
-                return max(budget, 0)
+        self._run_together(ready(tail=True))  # every prompt down to its last token: one each
+        return max(budget, 0)
 
     def _run_together(self, group: list[tuple[RequestHandle, list[int]]]) -> None:
         if len(group) == 1:  # alone it runs as its own prefill step does
@@ -800,7 +821,7 @@ class Engine:
                 handle._publish(event)
             return
         if self._batch is not None and gen in self._batch:
-            self._batch.leave(gen)
+            self._batch.leave([gen])
         gen.release()
         state = {"cancelled": "cancelled", "failed": "failed"}.get(gen.finish_reason, "finished")
         with self._wake:
