@@ -1,0 +1,32 @@
+"""Back and Forward between chats restore each page cleanly: htmx finds nothing in a restored
+page to swap out of band (it would log htmx:oobErrorNoTarget for each such element)."""
+
+import re
+
+from playwright.sync_api import Page, expect
+
+from test_chat import last, new_chat, send, wait_answer
+
+
+def test_back_and_forward_between_chats_log_no_errors(page: Page):
+    errors = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    chats = {}
+    for text in ("First chat", "Second chat"):
+        cid = new_chat(page, max_tokens=2)
+        send(page, text)
+        wait_answer(page)  # its final version came over the socket, out of band
+        chats[cid] = text
+    (first, first_text), (second, second_text) = chats.items()
+    page.click(f"#conversation-list a[href='/c/{first}']")
+    expect(page).to_have_url(re.compile(f"/c/{first}$"))
+    expect(last(page, "user")).to_contain_text(first_text)
+    for move, cid, text in ((page.go_back, second, second_text),
+                            (page.go_forward, first, first_text),
+                            (page.go_back, second, second_text)):
+        move()
+        expect(page).to_have_url(re.compile(f"/c/{cid}$"))
+        expect(last(page, "user")).to_contain_text(text)
+        expect(last(page, "assistant")).to_have_attribute("data-state", "done")
+        page.wait_for_timeout(500)  # the page's socket reconnects and sends the chat's state
+    assert not errors, errors
