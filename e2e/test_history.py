@@ -5,7 +5,7 @@ import re
 
 from playwright.sync_api import Page, expect
 
-from test_chat import last, new_chat, send, wait_answer
+from test_chat import last, new_chat, open_new_chat, send, wait_answer
 
 
 def test_back_and_forward_between_chats_log_no_errors(page: Page):
@@ -29,4 +29,27 @@ def test_back_and_forward_between_chats_log_no_errors(page: Page):
         expect(last(page, "user")).to_contain_text(text)
         expect(last(page, "assistant")).to_have_attribute("data-state", "done")
         page.wait_for_timeout(500)  # the page's socket reconnects and sends the chat's state
+    assert not errors, errors
+
+
+def test_a_resized_composer_goes_to_another_chat_without_a_csp_error(page: Page):
+    """Dragging the composer's corner gives it a style attribute; htmx settled `style` onto the
+    next page's composer, which the CSP (no inline style) refused with a console error."""
+    errors = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    first = new_chat(page, max_tokens=2)
+    send(page, "Hello")
+    wait_answer(page)
+    open_new_chat(page)
+    box = page.locator("#prompt").bounding_box()
+    corner = (box["x"] + box["width"] - 3, box["y"] + box["height"] - 3)
+    page.mouse.move(*corner)
+    page.mouse.down()
+    page.mouse.move(corner[0], corner[1] - 60, steps=5)  # a drag of the resize handle
+    page.mouse.up()
+    expect(page.locator("#prompt")).to_have_attribute("style", re.compile("height"))
+    page.click(f"#conversation-list a[href='/c/{first}']")
+    expect(page).to_have_url(re.compile(f"/c/{first}$"))
+    expect(last(page, "user")).to_contain_text("Hello")
+    page.wait_for_timeout(300)  # htmx settles the swapped page after 20 ms
     assert not errors, errors
