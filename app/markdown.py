@@ -5,6 +5,9 @@ nh3 then keeps only an allow-list of tags, attributes and URL schemes, so even a
 cannot let script, event handlers or dangerous URLs through. We add two things ourselves, after
 escaping: a copy button on each code block and a collapsible block for `<think>` reasoning. Tool
 calls and tool results are never markdown: escaped text in collapsible blocks.
+
+A table column's alignment (`|:--|--:|`), which markdown-it writes as `style="text-align:..."`,
+becomes one of three classes: the page's CSP allows no inline style, and nh3 keeps only those.
 """
 
 import html
@@ -16,6 +19,8 @@ from markdown_it import MarkdownIt
 from markdown_it.common.utils import escapeHtml
 
 _THINK = re.compile(r"<think>(.*?)(</think>|$)", re.DOTALL)
+_ALIGN = re.compile(r"text-align:(left|center|right)")
+_ALIGN_CLASSES = {"align-left", "align-center", "align-right"}
 
 # No images: a remote image in model output would leak that the chat happened.
 _TAGS = (set(nh3.ALLOWED_TAGS) - {"img", "map", "area"}) | {"button"}
@@ -27,6 +32,8 @@ _ATTRIBUTES = {
     "button": {"class", "type", "aria-label"},
     "ol": {"start"},
 }
+# The only classes nh3 keeps on table cells (nh3 wants them here, not in _ATTRIBUTES).
+_CLASSES = {"th": _ALIGN_CLASSES, "td": _ALIGN_CLASSES}
 
 
 def _fence(renderer, tokens, idx, options, env) -> str:
@@ -39,14 +46,25 @@ def _fence(renderer, tokens, idx, options, env) -> str:
     )
 
 
+def _cell(renderer, tokens, idx, options, env) -> str:
+    """A table cell with its column's alignment as a class instead of an inline style."""
+    token = tokens[idx]
+    align = _ALIGN.fullmatch(str(token.attrs.pop("style", "")))
+    if align:
+        token.attrSet("class", f"align-{align.group(1)}")
+    return renderer.renderToken(tokens, idx, options, env)
+
+
 _md = MarkdownIt("commonmark", {"html": False, "linkify": False}).enable(["table", "strikethrough"])
 _md.add_render_rule("fence", _fence)
 _md.add_render_rule("code_block", _fence)
+_md.add_render_rule("th_open", _cell)
+_md.add_render_rule("td_open", _cell)
 
 
 def _clean(fragment: str) -> str:
     return nh3.clean(
-        fragment, tags=_TAGS, attributes=_ATTRIBUTES,
+        fragment, tags=_TAGS, attributes=_ATTRIBUTES, allowed_classes=_CLASSES,
         url_schemes={"http", "https", "mailto"}, link_rel="noopener noreferrer nofollow",
     )
 

@@ -6,7 +6,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from engine import PRESETS, Engine
+from engine import DEFAULTABLE, PRESETS, Engine
 
 from .chat import SAMPLING_FIELDS, parse_settings_form, preset_settings, speculative_form
 from .storage import Conversation, Storage
@@ -124,13 +124,41 @@ async def save_settings(request: Request) -> Response:
     if post is None:
         return not_found()
     storage, engine, conv, form = post
-    settings, errors = parse_settings_form(form)
+    settings, errors = _parse_form(form, engine)
     if errors:  # show what was typed, next to what is wrong with it
         settings["sampling"] = {name: form.get(name, "") for name in SAMPLING_FIELDS}
     else:
         storage.update_conversation(conv.id, settings=_kept(conv, settings))
     return HTMLResponse(render("_settings.html", **settings_context(
         conv, errors, settings, saved=not errors, engine=engine)))
+
+
+def _parse_form(form: dict[str, str], engine: Engine) -> tuple[dict[str, Any], dict[str, str]]:
+    """The panel's settings and errors, max tokens also bounded by the model's context length
+    (the bound a request meets: prompt + max_tokens must fit the context)."""
+    settings, errors = parse_settings_form(form)
+    asked, model = settings["sampling"].get("max_tokens"), engine.model
+    if not errors and model is not None and asked is not None and asked > model.context_length:
+        errors["max_tokens"] = (f"{SAMPLING_FIELDS['max_tokens'].label} must be at most "
+                                f"{model.context_length}, this model's context length.")
+    return settings, errors
+
+
+def _not_preset(form: dict[str, str], conv: Conversation, engine: Engine) -> dict[str, Any]:
+    """The values no preset sets (max tokens, seed): as the panel shows them where valid, else as
+    the conversation has them."""
+    saved = (conv.settings or {}).get("sampling") or {}
+    kept = {}
+    for name in SAMPLING_FIELDS:
+        if name in DEFAULTABLE:
+            continue
+        value = saved.get(name)
+        if name in form:
+            settings, errors = _parse_form({name: form[name]}, engine)
+            value = value if errors else settings["sampling"].get(name)
+        if value is not None:
+            kept[name] = value
+    return kept
 
 
 def _kept(conv: Conversation, panel: dict[str, Any]) -> dict[str, Any]:
@@ -149,6 +177,7 @@ async def apply_preset(request: Request) -> Response:
         return HTMLResponse(render("_settings.html", **settings_context(
             conv, {"preset": f"Unknown preset {name!r}."}, engine=engine)))
     settings = preset_settings(name, str(form.get("system_prompt", "")).strip())
+    settings["sampling"] = {**_not_preset(form, conv, engine), **settings["sampling"]}
     settings["speculative"] = speculative_form(form)[0]  # a preset sets sampling only
     storage.update_conversation(conv.id, settings=_kept(conv, settings))
     return HTMLResponse(render("_settings.html", **settings_context(conv, settings=settings,

@@ -10,7 +10,7 @@ real server on 127.0.0.1 with the same model folder, sent the same messages thro
 (streaming, max_tokens=1; its reused-token count from usage.prompt_tokens_details.cached_tokens).
 
 Models: the bundled dense SmolLM2 (its converted mlx-lm folder) and a tiny random qwen3_5 hybrid
-(tests/tiny_models.py, saved as an mlx-lm folder). Results: a table on stdout and JSON in
+(bench/shapes.py's tiny-hybrid, saved as an mlx-lm folder). Results: a table on stdout and JSON in
 bench/results/prefix-cpu.json.
 """
 
@@ -26,7 +26,6 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # tiny_models
 
 RESULTS = ROOT / "bench" / "results" / "prefix-cpu.json"
 WARMUP = [{"role": "user", "content": "Hi"}]
@@ -53,8 +52,9 @@ def model_folder(kind: str) -> Path:
     if kind == "dense":
         from engine.loading.registry import resolve
         return resolve(None)[1]
-    from tiny_models import QWEN3_5, build_folder
-    return build_folder(QWEN3_5)
+    from bench.shapes import SHAPES, build_folder
+    # The tiny hybrid with the bundled tokenizer's vocabulary: it is sent real text.
+    return build_folder({**SHAPES["tiny-hybrid"].config, "vocab_size": 49152})
 
 
 # -- ours -----------------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ def test_settings_panel_shows_each_defaults_source(page: Page, shot):
     expect(source("temperature")).to_have_text(
         "this conversation's setting (model default: 0.2, mlxchat's preset for this model)")
     shot(page, "settings-sources")
+    page.fill("input[name=max_tokens]", "77")  # typed, not saved: no preset sets it, so it stays
     page.select_option("select[name=preset]", "recommended")  # back to the model's own values
     expect(source("temperature")).to_have_text("0.2: mlxchat's preset for this model")
     expect(page.locator("input[name=temperature]")).to_have_value("")
+    expect(page.locator("input[name=max_tokens]")).to_have_value("77")

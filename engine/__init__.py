@@ -7,7 +7,7 @@ This is the engine's whole public face; the app imports nothing else from it (a 
     async for event in handle.stream(): ...      # or `for event in handle.events()` in a thread
 """
 
-from .decoding.defaults import SOURCES as DEFAULT_SOURCES, Default, ModelDefaults
+from .decoding.defaults import DEFAULTABLE, SOURCES as DEFAULT_SOURCES, Default, ModelDefaults
 from .decoding.drafts import DraftChoice, SpeculativeOptions
 from .decoding.sampling import PRESETS, SAMPLING_OPTIONS, SamplingOption, SamplingParams, preset
 from .distributed.cluster import Cluster
@@ -28,7 +28,7 @@ from .scheduling.service import Engine, EngineStatus, ModelDescription, RequestH
 from .decoding.generate import build_prompt as _build_prompt
 
 __all__ = [
-    "Cluster", "DEFAULT_KEEP_ALIVE_S", "DEFAULT_SOURCES", "DEVICES", "PRESETS", "SAMPLING_OPTIONS",
+    "Cluster", "DEFAULTABLE", "DEFAULT_KEEP_ALIVE_S", "DEFAULT_SOURCES", "DEVICES", "PRESETS", "SAMPLING_OPTIONS",
     "Channel", "Default", "DownloadCancelled", "DownloadError", "DownloadProgress", "DraftChoice",
     "Engine", "EngineError", "EngineStatus", "Event", "FinishReason", "InvalidRequest",
     "ModelDefaults", "ModelDescription", "ModelInfo", "ModelLoadError", "Overloaded",

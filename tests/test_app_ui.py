@@ -79,9 +79,37 @@ def test_settings_validation_and_presets(http, server):
     r = http.post(f"/c/{cid}/settings/preset", data={"preset": "recommended", "system_prompt": "Hi"})
     settings = server.storage.get_conversation(cid).settings
     assert settings["preset"] == "recommended" and settings["system_prompt"] == "Hi"
-    assert settings["sampling"] == {}  # every value from the model's defaults
+    assert settings["sampling"] == {"max_tokens": 4}  # the rest from the model's defaults
     assert "0.2: mlxchat&#39;s preset for this model" in r.text
     assert "Unknown preset" in http.post(f"/c/{cid}/settings/preset", data={"preset": "wild"}).text
+
+
+def test_max_tokens_is_bounded_by_the_models_context_length(http, server):
+    """The bound a request meets (prompt + max_tokens must fit the context), not any number."""
+    cid = new_conversation(http)
+    limit = server.app.state.engine.model.context_length
+    huge = "9" * 30
+    r = http.post(f"/c/{cid}/settings", data={"max_tokens": huge})
+    assert f"Max tokens must be at most {limit}" in r.text and f'value="{huge}"' in r.text
+    assert server.storage.get_conversation(cid).settings["sampling"]["max_tokens"] == 4
+    r = http.post(f"/c/{cid}/settings", data={"max_tokens": str(limit + 1)})
+    assert "must be at most" in r.text
+    assert "Saved." in http.post(f"/c/{cid}/settings", data={"max_tokens": str(limit)}).text
+
+
+def test_a_preset_keeps_the_values_no_preset_sets(http, server):
+    """A preset sets sampling values; the user's max tokens and seed stay (as the panel shows them)."""
+    cid = new_conversation(http, max_tokens=9)
+    http.post(f"/c/{cid}/settings", data={"max_tokens": "9", "seed": "5", "temperature": "0.5"})
+    http.post(f"/c/{cid}/settings/preset", data={"preset": "greedy"})
+    assert server.storage.get_conversation(cid).settings["sampling"] == \
+        {"temperature": 0.0, "max_tokens": 9, "seed": 5}
+    r = http.post(f"/c/{cid}/settings/preset",  # typed, not yet saved: kept too
+                  data={"preset": "recommended", "max_tokens": "12", "seed": "5", "temperature": "1"})
+    assert server.storage.get_conversation(cid).settings["sampling"] == {"max_tokens": 12, "seed": 5}
+    assert 'name="max_tokens" value="12"' in r.text
+    http.post(f"/c/{cid}/settings/preset", data={"preset": "greedy", "max_tokens": "", "seed": "x"})
+    assert server.storage.get_conversation(cid).settings["sampling"] == {"temperature": 0.0, "seed": 5}
 
 
 def test_saving_settings_keeps_the_opt_in_to_dropping_old_turns(http, server):

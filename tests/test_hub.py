@@ -227,3 +227,4 @@ def test_the_model_picker_downloads_with_progress_and_deletes(hub, tmp_path):
         with http.stream("GET", "/models/download/progress") as events:
             text = "".join(events.iter_lines())
         assert "no repository test/missing" in text
+        assert 'value="test/missing"' in text  # what was typed stays, to correct it

@@ -5,7 +5,7 @@ import pytest
 from click.testing import CliRunner
 
 from app.api import ApiError, parse_chat_request
-from app.chat import SAMPLING_FIELDS, parse_settings_form
+from app.chat import SAMPLING_FIELDS, parse_settings_form, sampling_params
 from app.cli import cli
 from engine import SAMPLING_OPTIONS, InvalidRequest, SamplingParams
 
@@ -16,8 +16,10 @@ BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
 
 def outside(option):
-    """A value just outside the option's range."""
-    return option.low - 1 if option.low is not None else option.high + 1
+    """A value just outside the option's range (and not the value that means "unset")."""
+    if option.low is None:
+        return option.high + 1
+    return option.low - (2 if option.unset == option.low - 1 else 1)
 
 
 @pytest.mark.parametrize("option", SAMPLING_OPTIONS, ids=lambda o: o.name)
@@ -59,3 +61,14 @@ def test_the_settings_form_has_a_field_per_option_and_puts_errors_on_it(option):
     assert list(errors) == [option.name] and option.name in errors[option.name]
     settings, errors = parse_settings_form({option.name: "x"})
     assert list(errors) == [option.name] and option.label in errors[option.name]
+
+
+def test_a_seed_of_minus_one_means_random_in_the_api_and_the_settings_form():
+    """Many clients send seed -1 for "no seed"; -2 is still out of range."""
+    assert parse_chat_request({**BODY, "seed": -1}, MODEL).params.seed is None
+    with pytest.raises(ApiError) as info:
+        parse_chat_request({**BODY, "seed": -2}, MODEL)
+    assert (info.value.param, info.value.code) == ("seed", "invalid_value")
+    settings, errors = parse_settings_form({"seed": "-1"})
+    assert errors == {} and sampling_params(settings, None).seed is None
+    assert list(parse_settings_form({"seed": "-2"})[1]) == ["seed"]

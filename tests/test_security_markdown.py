@@ -30,7 +30,9 @@ ATTACKS = [
     "<details open ontoggle=alert(1)>x</details>",
     "| <script>alert(1)</script> | b |\n|---|---|\n| <img src=x onerror=alert(1)> | 2 |",
     "&lt;script&gt;alert(1)&lt;/script&gt;",
+    '| <td class="evil" style="x"> |\n|:--|\n| <th onclick=alert(1)> |',
 ]
+ALIGN_CLASSES = {"align-left", "align-center", "align-right"}
 
 SAFE_TAGS = {"p", "em", "strong", "code", "pre", "div", "button", "details", "summary", "a", "ul",
              "ol", "li", "blockquote", "table", "thead", "tbody", "tr", "th", "td", "br", "hr", "del",
@@ -55,6 +57,8 @@ def test_model_output_cannot_inject(text):
     for tag, attrs in _Elements(out).found:
         assert tag in SAFE_TAGS, out
         assert not any(name.startswith("on") or name in ("src", "style") for name in attrs), out
+        if tag in ("th", "td"):
+            assert set((attrs.get("class") or "").split()) <= ALIGN_CLASSES, out
         href = attrs.get("href")
         assert href is None or href.startswith(("https:", "http:", "mailto:")), out
 
@@ -68,6 +72,16 @@ def test_markdown_features_survive_sanitising():
     assert "<strong>bold</strong>" in out
     assert '<a href="https://example.org" rel="noopener noreferrer nofollow">site</a>' in out
     assert "<code>x</code>" in out and "<li>item</li>" in out and "<td>1</td>" in out
+
+
+def test_table_column_alignment_survives_as_classes_not_inline_styles():
+    """markdown-it writes `style="text-align:..."`, which the page's CSP would block."""
+    cells = [(tag, attrs) for tag, attrs in
+             _Elements(render_markdown("| a | b | c | d |\n|:--|--:|:-:|---|\n| 1 | 2 | 3 | 4 |")).found
+             if tag in ("th", "td")]
+    assert [attrs.get("class") for _, attrs in cells] == \
+        ["align-left", "align-right", "align-center", None] * 2
+    assert not any("style" in attrs for _, attrs in cells)
 
 
 def test_code_blocks_get_a_copy_button_and_keep_their_text_escaped():

@@ -26,7 +26,8 @@ class SamplingOption:
     accepted fields, the CLI's flags and the settings form are all derived from.
 
     The value must lie between `low` and `high` (None: unbounded), each end included unless
-    `low_open` / `high_open`; `default` None means "unset" (e.g. a random seed)."""
+    `low_open` / `high_open`; `default` None means "unset" (e.g. a random seed). `unset`: a value
+    clients send to mean "unset" (many send seed -1 for a random one); it is taken as None."""
 
     name: str
     kind: type  # int or float
@@ -37,6 +38,7 @@ class SamplingOption:
     help: str  # the CLI's help text and the form's hint
     low_open: bool = False
     high_open: bool = False
+    unset: int | None = None
 
     def interval(self) -> str:
         """The allowed values as the error messages state them, e.g. "(0, 1]"."""
@@ -51,9 +53,12 @@ class SamplingOption:
             return "a positive integer" if self.low == 1 else "a non-negative integer"
         return f"{'an integer' if self.kind is int else 'a number'} in {self.interval()}"
 
+    def is_unset(self, value: Any) -> bool:
+        return self.unset is not None and type(value) is self.kind and value == self.unset
+
     def check(self, value: Any) -> None:
         """Raise InvalidRequest (with this option's name as `field`) unless `value` is allowed."""
-        if value is None and self.default is None:
+        if value is None and self.default is None or self.is_unset(value):
             return
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not number or (self.kind is int and not isinstance(value, int)) or not math.isfinite(value):
@@ -86,7 +91,8 @@ SAMPLING_OPTIONS: tuple[SamplingOption, ...] = (
                    "Lowers a token's score by this much if it already appeared."),
     SamplingOption("max_tokens", int, 512, 1, None, "Max tokens",
                    "The most tokens to generate."),
-    SamplingOption("seed", int, None, 0, 2**63 - 1, "Seed", "Seed for reproducible sampling."),
+    SamplingOption("seed", int, None, 0, 2**63 - 1, "Seed",
+                   "Seed for reproducible sampling (-1: random).", unset=-1),
 )
 OPTIONS_BY_NAME = {o.name: o for o in SAMPLING_OPTIONS}
 
@@ -102,6 +108,9 @@ class _SamplingMethods:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
+        for option in SAMPLING_OPTIONS:
+            if option.is_unset(getattr(self, option.name)):
+                object.__setattr__(self, option.name, None)
         self.validate()
 
     def validate(self) -> None:
