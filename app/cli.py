@@ -13,10 +13,23 @@ from engine import (DEFAULT_KEEP_ALIVE_S, DEVICES, PRESETS, SAMPLING_OPTIONS, En
 SHORT_FLAGS = {"temperature": "-t", "max_tokens": "-n"}
 
 
+class _OrUnset(click.ParamType):
+    """A range that also takes the option's "unset" value (seed -1: random), as None."""
+
+    def __init__(self, checked: click.ParamType, unset: Any):
+        self.checked, self.unset, self.name = checked, unset, checked.name
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if str(value).strip() == str(self.unset):
+            return None
+        return self.checked.convert(value, param, ctx)
+
+
 def _range(option: SamplingOption) -> click.ParamType:
     """The option's type and range as click checks them (before anything loads)."""
     kind = click.IntRange if option.kind is int else click.FloatRange
-    return kind(option.low, option.high, min_open=option.low_open, max_open=option.high_open)
+    checked = kind(option.low, option.high, min_open=option.low_open, max_open=option.high_open)
+    return checked if option.unset is None else _OrUnset(checked, option.unset)
 
 
 def _sampling_options(fn: Any) -> Any:

@@ -39,6 +39,13 @@ def test_generate_is_reproducible_with_a_seed(lm):
     assert first.returncode == 0 and first.stdout == again.stdout and first.stdout.strip()
 
 
+def test_a_seed_of_minus_one_means_random(lm):
+    result = run("generate", "Hi", "-n", "4", "--seed", "-1")
+    assert result.returncode == 0, result.stderr
+    refused = run("generate", "Hi", "-n", "4", "--seed", "-2")
+    assert refused.returncode == 2 and "Invalid value for '--seed'" in refused.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--model", "no-such-model"], "unknown model 'no-such-model'"),
     (["--top-p", "1.5"], "Invalid value for '--top-p': 1.5 is not in the range 0<x<=1"),
