@@ -99,6 +99,7 @@ def suite_prefix(lm, shape: str, a) -> list[Row]:
     from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
     from engine.decoding.chat import Prompt
+    from engine.decoding.generate import default_prefill_chunk
     from engine import device
 
     try:
@@ -209,8 +210,8 @@ def suite_prefix(lm, shape: str, a) -> list[Row]:
             + ("trimmable KV: longest common prefix" if trimmable else
                "non-trimmable linear-attention state: only its end-of-system-prompt snapshot") + ")"),
         Row("prefix", shape, "TTFT cold", "ms", c * 1e3, m * 1e3, "mlx_lm.stream_generate", "",
-            f"{len(tokens)} tokens, nothing cached; ours prefills in 2048-token chunks (GPU; 512 on "
-            "CPU) stopping only where a snapshot is taken, mlx-lm in 2048-token chunks; our snapshot "
+            f"{len(tokens)} tokens, nothing cached; ours prefills in {default_prefill_chunk()}-token "
+            "chunks stopping only where a snapshot is taken, mlx-lm in 2048-token chunks; our snapshot "
             f"saves inside it {common.fmt(common.median(diag['cold_save_ms']))} ms; ours without a "
             "prefix cache by prefill chunk: " + ", ".join(
                 f"{k.split('chunk')[1][:-3]}: {v:.0f} ms" for k, v in diag.items() if k.startswith("cold_no_cache")),
@@ -223,6 +224,7 @@ def suite_memory(lm, shape: str, a) -> list[Row]:
     import mlx.core as mx
 
     from engine.decoding.chat import Prompt
+    from engine.decoding.generate import default_prefill_chunk
     from engine import device
 
     try:
