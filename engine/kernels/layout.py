@@ -136,10 +136,19 @@ def _row_offsets(cache: Any) -> mx.array | None:
     return _int32(cache.offset) if type(cache) is BatchKVCache else None
 
 
+def _prompt_chunk(x: mx.array, mask: Any, cache: Any) -> bool:
+    """Whether this call is a prompt chunk our prefill attention takes: several positions of one
+    sequence over a plain `KVCache`, under mlx-lm's causal mask."""
+    return (x.shape[1] > 1 and x.dtype == mx.float32 and type(cache) is KVCache
+            and (mask is None or (isinstance(mask, str) and mask == "causal")))
+
+
 class KernelLlamaAttention(llama.Attention):
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         ours, starts = _one_token_step(x, mask, cache)
         if not ours:
+            if _prompt_chunk(x, mask, cache):
+                return self._prompt_chunk(x, cache)
             return super().__call__(x, mask, cache)
         B = x.shape[0]
         # One position: (B, 1, heads * dim) reshapes to (B, heads, 1, dim) without a transpose.
@@ -150,6 +159,18 @@ class KernelLlamaAttention(llama.Attention):
         k, v = cache.update_and_fetch(k, v)
         out = _Run.kernels.decode_attention(q, k, v, self.scale, starts=starts)
         return self.o_proj(out.reshape(B, 1, -1))
+
+    def _prompt_chunk(self, x: mx.array, cache: KVCache) -> mx.array:
+        """mlx-lm's prompt step with our causal attention, whose output comes in the layout
+        o_proj reads (one query position after another)."""
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=cache.offset)
+        k = self.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        return self.o_proj(_Run.kernels.prefill_attention(q, k, v, self.scale))
 
 
 def _qw(layer: nn.Module) -> tuple:

@@ -234,6 +234,33 @@ KV kv_view(const mx::array& a, std::vector<float>& tmp) {
   return v;
 }
 
+float* scratch(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (int64_t(buf.size()) < n) buf.resize(size_t(n));
+  return buf.data();
+}
+
+// One query (D floats, not yet scaled) against keys t0..S-1 (t0 < S) of one KV head: y (D
+// floats) = the softmax-weighted sum of the values. Decode and prefill attention both run it, so
+// a position's output is the same either way.
+void attend_one(const Impl* I, const float* q, float scale, const float* kb, int64_t ks,
+                const float* vb, int64_t vs, int64_t t0, int64_t S, int64_t D, float* y) {
+  float* qs = scratch(D + S);
+  float* sc = qs + D;
+  for (int64_t i = 0; i < D; ++i) qs[i] = q[i] * scale;
+  if (I->attend(qs, kb, ks, vb, vs, t0, S, D, sc, y)) return;
+  std::fill(y, y + D, 0.0f);
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t t = t0; t < S; ++t) {
+    sc[t] = I->dot(qs, kb + t * ks, D);
+    top = std::max(top, sc[t]);
+  }
+  float sum = 0;
+  for (int64_t t = t0; t < S; ++t) sum += (sc[t] = std::exp(sc[t] - top));
+  const float inv = 1.0f / sum;
+  for (int64_t t = t0; t < S; ++t) I->axpy(sc[t] * inv, vb + t * vs, y, D);
+}
+
 // Single-query attention: q (B, H, 1, D) contiguous, K/V (B, Hk, S, D); y (B, H, 1, D). With
 // `starts`, row b attends to keys starts[b]..S-1 only (a batched cache's left padding hidden, as
 // mlx-lm's mask does); a row with no key left gets zeros.
@@ -245,22 +272,31 @@ void attention(const float* q, const KV& k, const KV& v, int64_t B, int64_t H, i
     const int64_t b = bh / H, h = bh % H, hk = h / rep;
     const int64_t t0 = starts ? std::clamp<int64_t>(starts[b], 0, S) : 0;
     float* yr = y + bh * D;
-    std::fill(yr, yr + D, 0.0f);
-    if (t0 == S) return;
-    std::vector<float> qs(D), sc(S);
-    for (int64_t i = 0; i < D; ++i) qs[i] = q[bh * D + i] * scale;
+    if (t0 == S) {
+      std::fill(yr, yr + D, 0.0f);
+      return;
+    }
+    attend_one(I, q + bh * D, scale, k.p + b * k.st[0] + hk * k.st[1], k.st[2],
+               v.p + b * v.st[0] + hk * v.st[1], v.st[2], t0, S, D, yr);
+  });
+}
+
+// Causal attention of L query positions (a prompt chunk) over S >= L keys whose last L are the
+// chunk's own: q (B, H, L, D) contiguous, K/V (B, Hk, S, D); query i attends keys
+// 0..S-L+i (mlx-lm's "causal" mask). y is (B, L, H, D): the layout o_proj reads, no transpose.
+// Each query runs attend_one, as a decode step at that position does; the work is handed out
+// in blocks of query rows, longest rows first.
+void prefill_attention(const float* q, const KV& k, const KV& v, int64_t B, int64_t H, int64_t Hk,
+                       int64_t L, int64_t S, int64_t D, float scale, float* y) {
+  const Impl* I = impl();
+  const int64_t rep = H / Hk, rows = 8, nblk = (L + rows - 1) / rows;
+  parallel_for(B * H * nblk, [&](int64_t t) {
+    const int64_t blk = nblk - 1 - t % nblk, bh = t / nblk, b = bh / H, h = bh % H, hk = h / rep;
     const float* kb = k.p + b * k.st[0] + hk * k.st[1];
     const float* vb = v.p + b * v.st[0] + hk * v.st[1];
-    if (I->attend(qs.data(), kb, k.st[2], vb, v.st[2], t0, S, D, sc.data(), yr)) return;
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t t = t0; t < S; ++t) {
-      sc[t] = I->dot(qs.data(), kb + t * k.st[2], D);
-      top = std::max(top, sc[t]);
-    }
-    float sum = 0;
-    for (int64_t t = t0; t < S; ++t) sum += (sc[t] = std::exp(sc[t] - top));
-    const float inv = 1.0f / sum;
-    for (int64_t t = t0; t < S; ++t) I->axpy(sc[t] * inv, vb + t * v.st[2], yr, D);
+    for (int64_t i = blk * rows, e = std::min(L, i + rows); i < e; ++i)
+      attend_one(I, q + (bh * L + i) * D, scale, kb, k.st[2], vb, v.st[2], 0, S - L + i + 1, D,
+                 y + ((b * L + i) * H + h) * D);
   });
 }
 
@@ -613,6 +649,50 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
 }
 
 
+class PrefillAttention : public mx::UnaryPrimitive {
+ public:
+  PrefillAttention(mx::Stream s, float scale) : mx::UnaryPrimitive(s), scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    alloc(out);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([q = weak(in[0]), k = weak(in[1]), v = weak(in[2]), out = weak(out),
+                  scale = scale_]() mutable {
+      std::vector<float> tq, tk, tv;
+      const float* qd = contiguous_f32(q, tq);
+      const KV kv = kv_view(k, tk), vv = kv_view(v, tv);
+      prefill_attention(qd, kv, vv, q.shape(0), q.shape(1), k.shape(1), q.shape(2), k.shape(2),
+                        q.shape(3), scale, out.data<float>());
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat kernels run on the CPU only");
+  }
+  const char* name() const override { return "MlxchatPrefillAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return scale_ == static_cast<const PrefillAttention&>(other).scale_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {{in[0].shape(0), in[0].shape(2), in[0].shape(1) * in[0].shape(3)}};
+  }
+
+ private:
+  float scale_;
+};
+
+// q (B, H, L, D), k and v (B, Hk, S, D) float32 with S >= L -> (B, L, H * D).
+mx::array prefill_attention_op(const mx::array& q, const mx::array& k, const mx::array& v,
+                               float scale) {
+  for (auto* a : {&q, &k, &v})
+    if (a->dtype() != mx::float32 || a->ndim() != 4) throw std::invalid_argument("4-D float32 only");
+  if (k.shape() != v.shape() || k.shape(0) != q.shape(0) || k.shape(3) != q.shape(3) ||
+      q.shape(1) % k.shape(1) != 0 || k.shape(2) < q.shape(2))
+    throw std::invalid_argument("q, k, v shapes do not match");
+  return mx::array({q.shape(0), q.shape(2), q.shape(1) * q.shape(3)}, mx::float32,
+                   std::make_shared<PrefillAttention>(cpu_stream(), scale), {q, k, v});
+}
+
 // ------------------------------------------- a llama decoder layer's one-token step, in two ops
 //
 // attn_in:  q, k, v = rope(norm(h) @ Wq.T), rope(norm(h) @ Wk.T), norm(h) @ Wv.T
@@ -834,6 +914,8 @@ NB_MODULE(_mlxchat_kernels, m) {
         nb::arg("scale"), nb::arg("offset"));
   m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("scale"), nb::arg("starts") = nb::none());
+  m.def("prefill_attention", &prefill_attention_op, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("scale"));
   m.def("attn_in", &attn_in, nb::arg("h"), nb::arg("norm"), nb::arg("eps"), nb::arg("wq"),
         nb::arg("wk"), nb::arg("wv"), nb::arg("heads"), nb::arg("kv_heads"), nb::arg("rope_dims"),
         nb::arg("traditional"), nb::arg("base"), nb::arg("scale"), nb::arg("offset"),
