@@ -6,6 +6,7 @@ Tolerances (fp32 everywhere; the kernels sum in another order than MLX does):
 - quantized matmul vs mx.quantized_matmul on the same weights (scales as fp32): rtol 1e-4,
   atol 1e-4 for outputs of magnitude ~10-100 (K up to 1536 products);
 - RMSNorm vs mx.fast.rms_norm: rtol 1e-5, atol 1e-5;
+- SwiGLU vs mlx-lm's swiglu: rtol 1e-5, atol 1e-5 (exp in another implementation);
 - RoPE vs mx.fast.rope: atol 5e-5 (angles up to ~700 rad, where fp32 sin/cos implementations
   differ by an ulp of the angle), 1e-5 at small offsets;
 - decode attention vs mx.fast.scaled_dot_product_attention: atol 1e-5;
@@ -106,6 +107,17 @@ def test_rms_norm_matches_mlx(kern, shape):
     x, w = mx.random.normal(shape) * 3, mx.random.normal(shape[-1:])
     ref = mx.fast.rms_norm(x, w, 1e-5)
     assert mx.allclose(kern.rms_norm(x, w, 1e-5), ref, rtol=1e-5, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1536), (3, 7), (1, 300, 1536)])
+def test_swiglu_matches_mlx_lm(kern, shape):
+    from mlx_lm.models.activations import swiglu
+
+    gate, up = 4 * mx.random.normal(shape), mx.random.normal(shape)
+    ours = kern.swiglu(gate, up)
+    assert mx.allclose(ours, swiglu(gate, up), rtol=1e-5, atol=1e-5).item()
+    with pytest.raises(ValueError):
+        kern.swiglu(gate, up[..., :1])
 
 
 @pytest.mark.parametrize("traditional", [True, False])

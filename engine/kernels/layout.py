@@ -9,7 +9,10 @@ arrays), as engine/kernels/cpu_layout.py does for its fp32 layout:
   the weight dequantized to fp32 through BLAS when an optimised BLAS is loaded;
 - `nn.RMSNorm` -> `KernelRMSNorm`, `nn.RoPE` -> `KernelRoPE`;
 - mlx-lm's llama `Attention` -> `KernelLlamaAttention`: one-token steps over a plain `KVCache`
-  or a `BatchKVCache` take our single-query attention; everything else runs mlx-lm's own code;
+  or a `BatchKVCache` take our single-query attention, prompt chunks over a plain `KVCache` our
+  causal attention (each position the same arithmetic as a decode step there); everything else
+  runs mlx-lm's own code;
+- mlx-lm's llama `MLP` -> `KernelMLP`: our SwiGLU between its products;
 - mlx-lm's llama `TransformerBlock` -> `KernelLlamaBlock`: where every part of the layer took the
   kernels, a one-token step is two fused ops around mlx-lm's own KV-cache update.
 
@@ -34,6 +37,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from . import native
@@ -173,6 +177,16 @@ class KernelLlamaAttention(llama.Attention):
         return self.o_proj(_Run.kernels.prefill_attention(q, k, v, self.scale))
 
 
+class KernelMLP(llama.MLP):
+    """mlx-lm's llama MLP with our SwiGLU (multithreaded; MLX's CPU runs its compiled one on one
+    thread, a large part of a prompt chunk)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        g, u = self.gate_proj(x), self.up_proj(x)
+        ours = g.dtype == mx.float32 and u.dtype == mx.float32
+        return self.down_proj(_Run.kernels.swiglu(g, u) if ours else swiglu(g, u))
+
+
 def _qw(layer: nn.Module) -> tuple:
     return layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits
 
@@ -222,6 +236,7 @@ _SWAPS = (
     (nn.RMSNorm, KernelRMSNorm),
     (nn.RoPE, KernelRoPE),
     (llama.Attention, KernelLlamaAttention),
+    (llama.MLP, KernelMLP),
     (llama.TransformerBlock, KernelLlamaBlock),
 )
 _QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)

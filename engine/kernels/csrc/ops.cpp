@@ -300,6 +300,18 @@ void prefill_attention(const float* q, const KV& k, const KV& v, int64_t B, int6
   });
 }
 
+// g[i] = silu(g[i]) * u[i] for i < n, split over the pool in large blocks: a llama MLP's
+// activation (the fused decode layer and prompt chunks run this same arithmetic).
+void swiglu_rows(float* g, const float* u, int64_t n) {
+  constexpr int64_t block = 16384;
+  const auto body = [&](int64_t b) {
+    for (int64_t i = b * block, e = std::min(n, i + block); i < e; ++i)
+      g[i] = (g[i] * (1.0f / (1.0f + std::exp(-g[i])))) * u[i];
+  };
+  const int64_t nblocks = (n + block - 1) / block;
+  if (nblocks == 1) body(0); else parallel_for(nblocks, body);
+}
+
 // ---------------------------------------------------------------- quantized matmul (x @ W.T)
 
 // A quantized matrix's view; its arrays' gathered copies (if any were needed) live in `keep`.
@@ -504,6 +516,41 @@ mx::array dequantize(const mx::array& w, const mx::array& s, const mx::array& b,
   check_quantized(int64_t(w.ndim() == 2 ? w.shape(1) : 0) * (32 / bits), w, s, b, gs, bits);
   return mx::array({w.shape(0), w.shape(1) * (32 / bits)}, mx::float32,
                    std::make_shared<Dequantize>(cpu_stream(), gs, bits), {w, s, b});
+}
+
+// ------------------------------------------------------- SwiGLU (a llama MLP's activation)
+
+class SwiGLU : public mx::UnaryPrimitive {
+ public:
+  explicit SwiGLU(mx::Stream s) : mx::UnaryPrimitive(s) {}
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    alloc(out);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([g = weak(in[0]), u = weak(in[1]), out = weak(out)]() mutable {
+      std::vector<float> tg, tu;
+      const float* gd = contiguous_f32(g, tg);
+      float* y = out.data<float>();
+      std::copy(gd, gd + g.size(), y);
+      swiglu_rows(y, contiguous_f32(u, tu), int64_t(g.size()));
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat kernels run on the CPU only");
+  }
+  const char* name() const override { return "MlxchatSwiGLU"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {in[0].shape()};
+  }
+};
+
+// silu(gate) * up, float32 arrays of one shape.
+mx::array swiglu(const mx::array& gate, const mx::array& up) {
+  if (gate.dtype() != mx::float32 || up.dtype() != mx::float32 || gate.shape() != up.shape())
+    throw std::invalid_argument("gate and up must be float32 arrays of one shape");
+  return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGLU>(cpu_stream()), {gate, up});
 }
 
 // ------------------------------------------------------------------------------- RMSNorm
@@ -799,7 +846,7 @@ class BlockOut : public mx::UnaryPrimitive {
       const int64_t I = Wg.N;
       std::vector<float> g(size_t(B * I)), u(size_t(B * I));
       run_qmm_multi(xn.data(), B, {Wg, Wu}, {g.data(), u.data()}, q[1].int8);
-      for (int64_t i = 0; i < B * I; ++i) g[i] = (g[i] * (1.0f / (1.0f + std::exp(-g[i])))) * u[i];
+      swiglu_rows(g.data(), u.data(), B * I);
       float* y = out.data<float>();
       run_qmm(g.data(), B, Wd, y, q[3].int8);
       for (int64_t i = 0; i < B * Dm; ++i) y[i] = h1[i] + y[i];
@@ -909,6 +956,7 @@ NB_MODULE(_mlxchat_kernels, m) {
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"), nb::arg("int8") = false);
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"));
+  m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("up"));
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
   m.def("rope", &rope, nb::arg("x"), nb::arg("dims"), nb::arg("traditional"), nb::arg("base"),
         nb::arg("scale"), nb::arg("offset"));
