@@ -131,6 +131,15 @@ def test_rope_matches_mlx(kern, traditional, dims, base, scale, offset):
     assert mx.allclose(ours, ref, rtol=1e-5, atol=atol).item(), mx.abs(ours - ref).max().item()
 
 
+def test_inputs_strided_on_their_last_axis_are_read_as_they_are(kern):
+    x = mx.random.normal((2, 7, 5, 64))[..., ::2]  # every other element of the last axis
+    ref = mx.fast.rope(x, 32, traditional=False, base=10000.0, scale=1.0, offset=3)
+    assert mx.allclose(kern.rope(x, 32, False, 10000.0, 1.0, 3), ref, rtol=1e-5, atol=1e-5).item()
+    w = mx.random.normal((32,))
+    ref = mx.fast.rms_norm(x, w, 1e-5)
+    assert mx.allclose(kern.rms_norm(x, w, 1e-5), ref, rtol=1e-5, atol=1e-5).item()
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
 @pytest.mark.parametrize("length", [1, 37, 300])
 def test_decode_attention_matches_mlx(kern, heads, kv_heads, length):

@@ -102,13 +102,23 @@ void set_isa(const std::string& name) {
   throw std::invalid_argument("this CPU cannot run the " + name + " kernels");
 }
 
-// A row-contiguous view of `a`'s data: its own, or a gathered copy in `tmp`.
+// A row-contiguous view of `a`'s data: its own, or a gathered copy in `tmp`, made a last-axis
+// run at a time (a prompt chunk's q and k arrive transposed: (B, L, H, D) seen as (B, H, L, D)).
 template <class T>
 const T* contiguous_as(const mx::array& a, std::vector<T>& tmp) {
   if (a.flags().row_contiguous) return a.data<T>();
   tmp.resize(a.size());
   const T* src = a.data<T>();
-  for (size_t i = 0; i < a.size(); ++i) tmp[i] = src[mx::elem_to_loc(int(i), a.shape(), a.strides())];
+  if (a.size() == 0) return tmp.data();
+  const int64_t inner = a.ndim() ? a.shape(-1) : 1, step = a.ndim() ? a.strides(-1) : 1;
+  for (int64_t r = 0, rows = int64_t(a.size()) / inner; r < rows; ++r) {
+    const T* s = src + mx::elem_to_loc(int(r * inner), a.shape(), a.strides());
+    T* d = tmp.data() + r * inner;
+    if (step == 1)
+      std::memcpy(d, s, sizeof(T) * size_t(inner));
+    else
+      for (int64_t i = 0; i < inner; ++i) d[i] = s[i * step];
+  }
   return tmp.data();
 }
 
