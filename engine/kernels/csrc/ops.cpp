@@ -250,63 +250,78 @@ float* scratch(int64_t n) {
   return buf.data();
 }
 
-// One query (D floats, not yet scaled) against keys t0..S-1 (t0 < S) of one KV head: y (D
-// floats) = the softmax-weighted sum of the values. Decode and prefill attention both run it, so
-// a position's output is the same either way.
-void attend_one(const Impl* I, const float* q, float scale, const float* kb, int64_t ks,
-                const float* vb, int64_t vs, int64_t t0, int64_t S, int64_t D, float* y) {
-  float* qs = scratch(D + S);
-  float* sc = qs + D;
-  for (int64_t i = 0; i < D; ++i) qs[i] = q[i] * scale;
-  if (I->attend(qs, kb, ks, vb, vs, t0, S, D, sc, y)) return;
-  std::fill(y, y + D, 0.0f);
-  float top = -std::numeric_limits<float>::infinity();
-  for (int64_t t = t0; t < S; ++t) {
-    sc[t] = I->dot(qs, kb + t * ks, D);
-    top = std::max(top, sc[t]);
+// `R` queries (R heads sharing one KV head; query r at q + r * qs, not yet scaled) against keys
+// t0..S-1 (t0 < S) of that KV head: output r (D floats, at y + r * ldy) = the softmax-weighted
+// sum of the values. Decode and prefill attention both run it, so a position's output is the
+// same either way, and each query's arithmetic is the same whatever R (common.h, attend).
+void attend_heads(const Impl* I, int R, const float* q, int64_t qs, float scale, const float* kb,
+                  int64_t ks, const float* vb, int64_t vs, int64_t t0, int64_t S, int64_t D,
+                  float* y, int64_t ldy) {
+  float* qd = scratch(R * (D + S));
+  float* sc = qd + R * D;
+  for (int r = 0; r < R; ++r)
+    for (int64_t i = 0; i < D; ++i) qd[r * D + i] = q[r * qs + i] * scale;
+  if (I->attend(qd, R, kb, ks, vb, vs, t0, S, D, sc, y, ldy)) return;
+  for (int r = 0; r < R; ++r) {
+    const float* qr = qd + r * D;
+    float* yr = y + r * ldy;
+    if (I->attend(qr, 1, kb, ks, vb, vs, t0, S, D, sc, yr, D)) continue;
+    std::fill(yr, yr + D, 0.0f);
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t t = t0; t < S; ++t) {
+      sc[t] = I->dot(qr, kb + t * ks, D);
+      top = std::max(top, sc[t]);
+    }
+    float sum = 0;
+    for (int64_t t = t0; t < S; ++t) sum += (sc[t] = std::exp(sc[t] - top));
+    const float inv = 1.0f / sum;
+    for (int64_t t = t0; t < S; ++t) I->axpy(sc[t] * inv, vb + t * vs, yr, D);
   }
-  float sum = 0;
-  for (int64_t t = t0; t < S; ++t) sum += (sc[t] = std::exp(sc[t] - top));
-  const float inv = 1.0f / sum;
-  for (int64_t t = t0; t < S; ++t) I->axpy(sc[t] * inv, vb + t * vs, y, D);
 }
+
+// How many query heads of a GQA group one pass takes: the whole group where it is at most 4
+// heads (it then fills the registers' use best), else one head at a time.
+int64_t heads_per_pass(int64_t rep) { return rep <= 4 ? rep : 1; }
 
 // Single-query attention: q (B, H, 1, D) contiguous, K/V (B, Hk, S, D); y (B, H, 1, D). With
 // `starts`, row b attends to keys starts[b]..S-1 only (a batched cache's left padding hidden, as
-// mlx-lm's mask does); a row with no key left gets zeros.
+// mlx-lm's mask does); a row with no key left gets zeros. Each pass takes a KV head's query
+// heads together (heads_per_pass), so its keys and values are read once for all of them.
 void attention(const float* q, const KV& k, const KV& v, int64_t B, int64_t H, int64_t Hk,
                int64_t S, int64_t D, float scale, float* y, const int32_t* starts = nullptr) {
   const Impl* I = impl();
-  const int64_t rep = H / Hk;
-  parallel_for(B * H, [&](int64_t bh) {
-    const int64_t b = bh / H, h = bh % H, hk = h / rep;
+  const int64_t rep = H / Hk, R = heads_per_pass(rep), passes = H / R;
+  parallel_for(B * passes, [&](int64_t p) {
+    const int64_t b = p / passes, h = (p % passes) * R, hk = h / rep;
     const int64_t t0 = starts ? std::clamp<int64_t>(starts[b], 0, S) : 0;
-    float* yr = y + bh * D;
+    float* yr = y + (b * H + h) * D;
     if (t0 == S) {
-      std::fill(yr, yr + D, 0.0f);
+      std::fill(yr, yr + R * D, 0.0f);
       return;
     }
-    attend_one(I, q + bh * D, scale, k.p + b * k.st[0] + hk * k.st[1], k.st[2],
-               v.p + b * v.st[0] + hk * v.st[1], v.st[2], t0, S, D, yr);
+    attend_heads(I, int(R), q + (b * H + h) * D, D, scale, k.p + b * k.st[0] + hk * k.st[1],
+                 k.st[2], v.p + b * v.st[0] + hk * v.st[1], v.st[2], t0, S, D, yr, D);
   });
 }
 
 // Causal attention of L query positions (a prompt chunk) over S >= L keys whose last L are the
 // chunk's own: q (B, H, L, D) contiguous, K/V (B, Hk, S, D); query i attends keys
 // 0..S-L+i (mlx-lm's "causal" mask). y is (B, L, H, D): the layout o_proj reads, no transpose.
-// Each query runs attend_one, as a decode step at that position does; the work is handed out
-// in blocks of query rows, longest rows first.
+// Each position runs attend_heads, as a decode step at that position does; the work is handed
+// out in blocks of positions, longest first.
 void prefill_attention(const float* q, const KV& k, const KV& v, int64_t B, int64_t H, int64_t Hk,
                        int64_t L, int64_t S, int64_t D, float scale, float* y) {
   const Impl* I = impl();
-  const int64_t rep = H / Hk, rows = 8, nblk = (L + rows - 1) / rows;
-  parallel_for(B * H * nblk, [&](int64_t t) {
-    const int64_t blk = nblk - 1 - t % nblk, bh = t / nblk, b = bh / H, h = bh % H, hk = h / rep;
+  const int64_t rep = H / Hk, R = heads_per_pass(rep), passes = H / R;
+  const int64_t rows = 8, nblk = (L + rows - 1) / rows;
+  parallel_for(B * passes * nblk, [&](int64_t t) {
+    const int64_t blk = nblk - 1 - t % nblk, p = t / nblk, b = p / passes;
+    const int64_t h = (p % passes) * R, hk = h / rep;
     const float* kb = k.p + b * k.st[0] + hk * k.st[1];
     const float* vb = v.p + b * v.st[0] + hk * v.st[1];
     for (int64_t i = blk * rows, e = std::min(L, i + rows); i < e; ++i)
-      attend_one(I, q + (bh * L + i) * D, scale, kb, k.st[2], vb, v.st[2], 0, S - L + i + 1, D,
-                 y + ((b * L + i) * H + h) * D);
+      attend_heads(I, int(R), q + ((b * H + h) * L + i) * D, L * D, scale, kb, k.st[2], vb,
+                   v.st[2], 0, S - L + i + 1, D, y + ((b * L + i) * H + h) * D, D);
   });
 }
 
