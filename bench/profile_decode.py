@@ -1,6 +1,6 @@
 """Where a decode step's time goes on our CPU kernels (bundled model, one token, warm KV cache).
 
-    python -m bench.profile_decode [--threads N] [--context 200] [--batch 1 4]
+    python -m bench.profile_decode [--threads N] [--context 200] [--batch 1 4] [--prefill 511]
 
 CPU time (process_time) per token, so that load from other processes on a shared machine
 counts less: the whole step, the tied 8-bit output head alone, the fused layer ops alone
@@ -27,8 +27,11 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, nargs="+", default=[], help="also time steps of these many rows")
+    ap.add_argument("--prefill", type=int, default=0, help="profile a prompt chunk of this many tokens")
     a = ap.parse_args(argv)
     os.environ["MLXCHAT_THREADS"] = str(a.threads)
+    if a.prefill:
+        return prefill_parts(a.prefill)
 
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -196,6 +199,74 @@ def step_parts(model, b: int, context: int, steps: int) -> dict[str, float]:
             runs.append(time.perf_counter() - t)
         times[name] = statistics.median(runs) * 1e3
     return times
+
+
+def prefill_parts(length: int, reps: int = 3) -> None:
+    """Wall and CPU ms (median of `reps`) of a `length`-token prompt chunk and of its parts."""
+    import statistics
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.kernels import active_path, native
+    from engine.loading.registry import load_model
+
+    model = load_model(None).model
+    kernels, layers = native.kernels(), model.model.layers
+    tokens = mx.array([[100 + (37 * i) % 40000 for i in range(length)]])
+    attn, mlp = layers[0].self_attn, layers[0].mlp
+    dim, heads, kv_heads = attn.o_proj.weight.shape[0], attn.n_heads, attn.n_kv_heads
+    head_dim = dim // heads
+    products = [m for la in layers for m in (la.self_attn.q_proj, la.self_attn.k_proj,
+                                               la.self_attn.v_proj, la.self_attn.o_proj,
+                                               la.mlp.gate_proj, la.mlp.up_proj, la.mlp.down_proj)]
+
+    def qw(m):
+        return m["weight"], m["scales"], m["biases"], m.group_size, m.bits
+
+    def width(m):
+        return m["weight"].shape[1] * 32 // m.bits
+
+    xs = {width(m): mx.random.normal((1, length, width(m))) for m in products}
+    dense = [kernels.dequantize(*qw(m)) for m in products]
+    hidden = mlp.gate_proj["weight"].shape[0]
+    gates = [mx.random.normal((1, length, hidden)) for _ in layers]
+    h = mx.random.normal((1, length, dim))
+    q = mx.random.normal((1, heads, length, head_dim))
+    k = mx.random.normal((1, kv_heads, length, head_dim))
+    mx.eval(list(xs.values()), dense, gates, h, q, k)
+
+    def chunk():
+        cache = make_prompt_cache(model)
+        model(tokens, cache=cache)
+        return [c.state for c in cache]
+
+    def transposed(n):  # (1, L, n * D) as attention reads it: (1, n, L, D), strided
+        return h[..., :n * head_dim].reshape(1, length, n, head_dim).transpose(0, 2, 1, 3)
+
+    parts = {
+        f"whole chunk ({length} tokens)": chunk,
+        "30 x 7 dequantize": lambda: [kernels.dequantize(*qw(m)) for m in products],
+        "30 x 7 BLAS products (fp32 weights)": lambda: [xs[w.shape[1]] @ w.T for w in dense],
+        "30 x 7 dequantize + product": lambda: [xs[width(m)] @ kernels.dequantize(*qw(m)).T
+                                                for m in products],
+        "30 x causal attention": lambda: [kernels.prefill_attention(q, k, k, attn.scale)
+                                          for _ in layers],
+        "30 x SwiGLU": lambda: [kernels.swiglu(g, g) for g in gates],
+        "60 x RMSNorm": lambda: [la.input_layernorm(h) for la in layers for _ in range(2)],
+        "30 x RoPE of q and k": lambda: [attn.rope(transposed(n)) for _ in layers
+                                         for n in (heads, kv_heads)],
+    }
+    print(f"{active_path()}; a prompt chunk of {length} tokens, ms (median of {reps}):")
+    for name, fn in parts.items():
+        mx.eval(fn())
+        wall, cpu = [], []
+        for _ in range(reps):
+            w, c = time.perf_counter(), time.process_time()
+            mx.eval(fn())
+            wall.append((time.perf_counter() - w) * 1e3)
+            cpu.append((time.process_time() - c) * 1e3)
+        print(f"  {name:<38} wall {statistics.median(wall):8.1f}  CPU {statistics.median(cpu):8.1f}")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,12 @@ Tolerances (fp32 everywhere; the kernels sum in another order than MLX does):
 - quantized matmul vs mx.quantized_matmul on the same weights (scales as fp32): rtol 1e-4,
   atol 1e-4 for outputs of magnitude ~10-100 (K up to 1536 products);
 - RMSNorm vs mx.fast.rms_norm: rtol 1e-5, atol 1e-5;
+- SwiGLU vs mlx-lm's swiglu: rtol 1e-5, atol 1e-5 (exp in another implementation);
 - RoPE vs mx.fast.rope: atol 5e-5 (angles up to ~700 rad, where fp32 sin/cos implementations
   differ by an ulp of the angle), 1e-5 at small offsets;
 - decode attention vs mx.fast.scaled_dot_product_attention: atol 1e-5;
+- prefill (causal) attention vs mx.fast.scaled_dot_product_attention with mask="causal": atol 1e-5;
+  each position equal, bit for bit, to a decode step's attention at that position;
 - int8-activation matmul (lossy): vs the same arithmetic in MLX ops (x rounded per 32-element
   block to int8, weights' codes centred, the bias times x's exact sums): rtol 1e-4, atol 2e-3;
   vs the exact product: relative L2 error under 2% (about 0.6% on Gaussian inputs).
@@ -106,6 +109,17 @@ def test_rms_norm_matches_mlx(kern, shape):
     assert mx.allclose(kern.rms_norm(x, w, 1e-5), ref, rtol=1e-5, atol=1e-5).item()
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 1536), (3, 7), (1, 300, 1536)])
+def test_swiglu_matches_mlx_lm(kern, shape):
+    from mlx_lm.models.activations import swiglu
+
+    gate, up = 4 * mx.random.normal(shape), mx.random.normal(shape)
+    ours = kern.swiglu(gate, up)
+    assert mx.allclose(ours, swiglu(gate, up), rtol=1e-5, atol=1e-5).item()
+    with pytest.raises(ValueError):
+        kern.swiglu(gate, up[..., :1])
+
+
 @pytest.mark.parametrize("traditional", [True, False])
 @pytest.mark.parametrize("dims,base,scale", [(64, 100000.0, 1.0), (32, 10000.0, 0.5), (18, 500.0, 2.0)])
 @pytest.mark.parametrize("offset", [0, 5, 700])
@@ -115,6 +129,15 @@ def test_rope_matches_mlx(kern, traditional, dims, base, scale, offset):
     ours = kern.rope(x, dims, traditional, base, scale, offset)
     atol = 5e-5 if offset * scale > 100 else 1e-5
     assert mx.allclose(ours, ref, rtol=1e-5, atol=atol).item(), mx.abs(ours - ref).max().item()
+
+
+def test_inputs_strided_on_their_last_axis_are_read_as_they_are(kern):
+    x = mx.random.normal((2, 7, 5, 64))[..., ::2]  # every other element of the last axis
+    ref = mx.fast.rope(x, 32, traditional=False, base=10000.0, scale=1.0, offset=3)
+    assert mx.allclose(kern.rope(x, 32, False, 10000.0, 1.0, 3), ref, rtol=1e-5, atol=1e-5).item()
+    w = mx.random.normal((32,))
+    ref = mx.fast.rms_norm(x, w, 1e-5)
+    assert mx.allclose(kern.rms_norm(x, w, 1e-5), ref, rtol=1e-5, atol=1e-5).item()
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
@@ -175,6 +198,27 @@ def int8_reference(x, w, s, b, gs, bits):
     w_centred = (codes - centre) * mx.repeat(s32, gs, axis=1)
     group_sums = x.reshape(rows, k // gs, gs).sum(-1)
     return xq @ w_centred.T + group_sums @ (b32 + centre * s32).T
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 1, 48)])
+@pytest.mark.parametrize("length,cached", [(2, 0), (37, 0), (300, 0), (19, 45)])
+def test_prefill_attention_matches_mlx(kern, heads, kv_heads, dim, length, cached):
+    """A prompt chunk of `length` positions after `cached` keys already in the cache (mlx-lm's
+    "causal" mask: position i sees keys up to cached + i); the output comes as (B, L, H * D)."""
+    total = cached + length
+    q = mx.random.normal((2, heads, length, dim))
+    k_buf, v_buf = mx.random.normal((2, kv_heads, 512, dim)), mx.random.normal((2, kv_heads, 512, dim))
+    k, v = k_buf[:, :, :total], v_buf[:, :, :total]  # a cache's prefix: strided
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=dim ** -0.5, mask="causal")
+    ours = kern.prefill_attention(q, k, v, dim ** -0.5)
+    ref = ref.transpose(0, 2, 1, 3).reshape(2, length, -1)
+    assert mx.allclose(ours, ref, rtol=1e-5, atol=1e-5).item(), mx.abs(ours - ref).max().item()
+    for i in (0, length // 2, length - 1):  # what a decode step at that position gives
+        step = kern.decode_attention(q[:, :, i:i + 1], k[:, :, :cached + i + 1],
+                                     v[:, :, :cached + i + 1], dim ** -0.5)
+        assert mx.array_equal(ours[:, i], step.reshape(2, -1)).item(), i
+    with pytest.raises(ValueError):
+        kern.prefill_attention(q, k[:, :, :length - 1], v[:, :, :length - 1], 0.125)
 
 
 @pytest.fixture(params=["avx512-vnni", "avx512", "avx2", "generic"])

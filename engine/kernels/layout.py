@@ -9,7 +9,10 @@ arrays), as engine/kernels/cpu_layout.py does for its fp32 layout:
   the weight dequantized to fp32 through BLAS when an optimised BLAS is loaded;
 - `nn.RMSNorm` -> `KernelRMSNorm`, `nn.RoPE` -> `KernelRoPE`;
 - mlx-lm's llama `Attention` -> `KernelLlamaAttention`: one-token steps over a plain `KVCache`
-  or a `BatchKVCache` take our single-query attention; everything else runs mlx-lm's own code;
+  or a `BatchKVCache` take our single-query attention, prompt chunks over a plain `KVCache` our
+  causal attention (each position the same arithmetic as a decode step there); everything else
+  runs mlx-lm's own code;
+- mlx-lm's llama `MLP` -> `KernelMLP`: our SwiGLU between its products;
 - mlx-lm's llama `TransformerBlock` -> `KernelLlamaBlock`: where every part of the layer took the
   kernels, a one-token step is two fused ops around mlx-lm's own KV-cache update.
 
@@ -34,6 +37,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from . import native
@@ -136,10 +140,19 @@ def _row_offsets(cache: Any) -> mx.array | None:
     return _int32(cache.offset) if type(cache) is BatchKVCache else None
 
 
+def _prompt_chunk(x: mx.array, mask: Any, cache: Any) -> bool:
+    """Whether this call is a prompt chunk our prefill attention takes: several positions of one
+    sequence over a plain `KVCache`, under mlx-lm's causal mask."""
+    return (x.shape[1] > 1 and x.dtype == mx.float32 and type(cache) is KVCache
+            and (mask is None or (isinstance(mask, str) and mask == "causal")))
+
+
 class KernelLlamaAttention(llama.Attention):
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         ours, starts = _one_token_step(x, mask, cache)
         if not ours:
+            if _prompt_chunk(x, mask, cache):
+                return self._prompt_chunk(x, cache)
             return super().__call__(x, mask, cache)
         B = x.shape[0]
         # One position: (B, 1, heads * dim) reshapes to (B, heads, 1, dim) without a transpose.
@@ -150,6 +163,28 @@ class KernelLlamaAttention(llama.Attention):
         k, v = cache.update_and_fetch(k, v)
         out = _Run.kernels.decode_attention(q, k, v, self.scale, starts=starts)
         return self.o_proj(out.reshape(B, 1, -1))
+
+    def _prompt_chunk(self, x: mx.array, cache: KVCache) -> mx.array:
+        """mlx-lm's prompt step with our causal attention, whose output comes in the layout
+        o_proj reads (one query position after another)."""
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=cache.offset)
+        k = self.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        return self.o_proj(_Run.kernels.prefill_attention(q, k, v, self.scale))
+
+
+class KernelMLP(llama.MLP):
+    """mlx-lm's llama MLP with our SwiGLU (multithreaded; MLX's CPU runs its compiled one on one
+    thread, a large part of a prompt chunk)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        g, u = self.gate_proj(x), self.up_proj(x)
+        ours = g.dtype == mx.float32 and u.dtype == mx.float32
+        return self.down_proj(_Run.kernels.swiglu(g, u) if ours else swiglu(g, u))
 
 
 def _qw(layer: nn.Module) -> tuple:
@@ -201,6 +236,7 @@ _SWAPS = (
     (nn.RMSNorm, KernelRMSNorm),
     (nn.RoPE, KernelRoPE),
     (llama.Attention, KernelLlamaAttention),
+    (llama.MLP, KernelMLP),
     (llama.TransformerBlock, KernelLlamaBlock),
 )
 _QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)

@@ -76,12 +76,14 @@ struct Impl {
   void (*dequant_rows)(const QMat&, int64_t n0, int64_t n1, float* out);
   float (*dot)(const float* a, const float* b, int64_t n);
   void (*axpy)(float a, const float* x, float* y, int64_t n);  // y += a * x
-  // One head's single-query attention over keys t0..S-1 (t0 < S): q (D floats, already scaled),
-  // key t at k + t * ks, value t at v + t * vs; y (D floats) = the softmax-weighted sum of the
-  // values; sc: S floats of scratch. The same arithmetic as dot() and axpy() per key, with q
-  // and y kept in registers and a vectorized exp; false where this unit has no such kernel for D.
-  bool (*attend)(const float* q, const float* k, int64_t ks, const float* v, int64_t vs,
-                 int64_t t0, int64_t S, int64_t D, float* sc, float* y);
+  // Single-query attention of R heads (1-4) sharing one KV head over keys t0..S-1 (t0 < S):
+  // q (R queries of D floats, already scaled), key t at k + t * ks, value t at v + t * vs; y
+  // (R outputs of D floats, ldy apart) = the softmax-weighted sums of the values; sc: R * S
+  // floats of scratch. Each query's arithmetic is dot() per key and axpy() per value, whatever R,
+  // with q and y kept in registers and a vectorized exp; false where this unit has no such
+  // kernel for R and D.
+  bool (*attend)(const float* q, int R, const float* k, int64_t ks, const float* v, int64_t vs,
+                 int64_t t0, int64_t S, int64_t D, float* sc, float* y, int64_t ldy);
 };
 
 const Impl* impl_generic();

@@ -271,25 +271,9 @@ inline Vec::F exp_neg(Vec::F x) {
   return Vec::mul(y, Vec::pow2(n));
 }
 
-// One head's attention with D = NV vectors: q and the running output stay in registers; the
-// same operations in the same order as dot() per key and axpy() per value; exp over a vector
-// of keys at a time.
-template <int NV>
-void attend_nv(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t t0,
-               int64_t S, float* sc, float* y) {
-  typename Vec::F qv[NV], acc[NV];
-  for (int i = 0; i < NV; ++i) {
-    qv[i] = Vec::load(q + i * Vec::n);
-    acc[i] = Vec::zero();
-  }
-  float top = -std::numeric_limits<float>::infinity();
-  for (int64_t t = t0; t < S; ++t) {
-    const float* kr = k + t * ks;
-    auto d = Vec::zero();
-    for (int i = 0; i < NV; ++i) d = Vec::fma(qv[i], Vec::load(kr + i * Vec::n), d);
-    sc[t] = Vec::sum(d);
-    top = std::max(top, sc[t]);
-  }
+// The softmax numerators of scores sc[t0..S) (in place) against their maximum `top`, a vector
+// of keys at a time; returns their sum.
+inline float softmax_exp(float* sc, int64_t t0, int64_t S, float top) {
   const auto vtop = Vec::set1(top);
   auto vsum = Vec::zero();
   int64_t t = t0;
@@ -306,21 +290,84 @@ void attend_nv(const float* q, const float* k, int64_t ks, const float* v, int64
     Vec::store(tail, exp_neg(Vec::sub(Vec::load(tail), vtop)));
     for (int64_t j = t; j < S; ++j) sum += (sc[j] = tail[j - t]);
   }
-  const float inv = 1.0f / sum;
-  for (int64_t t = t0; t < S; ++t) {
-    const auto a = Vec::set1(sc[t] * inv);
-    const float* vr = v + t * vs;
-    for (int i = 0; i < NV; ++i) acc[i] = Vec::fma(a, Vec::load(vr + i * Vec::n), acc[i]);
-  }
-  for (int i = 0; i < NV; ++i) Vec::store(y + i * Vec::n, acc[i]);
+  return sum;
 }
 
-bool attend(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t t0,
-            int64_t S, int64_t D, float* sc, float* y) {
+// R heads sharing one KV head (GQA), D = NV vectors: each key and value is loaded once for all
+// R queries; each query's arithmetic is the same, in the same order, as dot() per key and
+// axpy() per value, with q and the running output in registers and exp a vector of keys at a
+// time. q: R queries (D floats each, already scaled); sc: R * S floats; y: R outputs, ldy apart.
+template <int NV, int R>
+void attend_nv(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t t0,
+               int64_t S, float* sc, float* y, int64_t ldy) {
+  constexpr int64_t D = NV * Vec::n;
+  float top[R], inv[R];
+  {
+    typename Vec::F qv[R][NV];
+    for (int r = 0; r < R; ++r) {
+      top[r] = -std::numeric_limits<float>::infinity();
+      for (int i = 0; i < NV; ++i) qv[r][i] = Vec::load(q + r * D + i * Vec::n);
+    }
+    for (int64_t t = t0; t < S; ++t) {
+      const float* kr = k + t * ks;
+      typename Vec::F kv[NV];
+      for (int i = 0; i < NV; ++i) kv[i] = Vec::load(kr + i * Vec::n);
+      for (int r = 0; r < R; ++r) {
+        auto d = Vec::zero();
+        for (int i = 0; i < NV; ++i) d = Vec::fma(qv[r][i], kv[i], d);
+        sc[r * S + t] = Vec::sum(d);
+        top[r] = std::max(top[r], sc[r * S + t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) inv[r] = 1.0f / softmax_exp(sc + r * S, t0, S, top[r]);
+  typename Vec::F acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) acc[r][i] = Vec::zero();
+  for (int64_t t = t0; t < S; ++t) {
+    const float* vr = v + t * vs;
+    typename Vec::F vv[NV];
+    for (int i = 0; i < NV; ++i) vv[i] = Vec::load(vr + i * Vec::n);
+    for (int r = 0; r < R; ++r) {
+      const auto a = Vec::set1(sc[r * S + t] * inv[r]);
+      for (int i = 0; i < NV; ++i) acc[r][i] = Vec::fma(a, vv[i], acc[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) Vec::store(y + r * ldy + i * Vec::n, acc[r][i]);
+}
+
+// One D = NV-vector kernel for R heads, where its queries fit the registers (32 with AVX-512,
+// 16 with AVX2) beside a key's vectors; false otherwise (the caller runs heads one at a time).
+template <int NV, int R>
+bool attend_fit(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t t0,
+                int64_t S, float* sc, float* y, int64_t ldy) {
+  if constexpr (R > 1 && NV * (R + 1) > (Vec::n == 16 ? 24 : 12)) {
+    return false;
+  } else {
+    attend_nv<NV, R>(q, k, ks, v, vs, t0, S, sc, y, ldy);
+    return true;
+  }
+}
+
+template <int R>
+bool attend_r(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, int64_t t0,
+              int64_t S, int64_t D, float* sc, float* y, int64_t ldy) {
   switch (D) {
-    case 2 * Vec::n: attend_nv<2>(q, k, ks, v, vs, t0, S, sc, y); return true;
-    case 4 * Vec::n: attend_nv<4>(q, k, ks, v, vs, t0, S, sc, y); return true;
-    case 8 * Vec::n: attend_nv<8>(q, k, ks, v, vs, t0, S, sc, y); return true;
+    case 2 * Vec::n: return attend_fit<2, R>(q, k, ks, v, vs, t0, S, sc, y, ldy);
+    case 4 * Vec::n: return attend_fit<4, R>(q, k, ks, v, vs, t0, S, sc, y, ldy);
+    case 8 * Vec::n: return attend_fit<8, R>(q, k, ks, v, vs, t0, S, sc, y, ldy);
+    default: return false;
+  }
+}
+
+bool attend(const float* q, int R, const float* k, int64_t ks, const float* v, int64_t vs,
+            int64_t t0, int64_t S, int64_t D, float* sc, float* y, int64_t ldy) {
+  switch (R) {
+    case 1: return attend_r<1>(q, k, ks, v, vs, t0, S, D, sc, y, ldy);
+    case 2: return attend_r<2>(q, k, ks, v, vs, t0, S, D, sc, y, ldy);
+    case 3: return attend_r<3>(q, k, ks, v, vs, t0, S, D, sc, y, ldy);
+    case 4: return attend_r<4>(q, k, ks, v, vs, t0, S, D, sc, y, ldy);
     default: return false;
   }
 }
@@ -471,8 +518,8 @@ void axpy(float a, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-bool attend(const float*, const float*, int64_t, const float*, int64_t, int64_t, int64_t, int64_t,
-            float*, float*) {
+bool attend(const float*, int, const float*, int64_t, const float*, int64_t, int64_t, int64_t,
+            int64_t, float*, float*, int64_t) {
   return false;  // the caller's dot/axpy loop
 }
 

@@ -102,13 +102,23 @@ void set_isa(const std::string& name) {
   throw std::invalid_argument("this CPU cannot run the " + name + " kernels");
 }
 
-// A row-contiguous view of `a`'s data: its own, or a gathered copy in `tmp`.
+// A row-contiguous view of `a`'s data: its own, or a gathered copy in `tmp`, made a last-axis
+// run at a time (a prompt chunk's q and k arrive transposed: (B, L, H, D) seen as (B, H, L, D)).
 template <class T>
 const T* contiguous_as(const mx::array& a, std::vector<T>& tmp) {
   if (a.flags().row_contiguous) return a.data<T>();
   tmp.resize(a.size());
   const T* src = a.data<T>();
-  for (size_t i = 0; i < a.size(); ++i) tmp[i] = src[mx::elem_to_loc(int(i), a.shape(), a.strides())];
+  if (a.size() == 0) return tmp.data();
+  const int64_t inner = a.ndim() ? a.shape(-1) : 1, step = a.ndim() ? a.strides(-1) : 1;
+  for (int64_t r = 0, rows = int64_t(a.size()) / inner; r < rows; ++r) {
+    const T* s = src + mx::elem_to_loc(int(r * inner), a.shape(), a.strides());
+    T* d = tmp.data() + r * inner;
+    if (step == 1)
+      std::memcpy(d, s, sizeof(T) * size_t(inner));
+    else
+      for (int64_t i = 0; i < inner; ++i) d[i] = s[i * step];
+  }
   return tmp.data();
 }
 
@@ -234,34 +244,97 @@ KV kv_view(const mx::array& a, std::vector<float>& tmp) {
   return v;
 }
 
-// Single-query attention: q (B, H, 1, D) contiguous, K/V (B, Hk, S, D); y (B, H, 1, D). With
-// `starts`, row b attends to keys starts[b]..S-1 only (a batched cache's left padding hidden, as
-// mlx-lm's mask does); a row with no key left gets zeros.
-void attention(const float* q, const KV& k, const KV& v, int64_t B, int64_t H, int64_t Hk,
-               int64_t S, int64_t D, float scale, float* y, const int32_t* starts = nullptr) {
-  const Impl* I = impl();
-  const int64_t rep = H / Hk;
-  parallel_for(B * H, [&](int64_t bh) {
-    const int64_t b = bh / H, h = bh % H, hk = h / rep;
-    const int64_t t0 = starts ? std::clamp<int64_t>(starts[b], 0, S) : 0;
-    float* yr = y + bh * D;
+float* scratch(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (int64_t(buf.size()) < n) buf.resize(size_t(n));
+  return buf.data();
+}
+
+// `R` queries (R heads sharing one KV head; query r at q + r * qs, not yet scaled) against keys
+// t0..S-1 (t0 < S) of that KV head: output r (D floats, at y + r * ldy) = the softmax-weighted
+// sum of the values. Decode and prefill attention both run it, so a position's output is the
+// same either way, and each query's arithmetic is the same whatever R (common.h, attend).
+void attend_heads(const Impl* I, int R, const float* q, int64_t qs, float scale, const float* kb,
+                  int64_t ks, const float* vb, int64_t vs, int64_t t0, int64_t S, int64_t D,
+                  float* y, int64_t ldy) {
+  float* qd = scratch(R * (D + S));
+  float* sc = qd + R * D;
+  for (int r = 0; r < R; ++r)
+    for (int64_t i = 0; i < D; ++i) qd[r * D + i] = q[r * qs + i] * scale;
+  if (I->attend(qd, R, kb, ks, vb, vs, t0, S, D, sc, y, ldy)) return;
+  for (int r = 0; r < R; ++r) {
+    const float* qr = qd + r * D;
+    float* yr = y + r * ldy;
+    if (I->attend(qr, 1, kb, ks, vb, vs, t0, S, D, sc, yr, D)) continue;
     std::fill(yr, yr + D, 0.0f);
-    if (t0 == S) return;
-    std::vector<float> qs(D), sc(S);
-    for (int64_t i = 0; i < D; ++i) qs[i] = q[bh * D + i] * scale;
-    const float* kb = k.p + b * k.st[0] + hk * k.st[1];
-    const float* vb = v.p + b * v.st[0] + hk * v.st[1];
-    if (I->attend(qs.data(), kb, k.st[2], vb, v.st[2], t0, S, D, sc.data(), yr)) return;
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t t = t0; t < S; ++t) {
-      sc[t] = I->dot(qs.data(), kb + t * k.st[2], D);
+      sc[t] = I->dot(qr, kb + t * ks, D);
       top = std::max(top, sc[t]);
     }
     float sum = 0;
     for (int64_t t = t0; t < S; ++t) sum += (sc[t] = std::exp(sc[t] - top));
     const float inv = 1.0f / sum;
-    for (int64_t t = t0; t < S; ++t) I->axpy(sc[t] * inv, vb + t * v.st[2], yr, D);
+    for (int64_t t = t0; t < S; ++t) I->axpy(sc[t] * inv, vb + t * vs, yr, D);
+  }
+}
+
+// How many query heads of a GQA group one pass takes: the whole group where it is at most 4
+// heads (it then fills the registers' use best), else one head at a time.
+int64_t heads_per_pass(int64_t rep) { return rep <= 4 ? rep : 1; }
+
+// Single-query attention: q (B, H, 1, D) contiguous, K/V (B, Hk, S, D); y (B, H, 1, D). With
+// `starts`, row b attends to keys starts[b]..S-1 only (a batched cache's left padding hidden, as
+// mlx-lm's mask does); a row with no key left gets zeros. Each pass takes a KV head's query
+// heads together (heads_per_pass), so its keys and values are read once for all of them.
+void attention(const float* q, const KV& k, const KV& v, int64_t B, int64_t H, int64_t Hk,
+               int64_t S, int64_t D, float scale, float* y, const int32_t* starts = nullptr) {
+  const Impl* I = impl();
+  const int64_t rep = H / Hk, R = heads_per_pass(rep), passes = H / R;
+  parallel_for(B * passes, [&](int64_t p) {
+    const int64_t b = p / passes, h = (p % passes) * R, hk = h / rep;
+    const int64_t t0 = starts ? std::clamp<int64_t>(starts[b], 0, S) : 0;
+    float* yr = y + (b * H + h) * D;
+    if (t0 == S) {
+      std::fill(yr, yr + R * D, 0.0f);
+      return;
+    }
+    attend_heads(I, int(R), q + (b * H + h) * D, D, scale, k.p + b * k.st[0] + hk * k.st[1],
+                 k.st[2], v.p + b * v.st[0] + hk * v.st[1], v.st[2], t0, S, D, yr, D);
   });
+}
+
+// Causal attention of L query positions (a prompt chunk) over S >= L keys whose last L are the
+// chunk's own: q (B, H, L, D) contiguous, K/V (B, Hk, S, D); query i attends keys
+// 0..S-L+i (mlx-lm's "causal" mask). y is (B, L, H, D): the layout o_proj reads, no transpose.
+// Each position runs attend_heads, as a decode step at that position does; the work is handed
+// out in blocks of positions, longest first.
+void prefill_attention(const float* q, const KV& k, const KV& v, int64_t B, int64_t H, int64_t Hk,
+                       int64_t L, int64_t S, int64_t D, float scale, float* y) {
+  const Impl* I = impl();
+  const int64_t rep = H / Hk, R = heads_per_pass(rep), passes = H / R;
+  const int64_t rows = 8, nblk = (L + rows - 1) / rows;
+  parallel_for(B * passes * nblk, [&](int64_t t) {
+    const int64_t blk = nblk - 1 - t % nblk, p = t / nblk, b = p / passes;
+    const int64_t h = (p % passes) * R, hk = h / rep;
+    const float* kb = k.p + b * k.st[0] + hk * k.st[1];
+    const float* vb = v.p + b * v.st[0] + hk * v.st[1];
+    for (int64_t i = blk * rows, e = std::min(L, i + rows); i < e; ++i)
+      attend_heads(I, int(R), q + ((b * H + h) * L + i) * D, L * D, scale, kb, k.st[2], vb,
+                   v.st[2], 0, S - L + i + 1, D, y + ((b * L + i) * H + h) * D, D);
+  });
+}
+
+// g[i] = silu(g[i]) * u[i] for i < n, split over the pool in large blocks: a llama MLP's
+// activation (the fused decode layer and prompt chunks run this same arithmetic).
+void swiglu_rows(float* g, const float* u, int64_t n) {
+  constexpr int64_t block = 16384;
+  const auto body = [&](int64_t b) {
+    for (int64_t i = b * block, e = std::min(n, i + block); i < e; ++i)
+      g[i] = (g[i] * (1.0f / (1.0f + std::exp(-g[i])))) * u[i];
+  };
+  const int64_t nblocks = (n + block - 1) / block;
+  if (nblocks == 1) body(0); else parallel_for(nblocks, body);
 }
 
 // ---------------------------------------------------------------- quantized matmul (x @ W.T)
@@ -470,6 +543,41 @@ mx::array dequantize(const mx::array& w, const mx::array& s, const mx::array& b,
                    std::make_shared<Dequantize>(cpu_stream(), gs, bits), {w, s, b});
 }
 
+// ------------------------------------------------------- SwiGLU (a llama MLP's activation)
+
+class SwiGLU : public mx::UnaryPrimitive {
+ public:
+  explicit SwiGLU(mx::Stream s) : mx::UnaryPrimitive(s) {}
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    alloc(out);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([g = weak(in[0]), u = weak(in[1]), out = weak(out)]() mutable {
+      std::vector<float> tg, tu;
+      const float* gd = contiguous_f32(g, tg);
+      float* y = out.data<float>();
+      std::copy(gd, gd + g.size(), y);
+      swiglu_rows(y, contiguous_f32(u, tu), int64_t(g.size()));
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat kernels run on the CPU only");
+  }
+  const char* name() const override { return "MlxchatSwiGLU"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {in[0].shape()};
+  }
+};
+
+// silu(gate) * up, float32 arrays of one shape.
+mx::array swiglu(const mx::array& gate, const mx::array& up) {
+  if (gate.dtype() != mx::float32 || up.dtype() != mx::float32 || gate.shape() != up.shape())
+    throw std::invalid_argument("gate and up must be float32 arrays of one shape");
+  return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGLU>(cpu_stream()), {gate, up});
+}
+
 // ------------------------------------------------------------------------------- RMSNorm
 
 class RMSNorm : public mx::UnaryPrimitive {
@@ -613,6 +721,50 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
 }
 
 
+class PrefillAttention : public mx::UnaryPrimitive {
+ public:
+  PrefillAttention(mx::Stream s, float scale) : mx::UnaryPrimitive(s), scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    alloc(out);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([q = weak(in[0]), k = weak(in[1]), v = weak(in[2]), out = weak(out),
+                  scale = scale_]() mutable {
+      std::vector<float> tq, tk, tv;
+      const float* qd = contiguous_f32(q, tq);
+      const KV kv = kv_view(k, tk), vv = kv_view(v, tv);
+      prefill_attention(qd, kv, vv, q.shape(0), q.shape(1), k.shape(1), q.shape(2), k.shape(2),
+                        q.shape(3), scale, out.data<float>());
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat kernels run on the CPU only");
+  }
+  const char* name() const override { return "MlxchatPrefillAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return scale_ == static_cast<const PrefillAttention&>(other).scale_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {{in[0].shape(0), in[0].shape(2), in[0].shape(1) * in[0].shape(3)}};
+  }
+
+ private:
+  float scale_;
+};
+
+// q (B, H, L, D), k and v (B, Hk, S, D) float32 with S >= L -> (B, L, H * D).
+mx::array prefill_attention_op(const mx::array& q, const mx::array& k, const mx::array& v,
+                               float scale) {
+  for (auto* a : {&q, &k, &v})
+    if (a->dtype() != mx::float32 || a->ndim() != 4) throw std::invalid_argument("4-D float32 only");
+  if (k.shape() != v.shape() || k.shape(0) != q.shape(0) || k.shape(3) != q.shape(3) ||
+      q.shape(1) % k.shape(1) != 0 || k.shape(2) < q.shape(2))
+    throw std::invalid_argument("q, k, v shapes do not match");
+  return mx::array({q.shape(0), q.shape(2), q.shape(1) * q.shape(3)}, mx::float32,
+                   std::make_shared<PrefillAttention>(cpu_stream(), scale), {q, k, v});
+}
+
 // ------------------------------------------- a llama decoder layer's one-token step, in two ops
 //
 // attn_in:  q, k, v = rope(norm(h) @ Wq.T), rope(norm(h) @ Wk.T), norm(h) @ Wv.T
@@ -719,7 +871,7 @@ class BlockOut : public mx::UnaryPrimitive {
       const int64_t I = Wg.N;
       std::vector<float> g(size_t(B * I)), u(size_t(B * I));
       run_qmm_multi(xn.data(), B, {Wg, Wu}, {g.data(), u.data()}, q[1].int8);
-      for (int64_t i = 0; i < B * I; ++i) g[i] = (g[i] * (1.0f / (1.0f + std::exp(-g[i])))) * u[i];
+      swiglu_rows(g.data(), u.data(), B * I);
       float* y = out.data<float>();
       run_qmm(g.data(), B, Wd, y, q[3].int8);
       for (int64_t i = 0; i < B * Dm; ++i) y[i] = h1[i] + y[i];
@@ -829,11 +981,14 @@ NB_MODULE(_mlxchat_kernels, m) {
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"), nb::arg("int8") = false);
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"));
+  m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("up"));
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
   m.def("rope", &rope, nb::arg("x"), nb::arg("dims"), nb::arg("traditional"), nb::arg("base"),
         nb::arg("scale"), nb::arg("offset"));
   m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("scale"), nb::arg("starts") = nb::none());
+  m.def("prefill_attention", &prefill_attention_op, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("scale"));
   m.def("attn_in", &attn_in, nb::arg("h"), nb::arg("norm"), nb::arg("eps"), nb::arg("wq"),
         nb::arg("wk"), nb::arg("wv"), nb::arg("heads"), nb::arg("kv_heads"), nb::arg("rope_dims"),
         nb::arg("traditional"), nb::arg("base"), nb::arg("scale"), nb::arg("offset"),
