@@ -64,8 +64,9 @@ def _memory() -> dict[str, float]:
     return out
 
 
-def random_folder(name: str) -> Path:
-    """An mlx-lm folder with random 4-bit weights (group 32, fp16 scales), built once in the cache."""
+def random_folder(name: str, shape: dict | None = None) -> Path:
+    """An mlx-lm folder with random 4-bit weights (group 32, fp16 scales), built once in the cache;
+    `shape` (default RANDOM_MODELS[name]) gives the sizes."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -77,7 +78,7 @@ def random_folder(name: str) -> Path:
     if (folder / "model.safetensors").exists():
         return folder
     config = dict(model_type="llama", rms_norm_eps=1e-5, vocab_size=49152, rope_theta=100000.0,
-                  tie_word_embeddings=True, max_position_embeddings=8192, **RANDOM_MODELS[name])
+                  tie_word_embeddings=True, max_position_embeddings=8192, **(shape or RANDOM_MODELS[name]))
     model = build_module(Shape(name, config, bits=4, group_size=32), dtype=mx.float16)
     tmp = folder.with_name(name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
