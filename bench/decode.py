@@ -22,7 +22,10 @@ Rows:
                 attention projections in 1-8 row products (lossy; tests/test_kernels_quality.py).
   engine-fp32   the same with MLXCHAT_KERNELS=0: the fallback fp32 layout (engine/kernels/cpu_layout.py).
   mlx-lm        mlx_lm.load() as is (quantized layers, MLX's own CPU ops), mlx_lm generate_step.
-  llama.cpp     llama-cpp-python on the GGUF (bundled model only), threads = ours, greedy argmax.
+  llama.cpp     llama-cpp-python on a GGUF, threads = ours, greedy argmax: the bundled model's own
+                GGUF; for a random model the same weights written by bench/llama_gguf.py
+                (dequantized, then requantized to Q4_0 by llama.cpp itself, cached next to the
+                folder as <folder>.Q4_0.gguf), so its greedy tokens only mostly match ours.
                 Its interpreter: --llama-python, else $MLXCHAT_LLAMA_PYTHON, else
                 bench/.venv-llamacpp/bin/python, made by `bash bench/setup-llamacpp` (llama-cpp-python
                 0.3.36 built with GGML_NATIVE=OFF, AVX2/FMA/F16C); without it the row is skipped.
@@ -271,6 +274,7 @@ def main(argv=None):
         print("RESULT " + json.dumps(worker(a.model_path, job)), flush=True)
         return
 
+    from bench.llama_gguf import random_gguf
     from engine.kernels.native import thread_count
     from engine.loading import bundled
     from engine.loading.registry import resolve
@@ -297,14 +301,13 @@ def main(argv=None):
             if name == "mlx-lm":
                 return _sub(me + ["--worker", "mlx-lm", "--model-path", folder], {}, job)
             if name == "llama.cpp":
-                if model != "bundled":
-                    return {"skipped": "llama.cpp runs the bundled GGUF only"}
                 if not os.path.exists(llama_py):
                     return {"skipped": f"no llama.cpp: run `bash bench/setup-llamacpp` (makes {llama_py})"}
-                gguf = str(bundled.ensure_bundled_gguf())
+                gguf = str(bundled.ensure_bundled_gguf() if model == "bundled"
+                           else random_gguf(Path(folder), llama_py))
                 r = _sub([llama_py, str(Path(__file__).resolve()), "--worker", "llama.cpp",
                           "--model-path", gguf], {}, job)
-                return {**r, "python": llama_py}
+                return {**r, "python": llama_py, "gguf": gguf}
             raise SystemExit(f"unknown row {name}")
 
         # Rows run in rounds (every row once per round) and each keeps its best figures: on a
