@@ -22,7 +22,10 @@ Rows:
                 attention projections in 1-8 row products (lossy; tests/test_kernels_quality.py).
   engine-fp32   the same with MLXCHAT_KERNELS=0: the fallback fp32 layout (engine/kernels/cpu_layout.py).
   mlx-lm        mlx_lm.load() as is (quantized layers, MLX's own CPU ops), mlx_lm generate_step.
-  llama.cpp     llama-cpp-python on the GGUF (bundled model only), threads = ours, greedy argmax.
+  llama.cpp     llama-cpp-python on a GGUF, threads = ours, greedy argmax: the bundled model's own
+                GGUF; for a random model the same weights written by bench/llama_gguf.py
+                (dequantized, then requantized to Q4_0 by llama.cpp itself, cached next to the
+                folder as <folder>.Q4_0.gguf), so its greedy tokens only mostly match ours.
                 Its interpreter: --llama-python, else $MLXCHAT_LLAMA_PYTHON, else
                 bench/.venv-llamacpp/bin/python, made by `bash bench/setup-llamacpp` (llama-cpp-python
                 0.3.36 built with GGML_NATIVE=OFF, AVX2/FMA/F16C); without it the row is skipped.
@@ -64,8 +67,9 @@ def _memory() -> dict[str, float]:
     return out
 
 
-def random_folder(name: str) -> Path:
-    """An mlx-lm folder with random 4-bit weights (group 32, fp16 scales), built once in the cache."""
+def random_folder(name: str, shape: dict | None = None) -> Path:
+    """An mlx-lm folder with random 4-bit weights (group 32, fp16 scales), built once in the cache;
+    `shape` (default RANDOM_MODELS[name]) gives the sizes."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -77,7 +81,7 @@ def random_folder(name: str) -> Path:
     if (folder / "model.safetensors").exists():
         return folder
     config = dict(model_type="llama", rms_norm_eps=1e-5, vocab_size=49152, rope_theta=100000.0,
-                  tie_word_embeddings=True, max_position_embeddings=8192, **RANDOM_MODELS[name])
+                  tie_word_embeddings=True, max_position_embeddings=8192, **(shape or RANDOM_MODELS[name]))
     model = build_module(Shape(name, config, bits=4, group_size=32), dtype=mx.float16)
     tmp = folder.with_name(name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -270,6 +274,7 @@ def main(argv=None):
         print("RESULT " + json.dumps(worker(a.model_path, job)), flush=True)
         return
 
+    from bench.llama_gguf import random_gguf
     from engine.kernels.native import thread_count
     from engine.loading import bundled
     from engine.loading.registry import resolve
@@ -296,14 +301,13 @@ def main(argv=None):
             if name == "mlx-lm":
                 return _sub(me + ["--worker", "mlx-lm", "--model-path", folder], {}, job)
             if name == "llama.cpp":
-                if model != "bundled":
-                    return {"skipped": "llama.cpp runs the bundled GGUF only"}
                 if not os.path.exists(llama_py):
                     return {"skipped": f"no llama.cpp: run `bash bench/setup-llamacpp` (makes {llama_py})"}
-                gguf = str(bundled.ensure_bundled_gguf())
+                gguf = str(bundled.ensure_bundled_gguf() if model == "bundled"
+                           else random_gguf(Path(folder), llama_py))
                 r = _sub([llama_py, str(Path(__file__).resolve()), "--worker", "llama.cpp",
                           "--model-path", gguf], {}, job)
-                return {**r, "python": llama_py}
+                return {**r, "python": llama_py, "gguf": gguf}
             raise SystemExit(f"unknown row {name}")
 
         # Rows run in rounds (every row once per round) and each keeps its best figures: on a
