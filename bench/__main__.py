@@ -224,7 +224,6 @@ def suite_memory(lm, shape: str, a) -> list[Row]:
     import mlx.core as mx
 
     from engine.decoding.chat import Prompt
-    from engine.decoding.generate import default_prefill_chunk
     from engine import device
 
     try:
