@@ -232,15 +232,15 @@ class TokenSampler:
         """`logits` has shape (1, vocab); `history` holds the tokens so far (prompt + output).
         Returns the token and the model's own log-softmax (before any processor or transform)."""
         model_logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token = self.pick(logits, model_logprobs, history)
-        assert token is not None
-        return token, model_logprobs
+        return self.pick(logits, model_logprobs, history), model_logprobs
 
-    def pick(self, logits: mx.array, model_logprobs: mx.array, history: mx.array | None,
-             shared_argmax: bool = False) -> mx.array | None:
-        """The token (shape (1,)) for one row of `logits` and its log-softmax `model_logprobs`;
-        with `shared_argmax`, None for a greedy row that no processor changes: its token is the
-        argmax of `model_logprobs`, which a batch takes for all such rows in one op."""
+    def plain_greedy(self, history: mx.array | None) -> bool:
+        """Greedy and no processor changes the logits: the token is the argmax of the model's
+        log-softmax, which a batch takes for all such rows in one op (`sample_rows`)."""
+        return self.params.greedy and not (self.processors and history is not None)
+
+    def pick(self, logits: mx.array, model_logprobs: mx.array, history: mx.array | None) -> mx.array:
+        """The token (shape (1,)) for one row of `logits` and its log-softmax `model_logprobs`."""
         processed = bool(self.processors) and history is not None
         if processed:
             for processor in self.processors:
@@ -250,7 +250,7 @@ class TokenSampler:
             logprobs = model_logprobs
         p = self.params
         if p.greedy:
-            return None if shared_argmax and not processed else mx.argmax(logprobs, axis=-1)
+            return mx.argmax(logprobs, axis=-1)
         self.key, sub = mx.random.split(self.key)
         filtered = filter_logprobs(logprobs, p)
         return mx.random.categorical(filtered * (1.0 / p.temperature), key=sub)
@@ -271,15 +271,11 @@ def sample_rows(samplers: Sequence[TokenSampler], histories: Sequence[mx.array |
     failures: dict[int, Exception] = {}
     for i, sampler in enumerate(samplers):
         try:
-            if sampler.params.greedy and not (sampler.processors and histories[i] is not None):
-                continue  # what `pick` does with shared_argmax, without slicing the row's logits
-            token = sampler.pick(logits[i:i + 1], model_logprobs[i:i + 1], histories[i],
-                                 shared_argmax=True)
+            if sampler.plain_greedy(histories[i]):
+                continue  # the shared argmax below, without slicing the row's logits
+            picks[i] = sampler.pick(logits[i:i + 1], model_logprobs[i:i + 1], histories[i])
         except Exception as exc:  # isolated to this row
             failures[i] = exc
-            continue
-        if token is not None:
-            picks[i] = token
     if not picks:
         return mx.argmax(model_logprobs, axis=-1), model_logprobs, failures
     picked = mx.concatenate(list(picks.values()))
