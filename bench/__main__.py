@@ -178,9 +178,10 @@ def suite_prefix(lm, shape: str, a) -> list[Row]:
             warm[-1]["save_ms"] = [round(x * 1e3, 2) for x in spent["save"]]
             bar.update(1)
             # mlx_lm.server: fetch of the longest usable snapshot (untimed) then stream_generate
-            cache = make_prompt_cache(lm.model)
-            lm.model(mx.array([b[:reuse]], dtype=mx.uint32), cache=cache)
-            mx.eval([c.state for c in cache])
+            with common.mlx_lm_paths(lm) as model:
+                cache = make_prompt_cache(model)
+                model(mx.array([b[:reuse]], dtype=mx.uint32), cache=cache)
+                mx.eval([c.state for c in cache])
             server.append(common.mlx_lm_stream(lm, b[reuse:], 1, prompt_cache=cache))
             bar.update(1)
             mlx_cold.append(common.mlx_lm_stream(lm, b, 1))
@@ -275,9 +276,9 @@ def suite_concurrency(lm, shape: str, a) -> list[Row]:
     prompts = [prompt_ids(128, vocab, seed=100 + i) for i in range(n)]
 
     def mlx_batch() -> dict[str, Any]:
-        with common.mlx_lm_paths(lm.model):
+        with common.mlx_lm_paths(lm) as model:
             t = time.perf_counter()
-            batch_generate(lm.model, lm.tokenizer, prompts, max_tokens=gen)
+            batch_generate(model, lm.tokenizer, prompts, max_tokens=gen)
             mx.synchronize()
         return {"aggregate_tps": n * gen / (time.perf_counter() - t)}
 

@@ -206,14 +206,17 @@ def spread(xs: Sequence[float | None], scale: float = 1.0) -> str:
 
 
 @contextmanager
-def mlx_lm_paths(model) -> Iterator[None]:
-    """Run `model` as plain mlx-lm would while inside: the chunked gated-delta prefill that our
-    loader switches on for hybrid models (engine/kernels/gated_delta.py) is switched off."""
+def mlx_lm_paths(lm) -> Iterator[Any]:
+    """The model of `lm` as plain mlx-lm runs it, while inside: on a GPU mlx-lm's own copy
+    (bench.shapes.build keeps one; ours has engine/kernels/gpu_layout.py's stacked projections),
+    and the chunked gated-delta prefill that our loader switches on for hybrid models
+    (engine/kernels/gated_delta.py) switched off."""
     from engine.kernels.gated_delta import use_chunked_prefill
 
+    model = lm.extras.get("mlx_lm_model", lm.model)
     switched = use_chunked_prefill(model, enabled=False)
     try:
-        yield
+        yield model
     finally:
         if switched:
             use_chunked_prefill(model)
@@ -228,8 +231,8 @@ def mlx_lm_stream(lm, prompt: Sequence[int], max_tokens: int,
     t0 = time.perf_counter()
     times = []
     kwargs = {"prompt_cache": prompt_cache} if prompt_cache is not None else {}
-    with mlx_lm_paths(lm.model):
-        for _ in stream_generate(lm.model, lm.tokenizer, mx.array(list(prompt), dtype=mx.uint32),
+    with mlx_lm_paths(lm) as model:
+        for _ in stream_generate(model, lm.tokenizer, mx.array(list(prompt), dtype=mx.uint32),
                                  max_tokens=max_tokens, **kwargs):
             times.append(time.perf_counter())
     return {"ttft_s": times[0] - t0 if times else None, "tps": rate(times), "n": len(times),

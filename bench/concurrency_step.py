@@ -60,9 +60,10 @@ def tiny_lm(vocab: int, layers: int = 2, hidden: int = 64):
 def mlx_batch(lm, prompts: list[list[int]], gen: int) -> dict:
     from mlx_lm.generate import batch_generate
 
-    t, cpu = time.perf_counter(), time.thread_time()
-    batch_generate(lm.model, lm.tokenizer, prompts, max_tokens=gen)
-    mx.synchronize()
+    with common.mlx_lm_paths(lm) as model:
+        t, cpu = time.perf_counter(), time.thread_time()
+        batch_generate(model, lm.tokenizer, prompts, max_tokens=gen)
+        mx.synchronize()
     n = len(prompts) * gen
     return {"aggregate_tps": n / (time.perf_counter() - t),
             "host_us_per_token": (time.thread_time() - cpu) / n * 1e6}

@@ -12,6 +12,7 @@ with the spread (min-max) in its notes and JSON.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable
 
@@ -79,29 +80,26 @@ def model_row(lm, shape: str, a, T: int) -> Row:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine.kernels.gated_delta import use_chunked_prefill
     from .shapes import prompt_ids, vocab_size
 
     tokens = mx.array([prompt_ids(T, vocab_size(shape), seed=5)], dtype=mx.uint32)
 
-    def prefill(chunked: bool) -> Callable[[], mx.array]:
+    def prefill(ours: bool) -> Callable[[], mx.array]:
         def run() -> mx.array:
-            use_chunked_prefill(lm.model, enabled=chunked)
-            cache = make_prompt_cache(lm.model)
-            for i in range(0, T, PREFILL_STEP):
-                logits = lm.model(tokens[:, i:i + PREFILL_STEP], cache=cache)
-                mx.eval(logits, [c.state for c in cache])
+            with contextlib.ExitStack() as stack:
+                model = lm.model if ours else stack.enter_context(common.mlx_lm_paths(lm))
+                cache = make_prompt_cache(model)
+                for i in range(0, T, PREFILL_STEP):
+                    logits = model(tokens[:, i:i + PREFILL_STEP], cache=cache)
+                    mx.eval(logits, [c.state for c in cache])
             return logits[:, -1]
         return run
 
-    try:
-        last = {c: prefill(c)() for c in (True, False)}  # warm-up at the timed length, and the check
-        diff = mx.abs(last[True].astype(mx.float32) - last[False].astype(mx.float32)).max().item()
-        same_top = bool((last[True].argmax(-1) == last[False].argmax(-1)).item())
-        runs = common.interleave({"ours": lambda: _timed(prefill(True)),
-                                  "mlx": lambda: _timed(prefill(False))}, a.reps)
-    finally:
-        use_chunked_prefill(lm.model)
+    last = {c: prefill(c)() for c in (True, False)}  # warm-up at the timed length, and the check
+    diff = mx.abs(last[True].astype(mx.float32) - last[False].astype(mx.float32)).max().item()
+    same_top = bool((last[True].argmax(-1) == last[False].argmax(-1)).item())
+    runs = common.interleave({"ours": lambda: _timed(prefill(True)),
+                              "mlx": lambda: _timed(prefill(False))}, a.reps)
     return _row(shape, f"cold prefill, {T} tokens, whole model", runs["ours"], runs["mlx"],
                 f"{PREFILL_STEP}-token steps; last-token logits max |diff| {diff:.2g}, same argmax: {same_top}",
                 {"tokens": T, "max_abs_diff_logits": diff, "same_argmax": same_top})

@@ -228,10 +228,15 @@ def nbytes(model: nn.Module) -> int:
 def build(name: str, dtype: mx.Dtype = mx.bfloat16, seed: int = 0):
     """The shape `name` as an engine `LoadedModel` with random weights and `IdTokenizer`."""
     from engine.kernels.gated_delta import use_chunked_prefill
+    from engine.kernels.gpu_layout import to_gpu_layout
     from engine.loading.registry import LoadedModel
 
     shape = SHAPES[name]
     model = build_module(shape, dtype, seed)
+    extras: dict[str, Any] = {}
+    if mx.default_device() == mx.gpu:  # our GPU layout, as load_model's fastest_layout gives it;
+        extras["mlx_lm_model"] = build_module(shape, dtype, seed)  # mlx-lm runs its own (same weights)
+        to_gpu_layout(model)
     use_chunked_prefill(model)  # as engine.loading.registry.load_model does
     config = copy.deepcopy(shape.config)
     text = text_config(config)
@@ -241,7 +246,7 @@ def build(name: str, dtype: mx.Dtype = mx.bfloat16, seed: int = 0):
         config["quantization"] = {"group_size": shape.group_size, "bits": shape.bits}
     return LoadedModel(name=f"random:{name}", model=model, tokenizer=IdTokenizer(text["vocab_size"]),
                        config=config, path=Path(f"/nonexistent/random-{name}"),
-                       extras={"shape": name, "weights_bytes": nbytes(model)})
+                       extras={**extras, "shape": name, "weights_bytes": nbytes(model)})
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

@@ -12,6 +12,7 @@ from mlx_lm.utils import dequantize_model
 from engine import device
 from engine.kernels import cpu_layout
 from engine.kernels.fastest import fastest_layout
+from engine.kernels.gpu_layout import StackedAttention
 from engine.loading import registry
 from engine.kernels.cpu_layout import MatvecEmbedding, MatvecLinear, fp32_bytes, to_cpu_layout
 
@@ -104,8 +105,8 @@ def test_layout_only_on_the_cpu_with_a_fast_blas(lm, monkeypatch):
     model, config = fresh(lm)
     wanted, why = cpu_layout.cpu_layout_wanted()
     assert not wanted and "CPU" in why
-    kept = kinds(fastest_layout(model, config))
-    assert nn.QuantizedLinear in kept and MatvecLinear not in kept
+    kept = kinds(fastest_layout(model, config))  # on a GPU: gpu_layout.py's stacked projections
+    assert nn.QuantizedLinear in kept and MatvecLinear not in kept and StackedAttention in kept
 
 
 def test_layout_skipped_when_fp32_would_not_fit_in_memory(lm, monkeypatch):

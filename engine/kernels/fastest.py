@@ -13,18 +13,21 @@ log = logging.getLogger(__name__)
 
 
 def fastest_layout(model: nn.Module, config: dict[str, Any]) -> nn.Module:
-    """On the CPU, run a quantized model on our kernels (layout.py); where they cannot load, or
-    for a dense model, with an optimised BLAS, in cpu_layout.py's layout: fp32 weights
-    (dequantized where quantized) with one-token matmuls written as W @ x.
+    """On a GPU, stack each layer's q/k/v and gate/up projections (gpu_layout.py). On the CPU, run
+    a quantized model on our kernels (layout.py); where they cannot load, or for a dense model,
+    with an optimised BLAS, in cpu_layout.py's layout: fp32 weights (dequantized where quantized)
+    with one-token matmuls written as W @ x.
 
     MLX's CPU kernels for quantized and half-precision matmuls are single-threaded and slow; fp32
-    matmuls go to BLAS. Without a fast BLAS fp32 is slower, and on a GPU the model stays as
-    loaded. A model whose fp32 weights would take more than half of the free RAM also stays as
-    loaded. `config` is the model's config.json (its "quantization" entry says it is quantized).
+    matmuls go to BLAS. Without a fast BLAS fp32 is slower. A model whose fp32 weights would take
+    more than half of the free RAM also stays as loaded. `config` is the model's config.json (its "quantization" entry says it is quantized).
     """
     from .cpu_layout import cpu_layout_wanted, fp32_bytes, to_cpu_layout
+    from .gpu_layout import to_gpu_layout
     from .layout import kernel_layout_wanted, to_kernel_layout
 
+    if device.backend() != "cpu":
+        return to_gpu_layout(model)
     wanted, why = kernel_layout_wanted(model)  # our CPU kernels, weights kept quantized
     if wanted:
         return to_kernel_layout(model)

@@ -1,0 +1,135 @@
+"""Run mlx-lm's dense attention and SwiGLU layers on a GPU with one product where they make three
+or two: q/k/v as one matmul against their weights stacked, gate/up likewise.
+
+On a GPU a decode step is bound by the host: MLX records and launches every op of the step's
+graph, and the small projections cost as much to launch as to run. Stacking the weights drops
+three kernels (and their graph nodes) per layer and gives the matmuls wider outputs. Each output
+column is still one row of the original weights against the same input, so the results are those
+of the separate products up to the order in which a kernel sums (tests/test_gpu_layout.py checks
+the logits on the CPU; on a GPU in bf16 a random model's greedy tokens can part from mlx-lm's, as
+with any change of kernel: the README's GPU table gives how many stayed equal).
+
+`to_gpu_layout` replaces, in place, each decoder layer's `self_attn` of mlx-lm's llama, qwen2 and
+qwen3 classes by `StackedAttention` and each `mlp` of their MLP classes (and Qwen3-Next's, which
+the Qwen3.5 hybrids use) by `StackedMLP`. Their forward is mlx-lm's, restated around the one
+product; every other module (norms, RoPE, o_proj, down_proj, the cache protocol) is the loaded one.
+Plain and affine-quantized linears are both stacked (quantized rows stack with their scales and
+biases). Anything else stays as loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import llama, qwen2, qwen3, qwen3_next
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.base import scaled_dot_product_attention
+
+ATTENTION = (llama.Attention, qwen2.Attention, qwen3.Attention)
+MLP = (llama.MLP, qwen2.MLP, qwen3.MLP, qwen3_next.Qwen3NextMLP)
+
+
+def stack(linears: list[nn.Module]) -> nn.Module | None:
+    """One linear whose output is the outputs of `linears` side by side, or None when they do not
+    stack (mixed kinds, quantization settings or biases)."""
+    kinds = {type(m) for m in linears}
+    has_bias = {"bias" in m for m in linears}
+    if len(kinds) != 1 or len(has_bias) != 1:
+        return None
+    kind, bias = kinds.pop(), has_bias.pop()
+    first = linears[0]
+    if kind is nn.Linear:
+        out = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(out)
+        names = ["weight"]
+    elif kind is nn.QuantizedLinear:
+        settings = {(m.group_size, m.bits, m.mode, "biases" in m) for m in linears}
+        if len(settings) != 1 or first.mode != "affine":
+            return None
+        out = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
+        nn.Module.__init__(out)
+        out.group_size, out.bits, out.mode = first.group_size, first.bits, first.mode
+        names = ["weight", "scales"] + (["biases"] if "biases" in first else [])
+        out.freeze()
+    else:
+        return None
+    for name in names + (["bias"] if bias else []):
+        out[name] = mx.concatenate([m[name] for m in linears], axis=0)
+    return out
+
+
+def _sizes(linears: list[nn.Module]) -> list[int]:
+    """Where the stacked output splits: the running sum of each part's output width."""
+    ends, total = [], 0
+    for m in linears[:-1]:
+        total += m["scales" if "scales" in m else "weight"].shape[0]
+        ends.append(total)
+    return ends
+
+
+class StackedAttention(nn.Module):
+    """mlx-lm's llama/qwen2/qwen3 attention with q, k and v from one product."""
+
+    def __init__(self, attn: nn.Module, qkv: nn.Module):
+        super().__init__()
+        self.qkv_proj = qkv
+        self.o_proj = attn.o_proj
+        self.rope = attn.rope
+        if "q_norm" in attn:  # qwen3
+            self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
+        self.n_heads, self.n_kv_heads, self.scale = attn.n_heads, attn.n_kv_heads, attn.scale
+        self.split = _sizes([attn.q_proj, attn.k_proj, attn.v_proj])
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        B, L, _ = x.shape
+        queries, keys, values = mx.split(self.qkv_proj(x), self.split, axis=-1)
+        queries = queries.reshape(B, L, self.n_heads, -1)
+        keys = keys.reshape(B, L, self.n_kv_heads, -1)
+        if "q_norm" in self:
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
+        values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if cache is not None:
+            queries = self.rope(queries, offset=cache.offset)
+            keys = self.rope(keys, offset=cache.offset)
+            keys, values = cache.update_and_fetch(keys, values)
+        else:
+            queries, keys = self.rope(queries), self.rope(keys)
+        output = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale,
+                                              mask=mask)
+        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class StackedMLP(nn.Module):
+    """mlx-lm's SwiGLU MLP with gate and up from one product."""
+
+    def __init__(self, mlp: nn.Module, gate_up: nn.Module):
+        super().__init__()
+        self.gate_up_proj = gate_up
+        self.down_proj = mlp.down_proj
+        self.split = _sizes([mlp.gate_proj, mlp.up_proj])
+
+    def __call__(self, x: mx.array) -> mx.array:
+        gate, up = mx.split(self.gate_up_proj(x), self.split, axis=-1)
+        return self.down_proj(swiglu(gate, up))
+
+
+def to_gpu_layout(model: nn.Module) -> nn.Module:
+    """Stack the projections of every layer that takes it (in place; returns `model`). Each
+    layer's stacked weights are evaluated before the next, so the unstacked ones are freed as it
+    goes and the peak memory grows by one layer's projections, not a model's."""
+    for layer in getattr(model, "layers", []):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if type(attn) in ATTENTION:
+            qkv = stack([attn.q_proj, attn.k_proj, attn.v_proj])
+            if qkv is not None:
+                layer.self_attn = StackedAttention(attn, qkv)
+                mx.eval(qkv.parameters())
+        if type(mlp) in MLP:
+            gate_up = stack([mlp.gate_proj, mlp.up_proj])
+            if gate_up is not None:
+                layer.mlp = StackedMLP(mlp, gate_up)
+                mx.eval(gate_up.parameters())
+    return model

@@ -1,0 +1,94 @@
+"""engine/kernels/gpu_layout.py, the layout a model takes on a GPU: q/k/v and gate/up each become
+one product against their stacked weights. On the CPU in fp32 that gives mlx-lm's logits within
+float rounding (a BLAS may sum a wider product in another order), for llama, qwen2 (projection biases), qwen3 (q/k norms), 4-bit affine
+weights and the Qwen3.5 hybrid (its MLPs; its attention stays as loaded), over a prompt, a
+one-token step and a step of several rows; the engine serving a stacked model answers with the
+tokens mlx-lm's model gives, alone and with several requests decoding in one batch."""
+
+import dataclasses
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from bench.shapes import Shape, build_module
+from engine.decoding.sampling import SamplingParams
+from engine.kernels.gpu_layout import StackedAttention, StackedMLP, to_gpu_layout
+from tiny_models import LLAMA, QWEN3_5, tiny_llama
+
+pytestmark = pytest.mark.fast
+
+CONFIGS = {
+    "llama": (LLAMA, None),
+    "qwen2": ({**LLAMA, "model_type": "qwen2"}, None),
+    "qwen3": ({**LLAMA, "model_type": "qwen3"}, None),
+    "llama-4bit": (LLAMA, 4),
+    "qwen3_5": (QWEN3_5, None),
+}
+
+
+def pair(kind: str) -> tuple[nn.Module, nn.Module]:
+    """(mlx-lm's model, the same weights in the GPU layout), fp32."""
+    config, bits = CONFIGS[kind]
+    shape = Shape(kind, config, bits=bits)
+    return build_module(shape, dtype=None, seed=3), to_gpu_layout(build_module(shape, dtype=None, seed=3))
+
+
+def assert_same(a: mx.array, b: mx.array) -> None:
+    assert mx.allclose(a, b, rtol=1e-5, atol=1e-5).item(), mx.abs(a - b).max().item()
+    assert mx.array_equal(mx.argmax(a, -1), mx.argmax(b, -1)).item()
+
+
+def kinds(model: nn.Module) -> set[type]:
+    return {type(m) for _, m in model.named_modules()}
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_stacked_layers_compute_mlx_lm_logits(kind):
+    plain, stacked = pair(kind)
+    assert StackedMLP in kinds(stacked)
+    assert (StackedAttention in kinds(stacked)) == (kind != "qwen3_5")
+    names = {name.rsplit(".", 1)[-1] for name, _ in stacked.named_modules()}
+    assert not names & {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"} - (
+        {"q_proj", "k_proj", "v_proj"} if kind == "qwen3_5" else set())
+
+    caches = [make_prompt_cache(plain), make_prompt_cache(stacked)]
+    prompt = mx.array([[5, 17, 300, 42, 9, 1000, 77, 3]])
+    a, b = plain(prompt, cache=caches[0]), stacked(prompt, cache=caches[1])
+    assert_same(a, b)
+    for token in (11, 4000):
+        step = mx.array([[token]])
+        a, b = plain(step, cache=caches[0]), stacked(step, cache=caches[1])
+        assert_same(a, b)
+    rows = mx.array([[17], [900], [4000]])
+    a, b = plain(rows, cache=make_prompt_cache(plain)), stacked(rows, cache=make_prompt_cache(stacked))
+    assert_same(a, b)
+
+
+def test_projections_that_do_not_stack_stay_as_loaded():
+    """A layer whose q/k/v differ in kind (one quantized) keeps its attention; its MLP still stacks."""
+    model = build_module(Shape("llama", LLAMA), dtype=None, seed=3)
+    nn.quantize(model, group_size=64, bits=4, class_predicate=lambda path, m: path.endswith("q_proj"))
+    to_gpu_layout(model)
+    assert StackedAttention not in kinds(model) and StackedMLP in kinds(model)
+    assert nn.QuantizedLinear in kinds(model)
+
+
+def test_engine_on_a_stacked_model_answers_with_mlx_lm_tokens(serve):
+    base = tiny_llama()
+    plain = build_module(Shape("llama", LLAMA), dtype=None, seed=3)
+    stacked = dataclasses.replace(base, model=to_gpu_layout(build_module(Shape("llama", LLAMA),
+                                                                         dtype=None, seed=3)))
+    prompts = [[5, 17, 300, 42, 9], [1000, 77, 3], [8, 8, 120, 4500, 61, 2, 19]]
+    n = 12
+    expected = [[int(t) for t, _ in generate_step(mx.array(p), plain, max_tokens=n)] for p in prompts]
+
+    eos = set(base.tokenizer.eos_token_ids)
+    expected = [t[:next((i for i, x in enumerate(t) if x in eos), n)] for t in expected]  # ends at EOS
+
+    engine = serve(stacked, max_running=len(prompts), prefix_cache=False)
+    handles = [engine.submit(prompt_tokens=p, params=SamplingParams(max_tokens=n)) for p in prompts]
+    got = [[e.token for e in h.events(timeout=60) if e.kind == "token"] for h in handles]
+    assert got == expected and all(len(t) > 2 for t in got)
