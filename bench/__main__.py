@@ -83,7 +83,9 @@ def suite_decode(lm, shape: str, a) -> list[Row]:
     ours = common.median([r["tps"] for r in runs["ours"]])
     base = common.median([r["tps"] for r in runs["mlx"]])
     direct = common.median([r["tps"] for r in runs["direct"]])
-    note = f"median of {a.reps}, {n} tokens after a 64-token prompt; without the scheduler thread " \
+    same = common.same_prefix(runs["ours"][0]["tokens"], runs["mlx"][0]["tokens"])
+    note = f"median of {a.reps}, {n} tokens after a 64-token prompt; greedy tokens equal to mlx-lm's " \
+           f"for the first {same} of {n}; without the scheduler thread " \
            f"(engine.decoding.generate in the caller) {common.fmt(direct)} tok/s; synchronous model step " \
            f"{step:.2f} ms (= {1e3 / step:.0f} tok/s without pipelining)"
     if svc.note:
@@ -91,7 +93,8 @@ def suite_decode(lm, shape: str, a) -> list[Row]:
     return [Row("decode", shape, "decode batch 1", "tok/s", ours, base, "mlx_lm.stream_generate",
                 ">= 1.0", note, {"ours_all": [r["tps"] for r in runs["ours"]],
                                  "mlx_all": [r["tps"] for r in runs["mlx"]],
-                                 "direct_all": [r["tps"] for r in runs["direct"]], "raw_step_ms": step})]
+                                 "direct_all": [r["tps"] for r in runs["direct"]], "raw_step_ms": step,
+                                 "same_tokens_as_mlx_lm": same})]
 
 
 def suite_prefix(lm, shape: str, a) -> list[Row]:

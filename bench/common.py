@@ -194,6 +194,11 @@ def rate(times: Sequence[float]) -> float | None:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
+def same_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two greedy answers share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def median(xs: Sequence[float | None]) -> float | None:
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -229,14 +234,15 @@ def mlx_lm_stream(lm, prompt: Sequence[int], max_tokens: int,
     from mlx_lm.generate import stream_generate
 
     t0 = time.perf_counter()
-    times = []
+    times, tokens = [], []
     kwargs = {"prompt_cache": prompt_cache} if prompt_cache is not None else {}
     with mlx_lm_paths(lm) as model:
-        for _ in stream_generate(model, lm.tokenizer, mx.array(list(prompt), dtype=mx.uint32),
-                                 max_tokens=max_tokens, **kwargs):
+        for response in stream_generate(model, lm.tokenizer, mx.array(list(prompt), dtype=mx.uint32),
+                                        max_tokens=max_tokens, **kwargs):
             times.append(time.perf_counter())
+            tokens.append(response.token)
     return {"ttft_s": times[0] - t0 if times else None, "tps": rate(times), "n": len(times),
-            "total_s": (times[-1] - t0) if times else None}
+            "total_s": (times[-1] - t0) if times else None, "tokens": tokens}
 
 
 def engine_direct(lm, prompt, max_tokens: int, prefix_cache=None) -> dict[str, Any]:
@@ -284,14 +290,15 @@ class EngineService:
         return self.engine.submit(prompt_tokens=list(prompt), params=SamplingParams(max_tokens=max_tokens))
 
     def _read(self, handle, t0: float) -> dict[str, Any]:
-        times = []
+        times, tokens = [], []
         for ev in handle.events(timeout=600):
             if ev.kind == "token":
                 times.append(time.perf_counter())
+                tokens.append(ev.token)
             elif ev.error:
                 raise RuntimeError(ev.error)
         return {"ttft_s": times[0] - t0 if times else None, "tps": rate(times), "n": len(times),
-                "start": t0, "end": times[-1] if times else t0}
+                "start": t0, "end": times[-1] if times else t0, "tokens": tokens}
 
     def concurrent(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> dict[str, Any]:
         """The prompts submitted together (as `batch_generate` gets them), each read by its own
