@@ -18,7 +18,8 @@ solve runs only on the CPU). Every exponent is a difference G_i - G_j <= 0 taken
 so nothing overflows.
 
 Only prefill takes this path (`MIN_TOKENS` or more tokens): one-token decode steps and short
-speculative verify blocks keep mlx-lm's per-token code, so their results are mlx-lm's exactly.
+speculative verify blocks keep mlx-lm's per-token code, so their results are mlx-lm's exactly,
+except on a CUDA GPU, where they run as one kernel per layer (gated_delta_cuda.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gated_delta as mlx_gated_delta
+
+from . import gated_delta_cuda
 
 CHUNK = 64
 MIN_TOKENS = 16  # fewer tokens (decode, verify blocks) keep mlx-lm's per-token path
@@ -139,8 +142,18 @@ def gated_delta_update(q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx
                        lower_bound: float | None = None,
                        allow_neg_eigval: bool = False) -> tuple[mx.array, mx.array]:
     """mlx-lm's `gated_delta_update` (same signature), chunked for `MIN_TOKENS` or more tokens off
-    Apple GPUs; everything else goes to mlx-lm's own function."""
+    Apple GPUs; fewer tokens on a CUDA GPU take gated_delta_cuda.py's kernel; everything else goes
+    to mlx-lm's own function."""
     on_metal = mx.default_device() == mx.gpu and mx.metal.is_available()
+    if q.shape[1] < MIN_TOKENS and use_kernel and gated_delta_cuda.fits(q, v, a):
+        beta = mx.sigmoid(b)
+        if allow_neg_eigval:
+            beta = beta * 2.0
+        g = (mlx_gated_delta.compute_g(A_log, a, dt_bias) if lower_bound is None
+             else mlx_gated_delta.compute_lower_bound_g(A_log, a, dt_bias, lower_bound))
+        if state is None:
+            state = mx.zeros((q.shape[0], v.shape[2], v.shape[3], q.shape[3]), dtype=mx.float32)
+        return gated_delta_cuda.gated_delta_step(q, k, v, g, beta, state, mask)
     if q.shape[1] < MIN_TOKENS or (on_metal and use_kernel):
         return mlx_gated_delta.gated_delta_update(
             q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=use_kernel,
