@@ -209,8 +209,7 @@ def build_module(shape: Shape, dtype: mx.Dtype | None = mx.bfloat16, seed: int =
 
     config = copy.deepcopy(shape.config)
     model_class, args_class = _get_classes(config)
-    if dtype is None:
-        mx.random.seed(seed)
+    mx.random.seed(seed)  # the parameters `_randomize` keeps (a hybrid's A_log) are drawn in __init__
     model = model_class(args_class.from_dict(config))
     if dtype is not None:
         _randomize(model, dtype, seed)
