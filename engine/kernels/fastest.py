@@ -20,7 +20,8 @@ def fastest_layout(model: nn.Module, config: dict[str, Any]) -> nn.Module:
 
     MLX's CPU kernels for quantized and half-precision matmuls are single-threaded and slow; fp32
     matmuls go to BLAS. Without a fast BLAS fp32 is slower. A model whose fp32 weights would take
-    more than half of the free RAM also stays as loaded. `config` is the model's config.json (its "quantization" entry says it is quantized).
+    more than half of the free RAM also stays as loaded. `config` is the model's config.json (its
+    "quantization" entry says it is quantized).
     """
     from .cpu_layout import cpu_layout_wanted, fp32_bytes, to_cpu_layout
     from .gpu_layout import to_gpu_layout
