@@ -52,11 +52,12 @@ def stack(linears: list[nn.Module]) -> nn.Module | None:
         nn.Module.__init__(out)
         out.group_size, out.bits, out.mode = first.group_size, first.bits, first.mode
         names = ["weight", "scales"] + (["biases"] if "biases" in first else [])
-        out.freeze()
     else:
         return None
     for name in names + (["bias"] if bias else []):
         out[name] = mx.concatenate([m[name] for m in linears], axis=0)
+    if kind is nn.QuantizedLinear:
+        out.freeze()  # as QuantizedLinear.__init__ leaves it
     return out
 
 
