@@ -19,7 +19,8 @@ Suites from the other bench modules, run when they are present (else skipped wit
   prefix, concurrency, speculative: bench/<suite>.py `run_suite(args) -> list[dict]` (rows as
                in bench/common.Row) if defined, else `python -m bench.<suite>` in a subprocess.
 Results: a table on stdout and JSON (default bench/results/<device>-<date>.json), written after
-every shape so a run cut short keeps what it measured.
+every shape so a run cut short keeps what it measured. Like `mlxchat`, it starts again with
+Debian's OpenBLAS preloaded where one is installed (MLXCHAT_NO_BLAS=1: not).
 """
 
 from __future__ import annotations
@@ -256,6 +257,11 @@ def suite_memory(lm, shape: str, a) -> list[Row]:
             out["ours_cache"] = mx.get_peak_memory()
             del pc
             bar.update(1)
+    baseline = lm.extras.get("mlx_lm_model")
+    if baseline is not None:  # both copies of the weights are resident: each side's peak, less the other's
+        from .shapes import nbytes
+
+        out = {k: v - nbytes(lm.model if k == "mlx" else baseline) for k, v in out.items()}
     gb = 1e9
     rows = [Row("memory", shape, f"peak, {n_prompt}-token prompt + {n_gen}-token answer", "GB",
                 out["ours_nocache"] / gb, out["mlx"] / gb, "mlx_lm.stream_generate", "<= 1.0",
@@ -456,4 +462,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from engine import blas_preload_env
+
+    env = blas_preload_env()
+    if env is not None:  # as `mlxchat` does: OpenBLAS loads before MLX, for both sides' CPU matmuls
+        import os
+
+        os.execve(sys.executable, [sys.executable, "-m", "bench", *sys.argv[1:]], env)
     sys.exit(main())

@@ -34,7 +34,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from . import common
-from .shapes import Shape, build_module, prompt_ids
+from .shapes import Shape, ours_and_mlx_lm, prompt_ids
 
 RESULTS = Path(__file__).resolve().parent / "results" / "concurrency-step-cpu.json"
 CONFIG = {
@@ -52,9 +52,9 @@ def tiny_lm(vocab: int, layers: int = 2, hidden: int = 64):
 
     config = {**CONFIG, "vocab_size": vocab, "num_hidden_layers": layers, "hidden_size": hidden,
               "intermediate_size": 2 * hidden}
-    model = build_module(Shape("tiny-vocab", config), mx.float32)
+    model, extras = ours_and_mlx_lm(Shape("tiny-vocab", config), mx.float32)
     return LoadedModel(name=f"random:tiny-vocab-{vocab}", model=model, tokenizer=IdTokenizer(vocab),
-                       config=config, path=Path("/nonexistent/tiny-vocab"), extras={})
+                       config=config, path=Path("/nonexistent/tiny-vocab"), extras=extras)
 
 
 def mlx_batch(lm, prompts: list[list[int]], gen: int) -> dict:

@@ -108,12 +108,15 @@ def model_row(lm, shape: str, a, T: int) -> Row:
 
 
 def suite_hybrid(lm, shape: str, a) -> list[Row]:
-    """Operator rows for a decode step (1 token), at 1,024 and at the context length, then the
-    whole-model cold prefill."""
+    """Operator rows for a decode step (1 token, on CUDA), at 1,024 and at the context length, then
+    the whole-model cold prefill."""
     import mlx.core as mx
 
+    from engine import device
+
     T = 1024 if a.quick else a.ctx
-    rows = operator_rows(lm, shape, a, tuple(sorted({1, 1024, T})))
+    step = {1} if device.backend() == "cuda" else set()  # elsewhere both sides run mlx-lm's step
+    rows = operator_rows(lm, shape, a, tuple(sorted(step | {1024, T})))
     if mx.default_device() == mx.gpu or shape.startswith("tiny"):
         rows.append(model_row(lm, shape, a, T))
     return rows

@@ -224,18 +224,25 @@ def nbytes(model: nn.Module) -> int:
     return sum(p.nbytes for _, p in tree_flatten(model.parameters()))
 
 
+def ours_and_mlx_lm(shape: Shape, dtype: mx.Dtype | None, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
+    """The model our engine runs and the extras of its `LoadedModel`: on a GPU ours takes the GPU
+    layout (as load_model's fastest_layout gives it there) and mlx-lm keeps its own copy of the same
+    weights, as `mlx_lm.load` gives them, under "mlx_lm_model" (see common.mlx_lm_paths)."""
+    from engine.kernels.gpu_layout import to_gpu_layout
+
+    model = build_module(shape, dtype, seed)
+    if mx.default_device() != mx.gpu:
+        return model, {}
+    return to_gpu_layout(model), {"mlx_lm_model": build_module(shape, dtype, seed)}
+
+
 def build(name: str, dtype: mx.Dtype = mx.bfloat16, seed: int = 0):
     """The shape `name` as an engine `LoadedModel` with random weights and `IdTokenizer`."""
     from engine.kernels.gated_delta import use_chunked_prefill
-    from engine.kernels.gpu_layout import to_gpu_layout
     from engine.loading.registry import LoadedModel
 
     shape = SHAPES[name]
-    model = build_module(shape, dtype, seed)
-    extras: dict[str, Any] = {}
-    if mx.default_device() == mx.gpu:  # our GPU layout, as load_model's fastest_layout gives it;
-        extras["mlx_lm_model"] = build_module(shape, dtype, seed)  # mlx-lm runs its own (same weights)
-        to_gpu_layout(model)
+    model, extras = ours_and_mlx_lm(shape, dtype, seed)
     use_chunked_prefill(model)  # as engine.loading.registry.load_model does
     config = copy.deepcopy(shape.config)
     text = text_config(config)

@@ -92,3 +92,16 @@ def test_engine_on_a_stacked_model_answers_with_mlx_lm_tokens(serve):
     handles = [engine.submit(prompt_tokens=p, params=SamplingParams(max_tokens=n)) for p in prompts]
     got = [[e.token for e in h.events(timeout=60) if e.kind == "token"] for h in handles]
     assert got == expected and all(len(t) > 2 for t in got)
+
+
+def test_snapshot_files_tell_the_gpu_layout_apart():
+    """A snapshot saved by a model in the GPU layout is not read back by one as loaded (their
+    bf16 K/V differ), as CPU-layout snapshots are kept apart already."""
+    from engine.cache.snapshot_files import identity
+
+    base = tiny_llama()
+    plain = dataclasses.replace(base, model=build_module(Shape("llama", LLAMA), dtype=None, seed=3))
+    stacked = dataclasses.replace(base, model=to_gpu_layout(build_module(Shape("llama", LLAMA),
+                                                                        dtype=None, seed=3)))
+    assert identity(plain)["compute"] == "as-loaded"
+    assert identity(stacked)["compute"] == "gpu-layout"

@@ -145,7 +145,7 @@ def gated_delta_update(q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx
     Apple GPUs; fewer tokens on a CUDA GPU take gated_delta_cuda.py's kernel; everything else goes
     to mlx-lm's own function."""
     on_metal = mx.default_device() == mx.gpu and mx.metal.is_available()
-    if q.shape[1] < MIN_TOKENS and use_kernel and gated_delta_cuda.fits(q, v, a):
+    if q.shape[1] < MIN_TOKENS and use_kernel and gated_delta_cuda.fits(q, k, v, a):
         beta = mx.sigmoid(b)
         if allow_neg_eigval:
             beta = beta * 2.0

@@ -91,12 +91,12 @@ def _kernel(masked: bool):
     return _KERNELS[masked]
 
 
-def fits(q: mx.array, v: mx.array, a: mx.array) -> bool:
-    """Whether this kernel runs the step: on a CUDA GPU, a key head size that is a multiple of
-    32 (the warp), one decay per head (`a`, the decay's input, is (B, T, Hv), not per key
-    channel), and value heads a multiple of the key heads."""
-    return (device.backend() == "cuda" and q.shape[-1] % 32 == 0 and a.ndim == 3
-            and v.shape[-2] % q.shape[-2] == 0)
+def fits(q: mx.array, k: mx.array, v: mx.array, a: mx.array) -> bool:
+    """Whether this kernel runs the step: on a CUDA GPU, q, k and v of one dtype, a key head size
+    that is a multiple of 32 (the warp), one decay per head (`a`, the decay's input, is (B, T, Hv),
+    not per key channel), value heads a multiple of the key heads, and B x Hv within a grid's z."""
+    return (device.backend() == "cuda" and q.dtype == k.dtype == v.dtype and q.shape[-1] % 32 == 0
+            and a.ndim == 3 and v.shape[-2] % q.shape[-2] == 0 and v.shape[0] * v.shape[-2] <= 65535)
 
 
 def gated_delta_step(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
