@@ -300,11 +300,9 @@ def rm(name: str, yes: bool) -> None:
 
 
 def main() -> None:
-    from engine import blas_preload_env
+    from engine import restart_with_blas
 
-    env = blas_preload_env()
-    if env is not None:  # a BLAS must be preloaded before MLX loads: start again with it
-        os.execve(sys.executable, [sys.executable, "-m", "app.cli", *sys.argv[1:]], env)
+    restart_with_blas("app.cli")
     code: int | str | None = 0
     try:
         cli(prog_name="mlxchat")  # not "python -m app.cli": main() may start again as that

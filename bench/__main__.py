@@ -462,11 +462,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from engine import blas_preload_env
+    from engine import restart_with_blas
 
-    env = blas_preload_env()
-    if env is not None:  # as `mlxchat` does: OpenBLAS loads before MLX, for both sides' CPU matmuls
-        import os
-
-        os.execve(sys.executable, [sys.executable, "-m", "bench", *sys.argv[1:]], env)
+    restart_with_blas("bench")  # as `mlxchat` does, for both sides' CPU matmuls
     sys.exit(main())

@@ -11,7 +11,7 @@ from .decoding.defaults import DEFAULTABLE, SOURCES as DEFAULT_SOURCES, Default,
 from .decoding.drafts import DraftChoice, SpeculativeOptions
 from .decoding.sampling import PRESETS, SAMPLING_OPTIONS, SamplingOption, SamplingParams, preset
 from .distributed.cluster import Cluster
-from .device import DEVICES, blas_preload_env, select_device
+from .device import DEVICES, restart_with_blas, select_device
 from .kernels import describe_device, device_report
 from .errors import (DownloadCancelled, DownloadError, EngineError, InvalidRequest, ModelLoadError,
                      Overloaded, UnsupportedArchitecture)
@@ -35,9 +35,9 @@ __all__ = [
     "RequestHandle", "RequestState", "SamplingOption", "SamplingParams", "SpeculativeOptions",
     "Timings", "TokenLogprob", "ToolCall", "ToolRequest", "TopLogprob", "UnsupportedArchitecture",
     "Usage",
-    "blas_preload_env", "cache_dir", "data_dir", "describe_device", "device_report",
+    "cache_dir", "data_dir", "describe_device", "device_report",
     "count_tokens", "import_bundled_wheel", "keep_alive_seconds", "list_models", "parse_pull_spec",
-    "preset", "pull_model", "remove_model", "select_device", "tool_request",
+    "preset", "pull_model", "remove_model", "restart_with_blas", "select_device", "tool_request",
 ]
 
 

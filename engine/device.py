@@ -10,6 +10,7 @@ The memory budget is what weights, KV caches and prefix-cache snapshots may use 
 - CPU: MemAvailable from /proc/meminfo (total physical memory where that is unreadable).
 """
 
+import functools
 import logging
 import os
 import sys
@@ -39,17 +40,21 @@ def _device(device: "mx.Device | mx.DeviceType | None") -> mx.Device:
     return mx.Device(device) if isinstance(device, mx.DeviceType) else device
 
 
-def backend(device: mx.Device | None = None) -> str:
-    """"metal", "cuda" or "cpu": which MLX backend runs `device` (default: the current one)."""
-    device = _device(device)
-    if device.type != mx.DeviceType.gpu:
-        return "cpu"
+@functools.cache
+def _gpu_backend() -> str:
+    """Which backend this MLX build's GPU is: fixed for the process, asked once (a decode step of
+    a hybrid model asks for every layer)."""
     if mx.metal.is_available():
         return "metal"
     cuda = getattr(mx, "cuda", None)
     if cuda is not None and cuda.is_available():
         return "cuda"
     return "gpu"
+
+
+def backend(device: mx.Device | None = None) -> str:
+    """"metal", "cuda" or "cpu": which MLX backend runs `device` (default: the current one)."""
+    return _gpu_backend() if _device(device).type == mx.DeviceType.gpu else "cpu"
 
 
 def select_device(preference: str = "auto") -> mx.Device:
@@ -123,6 +128,14 @@ def fast_blas_loaded() -> bool:
             return any("libopenblas" in line or "libmkl" in line for line in f)
     except OSError:
         return False
+
+
+def restart_with_blas(module: str) -> None:
+    """Start this process again as `python -m module` (same arguments) with OpenBLAS preloaded,
+    which must happen before MLX loads; returns when there is nothing to gain (blas_preload_env)."""
+    env = blas_preload_env()
+    if env is not None:
+        os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)
 
 
 def blas_preload_env() -> dict[str, str] | None:

@@ -33,6 +33,7 @@ import mlx.nn as nn
 from mlx_lm.models import gated_delta as mlx_gated_delta
 
 from . import gated_delta_cuda
+from ..device import backend
 
 CHUNK = 64
 MIN_TOKENS = 16  # fewer tokens (decode, verify blocks) keep mlx-lm's per-token path
@@ -144,23 +145,19 @@ def gated_delta_update(q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx
     """mlx-lm's `gated_delta_update` (same signature), chunked for `MIN_TOKENS` or more tokens off
     Apple GPUs; fewer tokens on a CUDA GPU take gated_delta_cuda.py's kernel; everything else goes
     to mlx-lm's own function."""
-    on_metal = mx.default_device() == mx.gpu and mx.metal.is_available()
-    if q.shape[1] < MIN_TOKENS and use_kernel and gated_delta_cuda.fits(q, k, v, a):
-        beta = mx.sigmoid(b)
-        if allow_neg_eigval:
-            beta = beta * 2.0
-        g = (mlx_gated_delta.compute_g(A_log, a, dt_bias) if lower_bound is None
-             else mlx_gated_delta.compute_lower_bound_g(A_log, a, dt_bias, lower_bound))
-        if state is None:
-            state = mx.zeros((q.shape[0], v.shape[2], v.shape[3], q.shape[3]), dtype=mx.float32)
-        return gated_delta_cuda.gated_delta_step(q, k, v, g, beta, state, mask)
-    if q.shape[1] < MIN_TOKENS or (on_metal and use_kernel):
+    short = q.shape[1] < MIN_TOKENS
+    cuda_step = short and use_kernel and gated_delta_cuda.fits(q, k, v, a)
+    if (short and not cuda_step) or (use_kernel and backend() == "metal"):
         return mlx_gated_delta.gated_delta_update(
             q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=use_kernel,
             lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval)
     beta = mx.sigmoid(b)
     if allow_neg_eigval:
         beta = beta * 2.0
+    if cuda_step:
+        g = (mlx_gated_delta.compute_g(A_log, a, dt_bias) if lower_bound is None
+             else mlx_gated_delta.compute_lower_bound_g(A_log, a, dt_bias, lower_bound))
+        return gated_delta_cuda.gated_delta_step(q, k, v, g, beta, state, mask)
     return chunked_gated_delta(q, k, v, log_decay(A_log, a, dt_bias, lower_bound), beta, state, mask)
 
 

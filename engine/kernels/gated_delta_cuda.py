@@ -100,12 +100,16 @@ def fits(q: mx.array, k: mx.array, v: mx.array, a: mx.array) -> bool:
 
 
 def gated_delta_step(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
-                     state: mx.array, mask: Optional[mx.array] = None) -> tuple[mx.array, mx.array]:
+                     state: Optional[mx.array] = None,
+                     mask: Optional[mx.array] = None) -> tuple[mx.array, mx.array]:
     """mlx-lm's `gated_delta_kernel` contract: q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g, beta
-    (B, T, Hv); state (B, Hv, Dv, Dk); mask (B, T) or None. Returns y (B, T, Hv, Dv) in q's dtype and
-    the new state; a masked-out token leaves the state as it was and gives y = 0."""
+    (B, T, Hv); state (B, Hv, Dv, Dk), zeros when None; mask (B, T) or None. Returns y
+    (B, T, Hv, Dv) in q's dtype and the new state; a masked-out token leaves the state as it was
+    and gives y = 0."""
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
     inputs = [q, k, v, g, beta, state, mx.array(T, dtype=mx.int32)]
     if mask is not None:
         inputs.append(mask)

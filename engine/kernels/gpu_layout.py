@@ -19,6 +19,7 @@ biases). Anything else stays as loaded.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import mlx.core as mx
@@ -62,12 +63,9 @@ def stack(linears: list[nn.Module]) -> nn.Module | None:
 
 
 def _sizes(linears: list[nn.Module]) -> list[int]:
-    """Where the stacked output splits: the running sum of each part's output width."""
-    ends, total = [], 0
-    for m in linears[:-1]:
-        total += m["scales" if "scales" in m else "weight"].shape[0]
-        ends.append(total)
-    return ends
+    """Where the stacked output splits: the running sum of each part's output width (a weight's
+    rows, packed or not)."""
+    return list(itertools.accumulate(m.weight.shape[0] for m in linears[:-1]))
 
 
 class StackedAttention(nn.Module):
