@@ -347,6 +347,30 @@ def raw_step_ms(lm, prompt: Sequence[int], steps: int = 32) -> float:
     return (time.perf_counter() - t) / steps * 1e3
 
 
+def shape_tool(doc: str, shapes: str, out: Path, measure: Callable[[str, int, int], dict[str, Any]],
+               report: Callable[[dict[str, Any], int], None], argv: Sequence[str] | None = None) -> None:
+    """The command line of a one-module bench tool (`doc`: its docstring): --shapes (default
+    `shapes`), --reps, --gen, --out (default `out`); `measure(shape, reps, gen)` per shape, each
+    result printed by `report(result, gen)`, all of them written as one JSON."""
+    import argparse
+
+    import mlx.core as mx
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--shapes", default=shapes)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--out", type=Path, default=out)
+    a = ap.parse_args(argv)
+    results = []
+    for shape in a.shapes.split(","):
+        results.append(measure(shape, a.reps, a.gen))
+        report(results[-1], a.gen)
+        mx.clear_cache()
+    write_json(a.out, run_meta(sys.argv), [], results=results)
+    print(f"wrote {a.out}")
+
+
 def interleave(fns: dict[str, Callable[[], dict[str, Any]]], reps: int,
                bar=None, warmup: bool = False) -> dict[str, list[dict[str, Any]]]:
     """Run each function `reps` times, alternating, so drift hits every side alike. `warmup`:

@@ -88,8 +88,7 @@ def model_row(lm, shape: str, a, T: int) -> Row:
 
     def prefill(ours: bool) -> Callable[[], mx.array]:
         def run() -> mx.array:
-            with contextlib.ExitStack() as stack:
-                model = lm.model if ours else stack.enter_context(common.mlx_lm_paths(lm))
+            with (contextlib.nullcontext(lm.model) if ours else common.mlx_lm_paths(lm)) as model:
                 cache = make_prompt_cache(model)
                 for i in range(0, T, PREFILL_STEP):
                     logits = model(tokens[:, i:i + PREFILL_STEP], cache=cache)

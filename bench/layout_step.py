@@ -14,8 +14,6 @@ the CPU it runs too, slowly.
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -85,27 +83,14 @@ def measure(shape: str, reps: int, gen: int) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="smollm2-135m,qwen3-8b")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--gen", type=int, default=128)
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    a = ap.parse_args(argv)
-    results = []
-    for shape in a.shapes.split(","):
-        r = measure(shape, a.reps, a.gen)
-        results.append(r)
-        for w in ("b1", "b8", "edit336"):
-            s, t = r[f"stock {w}"], r[f"stacked {w}"]
-            print(f"{shape} {w}: stock {s['median_ms']:.2f} ms ({s['spread_ms']}), stacked "
-                  f"{t['median_ms']:.2f} ms ({t['spread_ms']}): {s['median_ms'] / t['median_ms']:.2f}x",
-                  flush=True)
-        print(f"{shape}: greedy tokens equal for the first {r['same_greedy_tokens']} of {a.gen}", flush=True)
-        mx.clear_cache()
-    common.write_json(a.out, common.run_meta(sys.argv), [], results=results)
-    print(f"wrote {a.out}")
+def report(r: dict[str, Any], gen: int) -> None:
+    for w in ("b1", "b8", "edit336"):
+        s, t = r[f"stock {w}"], r[f"stacked {w}"]
+        print(f"{r['shape']} {w}: stock {s['median_ms']:.2f} ms ({s['spread_ms']}), stacked "
+              f"{t['median_ms']:.2f} ms ({t['spread_ms']}): {s['median_ms'] / t['median_ms']:.2f}x",
+              flush=True)
+    print(f"{r['shape']}: greedy tokens equal for the first {r['same_greedy_tokens']} of {gen}", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    common.shape_tool(__doc__, "smollm2-135m,qwen3-8b", RESULTS, measure, report)

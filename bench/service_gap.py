@@ -15,8 +15,6 @@ service_cache and service_nocache is the prefix cache's work on the way.
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -49,22 +47,10 @@ def measure(shape: str, reps: int, gen: int) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="qwen3_5-hybrid,smollm2-135m")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--gen", type=int, default=128)
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    a = ap.parse_args(argv)
-    results = []
-    for shape in a.shapes.split(","):
-        r = measure(shape, a.reps, a.gen)
-        results.append(r)
-        print(shape + ": " + ", ".join(f"{side} {common.fmt(v['median_tps'])} tok/s ({v['spread']})"
-                                       for side, v in r.items() if side != "shape"), flush=True)
-    common.write_json(a.out, common.run_meta(sys.argv), [], results=results)
-    print(f"wrote {a.out}")
+def report(r: dict[str, Any], gen: int) -> None:
+    print(r["shape"] + ": " + ", ".join(f"{side} {common.fmt(v['median_tps'])} tok/s ({v['spread']})"
+                                        for side, v in r.items() if side != "shape"), flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    common.shape_tool(__doc__, "qwen3_5-hybrid,smollm2-135m", RESULTS, measure, report)
