@@ -36,7 +36,7 @@ def test_back_and_forward_between_chats_log_no_errors(page: Page):
         expect(page).to_have_url(re.compile(f"/c/{cid}$"))
         expect(last(page, "user")).to_contain_text(text)
         expect(last(page, "assistant")).to_have_attribute("data-state", "done")
-        page.wait_for_function(f"window.socketStates > {seen}")
+        page.wait_for_function(f"() => window.socketStates > {seen}")
     assert not errors, errors
 
 
@@ -50,7 +50,7 @@ def test_a_resized_composer_goes_to_another_chat_without_a_csp_error(page: Page)
     wait_answer(page)
     page.add_init_script(COUNT_SOCKET_STATES)
     open_new_chat(page)  # a page load, then a boosted move: two sockets, each sends its state
-    page.wait_for_function("window.socketStates >= 2")  # connected: leaving now closes no half-open socket
+    page.wait_for_function("() => window.socketStates >= 2")  # connected: leaving now closes no half-open socket
     box = page.locator("#prompt").bounding_box()
     corner = (box["x"] + box["width"] - 3, box["y"] + box["height"] - 3)
     page.mouse.move(*corner)
