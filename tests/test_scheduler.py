@@ -6,6 +6,7 @@ scheduler, no batch and no prefix cache.
 """
 
 import dataclasses
+import gc
 import random
 import threading
 import time
@@ -150,6 +151,7 @@ def test_cancel_anywhere_closes_every_request_and_frees_its_memory(llama, serve)
                    prefix_cache=False)
     probe = dict(prompt_tokens=list(range(300, 340)))
     tokens(engine.submit(params=SamplingParams(max_tokens=4), **probe))  # warm up
+    gc.collect()
     baseline = mx.get_active_memory()
 
     cancelled_in = []
@@ -176,9 +178,12 @@ def test_cancel_anywhere_closes_every_request_and_frees_its_memory(llama, serve)
     assert set(cancelled_in) == {"queued", "prefill", "decoding"}
     status = engine.status()
     assert (status.running, status.queued, status.batch_rows, status.reserved_bytes) == (0, 0, 0, 0)
-    # Each cancelled request held over 1 MiB of cache; what the test's handles still hold (their
-    # samplers' 8-byte random keys) is all that may remain.
-    assert mx.get_active_memory() - baseline < 1024
+    # Each cancelled request held over 1 MiB of cache, so a leak of any one of them shows. What may
+    # remain is small and not per request: the test's handles' samplers' 8-byte random keys, and
+    # what MLX keeps once per process for a kernel or shape first met here (in CI's long process
+    # that came to 8 KB once).
+    gc.collect()
+    assert mx.get_active_memory() - baseline < 64 * 1024
     params = SamplingParams(max_tokens=16, temperature=0.9, seed=3)
     after = tokens(engine.submit(params=params, **probe))
     assert after == tokens(serve(llama, prefix_cache=False).submit(params=params, **probe))
