@@ -187,6 +187,17 @@ def fresh_memory() -> None:
     mx.reset_peak_memory()
 
 
+def arrivals(times: Sequence[float], t0: float) -> dict[str, Any]:
+    """What a run's token arrival times say (`t0`: when it was asked for): the first token's time,
+    the decode rate, and the median and 90th-percentile gap between tokens in ms (a rate lowered by
+    a few long gaps is stalls between steps, not slower steps)."""
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    pick = lambda q: gaps[min(int(q * len(gaps)), len(gaps) - 1)] * 1e3 if gaps else None
+    return {"ttft_s": times[0] - t0 if times else None, "tps": rate(times), "n": len(times),
+            "total_s": (times[-1] - t0) if times else None,
+            "gap_ms_p50": pick(0.5), "gap_ms_p90": pick(0.9)}
+
+
 def rate(times: Sequence[float]) -> float | None:
     """Tokens/s between the first and last token arrival times (the first token's prefill excluded)."""
     if len(times) < 2 or times[-1] <= times[0]:
@@ -241,8 +252,7 @@ def mlx_lm_stream(lm, prompt: Sequence[int], max_tokens: int,
                                         max_tokens=max_tokens, **kwargs):
             times.append(time.perf_counter())
             tokens.append(response.token)
-    return {"ttft_s": times[0] - t0 if times else None, "tps": rate(times), "n": len(times),
-            "total_s": (times[-1] - t0) if times else None, "tokens": tokens}
+    return {**arrivals(times, t0), "tokens": tokens}
 
 
 def engine_direct(lm, prompt, max_tokens: int, prefix_cache=None) -> dict[str, Any]:
@@ -257,8 +267,7 @@ def engine_direct(lm, prompt, max_tokens: int, prefix_cache=None) -> dict[str, A
             times.append(time.perf_counter())
         else:
             done = ev
-    return {"ttft_s": times[0] - t0 if times else None, "tps": rate(times), "n": len(times),
-            "total_s": (times[-1] - t0) if times else None,
+    return {**arrivals(times, t0),
             "cached_tokens": done.usage.cached_tokens if done and done.usage else None}
 
 
@@ -297,8 +306,8 @@ class EngineService:
                 tokens.append(ev.token)
             elif ev.error:
                 raise RuntimeError(ev.error)
-        return {"ttft_s": times[0] - t0 if times else None, "tps": rate(times), "n": len(times),
-                "start": t0, "end": times[-1] if times else t0, "tokens": tokens}
+        return {**arrivals(times, t0), "start": t0, "end": times[-1] if times else t0,
+                "tokens": tokens}
 
     def concurrent(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> dict[str, Any]:
         """The prompts submitted together (as `batch_generate` gets them), each read by its own

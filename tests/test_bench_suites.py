@@ -26,3 +26,21 @@ def test_a_shape_suite_runs_on_the_tiny_shape_and_measures_both_sides(suite, tmp
     for row in rows:
         assert row["suite"] == suite and row["shape"] == "tiny"
         assert row["ours"] > 0 and row["baseline"] > 0 and row["ratio"] > 0, row
+
+
+def test_service_gap_measures_every_side_with_its_gaps_between_tokens(tmp_path):
+    """`python -m bench.service_gap`, the next device run's diagnosis of the service's batch-1
+    decode, runs end to end: every side (the Engine with and without its prefix cache, at the
+    Engine's and at Python's default GIL switch interval, the caller's thread, mlx-lm) has a rate
+    and the median and 90th-percentile gaps between its tokens."""
+    out = tmp_path / "gap.json"
+    run = subprocess.run([sys.executable, "-m", "bench.service_gap", "--shapes", "tiny", "--reps", "1",
+                          "--gen", "16", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    [result] = json.loads(out.read_text())["results"]
+    sides = {k: v for k, v in result.items() if k != "shape"}
+    assert set(sides) == {"service_cache", "service_nocache", "service_5ms", "direct", "mlx"}
+    for side in sides.values():
+        assert side["median_tps"] > 0 and 0 < side["gap_ms_p50"] <= side["gap_ms_p90"], side
