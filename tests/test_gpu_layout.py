@@ -78,9 +78,8 @@ def test_projections_that_do_not_stack_stay_as_loaded():
 
 def test_engine_on_a_stacked_model_answers_with_mlx_lm_tokens(serve):
     base = tiny_llama()
-    plain = build_module(Shape("llama", LLAMA), dtype=None, seed=3)
-    stacked = dataclasses.replace(base, model=to_gpu_layout(build_module(Shape("llama", LLAMA),
-                                                                         dtype=None, seed=3)))
+    plain, stacked_model = pair("llama")
+    stacked = dataclasses.replace(base, model=stacked_model)
     prompts = [[5, 17, 300, 42, 9], [1000, 77, 3], [8, 8, 120, 4500, 61, 2, 19]]
     n = 12
     expected = [[int(t) for t, _ in generate_step(mx.array(p), plain, max_tokens=n)] for p in prompts]
@@ -100,8 +99,6 @@ def test_snapshot_files_tell_the_gpu_layout_apart():
     from engine.cache.snapshot_files import identity
 
     base = tiny_llama()
-    plain = dataclasses.replace(base, model=build_module(Shape("llama", LLAMA), dtype=None, seed=3))
-    stacked = dataclasses.replace(base, model=to_gpu_layout(build_module(Shape("llama", LLAMA),
-                                                                        dtype=None, seed=3)))
+    plain, stacked = (dataclasses.replace(base, model=m) for m in pair("llama"))
     assert identity(plain)["compute"] == "as-loaded"
     assert identity(stacked)["compute"] == "gpu-layout"
