@@ -306,8 +306,7 @@ class EngineService:
                 tokens.append(ev.token)
             elif ev.error:
                 raise RuntimeError(ev.error)
-        return {**arrivals(times, t0), "start": t0, "end": times[-1] if times else t0,
-                "tokens": tokens}
+        return {**arrivals(times, t0), "tokens": tokens}
 
     def concurrent(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> dict[str, Any]:
         """The prompts submitted together (as `batch_generate` gets them), each read by its own
