@@ -397,7 +397,8 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": status, "model": engine.model_name,
                          "generating": len(request.app.state.runs), "device": device_report(),
                          **({"error": engine.halted} if engine.halted else {}),
-                         **({"distributed": cluster.health()} if cluster else {})})
+                         **({"distributed": cluster.health()} if cluster else {})},
+                        status_code=503 if engine.halted else 200)
 
 
 async def list_models(request: Request) -> JSONResponse:

@@ -45,6 +45,8 @@ from .keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
 log = logging.getLogger(__name__)
 
 SWITCH_INTERVAL_S = 2e-4
+# The idle scheduler re-checks at least this often (a wait must stay under threading.TIMEOUT_MAX).
+WAIT_MAX_S = 3600.0
 # Prompt tokens prefilled per tick, in prefill chunks: one while requests decode (each tick of
 # prefill delays their next token), more while nothing decodes, so that requests arriving
 # together start together and the batch runs full from its first step.
@@ -153,8 +155,11 @@ class RequestHandle:
                 return
 
     async def stream(self) -> AsyncIterator[Event]:
-        """Async iterator for an event loop; leaving it early (client gone) cancels the request."""
+        """Async iterator for an event loop; leaving it early (client gone) cancels the request.
+        The loop that streams is the one woken, whichever thread submitted the request (a long
+        prompt is tokenised in a worker thread, which has no loop)."""
         finished = False
+        self._loop = asyncio.get_running_loop()
         try:
             while True:
                 self._wakeup.clear()
@@ -457,7 +462,9 @@ class Engine:
         with self._wake:
             self._control.put(task)
             self._wake.notify_all()
-        done.wait()
+        while not done.wait(0.5):
+            if self._halted is not None or not self._thread.is_alive():
+                raise EngineError(self._halted or "the engine's scheduler stopped")
         if failure:
             raise failure[0]
 
@@ -512,10 +519,6 @@ class Engine:
         handle = RequestHandle(id=f"req-{next(self._ids)}", generation=ready, kv_bytes=need,
                                keep_alive=keep_alive_seconds(keep_alive, self.keep_alive),
                                _on_cancel=self._cancelled)
-        try:
-            handle._loop = asyncio.get_running_loop()
-        except RuntimeError:
-            handle._loop = None
         with self._wake:
             if not self._control.empty():  # accepted requests drain first, on the current model
                 raise Overloaded(f"switching models: {self.model_name} is finishing its requests",
@@ -623,6 +626,17 @@ class Engine:
 
     # -- the scheduler thread --------------------------------------------------------------------
     def _run(self) -> None:
+        """The scheduler thread. Whatever escapes the loop halts the engine (every request fails
+        with the reason, new ones are refused and /health says so) rather than leaving requests
+        waiting on a thread that is gone."""
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - the thread must not die silently
+            log.critical("the scheduler thread stopped", exc_info=exc)
+            self.halt(f"the engine's scheduler stopped ({type(exc).__name__}: {exc}); "
+                      f"restart the server")
+
+    def _serve(self) -> None:
         while self._halted is None:
             while not self._soon.empty():
                 self._soon.get()()
@@ -636,7 +650,7 @@ class Engine:
                     if wait_s is not None and wait_s <= 0:
                         unload = True
                         break
-                    self._wake.wait(wait_s)
+                    self._wake.wait(None if wait_s is None else min(wait_s, WAIT_MAX_S))
                 if not unload:
                     if self._stopping and not self._running and not self._queued \
                             and not self._preparing and self._soon.empty():
@@ -663,7 +677,13 @@ class Engine:
                     for h in running:
                         self._advance(h, exc)
                     continue
-                self._tick(running)
+                try:
+                    self._tick(running)
+                except Exception as exc:  # a tick-wide failure: its requests fail, serving goes on
+                    log.error("a scheduler tick failed", exc_info=exc)
+                    for h in running:
+                        if h.state not in FINAL_STATES:
+                            self._advance(h, exc)
 
     def _settle(self) -> None:
         """Under the lock: wait while requests keep arriving (see ADMIT_QUIET_S)."""
