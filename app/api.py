@@ -105,7 +105,7 @@ def _content(i: int, content: Any) -> str:
                         "(images, audio and tool calls are not supported)", f"messages[{i}].content")
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def parse_messages(value: Any) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise ApiError(400, "'messages' must be a non-empty array", "messages")
     out = []
@@ -179,7 +179,7 @@ def parse_chat_request(body: Any, model_name: str | None,
     if model is not None and model != model_name:  # absent: the loaded model
         raise ApiError(404, f"The model '{model}' does not exist or is not loaded "
                             f"(this server runs '{model_name}')", "model", "model_not_found")
-    messages = _messages(body.get("messages"))
+    messages = parse_messages(body.get("messages"))
 
     sampling = {k: v for k, kind in _SAMPLING.items() if (v := _typed(body, k, kind)) is not None}
     max_tokens = _typed(body, "max_completion_tokens", int)
@@ -380,7 +380,7 @@ def usage_body(usage: Usage, stats: dict[str, Any] | None = None) -> dict[str, A
     return body
 
 
-async def _cancel_on_disconnect(request: Request, handles: list[RequestHandle]) -> None:
+async def cancel_on_disconnect(request: Request, handles: list[RequestHandle]) -> None:
     """The body has been read, so the next ASGI message can only be the client leaving."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -488,7 +488,7 @@ async def finished_choices(request: Request, runs: Runs,
     """Every choice once finished (a client that leaves cancels them), or the 500 response when
     one failed."""
     with tracked(runs, handles):
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, handles))
+        watcher = asyncio.create_task(cancel_on_disconnect(request, handles))
         try:
             choices = await collect_choices(handles)
         finally:
@@ -529,7 +529,7 @@ async def _sse(request: Request, runs: Runs, handles: list[RequestHandle], meta:
 
     finals = []
     with tracked(runs, handles):
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, handles))
+        watcher = asyncio.create_task(cancel_on_disconnect(request, handles))
         try:
             for i in range(len(handles)):
                 yield chunk(i, {"role": "assistant", "content": ""})

@@ -14,7 +14,7 @@ from starlette.routing import Route
 
 from engine import InvalidRequest, RequestHandle, SamplingParams, TokenLogprob
 
-from .api import (_SAMPLING, ApiError, _cancel_on_disconnect, _param, _typed, finished_choices,
+from .api import (_SAMPLING, ApiError, cancel_on_disconnect, _param, _typed, finished_choices,
                   sse_response, submit_choices, usage_body)
 from .api_errors import check_fields
 from .api_models import use_model
@@ -145,7 +145,7 @@ async def _stream(request: Request, runs: Any, handles: list[RequestHandle], met
 
     finals = []
     with tracked(runs, handles):
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, handles))
+        watcher = asyncio.create_task(cancel_on_disconnect(request, handles))
         try:
             async for i, event in merged(handles):
                 if event.kind == "token":

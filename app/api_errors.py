@@ -7,7 +7,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from .security import api_error, is_api_path
+from .error_shapes import api_error, is_api_path
 
 
 class ApiError(Exception):
@@ -33,7 +33,7 @@ async def http_error(request: Request, exc: Exception) -> Response:
         return PlainTextResponse(exc.detail, status_code=exc.status_code, headers=exc.headers)
     message = f"{exc.detail}: {request.method} {request.url.path}"
     return api_error(exc.status_code, message, "invalid_request_error",
-                     _HTTP_CODES.get(exc.status_code), headers=exc.headers)
+                     _HTTP_CODES.get(exc.status_code), headers=exc.headers, path=request.url.path)
 
 
 def _never(value: Any) -> bool:

@@ -226,17 +226,27 @@ def models(import_wheel: str | None, as_json: bool) -> None:
               callback=lambda ctx, param, value: _keep_alive(value),
               help="Unload the model after this idle time (seconds, or e.g. 90s, 30m, 1h; "
                    "negative: never); the next request reloads it.")
+@click.option("--model-alias", "model_aliases", multiple=True, metavar="NAME=MODEL",
+              help="A model name clients send (Claude Code's claude-*, Codex's gpt-*; * matches "
+                   "any text) and the local model it stands for; repeatable. On /v1/messages and "
+                   "Ollama's /api, names that are neither run on the loaded model.")
 def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
           device: str = "auto", no_browser: bool = False, allow_remote: bool = False,
           api_key: str | None = None, no_api_key: bool = False,
-          keep_alive: float | None = DEFAULT_KEEP_ALIVE_S) -> None:
+          keep_alive: float | None = DEFAULT_KEEP_ALIVE_S,
+          model_aliases: tuple[str, ...] = ()) -> None:
     """Start the chat server (and open the browser unless --no-browser).
 
     Under `mlx.launch` every rank runs this: rank 0 serves, the others hold their shard of the
     model and follow rank 0 (engine/distributed/)."""
+    from app.api_serving import parse_aliases
     from app.server import serve as run_server
     from engine import Cluster, select_device
 
+    try:
+        aliases = parse_aliases(model_aliases)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--model-alias") from None
     try:
         select_device(device)
         cluster = Cluster.join()
@@ -245,7 +255,8 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
             return
         run_server(host=host, port=port, model=model, open_browser=not no_browser,
                    allow_remote=allow_remote, api_key=api_key, no_api_key=no_api_key,
-                   keep_alive=-1 if keep_alive is None else keep_alive, cluster=cluster)
+                   keep_alive=-1 if keep_alive is None else keep_alive, cluster=cluster,
+                   aliases=aliases)
     except EngineError as exc:
         _fail(exc)
 

@@ -19,8 +19,10 @@ from typing import Iterable
 from urllib.parse import quote, urlsplit
 
 from starlette.datastructures import Headers
-from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse
+from starlette.responses import PlainTextResponse, RedirectResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .error_shapes import api_error, is_api_path
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 _SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
@@ -50,13 +52,6 @@ def _origin_netloc(origin: str) -> str | None:
         return urlsplit(origin).netloc.lower()
     except ValueError:
         return None
-
-
-def api_error(status: int, message: str, type_: str, code: str | None = None,
-              param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    """An error in the OpenAI format: `{"error": {"message", "type", "param", "code"}}`."""
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 # The UI never needs inline script, framing, or anything from another origin. `frame-ancestors`
@@ -91,14 +86,6 @@ class _Guard:
         raise NotImplementedError
 
 
-API_PREFIX = "/v1/"
-
-
-def is_api_path(path: str) -> bool:
-    """Whether `path` belongs to the OpenAI-compatible API, whose errors are OpenAI's JSON."""
-    return path.startswith(API_PREFIX) or path == API_PREFIX.rstrip("/")
-
-
 def _refusal(scope: Scope, status: int, text: str, code: str) -> ASGIApp:
     if scope["type"] == "websocket":
         async def close(scope: Scope, receive: Receive, send: Send) -> None:
@@ -106,7 +93,7 @@ def _refusal(scope: Scope, status: int, text: str, code: str) -> ASGIApp:
             await send({"type": "websocket.close", "code": 1008, "reason": text})
         return close
     if is_api_path(scope["path"]):
-        return api_error(status, text, "invalid_request_error", code)
+        return api_error(status, text, "invalid_request_error", code, path=scope["path"])
     return PlainTextResponse(text, status_code=status)
 
 
@@ -179,6 +166,8 @@ class ApiKeyGuard(_Guard):
         auth = headers.get("authorization", "")
         if auth[:7].lower() == "bearer " and same(auth[7:], self.api_key):
             return None
+        if "x-api-key" in headers and same(headers["x-api-key"], self.api_key):  # Anthropic's
+            return None
         if same(_cookie(headers, SESSION_COOKIE), self.session):
             return None
         if scope["type"] == "websocket":
@@ -188,8 +177,9 @@ class ApiKeyGuard(_Guard):
             return PlainTextResponse("Log in first", status_code=401, headers={"HX-Redirect": login})
         if scope["method"] == "GET" and "text/html" in headers.get("accept", ""):
             return RedirectResponse(login, status_code=303)
-        return api_error(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>').",
-                         "invalid_request_error", "invalid_api_key")
+        return api_error(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>' "
+                              "or 'x-api-key: <key>').", "invalid_request_error",
+                         "invalid_api_key", path=path)
 
 
 def _cookie(headers: Headers, name: str) -> str:
@@ -229,7 +219,7 @@ class BodyLimit:
         except TimeoutError:
             response = api_error(408, "the request body did not arrive in time",
                                  "invalid_request_error", "request_timeout",
-                                 headers={"Connection": "close"})
+                                 headers={"Connection": "close"}, path=scope["path"])
             return await response(scope, receive, send)
         if body is None:  # the client left
             return
@@ -261,7 +251,7 @@ class BodyLimit:
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = api_error(413, f"the request body is larger than {self.max_bytes} bytes",
                              "invalid_request_error", "request_too_large",
-                             headers={"Connection": "close"})
+                             headers={"Connection": "close"}, path=scope["path"])
         await response(scope, receive, send)
 
 

@@ -28,7 +28,7 @@ from starlette.staticfiles import StaticFiles
 import static
 from engine import DEFAULT_KEEP_ALIVE_S, Cluster, Engine, data_dir, describe_device
 
-from . import api, api_completions, login, ui
+from . import api, api_anthropic, api_completions, login, ui
 from .api_errors import http_error
 from .connections import HeaderTimeoutProtocol
 from .folder_lock import FolderBusy, FolderLock
@@ -49,12 +49,15 @@ WS_MAX_BYTES = 1024 * 1024
 
 def create_app(engine: Engine, db_path: Path | None = None, *,
                allowed_hosts: Iterable[str] | None = LOOPBACK_NAMES,
-               api_key: str | None = None, storage: Storage | None = None) -> Starlette:
-    """The whole app around a started `engine`. `allowed_hosts=None` accepts any Host header."""
+               api_key: str | None = None, storage: Storage | None = None,
+               aliases: dict[str, str] | None = None) -> Starlette:
+    """The whole app around a started `engine`. `allowed_hosts=None` accepts any Host header.
+    `aliases`: model names clients send (`claude-*`) and the local model each stands for."""
     storage = storage or Storage(db_path)
     storage.interrupt_streaming()  # answers cut off by a crash: keep their text, mark them
     app = Starlette(
-        routes=[*api.routes, *api_completions.routes, *login.routes, *ui.routes,
+        routes=[*api.routes, *api_completions.routes, *api_anthropic.routes, *login.routes,
+                *ui.routes,
                 Mount("/static", StaticFiles(directory=STATIC_DIR))],
         exception_handlers={HTTPException: http_error},
         # The security policy, outermost first; a refusal carries no security headers.
@@ -69,6 +72,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     app.state.engine = engine
     app.state.storage = storage
     app.state.api_key = api_key
+    app.state.aliases = dict(aliases or {})
     app.state.runs = Runs()
     app.state.conversations = Conversations()
     app.state.switch = ui.ModelSwitch()
@@ -181,7 +185,7 @@ def _check_remote(host: str, allow_remote: bool, api_key: str | None, no_api_key
 def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
           open_browser: bool = True, allow_remote: bool = False, api_key: str | None = None,
           no_api_key: bool = False, keep_alive: float | str | None = DEFAULT_KEEP_ALIVE_S,
-          cluster: Cluster | None = None) -> None:
+          cluster: Cluster | None = None, aliases: dict[str, str] | None = None) -> None:
     """Load `model`, then serve the UI and the API until Ctrl-C or SIGTERM/SIGHUP; the model's
     weights are unloaded after `keep_alive` idle seconds (None: never) and reloaded by the next
     request. With a `cluster`, serve as its rank 0 (the only rank that opens the data folder)."""
@@ -196,13 +200,15 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
     except FolderBusy as exc:
         raise SystemExit(str(exc)) from None
     try:
-        _run(_bind(host, port), host, port, model, open_browser, api_key, keep_alive, cluster)
+        _run(_bind(host, port), host, port, model, open_browser, api_key, keep_alive, cluster,
+             aliases or {})
     finally:
         lock.release()
 
 
 def _run(sock: socket.socket, host: str, port: int, model: str | None, open_browser: bool,
-         api_key: str | None, keep_alive: float | str | None, cluster: Cluster | None) -> None:
+         api_key: str | None, keep_alive: float | str | None, cluster: Cluster | None,
+         aliases: dict[str, str]) -> None:
     storage = Storage()
     if storage.moved_aside is not None:
         print(f"The database was damaged: kept it as {storage.moved_aside} and started a new one.",
@@ -219,7 +225,8 @@ def _run(sock: socket.socket, host: str, port: int, model: str | None, open_brow
             engine.start(progress=lambda stage: print(f"  {stage}", file=sys.stderr))
             loaded = True
             allowed = None if host in WILDCARD_HOSTS else {*LOOPBACK_NAMES, host}
-            app = create_app(engine, allowed_hosts=allowed, api_key=api_key, storage=storage)
+            app = create_app(engine, allowed_hosts=allowed, api_key=api_key, storage=storage,
+                             aliases=aliases)
             app.state.cluster = cluster
             shown = "127.0.0.1" if host in WILDCARD_HOSTS else host
             url = f"http://{f'[{shown}]' if ':' in shown else shown}:{port}/"

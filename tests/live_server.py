@@ -120,12 +120,13 @@ class ThreadedServer:
 
 
 @contextmanager
-def serving(engine, db_path: Path) -> Iterator[ThreadedServer]:
+def serving(engine, db_path: Path, **app_options) -> Iterator[ThreadedServer]:
     """The app on `engine` (already started) in a uvicorn thread, its storage at `db_path`;
-    the server and then the engine are stopped on exit."""
+    the server and then the engine are stopped on exit. `app_options` go to `create_app`
+    (`api_key`, `aliases`)."""
     from app.server import create_app
 
-    server = ThreadedServer(create_app(engine, db_path)).start()
+    server = ThreadedServer(create_app(engine, db_path, **app_options)).start()
     server.storage = server.app.state.storage
     try:
         yield server
@@ -135,13 +136,16 @@ def serving(engine, db_path: Path) -> Iterator[ThreadedServer]:
 
 
 @contextmanager
-def engine_serving(folder: Path, lm=None) -> Iterator[ThreadedServer]:
+def engine_serving(folder: Path, lm=None, engine_options: dict | None = None,
+                   **app_options) -> Iterator[ThreadedServer]:
     """`serving` on a fresh engine: the bundled model, or `lm` (a loaded tiny model) when given;
-    the database in `folder`."""
+    the database in `folder`. `engine_options` go to `Engine` (`max_running`, ...)."""
     from engine import Engine
 
-    engine = Engine(lm.name, load=lambda name, **_: lm) if lm is not None else Engine()
-    with serving(engine.start(), folder / "db.sqlite") as server:
+    options = engine_options or {}
+    engine = Engine(lm.name, load=lambda name, **_: lm, **options) if lm is not None \
+        else Engine(**options)
+    with serving(engine.start(), folder / "db.sqlite", **app_options) as server:
         yield server
 
 

@@ -475,6 +475,8 @@ class Generation:
         if self.first_token_at is not None and POLICY.save_at_finish(reason):
             self._save()
         stats = {"speculative": self.speculator.stats()} if self.speculator is not None else {}
+        if self.stop_matcher.hit is not None:  # which stop string ended the answer
+            stats["stop_sequence"] = self.stop_matcher.hit
         return tail + [Event("done", text=text, finish_reason=reason, usage=self.usage(),
                              timings=self.timings(), stats=stats, tool_calls=calls)]
 

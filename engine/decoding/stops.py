@@ -51,6 +51,7 @@ class StopMatcher:
         self._fail = [_failure(s) for s in stops]
         self._state = [0] * len(stops)
         self.steps = 0  # automaton transitions so far: the matcher's work, linear in the text fed
+        self.hit: str | None = None  # the stop string that ended the text, once one has
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add streamed text; return (text safe to emit now, whether a stop string was hit).
@@ -62,6 +63,7 @@ class StopMatcher:
         base = len(self.pending)
         self.pending += text
         first_start: int | None = None
+        first_stop: str | None = None
         for j, (s, fail) in enumerate(zip(self.stops, self._fail)):
             k, steps = self._state[j], 0
             for i, ch in enumerate(text):
@@ -73,11 +75,13 @@ class StopMatcher:
                     k += 1
                 if k == len(s):  # this stop's first occurrence ends here
                     start = base + i + 1 - len(s)
-                    first_start = start if first_start is None else min(first_start, start)
+                    if first_start is None or start < first_start:
+                        first_start, first_stop = start, s
                     break
             self.steps += steps
             self._state[j] = k
         if first_start is not None:
+            self.hit = first_stop
             out, self.pending = self.pending[:first_start], ""
             self._state = [0] * len(self.stops)
             return out, True

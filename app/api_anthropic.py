@@ -1,0 +1,363 @@
+"""Anthropic's Messages API: `POST /v1/messages` (JSON or SSE) and `/v1/messages/count_tokens`,
+for the `anthropic` SDK and Claude Code (`ANTHROPIC_BASE_URL=http://127.0.0.1:8321`).
+
+An adapter over the same engine requests as the OpenAI endpoints (app/api_serving.py): the
+request becomes engine messages (tool_use blocks as tool calls, tool_result blocks as tool
+messages), `SamplingParams` and a `ToolRequest` (`tool_choice` any/tool decode under the tool's
+grammar, as OpenAI's required/named do); the engine's events become Anthropic's content blocks
+and stream events. The prefix cache's reuse is reported as `cache_read_input_tokens`.
+
+Tolerant as its clients need: fields and block types that ask for nothing this server must do
+(`cache_control`, `metadata`, `thinking`, `output_config`, `context_management`, server tools
+...) are accepted and ignored; `max_tokens` is clamped to the context the prompt leaves; any model
+name runs on the loaded model unless an alias (`--model-alias`) or a local model's own name says
+otherwise. Not supported: images and documents (a clear 400), a thinking budget (accepted,
+not enforced yet).
+"""
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from engine import EngineError, Event, InvalidRequest, count_tokens, tool_request
+
+from .api import parse_messages, public_error, sse_response, submit_choices
+from .api_choices import Choice, collect_choices, merged
+from .api_errors import ApiError
+from .api_serving import fit_max_tokens, read_body, use_named_model, watched
+from .error_shapes import api_error
+from .sse import sse
+
+PATH = "/v1/messages"
+# Block types of earlier turns that carry nothing the model should read again.
+_SKIPPED_BLOCKS = {"thinking", "redacted_thinking", "server_tool_use", "web_search_tool_result"}
+_STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn",
+                 "cancelled": "end_turn"}
+
+
+def _error(exc: ApiError) -> JSONResponse:
+    return api_error(exc.status, exc.message, exc.type, exc.code, exc.param, exc.headers, path=PATH)
+
+
+def _bad(message: str, field: str | None = None) -> ApiError:
+    return ApiError(400, message, field, "invalid_value")
+
+
+def _text(value: Any, where: str) -> str:
+    """A string, or a list of text blocks (others ignored)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        for block in value:
+            if not isinstance(block, dict):
+                raise _bad(f"{where} must hold content blocks (objects)", where)
+            if block.get("type") in ("image", "document"):
+                raise _bad(f"{where} holds an {block['type']} block: this server reads text only",
+                           where)
+        return "".join(b["text"] for b in value if b.get("type") == "text"
+                       and isinstance(b.get("text"), str))
+    raise _bad(f"{where} must be a string or an array of content blocks", where)
+
+
+def _turn(i: int, message: Any) -> list[dict[str, Any]]:
+    """One Anthropic message as engine (OpenAI-style) messages."""
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise _bad(f"{where} must be an object", where)
+    role = message.get("role")
+    if role not in ("user", "assistant", "system"):
+        raise _bad(f"{where}.role must be \"user\" or \"assistant\"", f"{where}.role")
+    content = message.get("content")
+    if isinstance(content, str) or role == "system":
+        return [{"role": role, "content": _text(content, f"{where}.content")}]
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content must be a string or an array of content blocks",
+                   f"{where}.content")
+    texts, calls, results = [], [], []
+    for j, block in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind is None:
+            raise _bad(f"{at} must be a content block with a 'type'", at)
+        if kind == "text":
+            texts.append(_text([block], at))
+        elif kind == "tool_use" and role == "assistant":
+            if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
+                raise _bad(f"{at} must have a 'name' and an 'input' object", at)
+            calls.append({"id": str(block.get("id", "")), "type": "function",
+                          "function": {"name": block["name"],
+                                       "arguments": json.dumps(block.get("input", {}))}})
+        elif kind == "tool_result" and role == "user":
+            if not isinstance(block.get("tool_use_id"), str):
+                raise _bad(f"{at}.tool_use_id (a string) is required", at)
+            text = _text(block.get("content", ""), f"{at}.content")
+            if block.get("is_error"):
+                text = f"Error: {text}"
+            results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
+        elif kind in ("image", "document"):
+            raise _bad(f"{at} is an {kind} block: this server reads text only", at)
+        elif kind not in _SKIPPED_BLOCKS and isinstance(block.get("text"), str):
+            texts.append(block["text"])  # an unknown block type that carries text
+    out = list(results)
+    if texts or calls or not results:
+        out.append({"role": role, "content": "".join(texts),
+                    **({"tool_calls": calls} if calls else {})})
+    return out
+
+
+def _system(value: Any) -> list[dict[str, Any]]:
+    if value is None:
+        return []
+    text = _text(value, "system")
+    return [{"role": "system", "content": text}] if text else []
+
+
+def _tools(body: dict[str, Any]) -> Any:
+    """`tools` and `tool_choice` as the engine's ToolRequest (None: no tools)."""
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise _bad("'tools' must be an array", "tools")
+    functions = []
+    for i, tool in enumerate(tools or []):
+        if not isinstance(tool, dict):
+            raise _bad(f"tools[{i}] must be an object", f"tools[{i}]")
+        if tool.get("type") not in (None, "custom"):
+            continue  # a server tool (web search, code execution ...): not offered here
+        functions.append({"type": "function", "function": {
+            "name": tool.get("name"), "description": tool.get("description") or "",
+            "parameters": tool.get("input_schema") or {"type": "object"}}})
+    choice = body.get("tool_choice")
+    if choice is not None and not (isinstance(choice, dict)
+                                   and choice.get("type") in ("auto", "any", "tool", "none")):
+        raise _bad('\'tool_choice\' must be {"type": "auto" | "any" | "tool" | "none"}',
+                   "tool_choice")
+    kind = (choice or {}).get("type", "auto")
+    if not functions or kind == "none":
+        return None
+    openai_choice: Any = {"auto": "auto", "any": "required"}.get(kind)
+    if kind == "tool":
+        openai_choice = {"type": "function", "function": {"name": choice.get("name")}}
+    parallel = not (choice or {}).get("disable_parallel_tool_use", False)
+    try:
+        return tool_request(functions, openai_choice, parallel)
+    except InvalidRequest as exc:
+        raise _bad(str(exc), exc.field) from None
+
+
+def _number(body: dict[str, Any], name: str, kind: type) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (kind is int and not isinstance(value, int)):
+        raise ApiError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}",
+                       name, "invalid_type")
+    return value
+
+
+def parse(body: Any) -> tuple[list[dict[str, Any]], dict[str, Any], Any, bool]:
+    """(engine messages, sampling fields, ToolRequest, stream) of a Messages request."""
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    max_tokens = _number(body, "max_tokens", int)
+    if max_tokens is None or max_tokens < 1:
+        raise _bad("'max_tokens' is required: a positive integer", "max_tokens")
+    if not isinstance(body.get("model"), str):
+        raise _bad("'model' is required: a string", "model")
+    turns = body.get("messages")
+    if not isinstance(turns, list) or not turns:
+        raise _bad("'messages' must be a non-empty array", "messages")
+    messages = _system(body.get("system")) + [m for i, t in enumerate(turns) for m in _turn(i, t)]
+    messages = parse_messages(messages)
+    sampling: dict[str, Any] = {"max_tokens": max_tokens}
+    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int)):
+        if (value := _number(body, name, kind)) is not None:
+            sampling[name] = value
+    stops = body.get("stop_sequences")
+    if stops is not None:
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise _bad("'stop_sequences' must be an array of strings", "stop_sequences")
+        if stops:
+            sampling["stop"] = tuple(stops)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean", "stream", "invalid_type")
+    return messages, sampling, _tools(body), stream
+
+
+def _usage(final: Event | None, prompt_tokens: int) -> dict[str, int]:
+    usage = final.usage if final is not None else None
+    cached = usage.cached_tokens if usage else 0
+    prompt = usage.prompt_tokens if usage and usage.prompt_tokens else prompt_tokens
+    return {"input_tokens": prompt - cached, "output_tokens": usage.completion_tokens if usage else 0,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+def _stop(final: Event) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a finished answer."""
+    if final.tool_calls:
+        return "tool_use", None
+    sequence = final.stats.get("stop_sequence")
+    if sequence is not None:
+        return "stop_sequence", sequence
+    return _STOP_REASONS.get(final.finish_reason or "stop", "end_turn"), None
+
+
+def _tool_block(call: Any) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.arguments or "{}")
+    except json.JSONDecodeError:
+        arguments = {}
+    return {"type": "tool_use", "id": call.id or f"toolu_{uuid.uuid4().hex[:24]}",
+            "name": call.name, "input": arguments if isinstance(arguments, dict) else {}}
+
+
+def _content(choice: Choice) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if choice.reasoning:
+        blocks.append({"type": "thinking", "thinking": "".join(choice.reasoning), "signature": ""})
+    text = "".join(choice.content)
+    if text or not (choice.final and choice.final.tool_calls):
+        blocks.append({"type": "text", "text": text})
+    blocks += [_tool_block(c) for c in (choice.final.tool_calls if choice.final else ())]
+    return blocks
+
+
+async def messages_endpoint(request: Request) -> Response:
+    engine = request.app.state.engine
+    try:
+        body = await read_body(request)
+        messages, sampling, tools, stream = parse(body)
+        model = await use_named_model(request, body.get("model"))
+        try:
+            prompt_tokens, sampling["max_tokens"] = await fit_max_tokens(
+                engine, messages, sampling["max_tokens"], tools)
+            params = engine.defaults.params(sampling)
+        except InvalidRequest as exc:
+            raise ApiError(400, public_error(str(exc)), exc.field, exc.code) from None
+        handles = await submit_choices(engine, messages, params, 1, None, tools=tools,
+                                       split_reasoning=True)
+    except ApiError as exc:
+        return _error(exc)
+    message_id = f"msg_{uuid.uuid4().hex[:24]}"
+    if stream:
+        return sse_response(_stream(request, handles, message_id, model, prompt_tokens))
+    async with watched(request, handles):
+        choice = (await collect_choices(handles))[0]
+    final = choice.final
+    if final is None or final.finish_reason == "failed":
+        return _error(ApiError(500, public_error(final.error if final else None), type_="api_error"))
+    stop_reason, stop_sequence = _stop(final)
+    return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": model,
+                         "content": _content(choice), "stop_reason": stop_reason,
+                         "stop_sequence": stop_sequence, "usage": _usage(final, prompt_tokens)})
+
+
+def _event(kind: str, payload: dict[str, Any]) -> str:
+    return sse(json.dumps({"type": kind, **payload}, ensure_ascii=False), event=kind)
+
+
+class _Blocks:
+    """The content blocks of a streamed answer: a block opens when its kind of text starts and
+    closes when another kind begins (thinking, then text, then tool calls)."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None
+
+    def switch(self, kind: str, start: dict[str, Any]) -> list[str]:
+        out = self.close()
+        self.index += 1
+        self.open = kind
+        out.append(_event("content_block_start", {"index": self.index, "content_block": start}))
+        return out
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [_event("content_block_stop", {"index": self.index})]
+
+
+async def _stream(request: Request, handles: list, message_id: str, model: str,
+                  prompt_tokens: int) -> AsyncIterator[str]:
+    """Anthropic's event sequence: message_start, ping, content blocks with their deltas,
+    message_delta (stop_reason, usage), message_stop; a failure becomes an `error` event."""
+    start_usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
+    yield _event("message_start", {"message": {
+        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None, "usage": start_usage}})
+    yield _event("ping", {})
+    blocks, last_ping = _Blocks(), time.monotonic()
+    async with watched(request, handles):
+        async for _, event in merged(handles):
+            if event.kind == "token":
+                if not event.text:
+                    continue
+                if event.channel == "reasoning":
+                    if blocks.open != "thinking":
+                        for line in blocks.switch("thinking", {"type": "thinking", "thinking": ""}):
+                            yield line
+                    delta = {"type": "thinking_delta", "thinking": event.text}
+                else:
+                    if blocks.open != "text":
+                        for line in blocks.switch("text", {"type": "text", "text": ""}):
+                            yield line
+                    delta = {"type": "text_delta", "text": event.text}
+                yield _event("content_block_delta", {"index": blocks.index, "delta": delta})
+                if time.monotonic() - last_ping > 10:
+                    last_ping = time.monotonic()
+                    yield _event("ping", {})
+                continue
+            if event.finish_reason == "failed":
+                for line in blocks.close():
+                    yield line
+                yield _event("error", {"error": {"type": "api_error",
+                                                 "message": public_error(event.error)}})
+                return
+            if blocks.index < 0 and not event.tool_calls:  # an empty answer is one empty block
+                for line in blocks.switch("text", {"type": "text", "text": ""}):
+                    yield line
+            for call in event.tool_calls:
+                block = _tool_block(call)
+                for line in blocks.switch("tool_use", {**block, "input": {}}):
+                    yield line
+                yield _event("content_block_delta", {"index": blocks.index, "delta": {
+                    "type": "input_json_delta", "partial_json": json.dumps(block["input"])}})
+            for line in blocks.close():
+                yield line
+            stop_reason, stop_sequence = _stop(event)
+            usage = _usage(event, prompt_tokens)
+            yield _event("message_delta", {"delta": {"stop_reason": stop_reason,
+                                                     "stop_sequence": stop_sequence},
+                                           "usage": usage})
+            yield _event("message_stop", {})
+
+
+async def count_tokens_endpoint(request: Request) -> Response:
+    """`{"input_tokens": N}`: the prompt as a request with this body would be counted."""
+    engine = request.app.state.engine
+    try:
+        body = await read_body(request)
+        if isinstance(body, dict):
+            body = {"max_tokens": 1, **body}
+        messages, _, tools, _ = parse(body)
+        await use_named_model(request, body.get("model"))
+        try:
+            n = count_tokens(engine, messages=messages, tools=tools)
+        except EngineError as exc:
+            raise ApiError(400 if isinstance(exc, InvalidRequest) else 503, str(exc)) from None
+    except ApiError as exc:
+        return _error(exc)
+    return JSONResponse({"input_tokens": n})
+
+
+routes = [
+    Route(PATH, messages_endpoint, methods=["POST"]),
+    Route(f"{PATH}/count_tokens", count_tokens_endpoint, methods=["POST"]),
+]
