@@ -28,7 +28,7 @@ from starlette.staticfiles import StaticFiles
 import static
 from engine import DEFAULT_KEEP_ALIVE_S, Cluster, Engine, data_dir, describe_device
 
-from . import api, api_anthropic, api_completions, login, ui
+from . import api, api_anthropic, api_completions, api_ollama, login, ui
 from .api_errors import http_error
 from .connections import HeaderTimeoutProtocol
 from .folder_lock import FolderBusy, FolderLock
@@ -50,20 +50,23 @@ WS_MAX_BYTES = 1024 * 1024
 def create_app(engine: Engine, db_path: Path | None = None, *,
                allowed_hosts: Iterable[str] | None = LOOPBACK_NAMES,
                api_key: str | None = None, storage: Storage | None = None,
-               aliases: dict[str, str] | None = None) -> Starlette:
+               aliases: dict[str, str] | None = None,
+               allowed_origins: Iterable[str] = ()) -> Starlette:
     """The whole app around a started `engine`. `allowed_hosts=None` accepts any Host header.
-    `aliases`: model names clients send (`claude-*`) and the local model each stands for."""
+    `aliases`: model names clients send (`claude-*`) and the local model each stands for.
+    `allowed_origins`: browser origins (patterns) that may call the APIs (`--allow-origin`)."""
     storage = storage or Storage(db_path)
     storage.interrupt_streaming()  # answers cut off by a crash: keep their text, mark them
     app = Starlette(
-        routes=[*api.routes, *api_completions.routes, *api_anthropic.routes, *login.routes,
+        routes=[*api.routes, *api_completions.routes, *api_anthropic.routes, *api_ollama.routes,
+                *login.routes,
                 *ui.routes,
                 Mount("/static", StaticFiles(directory=STATIC_DIR))],
         exception_handlers={HTTPException: http_error},
         # The security policy, outermost first; a refusal carries no security headers.
         middleware=[
             Middleware(HostGuard, allowed_hosts=allowed_hosts),  # DNS rebinding: 400
-            Middleware(OriginGuard),  # cross-site writes and WebSockets: 403
+            Middleware(OriginGuard, allowed_origins=allowed_origins),  # cross-site writes: 403
             Middleware(ApiKeyGuard, api_key=api_key),  # with --api-key, all but /health: 401
             Middleware(BodyLimit),  # oversized bodies 413, slow ones 408, before the app reads
             Middleware(SecurityHeaders),  # CSP, nosniff, no framing, no referrer to other sites
@@ -185,10 +188,13 @@ def _check_remote(host: str, allow_remote: bool, api_key: str | None, no_api_key
 def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
           open_browser: bool = True, allow_remote: bool = False, api_key: str | None = None,
           no_api_key: bool = False, keep_alive: float | str | None = DEFAULT_KEEP_ALIVE_S,
-          cluster: Cluster | None = None, aliases: dict[str, str] | None = None) -> None:
+          cluster: Cluster | None = None, aliases: dict[str, str] | None = None,
+          allowed_origins: Iterable[str] = (), extra_hosts: Iterable[str] = ()) -> None:
     """Load `model`, then serve the UI and the API until Ctrl-C or SIGTERM/SIGHUP; the model's
     weights are unloaded after `keep_alive` idle seconds (None: never) and reloaded by the next
-    request. With a `cluster`, serve as its rank 0 (the only rank that opens the data folder)."""
+    request. With a `cluster`, serve as its rank 0 (the only rank that opens the data folder).
+    `aliases`, `allowed_origins`: see `create_app`; `extra_hosts`: Host names accepted besides
+    the bound one and loopback (`--allow-host`, e.g. host.docker.internal)."""
     _check_remote(host, allow_remote, api_key, no_api_key)
     try:
         folder = data_dir()
@@ -201,14 +207,15 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
         raise SystemExit(str(exc)) from None
     try:
         _run(_bind(host, port), host, port, model, open_browser, api_key, keep_alive, cluster,
-             aliases or {})
+             {"aliases": aliases or {}, "allowed_origins": tuple(allowed_origins)},
+             tuple(extra_hosts))
     finally:
         lock.release()
 
 
 def _run(sock: socket.socket, host: str, port: int, model: str | None, open_browser: bool,
          api_key: str | None, keep_alive: float | str | None, cluster: Cluster | None,
-         aliases: dict[str, str]) -> None:
+         app_options: dict[str, Any], extra_hosts: tuple[str, ...]) -> None:
     storage = Storage()
     if storage.moved_aside is not None:
         print(f"The database was damaged: kept it as {storage.moved_aside} and started a new one.",
@@ -224,9 +231,9 @@ def _run(sock: socket.socket, host: str, port: int, model: str | None, open_brow
             print(f"Loading model {model or 'smollm2-135m-instruct (bundled)'} ...", file=sys.stderr)
             engine.start(progress=lambda stage: print(f"  {stage}", file=sys.stderr))
             loaded = True
-            allowed = None if host in WILDCARD_HOSTS else {*LOOPBACK_NAMES, host}
+            allowed = None if host in WILDCARD_HOSTS else {*LOOPBACK_NAMES, host, *extra_hosts}
             app = create_app(engine, allowed_hosts=allowed, api_key=api_key, storage=storage,
-                             aliases=aliases)
+                             **app_options)
             app.state.cluster = cluster
             shown = "127.0.0.1" if host in WILDCARD_HOSTS else host
             url = f"http://{f'[{shown}]' if ':' in shown else shown}:{port}/"

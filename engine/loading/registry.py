@@ -37,6 +37,25 @@ class ModelInfo:
     size_bytes: int | None
 
 
+# What a model can do, as clients ask (Ollama's /api/show, /v1/models, the picker): one
+# declaration, each derived from the model's own files in `capabilities`.
+CAPABILITIES = ("completion", "tools", "thinking", "vision", "embedding")
+
+
+def capabilities(lm: "LoadedModel") -> tuple[str, ...]:
+    """The model's CAPABILITIES: every chat model completes; tools when its tokenizer knows its
+    family's tool-call markers or its chat template takes `tools`; thinking when it knows think
+    markers. (Vision and dedicated embedding models are not served yet.)"""
+    tok = lm.tokenizer
+    template = getattr(tok, "chat_template", None) or ""
+    found = ["completion"]
+    if getattr(tok, "has_tool_calling", False) or "tools" in template:
+        found.append("tools")
+    if getattr(tok, "has_thinking", False):
+        found.append("thinking")
+    return tuple(found)
+
+
 @dataclass
 class LoadedModel:
     """A model ready to run: the mlx-lm module, its tokenizer wrapper and config."""
