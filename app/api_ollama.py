@@ -26,8 +26,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine import (DownloadError, EngineError, Event, InvalidRequest, ModelInfo, pull_model,
-                    remove_model, tool_request)
+from engine import (DownloadError, EngineError, Event, InvalidRequest, ModelInfo, effort_budget,
+                    pull_model, remove_model, tool_request)
 
 from .api import parse_messages, public_error, submit_choices
 from .api_choices import Choice, collect_choices, merged
@@ -171,6 +171,16 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     elif fmt not in (None, ""):
         raise ApiError(400, "'format' must be \"json\" or a JSON schema object")
     out.setdefault("max_tokens", 1 << 30)
+    think = body.get("think")
+    if think is False:
+        out["thinking_budget"] = 0
+    elif isinstance(think, str):
+        try:
+            out["thinking_budget"] = effort_budget(think, "think")
+        except InvalidRequest as exc:
+            raise ApiError(400, str(exc)) from None
+    elif think not in (None, True):
+        raise ApiError(400, "'think' must be true, false, \"low\", \"medium\" or \"high\"")
     return out
 
 

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine import Event, InvalidRequest, tool_request
+from engine import Event, InvalidRequest, effort_budget, tool_request
 
 from .api import _json_schema, parse_messages, public_error, sse_response, submit_choices
 from .api_choices import Choice, collect_choices, merged
@@ -161,6 +161,13 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise _bad("'max_output_tokens' must be a positive integer", "max_output_tokens")
     out["max_tokens"] = limit or 1 << 30
+    reasoning = body.get("reasoning")
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+    if effort is not None:
+        try:
+            out["thinking_budget"] = effort_budget(effort, "reasoning.effort")
+        except InvalidRequest as exc:
+            raise _bad(str(exc), "reasoning.effort") from None
     if (schema := _format(body)) is not None:
         out["json_schema"] = schema
     return out
