@@ -205,6 +205,7 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
     from mlx_lm.utils import load_model as mlx_lm_load_model, load_tokenizer
 
     from .gemma2_window import model_classes
+    from .shardable import check_shardable
 
     try:
         display, folder = resolve(name)
@@ -223,6 +224,7 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
             return load_model(None, transform=transform)
         raise
     if group is not None:
+        check_shardable(display, config, group.size())
         if not hasattr(model, "shard"):
             raise ModelLoadError(f"mlx-lm cannot shard {display!r} ({config.get('model_type')})")
         model.shard(group)
