@@ -6,7 +6,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..cache.prefix_cache import copy_cache, restore
+from ..kernels.caches import LOCAL
 from ..loading.registry import LoadedModel, load_model
 from .group import World
 from .plan import Op, broadcast
@@ -41,9 +41,9 @@ def follow(world: World) -> int:
         elif lm is None:
             raise RuntimeError(f"{plan.op.name} before any model was loaded")
         elif plan.op == Op.COPY:
-            caches[plan.target] = copy_cache(caches[plan.cache_id])
+            caches[plan.target] = LOCAL.copy(caches[plan.cache_id])
         elif plan.op == Op.RESTORE:
-            caches[plan.target] = restore(caches[plan.cache_id], plan.length)
+            caches[plan.target] = LOCAL.restore(caches[plan.cache_id], plan.length)
         elif plan.op in (Op.MERGE, Op.EXTEND, Op.EXTRACT, Op.FILTER):
             made = batch_edit(plan, caches)
             if made is not None:
