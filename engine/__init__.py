@@ -25,7 +25,9 @@ from .loading.hub import remove as remove_model
 from .loading.registry import ModelInfo, list_models
 from .paths import cache_dir, data_dir
 from .scheduling.keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
-from .scheduling.service import Engine, EngineStatus, ModelDescription, RequestHandle
+from .scheduling.requests import RequestHandle
+from .scheduling.service import Engine, EngineStatus
+from .scheduling.slot import ModelDescription
 from .decoding.generate import build_prompt as _build_prompt
 
 __all__ = [

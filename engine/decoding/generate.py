@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from .channels import ChannelSplitter, Markers
 from .chat import Prompt, encode_text, render
@@ -213,7 +213,7 @@ class Generation:
         self.fed = list(tokens[: self.reused])
         branch = self.prefix_cache.branch_point(tokens) if self.prefix_cache is not None else 0
         self._stops = POLICY.prefill_stops(self.prompt, self.reused,
-                                           can_trim_prompt_cache(self.cache), branch)
+                                           self.lm.caches.trimmable(self.cache), branch)
         if self.sampler.processors:
             self._history = mx.array(self.fed, dtype=mx.uint32)
 

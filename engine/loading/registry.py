@@ -20,6 +20,7 @@ from ..errors import ModelLoadError
 from .gguf import convert_gguf
 from .hub import hub_cache_dir
 from .memory import shortfall, weight_files_bytes
+from ..kernels.caches import LOCAL, CacheOps
 from ..kernels.fastest import fastest_layout
 from ..kernels.gated_delta import use_chunked_prefill
 from ..paths import cache_dir
@@ -66,6 +67,7 @@ class LoadedModel:
     config: dict[str, Any]
     path: Path
     extras: dict[str, Any] = field(default_factory=dict)
+    caches: CacheOps = LOCAL  # how the engine copies, restores and batches its caches
 
     @functools.cached_property
     def weights_digest(self) -> str:
