@@ -17,6 +17,7 @@ model name runs on the loaded model unless an alias (`--model-alias`) or a local
 says otherwise. Not supported: images and documents (a clear 400).
 """
 
+import asyncio
 import json
 import time
 import uuid
@@ -26,12 +27,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine import EngineError, Event, InvalidRequest, count_tokens, tool_request
+from engine import EngineError, Event, InvalidRequest, Usage, count_tokens, tool_request
 
 from .api import parse_messages, public_error, sse_response, submit_choices
 from .api_choices import Choice, collect_choices, merged
 from .api_errors import ApiError
-from .api_serving import fit_max_tokens, read_body, use_named_model, watched
+from .api_serving import read_body, use_named_model, watched
 from .error_shapes import api_error
 from .sse import sse
 
@@ -210,12 +211,11 @@ def parse(body: Any) -> tuple[list[dict[str, Any]], dict[str, Any], Any, bool]:
     return messages, sampling, _tools(body), stream
 
 
-def _usage(final: Event | None, prompt_tokens: int) -> dict[str, int]:
-    usage = final.usage if final is not None else None
-    cached = usage.cached_tokens if usage else 0
-    prompt = usage.prompt_tokens if usage and usage.prompt_tokens else prompt_tokens
-    return {"input_tokens": prompt - cached, "output_tokens": usage.completion_tokens if usage else 0,
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+def _usage(usage: Usage) -> dict[str, int]:
+    """Anthropic's usage: input tokens computed, and those read from the prefix cache apart."""
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
+            "output_tokens": usage.completion_tokens,
+            "cache_read_input_tokens": usage.cached_tokens, "cache_creation_input_tokens": 0}
 
 
 def _stop(final: Event) -> tuple[str, str | None]:
@@ -255,18 +255,16 @@ async def messages_endpoint(request: Request) -> Response:
         messages, sampling, tools, stream = parse(body)
         model = await use_named_model(request, body.get("model"))
         try:
-            prompt_tokens, sampling["max_tokens"] = await fit_max_tokens(
-                engine, messages, sampling["max_tokens"], tools)
             params = engine.defaults.params(sampling)
         except InvalidRequest as exc:
             raise ApiError(400, public_error(str(exc)), exc.field, exc.code) from None
         handles = await submit_choices(engine, messages, params, 1, None, tools=tools,
-                                       split_reasoning=True)
+                                       split_reasoning=True, fit_max_tokens=True)
     except ApiError as exc:
         return _error(exc)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     if stream:
-        return sse_response(_stream(request, handles, message_id, model, prompt_tokens))
+        return sse_response(_stream(request, handles, message_id, model))
     async with watched(request, handles):
         choice = (await collect_choices(handles))[0]
     final = choice.final
@@ -275,7 +273,7 @@ async def messages_endpoint(request: Request) -> Response:
     stop_reason, stop_sequence = _stop(final)
     return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": model,
                          "content": _content(choice), "stop_reason": stop_reason,
-                         "stop_sequence": stop_sequence, "usage": _usage(final, prompt_tokens)})
+                         "stop_sequence": stop_sequence, "usage": _usage(final.usage)})
 
 
 def _event(kind: str, payload: dict[str, Any]) -> str:
@@ -304,18 +302,22 @@ class _Blocks:
         return [_event("content_block_stop", {"index": self.index})]
 
 
-async def _stream(request: Request, handles: list, message_id: str, model: str,
-                  prompt_tokens: int) -> AsyncIterator[str]:
+async def _stream(request: Request, handles: list, message_id: str,
+                  model: str) -> AsyncIterator[str]:
     """Anthropic's event sequence: message_start, ping, content blocks with their deltas,
-    message_delta (stop_reason, usage), message_stop; a failure becomes an `error` event."""
-    start_usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
-    yield _event("message_start", {"message": {
-        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
-        "stop_reason": None, "stop_sequence": None, "usage": start_usage}})
-    yield _event("ping", {})
-    blocks, last_ping = _Blocks(), time.monotonic()
+    message_delta (stop_reason, usage), message_stop; a failure becomes an `error` event.
+    message_start goes out with the first event, once the prefix cache's reuse is known, so its
+    usage counts input tokens as every later usage does."""
+    blocks, last_ping, started = _Blocks(), time.monotonic(), False
     async with watched(request, handles):
         async for _, event in merged(handles):
+            if not started:
+                started = True
+                usage = {**_usage(handles[0].usage), "output_tokens": 0}
+                yield _event("message_start", {"message": {
+                    "id": message_id, "type": "message", "role": "assistant", "model": model,
+                    "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}})
+                yield _event("ping", {})
             if event.kind == "token":
                 if not event.text:
                     continue
@@ -352,7 +354,7 @@ async def _stream(request: Request, handles: list, message_id: str, model: str,
             for line in blocks.close():
                 yield line
             stop_reason, stop_sequence = _stop(event)
-            usage = _usage(event, prompt_tokens)
+            usage = _usage(event.usage)
             yield _event("message_delta", {"delta": {"stop_reason": stop_reason,
                                                      "stop_sequence": stop_sequence},
                                            "usage": usage})
@@ -369,7 +371,7 @@ async def count_tokens_endpoint(request: Request) -> Response:
         messages, _, tools, _ = parse(body)
         await use_named_model(request, body.get("model"))
         try:
-            n = count_tokens(engine, messages=messages, tools=tools)
+            n = await asyncio.to_thread(count_tokens, engine, messages=messages, tools=tools)
         except EngineError as exc:
             raise ApiError(400 if isinstance(exc, InvalidRequest) else 503, str(exc)) from None
     except ApiError as exc:

@@ -282,19 +282,24 @@ class Engine:
     def submit(self, messages: Sequence[dict] | None = None, params: SamplingParams | None = None,
                *, prompt_tokens: Sequence[int] | None = None, text: str | None = None,
                speculative: SpeculativeOptions | None = None, tools: ToolRequest | None = None,
-               split_reasoning: bool = False,
-               keep_alive: float | str | None = None) -> RequestHandle:
+               split_reasoning: bool = False, keep_alive: float | str | None = None,
+               fit_max_tokens: bool = False) -> RequestHandle:
         """Validate and enqueue a request without waiting; raises InvalidRequest or Overloaded at
         once. `speculative` opts in to speculative decoding (engine/decoding/drafts.py; the default
         is plain): a draft not loaded yet loads on the loader thread while the request is in
         `loading_draft`; if it cannot load, the request ends `failed` and `accepted()` raises.
         `tools` and `split_reasoning`: see `Generation` (engine/decoding/generate.py).
         A model unloaded after an idle time is reloaded before the request runs; `keep_alive`
-        (like Ollama's) sets how long it stays loaded after this request."""
+        (like Ollama's) sets how long it stays loaded after this request. `fit_max_tokens`:
+        lower `max_tokens` to the context the prompt leaves instead of refusing (clients such as
+        Claude Code always ask for 32,000; the prompt is tokenised once, here)."""
         lm = self._serving()
         params = params or SamplingParams()
         prompt = build_prompt(lm, messages=messages, prompt_tokens=prompt_tokens, text=text,
                               tools=tools)
+        if fit_max_tokens and len(prompt.tokens) < lm.context_length:
+            params = params.with_(max_tokens=min(params.max_tokens,
+                                                 lm.context_length - len(prompt.tokens)))
         factory = self._resident_draft(lm, speculative)
 
         def generation(factory: SpeculatorFactory | None) -> Generation:
