@@ -102,3 +102,67 @@ def test_snapshot_files_tell_the_gpu_layout_apart():
     plain, stacked = (dataclasses.replace(base, model=m) for m in pair("llama"))
     assert identity(plain)["compute"] == "as-loaded"
     assert identity(stacked)["compute"] == "gpu-layout"
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_5"])
+def test_last_row_head_gives_the_full_calls_last_logits(kind):
+    """engine/kernels/head.py: the head on the last row of a prompt chunk gives the logits of the
+    full call's last row and fills the cache alike, in mlx-lm's layout and in the GPU layout."""
+    from engine.kernels.head import last_logits, split_head
+
+    plain, stacked = pair(kind)
+    for model in (plain, stacked):
+        assert split_head(model) is not None
+        caches = [make_prompt_cache(model), make_prompt_cache(model)]
+        prompt = mx.array([[5, 17, 300, 42, 9, 1000, 77, 3, 64, 2]])
+        full = model(prompt, cache=caches[0])
+        last = last_logits(model, prompt, caches[1])
+        assert last.shape == (1, 1, full.shape[-1])
+        assert_same(full[:, -1:, :], last)
+        step = mx.array([[11]])  # the caches the two calls left serve the next step alike
+        assert_same(model(step, cache=caches[0]), model(step, cache=caches[1]))
+
+
+def test_last_row_head_falls_back_to_the_full_call_for_unknown_models():
+    from engine.kernels.head import last_logits, split_head
+
+    class Scaled(nn.Module):  # a head that is not "body then head"
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def __call__(self, x, cache=None):
+            return 2.0 * self.inner(x, cache=cache)
+
+    plain, _ = pair("llama")
+    model = Scaled(plain)
+    assert split_head(model) is None
+    prompt = mx.array([[5, 17, 300, 42]])
+    assert_same(model(prompt, cache=make_prompt_cache(plain))[:, -1:, :],
+                last_logits(model, prompt, make_prompt_cache(plain)))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_attention_in_query_blocks_gives_the_unblocked_logits(kind, monkeypatch):
+    """A long chunk's causal attention in blocks of queries (gpu_layout.blocked_attention), after a
+    cached prefix and from an empty cache, gives mlx-lm's logits for every position."""
+    from engine.kernels import gpu_layout
+
+    plain, stacked = pair(kind)
+    heads = plain.args.num_attention_heads
+    # a budget that makes blocks of 64 queries against ~200 keys
+    monkeypatch.setattr(gpu_layout, "SCORE_BYTES", heads * 64 * 210 * 4)
+    assert gpu_layout.query_block(heads, 150, 210) == 64
+    calls = []
+    sdpa = gpu_layout.scaled_dot_product_attention
+    monkeypatch.setattr(gpu_layout, "scaled_dot_product_attention",
+                        lambda q, *a, **k: calls.append(q.shape[2]) or sdpa(q, *a, **k))
+    caches = [make_prompt_cache(plain), make_prompt_cache(stacked)]
+    first = mx.array([[(7 * i + 3) % 500 for i in range(60)]])
+    chunk = mx.array([[(11 * i + 5) % 500 for i in range(150)]])
+    for x in (first, chunk):
+        assert_same(plain(x, cache=caches[0]), stacked(x, cache=caches[1]))
+    step = mx.array([[42]])
+    assert_same(plain(step, cache=caches[0]), stacked(step, cache=caches[1]))
+    layers = len(stacked.layers)
+    assert calls == [60] * layers + [64, 64, 22] * layers + [1] * layers  # the chunk in 3 blocks

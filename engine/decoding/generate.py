@@ -18,6 +18,7 @@ from .chat import Prompt, encode_text, render
 from ..device import backend
 from ..errors import InvalidRequest
 from ..events import Channel, Event, Timings, Usage
+from ..kernels.head import last_logits
 from ..loading.registry import LoadedModel
 from .logprobs import token_logprob
 from .sampling import SamplingParams, TokenSampler
@@ -38,6 +39,10 @@ def default_prefill_chunk() -> int:
     during which no other request decodes, so chunks stay small there."""
     return {"cuda": 4096, "cpu": 512}.get(backend(), 2048)
 
+
+# The final prefill chunk's head runs on its last row only (engine/kernels/head.py); a switch so
+# that bench.gpu_step can measure the memory it saves in the same process.
+LAST_ROW_HEAD = True
 
 # The last prompt token rides with a final prefill chunk of at most this many tokens (its logits
 # read from that call: every position's logits are computed, so only for short chunks).
@@ -210,12 +215,15 @@ class Generation:
         if self.sampler.processors:
             self._history = mx.array(self.fed, dtype=mx.uint32)
 
-    def _feed(self, inputs: mx.array) -> mx.array:
-        """Run the model over `inputs` (1-D, possibly not yet evaluated); returns the logits."""
+    def _feed(self, inputs: mx.array, last_only: bool = False) -> mx.array:
+        """Run the model over `inputs` (1-D, possibly not yet evaluated); returns the logits (with
+        `last_only`, those of the last position alone: the head runs on that row only)."""
         if self._history is not None:
             self._history = mx.concatenate([self._history, inputs])
         if self.speculator is not None:
             return self.speculator.prefill(inputs, self.cache, len(self.fed))
+        if last_only and LAST_ROW_HEAD:
+            return last_logits(self.lm.model, inputs[None], self.cache)
         return self.lm.model(inputs[None], cache=self.cache)
 
     def _save(self) -> None:
@@ -267,7 +275,7 @@ class Generation:
     def _prefill_last(self, pos: int) -> list[Event]:
         """Feed the prompt from `pos` to its end and sample the first token from the last logits."""
         tokens = self.prompt.tokens
-        logits = self._feed(mx.array(tokens[pos:], dtype=mx.uint32))
+        logits = self._feed(mx.array(tokens[pos:], dtype=mx.uint32), last_only=True)
         self.fed.extend(tokens[pos:])
         self._next = self.sampler(logits[:, -1, :], self._history)
         mx.async_eval(*self._next)
