@@ -58,6 +58,21 @@ _QWEN3_5_HYBRID = {
                             "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]},
     },
 }
+# Qwen3.5-9B's text model (its published config.json; the vision tower left out): the founding
+# demonstration ran it at 8 bits on a 24 GiB Mac.
+_QWEN3_5_9B = {
+    "model_type": "qwen3_5",
+    "text_config": {
+        "model_type": "qwen3_5_text", "hidden_size": 4096, "num_hidden_layers": 32,
+        "intermediate_size": 12288, "num_attention_heads": 16, "num_key_value_heads": 4,
+        "head_dim": 256, "rms_norm_eps": 1e-6, "vocab_size": 248320, "tie_word_embeddings": False,
+        "linear_num_value_heads": 32, "linear_num_key_heads": 16, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+        "max_position_embeddings": 262144,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                            "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]},
+    },
+}
 # tests/tiny_models.py's hybrid with Qwen3.5's linear-attention head sizes, for CPU runs of the
 # hybrid suite.
 _TINY_HYBRID = {
@@ -89,6 +104,9 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("smollm2-135m", _SMOLLM2_135M, about="SmolLM2-135M shape, bf16"),
     Shape("qwen3-8b", _QWEN3_8B, about="Qwen3-8B shape, bf16"),
     Shape("qwen3-8b-8bit", _QWEN3_8B, bits=8, about="Qwen3-8B shape, 8-bit (group 64)"),
+    Shape("qwen3-8b-4bit", _QWEN3_8B, bits=4, about="Qwen3-8B shape, 4-bit (group 64)"),
+    Shape("qwen3_5-9b-8bit", _QWEN3_5_9B, bits=8,
+          about="Qwen3.5-9B shape (the founding demo's model), 8-bit (group 64)"),
     Shape("qwen3_5-hybrid", _QWEN3_5_HYBRID, about="Qwen3.5 hybrid shape (~0.8B, linear attention), bf16"),
     Shape("tiny", _TINY, about="2-layer llama, for CPU tests of the bench itself"),
     Shape("tiny-hybrid", _TINY_HYBRID, about="4-layer Qwen3.5-style hybrid with real linear-attention heads, for CPU"),
