@@ -5,8 +5,9 @@ request, in one process (ours and mlx-lm interleaved, the same model object, the
                              [--gen 128] [--ctx 4000] [--out FILE]
 
 Parts:
-  bw      the device's read bandwidth: a sum over a `--bw-gb` array (bytes read / s), and a copy
-          of it (bytes read + written / s); median and best of 10.
+  bw      the device's read bandwidth: a sum over a `--bw-gb` bf16 matrix and a matrix x vector
+          product with it (bytes read / s), and a copy of it (bytes read + written / s); median and
+          best of 10. The larger of the two read medians is the bandwidth the fractions use.
   step    per shape, `--reps` rounds, each side in turn: a synchronous one-token model step (ms,
           mean of 32), decode tok/s of `--gen` tokens after a 64-token prompt through our Engine
           service, through engine.decoding.generate in this thread, and mlx-lm's stream_generate;
@@ -33,6 +34,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,14 +48,17 @@ def _best_median(xs: list[float]) -> dict[str, float]:
 
 
 def bandwidth(gb: float = 4.0, reps: int = 10) -> dict[str, Any]:
-    """Bytes/s of reading (sum) and of copying a `gb`-GB bf16 array on the default device."""
+    """Bytes/s of reading a `gb`-GB bf16 matrix (a sum over it; a matrix x vector product, which is
+    what a decode step's weights see) and of copying it, on the default device."""
     import mlx.core as mx
 
-    n = int(gb * 1e9) // 2
-    x = mx.random.uniform(shape=(n,)).astype(mx.bfloat16)
-    mx.eval(x)
+    cols = 4096
+    x = mx.random.uniform(shape=(int(gb * 1e9) // 2 // cols, cols)).astype(mx.bfloat16)
+    v = mx.random.uniform(shape=(cols,)).astype(mx.bfloat16)
+    mx.eval(x, v)
     out: dict[str, Any] = {"bytes": x.nbytes}
-    for name, fn, moved in (("read", lambda: mx.sum(x), x.nbytes), ("copy", lambda: x + 1, 2 * x.nbytes)):
+    for name, fn, moved in (("read", lambda: mx.sum(x), x.nbytes), ("gemv", lambda: x @ v, x.nbytes),
+                            ("copy", lambda: x + 1, 2 * x.nbytes)):
         mx.eval(fn())
         rates = []
         for _ in range(reps):
@@ -174,13 +179,39 @@ def _kv_bytes(cache) -> int:
     return sum(getattr(c, "nbytes", 0) for c in cache)
 
 
+@contextmanager
+def settings(last_row: bool = True, score_bytes: Any = "default", chunk: int | None = None):
+    """Our engine with the final chunk's head on every row (`last_row` False), the attention
+    unblocked (`score_bytes` None) or another prefill chunk (`chunk`), while inside."""
+    from engine.decoding import generate as gen_mod
+    from engine.kernels import gpu_layout
+
+    old = gen_mod.LAST_ROW_HEAD, gpu_layout.SCORE_BYTES, gen_mod.default_prefill_chunk
+    gen_mod.LAST_ROW_HEAD = last_row
+    if score_bytes != "default":
+        gpu_layout.SCORE_BYTES = score_bytes
+    if chunk:
+        gen_mod.default_prefill_chunk = lambda: chunk
+    try:
+        yield
+    finally:
+        gen_mod.LAST_ROW_HEAD, gpu_layout.SCORE_BYTES, gen_mod.default_prefill_chunk = old
+
+
+def variants(a) -> dict[str, dict[str, Any]]:
+    """Our settings to measure: as now, each of `--chunks`, and as before this change."""
+    out: dict[str, dict[str, Any]] = {"ours": {}}
+    for c in (int(x) for x in a.chunks.split(",") if x):
+        out[f"ours_chunk{c}"] = {"chunk": c}
+    out["ours_before"] = {"last_row": False, "score_bytes": None}
+    return out
+
+
 def part_memory(lm, shape: str, a) -> list[common.Row]:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine.decoding import generate as gen_mod
     from engine.decoding.chat import Prompt
-    from engine.kernels import gpu_layout
 
     from .shapes import nbytes, prompt_ids, vocab_size
 
@@ -191,17 +222,18 @@ def part_memory(lm, shape: str, a) -> list[common.Row]:
     mlx_w = nbytes(base) if base is not None else ours_w
     out: dict[str, Any] = {}
 
-    def ours(label: str, last_row: bool, score_bytes) -> None:
-        old = gen_mod.LAST_ROW_HEAD, gpu_layout.SCORE_BYTES
-        gen_mod.LAST_ROW_HEAD, gpu_layout.SCORE_BYTES = last_row, score_bytes
-        try:
+    def ours(label: str, setting: dict[str, Any]) -> None:
+        with settings(**setting):
             common.fresh_memory()
             r = common.engine_direct(lm, Prompt(list(prompt), [n_prompt]), n_gen)
-            out[label] = {"peak": mx.get_peak_memory() - (mlx_w if base is not None else 0),
-                          "ttft_s": r["ttft_s"], "tps": r["tps"]}
-        finally:
-            gen_mod.LAST_ROW_HEAD, gpu_layout.SCORE_BYTES = old
+            out.setdefault(label + "_all", []).append(
+                {"peak": mx.get_peak_memory() - (mlx_w if base is not None else 0), "ttft_s": r["ttft_s"],
+                 "tps": r["tps"]})
 
+    common.mlx_lm_stream(lm, prompt[:600], 4)  # warm-up: kernels compiled before any timed run
+    for setting in variants(a).values():
+        with settings(**setting):
+            common.engine_direct(lm, Prompt(list(prompt[:600]), [600]), 4)
     for rep in range(a.mem_reps):
         common.fresh_memory()
         cache = make_prompt_cache(lm.extras.get("mlx_lm_model", lm.model))
@@ -209,33 +241,31 @@ def part_memory(lm, shape: str, a) -> list[common.Row]:
         out.setdefault("mlx", []).append({"peak": mx.get_peak_memory() - (ours_w if base is not None else 0),
                                           "ttft_s": r["ttft_s"], "tps": r["tps"], "kv": _kv_bytes(cache)})
         del cache
-        for label, last_row, sb in (("ours", True, gpu_layout.SCORE_BYTES), ("ours_unblocked", True, None),
-                                    ("ours_before", False, None)):
-            ours(label, last_row, sb)
-            out.setdefault(label + "_all", []).append(out.pop(label))
+        for label, setting in variants(a).items():
+            ours(label, setting)
     pick = lambda k, f: common.median([x[f] for x in out[k]])  # noqa: E731
     kv = pick("mlx", "kv")
     gb = 1e9
     parts = {k: {"weights": ours_w / gb if k != "mlx" else mlx_w / gb, "kv": kv / gb,
                  "activations": (pick(k, "peak") - (mlx_w if k == "mlx" else ours_w) - kv) / gb}
-             for k in ("mlx", "ours_all", "ours_unblocked_all", "ours_before_all")}
+             for k in ["mlx"] + [v + "_all" for v in variants(a)]}
     extra = {"runs": out, "parts_gb": parts}
     rows = [common.Row("memory", shape, f"peak, {n_prompt}-token prompt + {n_gen}", "GB",
                        pick("ours_all", "peak") / gb, pick("mlx", "peak") / gb, "mlx_lm.stream_generate",
                        "<= 1.0", "parts (weights/KV/activations GB): " + "; ".join(
                            f"{k}: {v['weights']:.2f}/{v['kv']:.2f}/{v['activations']:.2f}" for k, v in parts.items())
-                       + f"; attention unblocked {pick('ours_unblocked_all', 'peak') / gb:.2f} GB; before this "
-                       f"change {pick('ours_before_all', 'peak') / gb:.2f} GB", extra),
+                       + "; " + "; ".join(f"{v} {pick(v + '_all', 'peak') / gb:.2f} GB" for v in variants(a)),
+                       extra),
             common.Row("memory", shape, f"cold TTFT, {n_prompt}-token prompt", "s",
                        pick("ours_all", "ttft_s"), pick("mlx", "ttft_s"), "mlx_lm.stream_generate", "<= 0.8",
-                       f"attention unblocked {pick('ours_unblocked_all', 'ttft_s'):.3f} s; "
-                       f"before this change {pick('ours_before_all', 'ttft_s'):.3f} s")]
+                       "; ".join(f"{v} {pick(v + '_all', 'ttft_s'):.3f} s" for v in variants(a)))]
     return rows
 
 
 def part_demo(lm, shape: str, a) -> list[common.Row]:
     """The seed's request: 4,204 prompt tokens, 256 generated, streamed text equal to the final
-    text; ours through the Engine service against mlx-lm's stream_generate."""
+    text; ours through the Engine service (as now, and at each of `--chunks`) against mlx-lm's
+    stream_generate, each side warmed up first on a shorter prompt."""
     import mlx.core as mx
 
     from engine.decoding.sampling import SamplingParams
@@ -246,40 +276,57 @@ def part_demo(lm, shape: str, a) -> list[common.Row]:
     prompt = prompt_ids(n_prompt, vocab_size(shape), seed=5)
     base = lm.extras.get("mlx_lm_model")
     other = {"ours": nbytes(base) if base is not None else 0, "mlx": nbytes(lm.model) if base is not None else 0}
-    svc = common.EngineService(lm, max_running=1, prefix_cache=False)
-    runs: dict[str, list] = {"ours": [], "mlx": []}
-    try:
-        for _ in range(a.demo_reps):
-            common.fresh_memory()
-            t0 = time.perf_counter()
-            times, streamed, tokens = [], [], []
-            h = svc.engine.submit(prompt_tokens=list(prompt), params=SamplingParams(max_tokens=n_gen))
-            for ev in h.events(timeout=600):
-                if ev.kind == "token":
-                    times.append(time.perf_counter())
-                    streamed.append(ev.text)
-                    tokens.append(ev.token)
-                elif ev.error:
-                    raise RuntimeError(ev.error)
+    sides = {k: v for k, v in variants(a).items() if k != "ours_before"}
+    runs: dict[str, list] = {k: [] for k in ["mlx", *sides]}
+
+    def ours(svc, ids, label: str | None) -> None:
+        common.fresh_memory()
+        t0 = time.perf_counter()
+        times, streamed, tokens = [], [], []
+        h = svc.engine.submit(prompt_tokens=list(ids), params=SamplingParams(max_tokens=n_gen))
+        for ev in h.events(timeout=600):
+            if ev.kind == "token":
+                times.append(time.perf_counter())
+                streamed.append(ev.text)
+                tokens.append(ev.token)
+            elif ev.error:
+                raise RuntimeError(ev.error)
+        if label:
             final = lm.tokenizer._tokenizer.decode(tokens)
-            runs["ours"].append({**common.arrivals(times, t0), "peak": mx.get_peak_memory() - other["ours"],
-                                 "streamed_equals_final": "".join(streamed) == final, "n_tokens": len(tokens)})
+            runs[label].append({**common.arrivals(times, t0), "peak": mx.get_peak_memory() - other["ours"],
+                                "streamed_equals_final": "".join(streamed) == final, "n_tokens": len(tokens)})
+
+    svc = common.EngineService(lm, max_running=1, prefix_cache=False)
+    try:
+        warm = prompt_ids(n_prompt // 4, vocab_size(shape), seed=6)
+        common.mlx_lm_stream(lm, warm, 8)
+        for setting in sides.values():
+            with settings(**setting):
+                ours(svc, warm, None)
+        for _ in range(a.demo_reps):
+            for label, setting in sides.items():
+                with settings(**setting):
+                    ours(svc, prompt, label)
             common.fresh_memory()
             r = common.mlx_lm_stream(lm, prompt, n_gen)
+            r.pop("tokens")
             runs["mlx"].append({**r, "peak": mx.get_peak_memory() - other["mlx"]})
-            runs["mlx"][-1].pop("tokens")
     finally:
         svc.close()
     pick = lambda k, f: common.median([x[f] for x in runs[k]])  # noqa: E731
     gb = 1e9
-    ok = all(r["streamed_equals_final"] and r["n_tokens"] == n_gen for r in runs["ours"])
-    note = f"{n_prompt} prompt + {n_gen} tokens, median of {a.demo_reps}; streamed text == final text: {ok}"
+    ok = all(r["streamed_equals_final"] and r["n_tokens"] == n_gen for k in sides for r in runs[k])
+    note = (f"{n_prompt} prompt + {n_gen} tokens, median of {a.demo_reps}; streamed text == final text: {ok}; "
+            f"weights {nbytes(lm.model) / gb:.2f} GB")
+    each = lambda f, scale=1.0, unit="": "; ".join(  # noqa: E731
+        f"{k} {pick(k, f) * scale:.3g}{unit}" for k in sides)
     return [common.Row("demo", shape, "peak", "GB", pick("ours", "peak") / gb, pick("mlx", "peak") / gb,
-                       "mlx_lm.stream_generate", "<= 1.0", note + "; goal <= 10.65 GB", {"runs": runs}),
+                       "mlx_lm.stream_generate", "<= 1.0",
+                       note + "; goal <= 10.65 GB; " + each("peak", 1 / gb, " GB"), {"runs": runs}),
             common.Row("demo", shape, "TTFT", "s", pick("ours", "ttft_s"), pick("mlx", "ttft_s"),
-                       "mlx_lm.stream_generate", "<= 0.8", note),
+                       "mlx_lm.stream_generate", "<= 0.8", note + "; " + each("ttft_s", 1, " s")),
             common.Row("demo", shape, "decode", "tok/s", pick("ours", "tps"), pick("mlx", "tps"),
-                       "mlx_lm.stream_generate", ">= 1.2", note)]
+                       "mlx_lm.stream_generate", ">= 1.2", note + "; " + each("tps"))]
 
 
 def main(argv=None) -> int:
@@ -297,6 +344,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--ctx", type=int, default=4000)
     ap.add_argument("--bw-gb", type=float, default=4.0)
+    ap.add_argument("--chunks", default="2048,1024", help="other prefill chunks to measure ours at")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
@@ -314,8 +362,9 @@ def main(argv=None) -> int:
     bw = None
     if "bw" in parts:
         more["bandwidth"] = b = bandwidth(a.bw_gb)
-        bw = b["read"]["median"]
-        print(f"read {b['read']['median'] / 1e12:.2f} TB/s (best {b['read']['best'] / 1e12:.2f}); copy "
+        bw = max(b["read"]["median"], b["gemv"]["median"])
+        print(f"read {b['read']['median'] / 1e12:.2f} TB/s (best {b['read']['best'] / 1e12:.2f}); gemv "
+              f"{b['gemv']['median'] / 1e12:.2f} (best {b['gemv']['best'] / 1e12:.2f}); copy "
               f"{b['copy']['median'] / 1e12:.2f} TB/s", flush=True)
     shapes = a.shapes.split(",") if a.shapes else []
     if "demo" in parts and a.demo_shape not in shapes:

@@ -69,5 +69,5 @@ def test_gpu_step_measures_bandwidth_steps_memory_parts_and_the_demo(tmp_path):
     step = rows[("gpu_step", "decode batch 1 (service)")]["extra"]
     assert step["graph_ops"]["ours"]["total"] > 0 and min(step["step_ms"]["ours_step"]) > 0
     parts = rows[("memory", "peak")]["extra"]["parts_gb"]
-    assert {"mlx", "ours_all", "ours_unblocked_all", "ours_before_all"} == set(parts) and parts["mlx"]["kv"] > 0
+    assert {"mlx", "ours_all", "ours_chunk2048_all", "ours_chunk1024_all", "ours_before_all"} == set(parts) and parts["mlx"]["kv"] > 0
     assert "streamed text == final text: True" in rows[("demo", "peak")]["notes"]
