@@ -17,8 +17,8 @@ Parts:
           embedding table counts one row).
   memory  per shape, a `--ctx`-token prompt + 256 generated: peak (mx.get_peak_memory, less the
           other side's copy of the weights) and TTFT of mlx-lm, of ours as it is now, and of ours
-          with the final chunk's head on every row and the attention unblocked (as before this
-          change); peak = weights + KV + activations by part.
+          at each of `--chunks`, and of ours as before this change (the final chunk's head on every
+          row, a fixed 4,096-token chunk on CUDA); peak = weights + KV + activations by part.
   demo    the founding demonstration on `--demo-shape` (default qwen3_5-9b-8bit): 4,204 prompt
           tokens, 256 generated, through our Engine service (streamed text == final text?),
           its peak, TTFT and decode rate against mlx-lm's stream_generate.
@@ -180,30 +180,30 @@ def _kv_bytes(cache) -> int:
 
 
 @contextmanager
-def settings(last_row: bool = True, score_bytes: Any = "default", chunk: int | None = None):
-    """Our engine with the final chunk's head on every row (`last_row` False), the attention
-    unblocked (`score_bytes` None) or another prefill chunk (`chunk`), while inside."""
+def settings(last_row: bool = True, chunk: int | None = None):
+    """Our engine with the final chunk's head on every row (`last_row` False) or another prefill
+    chunk (`chunk`), while inside."""
     from engine.decoding import generate as gen_mod
-    from engine.kernels import gpu_layout
 
-    old = gen_mod.LAST_ROW_HEAD, gpu_layout.SCORE_BYTES, gen_mod.default_prefill_chunk
+    old = gen_mod.LAST_ROW_HEAD, gen_mod.default_prefill_chunk
     gen_mod.LAST_ROW_HEAD = last_row
-    if score_bytes != "default":
-        gpu_layout.SCORE_BYTES = score_bytes
     if chunk:
-        gen_mod.default_prefill_chunk = lambda: chunk
+        gen_mod.default_prefill_chunk = lambda *_: chunk
     try:
         yield
     finally:
-        gen_mod.LAST_ROW_HEAD, gpu_layout.SCORE_BYTES, gen_mod.default_prefill_chunk = old
+        gen_mod.LAST_ROW_HEAD, gen_mod.default_prefill_chunk = old
 
 
 def variants(a) -> dict[str, dict[str, Any]]:
-    """Our settings to measure: as now, each of `--chunks`, and as before this change."""
+    """Our settings to measure: as now, each of `--chunks`, and as before this change (the head
+    on every row of the final chunk, CUDA's fixed 4,096-token chunk)."""
+    import mlx.core as mx
+
     out: dict[str, dict[str, Any]] = {"ours": {}}
     for c in (int(x) for x in a.chunks.split(",") if x):
         out[f"ours_chunk{c}"] = {"chunk": c}
-    out["ours_before"] = {"last_row": False, "score_bytes": None}
+    out["ours_before"] = {"last_row": False, "chunk": 4096 if mx.default_device() == mx.gpu else 512}
     return out
 
 

@@ -142,27 +142,29 @@ def test_last_row_head_falls_back_to_the_full_call_for_unknown_models():
                 last_logits(model, prompt, make_prompt_cache(plain)))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_attention_in_query_blocks_gives_the_unblocked_logits(kind, monkeypatch):
-    """A long chunk's causal attention in blocks of queries (gpu_layout.blocked_attention), after a
-    cached prefix and from an empty cache, gives mlx-lm's logits for every position."""
-    from engine.kernels import gpu_layout
+def test_prefill_chunk_is_sized_against_memory(monkeypatch):
+    """engine/decoding/generate.py's CUDA chunk: the largest power of two (down to 256) whose
+    estimated activations fit the budget, once per model. The estimate for the shapes measured on
+    the H200 (Qwen3-8B: 1,024 tokens; the Qwen3.5-9B hybrid at 8 bits: 512)."""
+    from bench.shapes import SHAPES
+    from engine.decoding import generate as gen
+    from mlx.utils import tree_flatten
 
-    plain, stacked = pair(kind)
-    heads = plain.args.num_attention_heads
-    # a budget that makes blocks of 64 queries against ~200 keys
-    monkeypatch.setattr(gpu_layout, "SCORE_BYTES", heads * 64 * 210 * 4)
-    assert gpu_layout.query_block(heads, 150, 210) == 64
-    calls = []
-    sdpa = gpu_layout.scaled_dot_product_attention
-    monkeypatch.setattr(gpu_layout, "scaled_dot_product_attention",
-                        lambda q, *a, **k: calls.append(q.shape[2]) or sdpa(q, *a, **k))
-    caches = [make_prompt_cache(plain), make_prompt_cache(stacked)]
-    first = mx.array([[(7 * i + 3) % 500 for i in range(60)]])
-    chunk = mx.array([[(11 * i + 5) % 500 for i in range(150)]])
-    for x in (first, chunk):
-        assert_same(plain(x, cache=caches[0]), stacked(x, cache=caches[1]))
-    step = mx.array([[42]])
-    assert_same(plain(step, cache=caches[0]), stacked(step, cache=caches[1]))
-    layers = len(stacked.layers)
-    assert calls == [60] * layers + [64, 64, 22] * layers + [1] * layers  # the chunk in 3 blocks
+    per_8b = gen.activation_bytes_per_token(SHAPES["qwen3-8b"].config)
+    assert per_8b == 36 * (2 * 4096 + 3 * 12288) * 2
+    assert gen.activation_bytes_per_token(SHAPES["qwen3_5-9b-8bit"].config) == 32 * (2 * 4096 + 3 * 12288) * 2
+    # Qwen3-8B bf16 weights (16.38 GB): a quarter of them holds 1,024 tokens, not 2,048
+    assert 1024 * per_8b <= 0.25 * 16.38e9 < 2048 * per_8b
+
+    lm = tiny_llama()
+    lm = dataclasses.replace(lm, extras={})
+    weights = sum(p.nbytes for _, p in tree_flatten(lm.model.parameters()))
+    per = gen.activation_bytes_per_token(lm.config)
+    monkeypatch.setattr(gen, "CHUNK_ACTIVATIONS_MIN", 0)
+    monkeypatch.setattr(gen, "CHUNK_ACTIVATIONS_OF_WEIGHTS", 600 * per / weights)  # budget: 600 tokens
+    assert gen.memory_sized_chunk(lm, 4096) == 512 and lm.extras["prefill_chunk"] == 512
+    monkeypatch.setattr(gen, "CHUNK_ACTIVATIONS_OF_WEIGHTS", 1.0)
+    assert gen.memory_sized_chunk(lm, 4096) == 512  # kept for the model
+    other = dataclasses.replace(lm, extras={})
+    monkeypatch.setattr(gen, "CHUNK_ACTIVATIONS_OF_WEIGHTS", 10 * per / weights)  # below the floor
+    assert gen.memory_sized_chunk(other, 4096) == gen.SMALLEST_CHUNK

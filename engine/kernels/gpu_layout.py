@@ -68,43 +68,6 @@ def _sizes(linears: list[nn.Module]) -> list[int]:
     return list(itertools.accumulate(m.weight.shape[0] for m in linears[:-1]))
 
 
-# Bytes of one attention call's score matrix (heads x queries x keys, fp32) above which a prompt
-# chunk's causal attention runs in blocks of queries: where the backend has no fused prefill
-# attention (MLX's CUDA backend fuses only one-query steps) the scores of a 4,096-token chunk
-# against 4,096 keys would take 2 GB per layer call for 32 heads. None: never blocked.
-SCORE_BYTES: int | None = 512 << 20
-
-
-def query_block(heads: int, queries: int, keys: int, budget: int | None = None) -> int:
-    """Queries per attention call so that its scores stay within `budget` bytes (default
-    SCORE_BYTES): all of them when they fit, else a multiple of 64 (at least 64)."""
-    budget = SCORE_BYTES if budget is None else budget
-    if budget is None or heads * queries * keys * 4 <= budget:
-        return queries
-    return max(64, budget // (heads * keys * 4) // 64 * 64)
-
-
-def blocked_attention(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float,
-                      mask: Any) -> mx.array:
-    """mlx-lm's `scaled_dot_product_attention`, over blocks of queries (`query_block`) when the
-    mask is the causal one and the scores of all queries at once would be large. Block [a, b) of
-    the L queries attends to the keys up to the key of its last query, under the causal mask
-    aligned to the end, which is what its rows see in the unblocked call; each row's softmax is
-    its own, so the output is the unblocked one."""
-    L, n_keys = queries.shape[2], keys.shape[2] if isinstance(keys, mx.array) else 0
-    block = query_block(queries.shape[1], L, n_keys) if isinstance(mask, str) and mask == "causal" else L
-    if block >= L:
-        return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask)
-    start = n_keys - L  # the keys before the first query (the cache's earlier tokens)
-    outs = []
-    for a in range(0, L, block):
-        b = min(L, a + block)
-        outs.append(scaled_dot_product_attention(queries[:, :, a:b], keys[:, :, :start + b],
-                                                 values[:, :, :start + b], cache=cache, scale=scale,
-                                                 mask="causal"))
-    return mx.concatenate(outs, axis=2)
-
-
 class StackedAttention(nn.Module):
     """mlx-lm's llama/qwen2/qwen3 attention with q, k and v from one product."""
 
@@ -133,7 +96,8 @@ class StackedAttention(nn.Module):
             keys, values = cache.update_and_fetch(keys, values)
         else:
             queries, keys = self.rope(queries), self.rope(keys)
-        output = blocked_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+        output = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale,
+                                              mask=mask)
         return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
