@@ -68,7 +68,6 @@ def bandwidth(gb: float = 4.0, reps: int = 10) -> dict[str, Any]:
             mx.synchronize()
             rates.append(moved / (time.perf_counter() - t))
         out[name] = _best_median(rates)
-    del x
     mx.clear_cache()
     return out
 
@@ -390,7 +389,7 @@ def main(argv=None) -> int:
             rows.extend(got)
             common.print_table(got)
             common.write_json(out, meta, rows, **more)
-        del lm
+        lm = None  # freed before the next shape is built
         common.fresh_memory()
     common.write_json(out, meta, rows, **more)
     print()

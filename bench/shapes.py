@@ -58,21 +58,12 @@ _QWEN3_5_HYBRID = {
                             "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]},
     },
 }
-# Qwen3.5-9B's text model (its published config.json; the vision tower left out): the founding
-# demonstration ran it at 8 bits on a 24 GiB Mac.
-_QWEN3_5_9B = {
-    "model_type": "qwen3_5",
-    "text_config": {
-        "model_type": "qwen3_5_text", "hidden_size": 4096, "num_hidden_layers": 32,
-        "intermediate_size": 12288, "num_attention_heads": 16, "num_key_value_heads": 4,
-        "head_dim": 256, "rms_norm_eps": 1e-6, "vocab_size": 248320, "tie_word_embeddings": False,
-        "linear_num_value_heads": 32, "linear_num_key_heads": 16, "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
-        "max_position_embeddings": 262144,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
-                            "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]},
-    },
-}
+# Qwen3.5-9B's text model (its published config.json; the vision tower left out): the small
+# hybrid's layout at the 9B's sizes. The founding demonstration ran it at 8 bits on a 24 GiB Mac.
+_QWEN3_5_9B = {"model_type": "qwen3_5", "text_config": {
+    **_QWEN3_5_HYBRID["text_config"], "hidden_size": 4096, "num_hidden_layers": 32,
+    "intermediate_size": 12288, "num_attention_heads": 16, "num_key_value_heads": 4,
+    "tie_word_embeddings": False, "linear_num_value_heads": 32}}
 # tests/tiny_models.py's hybrid with Qwen3.5's linear-attention head sizes, for CPU runs of the
 # hybrid suite.
 _TINY_HYBRID = {
