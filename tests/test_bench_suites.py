@@ -44,3 +44,25 @@ def test_service_gap_measures_every_side_with_its_gaps_between_tokens(tmp_path):
     assert set(sides) == {"service_cache", "service_nocache", "service_5ms", "direct", "mlx"}
     for side in sides.values():
         assert side["median_tps"] > 0 and 0 < side["gap_ms_p50"] <= side["gap_ms_p90"], side
+
+
+@pytest.mark.fast
+def test_protocols_bench_measures_every_adapter_against_chat_completions(tmp_path):
+    """`python -m bench.protocols` runs end to end on the tiny model: for each adapter
+    (/v1/messages, /v1/responses, /api/chat) a time to first token and a decode rate against
+    /v1/chat/completions', over the same greedy answer (the same text, token for token)."""
+    out = tmp_path / "protocols.json"
+    run = subprocess.run([sys.executable, "-m", "bench.protocols", "--reps", "1", "--gen", "8",
+                          "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted(r["metric"] for r in rows) == sorted(
+        f"{kind} {path}" for kind in ("TTFT", "decode")
+        for path in ("/v1/messages", "/v1/responses", "/api/chat"))
+    for row in rows:
+        assert row["shape"] == "tiny" and row["baseline_name"] == "/v1/chat/completions"
+        assert row["ours"] > 0 and row["baseline"] > 0 and row["ratio"] > 0, row
+        assert row["extra"]["same_text_as_chat"] is True, row
+        assert row["extra"]["tokens"] == [8], row
