@@ -2,7 +2,8 @@
 answer through Anthropic's `/v1/messages`, OpenAI's `/v1/responses` and Ollama's `/api/chat`,
 each against `/v1/chat/completions` on the same prompt, the same server and the same engine.
 
-    python -m bench.protocols [--model tiny|bundled] [--reps 5] [--gen 64] [--out FILE]
+    python -m bench.protocols [--model tiny|bundled] [--reps 5] [--gen 64] [--context WORDS]
+                              [--out FILE]
 
 The server is the real app on 127.0.0.1 (tests/live_server.py `engine_serving`, uvicorn in a
 thread of this process) on a tiny random-weight llama (tests/tiny_models.py; default) or the
@@ -146,6 +147,13 @@ def stream_once(client, url: str, protocol: str, model: str, prompt: str, gen: i
             "tokens": tokens, "events": len(times), "text": "".join(text)}
 
 
+def long_prompt(prompt: str, words: int) -> str:
+    """`prompt` after `words` words of varied text (a document to answer about)."""
+    filler = " ".join(f"line {i}: the keeper logged the weather, the ships and the lamp."
+                      for i in range(words // 11 + 1)).split()[:words]
+    return (" ".join(filler) + "\n\n" + prompt) if words else prompt
+
+
 def _load(model: str):
     """The model to serve: None (the bundled one, as `Engine()` loads it) or a tiny llama."""
     if model == "bundled":
@@ -171,7 +179,8 @@ def measure(model: str = "tiny", reps: int = 5, gen: int = 64, prompt: str = PRO
         name = server.app.state.engine.model_name
         runs = common.interleave({p: (lambda p=p: stream_once(client, server.url, p, name, prompt, gen))
                                   for p in PROTOCOLS}, reps, bar, warmup=True)
-    info = {"model": name, "prompt": prompt, "gen": gen, "reps": reps}
+    info = {"model": name, "prompt": prompt[-200:], "prompt_chars": len(prompt), "gen": gen,
+            "reps": reps}
     return rows_of(runs, model, info), info
 
 
@@ -218,15 +227,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="timed runs per protocol (median, spread)")
     ap.add_argument("--gen", type=int, default=64, help="answer tokens at most (max_tokens)")
     ap.add_argument("--prompt", default=PROMPT)
+    ap.add_argument("--context", type=int, default=0, metavar="WORDS",
+                    help="put WORDS words of text before the prompt (a long prompt: what every "
+                         "side pays to render and count it shows in its time to first token)")
     ap.add_argument("--note", default="", help="said with the figures (e.g. what else the machine ran)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     meta = common.run_meta(["python", "-m", "bench.protocols"] + list(sys.argv[1:] if argv is None else argv))
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
-    out = a.out or common.RESULTS_DIR / f"protocols-{meta['device']['backend']}-{a.model}-{stamp}.json"
+    out = a.out or common.RESULTS_DIR / f"protocols-{meta['device']['backend']}-{a.model}" \
+        f"{f'-ctx{a.context}' if a.context else ''}-{stamp}.json"
     load_before = os.getloadavg()
     with common.progress(len(PROTOCOLS) * (a.reps + 1), f"protocols {a.model}") as bar:
-        rows, info = measure(a.model, a.reps, a.gen, a.prompt, bar=bar)
+        rows, info = measure(a.model, a.reps, a.gen, long_prompt(a.prompt, a.context), bar=bar)
     meta["settings"] = info
     # what else the machine ran: 1-minute load average before and after, against its cores
     meta["load_average_1m"] = {"before": load_before[0], "after": os.getloadavg()[0],
