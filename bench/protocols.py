@@ -16,7 +16,7 @@ reversed every other rep), so drift and the prefix cache (the same prompt each t
 run reuses the cached prompt) hit every side alike. Each adapter's figure is a ratio against chat
 completions' median: goal <= 1.05 for time to first token, >= 0.95 for decode tok/s.
 
-JSON goes to bench/results/protocols-<backend>-<model>-<date>.json (bench/common.py's format:
+JSON goes to bench/results/protocols-<backend>-<model>[-ctx<WORDS>]-<date>.json (bench/common.py's format:
 rows of ours against the baseline, with every run's figures in `extra`).
 """
 
@@ -148,7 +148,7 @@ def stream_once(client, url: str, protocol: str, model: str, prompt: str, gen: i
 
 
 def long_prompt(prompt: str, words: int) -> str:
-    """`prompt` after `words` words of varied text (a document to answer about)."""
+    """`prompt` after `words` words of text (a document to answer about), for `--context`."""
     filler = " ".join(f"line {i}: the keeper logged the weather, the ships and the lamp."
                       for i in range(words // 11 + 1)).split()[:words]
     return (" ".join(filler) + "\n\n" + prompt) if words else prompt
