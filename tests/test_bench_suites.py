@@ -71,3 +71,25 @@ def test_gpu_step_measures_bandwidth_steps_memory_parts_and_the_demo(tmp_path):
     parts = rows[("memory", "peak")]["extra"]["parts_gb"]
     assert {"mlx", "ours_all", "ours_chunk2048_all", "ours_chunk1024_all", "ours_before_all"} == set(parts) and parts["mlx"]["kv"] > 0
     assert "streamed text == final text: True" in rows[("demo", "peak")]["notes"]
+
+
+@pytest.mark.fast
+def test_protocols_bench_measures_every_adapter_against_chat_completions(tmp_path):
+    """`python -m bench.protocols` runs end to end on the tiny model: for each adapter
+    (/v1/messages, /v1/responses, /api/chat) a time to first token and a decode rate against
+    /v1/chat/completions', over the same greedy answer (the same text, token for token)."""
+    out = tmp_path / "protocols.json"
+    run = subprocess.run([sys.executable, "-m", "bench.protocols", "--reps", "1", "--gen", "8",
+                          "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted(r["metric"] for r in rows) == sorted(
+        f"{kind} {path}" for kind in ("TTFT", "decode")
+        for path in ("/v1/messages", "/v1/responses", "/api/chat"))
+    for row in rows:
+        assert row["shape"] == "tiny" and row["baseline_name"] == "/v1/chat/completions"
+        assert row["ours"] > 0 and row["baseline"] > 0 and row["ratio"] > 0, row
+        assert row["extra"]["same_text_as_chat"] is True, row
+        assert row["extra"]["tokens"] == [8], row
