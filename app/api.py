@@ -438,7 +438,7 @@ async def chat_completions(request: Request) -> Response:
             await use_model(request, wanted)
         chat = parse_chat_request(body, engine.model_name, engine.defaults)
         speculative = parse_speculative(body.get("speculative"))
-        messages = _truncated(engine, body.get("truncate"), chat)
+        messages = await asyncio.to_thread(_truncated, engine, body.get("truncate"), chat)
         handles = await submit_choices(engine, messages, chat.params, chat.n, speculative,
                                        tools=chat.tools, split_reasoning=chat.split_reasoning,
                                        keep_alive=chat.keep_alive)
