@@ -33,6 +33,7 @@ from .api_errors import http_error
 from .connections import HeaderTimeoutProtocol
 from .folder_lock import FolderBusy, FolderLock
 from .runs import Runs
+from .key_access import KeyAccess
 from .security import (LOOPBACK_NAMES, ApiKeyGuard, BodyLimit, HostGuard, OriginGuard,
                        SecurityHeaders, is_loopback)
 from .storage import Storage
@@ -53,6 +54,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     """The whole app around a started `engine`. `allowed_hosts=None` accepts any Host header."""
     storage = storage or Storage(db_path)
     storage.interrupt_streaming()  # answers cut off by a crash: keep their text, mark them
+    access = KeyAccess(api_key)
     app = Starlette(
         routes=[*api.routes, *api_completions.routes, *login.routes, *ui.routes,
                 Mount("/static", StaticFiles(directory=STATIC_DIR))],
@@ -61,7 +63,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
         middleware=[
             Middleware(HostGuard, allowed_hosts=allowed_hosts),  # DNS rebinding: 400
             Middleware(OriginGuard),  # cross-site writes and WebSockets: 403
-            Middleware(ApiKeyGuard, api_key=api_key),  # with --api-key, all but /health: 401
+            Middleware(ApiKeyGuard, access=access),  # with --api-key, all but /health: 401
             Middleware(BodyLimit),  # oversized bodies 413, slow ones 408, before the app reads
             Middleware(SecurityHeaders),  # CSP, nosniff, no framing, no referrer to other sites
         ],
@@ -69,6 +71,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     app.state.engine = engine
     app.state.storage = storage
     app.state.api_key = api_key
+    app.state.access = access
     app.state.runs = Runs()
     app.state.conversations = Conversations()
     app.state.switch = ui.ModelSwitch()
