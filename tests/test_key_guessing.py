@@ -9,15 +9,25 @@ import httpx
 import pytest
 
 from app.key_access import PER_CLIENT
-from test_login import engine, running  # noqa: F401 (the module's engine fixture)
+from engine import Engine
+from test_login import running
+from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.fast
 
 KEY = "s3cret-ключ"  # non-ASCII: sent as UTF-8 bytes in a header, it must still match
 
 
+@pytest.fixture(scope="module")
+def engine():
+    lm = tiny_llama()
+    engine = Engine(lm.name, load=lambda name, **_: lm).start()
+    yield engine
+    engine.stop()
+
+
 @pytest.fixture
-def server(engine, tmp_path):  # noqa: F811
+def server(engine, tmp_path):
     with running(engine, tmp_path, KEY) as s:
         yield s
 
