@@ -146,10 +146,14 @@ def migrate(db: sqlite3.Connection, target: int = SCHEMA_VERSION) -> int:
     return max(_version(db), target)
 
 
+class DatabaseTooNew(RuntimeError):
+    """The database was written by a newer mlxchat; the message says so, for one `Error:` line."""
+
+
 def _version(db: sqlite3.Connection) -> int:
     version = db.execute("PRAGMA user_version").fetchone()[0]
     if version > SCHEMA_VERSION:
-        raise RuntimeError(
+        raise DatabaseTooNew(
             f"the database is schema version {version}, newer than this mlxchat ({SCHEMA_VERSION})"
         )
     return version
