@@ -439,11 +439,12 @@ async def chat_completions(request: Request) -> Response:
                              "model_loading", headers={"Retry-After": "5"})
         wanted = body.get("model") if isinstance(body, dict) else None
         if isinstance(wanted, str) and wanted != engine.model_name:
-            parse_chat_request(body, wanted, engine.defaults)  # a bad request loads nothing
+            # a bad request loads nothing; tool schemas compile off the event loop
+            await asyncio.to_thread(parse_chat_request, body, wanted, engine.defaults)
             await use_model(request, wanted)
-        chat = parse_chat_request(body, engine.model_name, engine.defaults)
+        chat = await asyncio.to_thread(parse_chat_request, body, engine.model_name, engine.defaults)
         speculative = parse_speculative(body.get("speculative"))
-        messages = _truncated(engine, body.get("truncate"), chat)
+        messages = await asyncio.to_thread(_truncated, engine, body.get("truncate"), chat)
         handles = await submit_choices(engine, messages, chat.params, chat.n, speculative,
                                        tools=chat.tools, split_reasoning=chat.split_reasoning,
                                        keep_alive=chat.keep_alive)

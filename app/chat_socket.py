@@ -154,7 +154,8 @@ async def _turn(app: Any, cid: int, action: str, data: dict[str, Any], gen: _Gen
     title = conv.title
     try:
         params = sampling_params(conv.settings, engine.defaults)
-        conv, overflow_notice = prepare_send(engine, storage, conv, action, data, params.max_tokens)
+        conv, overflow_notice = await asyncio.to_thread(prepare_send, engine, storage, conv, action,
+                                                        data, params.max_tokens)
         if overflow_notice:  # too long for the context: nothing is recorded, the user chooses
             await pages.send(cid, overflow_notice
                              + render("_composer_actions.html", generating=False, oob=True))
@@ -184,8 +185,9 @@ async def _turn(app: Any, cid: int, action: str, data: dict[str, Any], gen: _Gen
     text, final, error = "", None, None
     try:
         await pages.send(cid, opening)
-        gen.handle = await start(engine, answer_messages(engine, conv.settings, path[:-1],
-                                                         params.max_tokens), params, speculative)
+        messages = await asyncio.to_thread(answer_messages, engine, conv.settings, path[:-1],
+                                           params.max_tokens)
+        gen.handle = await start(engine, messages, params, speculative)
         if gen.stop_requested:  # Stop pressed before the request existed
             gen.handle.cancel()
         with app.state.runs.track(gen.handle):

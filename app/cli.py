@@ -66,7 +66,7 @@ def _engine(model: str | None, device: str) -> Engine:
     return Engine(model).start()
 
 
-def _fail(exc: EngineError) -> None:
+def _fail(exc: Exception) -> None:
     click.echo(f"Error: {exc}", err=True)
     sys.exit(1)
 
@@ -249,6 +249,7 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
     model and follow rank 0 (engine/distributed/)."""
     from app.api_serving import parse_aliases
     from app.server import serve as run_server
+    from app.storage import DatabaseTooNew
     from engine import Cluster, select_device
 
     try:
@@ -265,7 +266,7 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
                    allow_remote=allow_remote, api_key=api_key, no_api_key=no_api_key,
                    keep_alive=-1 if keep_alive is None else keep_alive, cluster=cluster,
                    aliases=aliases, allowed_origins=allow_origins, extra_hosts=allow_hosts)
-    except EngineError as exc:
+    except (EngineError, DatabaseTooNew) as exc:
         _fail(exc)
 
 

@@ -53,4 +53,5 @@ def count_tokens(engine: Engine, *, text: str | None = None, messages: list[dict
         raise EngineError("no model is loaded yet")
     if text is not None and not text.strip():
         return 0
-    return len(_build_prompt(lm, messages=messages, text=text, tools=tools).tokens)
+    return len(_build_prompt(lm, messages=messages, text=text, tools=tools,
+                             with_checkpoints=False).tokens)

@@ -118,13 +118,14 @@ class PrefixStore(Protocol):
 
 def build_prompt(lm: LoadedModel, messages: Sequence[dict] | None = None,
                  prompt_tokens: Sequence[int] | None = None, text: str | None = None,
-                 tools: ToolRequest | None = None) -> Prompt:
-    """Exactly one of messages (chat template, with `tools` offered), prompt_tokens or text (raw)."""
+                 tools: ToolRequest | None = None, with_checkpoints: bool = True) -> Prompt:
+    """Exactly one of messages (chat template, with `tools` offered), prompt_tokens or text (raw).
+    Without `with_checkpoints` a rendered prompt's only checkpoint is its end (to count tokens)."""
     if sum(x is not None for x in (messages, prompt_tokens, text)) != 1:
         raise InvalidRequest("give exactly one of messages, prompt_tokens or text")
     if messages is not None:
         msgs, kwargs = prepare_tools(lm.tokenizer, messages, tools)
-        return render(lm.tokenizer, msgs, **kwargs)
+        return render(lm.tokenizer, msgs, with_checkpoints=with_checkpoints, **kwargs)
     if text is not None:
         return encode_text(lm.tokenizer, text)
     tokens = list(prompt_tokens or [])
