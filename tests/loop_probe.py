@@ -8,6 +8,11 @@ from typing import Iterator
 
 import httpx
 
+# The longest /health round trip a test accepts while one heavy request is prepared. The stalls
+# these tests guard against lasted from 5 s to 13 minutes; the p99 goal (100 ms) is measured by a benchmark, not
+# asserted, since a shared 2-core CI machine stretches any one round trip.
+STALL_S = 3.0
+
 
 class HealthProbe:
     """Round trips of `/health` in seconds (`latencies`), polled until the `with` block ends."""

@@ -10,12 +10,11 @@ import pytest
 
 from engine.decoding import chat as chat_render
 from live_server import engine_serving
-from loop_probe import health_probe
+from loop_probe import STALL_S, health_probe
 from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.fast
 
-STALL_S = 1.0
 
 
 @pytest.fixture(scope="module")
