@@ -40,6 +40,7 @@ from ..loading.registry import LoadedModel, ModelInfo, capabilities, list_models
 from ..decoding.defaults import ModelDefaults, resolve_defaults
 from ..decoding.sampling import SamplingParams
 from ..decoding.tools import ToolRequest
+from .embeddings import EmbeddingHandle, EmbeddingInput, EmbeddingQueue
 from .keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class EngineStatus:
     memory_budget: int
     reserved_bytes: int  # model-cache memory reserved by the admitted requests
     resident: bool = False  # the model's weights are in memory (not unloaded after an idle time)
+    embedding_models: tuple[str, ...] = ()  # dedicated embedding models loaded beside it
 
 
 @dataclass(eq=False)
@@ -217,7 +219,8 @@ class Engine:
         self._preparing: list[RequestHandle] = []  # loading_draft
         # SimpleQueues: the scheduler checks both every tick, and their `empty` is one C call
         self._control: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
-        self._soon: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()  # between ticks: drafts
+        self._soon: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()  # between ticks: drafts, embeddings
+        self._embeddings = EmbeddingQueue(self)
         # The resident draft (at most one), by identity, and the spellings known to name it;
         # changed under the lock by the loader thread and on model changes.
         self._drafts: dict[str, tuple[LoadedModel, SpeculatorFactory]] = {}
@@ -276,6 +279,7 @@ class Engine:
             if self._halted is not None:
                 return
             self._halted = reason
+            self._embeddings.fail(reason)
             handles = self._preparing + list(self._queued) + self._running
             self._preparing, self._running = [], []
             self._queued.clear()
@@ -329,7 +333,8 @@ class Engine:
                 loading_drafts=len(self._preparing),
                 batch_rows=len(self._batch) if self._batch is not None else 0,
                 drafts=tuple(self._drafts), memory_budget=self.memory_budget,
-                reserved_bytes=self._reserved, resident=self._resident)
+                reserved_bytes=self._reserved, resident=self._resident,
+                embedding_models=tuple(self._embeddings.resident_models()))
 
     def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         """The model-cache memory a plain request of this size reserves while admitted."""
@@ -549,6 +554,21 @@ class Engine:
             handle._accepted.set_result(None)
         return handle
 
+    def embed(self, inputs: EmbeddingInput | Sequence[EmbeddingInput], *, model: str | None = None,
+              dimensions: int | None = None, truncate: bool = False, query: bool = False,
+              keep_alive: float | str | None = None) -> EmbeddingHandle:
+        """Queue an embedding request without waiting (engine/scheduling/embeddings.py): on the
+        loaded chat model (`model` None or its name) or a dedicated embedding model; raises
+        InvalidRequest or Overloaded at once. Its chunks run between scheduler ticks."""
+        return self._embeddings.submit(inputs, model=model, dimensions=dimensions,
+                                       truncate=truncate, query=query, keep_alive=keep_alive)
+
+    def _between_ticks(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the scheduler thread before its next tick; safe from any thread."""
+        with self._wake:
+            self._soon.put(fn)
+            self._wake.notify_all()
+
     def _load_drafts(self) -> None:
         """The loader thread: load drafts one at a time, off the scheduler thread."""
         while (job := self._draft_jobs.get()) is not None:
@@ -640,7 +660,7 @@ class Engine:
 
     def _serve(self) -> None:
         while self._halted is None:
-            while not self._soon.empty():
+            for _ in range(self._soon.qsize()):  # those posted before this tick: one chunk each
                 self._soon.get()()
             unload, task, running = False, None, []
             with self._wake:  # one lock section per tick: this loop runs once per token
