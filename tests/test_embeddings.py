@@ -19,7 +19,8 @@ from mlx_lm import load as mlx_lm_load
 
 from engine import EMBEDDING_MAX_INPUTS, Engine, InvalidRequest, Overloaded
 from live_server import engine_serving, openai_client
-from tiny_models import QWEN3_EMBEDDING_QUERY, tiny_llama, tiny_qwen3_embedding_folder
+from bench.shapes import QWEN3_EMBEDDING_QUERY
+from tiny_models import tiny_llama, tiny_qwen3_embedding_folder
 
 pytestmark = pytest.mark.fast
 

@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from bench.shapes import build_folder
+from bench.shapes import TINY_QWEN3, build_folder, embedding_folder
 from engine.loading.registry import LoadedModel, load_model
 
 VOCAB = 49152  # the bundled SmolLM2 tokenizer's vocabulary
@@ -99,55 +99,13 @@ def tiny_qwen3_next(seed: int = 0, root: Path | None = None, **overrides: Any) -
     return tiny_model({**QWEN3_NEXT, **overrides}, seed, root)
 
 
-QWEN3 = {
-    "model_type": "qwen3",
-    "hidden_size": 64,
-    "num_hidden_layers": 4,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "rms_norm_eps": 1e-6,
-    "vocab_size": VOCAB,
-    "rope_theta": 1000000.0,
-    "max_position_embeddings": 512,  # small, so that a test can go past it
-    "tie_word_embeddings": True,
-}
-
-# Qwen3-Embedding's sentence-transformers files, as its repository ships them.
-QWEN3_EMBEDDING_QUERY = ("Instruct: Given a web search query, retrieve relevant passages that "
-                         "answer the query\nQuery:")
-_SENTENCE_TRANSFORMERS = {
-    "modules.json": [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
-    ],
-    "1_Pooling/config.json": {
-        "word_embedding_dimension": QWEN3["hidden_size"], "pooling_mode_cls_token": False,
-        "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
-        "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
-        "pooling_mode_lasttoken": True, "include_prompt": True},
-    "config_sentence_transformers.json": {
-        "prompts": {"query": QWEN3_EMBEDDING_QUERY, "document": ""}, "default_prompt_name": None,
-        "similarity_fn_name": "cosine"},
-}
+QWEN3 = TINY_QWEN3  # a short context (512), so that a test can go past it
 
 
 def tiny_qwen3_embedding_folder(seed: int = 0, root: Path | None = None) -> Path:
     """A tiny random qwen3 mlx-lm folder with Qwen3-Embedding's sentence-transformers files
     (last-token pooling, its query prompt): a dedicated embedding model as the engine sees one."""
-    folder = build_folder(QWEN3, seed, root)
-    target = folder.with_name(f"{folder.name}-embedding")
-    if not (target / "model.safetensors").exists():
-        tmp = target.with_name(target.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(folder, tmp)
-        for name, content in _SENTENCE_TRANSFORMERS.items():
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            (tmp / name).write_text(json.dumps(content, indent=2))
-        tmp.rename(target)
-    return target
+    return embedding_folder(QWEN3, seed, root)
 
 
 # Marker tokens a tokenizer of a tool-calling, thinking family has (as added tokens, one id each).

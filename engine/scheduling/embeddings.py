@@ -277,12 +277,7 @@ class EmbeddingQueue:
         self._kick()
 
     def _step(self, job: _Job, model: Any) -> None:
-        picked, width = [], 0
-        for i in job.order[job.done:]:
-            width = max(width, len(job.rows[i]))
-            if picked and (width * (len(picked) + 1) > CHUNK_TOKENS or len(picked) >= CHUNK_ROWS):
-                break
-            picked.append(i)
+        picked = next_chunk(job.rows, job.order[job.done:])
         vectors = np.array(embed_batch(model, [job.rows[i] for i in picked], job.model.recipe,
                                        job.dimensions))
         if job.vectors is None:
@@ -389,6 +384,19 @@ class EmbeddingQueue:
     def resident_models(self) -> list[str]:
         """The dedicated embedding models whose weights are loaded now."""
         return [t.name for t in list(self._dedicated.values()) if t.loaded is not None]
+
+
+def next_chunk(rows: Sequence[Sequence[int]], order: Sequence[int]) -> list[int]:
+    """The rows (indices, taken from the front of `order`) of the next model call: as many as
+    fit CHUNK_TOKENS once padded to the longest of them, at most CHUNK_ROWS, at least one."""
+    picked: list[int] = []
+    width = 0
+    for i in order:
+        width = max(width, len(rows[i]))
+        if picked and (width * (len(picked) + 1) > CHUNK_TOKENS or len(picked) >= CHUNK_ROWS):
+            break
+        picked.append(i)
+    return picked
 
 
 def _is_id(value: Any) -> bool:
