@@ -4,7 +4,7 @@
      "encoding_format": "float" | "base64", "dimensions": 256}
 
 `model` names the loaded chat model (its mean-pooled last hidden state) or a dedicated embedding
-model (Qwen3-Embedding, loaded beside the chat model). `base64` is the vector's little-endian
+model (Qwen3-Embedding, loaded beside the chat model), after the `--model-alias` table. `base64` is the vector's little-endian
 float32 bytes, which the openai SDK asks for by default. Extensions: `input_type` "query" puts a
 dedicated model's query instruction before each input ("document", the default, its document
 prompt); `truncate: true` cuts inputs longer than the model's context instead of refusing them;
@@ -24,8 +24,9 @@ from starlette.routing import Route
 
 from engine import EngineError, Embeddings, InvalidRequest, ModelLoadError, Overloaded
 
-from .api import INLINE_BODY_BYTES, _typed, load_body
+from .api import _typed
 from .api_errors import ApiError, check_fields
+from .api_serving import aliased, read_body
 
 ENCODINGS = ("float", "base64")
 INPUT_TYPES = ("query", "document")
@@ -68,10 +69,7 @@ def _encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
 async def embeddings(request: Request) -> Response:
     engine = request.app.state.engine
     try:
-        raw = await request.body()
-        body = load_body(raw) if len(raw) < INLINE_BODY_BYTES else \
-            await asyncio.to_thread(load_body, raw)
-        check_fields(body, _FIELDS)
+        body = check_fields(await read_body(request), _FIELDS)
         if body.get("input") is None:
             raise ApiError(400, "'input' is required", "input", "missing_required_parameter")
         encoding = _typed(body, "encoding_format", str) or "float"
@@ -82,7 +80,10 @@ async def embeddings(request: Request) -> Response:
         if input_type not in INPUT_TYPES:
             raise ApiError(400, f"'input_type' must be one of {', '.join(INPUT_TYPES)}",
                            "input_type", "invalid_value")
-        result = await embed(engine, body["input"], model=_typed(body, "model", str),
+        model = _typed(body, "model", str)
+        if model is not None:  # `--model-alias text-embedding-*=...` for clients' own names
+            model = aliased(getattr(request.app.state, "aliases", {}), model)
+        result = await embed(engine, body["input"], model=model,
                              dimensions=_typed(body, "dimensions", int),
                              truncate=bool(_typed(body, "truncate", bool)),
                              query=input_type == "query", keep_alive=body.get("keep_alive"))

@@ -213,3 +213,12 @@ def test_bad_requests_get_4xx_in_openai_shape(server, chat_lm, body, status, par
 def test_openai_client_raises_for_bad_input(server, chat_lm):
     with pytest.raises(openai.BadRequestError):
         openai_client(server).embeddings.create(model=chat_lm.name, input=[])
+
+
+def test_model_alias_names_the_embedding_model(tmp_path, chat_lm, embedder_folder):
+    aliases = {"text-embedding-*": str(embedder_folder)}
+    with engine_serving(tmp_path, chat_lm, aliases=aliases) as s:
+        got = openai_client(s).embeddings.create(model="text-embedding-3-small", input=TEXTS[0])
+    assert got.model == embedder_folder.name
+    want = reference(embedder_folder, TEXTS[:1], "last")[0]
+    assert np.abs(np.array(got.data[0].embedding) - want).max() < TOL

@@ -118,6 +118,7 @@ class EmbeddingQueue:
         self._posted = False  # a chunk is waiting on the scheduler thread
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlxchat-embed-load")
         self._ids = 0
+        self._timer: threading.Timer | None = None  # the next keep-alive check
 
     # -- any thread ------------------------------------------------------------------------------
     def submit(self, inputs: EmbeddingInput | Sequence[EmbeddingInput], *, model: str | None = None,
@@ -161,6 +162,12 @@ class EmbeddingQueue:
             jobs, self._jobs = list(self._jobs), deque()
         for job in jobs:
             job.handle._future.set_exception(EngineError(reason))
+
+    def close(self) -> None:
+        """The engine stops: no more keep-alive checks; the loader thread ends."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._loader.shutdown(wait=True, cancel_futures=True)
 
     def pending(self) -> int:
         with self._lock:
@@ -297,10 +304,12 @@ class EmbeddingQueue:
         else:
             target.idle_since, target.keep_alive = time.monotonic(), job.keep_alive
             if job.keep_alive is not None:
-                timer = threading.Timer(job.keep_alive + 0.05,
-                                        lambda: self._engine._between_ticks(self._expire))
-                timer.daemon = True
-                timer.start()
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timer = threading.Timer(job.keep_alive + 0.05,
+                                              lambda: self._engine._between_ticks(self._expire))
+                self._timer.daemon = True
+                self._timer.start()
         if failure is not None:
             job.handle._future.set_exception(failure)
         else:

@@ -266,6 +266,7 @@ class Engine:
             # a halted engine's thread may be blocked for good (see `halt`)
             self._thread.join(timeout=1 if self._halted else 30)
         self._draft_jobs.put(None)
+        self._embeddings.close()
         if self.prefix_cache is not None and self.persist_prefix_cache:
             # so that reopening the app continues long conversations without re-prefill
             self.prefix_cache.persist(max_bytes=PERSIST_BYTES)
