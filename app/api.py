@@ -19,7 +19,7 @@ from starlette.routing import Route
 
 from engine import (SAMPLING_OPTIONS, EngineError, InvalidRequest, ModelDefaults, Overloaded,
                     RequestHandle, SamplingParams, SpeculativeOptions, ToolRequest, Usage,
-                    device_report, keep_alive_seconds, tool_request)
+                    device_report, effort_budget, keep_alive_seconds, tool_request)
 
 from .api_choices import (MAX_CHOICES, collect_choices, logprobs_body, merged, message_body,
                           start_choices, system_fingerprint, tool_call_deltas, total_usage,
@@ -53,6 +53,8 @@ _FIELDS.add("reasoning_format")
 _FIELDS.add("truncate")
 REASONING_FORMATS = ("auto", "none")
 _FIELDS.add("keep_alive")  # as Ollama's: how long the model stays loaded after this request
+# A thinking budget by effort (engine EFFORT_BUDGETS); `thinking_budget` (tokens) wins if both.
+_FIELDS.add("reasoning_effort")
 _SPECULATIVE = {"draft": str, "k": int, "adaptive": bool}
 # Deeper JSON is refused before anything walks it recursively (schemas, the chat template).
 MAX_DEPTH = 64
@@ -197,6 +199,9 @@ def parse_chat_request(body: Any, model_name: str | None,
         sampling["json_schema"] = schema
     sampling.update(_choice_options(body))
     try:
+        effort = body.get("reasoning_effort")
+        if effort is not None and "thinking_budget" not in sampling:
+            sampling["thinking_budget"] = effort_budget(effort)
         params = defaults.params(sampling) if defaults is not None else SamplingParams(**sampling)
         keep_alive_seconds(body.get("keep_alive"))
         tools = tool_request(body.get("tools"), body.get("tool_choice"),

@@ -7,14 +7,17 @@ messages), `SamplingParams` and a `ToolRequest` (`tool_choice` any/tool decode u
 grammar, as OpenAI's required/named do); the engine's events become Anthropic's content blocks
 and stream events. The prefix cache's reuse is reported as `cache_read_input_tokens`.
 
+`thinking: {"type": "enabled", "budget_tokens": N}` is the engine's thinking budget (the model's
+closing marker is forced after N tokens of thinking; "disabled": at once).
+
 Tolerant as its clients need: fields and block types that ask for nothing this server must do
-(`cache_control`, `metadata`, `thinking`, `output_config`, `context_management`, server tools
-...) are accepted and ignored; `max_tokens` is clamped to the context the prompt leaves; any model
-name runs on the loaded model unless an alias (`--model-alias`) or a local model's own name says
-otherwise. Not supported: images and documents (a clear 400), a thinking budget (accepted,
-not enforced yet).
+(`cache_control`, `metadata`, `thinking: adaptive`, `output_config`, `context_management`, server
+tools ...) are accepted and ignored; `max_tokens` is clamped to the context the prompt leaves; any
+model name runs on the loaded model unless an alias (`--model-alias`) or a local model's own name
+says otherwise. Not supported: images and documents (a clear 400).
 """
 
+import asyncio
 import json
 import time
 import uuid
@@ -24,12 +27,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine import EngineError, Event, InvalidRequest, count_tokens, tool_request
+from engine import EngineError, Event, InvalidRequest, Usage, count_tokens, tool_request
 
 from .api import parse_messages, public_error, sse_response, submit_choices
 from .api_choices import Choice, collect_choices, merged
 from .api_errors import ApiError
-from .api_serving import fit_max_tokens, read_body, use_named_model, watched
+from .api_serving import read_body, use_named_model, watched
 from .error_shapes import api_error
 from .sse import sse
 
@@ -149,6 +152,21 @@ def _tools(body: dict[str, Any]) -> Any:
         raise _bad(str(exc), exc.field) from None
 
 
+def _thinking(value: Any) -> int | None:
+    """`thinking`: enabled with `budget_tokens` sets the thinking budget, disabled answers at
+    once; adaptive (Claude Code) and absent leave the model's own way."""
+    if not isinstance(value, dict):
+        return None
+    if value.get("type") == "disabled":
+        return 0
+    budget = value.get("budget_tokens")
+    if value.get("type") == "enabled" and budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise _bad("'thinking.budget_tokens' must be a non-negative integer", "thinking")
+        return budget
+    return None
+
+
 def _number(body: dict[str, Any], name: str, kind: type) -> Any:
     value = body.get(name)
     if value is None:
@@ -178,6 +196,9 @@ def parse(body: Any) -> tuple[list[dict[str, Any]], dict[str, Any], Any, bool]:
     for name, kind in (("temperature", float), ("top_p", float), ("top_k", int)):
         if (value := _number(body, name, kind)) is not None:
             sampling[name] = value
+    budget = _thinking(body.get("thinking"))
+    if budget is not None:
+        sampling["thinking_budget"] = budget
     stops = body.get("stop_sequences")
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
@@ -190,12 +211,11 @@ def parse(body: Any) -> tuple[list[dict[str, Any]], dict[str, Any], Any, bool]:
     return messages, sampling, _tools(body), stream
 
 
-def _usage(final: Event | None, prompt_tokens: int) -> dict[str, int]:
-    usage = final.usage if final is not None else None
-    cached = usage.cached_tokens if usage else 0
-    prompt = usage.prompt_tokens if usage and usage.prompt_tokens else prompt_tokens
-    return {"input_tokens": prompt - cached, "output_tokens": usage.completion_tokens if usage else 0,
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+def _usage(usage: Usage) -> dict[str, int]:
+    """Anthropic's usage: input tokens computed, and those read from the prefix cache apart."""
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
+            "output_tokens": usage.completion_tokens,
+            "cache_read_input_tokens": usage.cached_tokens, "cache_creation_input_tokens": 0}
 
 
 def _stop(final: Event) -> tuple[str, str | None]:
@@ -235,18 +255,16 @@ async def messages_endpoint(request: Request) -> Response:
         messages, sampling, tools, stream = parse(body)
         model = await use_named_model(request, body.get("model"))
         try:
-            prompt_tokens, sampling["max_tokens"] = await fit_max_tokens(
-                engine, messages, sampling["max_tokens"], tools)
             params = engine.defaults.params(sampling)
         except InvalidRequest as exc:
             raise ApiError(400, public_error(str(exc)), exc.field, exc.code) from None
         handles = await submit_choices(engine, messages, params, 1, None, tools=tools,
-                                       split_reasoning=True)
+                                       split_reasoning=True, fit_max_tokens=True)
     except ApiError as exc:
         return _error(exc)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     if stream:
-        return sse_response(_stream(request, handles, message_id, model, prompt_tokens))
+        return sse_response(_stream(request, handles, message_id, model))
     async with watched(request, handles):
         choice = (await collect_choices(handles))[0]
     final = choice.final
@@ -255,7 +273,7 @@ async def messages_endpoint(request: Request) -> Response:
     stop_reason, stop_sequence = _stop(final)
     return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": model,
                          "content": _content(choice), "stop_reason": stop_reason,
-                         "stop_sequence": stop_sequence, "usage": _usage(final, prompt_tokens)})
+                         "stop_sequence": stop_sequence, "usage": _usage(final.usage)})
 
 
 def _event(kind: str, payload: dict[str, Any]) -> str:
@@ -284,18 +302,22 @@ class _Blocks:
         return [_event("content_block_stop", {"index": self.index})]
 
 
-async def _stream(request: Request, handles: list, message_id: str, model: str,
-                  prompt_tokens: int) -> AsyncIterator[str]:
+async def _stream(request: Request, handles: list, message_id: str,
+                  model: str) -> AsyncIterator[str]:
     """Anthropic's event sequence: message_start, ping, content blocks with their deltas,
-    message_delta (stop_reason, usage), message_stop; a failure becomes an `error` event."""
-    start_usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
-    yield _event("message_start", {"message": {
-        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
-        "stop_reason": None, "stop_sequence": None, "usage": start_usage}})
-    yield _event("ping", {})
-    blocks, last_ping = _Blocks(), time.monotonic()
+    message_delta (stop_reason, usage), message_stop; a failure becomes an `error` event.
+    message_start goes out with the first event, once the prefix cache's reuse is known, so its
+    usage counts input tokens as every later usage does."""
+    blocks, last_ping, started = _Blocks(), time.monotonic(), False
     async with watched(request, handles):
         async for _, event in merged(handles):
+            if not started:
+                started = True
+                usage = {**_usage(handles[0].usage), "output_tokens": 0}
+                yield _event("message_start", {"message": {
+                    "id": message_id, "type": "message", "role": "assistant", "model": model,
+                    "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}})
+                yield _event("ping", {})
             if event.kind == "token":
                 if not event.text:
                     continue
@@ -332,7 +354,7 @@ async def _stream(request: Request, handles: list, message_id: str, model: str,
             for line in blocks.close():
                 yield line
             stop_reason, stop_sequence = _stop(event)
-            usage = _usage(event, prompt_tokens)
+            usage = _usage(event.usage)
             yield _event("message_delta", {"delta": {"stop_reason": stop_reason,
                                                      "stop_sequence": stop_sequence},
                                            "usage": usage})
@@ -349,7 +371,7 @@ async def count_tokens_endpoint(request: Request) -> Response:
         messages, _, tools, _ = parse(body)
         await use_named_model(request, body.get("model"))
         try:
-            n = count_tokens(engine, messages=messages, tools=tools)
+            n = await asyncio.to_thread(count_tokens, engine, messages=messages, tools=tools)
         except EngineError as exc:
             raise ApiError(400 if isinstance(exc, InvalidRequest) else 503, str(exc)) from None
     except ApiError as exc:

@@ -26,14 +26,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine import (DownloadError, EngineError, Event, InvalidRequest, ModelInfo, pull_model,
-                    remove_model, tool_request)
+from engine import (DownloadError, EngineError, Event, InvalidRequest, ModelInfo, effort_budget,
+                    parse_pull_spec, pull_model, remove_model, tool_request)
 
 from .api import parse_messages, public_error, submit_choices
 from .api_choices import Choice, collect_choices, merged
 from .api_errors import ApiError
 from .api_models import local_models
-from .api_serving import fit_max_tokens, read_body, use_named_model, watched
+from .api_serving import read_body, use_named_model, watched
 
 # The Ollama version we answer as: clients check it (codex --oss needs >= 0.13.4).
 VERSION = "0.13.5"
@@ -171,6 +171,16 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     elif fmt not in (None, ""):
         raise ApiError(400, "'format' must be \"json\" or a JSON schema object")
     out.setdefault("max_tokens", 1 << 30)
+    think = body.get("think")
+    if think is False:
+        out["thinking_budget"] = 0
+    elif isinstance(think, str):
+        try:
+            out["thinking_budget"] = effort_budget(think, "think")
+        except InvalidRequest as exc:
+            raise ApiError(400, str(exc)) from None
+    elif think not in (None, True):
+        raise ApiError(400, "'think' must be true, false, \"low\", \"medium\" or \"high\"")
     return out
 
 
@@ -236,15 +246,13 @@ async def _run(request: Request, messages: list[dict[str, Any]] | None, body: di
     loaded_at = time.perf_counter()
     sampling = _sampling(body)
     try:
-        _, sampling["max_tokens"] = await fit_max_tokens(engine, messages, sampling["max_tokens"],
-                                                         tools, text)
         params = engine.defaults.params(sampling)
     except InvalidRequest as exc:
         raise ApiError(400, public_error(str(exc))) from None
     options = {"text": text} if text is not None else {}
     handles = await submit_choices(engine, messages, params, 1, None, tools=tools,
                                    split_reasoning=True, keep_alive=body.get("keep_alive"),
-                                   **options)
+                                   fit_max_tokens=True, **options)
     return handles, {"model": ollama_name(model), "load_ns": int((loaded_at - started) * 1e9)}, \
         started
 
@@ -393,6 +401,10 @@ async def pull(request: Request) -> Response:
         stream = _stream_flag(body)
     except ApiError as exc:
         return _from(exc)
+    try:
+        parse_pull_spec(_hub_spec(name))
+    except DownloadError as exc:  # not a name the hub has: the client's mistake
+        return _error(400, str(exc).split("\n", 1)[0])
     if local_id(request, name) is not None:  # already here
         done = {"status": "success"}
         return _ndjson(_one(done)) if stream else JSONResponse(done)
@@ -413,7 +425,7 @@ async def pull(request: Request) -> Response:
 
     if not stream:
         failure = await fetch()
-        return _error(500, failure) if failure else JSONResponse({"status": "success"})
+        return _error(502, failure) if failure else JSONResponse({"status": "success"})
 
     async def lines() -> AsyncIterator[dict[str, Any]]:
         yield {"status": "pulling manifest"}

@@ -23,12 +23,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine import Event, InvalidRequest, tool_request
+from engine import Event, InvalidRequest, effort_budget, tool_request
 
 from .api import _json_schema, parse_messages, public_error, sse_response, submit_choices
 from .api_choices import Choice, collect_choices, merged
 from .api_errors import ApiError
-from .api_serving import fit_max_tokens, read_body, use_named_model, watched
+from .api_serving import read_body, use_named_model, watched
 from .error_shapes import api_error
 from .sse import sse
 
@@ -161,6 +161,13 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise _bad("'max_output_tokens' must be a positive integer", "max_output_tokens")
     out["max_tokens"] = limit or 1 << 30
+    reasoning = body.get("reasoning")
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+    if effort is not None:
+        try:
+            out["thinking_budget"] = effort_budget(effort, "reasoning.effort")
+        except InvalidRequest as exc:
+            raise _bad(str(exc), "reasoning.effort") from None
     if (schema := _format(body)) is not None:
         out["json_schema"] = schema
     return out
@@ -251,13 +258,12 @@ async def create(request: Request) -> Response:
         parsed = _Request(await read_body(request), storage)
         model = await use_named_model(request, parsed.body.get("model"))
         try:
-            _, parsed.sampling["max_tokens"] = await fit_max_tokens(
-                engine, parsed.messages, parsed.sampling["max_tokens"], parsed.tools)
             params = engine.defaults.params(parsed.sampling)
         except InvalidRequest as exc:
             raise ApiError(400, public_error(str(exc)), exc.field, exc.code) from None
         handles = await submit_choices(engine, parsed.messages, params, 1, None,
-                                       tools=parsed.tools, split_reasoning=True)
+                                       tools=parsed.tools, split_reasoning=True,
+                                       fit_max_tokens=True)
     except ApiError as exc:
         return exc.response()
     envelope = parsed.envelope(_new("resp"), model, "in_progress")

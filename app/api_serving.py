@@ -1,7 +1,7 @@
 """What every protocol adapter shares on its way to the engine: reading the body (parsed and
 checked off the event loop when large), choosing the model a client names (with the alias table
-for clients that send their own vendor's names), fitting `max_tokens` into the context left, and
-watching the client so that leaving cancels the requests.
+for clients that send their own vendor's names), and watching the client so that leaving cancels
+the requests. (`Engine.submit(fit_max_tokens=True)` fits `max_tokens` into the context left.)
 
 An adapter (OpenAI chat and completions, Anthropic Messages, Ollama) parses its request into
 engine messages + `SamplingParams` + `ToolRequest`, submits through `api.submit_choices`, and
@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Sequence
 
 from starlette.requests import Request
 
-from engine import InvalidRequest, RequestHandle, ToolRequest, count_tokens
+from engine import RequestHandle
 
 from .api import INLINE_BODY_BYTES, cancel_on_disconnect, load_body
 from .api_choices import tracked
@@ -62,21 +62,6 @@ async def use_named_model(request: Request, name: Any) -> str:
         raise ApiError(503, "a model is loading; try again shortly", "server_error",
                        "model_loading", headers={"Retry-After": "5"})
     return engine.model_name
-
-
-async def fit_max_tokens(engine: Any, messages: list[dict[str, Any]] | None, max_tokens: int,
-                         tools: ToolRequest | None, text: str | None = None) -> tuple[int, int]:
-    """(prompt tokens, `max_tokens` clamped to the context the prompt leaves), as clients such as
-    Claude Code expect (it always asks for 32,000); a prompt that alone fills the context is
-    refused (InvalidRequest, `context_length_exceeded`). `text`: a raw prompt instead."""
-    prompt = await asyncio.to_thread(count_tokens, engine, messages=messages, tools=tools,
-                                     text=text)
-    left = engine.model.context_length - prompt
-    if left < 1:
-        raise InvalidRequest(f"the prompt is {prompt} tokens, which fills this model's context "
-                             f"of {engine.model.context_length} tokens", field="messages",
-                             code="context_length_exceeded")
-    return prompt, min(max_tokens, left)
 
 
 @contextlib.asynccontextmanager

@@ -36,7 +36,7 @@ from .folder_lock import FolderBusy, FolderLock
 from .runs import Runs
 from .security import (LOOPBACK_NAMES, ApiKeyGuard, BodyLimit, HostGuard, OriginGuard,
                        SecurityHeaders, is_loopback)
-from .storage import Storage
+from .storage import NewerDatabase, Storage, default_db_path
 from .turns import Conversations
 
 STATIC_DIR = Path(static.__file__).parent
@@ -173,6 +173,10 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _check_remote(host: str, allow_remote: bool, api_key: str | None, no_api_key: bool) -> None:
+    if api_key is not None and not api_key.isascii():
+        # HTTP headers carry bytes: a client sending the key as UTF-8 could never match it
+        raise SystemExit("the API key must be ASCII (letters, digits, punctuation): "
+                         "clients send it in an HTTP header.")
     if is_loopback(host):
         return
     if not allow_remote:
@@ -218,7 +222,11 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
 def _run(sock: socket.socket, host: str, port: int, model: str | None, open_browser: bool,
          api_key: str | None, keep_alive: float | str | None, cluster: Cluster | None,
          app_options: dict[str, Any], extra_hosts: tuple[str, ...]) -> None:
-    storage = Storage()
+    try:
+        storage = Storage()
+    except NewerDatabase as exc:
+        raise SystemExit(f"{exc}: {default_db_path()}. Upgrade mlxchat, or point "
+                         "MLXCHAT_HOME at another folder.") from None
     if storage.moved_aside is not None:
         print(f"The database was damaged: kept it as {storage.moved_aside} and started a new one.",
               file=sys.stderr)

@@ -155,10 +155,14 @@ def migrate(db: sqlite3.Connection, target: int = SCHEMA_VERSION) -> int:
     return max(_version(db), target)
 
 
+class NewerDatabase(RuntimeError):
+    """The database was written by a newer mlxchat: this one must not touch it."""
+
+
 def _version(db: sqlite3.Connection) -> int:
     version = db.execute("PRAGMA user_version").fetchone()[0]
     if version > SCHEMA_VERSION:
-        raise RuntimeError(
+        raise NewerDatabase(
             f"the database is schema version {version}, newer than this mlxchat ({SCHEMA_VERSION})"
         )
     return version

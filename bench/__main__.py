@@ -215,7 +215,7 @@ def suite_prefix(lm, shape: str, a) -> list[Row]:
             + ("trimmable KV: longest common prefix" if trimmable else
                "non-trimmable linear-attention state: only its end-of-system-prompt snapshot") + ")"),
         Row("prefix", shape, "TTFT cold", "ms", c * 1e3, m * 1e3, "mlx_lm.stream_generate", "",
-            f"{len(tokens)} tokens, nothing cached; ours prefills in {default_prefill_chunk()}-token "
+            f"{len(tokens)} tokens, nothing cached; ours prefills in {default_prefill_chunk(lm)}-token "
             "chunks stopping only where a snapshot is taken, mlx-lm in 2048-token chunks; our snapshot "
             f"saves inside it {common.fmt(common.median(diag['cold_save_ms']))} ms; ours without a "
             "prefix cache by prefill chunk: " + ", ".join(

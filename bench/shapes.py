@@ -58,6 +58,12 @@ _QWEN3_5_HYBRID = {
                             "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]},
     },
 }
+# Qwen3.5-9B's text model (its published config.json; the vision tower left out): the small
+# hybrid's layout at the 9B's sizes. The founding demonstration ran it at 8 bits on a 24 GiB Mac.
+_QWEN3_5_9B = {"model_type": "qwen3_5", "text_config": {
+    **_QWEN3_5_HYBRID["text_config"], "hidden_size": 4096, "num_hidden_layers": 32,
+    "intermediate_size": 12288, "num_attention_heads": 16, "num_key_value_heads": 4,
+    "tie_word_embeddings": False, "linear_num_value_heads": 32}}
 # tests/tiny_models.py's hybrid with Qwen3.5's linear-attention head sizes, for CPU runs of the
 # hybrid suite.
 _TINY_HYBRID = {
@@ -89,6 +95,9 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("smollm2-135m", _SMOLLM2_135M, about="SmolLM2-135M shape, bf16"),
     Shape("qwen3-8b", _QWEN3_8B, about="Qwen3-8B shape, bf16"),
     Shape("qwen3-8b-8bit", _QWEN3_8B, bits=8, about="Qwen3-8B shape, 8-bit (group 64)"),
+    Shape("qwen3-8b-4bit", _QWEN3_8B, bits=4, about="Qwen3-8B shape, 4-bit (group 64)"),
+    Shape("qwen3_5-9b-8bit", _QWEN3_5_9B, bits=8,
+          about="Qwen3.5-9B shape (the founding demo's model), 8-bit (group 64)"),
     Shape("qwen3_5-hybrid", _QWEN3_5_HYBRID, about="Qwen3.5 hybrid shape (~0.8B, linear attention), bf16"),
     Shape("tiny", _TINY, about="2-layer llama, for CPU tests of the bench itself"),
     Shape("tiny-hybrid", _TINY_HYBRID, about="4-layer Qwen3.5-style hybrid with real linear-attention heads, for CPU"),

@@ -133,7 +133,7 @@ def test_queue_bound_and_one_chunk_between_ticks(engine):
         entered.set()
         gate.wait(30)
 
-    engine._between_ticks(hold)
+    engine._later(hold)
     assert entered.wait(30)
     try:
         handles = [engine.embed(TEXTS) for _ in range(8)]

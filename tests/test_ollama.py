@@ -201,3 +201,9 @@ def test_without_allow_origin_an_extension_is_refused(server):
     r = httpx.post(f"{server.url}/api/chat", headers={"Origin": "chrome-extension://abcdef"},
                    json={"model": server.model, "messages": []})
     assert r.status_code == 403 and r.json() == {"error": "Cross-origin request refused"}
+
+
+def test_pulling_a_name_the_hub_cannot_have_is_a_400(server):
+    for stream in (False, True):
+        r = httpx.post(f"{server.url}/api/pull", json={"model": "llama3.2", "stream": stream})
+        assert r.status_code == 400 and "repository id" in r.json()["error"]

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from engine.decoding.generate import build_prompt, generate
-from engine.cache.prefix_cache import KVCache, PrefixCache
+from mlx_lm.models.cache import KVCache
+from engine.cache.prefix_cache import PrefixCache
 from engine.decoding.sampling import SamplingParams, preset
 from tiny_models import tiny_llama, tiny_qwen3_5
 

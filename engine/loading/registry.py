@@ -20,6 +20,7 @@ from ..errors import ModelLoadError
 from .gguf import convert_gguf
 from .hub import hub_cache_dir
 from .memory import shortfall, weight_files_bytes
+from ..kernels.caches import LOCAL, CacheOps
 from ..kernels.fastest import fastest_layout
 from ..kernels.gated_delta import use_chunked_prefill
 from ..paths import cache_dir
@@ -73,6 +74,7 @@ class LoadedModel:
     config: dict[str, Any]
     path: Path
     extras: dict[str, Any] = field(default_factory=dict)
+    caches: CacheOps = LOCAL  # how the engine copies, restores and batches its caches
 
     @functools.cached_property
     def weights_digest(self) -> str:
@@ -217,6 +219,7 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
     from mlx_lm.utils import load_model as mlx_lm_load_model, load_tokenizer
 
     from .gemma2_window import model_classes
+    from .shardable import check_shardable
 
     try:
         display, folder = resolve(name)
@@ -235,6 +238,7 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
             return load_model(None, transform=transform)
         raise
     if group is not None:
+        check_shardable(display, config, group.size())
         if not hasattr(model, "shard"):
             raise ModelLoadError(f"mlx-lm cannot shard {display!r} ({config.get('model_type')})")
         model.shard(group)

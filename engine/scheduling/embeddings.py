@@ -261,7 +261,7 @@ class EmbeddingQueue:
             if self._posted or not self._jobs:
                 return
             self._posted = True
-        self._engine._between_ticks(self._run_chunk)
+        self._engine._later(self._run_chunk)
 
     # -- the scheduler thread -------------------------------------------------------------------
     def _run_chunk(self) -> None:
@@ -300,14 +300,14 @@ class EmbeddingQueue:
         target = job.model
         if target.chat is not None:
             with self._engine._lock:
-                self._engine._touch(job.keep_alive)
+                self._engine.slot.touch(job.keep_alive)
         else:
             target.idle_since, target.keep_alive = time.monotonic(), job.keep_alive
             if job.keep_alive is not None:
                 if self._timer is not None:
                     self._timer.cancel()
                 self._timer = threading.Timer(job.keep_alive + 0.05,
-                                              lambda: self._engine._between_ticks(self._expire))
+                                              lambda: self._engine._later(self._expire))
                 self._timer.daemon = True
                 self._timer.start()
         if failure is not None:
@@ -349,7 +349,7 @@ class EmbeddingQueue:
             loaded: LoadedModel | Exception = load_model(str(target.folder))
         except Exception as exc:  # every request waiting for it fails
             loaded = exc
-        self._engine._between_ticks(lambda: self._loaded(target, loaded))
+        self._engine._later(lambda: self._loaded(target, loaded))
 
     def _loaded(self, target: _Model, loaded: "LoadedModel | Exception") -> None:
         self._loading = None
