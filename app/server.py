@@ -28,7 +28,8 @@ from starlette.staticfiles import StaticFiles
 import static
 from engine import DEFAULT_KEEP_ALIVE_S, Cluster, Engine, data_dir, describe_device
 
-from . import api, api_anthropic, api_completions, api_ollama, api_responses, login, ui
+from . import (api, api_anthropic, api_completions, api_embeddings, api_ollama, api_responses, login,
+               ui)
 from .api_errors import http_error
 from .connections import HeaderTimeoutProtocol
 from .folder_lock import FolderBusy, FolderLock
@@ -61,7 +62,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     access = KeyAccess(api_key)
     app = Starlette(
         routes=[*api.routes, *api_completions.routes, *api_anthropic.routes, *api_ollama.routes,
-                *api_responses.routes,
+                *api_responses.routes, *api_embeddings.routes,
                 *login.routes,
                 *ui.routes,
                 Mount("/static", StaticFiles(directory=STATIC_DIR))],

@@ -24,6 +24,7 @@ from .loading.hub import DownloadProgress, parse_spec as parse_pull_spec, pull a
 from .loading.hub import remove as remove_model
 from .loading.registry import ModelInfo, list_models
 from .paths import cache_dir, data_dir
+from .scheduling.embeddings import MAX_INPUTS as EMBEDDING_MAX_INPUTS, EmbeddingHandle, Embeddings
 from .scheduling.keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
 from .scheduling.requests import RequestHandle
 from .scheduling.service import Engine, EngineStatus
@@ -32,6 +33,7 @@ from .decoding.generate import build_prompt as _build_prompt
 
 __all__ = [
     "Cluster", "DEFAULTABLE", "DEFAULT_KEEP_ALIVE_S", "DEFAULT_SOURCES", "DEVICES", "PRESETS", "SAMPLING_OPTIONS",
+    "EMBEDDING_MAX_INPUTS", "EmbeddingHandle", "Embeddings",
     "Channel", "Default", "DownloadCancelled", "DownloadError", "DownloadProgress", "DraftChoice",
     "Engine", "EngineError", "EngineStatus", "Event", "FinishReason", "InvalidRequest",
     "ModelDefaults", "ModelDescription", "ModelInfo", "ModelLoadError", "Overloaded",

@@ -11,6 +11,7 @@ folder is built once per cache directory and reused.
     lm = tiny_llama()          # dense: every layer a trimmable KVCache
     lm = tiny_qwen3_5()        # hybrid: ArraysCache (linear attention) + KVCache every 4th layer
     lm = tiny_qwen3_next()     # hybrid, Qwen3-Next layout
+    folder = tiny_qwen3_embedding_folder()   # a Qwen3-Embedding-shaped folder (last-token pooling)
 """
 
 import hashlib
@@ -19,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from bench.shapes import build_folder
+from bench.shapes import TINY_QWEN3, build_folder, embedding_folder
 from engine.loading.registry import LoadedModel, load_model
 
 VOCAB = 49152  # the bundled SmolLM2 tokenizer's vocabulary
@@ -96,6 +97,15 @@ def tiny_qwen3_5(seed: int = 0, root: Path | None = None, **overrides: Any) -> L
 
 def tiny_qwen3_next(seed: int = 0, root: Path | None = None, **overrides: Any) -> LoadedModel:
     return tiny_model({**QWEN3_NEXT, **overrides}, seed, root)
+
+
+QWEN3 = TINY_QWEN3  # a short context (512), so that a test can go past it
+
+
+def tiny_qwen3_embedding_folder(seed: int = 0, root: Path | None = None) -> Path:
+    """A tiny random qwen3 mlx-lm folder with Qwen3-Embedding's sentence-transformers files
+    (last-token pooling, its query prompt): a dedicated embedding model as the engine sees one."""
+    return embedding_folder(QWEN3, seed, root)
 
 
 # Marker tokens a tokenizer of a tool-calling, thinking family has (as added tokens, one id each).

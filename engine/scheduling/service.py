@@ -32,6 +32,7 @@ from ..decoding.defaults import ModelDefaults
 from ..decoding.sampling import SamplingParams
 from ..decoding.tools import ToolRequest
 from .draft_loader import DraftLoader
+from .embeddings import EmbeddingHandle, EmbeddingInput, EmbeddingQueue
 from .keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
 from .requests import RequestHandle
 from .slot import ModelDescription, ModelSlot
@@ -69,6 +70,7 @@ class EngineStatus:
     memory_budget: int
     reserved_bytes: int  # model-cache memory reserved by the admitted requests
     resident: bool = False  # the model's weights are in memory (not unloaded after an idle time)
+    embedding_models: tuple[str, ...] = ()  # dedicated embedding models loaded beside it
 
 
 class Engine:
@@ -112,7 +114,8 @@ class Engine:
         self._preparing: list[RequestHandle] = []  # loading_draft
         # SimpleQueues: the scheduler checks both every tick, and their `empty` is one C call
         self._control: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
-        self._soon: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()  # between ticks: drafts
+        self._soon: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()  # between ticks: drafts, embeddings
+        self._embeddings = EmbeddingQueue(self)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._ids = itertools.count(1)
@@ -144,6 +147,7 @@ class Engine:
             # a halted engine's thread may be blocked for good (see `halt`)
             self._thread.join(timeout=1 if self._halted else 30)
         self.drafts.stop()
+        self._embeddings.close()
         self.slot.persist()  # so that reopening the app continues long conversations without re-prefill
 
     def halt(self, reason: str) -> None:
@@ -155,6 +159,7 @@ class Engine:
             if self._halted is not None:
                 return
             self._halted = reason
+            self._embeddings.fail(reason)
             handles = self._preparing + list(self._queued) + self._running
             self._preparing, self._running = [], []
             self._queued.clear()
@@ -213,7 +218,8 @@ class Engine:
                 loading_drafts=len(self._preparing),
                 batch_rows=len(batch) if batch is not None else 0,
                 drafts=self.drafts.identities(), memory_budget=self.memory_budget,
-                reserved_bytes=self._reserved, resident=self.slot.resident)
+                reserved_bytes=self._reserved, resident=self.slot.resident,
+                embedding_models=tuple(self._embeddings.resident_models()))
 
     def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         """The model-cache memory a plain request of this size reserves while admitted."""
@@ -390,6 +396,15 @@ class Engine:
                              f"the {_mib(self.memory_budget)} memory budget and this one needs "
                              f"{_mib(need)}", retry_after=2.0)
 
+    def embed(self, inputs: EmbeddingInput | Sequence[EmbeddingInput], *, model: str | None = None,
+              dimensions: int | None = None, truncate: bool = False, query: bool = False,
+              keep_alive: float | str | None = None) -> EmbeddingHandle:
+        """Queue an embedding request without waiting (engine/scheduling/embeddings.py): on the
+        loaded chat model (`model` None or its name) or a dedicated embedding model; raises
+        InvalidRequest or Overloaded at once. Its chunks run between scheduler ticks."""
+        return self._embeddings.submit(inputs, model=model, dimensions=dimensions,
+                                       truncate=truncate, query=query, keep_alive=keep_alive)
+
     def _later(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the scheduler thread between ticks; safe from any thread."""
         with self._wake:
@@ -452,7 +467,7 @@ class Engine:
         """The loop: between ticks the drafts that loaded, then one piece of work at a time (an
         idle unload, a control task such as a model switch, or a tick of the admitted requests)."""
         while self._halted is None:
-            while not self._soon.empty():
+            for _ in range(self._soon.qsize()):  # those posted before this tick: one chunk each
                 self._soon.get()()
             work = self._next_work()
             if work is _STOP:
