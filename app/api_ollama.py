@@ -9,6 +9,7 @@ Ollama); errors are `{"error": "..."}`.
 Names: Ollama clients write `name:tag`. A name matches a local model by dropping a `:latest` tag
 (and an `hf.co/` prefix), case aside; `/api/tags` lists each model as `<id>:latest`. Other names
 run on the loaded model, as on `/v1/messages` (aliases from `--model-alias` apply first).
+`/api/embed` and `/api/embeddings` run through the engine's embedding queue (app/api_embeddings.py).
 `prompt_eval_count` counts only the prompt tokens actually computed, so the prefix cache's reuse
 shows; durations are nanoseconds. Accepted and ignored: `options.num_ctx` (the model's own
 context is used), `template`, and `raw` on chat.
@@ -33,7 +34,8 @@ from .api import parse_messages, public_error, submit_choices
 from .api_choices import Choice, collect_choices, merged
 from .api_errors import ApiError
 from .api_models import local_models
-from .api_serving import read_body, use_named_model, watched
+from .api_embeddings import embed as embed_vectors
+from .api_serving import aliased, read_body, use_named_model, watched
 
 # The Ollama version we answer as: clients check it (codex --oss needs >= 0.13.4).
 VERSION = "0.13.5"
@@ -466,8 +468,40 @@ async def delete(request: Request) -> Response:
     return JSONResponse({})
 
 
+def _embedding_model(request: Request, name: Any) -> str | None:
+    """The model an embed request names: an alias, a local model, or a folder; any other name
+    embeds with the loaded chat model (None), as chat names do."""
+    if not isinstance(name, str):
+        return None
+    target = aliased(getattr(request.app.state, "aliases", {}), name)
+    return local_id(request, target) or (target if Path(target).expanduser().exists() else None)
+
+
 async def embed(request: Request) -> Response:
-    return _error(501, "embeddings are not served yet")
+    """`/api/embed` (`input`: a string or strings -> `embeddings`) and the older `/api/embeddings`
+    (`prompt` -> `embedding`), through the engine's embedding queue."""
+    legacy = request.url.path.endswith("/embeddings")
+    started = time.perf_counter()
+    try:
+        body = await read_body(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        inputs = body.get("prompt") if legacy else body.get("input")
+        if inputs is None:
+            raise ApiError(400, f"'{'prompt' if legacy else 'input'}' is required")
+        dimensions = body.get("dimensions")
+        result = await embed_vectors(
+            request.app.state.engine, inputs, model=_embedding_model(request, body.get("model")),
+            dimensions=dimensions if isinstance(dimensions, int) else None,
+            truncate=body.get("truncate", True) is not False, keep_alive=body.get("keep_alive"))
+    except ApiError as exc:
+        return _from(exc)
+    vectors = [v.tolist() for v in result.vectors]
+    if legacy:
+        return JSONResponse({"embedding": vectors[0]})
+    return JSONResponse({"model": ollama_name(result.model), "embeddings": vectors,
+                         "total_duration": int((time.perf_counter() - started) * 1e9),
+                         "load_duration": 0, "prompt_eval_count": result.prompt_tokens})
 
 
 routes = [
