@@ -13,8 +13,7 @@ import openai
 import pytest
 
 from app.documents import with_documents
-from live_server import engine_serving, openai_client
-from test_app_ui import new_conversation, turn
+from live_server import engine_serving, new_conversation, openai_client, turn
 from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.fast
