@@ -1,5 +1,6 @@
 """Issue 24 LOW: sampling values out of range for MLX or for the model are a 400 naming the field
-(never a 500 quoting mlx-lm); a real server on 127.0.0.1 with a tiny random llama (vocabulary 49,152)."""
+(never a 500 quoting mlx-lm); a real server on 127.0.0.1 with a tiny random llama (vocabulary
+49,152)."""
 
 import httpx
 import pytest
