@@ -5,7 +5,10 @@ real server with a tiny random llama while one heavy request is prepared.
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
         python scripts/health_during_heavy_requests.py
 """
-import sys, time, json, statistics, tempfile
+import statistics
+import sys
+import tempfile
+import time
 sys.path.insert(0, 'tests'); sys.path.insert(0, '.')
 from pathlib import Path
 import httpx
