@@ -16,7 +16,7 @@ from app.documents import with_documents
 from live_server import engine_serving, openai_client
 from test_app_ui import new_conversation, turn
 from tiny_models import tiny_llama
-from test_hostile_pdfs import pdf_file  # noqa: I001 (after the lines main reorders)
+from test_hostile_pdfs import pdf_file
 
 pytestmark = pytest.mark.fast
 
