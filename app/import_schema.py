@@ -10,6 +10,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from engine import SamplingParams, SpeculativeOptions
 
+from .storage import MESSAGE_STATES
+
 ROLES = ("system", "user", "assistant", "tool")
 MAX_MESSAGES = 100_000
 MAX_TITLE_CHARS = 1_000
@@ -85,7 +87,7 @@ class ImportedMessage(_Strict):
     completion_tokens: int | None = Field(default=None, ge=0)
     cached_tokens: int | None = Field(default=None, ge=0)
     finish_reason: str | None = None
-    state: Literal["done", "stopped", "error", "streaming"] | None = None
+    state: Literal[MESSAGE_STATES] | None = None
     error: str | None = None
     created: Time = None
     speculative: dict[str, Any] | None = None

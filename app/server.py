@@ -35,6 +35,7 @@ from .connections import HeaderTimeoutProtocol
 from .folder_lock import FolderBusy, FolderLock
 from .runs import Runs
 from .key_access import KeyAccess
+from .socket_limits import WS_MAX_BYTES
 from .security import (LOOPBACK_NAMES, ApiKeyGuard, BodyLimit, HostGuard, OriginGuard,
                        SecurityHeaders, is_loopback)
 from .storage import Storage
@@ -46,7 +47,6 @@ SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 GRACEFUL_SHUTDOWN_S = 5
 KEEP_ALIVE_S = 5
 WS_PING_S = 20.0
-WS_MAX_BYTES = 1024 * 1024
 
 
 def create_app(engine: Engine, db_path: Path | None = None, *,

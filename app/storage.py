@@ -22,8 +22,6 @@ from typing import Any, Iterator
 
 from engine import data_dir
 
-from .import_schema import validated, validated_message
-
 DB_NAME = "mlxchat.db"
 DEFAULT_TITLE = "New chat"
 MESSAGE_STATES = ("streaming", "done", "stopped", "failed")
@@ -546,6 +544,8 @@ def import_conversation(storage: Storage, data: dict[str, Any], model: str | Non
     A plain list carries no model or settings: it gets `model` and `settings`."""
     if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
         raise ValueError("not a conversation: expected an object with 'messages'")
+    from .import_schema import validated, validated_message  # it imports this module's names
+
     ours = data.get("format") == EXPORT_FORMAT
     if ours:
         data = validated(data)

@@ -71,6 +71,14 @@ def test_a_malformed_field_is_refused_and_nothing_breaks(server, case):
     assert httpx.get(f"{server.url}/", follow_redirects=True).status_code == 200
 
 
+def test_every_message_state_of_an_export_imports(server):
+    states = ("done", "failed", "done", "stopped")
+    messages = [{"id": i, "parent": i - 1 if i else None, "content": "x", "state": state,
+                 "role": "user" if i % 2 == 0 else "assistant"} for i, state in enumerate(states)]
+    r = upload(server, "states.json", json.dumps(ours(messages=messages)).encode())
+    assert r.status_code == 303, r.text
+
+
 def deep(levels: int) -> bytes:
     return b"[" * levels + b"]" * levels
 

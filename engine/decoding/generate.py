@@ -137,6 +137,13 @@ def build_prompt(lm: LoadedModel, messages: Sequence[dict] | None = None,
     return Prompt(tokens=tokens, checkpoints=[len(tokens)], continued=True)  # raw, as `text`
 
 
+def check_model_ranges(params: SamplingParams, vocab: int) -> None:
+    """The sampling options whose range depends on the model: top_k at most its vocabulary."""
+    if params.top_k > vocab:
+        raise InvalidRequest(f"top_k must be at most this model's vocabulary of {vocab} tokens "
+                             f"(0: all), got {params.top_k}", field="top_k", code="invalid_value")
+
+
 def check_fits(lm: LoadedModel, prompt: Prompt, params: SamplingParams) -> None:
     limit = lm.context_length
     n = len(prompt.tokens)
@@ -168,6 +175,7 @@ class Generation:
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise InvalidRequest(f"logit_bias token ids must be below {vocab}", field="logit_bias",
                                  code="invalid_value")
+        check_model_ranges(params, vocab)
         self.speculator = speculator  # opt-in: decode by draft-and-verify (engine/decoding/speculative.py)
         self.lm, self.prompt, self.params = lm, prompt, params
         self.prefix_cache = prefix_cache
