@@ -8,12 +8,11 @@ import httpx
 import pytest
 
 from live_server import engine_serving
-from loop_probe import health_probe
+from loop_probe import STALL_S, health_probe
 from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.fast
 
-STALL_S = 1.0
 
 
 @pytest.fixture(scope="module")
