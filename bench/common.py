@@ -395,3 +395,35 @@ def interleave(fns: dict[str, Callable[[], dict[str, Any]]], reps: int,
             if bar is not None:
                 bar.update(1)
     return out
+
+
+@contextmanager
+def served_app(engine, folder: Path) -> Iterator[Any]:
+    """The real app on a started `engine`, served by uvicorn in a thread on a free port of
+    127.0.0.1 as `mlxchat serve` runs it (its database in `folder`); yields the app with `url` set.
+    The server, then the engine, stop on exit. (Benches must not import from tests/.)"""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from app.server import create_app, uvicorn_config
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = create_app(engine, folder / "db.sqlite")
+    server = uvicorn.Server(uvicorn_config(app, host="127.0.0.1", port=port))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the bench server did not start")
+        time.sleep(0.05)
+    app.url = f"http://127.0.0.1:{port}"
+    try:
+        yield app
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        engine.stop()

@@ -5,7 +5,7 @@ each against `/v1/chat/completions` on the same prompt, the same server and the 
     python -m bench.protocols [--model tiny|bundled] [--reps 5] [--gen 64] [--context WORDS]
                               [--out FILE]
 
-The server is the real app on 127.0.0.1 (tests/live_server.py `engine_serving`, uvicorn in a
+The server is the real app on 127.0.0.1 (bench.common.served_app, uvicorn in a
 thread of this process) on a tiny random-weight llama (tests/tiny_models.py; default) or the
 bundled SmolLM2-135M (`--model bundled`). Each protocol is read as its clients read it, over
 HTTP with httpx: SSE for the first three, newline-delimited JSON for Ollama. A run's time to first
@@ -154,13 +154,14 @@ def long_prompt(prompt: str, words: int) -> str:
     return (" ".join(filler) + "\n\n" + prompt) if words else prompt
 
 
-def _load(model: str):
-    """The model to serve: None (the bundled one, as `Engine()` loads it) or a tiny llama."""
-    if model == "bundled":
-        return None
-    from tests.tiny_models import tiny_llama
+def _engine(model: str):
+    """A started engine on the model to serve: the bundled one, or a tiny random llama."""
+    from bench.shapes import SHAPES, build_folder
+    from engine import Engine
 
-    return tiny_llama()
+    if model == "bundled":
+        return Engine().start()
+    return Engine(str(build_folder({**SHAPES["tiny"].config, "vocab_size": 49152}))).start()
 
 
 def measure(model: str = "tiny", reps: int = 5, gen: int = 64, prompt: str = PROMPT,
@@ -169,14 +170,12 @@ def measure(model: str = "tiny", reps: int = 5, gen: int = 64, prompt: str = PRO
     said about itself (model name, device)."""
     import httpx
 
-    from tests.live_server import engine_serving
-
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
 
     with tempfile.TemporaryDirectory(prefix="bench-protocols-") as folder, \
-            engine_serving(Path(folder), _load(model)) as server, \
+            common.served_app(_engine(model), Path(folder)) as server, \
             httpx.Client(timeout=600) as client:
-        name = server.app.state.engine.model_name
+        name = server.state.engine.model_name
         runs = common.interleave({p: (lambda p=p: stream_once(client, server.url, p, name, prompt, gen))
                                   for p in PROTOCOLS}, reps, bar, warmup=True)
     info = {"model": name, "prompt": prompt[-200:], "prompt_chars": len(prompt), "gen": gen,
