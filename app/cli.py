@@ -239,7 +239,7 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
 
     Under `mlx.launch` every rank runs this: rank 0 serves, the others hold their shard of the
     model and follow rank 0 (engine/distributed/)."""
-    from app.api_serving import parse_aliases
+    from app.api.serving import parse_aliases
     from app.server import serve as run_server
     from engine import Cluster, select_device
 

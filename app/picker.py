@@ -3,7 +3,6 @@ one, with progress sent as server-sent events."""
 
 import asyncio
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -11,49 +10,12 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine import (DownloadCancelled, DownloadProgress, Engine, EngineError, list_models,
+from engine import (DownloadCancelled, DownloadProgress, EngineError, list_models,
                     pull_model, remove_model)
 
+from .model_switch import ModelSwitch, begin_switch
 from .sse import sse
 from .views import models_context, read_form, render
-
-@dataclass
-class ModelSwitch:
-    """The one model load that may be in progress, shown in the model picker."""
-
-    name: str | None = None
-    stage: str = ""
-    started: float = 0.0
-    error: str | None = None
-    task: asyncio.Task | None = None
-
-    @property
-    def loading(self) -> bool:
-        return self.task is not None and not self.task.done()
-
-    def describe(self) -> str:
-        return f"{self.stage.capitalize() or 'Loading'} {self.name}… {time.time() - self.started:.0f} s"
-
-
-def begin_switch(switch: ModelSwitch, engine: Engine, name: str) -> asyncio.Task:
-    """Start loading `name` as the picker's one model load; the task's result is the
-    EngineError that stopped it (also kept in `switch.error`), or None once loaded."""
-    switch.name, switch.stage, switch.started, switch.error = name, "", time.time(), None
-
-    def progress(stage: str) -> None:
-        switch.stage = stage
-
-    async def load() -> EngineError | None:
-        try:
-            await asyncio.to_thread(engine.switch_model, name, progress=progress)
-        except EngineError as exc:
-            switch.error = f"Could not load {name}: {exc}"
-            return exc
-        return None
-
-    switch.task = asyncio.create_task(load())
-    return switch.task
-
 
 async def switch_model(request: Request) -> Response:
     engine = request.app.state.engine

@@ -28,8 +28,8 @@ from starlette.staticfiles import StaticFiles
 import static
 from engine import DEFAULT_KEEP_ALIVE_S, Cluster, Engine, data_dir, describe_device
 
-from . import api, api_anthropic, api_completions, login, ui
-from .api_errors import http_error
+from . import api, login, ui
+from .api.errors import http_error
 from .connections import HeaderTimeoutProtocol
 from .folder_lock import FolderBusy, FolderLock
 from .runs import Runs
@@ -56,7 +56,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     storage = storage or Storage(db_path)
     storage.interrupt_streaming()  # answers cut off by a crash: keep their text, mark them
     app = Starlette(
-        routes=[*api.routes, *api_completions.routes, *api_anthropic.routes, *login.routes,
+        routes=[*api.routes, *login.routes,
                 *ui.routes,
                 Mount("/static", StaticFiles(directory=STATIC_DIR))],
         exception_handlers={HTTPException: http_error},

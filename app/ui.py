@@ -3,7 +3,7 @@ a WebSocket per open conversation (chat_socket.py), export/import (exports.py), 
 (attachments.py) and the notice for conversations longer than the context (overflow.py)."""
 
 from . import attachments, chat_socket, exports, overflow, pages, picker
-from .picker import ModelSwitch
+from .model_switch import ModelSwitch
 
 routes = [*pages.routes, *exports.routes, *attachments.routes, *overflow.routes, *picker.routes,
           *chat_socket.routes]
