@@ -28,15 +28,16 @@ from starlette.staticfiles import StaticFiles
 import static
 from engine import DEFAULT_KEEP_ALIVE_S, Cluster, Engine, data_dir, describe_device
 
-from . import api, login, ui
+from . import api, attachments, exports, login, ui
 from .api.errors import http_error
 from .connections import HeaderTimeoutProtocol
 from .folder_lock import FolderBusy, FolderLock
+from .model_switch import ModelSwitch
 from .runs import Runs
 from .security import (LOOPBACK_NAMES, ApiKeyGuard, BodyLimit, HostGuard, OriginGuard,
                        SecurityHeaders, is_loopback)
 from .storage import Storage
-from .turns import Conversations
+from .ui.conversation_pages import Conversations
 
 STATIC_DIR = Path(static.__file__).parent
 WILDCARD_HOSTS = ("0.0.0.0", "::")
@@ -56,8 +57,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     storage = storage or Storage(db_path)
     storage.interrupt_streaming()  # answers cut off by a crash: keep their text, mark them
     app = Starlette(
-        routes=[*api.routes, *login.routes,
-                *ui.routes,
+        routes=[*api.routes, *login.routes, *ui.routes, *exports.routes, *attachments.routes,
                 Mount("/static", StaticFiles(directory=STATIC_DIR))],
         exception_handlers={HTTPException: http_error},
         # The security policy, outermost first; a refusal carries no security headers.
@@ -75,7 +75,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     app.state.aliases = dict(aliases or {})
     app.state.runs = Runs()
     app.state.conversations = Conversations()
-    app.state.switch = ui.ModelSwitch()
+    app.state.switch = ModelSwitch()
     return app
 
 

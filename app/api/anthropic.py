@@ -74,6 +74,17 @@ def _turn(i: int, message: Any) -> list[dict[str, Any]]:
     if not isinstance(content, list):
         raise _bad(f"{where}.content must be a string or an array of content blocks",
                    f"{where}.content")
+    texts, calls, results = _blocks(where, role, content)
+    out = list(results)
+    if texts or calls or not results:
+        out.append({"role": role, "content": "".join(texts),
+                    **({"tool_calls": calls} if calls else {})})
+    return out
+
+
+def _blocks(where: str, role: str, content: list[Any]) -> tuple[list[str], list[dict[str, Any]],
+                                                               list[dict[str, Any]]]:
+    """(texts, tool calls, tool results) of a message's content blocks."""
     texts, calls, results = [], [], []
     for j, block in enumerate(content):
         at = f"{where}.content[{j}]"
@@ -83,27 +94,32 @@ def _turn(i: int, message: Any) -> list[dict[str, Any]]:
         if kind == "text":
             texts.append(_text([block], at))
         elif kind == "tool_use" and role == "assistant":
-            if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
-                raise _bad(f"{at} must have a 'name' and an 'input' object", at)
-            calls.append({"id": str(block.get("id", "")), "type": "function",
-                          "function": {"name": block["name"],
-                                       "arguments": json.dumps(block.get("input", {}))}})
+            calls.append(_tool_use(at, block))
         elif kind == "tool_result" and role == "user":
-            if not isinstance(block.get("tool_use_id"), str):
-                raise _bad(f"{at}.tool_use_id (a string) is required", at)
-            text = _text(block.get("content", ""), f"{at}.content")
-            if block.get("is_error"):
-                text = f"Error: {text}"
-            results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
+            results.append(_tool_result(at, block))
         elif kind in ("image", "document"):
             raise _bad(f"{at} is an {kind} block: this server reads text only", at)
         elif kind not in _SKIPPED_BLOCKS and isinstance(block.get("text"), str):
             texts.append(block["text"])  # an unknown block type that carries text
-    out = list(results)
-    if texts or calls or not results:
-        out.append({"role": role, "content": "".join(texts),
-                    **({"tool_calls": calls} if calls else {})})
-    return out
+    return texts, calls, results
+
+
+def _tool_use(at: str, block: dict[str, Any]) -> dict[str, Any]:
+    """A `tool_use` block as an OpenAI tool call."""
+    if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
+        raise _bad(f"{at} must have a 'name' and an 'input' object", at)
+    return {"id": str(block.get("id", "")), "type": "function",
+            "function": {"name": block["name"], "arguments": json.dumps(block.get("input", {}))}}
+
+
+def _tool_result(at: str, block: dict[str, Any]) -> dict[str, Any]:
+    """A `tool_result` block as a tool message."""
+    if not isinstance(block.get("tool_use_id"), str):
+        raise _bad(f"{at}.tool_use_id (a string) is required", at)
+    text = _text(block.get("content", ""), f"{at}.content")
+    if block.get("is_error"):
+        text = f"Error: {text}"
+    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": text}
 
 
 def _system(value: Any) -> list[dict[str, Any]]:
@@ -156,6 +172,21 @@ def _number(body: dict[str, Any], name: str, kind: type) -> Any:
     return value
 
 
+def _sampling(body: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """The `SamplingParams` fields a Messages request sets."""
+    sampling: dict[str, Any] = {"max_tokens": max_tokens}
+    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int)):
+        if (value := _number(body, name, kind)) is not None:
+            sampling[name] = value
+    stops = body.get("stop_sequences")
+    if stops is not None:
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise _bad("'stop_sequences' must be an array of strings", "stop_sequences")
+        if stops:
+            sampling["stop"] = tuple(stops)
+    return sampling
+
+
 def parse(body: Any) -> tuple[list[dict[str, Any]], dict[str, Any], Any, bool]:
     """(engine messages, sampling fields, ToolRequest, stream) of a Messages request."""
     if not isinstance(body, dict):
@@ -170,16 +201,7 @@ def parse(body: Any) -> tuple[list[dict[str, Any]], dict[str, Any], Any, bool]:
         raise _bad("'messages' must be a non-empty array", "messages")
     messages = _system(body.get("system")) + [m for i, t in enumerate(turns) for m in _turn(i, t)]
     messages = parse_messages(messages)
-    sampling: dict[str, Any] = {"max_tokens": max_tokens}
-    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int)):
-        if (value := _number(body, name, kind)) is not None:
-            sampling[name] = value
-    stops = body.get("stop_sequences")
-    if stops is not None:
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise _bad("'stop_sequences' must be an array of strings", "stop_sequences")
-        if stops:
-            sampling["stop"] = tuple(stops)
+    sampling = _sampling(body, max_tokens)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean", "stream", "invalid_type")

@@ -18,7 +18,7 @@ from engine import (EngineError, Event, RequestHandle, SamplingParams, TokenLogp
                     Usage)
 
 from ..runs import Runs
-from ..turns import start
+from ..submission import start
 
 MAX_CHOICES = 8
 

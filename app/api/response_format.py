@@ -41,34 +41,37 @@ def json_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | None
 _IN_PLACE = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else")
 
 
+def _resolve(schema: dict[str, Any], ref: str) -> Any:
+    """The subschema a local `$ref` points to (None: not local or not there)."""
+    if not ref.startswith("#"):
+        return None
+    node: Any = schema
+    for part in filter(None, ref[1:].split("/")):
+        key = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and key in node:
+            node = node[key]
+        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            return None
+    return node
+
+
+def _same_value(schema: dict[str, Any], node: dict[str, Any]) -> list[tuple[Any, str | None]]:
+    """The subschemas `node` applies to its own value, each with the `$ref` leading there."""
+    found: list[tuple[Any, str | None]] = []
+    if isinstance(node.get("$ref"), str):
+        found.append((_resolve(schema, node["$ref"]), node["$ref"]))
+    for key in _IN_PLACE:
+        value = node.get(key)
+        found.extend((sub, None) for sub in (value if isinstance(value, list) else [value]))
+    return [(sub, ref) for sub, ref in found if isinstance(sub, dict)]
+
+
 def _ref_loop(schema: dict[str, Any]) -> str | None:
     """A local `$ref` that comes back to itself on the same JSON value (`{"$ref": "#"}`, `a`
     defined as `{"$ref": "#/definitions/a"}` or as `{"allOf": [{"$ref": "#/definitions/a"}]}`):
     the grammar engine cannot compile it and would only fail while generating."""
-    def resolve(ref: str) -> Any:
-        if not ref.startswith("#"):
-            return None
-        node: Any = schema
-        for part in filter(None, ref[1:].split("/")):
-            key = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and key in node:
-                node = node[key]
-            elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
-                node = node[int(key)]
-            else:
-                return None
-        return node
-
-    def same_value(node: dict[str, Any]) -> list[tuple[Any, str | None]]:
-        """The subschemas `node` applies to its own value, each with the `$ref` leading there."""
-        found: list[tuple[Any, str | None]] = []
-        if isinstance(node.get("$ref"), str):
-            found.append((resolve(node["$ref"]), node["$ref"]))
-        for key in _IN_PLACE:
-            value = node.get(key)
-            found.extend((sub, None) for sub in (value if isinstance(value, list) else [value]))
-        return [(sub, ref) for sub, ref in found if isinstance(sub, dict)]
-
     done: set[int] = set()
     pending: list[Any] = [schema]
     while pending:  # every subschema, each the start of a walk along same-value edges
@@ -81,7 +84,7 @@ def _ref_loop(schema: dict[str, Any]) -> str | None:
         pending.extend(node.values())
         if id(node) in done:
             continue
-        path, on_path = [(node, iter(same_value(node)))], {id(node)}
+        path, on_path = [(node, iter(_same_value(schema, node)))], {id(node)}
         while path:  # depth first; a node met again on the current path closes a loop
             top, edges = path[-1]
             step = next(edges, None)
@@ -94,6 +97,6 @@ def _ref_loop(schema: dict[str, Any]) -> str | None:
             if id(sub) in on_path:
                 return ref or "$ref"  # only a `$ref` can lead back up
             if id(sub) not in done:
-                path.append((sub, iter(same_value(sub))))
+                path.append((sub, iter(_same_value(schema, sub))))
                 on_path.add(id(sub))
     return None

@@ -4,7 +4,7 @@ one, with progress sent as server-sent events."""
 import asyncio
 import threading
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response, StreamingResponse
@@ -13,9 +13,9 @@ from starlette.routing import Route
 from engine import (DownloadCancelled, DownloadProgress, EngineError, list_models,
                     pull_model, remove_model)
 
-from .model_switch import ModelSwitch, begin_switch
-from .sse import sse
-from .views import models_context, read_form, render
+from ..model_switch import ModelSwitch, begin_switch
+from ..sse import sse
+from .views import read_form, render
 
 async def switch_model(request: Request) -> Response:
     engine = request.app.state.engine
@@ -134,6 +134,17 @@ async def delete_model(request: Request) -> Response:
         except EngineError as exc:
             download.error = str(exc)
     return HTMLResponse(render("_models.html", **models_context(request)))
+
+
+
+
+def models_context(request: Request) -> dict[str, Any]:
+    engine = request.app.state.engine
+    cluster = getattr(request.app.state, "cluster", None)  # a sharded model (engine/distributed/)
+    return {"models": engine.list_models(), "current_model": engine.model_name,
+            "switch": request.app.state.switch, "download": download_state(request),
+            "resident": engine.status().resident,
+            "sharded_over": cluster.health()["world_size"] if cluster else None}
 
 
 routes = [
