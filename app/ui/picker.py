@@ -4,7 +4,7 @@ one, with progress sent as server-sent events."""
 import asyncio
 import threading
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response, StreamingResponse
@@ -32,10 +32,15 @@ async def switch_model(request: Request) -> Response:
 async def model_progress(request: Request) -> Response:
     """Server-sent events while a model loads: `progress` text, then `done` with the new picker."""
     switch: ModelSwitch = request.app.state.switch
+    return _progress(request, lambda: switch.loading, switch.describe)
 
+
+def _progress(request: Request, busy: Callable[[], bool], describe: Callable[[], str]) -> Response:
+    """Server-sent events while `busy()`: `describe()` as `progress` every half second, then
+    `done` with the picker as it is then."""
     async def events() -> AsyncIterator[str]:
-        while switch.loading:
-            yield sse(switch.describe(), "progress")
+        while busy():
+            yield sse(describe(), "progress")
             await asyncio.sleep(0.5)
         yield sse(render("_models.html", **models_context(request)), "done")
 
@@ -105,15 +110,7 @@ async def cancel_download(request: Request) -> Response:
 async def download_progress(request: Request) -> Response:
     """Server-sent events while a download runs: `progress` text, then `done` with the picker."""
     download = download_state(request)
-
-    async def events() -> AsyncIterator[str]:
-        while download.active:
-            yield sse(download.describe(), "progress")
-            await asyncio.sleep(0.5)
-        yield sse(render("_models.html", **models_context(request)), "done")
-
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return _progress(request, lambda: download.active, download.describe)
 
 
 async def delete_model(request: Request) -> Response:
