@@ -230,11 +230,19 @@ def models(import_wheel: str | None, as_json: bool) -> None:
               help="A model name clients send (Claude Code's claude-*, Codex's gpt-*; * matches "
                    "any text) and the local model it stands for; repeatable. On /v1/messages and "
                    "Ollama's /api, names that are neither run on the loaded model.")
+@click.option("--allow-origin", "allow_origins", multiple=True, metavar="ORIGIN",
+              help="Let web pages or extensions from ORIGIN call the APIs (like OLLAMA_ORIGINS; "
+                   "* matches any text, e.g. 'chrome-extension://*'); repeatable. The chat UI "
+                   "stays same-origin only.")
+@click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
+              help="Accept requests addressed to NAME too (Host header), e.g. "
+                   "host.docker.internal for Open WebUI in a container; repeatable.")
 def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
           device: str = "auto", no_browser: bool = False, allow_remote: bool = False,
           api_key: str | None = None, no_api_key: bool = False,
           keep_alive: float | None = DEFAULT_KEEP_ALIVE_S,
-          model_aliases: tuple[str, ...] = ()) -> None:
+          model_aliases: tuple[str, ...] = (), allow_origins: tuple[str, ...] = (),
+          allow_hosts: tuple[str, ...] = ()) -> None:
     """Start the chat server (and open the browser unless --no-browser).
 
     Under `mlx.launch` every rank runs this: rank 0 serves, the others hold their shard of the
@@ -256,7 +264,7 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
         run_server(host=host, port=port, model=model, open_browser=not no_browser,
                    allow_remote=allow_remote, api_key=api_key, no_api_key=no_api_key,
                    keep_alive=-1 if keep_alive is None else keep_alive, cluster=cluster,
-                   aliases=aliases)
+                   aliases=aliases, allowed_origins=allow_origins, extra_hosts=allow_hosts)
     except EngineError as exc:
         _fail(exc)
 

@@ -12,6 +12,7 @@
 """
 
 import asyncio
+import fnmatch
 import hashlib
 import hmac
 import ipaddress
@@ -116,16 +117,49 @@ class HostGuard(_Guard):
 
 
 class OriginGuard(_Guard):
-    """Refuses cross-origin writes and WebSockets (403)."""
+    """Refuses cross-origin writes and WebSockets (403). `allowed_origins` (`--allow-origin`,
+    like Ollama's OLLAMA_ORIGINS; `*` matches any text, e.g. `chrome-extension://*`) lets those
+    origins call the programmatic APIs — never the UI's pages, forms or chat socket."""
+
+    def __init__(self, app: ASGIApp, allowed_origins: Iterable[str] = ()):
+        super().__init__(app)
+        self.allowed_origins = tuple(allowed_origins)
+
+    def allows(self, scope: Scope, origin: str | None) -> bool:
+        """Whether `origin` is one the user allowed, on an API path."""
+        return origin is not None and is_api_path(scope["path"]) and \
+            any(fnmatch.fnmatchcase(origin.lower(), p.lower()) for p in self.allowed_origins)
 
     def check(self, scope: Scope, headers: Headers) -> ASGIApp | None:
         if scope["type"] == "websocket" or scope["method"] not in _SAFE_METHODS:
             host = headers.get("host", "")
             origin = headers.get("origin")
+            if self.allows(scope, origin):
+                return None
             if headers.get("sec-fetch-site") == "cross-site" or \
                     (origin is not None and _origin_netloc(origin) != host.lower()):
                 return _refusal(scope, 403, "Cross-origin request refused", "cross_origin")
         return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        origin = Headers(scope=scope).get("origin") if scope["type"] == "http" else None
+        if not self.allows(scope, origin):
+            return await super().__call__(scope, receive, send)
+        if scope["method"] == "OPTIONS":  # a CORS preflight from an allowed origin
+            return await PlainTextResponse("", status_code=204, headers={
+                "access-control-allow-origin": origin,
+                "access-control-allow-methods": "GET, POST, DELETE, OPTIONS",
+                "access-control-allow-headers": "authorization, content-type, x-api-key",
+                "access-control-max-age": "600", "vary": "Origin"})(scope, receive, send)
+
+        async def with_cors(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"access-control-allow-origin", origin.encode()),
+                                                  (b"vary", b"Origin")]}
+            await send(message)
+
+        await super().__call__(scope, receive, with_cors)
 
 
 SESSION_COOKIE = "mlxchat_session"

@@ -36,7 +36,7 @@ from .model_switch import ModelSwitch
 from .runs import Runs
 from .security import (LOOPBACK_NAMES, ApiKeyGuard, BodyLimit, HostGuard, OriginGuard,
                        SecurityHeaders, is_loopback)
-from .storage import Storage
+from .storage import NewerDatabase, Storage, default_db_path
 from .ui.conversation_pages import Conversations
 
 STATIC_DIR = Path(static.__file__).parent
@@ -51,9 +51,11 @@ WS_MAX_BYTES = 1024 * 1024
 def create_app(engine: Engine, db_path: Path | None = None, *,
                allowed_hosts: Iterable[str] | None = LOOPBACK_NAMES,
                api_key: str | None = None, storage: Storage | None = None,
-               aliases: dict[str, str] | None = None) -> Starlette:
+               aliases: dict[str, str] | None = None,
+               allowed_origins: Iterable[str] = ()) -> Starlette:
     """The whole app around a started `engine`. `allowed_hosts=None` accepts any Host header.
-    `aliases`: model names clients send (`claude-*`) and the local model each stands for."""
+    `aliases`: model names clients send (`claude-*`) and the local model each stands for.
+    `allowed_origins`: browser origins (patterns) that may call the APIs (`--allow-origin`)."""
     storage = storage or Storage(db_path)
     storage.interrupt_streaming()  # answers cut off by a crash: keep their text, mark them
     app = Starlette(
@@ -63,7 +65,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
         # The security policy, outermost first; a refusal carries no security headers.
         middleware=[
             Middleware(HostGuard, allowed_hosts=allowed_hosts),  # DNS rebinding: 400
-            Middleware(OriginGuard),  # cross-site writes and WebSockets: 403
+            Middleware(OriginGuard, allowed_origins=allowed_origins),  # cross-site writes: 403
             Middleware(ApiKeyGuard, api_key=api_key),  # with --api-key, all but /health: 401
             Middleware(BodyLimit),  # oversized bodies 413, slow ones 408, before the app reads
             Middleware(SecurityHeaders),  # CSP, nosniff, no framing, no referrer to other sites
@@ -168,6 +170,10 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _check_remote(host: str, allow_remote: bool, api_key: str | None, no_api_key: bool) -> None:
+    if api_key is not None and not api_key.isascii():
+        # HTTP headers carry bytes: a client sending the key as UTF-8 could never match it
+        raise SystemExit("the API key must be ASCII (letters, digits, punctuation): "
+                         "clients send it in an HTTP header.")
     if is_loopback(host):
         return
     if not allow_remote:
@@ -185,10 +191,13 @@ def _check_remote(host: str, allow_remote: bool, api_key: str | None, no_api_key
 def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
           open_browser: bool = True, allow_remote: bool = False, api_key: str | None = None,
           no_api_key: bool = False, keep_alive: float | str | None = DEFAULT_KEEP_ALIVE_S,
-          cluster: Cluster | None = None, aliases: dict[str, str] | None = None) -> None:
+          cluster: Cluster | None = None, aliases: dict[str, str] | None = None,
+          allowed_origins: Iterable[str] = (), extra_hosts: Iterable[str] = ()) -> None:
     """Load `model`, then serve the UI and the API until Ctrl-C or SIGTERM/SIGHUP; the model's
     weights are unloaded after `keep_alive` idle seconds (None: never) and reloaded by the next
-    request. With a `cluster`, serve as its rank 0 (the only rank that opens the data folder)."""
+    request. With a `cluster`, serve as its rank 0 (the only rank that opens the data folder).
+    `aliases`, `allowed_origins`: see `create_app`; `extra_hosts`: Host names accepted besides
+    the bound one and loopback (`--allow-host`, e.g. host.docker.internal)."""
     _check_remote(host, allow_remote, api_key, no_api_key)
     try:
         folder = data_dir()
@@ -201,15 +210,20 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
         raise SystemExit(str(exc)) from None
     try:
         _run(_bind(host, port), host, port, model, open_browser, api_key, keep_alive, cluster,
-             aliases or {})
+             {"aliases": aliases or {}, "allowed_origins": tuple(allowed_origins)},
+             tuple(extra_hosts))
     finally:
         lock.release()
 
 
 def _run(sock: socket.socket, host: str, port: int, model: str | None, open_browser: bool,
          api_key: str | None, keep_alive: float | str | None, cluster: Cluster | None,
-         aliases: dict[str, str]) -> None:
-    storage = Storage()
+         app_options: dict[str, Any], extra_hosts: tuple[str, ...]) -> None:
+    try:
+        storage = Storage()
+    except NewerDatabase as exc:
+        raise SystemExit(f"{exc}: {default_db_path()}. Upgrade mlxchat, or point "
+                         "MLXCHAT_HOME at another folder.") from None
     if storage.moved_aside is not None:
         print(f"The database was damaged: kept it as {storage.moved_aside} and started a new one.",
               file=sys.stderr)
@@ -224,9 +238,9 @@ def _run(sock: socket.socket, host: str, port: int, model: str | None, open_brow
             print(f"Loading model {model or 'smollm2-135m-instruct (bundled)'} ...", file=sys.stderr)
             engine.start(progress=lambda stage: print(f"  {stage}", file=sys.stderr))
             loaded = True
-            allowed = None if host in WILDCARD_HOSTS else {*LOOPBACK_NAMES, host}
+            allowed = None if host in WILDCARD_HOSTS else {*LOOPBACK_NAMES, host, *extra_hosts}
             app = create_app(engine, allowed_hosts=allowed, api_key=api_key, storage=storage,
-                             aliases=aliases)
+                             **app_options)
             app.state.cluster = cluster
             shown = "127.0.0.1" if host in WILDCARD_HOSTS else host
             url = f"http://{f'[{shown}]' if ':' in shown else shown}:{port}/"

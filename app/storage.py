@@ -117,8 +117,19 @@ _V5 = """
         ALTER TABLE messages ADD COLUMN tool_call_id TEXT;
 """
 
+# Stored answers of the OpenAI Responses API (`store`, `previous_response_id`): the response as
+# sent, and the whole conversation it ends (engine messages, JSON) for a follow-up to continue.
+_V6 = """
+        CREATE TABLE responses (
+            id TEXT PRIMARY KEY,
+            created REAL NOT NULL,
+            body TEXT NOT NULL,
+            messages TEXT NOT NULL
+        );
+"""
+
 # Append only: the schema version of a database (PRAGMA user_version) is how many have run.
-MIGRATIONS: list[str] = [_V1, _V2, _V3, _V4, _V5]
+MIGRATIONS: list[str] = [_V1, _V2, _V3, _V4, _V5, _V6]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -144,10 +155,14 @@ def migrate(db: sqlite3.Connection, target: int = SCHEMA_VERSION) -> int:
     return max(_version(db), target)
 
 
+class NewerDatabase(RuntimeError):
+    """The database was written by a newer mlxchat: this one must not touch it."""
+
+
 def _version(db: sqlite3.Connection) -> int:
     version = db.execute("PRAGMA user_version").fetchone()[0]
     if version > SCHEMA_VERSION:
-        raise RuntimeError(
+        raise NewerDatabase(
             f"the database is schema version {version}, newer than this mlxchat ({SCHEMA_VERSION})"
         )
     return version
@@ -324,6 +339,21 @@ class Storage:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+
+    # stored Responses API answers
+
+    def save_response(self, rid: str, body: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+        self._write("INSERT OR REPLACE INTO responses (id, created, body, messages) VALUES (?,?,?,?)",
+                    (rid, time.time(), json.dumps(body), json.dumps(messages)))
+
+    def get_response(self, rid: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        """(the response as sent, the conversation it ends) or None."""
+        rows = self._query("SELECT body, messages FROM responses WHERE id = ?", (rid,))
+        return (json.loads(rows[0]["body"]), json.loads(rows[0]["messages"])) if rows else None
+
+    def delete_response(self, rid: str) -> bool:
+        with self._transaction() as db:
+            return db.execute("DELETE FROM responses WHERE id = ?", (rid,)).rowcount > 0
 
     # conversations
 

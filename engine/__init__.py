@@ -15,6 +15,7 @@ from .device import DEVICES, restart_with_blas, select_device
 from .kernels import describe_device, device_report
 from .errors import (DownloadCancelled, DownloadError, EngineError, InvalidRequest, ModelLoadError,
                      Overloaded, UnsupportedArchitecture)
+from .decoding.thinking import EFFORT_BUDGETS, effort_budget
 from .decoding.tools import ToolRequest, tool_request
 from .events import (Channel, Event, FinishReason, RequestState, Timings, TokenLogprob, ToolCall,
                      TopLogprob, Usage)
@@ -35,7 +36,7 @@ __all__ = [
     "RequestHandle", "RequestState", "SamplingOption", "SamplingParams", "SpeculativeOptions",
     "Timings", "TokenLogprob", "ToolCall", "ToolRequest", "TopLogprob", "UnsupportedArchitecture",
     "Usage",
-    "cache_dir", "data_dir", "describe_device", "device_report",
+    "EFFORT_BUDGETS", "cache_dir", "data_dir", "describe_device", "device_report", "effort_budget",
     "count_tokens", "import_bundled_wheel", "keep_alive_seconds", "list_models", "parse_pull_spec",
     "preset", "pull_model", "remove_model", "restart_with_blas", "select_device", "tool_request",
 ]

@@ -121,3 +121,19 @@ def test_a_damaged_database_is_moved_aside_and_a_fresh_one_created(tmp_path):
         assert storage.get_conversation(conv.id).title == "works"
     finally:
         storage.close()
+
+
+def test_a_non_ascii_api_key_is_refused_at_start(tmp_path):
+    line = refusal(mlxchat("serve", "--no-browser", "--api-key", "clé-secrète", home=tmp_path))
+    assert "ASCII" in line
+
+
+def test_a_database_from_a_newer_mlxchat_is_one_error_line(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir(parents=True)
+    db = sqlite3.connect(data / "mlxchat.db")
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 5}")
+    db.commit()
+    db.close()
+    line = refusal(mlxchat("serve", "--no-browser", home=tmp_path))
+    assert "newer than this mlxchat" in line

@@ -228,3 +228,16 @@ def test_the_model_picker_downloads_with_progress_and_deletes(hub, tmp_path):
             text = "".join(events.iter_lines())
         assert "no repository test/missing" in text
         assert 'value="test/missing"' in text  # what was typed stays, to correct it
+
+
+def test_remove_never_follows_a_link_out_of_the_cache(hub, tmp_path):
+    """A snapshot entry pointing outside the hub cache (a link someone planted) is unlinked, and
+    its target left alone."""
+    _, path = pull_model("test/ggufs:b.Q8_0.gguf")
+    outside = tmp_path / "precious.txt"
+    outside.write_text("keep me")
+    path.unlink()
+    path.symlink_to(outside)
+    remove_model("test/ggufs:b.Q8_0.gguf")
+    assert outside.read_text() == "keep me"
+    assert not path.is_symlink()

@@ -397,3 +397,35 @@ def test_fused_batched_greedy_tokens_equal_each_row_alone(kern):
             alone.append(token.item())
             logits = ours(token, cache=cache)
         assert alone == [step[row] for step in together], row
+
+
+def test_a_damaged_kernel_module_is_never_loaded(tmp_path):
+    """A cached module whose bytes differ from what the build recorded is deleted, not loaded
+    (loading a damaged shared library can kill the process with SIGSEGV); without build tools
+    the app then runs the fp32 layout with one warning, and exits cleanly."""
+    import shutil
+    import subprocess
+    import sys
+
+    from engine.kernels import native
+
+    if native.kernels() is None:
+        pytest.skip("the kernels are not built on this machine")
+    folder = native.build_dir()
+    module = native._built(folder)
+    home = tmp_path / "home"
+    target = home / "cache" / "kernels" / folder.name
+    target.mkdir(parents=True)
+    shutil.copy2(module, target / module.name)
+    shutil.copy2(native._digest_file(module), target / native._digest_file(module).name)
+    with open(target / module.name, "r+b") as f:  # damage it
+        f.seek(4096)
+        f.write(b"\xff" * 4096)
+    code = ("from engine.kernels import native; s = native.status(); "
+            "print('module', s.module is not None); print('reason', s.reason)")
+    env = {**__import__("os").environ, "MLXCHAT_HOME": str(home), "PATH": "/nonexistent"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=str(native.SOURCE_DIR.parents[1]))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "module False" in out.stdout and "damaged" in out.stdout
+    assert not (target / module.name).exists()

@@ -92,3 +92,36 @@ def test_splitter_keeps_the_tool_opener_and_a_false_start():
     assert split(["pre<tool_", "call>{}"]) == [("content", "pre"), ("tool", "<tool_call>{}")]
     assert split(["deep", "</think>", "answer"], start="reasoning") == [
         ("reasoning", "deep"), ("content", "answer")]
+
+
+# --- the thinking budget (engine/decoding/thinking.py) --------------------------------------------
+
+def _chat(server, **fields) -> dict:
+    body = {"messages": ASK, "temperature": 0, "logit_bias": {str(THINK_END): -100}, **fields}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]
+
+
+def test_thinking_closes_at_the_budget_and_the_answer_follows(server):
+    """The model never closes its thinking on its own here (the end marker is biased away):
+    with a budget of 3 tokens it thinks exactly what it thinks unbounded in 3 tokens, then the
+    closing marker is forced and the answer follows."""
+    unbounded = _chat(server, max_tokens=3)
+    budgeted = _chat(server, max_tokens=12, thinking_budget=3)
+    assert budgeted["reasoning_content"] == unbounded["reasoning_content"]
+    assert budgeted["content"]  # the answer after the forced marker
+    effort = _chat(server, max_tokens=12, reasoning_effort="none")
+    assert not effort.get("reasoning_content") and effort["content"]
+
+
+def test_a_budget_not_reached_changes_nothing(server):
+    assert _chat(server, max_tokens=8, thinking_budget=100) == _chat(server, max_tokens=8)
+
+
+def test_a_bad_effort_or_budget_is_refused(server):
+    for fields in ({"reasoning_effort": "extreme"}, {"thinking_budget": -5},
+                   {"thinking_budget": "x"}):
+        r = httpx.post(f"{server.url}/v1/chat/completions",
+                       json={"messages": ASK, "max_tokens": 2, **fields})
+        assert r.status_code == 400, fields

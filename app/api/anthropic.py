@@ -7,12 +7,14 @@ messages), `SamplingParams` and a `ToolRequest` (`tool_choice` any/tool decode u
 grammar, as OpenAI's required/named do); the engine's events become Anthropic's content blocks
 and stream events. The prefix cache's reuse is reported as `cache_read_input_tokens`.
 
+`thinking: {"type": "enabled", "budget_tokens": N}` is the engine's thinking budget (the model's
+closing marker is forced after N tokens of thinking; "disabled": at once).
+
 Tolerant as its clients need: fields and block types that ask for nothing this server must do
-(`cache_control`, `metadata`, `thinking`, `output_config`, `context_management`, server tools
-...) are accepted and ignored; `max_tokens` is clamped to the context the prompt leaves; any model
-name runs on the loaded model unless an alias (`--model-alias`) or a local model's own name says
-otherwise. Not supported: images and documents (a clear 400), a thinking budget (accepted,
-not enforced yet).
+(`cache_control`, `metadata`, `thinking: adaptive`, `output_config`, `context_management`, server
+tools ...) are accepted and ignored; `max_tokens` is clamped to the context the prompt leaves; any
+model name runs on the loaded model unless an alias (`--model-alias`) or a local model's own name
+says otherwise. Not supported: images and documents (a clear 400).
 """
 
 import json
@@ -161,6 +163,21 @@ def _tools(body: dict[str, Any]) -> Any:
         raise _bad(str(exc), exc.field) from None
 
 
+def _thinking(value: Any) -> int | None:
+    """`thinking`: enabled with `budget_tokens` sets the thinking budget, disabled answers at
+    once; adaptive (Claude Code) and absent leave the model's own way."""
+    if not isinstance(value, dict):
+        return None
+    if value.get("type") == "disabled":
+        return 0
+    budget = value.get("budget_tokens")
+    if value.get("type") == "enabled" and budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise _bad("'thinking.budget_tokens' must be a non-negative integer", "thinking")
+        return budget
+    return None
+
+
 def _number(body: dict[str, Any], name: str, kind: type) -> Any:
     value = body.get(name)
     if value is None:
@@ -178,6 +195,9 @@ def _sampling(body: dict[str, Any], max_tokens: int) -> dict[str, Any]:
     for name, kind in (("temperature", float), ("top_p", float), ("top_k", int)):
         if (value := _number(body, name, kind)) is not None:
             sampling[name] = value
+    budget = _thinking(body.get("thinking"))
+    if budget is not None:
+        sampling["thinking_budget"] = budget
     stops = body.get("stop_sequences")
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine import (Event, InvalidRequest, ModelDefaults, SamplingParams, SpeculativeOptions,
-                    ToolRequest, keep_alive_seconds, tool_request)
+                    ToolRequest, effort_budget, keep_alive_seconds, tool_request)
 
 from ..context import TRUNCATE_MODES, drop_oldest
 from ..sse import sse
@@ -41,6 +41,8 @@ _FIELDS.add("reasoning_format")
 _FIELDS.add("truncate")
 REASONING_FORMATS = ("auto", "none")
 _FIELDS.add("keep_alive")  # as Ollama's: how long the model stays loaded after this request
+# A thinking budget by effort (engine EFFORT_BUDGETS); `thinking_budget` (tokens) wins if both.
+_FIELDS.add("reasoning_effort")
 _SPECULATIVE = {"draft": str, "k": int, "adaptive": bool}
 
 
@@ -82,6 +84,9 @@ def parse_chat_request(body: Any, model_name: str | None,
     elif top is not None:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
     try:
+        effort = body.get("reasoning_effort")
+        if effort is not None and "thinking_budget" not in sampling:
+            sampling["thinking_budget"] = effort_budget(effort)
         params = defaults.params(sampling) if defaults is not None else SamplingParams(**sampling)
         keep_alive_seconds(body.get("keep_alive"))
         tools = tool_request(body.get("tools"), body.get("tool_choice"),

@@ -36,7 +36,7 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     if n == 1:
         return [params]
     base = params.seed if params.seed is not None else random.getrandbits(62)
-    return [params.with_(seed=base + i) for i in range(n)]
+    return [params.with_(seed=(base + i) % 2**63) for i in range(n)]  # seeds stay in range
 
 
 async def start_choices(engine: Any, messages: Sequence[dict[str, Any]] | None,

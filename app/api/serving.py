@@ -151,12 +151,13 @@ async def use_named_model(request: Request, name: Any) -> str:
     return engine.model_name
 
 
-async def fit_max_tokens(engine: Any, messages: list[dict[str, Any]], max_tokens: int,
-                         tools: ToolRequest | None) -> tuple[int, int]:
+async def fit_max_tokens(engine: Any, messages: list[dict[str, Any]] | None, max_tokens: int,
+                         tools: ToolRequest | None, text: str | None = None) -> tuple[int, int]:
     """(prompt tokens, `max_tokens` clamped to the context the prompt leaves), as clients such as
     Claude Code expect (it always asks for 32,000); a prompt that alone fills the context is
-    refused (InvalidRequest, `context_length_exceeded`)."""
-    prompt = await asyncio.to_thread(count_tokens, engine, messages=messages, tools=tools)
+    refused (InvalidRequest, `context_length_exceeded`). `text`: a raw prompt instead."""
+    prompt = await asyncio.to_thread(count_tokens, engine, messages=messages, tools=tools,
+                                     text=text)
     left = engine.model.context_length - prompt
     if left < 1:
         raise InvalidRequest(f"the prompt is {prompt} tokens, which fills this model's context "

@@ -50,7 +50,7 @@ def record_user_turn(storage: Storage, conv: Conversation, action: str, data: Ma
 def _own_message(storage: Storage, conv: Conversation, mid: Any) -> Message:
     try:
         message = storage.get_message(int(mid))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # not an id, 1e400, or past SQLite's range
         message = None
     if message is None or message.conversation_id != conv.id:
         raise ValueError("That message is not in this conversation.")

@@ -23,6 +23,7 @@ from .logprobs import token_logprob
 from .sampling import SamplingParams, TokenSampler
 from .snapshots import POLICY
 from .stops import StopMatcher
+from .thinking import thinking_budget
 from .tools import ToolRequest, constraint as tool_constraint, markers as tool_markers, parse_calls
 from .tools import prepare as prepare_tools
 
@@ -125,6 +126,12 @@ class Generation:
         self.prefill_chunk = prefill_chunk or default_prefill_chunk()
         self.last_with_chunk = last_with_chunk_default() if last_with_chunk is None else last_with_chunk
         self.sampler = TokenSampler(params)
+        budget = thinking_budget(lm.tokenizer, params.thinking_budget, prompt.tokens)
+        if budget is not None and speculator is not None:
+            raise InvalidRequest("a thinking budget cannot be combined with speculative decoding; "
+                                 "send one or the other", field="speculative", code="invalid_value")
+        if budget is not None:  # before any grammar: a forced closing marker is not JSON
+            self.sampler.processors.append(budget)
         if params.json_schema is not None:  # JSON mode: the grammar masks logits last
             if speculator is not None:  # draft-and-verify would run the grammar out of order
                 raise InvalidRequest("JSON mode (response_format) cannot be combined with "

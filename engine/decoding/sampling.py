@@ -93,6 +93,9 @@ SAMPLING_OPTIONS: tuple[SamplingOption, ...] = (
                    "The most tokens to generate."),
     SamplingOption("seed", int, None, 0, 2**63 - 1, "Seed",
                    "Seed for reproducible sampling (-1: random).", unset=-1),
+    SamplingOption("thinking_budget", int, None, 0, None, "Thinking budget",
+                   "The most tokens a thinking model may think before it answers (empty: no "
+                   "limit; 0: answer at once).", unset=-1),
 )
 OPTIONS_BY_NAME = {o.name: o for o in SAMPLING_OPTIONS}
 

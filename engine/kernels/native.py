@@ -73,7 +73,8 @@ def _sources() -> list[Path]:
 def build_key() -> str:
     """`<mlx version>-<hash of CPU features, machine, Python version and our sources>`."""
     h = hashlib.sha256()
-    h.update(f"{platform.machine()}|{' '.join(cpu_features())}|{sys.version_info[:2]}".encode())
+    # "sha256": builds whose module's digest is recorded (`_intact`) live in folders of their own
+    h.update(f"{platform.machine()}|{' '.join(cpu_features())}|{sys.version_info[:2]}|sha256".encode())
     for path in _sources():
         h.update(path.name.encode() + path.read_bytes())
     return f"{mx.__version__}-{h.hexdigest()[:12]}"
@@ -114,8 +115,28 @@ def build(folder: Path) -> Path:
             raise RuntimeError("the build produced no module")
         staged = folder / (built.name + ".tmp")
         shutil.copy2(built, staged)
+        _digest_file(folder / built.name).write_text(_sha256(staged))
         os.replace(staged, folder / built.name)  # atomic: a concurrent loader sees all or nothing
     return folder / built.name
+
+
+def _digest_file(module: Path) -> Path:
+    return module.with_name(module.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _intact(module: Path) -> bool:
+    """Whether `module` is byte for byte what the build wrote (its sha256 recorded then): a
+    damaged or swapped shared library must never be loaded, since loading it can crash the
+    process before any Python error is raised."""
+    digest = _digest_file(module)
+    try:
+        return digest.read_text().strip() == _sha256(module)
+    except OSError:
+        return False
 
 
 def _import(path: Path) -> ModuleType:
@@ -179,6 +200,11 @@ def _load() -> Status:
     with open(folder / ".lock", "w") as lock:  # one build at a time, across processes
         fcntl.flock(lock, fcntl.LOCK_EX)
         path, error = _built(folder), None
+        if path is not None and not _intact(path):  # rebuilt below, never loaded
+            error = f"the cached build {path} is damaged or unverified (sha256)"
+            log.warning("%s; building it again", error)
+            path.unlink(missing_ok=True)
+            path = None
         if path is not None:
             try:
                 module = _import(path)

@@ -401,7 +401,8 @@ def remove(name: str) -> list[Path]:
         for link in links:
             blob = link.resolve()
             link.unlink()
-            blob.unlink(missing_ok=True)
+            if blob.is_relative_to(repo.resolve()):  # never follow a link out of the cache
+                blob.unlink(missing_ok=True)
             removed.append(link)
         if any(p.is_file() for p in (repo / "snapshots").rglob("*")):
             return removed

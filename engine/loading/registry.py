@@ -37,6 +37,25 @@ class ModelInfo:
     size_bytes: int | None
 
 
+# What a model can do, as clients ask (Ollama's /api/show, /v1/models, the picker): one
+# declaration, each derived from the model's own files in `capabilities`.
+CAPABILITIES = ("completion", "tools", "thinking", "vision", "embedding")
+
+
+def capabilities(lm: "LoadedModel") -> tuple[str, ...]:
+    """The model's CAPABILITIES: every chat model completes; tools when its tokenizer knows its
+    family's tool-call markers or its chat template takes `tools`; thinking when it knows think
+    markers. (Vision and dedicated embedding models are not served yet.)"""
+    tok = lm.tokenizer
+    template = getattr(tok, "chat_template", None) or ""
+    found = ["completion"]
+    if getattr(tok, "has_tool_calling", False) or "tools" in template:
+        found.append("tools")
+    if getattr(tok, "has_thinking", False):
+        found.append("thinking")
+    return tuple(found)
+
+
 @dataclass
 class LoadedModel:
     """A model ready to run: the mlx-lm module, its tokenizer wrapper and config."""
@@ -186,6 +205,7 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
     from mlx_lm.utils import load_model as mlx_lm_load_model, load_tokenizer
 
     from .gemma2_window import model_classes
+    from .shardable import check_shardable
 
     try:
         display, folder = resolve(name)
@@ -204,6 +224,7 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
             return load_model(None, transform=transform)
         raise
     if group is not None:
+        check_shardable(display, config, group.size())
         if not hasattr(model, "shard"):
             raise ModelLoadError(f"mlx-lm cannot shard {display!r} ({config.get('model_type')})")
         model.shard(group)

@@ -36,7 +36,7 @@ from ..errors import EngineError, InvalidRequest, Overloaded
 from ..events import FINAL_STATES, Event, FinishReason, RequestState, Timings, Usage
 from ..decoding.generate import Generation, build_prompt
 from ..loading.memory import weight_files_bytes
-from ..loading.registry import LoadedModel, ModelInfo, list_models, load_model
+from ..loading.registry import LoadedModel, ModelInfo, capabilities, list_models, load_model
 from ..decoding.defaults import ModelDefaults, resolve_defaults
 from ..decoding.sampling import SamplingParams
 from ..decoding.tools import ToolRequest
@@ -69,6 +69,7 @@ class ModelDescription:
     context_length: int
     drafts: tuple[DraftChoice, ...]
     defaults: ModelDefaults  # each sampling option's default for this model, with its source
+    capabilities: tuple[str, ...] = ("completion",)  # engine.loading.registry.CAPABILITIES
 
 
 @dataclass(frozen=True)
@@ -383,7 +384,8 @@ class Engine:
         lm = self.lm
         self._described = ModelDescription(
             name=lm.name, family=lm.family, context_length=lm.context_length,
-            drafts=draft_choices(lm), defaults=resolve_defaults(lm.name, lm.path, lm.family))
+            drafts=draft_choices(lm), defaults=resolve_defaults(lm.name, lm.path, lm.family),
+            capabilities=capabilities(lm))
         self._touch(self.keep_alive)
         report("ready")
 

@@ -1,0 +1,483 @@
+"""Ollama's API under `/api`, for tools that speak only Ollama (`OLLAMA_HOST=http://127.0.0.1:8321`
+or `mlxchat serve --port 11434`): version, tags, show, ps, chat, generate, pull, delete.
+
+An adapter over the same engine requests as the OpenAI and Anthropic endpoints
+(app/api_serving.py): prefix reuse, cancel on disconnect, admission, constrained decoding
+(`format`), the API key. Streams are newline-delimited JSON (`stream` defaults to true, as in
+Ollama); errors are `{"error": "..."}`.
+
+Names: Ollama clients write `name:tag`. A name matches a local model by dropping a `:latest` tag
+(and an `hf.co/` prefix), case aside; `/api/tags` lists each model as `<id>:latest`. Other names
+run on the loaded model, as on `/v1/messages` (aliases from `--model-alias` apply first).
+`prompt_eval_count` counts only the prompt tokens actually computed, so the prefix cache's reuse
+shows; durations are nanoseconds. Accepted and ignored: `options.num_ctx` (the model's own
+context is used), `template`, and `raw` on chat.
+"""
+
+import asyncio
+import hashlib
+import json
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from engine import (DownloadError, EngineError, Event, InvalidRequest, ModelInfo, effort_budget,
+                    pull_model, remove_model, tool_request)
+
+from .choices import Choice, collect_choices, merged
+from .errors import ApiError
+from .models import local_models
+from .openai_request import parse_messages
+from .serving import (fit_max_tokens, public_error, read_body, submit,
+                      use_named_model, watched)
+
+# The Ollama version we answer as: clients check it (codex --oss needs >= 0.13.4).
+VERSION = "0.13.5"
+# Ollama's option names and ours (SamplingParams); the others Ollama has are accepted, ignored.
+OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+           "num_predict": "max_tokens", "seed": "seed", "repeat_penalty": "repetition_penalty",
+           "repeat_last_n": "repetition_context_size", "presence_penalty": "presence_penalty",
+           "frequency_penalty": "frequency_penalty"}
+DONE_REASONS = {"length": "length", "stop": "stop", "tool_calls": "stop", "cancelled": "stop"}
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def _from(exc: ApiError) -> JSONResponse:
+    return _error(exc.status, exc.message, exc.headers)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def ollama_name(model_id: str) -> str:
+    return model_id if ":" in model_id.split("/")[-1] else f"{model_id}:latest"
+
+
+def local_id(request: Request, name: Any) -> str | None:
+    """The local model an Ollama-style name stands for (None: no local model has it)."""
+    if not isinstance(name, str):
+        return None
+    wanted = name.removeprefix("hf.co/").removesuffix(":latest").lower()
+    for m in local_models(request.app.state.engine):
+        if m.name.lower() in (wanted, name.lower()):
+            return m.name
+    return None
+
+
+def _digest(m: ModelInfo) -> str:
+    return hashlib.sha256(f"{m.name}|{m.path}|{m.size_bytes}".encode()).hexdigest()
+
+
+def _details(engine: Any, m: ModelInfo) -> dict[str, Any]:
+    loaded = engine.model if m.name == engine.model_name else None
+    return {"parent_model": "", "format": "gguf" if m.source == "gguf" else "safetensors",
+            "family": loaded.family if loaded else "", "families": [loaded.family] if loaded else [],
+            "parameter_size": "", "quantization_level": ""}
+
+
+def _entry(engine: Any, m: ModelInfo) -> dict[str, Any]:
+    path = Path(m.path) if m.path else None
+    modified = datetime.fromtimestamp(path.stat().st_mtime if path and path.exists()
+                                      else time.time(), timezone.utc)
+    return {"name": ollama_name(m.name), "model": ollama_name(m.name),
+            "modified_at": modified.isoformat().replace("+00:00", "Z"),
+            "size": m.size_bytes or 0, "digest": _digest(m), "details": _details(engine, m)}
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": VERSION})
+
+
+async def tags(request: Request) -> Response:
+    engine = request.app.state.engine
+    return JSONResponse({"models": [_entry(engine, m) for m in local_models(engine)]})
+
+
+async def ps(request: Request) -> Response:
+    engine = request.app.state.engine
+    running = [m for m in local_models(engine) if m.name == engine.model_name]
+    return JSONResponse({"models": [
+        {**_entry(engine, m), "expires_at": "2318-01-01T00:00:00Z", "size_vram": 0,
+         "context_length": engine.model.context_length} for m in running]})
+
+
+def _config(m: ModelInfo) -> dict[str, Any]:
+    path = Path(m.path) if m.path else None
+    try:
+        return json.loads((path / "config.json").read_text()) if path and path.is_dir() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+async def show(request: Request) -> Response:
+    engine = request.app.state.engine
+    try:
+        body = await read_body(request)
+    except ApiError as exc:
+        return _from(exc)
+    name = body.get("model", body.get("name")) if isinstance(body, dict) else None
+    found = local_id(request, name)
+    if found is None:
+        return _error(404, f"model '{name}' not found")
+    m = next(m for m in local_models(engine) if m.name == found)
+    described = engine.model if found == engine.model_name else None
+    config = _config(m)
+    family = described.family if described else config.get("model_type", "")
+    context = described.context_length if described else config.get("max_position_embeddings")
+    info = {"general.architecture": family, "general.basename": m.name}
+    if context:
+        info[f"{family}.context_length"] = context
+    return JSONResponse({"modelfile": "", "parameters": "", "template": "",
+                         "details": _details(engine, m), "model_info": info,
+                         "capabilities": list(described.capabilities if described
+                                              else ("completion",)),
+                         "modified_at": _entry(engine, m)["modified_at"]})
+
+
+def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+    options = body.get("options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "'options' must be an object")
+    out: dict[str, Any] = {}
+    for name, ours in OPTIONS.items():
+        value = options.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ApiError(400, f"option '{name}' must be a number")
+        out[ours] = value
+    if out.get("max_tokens", 1) < 1:  # -1 (no limit) and -2 (fill the context): the context left
+        out["max_tokens"] = 1 << 30
+    stop = options.get("stop")
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise ApiError(400, "option 'stop' must be a string or an array of strings")
+        if stop:
+            out["stop"] = tuple(stop)
+    fmt = body.get("format")
+    if fmt == "json":
+        out["json_schema"] = {"type": "object"}
+    elif isinstance(fmt, dict):
+        out["json_schema"] = fmt
+    elif fmt not in (None, ""):
+        raise ApiError(400, "'format' must be \"json\" or a JSON schema object")
+    out.setdefault("max_tokens", 1 << 30)
+    think = body.get("think")
+    if think is False:
+        out["thinking_budget"] = 0
+    elif isinstance(think, str):
+        try:
+            out["thinking_budget"] = effort_budget(think, "think")
+        except InvalidRequest as exc:
+            raise ApiError(400, str(exc)) from None
+    elif think not in (None, True):
+        raise ApiError(400, "'think' must be true, false, \"low\", \"medium\" or \"high\"")
+    return out
+
+
+def _images(where: str, value: Any) -> None:
+    if value:
+        raise ApiError(400, f"{where} holds images, and the loaded model reads text only "
+                            "(no vision model is served yet)")
+
+
+def _chat_messages(value: Any) -> list[dict[str, Any]]:
+    """Ollama's messages as engine messages: tool calls get ids, and a tool message answers the
+    oldest open call of its `tool_name`."""
+    if not isinstance(value, list):
+        raise ApiError(400, "'messages' must be an array")
+    out, open_calls = [], []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}] must be an object")
+        _images(f"messages[{i}]", m.get("images"))
+        message = {"role": m.get("role"), "content": m.get("content") or ""}
+        calls = m.get("tool_calls")
+        if calls:
+            if not isinstance(calls, list):
+                raise ApiError(400, f"messages[{i}].tool_calls must be an array")
+            message["tool_calls"] = []
+            for j, call in enumerate(calls):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise ApiError(400, f"messages[{i}].tool_calls[{j}] needs a function name")
+                args = fn.get("arguments", {})
+                call_id = f"call_{i}_{j}"
+                open_calls.append((call_id, fn["name"]))
+                message["tool_calls"].append({"id": call_id, "type": "function", "function": {
+                    "name": fn["name"],
+                    "arguments": args if isinstance(args, str) else json.dumps(args)}})
+        if m.get("role") == "tool":
+            name = m.get("tool_name") or m.get("name")
+            match = next((c for c in open_calls if c[1] == name), open_calls[0] if open_calls
+                         else (f"call_{i}", name))
+            if match in open_calls:
+                open_calls.remove(match)
+            message["tool_call_id"] = match[0]
+        out.append(message)
+    return out
+
+
+def _tools(body: dict[str, Any]) -> Any:
+    tools = body.get("tools")
+    if not tools:
+        return None
+    try:
+        return tool_request(tools, "auto")
+    except InvalidRequest as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+async def _run(request: Request, messages: list[dict[str, Any]] | None, body: dict[str, Any],
+               tools: Any, text: str | None = None) -> tuple[list, dict[str, Any], float]:
+    """Submit; returns (handles, what the answers need to know, when it started)."""
+    engine = request.app.state.engine
+    started = time.perf_counter()
+    model = await use_named_model(request, body.get("model"))
+    loaded_at = time.perf_counter()
+    sampling = _sampling(body)
+    try:
+        _, sampling["max_tokens"] = await fit_max_tokens(engine, messages, sampling["max_tokens"],
+                                                         tools, text)
+        params = engine.defaults.params(sampling)
+    except InvalidRequest as exc:
+        raise ApiError(400, public_error(str(exc))) from None
+    options = {"text": text} if text is not None else {}
+    handles = await submit(engine, messages, params, 1, None, tools=tools,
+                                   split_reasoning=True, keep_alive=body.get("keep_alive"),
+                                   **options)
+    return handles, {"model": ollama_name(model), "load_ns": int((loaded_at - started) * 1e9)}, \
+        started
+
+
+def _timings(final: Event, meta: dict[str, Any], started: float) -> dict[str, Any]:
+    usage, timings = final.usage, final.timings
+    evaluated = max(usage.prompt_tokens - usage.cached_tokens, 0)
+    prompt_ns = int((timings.ttft_s or 0) * 1e9)
+    eval_ns = int(usage.completion_tokens / timings.tokens_per_s * 1e9) \
+        if timings.tokens_per_s else 0
+    return {"done_reason": DONE_REASONS.get(final.finish_reason or "stop", "stop"),
+            "total_duration": int((time.perf_counter() - started) * 1e9),
+            "load_duration": meta["load_ns"], "prompt_eval_count": evaluated,
+            "prompt_eval_duration": prompt_ns, "eval_count": usage.completion_tokens,
+            "eval_duration": eval_ns}
+
+
+def _calls(final: Event) -> list[dict[str, Any]]:
+    out = []
+    for call in final.tool_calls:
+        try:
+            args = json.loads(call.arguments or "{}")
+        except json.JSONDecodeError:
+            args = {}
+        out.append({"function": {"name": call.name, "arguments": args}})
+    return out
+
+
+def _ndjson(lines: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def encode() -> AsyncIterator[str]:
+        async for line in lines:
+            yield json.dumps(line, ensure_ascii=False) + "\n"
+    return StreamingResponse(encode(), media_type="application/x-ndjson")
+
+
+async def _answer(request: Request, handles: list, meta: dict[str, Any], started: float,
+                  stream: bool, chat: bool) -> Response:
+    """The answer as NDJSON chunks or one object; chat answers carry `message`, generate
+    answers `response`."""
+    def piece(text: str, thinking: str = "", calls: list | None = None) -> dict[str, Any]:
+        if chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if thinking:
+                message["thinking"] = thinking
+            if calls:
+                message["tool_calls"] = calls
+            return {"message": message}
+        return {"response": text, **({"thinking": thinking} if thinking else {})}
+
+    base = {"model": meta["model"]}
+    if not stream:
+        async with watched(request, handles):
+            choice: Choice = (await collect_choices(handles))[0]
+        final = choice.final
+        if final is None or final.finish_reason == "failed":
+            return _error(500, public_error(final.error if final else None))
+        return JSONResponse({**base, "created_at": _now(),
+                             **piece("".join(choice.content), "".join(choice.reasoning),
+                                     _calls(final)),
+                             "done": True, **_timings(final, meta, started)})
+
+    async def lines() -> AsyncIterator[dict[str, Any]]:
+        async with watched(request, handles):
+            async for _, event in merged(handles):
+                if event.kind == "token":
+                    if event.text:
+                        thinking = event.channel == "reasoning"
+                        yield {**base, "created_at": _now(),
+                               **piece("" if thinking else event.text,
+                                       event.text if thinking else ""), "done": False}
+                elif event.finish_reason == "failed":
+                    yield {"error": public_error(event.error)}
+                else:
+                    yield {**base, "created_at": _now(), **piece("", "", _calls(event)),
+                           "done": True, **_timings(event, meta, started)}
+    return _ndjson(lines())
+
+
+def _stream_flag(body: dict[str, Any]) -> bool:
+    stream = body.get("stream", True)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean")
+    return stream
+
+
+async def chat(request: Request) -> Response:
+    try:
+        body = await read_body(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        stream = _stream_flag(body)
+        messages = _chat_messages(body.get("messages", []))
+        if not messages:  # Ollama's way to load a model without asking anything
+            model = await use_named_model(request, body.get("model"))
+            return JSONResponse({"model": ollama_name(model), "created_at": _now(),
+                                 "message": {"role": "assistant", "content": ""},
+                                 "done": True, "done_reason": "load"})
+        messages = parse_messages(messages)
+        tools = _tools(body)
+        handles, meta, started = await _run(request, messages, body, tools)
+    except ApiError as exc:
+        return _from(exc)
+    return await _answer(request, handles, meta, started, stream, chat=True)
+
+
+async def generate(request: Request) -> Response:
+    try:
+        body = await read_body(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        stream = _stream_flag(body)
+        _images("the request", body.get("images"))
+        prompt, system = body.get("prompt", ""), body.get("system")
+        if not isinstance(prompt, str) or (system is not None and not isinstance(system, str)):
+            raise ApiError(400, "'prompt' and 'system' must be strings")
+        if not prompt:
+            model = await use_named_model(request, body.get("model"))
+            return JSONResponse({"model": ollama_name(model), "created_at": _now(),
+                                 "response": "", "done": True, "done_reason": "load"})
+        if body.get("raw"):
+            handles, meta, started = await _run(request, None, body, None, text=prompt)
+        else:
+            messages = ([{"role": "system", "content": system}] if system else []) + \
+                [{"role": "user", "content": prompt}]
+            handles, meta, started = await _run(request, parse_messages(messages), body, None)
+    except ApiError as exc:
+        return _from(exc)
+    return await _answer(request, handles, meta, started, stream, chat=False)
+
+
+def _hub_spec(name: str) -> str:
+    """An Ollama pull name as our hub spec: `hf.co/owner/repo[:FILE.gguf]`, tag `latest` dropped."""
+    return name.removeprefix("hf.co/").removeprefix("huggingface.co/").removesuffix(":latest")
+
+
+async def pull(request: Request) -> Response:
+    """Download a model from the Hugging Face hub (`owner/repo` or `owner/repo:FILE.gguf`, also
+    written `hf.co/owner/repo:...`) with progress lines as Ollama streams them."""
+    try:
+        body = await read_body(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        name = body.get("model", body.get("name"))
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, "'model' (the model to pull) is required")
+        stream = _stream_flag(body)
+    except ApiError as exc:
+        return _from(exc)
+    if local_id(request, name) is not None:  # already here
+        done = {"status": "success"}
+        return _ndjson(_one(done)) if stream else JSONResponse(done)
+    updates: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+
+    def progress(p: Any) -> None:
+        loop.call_soon_threadsafe(updates.put_nowait, {
+            "status": f"pulling {p.file}", "digest": p.file, "total": p.total_bytes,
+            "completed": p.done_bytes})
+
+    async def fetch() -> str | None:
+        try:
+            await asyncio.to_thread(pull_model, _hub_spec(name), progress)
+            return None
+        except (DownloadError, EngineError) as exc:
+            return str(exc).split("\n", 1)[0]
+
+    if not stream:
+        failure = await fetch()
+        return _error(500, failure) if failure else JSONResponse({"status": "success"})
+
+    async def lines() -> AsyncIterator[dict[str, Any]]:
+        yield {"status": "pulling manifest"}
+        task = asyncio.create_task(fetch())
+        while not task.done() or not updates.empty():
+            try:
+                yield await asyncio.wait_for(updates.get(), 0.2)
+            except TimeoutError:
+                continue
+        failure = task.result()
+        if failure:
+            yield {"error": failure}
+        else:
+            yield {"status": "verifying sha256 digest"}
+            yield {"status": "success"}
+    return _ndjson(lines())
+
+
+async def _one(line: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    yield line
+
+
+async def delete(request: Request) -> Response:
+    try:
+        body = await read_body(request)
+    except ApiError as exc:
+        return _from(exc)
+    name = body.get("model", body.get("name")) if isinstance(body, dict) else None
+    found = local_id(request, name)
+    if found is None:
+        return _error(404, f"model '{name}' not found")
+    if found == request.app.state.engine.model_name:
+        return _error(409, f"model '{name}' is loaded; load another model first")
+    try:
+        await asyncio.to_thread(remove_model, found)
+    except (DownloadError, EngineError) as exc:
+        return _error(400, str(exc))
+    return JSONResponse({})
+
+
+async def embed(request: Request) -> Response:
+    return _error(501, "embeddings are not served yet")
+
+
+routes = [
+    Route("/api/version", version),
+    Route("/api/tags", tags),
+    Route("/api/ps", ps),
+    Route("/api/show", show, methods=["POST"]),
+    Route("/api/chat", chat, methods=["POST"]),
+    Route("/api/generate", generate, methods=["POST"]),
+    Route("/api/pull", pull, methods=["POST"]),
+    Route("/api/delete", delete, methods=["DELETE"]),
+    Route("/api/embed", embed, methods=["POST"]),
+    Route("/api/embeddings", embed, methods=["POST"]),
+]

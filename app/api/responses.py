@@ -1,0 +1,405 @@
+"""OpenAI's Responses API: `POST /v1/responses` (JSON or SSE), `GET` and `DELETE
+/v1/responses/{id}`, for the `openai` SDK's `responses` and Codex CLI.
+
+An adapter over the same engine requests as chat completions (app/api_serving.py): `input` (a
+string or items: messages, function_call, function_call_output; reasoning items are skipped) and
+`instructions` become engine messages, function `tools` a `ToolRequest` (`required` and a named
+function decode under the grammar), `text.format` a JSON schema; the engine's events become
+output items (reasoning, message, function_call) and OpenAI's stream events. `store` (the
+default) keeps the response and its conversation in SQLite so that `previous_response_id`
+continues it; `store: false` keeps nothing. Fields that ask for nothing this server must do
+(`include`, `prompt_cache_key`, `truncation`, `metadata`, `user`, `service_tier` ...) and hosted
+tool types (web search, ...) are ignored; images and files are refused with a clear 400. Without
+`max_output_tokens` the answer may use the context the prompt leaves. Model names that are no
+local model run on the loaded one (`--model-alias` applies).
+"""
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from engine import Event, InvalidRequest, effort_budget, tool_request
+
+from ..error_shapes import api_error
+from ..sse import sse
+from .choices import Choice, collect_choices, merged
+from .errors import ApiError
+from .openai_request import parse_messages
+from .response_format import json_schema
+from .serving import (fit_max_tokens, public_error, read_body, sse_response, submit,
+                      use_named_model, watched)
+
+_SKIPPED_ITEMS = {"reasoning", "item_reference", "web_search_call"}
+
+
+def _new(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _bad(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"{where} must be a string or an array of content parts", where)
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            parts.append(part["text"])
+        elif kind in ("input_image", "input_file", "input_audio"):
+            raise _bad(f"{where}[{j}] is {kind}: this server reads text only", where)
+        elif kind is None:
+            raise _bad(f"{where}[{j}] must be a content part with a 'type'", where)
+    return "".join(parts)
+
+
+def input_messages(value: Any, instructions: Any) -> list[dict[str, Any]]:
+    """`instructions` and `input` as engine (OpenAI chat) messages."""
+    out: list[dict[str, Any]] = []
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise _bad("'instructions' must be a string", "instructions")
+        out.append({"role": "system", "content": instructions})
+    if isinstance(value, str):
+        return out + [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise _bad("'input' must be a string or a non-empty array of items", "input")
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise _bad(f"{where} must be an object", where)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+            if role not in ("user", "assistant", "system"):
+                raise _bad(f"{where}.role must be user, assistant, system or developer", where)
+            out.append({"role": role, "content": _text(item.get("content", ""), f"{where}.content")})
+        elif kind == "function_call":
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
+                raise _bad(f"{where} needs 'name' and 'call_id'", where)
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
+            if out and out[-1]["role"] == "assistant":  # the same turn as the text before it
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise _bad(f"{where}.call_id is required", where)
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": _text(item.get("output", ""), f"{where}.output")})
+        elif kind in _SKIPPED_ITEMS:
+            continue
+        else:
+            raise _bad(f"{where}.type {json.dumps(kind)} is not supported here", where)
+    return out
+
+
+def _functions(tools: Any) -> list[dict[str, Any]]:
+    """Function tools in chat's shape; those inside a `namespace` tool too; hosted tools left out."""
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise _bad("'tools' must be an array", "tools")
+    out, seen = [], set()
+    for tool in tools:
+        if not isinstance(tool, dict):
+            raise _bad("'tools' entries must be objects", "tools")
+        if tool.get("type") == "namespace":
+            out += [f for f in _functions(tool.get("tools") or []) if f["function"]["name"] not in seen]
+            seen |= {f["function"]["name"] for f in out}
+        elif tool.get("type") == "function" and tool.get("name") not in seen:
+            seen.add(tool.get("name"))
+            out.append({"type": "function", "function": {
+                "name": tool.get("name"), "description": tool.get("description") or "",
+                "parameters": tool.get("parameters") or {"type": "object"}}})
+    return out
+
+
+def _tool_request(body: dict[str, Any]) -> Any:
+    functions = _functions(body.get("tools"))
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        choice = {"type": "function", "function": {"name": choice.get("name")}} \
+            if choice.get("type") == "function" else "auto"
+    if not functions or choice == "none":
+        return None
+    try:
+        return tool_request(functions, choice, body.get("parallel_tool_calls"))
+    except InvalidRequest as exc:
+        raise _bad(str(exc), exc.field) from None
+
+
+def _format(body: dict[str, Any]) -> Any:
+    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    if not isinstance(fmt, dict) or fmt.get("type") in (None, "text"):
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "object"}
+    if fmt.get("type") == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return json_schema({"type": "json_schema", "json_schema": spec})
+    raise _bad("'text.format.type' must be text, json_object or json_schema", "text.format")
+
+
+def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in ("temperature", "top_p"):
+        value = body.get(name)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ApiError(400, f"'{name}' must be a number", name, "invalid_type")
+            out[name] = value
+    limit = body.get("max_output_tokens")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise _bad("'max_output_tokens' must be a positive integer", "max_output_tokens")
+    out["max_tokens"] = limit or 1 << 30
+    reasoning = body.get("reasoning")
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+    if effort is not None:
+        try:
+            out["thinking_budget"] = effort_budget(effort, "reasoning.effort")
+        except InvalidRequest as exc:
+            raise _bad(str(exc), "reasoning.effort") from None
+    if (schema := _format(body)) is not None:
+        out["json_schema"] = schema
+    return out
+
+
+def _items(choice_reasoning: str, text: str, final: Event | None) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    if choice_reasoning:
+        items.append({"type": "reasoning", "id": _new("rs"), "summary": [],
+                      "content": [{"type": "reasoning_text", "text": choice_reasoning}]})
+    if text or not (final and final.tool_calls):
+        items.append({"type": "message", "id": _new("msg"), "status": "completed",
+                      "role": "assistant",
+                      "content": [{"type": "output_text", "text": text, "annotations": []}]})
+    for call in (final.tool_calls if final else ()):
+        items.append({"type": "function_call", "id": _new("fc"), "call_id": call.id or _new("call"),
+                      "name": call.name, "arguments": call.arguments, "status": "completed"})
+    return items
+
+
+def _usage(final: Event | None) -> dict[str, Any]:
+    u = final.usage if final else None
+    prompt, out, cached = (u.prompt_tokens, u.completion_tokens, u.cached_tokens) if u else (0, 0, 0)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + out}
+
+
+class _Request:
+    """A parsed Responses request."""
+
+    def __init__(self, body: Any, storage: Any):
+        if not isinstance(body, dict):
+            raise _bad("the request body must be a JSON object")
+        self.body = body
+        self.stream = body.get("stream", False)
+        if not isinstance(self.stream, bool):
+            raise ApiError(400, "'stream' must be a boolean", "stream", "invalid_type")
+        self.store = body.get("store", True) is not False
+        previous: list[dict[str, Any]] = []
+        self.previous_id = body.get("previous_response_id")
+        if self.previous_id is not None:
+            found = storage.get_response(self.previous_id) if isinstance(self.previous_id, str) \
+                else None
+            if found is None:
+                raise ApiError(400, f"Previous response with id '{self.previous_id}' not found.",
+                               "previous_response_id", "previous_response_not_found")
+            previous = found[1]
+        self.messages = parse_messages(previous + input_messages(body.get("input"),
+                                                                 body.get("instructions")))
+        self.tools = _tool_request(body)
+        self.sampling = _sampling(body)
+
+    def envelope(self, rid: str, model: str, status: str) -> dict[str, Any]:
+        b = self.body
+        return {"id": rid, "object": "response", "created_at": int(time.time()),
+                "status": status, "error": None, "incomplete_details": None,
+                "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
+                "model": model, "output": [], "parallel_tool_calls": b.get("parallel_tool_calls", True),
+                "previous_response_id": self.previous_id,
+                "reasoning": {"effort": (b.get("reasoning") or {}).get("effort"), "summary": None},
+                "store": self.store, "temperature": b.get("temperature"),
+                "text": b.get("text") or {"format": {"type": "text"}},
+                "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
+                "top_p": b.get("top_p"), "truncation": "disabled", "usage": None,
+                "metadata": b.get("metadata") or {}}
+
+    def finish(self, envelope: dict[str, Any], items: list[dict[str, Any]], final: Event,
+               storage: Any) -> dict[str, Any]:
+        """The completed response; stored with its conversation unless `store` is false."""
+        incomplete = final.finish_reason == "length"
+        done = {**envelope, "status": "incomplete" if incomplete else "completed",
+                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+                "output": items, "usage": _usage(final)}
+        if self.store:
+            text = "".join(p["text"] for i in items if i["type"] == "message" for p in i["content"])
+            calls = [{"id": i["call_id"], "type": "function",
+                      "function": {"name": i["name"], "arguments": i["arguments"]}}
+                     for i in items if i["type"] == "function_call"]
+            answer = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+            storage.save_response(done["id"], done, self.messages + [answer])
+        return done
+
+
+async def create(request: Request) -> Response:
+    engine, storage = request.app.state.engine, request.app.state.storage
+    try:
+        parsed = _Request(await read_body(request), storage)
+        model = await use_named_model(request, parsed.body.get("model"))
+        try:
+            _, parsed.sampling["max_tokens"] = await fit_max_tokens(
+                engine, parsed.messages, parsed.sampling["max_tokens"], parsed.tools)
+            params = engine.defaults.params(parsed.sampling)
+        except InvalidRequest as exc:
+            raise ApiError(400, public_error(str(exc)), exc.field, exc.code) from None
+        handles = await submit(engine, parsed.messages, params, 1, None,
+                                       tools=parsed.tools, split_reasoning=True)
+    except ApiError as exc:
+        return exc.response()
+    envelope = parsed.envelope(_new("resp"), model, "in_progress")
+    if parsed.stream:
+        return sse_response(_stream(request, handles, parsed, envelope))
+    async with watched(request, handles):
+        choice: Choice = (await collect_choices(handles))[0]
+    final = choice.final
+    if final is None or final.finish_reason == "failed":
+        return api_error(500, public_error(final.error if final else None), "server_error",
+                         "generation_failed")
+    items = _items("".join(choice.reasoning), "".join(choice.content), final)
+    return JSONResponse(parsed.finish(envelope, items, final, storage))
+
+
+async def _stream(request: Request, handles: list, parsed: _Request,
+                  envelope: dict[str, Any]) -> AsyncIterator[str]:
+    """OpenAI's Responses stream events, each with its `event:` line and sequence number."""
+    seq = 0
+
+    def event(kind: str, **payload: Any) -> str:
+        nonlocal seq
+        seq += 1
+        return sse(json.dumps({"type": kind, "sequence_number": seq, **payload},
+                              ensure_ascii=False), event=kind)
+
+    yield event("response.created", response=envelope)
+    yield event("response.in_progress", response=envelope)
+    items: list[dict[str, Any]] = []
+    current: dict[str, Any] | None = None  # the item being streamed: reasoning or message
+    texts: list[str] = []
+
+    def close() -> list[str]:
+        nonlocal current
+        if current is None:
+            return []
+        index, text = len(items) - 1, "".join(texts)
+        if current["type"] == "reasoning":
+            current["content"] = [{"type": "reasoning_text", "text": text}]
+            out = [event("response.reasoning_text.done", item_id=current["id"], output_index=index,
+                         content_index=0, text=text)]
+        else:
+            part = {"type": "output_text", "text": text, "annotations": []}
+            current["content"], current["status"] = [part], "completed"
+            out = [event("response.output_text.done", item_id=current["id"], output_index=index,
+                         content_index=0, text=text),
+                   event("response.content_part.done", item_id=current["id"], output_index=index,
+                         content_index=0, part=part)]
+        out.append(event("response.output_item.done", output_index=index, item=current))
+        current = None
+        texts.clear()
+        return out
+
+    def open_item(kind: str) -> list[str]:
+        nonlocal current
+        out = close()
+        if kind == "reasoning":
+            current = {"type": "reasoning", "id": _new("rs"), "summary": [], "content": []}
+        else:
+            current = {"type": "message", "id": _new("msg"), "status": "in_progress",
+                       "role": "assistant", "content": []}
+        items.append(current)
+        index = len(items) - 1
+        out.append(event("response.output_item.added", output_index=index, item=current))
+        if kind == "message":
+            out.append(event("response.content_part.added", item_id=current["id"],
+                             output_index=index, content_index=0,
+                             part={"type": "output_text", "text": "", "annotations": []}))
+        return out
+
+    async with watched(request, handles):
+        async for _, ev in merged(handles):
+            if ev.kind == "token":
+                if not ev.text:
+                    continue
+                kind = "reasoning" if ev.channel == "reasoning" else "message"
+                if current is None or current["type"] != kind:
+                    for line in open_item(kind):
+                        yield line
+                texts.append(ev.text)
+                name = "response.reasoning_text.delta" if kind == "reasoning" else \
+                    "response.output_text.delta"
+                yield event(name, item_id=current["id"], output_index=len(items) - 1,
+                            content_index=0, delta=ev.text)
+                continue
+            if ev.finish_reason == "failed":
+                for line in close():
+                    yield line
+                failed = {**envelope, "status": "failed", "output": items,
+                          "error": {"code": "server_error", "message": public_error(ev.error)}}
+                yield event("response.failed", response=failed)
+                return
+            if not items and not ev.tool_calls:
+                for line in open_item("message"):
+                    yield line
+            for line in close():
+                yield line
+            for call in ev.tool_calls:
+                item = {"type": "function_call", "id": _new("fc"), "call_id": call.id or _new("call"),
+                        "name": call.name, "arguments": "", "status": "in_progress"}
+                items.append(item)
+                index = len(items) - 1
+                yield event("response.output_item.added", output_index=index, item=item)
+                yield event("response.function_call_arguments.delta", item_id=item["id"],
+                            output_index=index, delta=call.arguments)
+                yield event("response.function_call_arguments.done", item_id=item["id"],
+                            output_index=index, arguments=call.arguments)
+                item.update(arguments=call.arguments, status="completed")
+                yield event("response.output_item.done", output_index=index, item=item)
+            done = parsed.finish(envelope, items, ev, request.app.state.storage)
+            # Always `response.completed` (the response's own status says "incomplete" when the
+            # limit cut it): the SDK's stream helper and Codex wait for that event alone.
+            yield event("response.completed", response=done)
+
+
+async def retrieve(request: Request) -> Response:
+    found = request.app.state.storage.get_response(request.path_params["rid"])
+    if found is None:
+        return api_error(404, f"Response with id '{request.path_params['rid']}' not found.",
+                         "invalid_request_error", "not_found")
+    return JSONResponse(found[0])
+
+
+async def delete(request: Request) -> Response:
+    rid = request.path_params["rid"]
+    if not request.app.state.storage.delete_response(rid):
+        return api_error(404, f"Response with id '{rid}' not found.", "invalid_request_error",
+                         "not_found")
+    return JSONResponse({"id": rid, "object": "response", "deleted": True})
+
+
+routes = [
+    Route("/v1/responses", create, methods=["POST"]),
+    Route("/v1/responses/{rid}", retrieve, methods=["GET"]),
+    Route("/v1/responses/{rid}", delete, methods=["DELETE"]),
+]
