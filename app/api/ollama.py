@@ -20,7 +20,7 @@ import json
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -29,12 +29,12 @@ from starlette.routing import Route
 from engine import (DownloadError, EngineError, Event, InvalidRequest, ModelInfo, effort_budget,
                     pull_model, remove_model, tool_request)
 
-from .choices import Choice, collect_choices, merged
+from .choices import Choice
 from .errors import ApiError
 from .models import local_models
 from .openai_request import parse_messages
-from .serving import (fit_max_tokens, public_error, read_body, submit,
-                      use_named_model, watched)
+from .serving import (finished, fit_max_tokens, public_error, read_body, stream, submit,
+                      use_named_model)
 
 # The Ollama version we answer as: clients check it (codex --oss needs >= 0.13.4).
 VERSION = "0.13.5"
@@ -253,9 +253,8 @@ async def _run(request: Request, messages: list[dict[str, Any]] | None, body: di
     except InvalidRequest as exc:
         raise ApiError(400, public_error(str(exc))) from None
     options = {"text": text} if text is not None else {}
-    handles = await submit(engine, messages, params, 1, None, tools=tools,
-                                   split_reasoning=True, keep_alive=body.get("keep_alive"),
-                                   **options)
+    handles = await submit(engine, messages, params, tools=tools, split_reasoning=True,
+                           keep_alive=body.get("keep_alive"), **options)
     return handles, {"model": ollama_name(model), "load_ns": int((loaded_at - started) * 1e9)}, \
         started
 
@@ -291,54 +290,73 @@ def _ndjson(lines: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     return StreamingResponse(encode(), media_type="application/x-ndjson")
 
 
+def _piece(chat: bool, text: str, thinking: str = "", calls: list | None = None) -> dict[str, Any]:
+    """Answer text as Ollama writes it: chat answers carry `message`, generate answers `response`."""
+    if chat:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if thinking:
+            message["thinking"] = thinking
+        if calls:
+            message["tool_calls"] = calls
+        return {"message": message}
+    return {"response": text, **({"thinking": thinking} if thinking else {})}
+
+
+class OllamaEncoder:
+    """Ollama's stream: one NDJSON object per token (`done: false`), then the final one with the
+    timings (`done: true`); a failure is an `{"error": ...}` line."""
+
+    def __init__(self, meta: dict[str, Any], started: float, chat: bool) -> None:
+        self.meta, self.started, self.chat = meta, started, chat
+
+    def _line(self, body: dict[str, Any]) -> str:
+        return json.dumps(body, ensure_ascii=False) + "\n"
+
+    def opening(self) -> Iterable[str]:
+        return []
+
+    def token(self, i: int, event: Event) -> Iterable[str]:
+        if not event.text:
+            return []
+        thinking = event.channel == "reasoning"
+        return [self._line({"model": self.meta["model"], "created_at": _now(),
+                            **_piece(self.chat, "" if thinking else event.text,
+                                     event.text if thinking else ""), "done": False})]
+
+    def done(self, i: int, event: Event) -> Iterable[str]:
+        return [self._line({"model": self.meta["model"], "created_at": _now(),
+                            **_piece(self.chat, "", "", _calls(event)), "done": True,
+                            **_timings(event, self.meta, self.started)})]
+
+    def failed(self, i: int, event: Event) -> Iterable[str]:
+        return [self._line({"error": public_error(event.error)})]
+
+    def closing(self, finals: list[Event], complete: bool) -> Iterable[str]:
+        return []
+
+
 async def _answer(request: Request, handles: list, meta: dict[str, Any], started: float,
-                  stream: bool, chat: bool) -> Response:
-    """The answer as NDJSON chunks or one object; chat answers carry `message`, generate
-    answers `response`."""
-    def piece(text: str, thinking: str = "", calls: list | None = None) -> dict[str, Any]:
-        if chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if thinking:
-                message["thinking"] = thinking
-            if calls:
-                message["tool_calls"] = calls
-            return {"message": message}
-        return {"response": text, **({"thinking": thinking} if thinking else {})}
-
-    base = {"model": meta["model"]}
-    if not stream:
-        async with watched(request, handles):
-            choice: Choice = (await collect_choices(handles))[0]
-        final = choice.final
-        if final is None or final.finish_reason == "failed":
-            return _error(500, public_error(final.error if final else None))
-        return JSONResponse({**base, "created_at": _now(),
-                             **piece("".join(choice.content), "".join(choice.reasoning),
-                                     _calls(final)),
-                             "done": True, **_timings(final, meta, started)})
-
-    async def lines() -> AsyncIterator[dict[str, Any]]:
-        async with watched(request, handles):
-            async for _, event in merged(handles):
-                if event.kind == "token":
-                    if event.text:
-                        thinking = event.channel == "reasoning"
-                        yield {**base, "created_at": _now(),
-                               **piece("" if thinking else event.text,
-                                       event.text if thinking else ""), "done": False}
-                elif event.finish_reason == "failed":
-                    yield {"error": public_error(event.error)}
-                else:
-                    yield {**base, "created_at": _now(), **piece("", "", _calls(event)),
-                           "done": True, **_timings(event, meta, started)}
-    return _ndjson(lines())
+                  streamed: bool, chat: bool) -> Response:
+    """The answer as NDJSON chunks or one object."""
+    if streamed:
+        return stream(request, handles, OllamaEncoder(meta, started, chat),
+                      media_type="application/x-ndjson")
+    try:
+        choice: Choice = (await finished(request, handles))[0]
+    except ApiError as exc:
+        return _from(exc)
+    final = choice.final
+    return JSONResponse({"model": meta["model"], "created_at": _now(),
+                         **_piece(chat, "".join(choice.content), "".join(choice.reasoning),
+                                  _calls(final)),
+                         "done": True, **_timings(final, meta, started)})
 
 
 def _stream_flag(body: dict[str, Any]) -> bool:
-    stream = body.get("stream", True)
-    if not isinstance(stream, bool):
+    value = body.get("stream", True)
+    if not isinstance(value, bool):
         raise ApiError(400, "'stream' must be a boolean")
-    return stream
+    return value
 
 
 async def chat(request: Request) -> Response:
@@ -346,7 +364,7 @@ async def chat(request: Request) -> Response:
         body = await read_body(request)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
-        stream = _stream_flag(body)
+        streamed = _stream_flag(body)
         messages = _chat_messages(body.get("messages", []))
         if not messages:  # Ollama's way to load a model without asking anything
             model = await use_named_model(request, body.get("model"))
@@ -358,7 +376,7 @@ async def chat(request: Request) -> Response:
         handles, meta, started = await _run(request, messages, body, tools)
     except ApiError as exc:
         return _from(exc)
-    return await _answer(request, handles, meta, started, stream, chat=True)
+    return await _answer(request, handles, meta, started, streamed, chat=True)
 
 
 async def generate(request: Request) -> Response:
@@ -366,7 +384,7 @@ async def generate(request: Request) -> Response:
         body = await read_body(request)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
-        stream = _stream_flag(body)
+        streamed = _stream_flag(body)
         _images("the request", body.get("images"))
         prompt, system = body.get("prompt", ""), body.get("system")
         if not isinstance(prompt, str) or (system is not None and not isinstance(system, str)):
@@ -383,7 +401,7 @@ async def generate(request: Request) -> Response:
             handles, meta, started = await _run(request, parse_messages(messages), body, None)
     except ApiError as exc:
         return _from(exc)
-    return await _answer(request, handles, meta, started, stream, chat=False)
+    return await _answer(request, handles, meta, started, streamed, chat=False)
 
 
 def _hub_spec(name: str) -> str:
@@ -401,12 +419,12 @@ async def pull(request: Request) -> Response:
         name = body.get("model", body.get("name"))
         if not isinstance(name, str) or not name:
             raise ApiError(400, "'model' (the model to pull) is required")
-        stream = _stream_flag(body)
+        streamed = _stream_flag(body)
     except ApiError as exc:
         return _from(exc)
     if local_id(request, name) is not None:  # already here
         done = {"status": "success"}
-        return _ndjson(_one(done)) if stream else JSONResponse(done)
+        return _ndjson(_one(done)) if streamed else JSONResponse(done)
     updates: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
 
@@ -422,7 +440,7 @@ async def pull(request: Request) -> Response:
         except (DownloadError, EngineError) as exc:
             return str(exc).split("\n", 1)[0]
 
-    if not stream:
+    if not streamed:
         failure = await fetch()
         return _error(500, failure) if failure else JSONResponse({"status": "success"})
 

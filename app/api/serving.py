@@ -15,7 +15,7 @@ The contract of an adapter (app/api/chat.py, completions.py and anthropic.py are
    input 400, `Overloaded` 429 with Retry-After, no model 503.
 5. Answer whole (`finished`: every choice collected while a client that leaves cancels them; a
    failed generation raises `ApiError` 500) or streamed (`stream`: the engine's events handed to
-   the adapter's `StreamEncoder`, whose lines go out as server-sent events).
+   the adapter's `StreamEncoder`, whose lines go out as server-sent events, or NDJSON).
 6. Turn every `ApiError` into the protocol's error shape: `ApiError.response(path)` picks the shape
    of the path's protocol from app/error_shapes.py, so an adapter declares its shape once there.
 
@@ -234,8 +234,8 @@ async def finished(request: Request, handles: Sequence[RequestHandle]) -> list[C
 # --- streaming ----------------------------------------------------------------------------------
 
 class StreamEncoder(Protocol):
-    """A protocol's streamed wire format: each method returns the server-sent-event lines
-    (`app.sse.sse(...)`) for one step of the engine's events."""
+    """A protocol's streamed wire format: each method returns the lines (server-sent events framed
+    by `app.sse.sse`, or NDJSON lines) for one step of the engine's events."""
 
     def opening(self) -> Iterable[str]:
         """Before any event (a role chunk, `message_start`...)."""
@@ -282,12 +282,15 @@ async def stream_events(request: Request, handles: Sequence[RequestHandle],
             yield line
 
 
-def stream(request: Request, handles: Sequence[RequestHandle],
-           encoder: StreamEncoder) -> StreamingResponse:
-    """The streamed answer: `encoder`'s lines as `text/event-stream`, unbuffered."""
-    return sse_response(stream_events(request, handles, encoder))
+def stream(request: Request, handles: Sequence[RequestHandle], encoder: StreamEncoder,
+           media_type: str = "text/event-stream") -> StreamingResponse:
+    """The streamed answer: `encoder`'s lines as `media_type` (server-sent events unless the
+    protocol says otherwise: Ollama's `application/x-ndjson`), unbuffered."""
+    return StreamingResponse(stream_events(request, handles, encoder), media_type=media_type,
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    """Server-sent events produced some other way than from engine events."""
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
