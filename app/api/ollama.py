@@ -118,8 +118,8 @@ def _config(m: ModelInfo) -> dict[str, Any]:
         return {}
 
 
-async def show(request: Request) -> Response:
-    engine = request.app.state.engine
+async def _named(request: Request) -> tuple[str, str] | Response:
+    """(the name a show/delete body gives, the local model it names); else the error answer."""
     try:
         body = await read_body(request)
     except ApiError as exc:
@@ -128,6 +128,15 @@ async def show(request: Request) -> Response:
     found = local_id(request, name)
     if found is None:
         return _error(404, f"model '{name}' not found")
+    return name, found
+
+
+async def show(request: Request) -> Response:
+    engine = request.app.state.engine
+    named = await _named(request)
+    if isinstance(named, Response):
+        return named
+    name, found = named
     m = next(m for m in local_models(engine) if m.name == found)
     described = engine.model if found == engine.model_name else None
     config = _config(m)
@@ -466,14 +475,10 @@ async def _one(line: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
 
 
 async def delete(request: Request) -> Response:
-    try:
-        body = await read_body(request)
-    except ApiError as exc:
-        return _from(exc)
-    name = body.get("model", body.get("name")) if isinstance(body, dict) else None
-    found = local_id(request, name)
-    if found is None:
-        return _error(404, f"model '{name}' not found")
+    named = await _named(request)
+    if isinstance(named, Response):
+        return named
+    name, found = named
     if found == request.app.state.engine.model_name:
         return _error(409, f"model '{name}' is loaded; load another model first")
     try:
