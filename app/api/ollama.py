@@ -20,7 +20,7 @@ import json
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -153,7 +153,24 @@ async def show(request: Request) -> Response:
 
 
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
-    options = body.get("options") or {}
+    """The `SamplingParams` fields of a chat/generate body: `options`, `format`, `think`."""
+    out = _options(body.get("options") or {})
+    fmt = body.get("format")
+    if fmt == "json":
+        out["json_schema"] = {"type": "object"}
+    elif isinstance(fmt, dict):
+        out["json_schema"] = fmt
+    elif fmt not in (None, ""):
+        raise ApiError(400, "'format' must be \"json\" or a JSON schema object")
+    out.setdefault("max_tokens", 1 << 30)
+    budget = _thinking_budget(body.get("think"))
+    if budget is not None:
+        out["thinking_budget"] = budget
+    return out
+
+
+def _options(options: Any) -> dict[str, Any]:
+    """Ollama's `options` by our names (OPTIONS), with `stop`."""
     if not isinstance(options, dict):
         raise ApiError(400, "'options' must be an object")
     out: dict[str, Any] = {}
@@ -173,25 +190,21 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
             raise ApiError(400, "option 'stop' must be a string or an array of strings")
         if stop:
             out["stop"] = tuple(stop)
-    fmt = body.get("format")
-    if fmt == "json":
-        out["json_schema"] = {"type": "object"}
-    elif isinstance(fmt, dict):
-        out["json_schema"] = fmt
-    elif fmt not in (None, ""):
-        raise ApiError(400, "'format' must be \"json\" or a JSON schema object")
-    out.setdefault("max_tokens", 1 << 30)
-    think = body.get("think")
+    return out
+
+
+def _thinking_budget(think: Any) -> int | None:
+    """`think`: false answers at once, an effort sets a budget, true or absent the model's way."""
     if think is False:
-        out["thinking_budget"] = 0
-    elif isinstance(think, str):
+        return 0
+    if isinstance(think, str):
         try:
-            out["thinking_budget"] = effort_budget(think, "think")
+            return effort_budget(think, "think")
         except InvalidRequest as exc:
             raise ApiError(400, str(exc)) from None
-    elif think not in (None, True):
+    if think not in (None, True):
         raise ApiError(400, "'think' must be true, false, \"low\", \"medium\" or \"high\"")
-    return out
+    return None
 
 
 def _images(where: str, value: Any) -> None:
@@ -418,17 +431,22 @@ def _hub_spec(name: str) -> str:
     return name.removeprefix("hf.co/").removeprefix("huggingface.co/").removesuffix(":latest")
 
 
+async def _pull_request(request: Request) -> tuple[str, bool]:
+    """(the model to pull, whether to stream the progress) of a pull body; raises ApiError."""
+    body = await read_body(request)
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    name = body.get("model", body.get("name"))
+    if not isinstance(name, str) or not name:
+        raise ApiError(400, "'model' (the model to pull) is required")
+    return name, _stream_flag(body)
+
+
 async def pull(request: Request) -> Response:
     """Download a model from the Hugging Face hub (`owner/repo` or `owner/repo:FILE.gguf`, also
     written `hf.co/owner/repo:...`) with progress lines as Ollama streams them."""
     try:
-        body = await read_body(request)
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        name = body.get("model", body.get("name"))
-        if not isinstance(name, str) or not name:
-            raise ApiError(400, "'model' (the model to pull) is required")
-        streamed = _stream_flag(body)
+        name, streamed = await _pull_request(request)
     except ApiError as exc:
         return _from(exc)
     if local_id(request, name) is not None:  # already here
@@ -453,21 +471,25 @@ async def pull(request: Request) -> Response:
         failure = await fetch()
         return _error(500, failure) if failure else JSONResponse({"status": "success"})
 
-    async def lines() -> AsyncIterator[dict[str, Any]]:
-        yield {"status": "pulling manifest"}
-        task = asyncio.create_task(fetch())
-        while not task.done() or not updates.empty():
-            try:
-                yield await asyncio.wait_for(updates.get(), 0.2)
-            except TimeoutError:
-                continue
-        failure = task.result()
-        if failure:
-            yield {"error": failure}
-        else:
-            yield {"status": "verifying sha256 digest"}
-            yield {"status": "success"}
-    return _ndjson(lines())
+    return _ndjson(_pull_progress(fetch, updates))
+
+
+async def _pull_progress(fetch: Callable[[], Awaitable[str | None]],
+                         updates: asyncio.Queue) -> AsyncIterator[dict[str, Any]]:
+    """Ollama's pull progress lines while `fetch` runs, then success or its error."""
+    yield {"status": "pulling manifest"}
+    task = asyncio.create_task(fetch())
+    while not task.done() or not updates.empty():
+        try:
+            yield await asyncio.wait_for(updates.get(), 0.2)
+        except TimeoutError:
+            continue
+    failure = task.result()
+    if failure:
+        yield {"error": failure}
+    else:
+        yield {"status": "verifying sha256 digest"}
+        yield {"status": "success"}
 
 
 async def _one(line: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
