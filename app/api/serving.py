@@ -1,7 +1,7 @@
 """The serving core every API protocol runs on; an adapter (one module per protocol) only parses
 its request and encodes the engine's events.
 
-The contract of an adapter (app/api/chat.py, completions.py and anthropic.py are examples):
+The contract of an adapter (chat.py, completions.py, anthropic.py, responses.py, ollama.py):
 
 1. Read the body with `read_body` (size checked by the middleware; depth and Unicode here; JSON
    errors, nesting deeper than `MAX_DEPTH` and lone surrogates raise `ApiError` 400).
@@ -287,10 +287,4 @@ def stream(request: Request, handles: Sequence[RequestHandle], encoder: StreamEn
     """The streamed answer: `encoder`'s lines as `media_type` (server-sent events unless the
     protocol says otherwise: Ollama's `application/x-ndjson`), unbuffered."""
     return StreamingResponse(stream_events(request, handles, encoder), media_type=media_type,
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
-    """Server-sent events produced some other way than from engine events."""
-    return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
