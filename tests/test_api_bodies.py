@@ -21,11 +21,14 @@ BODIES = {
     "lone surrogate": b'{"prompt": "\\ud800", "messages": [{"role": "user", "content": "\\ud800"}]}',
 }
 # Each endpoint with how its errors look: OpenAI's {"error": {message, type, param, code}},
-# Anthropic's {"type": "error", "error": {type, message}}.
+# Anthropic's {"type": "error", "error": {type, message}}, Ollama's {"error": message}.
 ENDPOINTS = {
     "/v1/chat/completions": lambda body: body["error"]["message"],
     "/v1/completions": lambda body: body["error"]["message"],
+    "/v1/responses": lambda body: body["error"]["message"],
     "/v1/messages": lambda body: body["type"] == "error" and body["error"]["message"],
+    "/api/chat": lambda body: body["error"],
+    "/api/generate": lambda body: body["error"],
 }
 
 
