@@ -1,7 +1,9 @@
 """Files attached in the composer: chips showing each file's token count (or why it was refused),
 carrying the text back with the message, which stores it as documents inside the user turn.
-Uploads are bounded by the server's body limit (security.BodyLimit: 413 beyond it)."""
+Uploads are bounded by the server's body limit (security.BodyLimit: 413 beyond it); each file is
+read and counted off the event loop (a PDF in a child process with a time budget)."""
 
+import asyncio
 import json
 
 from starlette.datastructures import UploadFile
@@ -25,7 +27,8 @@ async def attach(request: Request) -> HTMLResponse:
                 continue
             name = upload.filename or "attachment"
             try:
-                doc = attachment(engine, name, await upload.read())  # BodyLimit bounds it
+                raw = await upload.read()  # BodyLimit bounds it
+                doc = await asyncio.to_thread(attachment, engine, name, raw)
             except NotAttachable as exc:
                 chips.append(render("_attachment.html", name=name, error=str(exc)))
             else:

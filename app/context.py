@@ -23,16 +23,23 @@ def drop_oldest(engine: Engine, messages: list[dict[str, Any]], max_tokens: int,
                 tools: ToolRequest | None = None) -> list[dict[str, Any]]:
     """`messages` without their oldest turns, as few dropped as make the prompt and `max_tokens`
     fit; a leading system message stays and the rest starts at a user message. Raises
-    InvalidRequest (`context_length_exceeded`) when even the last turn alone does not fit."""
+    InvalidRequest (`context_length_exceeded`) when even the last turn alone does not fit.
+    CPU-bound (it renders the prompt a few times): call it off the event loop."""
     system = messages[:1] if messages and messages[0].get("role") == "system" else []
     rest = messages[len(system):]
-    while rest:
-        if overflow(engine, system + rest, max_tokens, tools) is None:
-            return system + rest
-        rest = rest[1:]
-        while rest and rest[0].get("role") != "user":  # a turn starts with the user
-            rest = rest[1:]
+    # Where the kept part may start: as it is, or at any later user message (a turn starts there).
+    starts = [0] + [i for i in range(1, len(rest)) if rest[i].get("role") == "user"]
+    # Dropping more never lengthens the prompt, so the fewest dropped is found by binary search:
+    # O(log n) renders of at most n messages, where dropping one turn at a time was quadratic.
+    lo, hi = 0, len(starts)  # starts[hi:] fit (hi == len(starts): none known to fit yet)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if overflow(engine, system + rest[starts[mid]:], max_tokens, tools) is None:
+            hi = mid
+        else:
+            lo = mid + 1
+    if hi < len(starts):
+        return system + rest[starts[hi]:]
     raise InvalidRequest("even the last message alone does not fit this model's context of "
                          f"{engine.model.context_length} tokens with max_tokens {max_tokens}",
                          field="messages", code="context_length_exceeded")
-

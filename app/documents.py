@@ -1,15 +1,12 @@
 """Attached documents: the text of a file (text files as UTF-8, PDFs through pypdf) counted with
 the loaded model's tokenizer, and how documents sit inside a user turn for the model."""
 
-import io
 import json
 from typing import Any
 
-from pypdf import PdfReader
-from pypdf.errors import PdfReadError
-
 from engine import Engine, count_tokens
 
+from .pdf_text import PdfUnreadable, pdf_text
 
 
 class NotAttachable(ValueError):
@@ -17,12 +14,13 @@ class NotAttachable(ValueError):
 
 
 def extract_text(raw: bytes) -> str:
-    """The text of a PDF or of a UTF-8 text file (plain text, Markdown, code, CSV, JSON, ...)."""
+    """The text of a PDF (read in a child process with limits: app/pdf_text.py) or of a UTF-8 text
+    file (plain text, Markdown, code, CSV, JSON, ...). Slow on large input: call it off the loop."""
     if raw.startswith(b"%PDF-"):
         try:
-            text = "\n\n".join((page.extract_text() or "").strip() for page in PdfReader(io.BytesIO(raw)).pages)
-        except (PdfReadError, ValueError, KeyError) as exc:
-            raise NotAttachable(f"this PDF cannot be read ({exc})") from None
+            text = pdf_text(raw)
+        except PdfUnreadable as exc:
+            raise NotAttachable(str(exc)) from None
         if not text.strip():
             raise NotAttachable("this PDF has no text (a scan?)")
         return text.strip()
@@ -38,7 +36,8 @@ def extract_text(raw: bytes) -> str:
 
 
 def attachment(engine: Engine, name: str, raw: bytes) -> dict[str, Any]:
-    """`{name, text, tokens}` for a file, or NotAttachable when it is not text or cannot fit."""
+    """`{name, text, tokens}` for a file, or NotAttachable when it is not text or cannot fit.
+    CPU-bound (parsing, tokenising): call it off the event loop."""
     text = extract_text(raw)
     tokens = count_tokens(engine, text=text)
     limit = engine.model.context_length

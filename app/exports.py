@@ -2,10 +2,12 @@
 version, see `export_conversation`), all of them as one zip of those JSON files, and an upload
 form that imports our JSON, such a zip, or a plain OpenAI `messages` list as new conversations."""
 
+import asyncio
 import io
 import json
 import re
 import zipfile
+import zlib
 from typing import Any
 
 from starlette.datastructures import UploadFile
@@ -61,28 +63,66 @@ async def export_markdown(request: Request) -> Response:
     conv = conversation_of(request)
     if conv is None:
         return not_found()
-    return _download(conversation_markdown(request.app.state.storage, conv.id),
+    return _download(await asyncio.to_thread(conversation_markdown, request.app.state.storage, conv.id),
                      "text/markdown; charset=utf-8", _filename(conv.title, ".md"))
 
 
-async def export_all(request: Request) -> Response:
-    storage, _ = parts(request)
+def all_conversations_zip(storage: Storage) -> bytes:
+    """Every conversation's JSON export in one zip (CPU-bound: call it off the event loop)."""
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
         for conv in storage.list_conversations(limit=-1):
             data = export_conversation(storage, conv.id)
             archive.writestr(f"conversation-{conv.id}.json",
                              json.dumps(data, ensure_ascii=False, indent=1))
-    return _download(buffer.getvalue(), "application/zip", "mlxchat-conversations.zip")
+    return buffer.getvalue()
+
+
+async def export_all(request: Request) -> Response:
+    storage, _ = parts(request)
+    return _download(await asyncio.to_thread(all_conversations_zip, storage), "application/zip",
+                     "mlxchat-conversations.zip")
+
+
+# An upload's zip may hold at most this many JSON members, each and all together inflating to at
+# most these sizes (a zip bomb is refused as its members are read, whatever they declare).
+MAX_MEMBERS = 20_000
+MAX_MEMBER_BYTES = 64 << 20
+MAX_TOTAL_BYTES = 256 << 20
+
+
+def _read_member(archive: zipfile.ZipFile, name: str, budget: int) -> bytes:
+    limit = min(MAX_MEMBER_BYTES, budget)
+    with archive.open(name) as member:
+        data = member.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{name} inflates to more than {limit >> 20} MiB"
+                         + ("" if limit == MAX_MEMBER_BYTES else " (the archive's total)"))
+    return data
 
 
 def _documents(raw: bytes) -> list[Any]:
-    """The JSON documents in an upload: each member of a zip archive, or the file itself."""
-    if zipfile.is_zipfile(io.BytesIO(raw)):
+    """The JSON documents in an upload: each member of a zip archive, or the file itself; raises
+    ValueError for what cannot be read (bombs, encrypted or unknown compression, deep nesting)."""
+    try:
+        if not zipfile.is_zipfile(io.BytesIO(raw)):
+            return [json.loads(raw)]
         with zipfile.ZipFile(io.BytesIO(raw)) as archive:
             names = sorted(n for n in archive.namelist() if n.endswith(".json"))
-            return [json.loads(archive.read(n)) for n in names]
-    return [json.loads(raw)]
+            if len(names) > MAX_MEMBERS:
+                raise ValueError(f"the archive holds {len(names)} files; at most {MAX_MEMBERS}")
+            documents, budget = [], MAX_TOTAL_BYTES
+            for name in names:
+                data = _read_member(archive, name, budget)
+                budget -= len(data)
+                documents.append(json.loads(data))
+            return documents
+    except RecursionError:
+        raise ValueError("the JSON is nested too deeply") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, zipfile.BadZipFile, zlib.error, EOFError) as exc:
+        raise ValueError(f"not a JSON file or a zip of them ({exc})") from None
+    except (RuntimeError, NotImplementedError) as exc:  # encrypted, or a compression we lack
+        raise ValueError(f"this zip cannot be read ({exc})") from None
 
 
 def _titled(data: Any) -> Any:
@@ -99,11 +139,8 @@ def _titled(data: Any) -> Any:
 def import_documents(storage: Storage, raw: bytes, model: str | None) -> list[int]:
     """Import every conversation of an upload, all or nothing; raises ValueError. A plain
     `messages` list opens like a new chat: `model`, the recommended settings, titled by its
-    first question."""
-    try:
-        documents = _documents(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, zipfile.BadZipFile) as exc:
-        raise ValueError(f"not a JSON file or a zip of them ({exc})") from None
+    first question. CPU-bound on large uploads: call it off the event loop."""
+    documents = _documents(raw)
     if not documents:
         raise ValueError("the archive holds no conversation")
     # A bare list is a plain OpenAI `messages` list.
@@ -130,7 +167,7 @@ async def import_upload(request: Request) -> Response:
         error = "Choose a file to import."
     else:
         try:
-            cid = import_documents(storage, raw, engine.model_name)[0]
+            cid = (await asyncio.to_thread(import_documents, storage, raw, engine.model_name))[0]
         except ValueError as exc:
             error = f"Could not import: {exc}"
     if error:

@@ -3,12 +3,13 @@ cookie (HttpOnly: scripts cannot read it; SameSite=Strict: other sites cannot se
 logging out clears it (a POST, so `OriginGuard` refuses it from another site)."""
 
 import asyncio
+import math
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from .security import LOGIN_PATH, LOGOUT_PATH, SESSION_COOKIE, same, session_token
+from .security import LOGIN_PATH, LOGOUT_PATH, SESSION_COOKIE, _cookie, client_address
 from .ui.views import read_form, render
 
 FAILED_LOGIN_DELAY_S = 1.0  # slows down guessing
@@ -29,22 +30,33 @@ async def login_page(request: Request) -> Response:
 
 
 async def login(request: Request) -> Response:
-    api_key = request.app.state.api_key
+    """A right key gets a new session token as the cookie; wrong ones count against this client's
+    and everyone's failed attempts (429 past the limit, whatever the key)."""
+    access = request.app.state.access
     form = await read_form(request)
     target = _next(form.get("next"))
-    if not api_key:
+    if not access.api_key:
         return RedirectResponse(target, status_code=303)
-    if not same(form.get("key", ""), api_key):
+    client = client_address(request.scope)
+    wait = access.retry_after(client)
+    if wait is not None:
+        return HTMLResponse(render("login.html", next=target,
+                                   error="Too many wrong keys; try again in a minute."),
+                            status_code=429, headers={"Retry-After": str(math.ceil(wait))})
+    if not access.matches(str(form.get("key", "")).encode()):
+        access.failed(client)
         await asyncio.sleep(FAILED_LOGIN_DELAY_S)
         return HTMLResponse(render("login.html", next=target, error="That is not this server's key."),
                             status_code=401)
     response = RedirectResponse(target, status_code=303)
-    response.set_cookie(SESSION_COOKIE, session_token(api_key), httponly=True, samesite="strict",
+    response.set_cookie(SESSION_COOKIE, access.new_session(), httponly=True, samesite="strict",
                         path="/")
     return response
 
 
 async def logout(request: Request) -> Response:
+    """Revokes this browser's session token and clears its cookie."""
+    request.app.state.access.revoke(_cookie(request.headers, SESSION_COOKIE))
     response = RedirectResponse(LOGIN_PATH if request.app.state.api_key else "/", status_code=303)
     response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
     return response

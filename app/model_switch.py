@@ -1,4 +1,4 @@
-"""The one model switch in progress, shared by the model picker (app/picker.py) and the API
+"""The one model switch in progress, shared by the model picker (app/ui/picker.py) and the API
 (a request naming another local model loads it): `begin_switch` starts loading a model in a
 worker thread and `ModelSwitch` describes the load while it runs."""
 

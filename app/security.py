@@ -6,16 +6,16 @@
   marks those with a foreign `Origin`. State-changing requests and WebSockets must come from our
   own origin, or carry no Origin at all (curl, the openai client, editors).
 - The optional API key guards every route but `/health`, the static assets and the login page:
-  programs send `Authorization: Bearer <key>`, the browser a session cookie that the login page
-  sets (HttpOnly, SameSite=Strict); both are compared in constant time.
+  programs send `Authorization: Bearer <key>` (or `x-api-key`), the browser a session cookie that
+  the login page sets (HttpOnly, SameSite=Strict): a random token kept server-side, revoked at
+  logout. Failed attempts are limited per client address and in all (app/key_access.py).
 - Oversized or slowly trickled request bodies are refused before the app reads them.
 """
 
 import asyncio
 import fnmatch
-import hashlib
-import hmac
 import ipaddress
+import math
 from typing import Iterable
 from urllib.parse import quote, urlsplit
 
@@ -24,6 +24,7 @@ from starlette.responses import PlainTextResponse, RedirectResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .error_shapes import api_error, is_api_path
+from .key_access import KeyAccess
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 _SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
@@ -171,39 +172,35 @@ _OPEN_PATHS = ("/health", LOGIN_PATH, LOGOUT_PATH)
 _OPEN_PREFIXES = ("/static/",)
 
 
-def session_token(api_key: str) -> str:
-    """The browser's session cookie for `api_key`: derived from it, so it does not reveal the key
-    and stays valid across restarts with the same key, and changing the key logs everyone out."""
-    return hmac.new(api_key.encode(), b"mlxchat browser session", hashlib.sha256).hexdigest()
-
-
-def same(given: str, expected: str) -> bool:
-    """Constant-time comparison of two secrets."""
-    return hmac.compare_digest(given.encode("utf-8", "replace"), expected.encode())
-
-
 class ApiKeyGuard(_Guard):
-    """With a key set, every route but `_OPEN_PATHS` needs `Authorization: Bearer <key>` or the
-    login page's session cookie. A browser navigating to a page is sent to the login page; htmx
-    is told to go there (`HX-Redirect`); anything else gets 401 in the OpenAI format; a WebSocket
-    handshake is refused (403)."""
+    """With a key set, every route but `_OPEN_PATHS` needs the key (`Authorization: Bearer <key>`
+    or `x-api-key: <key>`) or a session cookie from the login page (`access`: app/key_access.py,
+    which also limits failed attempts: 429 with Retry-After). A browser navigating to a page is
+    sent to the login page; htmx is told to go there (`HX-Redirect`); anything else gets 401 in
+    the OpenAI format; a WebSocket handshake is refused (403)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None):
+    def __init__(self, app: ASGIApp, access: KeyAccess):
         super().__init__(app)
-        self.api_key = api_key
-        self.session = session_token(api_key) if api_key else None
+        self.access = access
 
     def check(self, scope: Scope, headers: Headers) -> ASGIApp | None:
         path = scope["path"]
-        if not self.api_key or path in _OPEN_PATHS or path.startswith(_OPEN_PREFIXES):
+        if not self.access.api_key or path in _OPEN_PATHS or path.startswith(_OPEN_PREFIXES):
+            return None
+        if self.access.session_valid(_cookie(headers, SESSION_COOKIE)):
             return None
         auth = headers.get("authorization", "")
-        if auth[:7].lower() == "bearer " and same(auth[7:], self.api_key):
-            return None
-        if "x-api-key" in headers and same(headers["x-api-key"], self.api_key):  # Anthropic's
-            return None
-        if same(_cookie(headers, SESSION_COOKIE), self.session):
-            return None
+        given = auth[7:] if auth[:7].lower() == "bearer " else headers.get("x-api-key")
+        if given is not None:
+            client = client_address(scope)
+            wait = self.access.retry_after(client)
+            if wait is not None:
+                return api_error(429, "Too many wrong API keys; try again later.", "rate_limit_exceeded",
+                                 "too_many_attempts", headers={"Retry-After": str(math.ceil(wait))},
+                                 path=path)
+            if self.access.matches(given.encode("latin-1", "replace")):  # header bytes as sent
+                return None
+            self.access.failed(client)
         if scope["type"] == "websocket":
             return _refusal(scope, 403, "Log in first", "invalid_api_key")
         login = f"{LOGIN_PATH}?next={quote(path)}"
@@ -214,6 +211,12 @@ class ApiKeyGuard(_Guard):
         return api_error(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>' "
                               "or 'x-api-key: <key>').", "invalid_request_error",
                          "invalid_api_key", path=path)
+
+
+def client_address(scope: Scope) -> str:
+    """The peer's address: what failed attempts are counted by."""
+    client = scope.get("client")
+    return client[0] if client else "unknown"
 
 
 def _cookie(headers: Headers, name: str) -> str:

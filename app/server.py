@@ -33,10 +33,12 @@ from .api.errors import http_error
 from .connections import HeaderTimeoutProtocol
 from .folder_lock import FolderBusy, FolderLock
 from .model_switch import ModelSwitch
+from .key_access import KeyAccess
 from .runs import Runs
 from .security import (LOOPBACK_NAMES, ApiKeyGuard, BodyLimit, HostGuard, OriginGuard,
                        SecurityHeaders, is_loopback)
-from .storage import NewerDatabase, Storage, default_db_path
+from .socket_limits import WS_MAX_BYTES
+from .storage import Storage
 from .ui.conversation_pages import Conversations
 
 STATIC_DIR = Path(static.__file__).parent
@@ -45,7 +47,6 @@ SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 GRACEFUL_SHUTDOWN_S = 5
 KEEP_ALIVE_S = 5
 WS_PING_S = 20.0
-WS_MAX_BYTES = 1024 * 1024
 
 
 def create_app(engine: Engine, db_path: Path | None = None, *,
@@ -58,6 +59,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     `allowed_origins`: browser origins (patterns) that may call the APIs (`--allow-origin`)."""
     storage = storage or Storage(db_path)
     storage.interrupt_streaming()  # answers cut off by a crash: keep their text, mark them
+    access = KeyAccess(api_key)
     app = Starlette(
         routes=[*api.routes, *login.routes, *ui.routes, *exports.routes, *attachments.routes,
                 Mount("/static", StaticFiles(directory=STATIC_DIR))],
@@ -66,7 +68,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
         middleware=[
             Middleware(HostGuard, allowed_hosts=allowed_hosts),  # DNS rebinding: 400
             Middleware(OriginGuard, allowed_origins=allowed_origins),  # cross-site writes: 403
-            Middleware(ApiKeyGuard, api_key=api_key),  # with --api-key, all but /health: 401
+            Middleware(ApiKeyGuard, access=access),  # with --api-key, all but /health: 401
             Middleware(BodyLimit),  # oversized bodies 413, slow ones 408, before the app reads
             Middleware(SecurityHeaders),  # CSP, nosniff, no framing, no referrer to other sites
         ],
@@ -75,6 +77,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     app.state.storage = storage
     app.state.api_key = api_key
     app.state.aliases = dict(aliases or {})
+    app.state.access = access
     app.state.runs = Runs()
     app.state.conversations = Conversations()
     app.state.switch = ModelSwitch()
@@ -170,10 +173,6 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _check_remote(host: str, allow_remote: bool, api_key: str | None, no_api_key: bool) -> None:
-    if api_key is not None and not api_key.isascii():
-        # HTTP headers carry bytes: a client sending the key as UTF-8 could never match it
-        raise SystemExit("the API key must be ASCII (letters, digits, punctuation): "
-                         "clients send it in an HTTP header.")
     if is_loopback(host):
         return
     if not allow_remote:
@@ -219,11 +218,7 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
 def _run(sock: socket.socket, host: str, port: int, model: str | None, open_browser: bool,
          api_key: str | None, keep_alive: float | str | None, cluster: Cluster | None,
          app_options: dict[str, Any], extra_hosts: tuple[str, ...]) -> None:
-    try:
-        storage = Storage()
-    except NewerDatabase as exc:
-        raise SystemExit(f"{exc}: {default_db_path()}. Upgrade mlxchat, or point "
-                         "MLXCHAT_HOME at another folder.") from None
+    storage = Storage()
     if storage.moved_aside is not None:
         print(f"The database was damaged: kept it as {storage.moved_aside} and started a new one.",
               file=sys.stderr)

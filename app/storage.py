@@ -155,14 +155,14 @@ def migrate(db: sqlite3.Connection, target: int = SCHEMA_VERSION) -> int:
     return max(_version(db), target)
 
 
-class NewerDatabase(RuntimeError):
-    """The database was written by a newer mlxchat: this one must not touch it."""
+class DatabaseTooNew(RuntimeError):
+    """The database was written by a newer mlxchat; the message says so, for one `Error:` line."""
 
 
 def _version(db: sqlite3.Connection) -> int:
     version = db.execute("PRAGMA user_version").fetchone()[0]
     if version > SCHEMA_VERSION:
-        raise NewerDatabase(
+        raise DatabaseTooNew(
             f"the database is schema version {version}, newer than this mlxchat ({SCHEMA_VERSION})"
         )
     return version
@@ -544,34 +544,37 @@ def import_conversation(storage: Storage, data: dict[str, Any], model: str | Non
     A plain list carries no model or settings: it gets `model` and `settings`."""
     if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
         raise ValueError("not a conversation: expected an object with 'messages'")
+    from .import_schema import validated, validated_message  # it imports this module's names
+
     ours = data.get("format") == EXPORT_FORMAT
+    if ours:
+        data = validated(data)
+    messages = data["messages"] if ours else [validated_message(i, m) for i, m in enumerate(data["messages"])]
     now = time.time()
     with storage._transaction() as db:
         cid = db.execute(
             "INSERT INTO conversations (title, created, updated, model, settings) VALUES (?,?,?,?,?)",
-            (str(data.get("title") or DEFAULT_TITLE), data.get("created", now) if ours else now,
-             data.get("updated", now) if ours else now, data.get("model") if ours else model,
-             json.dumps(data.get("settings") or {} if ours else settings or {}))).lastrowid
+            (str(data.get("title") or DEFAULT_TITLE), (data["created"] or now) if ours else now,
+             (data["updated"] or now) if ours else now, data.get("model") if ours else model,
+             json.dumps(data["settings"] if ours else settings or {}))).lastrowid
         ids: dict[int, int] = {}
         previous = None
-        for i, m in enumerate(data["messages"]):
-            if not isinstance(m, dict) or m.get("role") not in _ROLES or not (
-                    isinstance(m.get("content"), str) or m.get("content") is None and m.get("tool_calls")):
-                raise ValueError(f"messages[{i}] must have a role ({', '.join(_ROLES)}) and text "
-                                 "content (or tool calls)")
-            row = {k: m.get(k) for k in _MESSAGE_COLUMNS} if ours else \
-                {"role": m["role"], "content": m.get("content") or "",
-                 "tool_calls": m.get("tool_calls"), "tool_call_id": m.get("tool_call_id")}
-            row.setdefault("created", now)
-            row["created"] = row["created"] or now
+        for i, m in enumerate(messages):
+            if not (isinstance(m["content"], str) or m["content"] is None and m["tool_calls"]):
+                raise ValueError(f"messages[{i}] must have text content (or tool calls)")
+            row = {k: m[k] for k in _MESSAGE_COLUMNS} if ours else \
+                {"role": m["role"], "content": m["content"] or "",
+                 "tool_calls": m["tool_calls"], "tool_call_id": m["tool_call_id"]}
+            row["content"] = row["content"] or ""
+            row["created"] = row.get("created") or now
             row["state"] = row.get("state") or "done"
             for key in _JSON_COLUMNS:
                 if key in row:
                     row[key] = json.dumps(row[key]) if row[key] is not None else None
-            parent = ids.get(m.get("parent")) if ours else previous
+            parent = ids.get(m["parent"]) if ours else previous
             cols = ", ".join(("conversation_id", "parent_id", *row))
             marks = ", ".join("?" * (len(row) + 2))
-            previous = ids[m.get("id", i)] = db.execute(
+            previous = ids[m["id"] if m["id"] is not None else i] = db.execute(
                 f"INSERT INTO messages ({cols}) VALUES ({marks})", (cid, parent, *row.values())
             ).lastrowid
         leaf = ids.get(data.get("leaf")) if ours else previous

@@ -7,8 +7,9 @@ from typing import Any, Sequence
 
 from engine import Engine, RequestHandle, SamplingParams, SpeculativeOptions
 
-# Prompts are tokenised (engine.submit) off the event loop from this many characters on.
+# Prompts are tokenised (engine.submit) off the event loop from this many characters or messages on.
 INLINE_PROMPT_CHARS = 20_000
+INLINE_PROMPT_MESSAGES = 64
 
 
 async def start(engine: Engine, messages: Sequence[dict[str, Any]] | None, params: SamplingParams,
@@ -17,7 +18,7 @@ async def start(engine: Engine, messages: Sequence[dict[str, Any]] | None, param
     go to `Engine.submit` as they are (`tools`, `split_reasoning`, `text` instead of messages).
     Long prompts are tokenised off the event loop."""
     size = sum(len(m.get("content") or "") for m in messages or ()) + len(options.get("text") or "")
-    if size < INLINE_PROMPT_CHARS:
+    if size < INLINE_PROMPT_CHARS and len(messages or ()) < INLINE_PROMPT_MESSAGES:
         handle = engine.submit(messages=messages, params=params, speculative=speculative, **options)
     else:
         handle = await asyncio.to_thread(engine.submit, messages=messages, params=params,

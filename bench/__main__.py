@@ -1,6 +1,6 @@
 """One entry point for every benchmark:
 
-    python -m bench all|decode|prefix|concurrency|memory|speculative [--device auto|cpu|gpu]
+    python -m bench all|decode|prefix|concurrency|memory|speculative|protocols [--device auto|cpu|gpu]
                         [--shapes qwen3-8b,...] [--out FILE] [--quick]
 
 Suites on random-weight shapes (bench/shapes.py), each figure ours against mlx-lm measured in the
@@ -18,6 +18,9 @@ Suites from the other bench modules, run when they are present (else skipped wit
   decode       bench/decode.py main() on CPU (mlx-lm vs our CPU recipe vs llama.cpp, bundled model)
   prefix, concurrency, speculative: bench/<suite>.py `run_suite(args) -> list[dict]` (rows as
                in bench/common.Row) if defined, else `python -m bench.<suite>` in a subprocess.
+  protocols    bench/protocols.py: TTFT and decode tok/s through /v1/messages, /v1/responses and
+               /api/chat vs /v1/chat/completions on one server (tiny model; `python -m
+               bench.protocols --model bundled` for the bundled one)       goal <= 1.05x / >= 0.95x
 Results: a table on stdout and JSON (default bench/results/<device>-<date>.json), written after
 every shape so a run cut short keeps what it measured. Like `mlxchat`, it starts again with
 Debian's OpenBLAS preloaded where one is installed (MLXCHAT_NO_BLAS=1: not).
@@ -38,7 +41,8 @@ from typing import Any
 from . import common
 from .common import Row, failed, skipped
 
-SUITES = ("decode", "prefix", "memory", "concurrency", "speculative", "hybrid")
+SUITES = ("decode", "prefix", "memory", "concurrency", "speculative", "hybrid", "protocols")
+DELEGATED = ("decode", "prefix", "concurrency", "speculative", "protocols")  # bench/<suite>.py
 # which suites run on which shapes (ones not listed here would cost device time for no new fact)
 SHAPE_SUITES = {
     "decode": None,  # every shape
@@ -215,7 +219,7 @@ def suite_prefix(lm, shape: str, a) -> list[Row]:
             + ("trimmable KV: longest common prefix" if trimmable else
                "non-trimmable linear-attention state: only its end-of-system-prompt snapshot") + ")"),
         Row("prefix", shape, "TTFT cold", "ms", c * 1e3, m * 1e3, "mlx_lm.stream_generate", "",
-            f"{len(tokens)} tokens, nothing cached; ours prefills in {default_prefill_chunk()}-token "
+            f"{len(tokens)} tokens, nothing cached; ours prefills in {default_prefill_chunk(lm)}-token "
             "chunks stopping only where a snapshot is taken, mlx-lm in 2048-token chunks; our snapshot "
             f"saves inside it {common.fmt(common.median(diag['cold_save_ms']))} ms; ours without a "
             "prefix cache by prefill chunk: " + ", ".join(
@@ -443,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         common.fresh_memory()
     if not a.no_delegate:
         for s in suites:
-            if s in ("decode", "prefix", "concurrency", "speculative"):
+            if s in DELEGATED:
                 try:
                     rows.extend(delegated(s, a))
                 except Exception as exc:

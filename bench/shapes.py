@@ -58,6 +58,12 @@ _QWEN3_5_HYBRID = {
                             "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]},
     },
 }
+# Qwen3.5-9B's text model (its published config.json; the vision tower left out): the small
+# hybrid's layout at the 9B's sizes. The founding demonstration ran it at 8 bits on a 24 GiB Mac.
+_QWEN3_5_9B = {"model_type": "qwen3_5", "text_config": {
+    **_QWEN3_5_HYBRID["text_config"], "hidden_size": 4096, "num_hidden_layers": 32,
+    "intermediate_size": 12288, "num_attention_heads": 16, "num_key_value_heads": 4,
+    "tie_word_embeddings": False, "linear_num_value_heads": 32}}
 # tests/tiny_models.py's hybrid with Qwen3.5's linear-attention head sizes, for CPU runs of the
 # hybrid suite.
 _TINY_HYBRID = {
@@ -89,6 +95,9 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("smollm2-135m", _SMOLLM2_135M, about="SmolLM2-135M shape, bf16"),
     Shape("qwen3-8b", _QWEN3_8B, about="Qwen3-8B shape, bf16"),
     Shape("qwen3-8b-8bit", _QWEN3_8B, bits=8, about="Qwen3-8B shape, 8-bit (group 64)"),
+    Shape("qwen3-8b-4bit", _QWEN3_8B, bits=4, about="Qwen3-8B shape, 4-bit (group 64)"),
+    Shape("qwen3_5-9b-8bit", _QWEN3_5_9B, bits=8,
+          about="Qwen3.5-9B shape (the founding demo's model), 8-bit (group 64)"),
     Shape("qwen3_5-hybrid", _QWEN3_5_HYBRID, about="Qwen3.5 hybrid shape (~0.8B, linear attention), bf16"),
     Shape("tiny", _TINY, about="2-layer llama, for CPU tests of the bench itself"),
     Shape("tiny-hybrid", _TINY_HYBRID, about="4-layer Qwen3.5-style hybrid with real linear-attention heads, for CPU"),
@@ -281,6 +290,57 @@ def build_folder(config: dict[str, Any], seed: int = 0, root: Path | None = None
             shutil.copy(tokenizer_folder / name, tmp / name)
     tmp.rename(folder)
     return folder
+
+
+# A tiny Qwen3-Embedding shape (the bundled tokenizer's vocabulary, a short context), for CPU runs
+# of the embeddings bench and tests/tiny_models.py.
+TINY_QWEN3 = {
+    "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+    "vocab_size": 49152, "rope_theta": 1000000.0, "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+}
+
+# Qwen3-Embedding's sentence-transformers files, as its repository ships them: last-token
+# pooling, normalised, and its query instruction (engine/loading/embedding_recipe.py reads them).
+QWEN3_EMBEDDING_QUERY = ("Instruct: Given a web search query, retrieve relevant passages that "
+                         "answer the query\nQuery:")
+
+
+def _sentence_transformers_files(hidden_size: int) -> dict[str, Any]:
+    return {
+        "modules.json": [
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling",
+             "type": "sentence_transformers.models.Pooling"},
+            {"idx": 2, "name": "2", "path": "2_Normalize",
+             "type": "sentence_transformers.models.Normalize"},
+        ],
+        "1_Pooling/config.json": {
+            "word_embedding_dimension": hidden_size, "pooling_mode_cls_token": False,
+            "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
+            "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
+            "pooling_mode_lasttoken": True, "include_prompt": True},
+        "config_sentence_transformers.json": {
+            "prompts": {"query": QWEN3_EMBEDDING_QUERY, "document": ""},
+            "default_prompt_name": None, "similarity_fn_name": "cosine"},
+    }
+
+
+def embedding_folder(config: dict[str, Any], seed: int = 0, root: Path | None = None) -> Path:
+    """`build_folder` plus Qwen3-Embedding's sentence-transformers files: a random-weight
+    dedicated embedding model (a `qwen3` config) as the engine sees one."""
+    folder = build_folder(config, seed, root)
+    target = folder.with_name(f"{folder.name}-embedding")
+    if not (target / "model.safetensors").exists():
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(folder, tmp)
+        for name, content in _sentence_transformers_files(int(config["hidden_size"])).items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / name).write_text(json.dumps(content, indent=2))
+        tmp.rename(target)
+    return target
 
 
 def vocab_size(name: str) -> int:

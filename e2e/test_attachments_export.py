@@ -6,7 +6,7 @@ import re
 from playwright.sync_api import Page, expect
 
 from app.storage import Storage, export_conversation
-from test_chat import last, new_chat, send, wait_answer
+from chat_page import last, new_chat, send, wait_answer
 
 NOTES = "Shopping list\n- quinces\n- 3 leeks\n"
 

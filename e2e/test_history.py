@@ -5,7 +5,7 @@ import re
 
 from playwright.sync_api import Page, expect
 
-from test_chat import last, new_chat, open_new_chat, send, wait_answer
+from chat_page import last, new_chat, open_new_chat, send, wait_answer
 
 
 # Counts the states the page's chat sockets send (one on each connect), across boosted moves.

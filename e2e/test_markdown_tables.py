@@ -3,7 +3,7 @@
 from playwright.sync_api import Page, expect
 
 from app.storage import Storage
-from test_chat import last, new_chat
+from chat_page import last, new_chat
 
 
 def test_table_columns_are_aligned_as_the_markdown_says(page: Page, server):

@@ -2,7 +2,7 @@
 
 from playwright.sync_api import Page, expect
 
-from test_chat import open_new_chat
+from chat_page import open_new_chat
 
 
 def test_settings_panel_shows_each_defaults_source(page: Page, shot):

@@ -24,12 +24,16 @@ from .loading.hub import DownloadProgress, parse_spec as parse_pull_spec, pull a
 from .loading.hub import remove as remove_model
 from .loading.registry import ModelInfo, list_models
 from .paths import cache_dir, data_dir
+from .scheduling.embeddings import MAX_INPUTS as EMBEDDING_MAX_INPUTS, EmbeddingHandle, Embeddings
 from .scheduling.keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
-from .scheduling.service import Engine, EngineStatus, ModelDescription, RequestHandle
+from .scheduling.requests import RequestHandle
+from .scheduling.service import Engine, EngineStatus
+from .scheduling.slot import ModelDescription
 from .decoding.generate import build_prompt as _build_prompt
 
 __all__ = [
     "Cluster", "DEFAULTABLE", "DEFAULT_KEEP_ALIVE_S", "DEFAULT_SOURCES", "DEVICES", "PRESETS", "SAMPLING_OPTIONS",
+    "EMBEDDING_MAX_INPUTS", "EmbeddingHandle", "Embeddings",
     "Channel", "Default", "DownloadCancelled", "DownloadError", "DownloadProgress", "DraftChoice",
     "Engine", "EngineError", "EngineStatus", "Event", "FinishReason", "InvalidRequest",
     "ModelDefaults", "ModelDescription", "ModelInfo", "ModelLoadError", "Overloaded",
@@ -51,4 +55,5 @@ def count_tokens(engine: Engine, *, text: str | None = None, messages: list[dict
         raise EngineError("no model is loaded yet")
     if text is not None and not text.strip():
         return 0
-    return len(_build_prompt(lm, messages=messages, text=text, tools=tools).tokens)
+    return len(_build_prompt(lm, messages=messages, text=text, tools=tools,
+                             with_checkpoints=False).tokens)

@@ -58,6 +58,38 @@
     }
   });
 
+  // A message larger than the socket's frame limit (data-ws-max) is not sent: the server would
+  // close the socket under it. The composer keeps it and a notice says what to do instead.
+  function notice(text) {
+    const box = document.getElementById("notice");
+    if (!box) return;
+    const p = document.createElement("p");
+    p.className = "notice-text";
+    p.textContent = text;
+    box.replaceChildren(p);
+  }
+  document.addEventListener("htmx:wsConfigSend", (e) => {
+    const limit = Number(document.getElementById("chat")?.dataset.wsMax || 0);
+    const frame = JSON.stringify({ ...e.detail.parameters, HEADERS: e.detail.headers });
+    const size = new TextEncoder().encode(frame).length;
+    if (limit && size > limit) {
+      e.preventDefault();
+      notice(`This message is too large to send (${(size / 1048576).toFixed(1)} MB; the limit is ` +
+             `${(limit / 1048576).toFixed(1)} MB). Attach long text as a file instead.`);
+    }
+  });
+  // A socket the server closed for a reason the ws extension does not retry (e.g. 1009, a frame
+  // too large) is opened again by reloading the page, after a notice; a page being left is not.
+  let leaving = false;
+  window.addEventListener("beforeunload", () => { leaving = true; });
+  document.addEventListener("htmx:wsClose", (e) => {
+    const code = e.detail.event && e.detail.event.code;
+    // 1005: closed by the page itself (its chat was swapped out); 1006/1011-1013: retried by htmx.
+    if (leaving || !e.target.isConnected || [1000, 1001, 1005, 1006, 1011, 1012, 1013].includes(code)) return;
+    notice(`The connection closed (code ${code}); reconnecting…`);
+    setTimeout(() => location.reload(), 1500);
+  });
+
   // Clear the composer (text and attachment chips) once its message is on its way.
   document.addEventListener("htmx:wsAfterSend", (e) => {
     if (e.target.id !== "composer") return;

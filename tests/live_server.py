@@ -4,6 +4,7 @@ Both use the real engine and the real bundled model. A child process gets its ow
 (so its own database) whose `cache` links to the shared model cache, so nothing is re-fetched.
 """
 
+import json
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ from typing import Iterator
 
 import httpx
 import uvicorn
+from websockets.sync.client import connect
 
 REPO = Path(__file__).resolve().parents[1]
 # The shared model cache, as tests/conftest.py chooses it.
@@ -168,3 +170,28 @@ def frames_until(ws, marker: str, timeout: float = 120) -> list[str]:
     while not frames or marker not in frames[-1]:
         frames.append(ws.recv(timeout=max(1.0, deadline - time.monotonic())))
     return frames
+
+
+def new_conversation(http, max_tokens: int = 4) -> int:
+    """A new conversation through the UI's forms (`http`: a client on the server), greedy, with
+    answers of at most `max_tokens`; returns its id."""
+    r = http.post("/conversations", data={}, follow_redirects=False)
+    assert r.status_code == 303
+    cid = int(r.headers["location"].rsplit("/", 1)[1])
+    r = http.post(f"/c/{cid}/settings", data={"temperature": "0", "max_tokens": str(max_tokens)})
+    assert "Saved." in r.text
+    return cid
+
+
+def turn(server, cid: int, ends: tuple[str, ...] = ('id="send"', 'class="notice-text"'),
+         **message) -> list[str]:
+    """Send one action over the chat socket; collect fragments until one holds an `ends` marker
+    (by default: the Send button returns, or a notice)."""
+    with connect(ws_url(server, cid), origin=server.url) as ws:
+        ws.recv(timeout=60)  # the conversation's current state, sent on every (re)connect
+        ws.send(json.dumps(message))
+        fragments = []
+        while True:
+            fragments.append(ws.recv(timeout=120))
+            if any(end in fragments[-1] for end in ends):
+                return fragments

@@ -8,36 +8,13 @@ import pytest
 from websockets.sync.client import connect
 
 from app.storage import Storage
-from live_server import engine_serving, frames_until, ws_url
+from live_server import engine_serving, frames_until, new_conversation, turn, ws_url
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     with engine_serving(tmp_path_factory.mktemp("ui")) as s:
         yield s
-
-
-def new_conversation(http, max_tokens: int = 4) -> int:
-    r = http.post("/conversations", data={}, follow_redirects=False)
-    assert r.status_code == 303
-    cid = int(r.headers["location"].rsplit("/", 1)[1])
-    r = http.post(f"/c/{cid}/settings", data={"temperature": "0", "max_tokens": str(max_tokens)})
-    assert "Saved." in r.text
-    return cid
-
-
-def turn(server, cid: int, ends: tuple[str, ...] = ('id="send"', 'class="notice-text"'),
-         **message) -> list[str]:
-    """Send one action over the chat socket; collect fragments until one holds an `ends` marker
-    (by default: the Send button returns, or a notice)."""
-    with connect(ws_url(server, cid), origin=server.url) as ws:
-        ws.recv(timeout=60)  # the conversation's current state, sent on every (re)connect
-        ws.send(json.dumps(message))
-        fragments = []
-        while True:
-            fragments.append(ws.recv(timeout=120))
-            if any(end in fragments[-1] for end in ends):
-                return fragments
 
 
 def test_index_redirects_to_a_conversation_and_new_chats_reuse_an_empty_one(http):
@@ -156,7 +133,7 @@ def test_a_reload_mid_answer_keeps_it_going(http, server):
 
 
 def test_an_answer_nobody_comes_back_to_stops(http, server, monkeypatch):
-    monkeypatch.setattr("app.chat_socket.RECONNECT_GRACE_S", 0.2)
+    monkeypatch.setattr("app.ui.chat_socket.RECONNECT_GRACE_S", 0.2)
     cid = new_conversation(http, max_tokens=400)
     _leave_after_the_first_token(server, cid, "Tell me a long story about a dragon.")
     for _ in range(600):

@@ -6,8 +6,7 @@ import re
 
 import pytest
 
-from live_server import engine_serving
-from test_app_ui import new_conversation, turn
+from live_server import engine_serving, new_conversation, turn
 from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.fast

@@ -13,9 +13,9 @@ import openai
 import pytest
 
 from app.documents import with_documents
-from live_server import engine_serving, openai_client
-from test_app_ui import new_conversation, turn
+from live_server import engine_serving, new_conversation, openai_client, turn
 from tiny_models import tiny_llama
+from test_hostile_pdfs import pdf_file
 
 pytestmark = pytest.mark.fast
 
@@ -41,15 +41,7 @@ def pdf(text: str) -> bytes:
                b"/Resources<</Font<</F1 5 0 R>>>>>>",
                b"<</Length %d>>stream\n" % len(stream) + stream + b"\nendstream",
                b"<</Type/Font/Subtype/Type1/BaseFont/Helvetica>>"]
-    out, offsets = bytearray(b"%PDF-1.4\n"), []
-    for i, body in enumerate(objects, 1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
-    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
-    out += b"trailer\n<</Size %d/Root 1 0 R>>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
-    return bytes(out)
+    return pdf_file(objects)
 
 
 def chips(http, *files: tuple[str, bytes]) -> list[str]:

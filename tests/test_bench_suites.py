@@ -44,3 +44,52 @@ def test_service_gap_measures_every_side_with_its_gaps_between_tokens(tmp_path):
     assert set(sides) == {"service_cache", "service_nocache", "service_5ms", "direct", "mlx"}
     for side in sides.values():
         assert side["median_tps"] > 0 and 0 < side["gap_ms_p50"] <= side["gap_ms_p90"], side
+
+
+def test_gpu_step_measures_bandwidth_steps_memory_parts_and_the_demo(tmp_path):
+    """`python -m bench.gpu_step`, the device run for issue 34, runs every part end to end on the
+    tiny shapes: the read bandwidth, each side's decode rate, step time and graph ops with the
+    fraction of the bandwidth, peak memory by part now and before the change, and the founding
+    demo's request (here on the tiny hybrid) with streamed text equal to the final text."""
+    out = tmp_path / "step.json"
+    run = subprocess.run([sys.executable, "-m", "bench.gpu_step", "--device", "cpu", "--shapes", "tiny",
+                          "--parts", "bw,step,memory,demo", "--demo-shape", "tiny-hybrid", "--reps", "1",
+                          "--gen", "12", "--bw-gb", "0.05", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["bandwidth"]["read"]["median"] > 0 and data["bandwidth"]["copy"]["median"] > 0
+    rows = {(r["suite"], r["metric"].split(",")[0]): r for r in data["rows"]}
+    assert set(rows) == {("gpu_step", "decode batch 1 (service)"), ("gpu_step", "fraction of read bandwidth (service)"),
+                         ("memory", "peak"), ("memory", "cold TTFT"), ("demo", "peak"), ("demo", "TTFT"),
+                         ("demo", "decode")}
+    for row in rows.values():
+        assert row["ours"] > 0 and row["baseline"] > 0, row
+    step = rows[("gpu_step", "decode batch 1 (service)")]["extra"]
+    assert step["graph_ops"]["ours"]["total"] > 0 and min(step["step_ms"]["ours_step"]) > 0
+    parts = rows[("memory", "peak")]["extra"]["parts_gb"]
+    assert {"mlx", "ours_all", "ours_chunk2048_all", "ours_chunk1024_all", "ours_before_all"} == set(parts) and parts["mlx"]["kv"] > 0
+    assert "streamed text == final text: True" in rows[("demo", "peak")]["notes"]
+
+
+@pytest.mark.fast
+def test_protocols_bench_measures_every_adapter_against_chat_completions(tmp_path):
+    """`python -m bench.protocols` runs end to end on the tiny model: for each adapter
+    (/v1/messages, /v1/responses, /api/chat) a time to first token and a decode rate against
+    /v1/chat/completions', over the same greedy answer (the same text, token for token)."""
+    out = tmp_path / "protocols.json"
+    run = subprocess.run([sys.executable, "-m", "bench.protocols", "--reps", "1", "--gen", "8",
+                          "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted(r["metric"] for r in rows) == sorted(
+        f"{kind} {path}" for kind in ("TTFT", "decode")
+        for path in ("/v1/messages", "/v1/responses", "/api/chat"))
+    for row in rows:
+        assert row["shape"] == "tiny" and row["baseline_name"] == "/v1/chat/completions"
+        assert row["ours"] > 0 and row["baseline"] > 0 and row["ratio"] > 0, row
+        assert row["extra"]["same_text_as_chat"] is True, row
+        assert row["extra"]["tokens"] == [8], row

@@ -102,3 +102,69 @@ def test_snapshot_files_tell_the_gpu_layout_apart():
     plain, stacked = (dataclasses.replace(base, model=m) for m in pair("llama"))
     assert identity(plain)["compute"] == "as-loaded"
     assert identity(stacked)["compute"] == "gpu-layout"
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_5"])
+def test_last_row_head_gives_the_full_calls_last_logits(kind):
+    """engine/kernels/head.py: the head on the last row of a prompt chunk gives the logits of the
+    full call's last row and fills the cache alike, in mlx-lm's layout and in the GPU layout."""
+    from engine.kernels.head import last_logits, split_head
+
+    plain, stacked = pair(kind)
+    for model in (plain, stacked):
+        assert split_head(model) is not None
+        caches = [make_prompt_cache(model), make_prompt_cache(model)]
+        prompt = mx.array([[5, 17, 300, 42, 9, 1000, 77, 3, 64, 2]])
+        full = model(prompt, cache=caches[0])
+        last = last_logits(model, prompt, caches[1])
+        assert last.shape == (1, 1, full.shape[-1])
+        assert_same(full[:, -1:, :], last)
+        step = mx.array([[11]])  # the caches the two calls left serve the next step alike
+        assert_same(model(step, cache=caches[0]), model(step, cache=caches[1]))
+
+
+def test_last_row_head_falls_back_to_the_full_call_for_unknown_models():
+    from engine.kernels.head import last_logits, split_head
+
+    class Scaled(nn.Module):  # a head that is not "body then head"
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def __call__(self, x, cache=None):
+            return 2.0 * self.inner(x, cache=cache)
+
+    plain, _ = pair("llama")
+    model = Scaled(plain)
+    assert split_head(model) is None
+    prompt = mx.array([[5, 17, 300, 42]])
+    assert_same(model(prompt, cache=make_prompt_cache(plain))[:, -1:, :],
+                last_logits(model, prompt, make_prompt_cache(plain)))
+
+
+def test_prefill_chunk_is_sized_against_memory(monkeypatch):
+    """engine/decoding/generate.py's CUDA chunk: the largest power of two (down to 256) whose
+    estimated activations fit the budget, once per model. The estimate for the shapes measured on
+    the H200 (Qwen3-8B: 1,024 tokens; the Qwen3.5-9B hybrid at 8 bits: 512)."""
+    from bench.shapes import SHAPES
+    from engine.decoding import generate as gen
+    from mlx.utils import tree_flatten
+
+    per_8b = gen.activation_bytes_per_token(SHAPES["qwen3-8b"].config)
+    assert per_8b == 36 * (2 * 4096 + 3 * 12288) * 2
+    assert gen.activation_bytes_per_token(SHAPES["qwen3_5-9b-8bit"].config) == 32 * (2 * 4096 + 3 * 12288) * 2
+    # Qwen3-8B bf16 weights (16.38 GB): a quarter of them holds 1,024 tokens, not 2,048
+    assert 1024 * per_8b <= 0.25 * 16.38e9 < 2048 * per_8b
+
+    lm = tiny_llama()
+    lm = dataclasses.replace(lm, extras={})
+    weights = sum(p.nbytes for _, p in tree_flatten(lm.model.parameters()))
+    per = gen.activation_bytes_per_token(lm.config)
+    monkeypatch.setattr(gen, "CHUNK_ACTIVATIONS_MIN", 0)
+    monkeypatch.setattr(gen, "CHUNK_ACTIVATIONS_OF_WEIGHTS", 600 * per / weights)  # budget: 600 tokens
+    assert gen.memory_sized_chunk(lm, 4096) == 512 and lm.extras["prefill_chunk"] == 512
+    monkeypatch.setattr(gen, "CHUNK_ACTIVATIONS_OF_WEIGHTS", 1.0)
+    assert gen.memory_sized_chunk(lm, 4096) == 512  # kept for the model
+    other = dataclasses.replace(lm, extras={})
+    monkeypatch.setattr(gen, "CHUNK_ACTIVATIONS_OF_WEIGHTS", 10 * per / weights)  # below the floor
+    assert gen.memory_sized_chunk(other, 4096) == gen.SMALLEST_CHUNK

@@ -1,7 +1,6 @@
 """Issue 24's LOW findings on the API and the chat socket, against a real server on 127.0.0.1
 with a tiny random llama: each a clear 4xx or a right answer, never a 5xx or a confusing message."""
 
-import json
 
 import httpx
 import pytest

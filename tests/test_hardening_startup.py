@@ -123,10 +123,6 @@ def test_a_damaged_database_is_moved_aside_and_a_fresh_one_created(tmp_path):
         storage.close()
 
 
-def test_a_non_ascii_api_key_is_refused_at_start(tmp_path):
-    line = refusal(mlxchat("serve", "--no-browser", "--api-key", "clé-secrète", home=tmp_path))
-    assert "ASCII" in line
-
 
 def test_a_database_from_a_newer_mlxchat_is_one_error_line(tmp_path):
     data = tmp_path / "data"

@@ -3,7 +3,6 @@ that would not be answered in JSON, it matches a JSON Schema when one is given, 
 when the value is complete, batching changes no token, and a bad schema is refused clearly; through
 the engine and through the OpenAI-compatible API with the `openai` client."""
 
-import dataclasses
 import json
 import threading
 
@@ -17,6 +16,7 @@ from engine.decoding.generate import build_prompt, generate
 from engine.decoding.sampling import SamplingParams
 from engine.scheduling.service import Engine
 from live_server import openai_client, serving
+from watched_model import watched
 
 MODEL = "smollm2-135m-instruct"
 ANY_OBJECT = {"type": "object"}
@@ -96,27 +96,13 @@ def test_bad_schemas_are_refused(schema, message):
     assert str(info.value).startswith("json_schema ")
 
 
-class CountingModel:
-    """The real model, recording the batch size of every call (to see that batching happens)."""
-
-    def __init__(self, model):
-        self.model, self.batch_sizes = model, []
-
-    def __call__(self, inputs, cache=None, **kwargs):
-        self.batch_sizes.append(inputs.shape[0])
-        return self.model(inputs, cache=cache, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-
 def test_batched_json_requests_match_running_alone(lm):
     """Constrained and plain requests decoding in one batch each get the tokens they get alone."""
     requests = [("Say hello", SamplingParams(max_tokens=24, json_schema=ANY_OBJECT)),
                 ("Describe a person.", SamplingParams(max_tokens=24, json_schema=PERSON,
                                                       temperature=0.7, seed=4)),
                 ("Say hello", SamplingParams(max_tokens=12))]
-    counted = dataclasses.replace(lm, model=CountingModel(lm.model))
+    counted = watched(lm)
     engine = Engine(lm.name, load=lambda name, **_: counted, max_running=4).start()
     try:
         barrier, handles = threading.Barrier(len(requests)), [None] * len(requests)

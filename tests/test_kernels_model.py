@@ -19,18 +19,9 @@ from engine.decoding.sampling import SamplingParams
 from engine.kernels import active_path
 from engine.kernels.cpu_layout import fp32_bytes
 from engine.kernels.layout import KernelEmbedding, KernelLinear, KernelLlamaAttention
+from chats import CONVERSATIONS
 
 REPO = Path(__file__).resolve().parent.parent
-CONVERSATIONS = {
-    "english": [{"role": "user", "content": "Explain in two sentences why the sky is blue."}],
-    "chinese": [{"role": "user", "content": "请用中文介绍一下巴黎。"}],
-    "multi-turn": [
-        {"role": "system", "content": "You are a terse assistant."},
-        {"role": "user", "content": "Name a fruit."},
-        {"role": "assistant", "content": "Apple."},
-        {"role": "user", "content": "Another one, with an emoji 🍎?"},
-    ],
-}
 
 
 def kinds(model):

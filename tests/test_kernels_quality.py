@@ -15,8 +15,7 @@ from engine.decoding.generate import build_prompt, generate
 from engine.decoding.sampling import SamplingParams
 from engine.kernels import active_path
 from engine.loading.registry import load_model
-
-from tests.test_kernels_model import CONVERSATIONS
+from chats import CONVERSATIONS
 
 TEXT = Path(__file__).resolve().parent / "data" / "declaration-of-independence.txt"
 GATE = 0.005  # relative perplexity difference allowed

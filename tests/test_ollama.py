@@ -201,3 +201,20 @@ def test_without_allow_origin_an_extension_is_refused(server):
     r = httpx.post(f"{server.url}/api/chat", headers={"Origin": "chrome-extension://abcdef"},
                    json={"model": server.model, "messages": []})
     assert r.status_code == 403 and r.json() == {"error": "Cross-origin request refused"}
+
+
+def test_pulling_a_name_the_hub_cannot_have_is_a_400(server):
+    for stream in (False, True):
+        r = httpx.post(f"{server.url}/api/pull", json={"model": "llama3.2", "stream": stream})
+        assert r.status_code == 400 and "repository id" in r.json()["error"]
+
+
+def test_embed_and_the_older_embeddings(client, server):
+    r = client.embed(model=server.model, input=["the sea", "a cat"])
+    assert len(r.embeddings) == 2 and len(r.embeddings[0]) == 64  # the tiny model's width
+    assert abs(sum(x * x for x in r.embeddings[0]) - 1) < 1e-4  # L2-normalised
+    old = httpx.post(f"{server.url}/api/embeddings", json={"model": server.model, "prompt": "the sea"})
+    assert old.status_code == 200
+    assert max(abs(a - b) for a, b in zip(old.json()["embedding"], r.embeddings[0])) < 1e-5
+    bad = httpx.post(f"{server.url}/api/embed", json={"model": server.model})
+    assert bad.status_code == 400 and "input" in bad.json()["error"]

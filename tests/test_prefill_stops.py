@@ -16,7 +16,9 @@ import pytest
 from engine.cache.prefix_cache import PrefixCache
 from engine.decoding.generate import LAST_WITH_CHUNK_MAX, Generation, build_prompt
 from engine.decoding.sampling import SamplingParams
+from chats import assistant, user
 from tiny_models import tiny_llama, tiny_qwen3_5
+from watched_model import watched
 
 pytestmark = pytest.mark.fast
 
@@ -24,25 +26,10 @@ LARGE = 4096  # one chunk for every prompt below
 SMALL = 96  # the cache-off reference prefills in small chunks
 
 
-class CountingModel:
-    """The real model, recording the token count of every call."""
-
-    def __init__(self, model):
-        self.model = model
-        self.calls: list[int] = []
-
-    def __call__(self, inputs, cache=None, **kwargs):
-        self.calls.append(inputs.shape[1])
-        return self.model(inputs, cache=cache, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-
 @pytest.fixture(scope="module", params=["dense", "hybrid"])
 def lm(request):
     built = tiny_llama() if request.param == "dense" else tiny_qwen3_5()
-    return dataclasses.replace(built, model=CountingModel(built.model))
+    return watched(built)
 
 
 @dataclasses.dataclass
@@ -74,14 +61,6 @@ def ask(lm, messages, cache, seed=None) -> Reply:
     off = run(lm, messages, chunk=SMALL, seed=seed)
     assert on.tokens == off.tokens
     return on
-
-
-def user(text):
-    return {"role": "user", "content": text}
-
-
-def assistant(text):
-    return {"role": "assistant", "content": text}
 
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}

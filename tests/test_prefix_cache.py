@@ -6,15 +6,15 @@ ArraysCache linear attention + KVCache) and a tiny random llama for the fast str
 """
 
 import logging
-from dataclasses import dataclass
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.decoding.generate import build_prompt, generate
-from engine.cache.prefix_cache import KVCache, PrefixCache
+from engine.decoding.generate import build_prompt
+from mlx_lm.models.cache import KVCache
+from engine.cache.prefix_cache import PrefixCache
 from engine.decoding.sampling import SamplingParams, preset
+from chats import SYSTEM, ask, assistant, long_chat, same_without_cache, user
 from tiny_models import tiny_llama, tiny_qwen3_5
 
 MAX_TOKENS = 8
@@ -30,37 +30,6 @@ def dense():
     return tiny_llama()
 
 
-@dataclass
-class Reply:
-    tokens: list[int]
-    text: str
-    cached: int
-
-
-def ask(lm, messages, params, cache=None) -> Reply:
-    events = list(generate(lm, build_prompt(lm, messages=messages), params, prefix_cache=cache))
-    return Reply([e.token for e in events if e.kind == "token"], "".join(e.text for e in events),
-                 events[-1].usage.cached_tokens)
-
-
-def same_without_cache(lm, messages, params, cache) -> Reply:
-    """Ask with the cache, check the tokens equal a cache-off run, return the cached reply."""
-    on = ask(lm, messages, params, cache)
-    off = ask(lm, messages, params)
-    assert on.tokens == off.tokens, f"cache on {on.tokens} != cache off {off.tokens}"
-    assert off.cached == 0
-    return on
-
-
-def user(text):
-    return {"role": "user", "content": text}
-
-
-def assistant(text):
-    return {"role": "assistant", "content": text}
-
-
-SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 BASE = [SYSTEM, user("Name the three primary colours."), assistant("Red, yellow and blue."),
         user("And the secondary ones?")]
 
@@ -119,19 +88,6 @@ def test_cache_on_equals_cache_off_through_a_conversation(model, sampling, reque
 
 
 # -- reuse coverage -------------------------------------------------------------------------------
-
-def long_chat(turns: int = 8) -> list[dict]:
-    topics = ["rivers", "bridges", "volcanoes", "libraries", "tides", "glaciers", "markets", "owls"]
-    messages = [SYSTEM]
-    for i, topic in enumerate(topics[:turns]):
-        messages.append(user(f"Tell me about {topic}. " + f"I want history, science and stories about "
-                             f"{topic}, with examples from many countries. " * 8))
-        if i < turns - 1:
-            messages.append(assistant(f"Here is what I know about {topic}. " + f"{topic.title()} "
-                                      "have shaped how people live, trade and travel for centuries; "
-                                      "each region tells its own story. " * 8))
-    return messages
-
 
 def common_prefix(a, b) -> int:
     n = 0

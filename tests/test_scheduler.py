@@ -19,36 +19,7 @@ from engine.decoding.generate import build_prompt, generate
 from engine.decoding.sampling import SamplingParams
 from engine.scheduling.service import Engine, Overloaded
 from tiny_models import tiny_llama, tiny_qwen3_5
-
-
-class CountingModel:
-    """The real model, recording the batch size of every call (to see that batching happens).
-    Every call first waits for `gate` (open unless a test clears it), so that a test can submit
-    all its requests before the next model call however slowly its threads run; with
-    `prefill_delay`, calls over more than one token take that much longer, so that a request
-    stays in prefill for a while."""
-
-    def __init__(self, model, prefill_delay: float = 0.0):
-        self.model, self.prefill_delay = model, prefill_delay
-        self.gate = threading.Event()
-        self.gate.set()
-        self.batch_sizes: list[int] = []
-        self.shapes: list[tuple[int, ...]] = []
-
-    def __call__(self, inputs, cache=None, **kwargs):
-        assert self.gate.wait(timeout=60)
-        if inputs.shape[1] > 1:
-            time.sleep(self.prefill_delay)
-        self.batch_sizes.append(inputs.shape[0])
-        self.shapes.append(tuple(inputs.shape))
-        return self.model(inputs, cache=cache, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-
-def counted(lm, **options):
-    return dataclasses.replace(lm, model=CountingModel(lm.model, **options))
+from watched_model import watched
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +78,7 @@ def test_overflow_is_refused_and_admitted_requests_match_running_alone(model, lm
     max_tokens = 8 if model == "bundled" else 24  # long enough for all four to overlap
     requests = [(dict(messages=[{"role": "user", "content": f"Tell me about the number {i}."}]),
                  params_for(i, max_tokens)) for i in range(16)]
-    target = counted(base)
+    target = watched(base)
     engine = serve(target, max_running=4, max_queued=4, prefix_cache=False)
 
     target.model.gate.clear()
@@ -147,7 +118,7 @@ def test_cancel_anywhere_closes_every_request_and_frees_its_memory(llama, serve)
     returns to where it was, and the next request matches a fresh engine's."""
     rng = random.Random(5)
     # Slow prefill chunks, so that a request polled into prefill is still there when cancelled.
-    engine = serve(counted(llama, prefill_delay=0.05), max_running=2, max_queued=8,
+    engine = serve(watched(llama, prefill_delay=0.05), max_running=2, max_queued=8,
                    prefix_cache=False)
     probe = dict(prompt_tokens=list(range(300, 340)))
     tokens(engine.submit(params=SamplingParams(max_tokens=4), **probe))  # warm up
@@ -207,7 +178,7 @@ class FaultyParams(SamplingParams):
 
 @pytest.mark.parametrize("where", ["decode", "prefill"])
 def test_a_fault_in_one_request_fails_only_that_one(where, llama, serve):
-    target = counted(llama)
+    target = watched(llama)
     engine = serve(target, max_running=4, prefix_cache=False)
     target.model.gate.clear()  # all four are submitted before the first model call
     requests = [(dict(prompt_tokens=list(range(100 + 50 * i, 130 + 50 * i))),
@@ -239,7 +210,7 @@ def test_a_fault_in_one_request_fails_only_that_one(where, llama, serve):
 
 
 def test_states_and_timestamps_follow_the_lifecycle(llama, serve):
-    target = counted(llama)
+    target = watched(llama)
     engine = serve(target, max_running=1, max_queued=2)
     target.model.gate.clear()  # the first request cannot end before the third is cancelled
     first = engine.submit(prompt_tokens=list(range(100, 140)), params=SamplingParams(max_tokens=8))

@@ -8,41 +8,15 @@ real tiny model) can hold a call of a given length until the test releases it.
 """
 
 import dataclasses
-import threading
 
 import pytest
 
 from engine.decoding.generate import build_prompt, generate
 from engine.decoding.sampling import SamplingParams
 from tiny_models import tiny_llama, tiny_qwen3_5
+from watched_model import WatchedModel, tokens_of
 
 pytestmark = pytest.mark.fast
-
-
-class GatedModel:
-    """The real model, recording every call's shape (rows, tokens); `hold(n)` makes the next call
-    over `n` tokens wait (on the scheduler thread) until released."""
-
-    def __init__(self, model):
-        self.model = model
-        self.holds: dict[int, tuple[threading.Event, threading.Event]] = {}
-        self.shapes: list[tuple[int, int]] = []
-
-    def hold(self, length: int) -> tuple[threading.Event, threading.Event]:
-        """(set once the call has started, set it to let the call go on)"""
-        self.holds[length] = threading.Event(), threading.Event()
-        return self.holds[length]
-
-    def __call__(self, inputs, cache=None, **kwargs):
-        held = self.holds.pop(inputs.shape[1], None)
-        if held is not None:
-            held[0].set()
-            assert held[1].wait(timeout=60)
-        self.shapes.append(tuple(inputs.shape))
-        return self.model(inputs, cache=cache, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3_5"])
@@ -61,12 +35,6 @@ def alone(lm, prompt, params) -> list[int]:
             if e.kind == "token"]
 
 
-def tokens_of(handle) -> list[int]:
-    events = list(handle.events(timeout=120))
-    assert [e.kind for e in events].count("done") == 1 and events[-1].kind == "done"
-    return [e.token for e in events if e.kind == "token"]
-
-
 FIRST = list(range(1000, 1040))
 PROMPTS = [list(range(2000 + 100 * i, 2030 + 100 * i + 7 * i)) for i in range(7)]  # 30-72 tokens
 
@@ -74,7 +42,7 @@ PROMPTS = [list(range(2000 + 100 * i, 2030 + 100 * i + 7 * i)) for i in range(7)
 def start_busy(base, serve, **options):
     """An engine whose scheduler is inside the first request's prefill chunk; returns the event
     that lets it go on."""
-    model = GatedModel(base.model)
+    model = WatchedModel(base.model)
     engine = serve(dataclasses.replace(base, model=model), prefix_cache=False, **options)
     entered, release = model.hold(len(FIRST) - 1)  # its last token is fed by the next call
     first = engine.submit(prompt_tokens=FIRST, params=params_for(0, 14))
@@ -136,7 +104,7 @@ def test_prompts_prefilled_together_reuse_their_prefix_cache(base, serve):
     """The next turns of three conversations, arriving together, prefill together on top of what
     their first turns left in the prefix cache (caches of different lengths, merged left-padded),
     reuse it and give the tokens each gives alone; a turn after them reuses theirs."""
-    model = GatedModel(base.model)
+    model = WatchedModel(base.model)
     engine = serve(dataclasses.replace(base, model=model), prefix_cache=True, max_running=4)
     params = SamplingParams(max_tokens=5)
     turn1 = PROMPTS[:3]

@@ -9,8 +9,8 @@ import pytest
 
 from engine.decoding.generate import build_prompt, generate
 from engine.decoding.sampling import SamplingParams
-from test_scheduler_admission import GatedModel, tokens_of
 from tiny_models import tiny_llama, tiny_qwen3_5
+from watched_model import WatchedModel, tokens_of
 
 pytestmark = pytest.mark.fast
 
@@ -52,7 +52,7 @@ def assert_same_tokens(events, solo):
 def start_busy(base, serve, **options):
     """An engine whose scheduler is inside a first request's prefill, so that the requests
     submitted next arrive together; returns the engine, its model and the release event."""
-    model = GatedModel(base.model)
+    model = WatchedModel(base.model)
     engine = serve(dataclasses.replace(base, model=model), prefix_cache=False, **options)
     entered, release = model.hold(len(FIRST) - 1)
     first = engine.submit(prompt_tokens=FIRST, params=SamplingParams(max_tokens=2))

@@ -21,7 +21,7 @@ from engine.cache import snapshot_files as files
 from engine.cache.prefix_cache import PrefixCache
 from engine.decoding.generate import build_prompt
 from engine.decoding.sampling import SamplingParams
-from test_prefix_cache import ask, long_chat, same_without_cache, user
+from chats import ask, long_chat, same_without_cache, user
 from tiny_models import tiny_llama, tiny_qwen3_5
 
 pytestmark = pytest.mark.fast
@@ -250,7 +250,7 @@ from pathlib import Path
 sys.path.insert(0, "tests")
 from engine.cache import snapshot_files as files
 from engine.cache.prefix_cache import PrefixCache
-from test_prefix_cache import ask, long_chat
+from chats import ask, long_chat
 from engine.decoding.sampling import SamplingParams
 from tiny_models import tiny_llama
 lm = tiny_llama()

@@ -15,12 +15,12 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engine.errors import InvalidRequest, ModelLoadError
 from engine.decoding.generate import Generation, build_prompt, generate
-from engine.decoding.mtp import MtpDrafter, build_mtp_head, load_mtp_head
+from engine.decoding.mtp import MtpDrafter, load_mtp_head
 from engine.loading.registry import load_model
 from engine.decoding.sampling import SamplingParams, TokenSampler
 from engine.decoding.speculative import (ModelDrafter, SpecConfig, Speculator, dequantize, model_speculator,
                                 sampling_probs, split_model, truncated)
-from tiny_models import QWEN3_5, QWEN3_NEXT, build_folder, tiny_llama, tiny_qwen3_5, tiny_qwen3_next
+from tiny_models import QWEN3_5, QWEN3_NEXT, mtp_folder, tiny_llama, tiny_qwen3_5, tiny_qwen3_next
 
 PROMPTS = [list(range(100, 140)), [5, 17, 900, 31, 4000, 12], list(range(2000, 2600, 7))]
 CONFIGS = [SpecConfig(k_max=1, adaptive=False), SpecConfig(k_max=4, adaptive=False), SpecConfig(k_max=6)]
@@ -68,37 +68,6 @@ def test_greedy_identity_tiny_pairs(make):
 
 
 # -- MTP ------------------------------------------------------------------------------------------
-def mtp_folder(config, tmp_path, raw_hf):
-    """A tiny model folder whose checkpoint also carries random mtp.* weights. With `raw_hf` all
-    weights are written as a Hugging Face checkpoint stores them (experts unstacked, zero-centred
-    norms, conv1d as (C, 1, K)), which the loaders must undo."""
-    folder = tmp_path / f"{config['model_type']}-mtp"
-    shutil.copytree(build_folder(config), folder)
-    model = load_model(str(folder)).model
-    mx.random.seed(7)
-    head = build_mtp_head(model)
-    weights = dict(tree_flatten(model.parameters()))
-    weights.update({f"mtp.{k}": v for k, v in tree_flatten(head.parameters())})
-    if raw_hf:
-        raw = {}
-        for key, value in weights.items():
-            if "switch_mlp" in key:
-                for e in range(value.shape[0]):
-                    raw[key.replace("switch_mlp", f"experts.{e}")] = value[e]
-                continue
-            if "conv1d.weight" in key:
-                value = value.moveaxis(2, 1)
-            elif "norm.weight" in key and "linear_attn" not in key:
-                value = value - 1.0
-            raw[key] = value
-        weights = raw
-    mx.save_safetensors(str(folder / "model.safetensors"), weights)
-    config = json.loads((folder / "config.json").read_text())
-    config["mtp_num_hidden_layers"] = 1
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder, head
-
-
 MOE = dict(num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=64,
            moe_intermediate_size=32)
 

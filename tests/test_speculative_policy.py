@@ -5,8 +5,6 @@ models with a fixed delay added to every call of the draft (losing) or of the ta
 by a wide margin: a round of drafting and verifying is slow on this CPU).
 """
 
-import dataclasses
-import time
 
 import pytest
 
@@ -14,28 +12,15 @@ from engine.decoding.generate import build_prompt, generate
 from engine.decoding.sampling import SamplingParams
 from engine.decoding.speculative import SpecConfig, model_speculator
 from tiny_models import tiny_llama
+from watched_model import watched
 
 pytestmark = pytest.mark.fast
 
 PROMPT = list(range(3000, 3040))
 
 
-class SlowModel:
-    """The real model, each call taking `delay` seconds longer."""
-
-    def __init__(self, model, delay):
-        self.model, self.delay = model, delay
-
-    def __call__(self, inputs, cache=None, **kwargs):
-        time.sleep(self.delay)
-        return self.model(inputs, cache=cache, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-
 def slow(lm, delay=0.1):
-    return dataclasses.replace(lm, model=SlowModel(lm.model, delay))
+    return watched(lm, delay=delay)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +67,7 @@ def test_a_losing_draft_steps_aside_within_a_few_tokens(target):
 def test_speculation_that_wins_stays_on_after_timing_plain_decoding(target):
     params = SamplingParams(max_tokens=40)
     slow_target = slow(target, delay=0.1)
-    plain, _ = run(slow_target, params)
+    plain, _ = run(target, params)  # the same weights: the delay changes the time, not the tokens
     # its own weights without the delay: every draft accepted, one slow target call per round
     tokens, done = run(slow_target, params, model_speculator(slow_target, target.model, SpecConfig()))
     stats = done.stats["speculative"]

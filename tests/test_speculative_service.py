@@ -157,7 +157,7 @@ def test_a_failing_verification_fails_only_its_request(llama, serve, monkeypatch
 
 
 def test_mtp_draft_through_the_engine(serve, tmp_path):
-    from test_speculative import mtp_folder, QWEN3_5
+    from tiny_models import QWEN3_5, mtp_folder
     from engine.loading.registry import load_model
 
     folder, _ = mtp_folder(QWEN3_5, tmp_path, raw_hf=False)

@@ -11,6 +11,7 @@ folder is built once per cache directory and reused.
     lm = tiny_llama()          # dense: every layer a trimmable KVCache
     lm = tiny_qwen3_5()        # hybrid: ArraysCache (linear attention) + KVCache every 4th layer
     lm = tiny_qwen3_next()     # hybrid, Qwen3-Next layout
+    folder = tiny_qwen3_embedding_folder()   # a Qwen3-Embedding-shaped folder (last-token pooling)
 """
 
 import hashlib
@@ -19,7 +20,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from bench.shapes import build_folder
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from bench.shapes import TINY_QWEN3, build_folder, embedding_folder
+from engine.decoding.mtp import build_mtp_head
 from engine.loading.registry import LoadedModel, load_model
 
 VOCAB = 49152  # the bundled SmolLM2 tokenizer's vocabulary
@@ -98,6 +103,15 @@ def tiny_qwen3_next(seed: int = 0, root: Path | None = None, **overrides: Any) -
     return tiny_model({**QWEN3_NEXT, **overrides}, seed, root)
 
 
+QWEN3 = TINY_QWEN3  # a short context (512), so that a test can go past it
+
+
+def tiny_qwen3_embedding_folder(seed: int = 0, root: Path | None = None) -> Path:
+    """A tiny random qwen3 mlx-lm folder with Qwen3-Embedding's sentence-transformers files
+    (last-token pooling, its query prompt): a dedicated embedding model as the engine sees one."""
+    return embedding_folder(QWEN3, seed, root)
+
+
 # Marker tokens a tokenizer of a tool-calling, thinking family has (as added tokens, one id each).
 MARKERS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
 
@@ -128,3 +142,34 @@ def tiny_marker_llama(template: str, seed: int = 0, root: Path | None = None) ->
         (tmp / "tokenizer_config.json").write_text(json.dumps(cfg))
         tmp.rename(target)
     return load_model(str(target))
+
+
+def mtp_folder(config, tmp_path, raw_hf):
+    """A tiny model folder whose checkpoint also carries random mtp.* weights. With `raw_hf` all
+    weights are written as a Hugging Face checkpoint stores them (experts unstacked, zero-centred
+    norms, conv1d as (C, 1, K)), which the loaders must undo."""
+    folder = tmp_path / f"{config['model_type']}-mtp"
+    shutil.copytree(build_folder(config), folder)
+    model = load_model(str(folder)).model
+    mx.random.seed(7)
+    head = build_mtp_head(model)
+    weights = dict(tree_flatten(model.parameters()))
+    weights.update({f"mtp.{k}": v for k, v in tree_flatten(head.parameters())})
+    if raw_hf:
+        raw = {}
+        for key, value in weights.items():
+            if "switch_mlp" in key:
+                for e in range(value.shape[0]):
+                    raw[key.replace("switch_mlp", f"experts.{e}")] = value[e]
+                continue
+            if "conv1d.weight" in key:
+                value = value.moveaxis(2, 1)
+            elif "norm.weight" in key and "linear_attn" not in key:
+                value = value - 1.0
+            raw[key] = value
+        weights = raw
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    config = json.loads((folder / "config.json").read_text())
+    config["mtp_num_hidden_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, head

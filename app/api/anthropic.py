@@ -17,22 +17,23 @@ model name runs on the loaded model unless an alias (`--model-alias`) or a local
 says otherwise. Not supported: images and documents (a clear 400).
 """
 
+import asyncio
 import json
 import time
 import uuid
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine import EngineError, Event, InvalidRequest, count_tokens, tool_request
+from engine import EngineError, Event, InvalidRequest, Usage, count_tokens, tool_request
 
 from ..sse import sse
 from .choices import Choice
 from .errors import ApiError
 from .openai_request import parse_messages
-from .serving import (finished, fit_max_tokens, public_error, read_body, stream, submit,
+from .serving import (finished, public_error, read_body, stream, submit,
                       use_named_model)
 
 PATH = "/v1/messages"
@@ -228,12 +229,11 @@ def parse(body: Any) -> tuple[list[dict[str, Any]], dict[str, Any], Any, bool]:
     return messages, sampling, _tools(body), stream
 
 
-def _usage(final: Event | None, prompt_tokens: int) -> dict[str, int]:
-    usage = final.usage if final is not None else None
-    cached = usage.cached_tokens if usage else 0
-    prompt = usage.prompt_tokens if usage and usage.prompt_tokens else prompt_tokens
-    return {"input_tokens": prompt - cached, "output_tokens": usage.completion_tokens if usage else 0,
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+def _usage(usage: Usage) -> dict[str, int]:
+    """Anthropic's usage: input tokens computed, and those read from the prefix cache apart."""
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
+            "output_tokens": usage.completion_tokens,
+            "cache_read_input_tokens": usage.cached_tokens, "cache_creation_input_tokens": 0}
 
 
 def _stop(final: Event) -> tuple[str, str | None]:
@@ -273,15 +273,14 @@ async def messages_endpoint(request: Request) -> Response:
         messages, sampling, tools, streamed = parse(body)
         model = await use_named_model(request, body.get("model"))
         try:
-            prompt_tokens, sampling["max_tokens"] = await fit_max_tokens(
-                engine, messages, sampling["max_tokens"], tools)
             params = engine.defaults.params(sampling)
         except InvalidRequest as exc:
             raise ApiError(400, public_error(str(exc)), exc.field, exc.code) from None
-        handles = await submit(engine, messages, params, tools=tools, split_reasoning=True)
+        handles = await submit(engine, messages, params, tools=tools, split_reasoning=True,
+                               fit_max_tokens=True)
         message_id = f"msg_{uuid.uuid4().hex[:24]}"
         if streamed:
-            return stream(request, handles, MessageEncoder(message_id, model, prompt_tokens))
+            return stream(request, handles, MessageEncoder(message_id, model, lambda: handles[0].usage))
         choice = (await finished(request, handles))[0]
     except ApiError as exc:
         return exc.response(request.url.path)
@@ -289,7 +288,7 @@ async def messages_endpoint(request: Request) -> Response:
     stop_reason, stop_sequence = _stop(final)
     return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": model,
                          "content": _content(choice), "stop_reason": stop_reason,
-                         "stop_sequence": stop_sequence, "usage": _usage(final, prompt_tokens)})
+                         "stop_sequence": stop_sequence, "usage": _usage(final.usage)})
 
 
 def _event(kind: str, payload: dict[str, Any]) -> str:
@@ -302,8 +301,9 @@ class MessageEncoder:
     then tool calls), message_delta (stop_reason, usage), message_stop; a failure becomes an
     `error` event. A ping every 10 s of tokens keeps proxies from timing out."""
 
-    def __init__(self, message_id: str, model: str, prompt_tokens: int) -> None:
-        self.message_id, self.model, self.prompt_tokens = message_id, model, prompt_tokens
+    def __init__(self, message_id: str, model: str, usage: Callable[[], Usage]) -> None:
+        self.message_id, self.model, self.usage = message_id, model, usage
+        self.started = False
         self.index = -1
         self.open: str | None = None
         self.last_ping = time.monotonic()
@@ -322,17 +322,27 @@ class MessageEncoder:
         return [_event("content_block_stop", {"index": self.index})]
 
     def opening(self) -> Iterable[str]:
-        start_usage = {"input_tokens": self.prompt_tokens, "output_tokens": 0}
+        return []  # message_start waits for the first event: see `_start`
+
+    def _start(self) -> list[str]:
+        """message_start and a ping, once, with the first engine event: the prefix cache's reuse
+        is known by then, so its usage counts input tokens as every later usage does."""
+        if self.started:
+            return []
+        self.started = True
+        usage = {**_usage(self.usage()), "output_tokens": 0}
         return [_event("message_start", {"message": {
             "id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
-            "content": [], "stop_reason": None, "stop_sequence": None, "usage": start_usage}}),
+            "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}}),
             _event("ping", {})]
 
     def token(self, i: int, event: Event) -> Iterable[str]:
+        out = self._start()
         if not event.text:
-            return []
+            return out
         kind = "thinking" if event.channel == "reasoning" else "text"
-        out = self._switch(kind, {"type": kind, kind: ""}) if self.open != kind else []
+        if self.open != kind:
+            out += self._switch(kind, {"type": kind, kind: ""})
         delta = {"type": f"{kind}_delta", kind: event.text}
         out.append(_event("content_block_delta", {"index": self.index, "delta": delta}))
         if time.monotonic() - self.last_ping > 10:
@@ -341,11 +351,11 @@ class MessageEncoder:
         return out
 
     def failed(self, i: int, event: Event) -> Iterable[str]:
-        return [*self._close(), _event("error", {"error": {"type": "api_error",
+        return [*self._start(), *self._close(), _event("error", {"error": {"type": "api_error",
                                                            "message": public_error(event.error)}})]
 
     def done(self, i: int, event: Event) -> Iterable[str]:
-        out = []
+        out = self._start()
         if self.index < 0 and not event.tool_calls:  # an empty answer is one empty block
             out += self._switch("text", {"type": "text", "text": ""})
         for call in event.tool_calls:
@@ -357,7 +367,7 @@ class MessageEncoder:
         stop_reason, stop_sequence = _stop(event)
         out.append(_event("message_delta", {
             "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-            "usage": _usage(event, self.prompt_tokens)}))
+            "usage": _usage(event.usage)}))
         out.append(_event("message_stop", {}))
         return out
 
@@ -375,7 +385,7 @@ async def count_tokens_endpoint(request: Request) -> Response:
         messages, _, tools, _ = parse(body)
         await use_named_model(request, body.get("model"))
         try:
-            n = count_tokens(engine, messages=messages, tools=tools)
+            n = await asyncio.to_thread(count_tokens, engine, messages=messages, tools=tools)
         except EngineError as exc:
             raise ApiError(400 if isinstance(exc, InvalidRequest) else 503, str(exc)) from None
     except ApiError as exc:

@@ -2,6 +2,7 @@
 (app/api/serving.py): `parse_chat_request` turns a body into a `ChatRequest`, `ChatEncoder` writes
 the engine's events as `chat.completion.chunk`s, and `chat_completions` joins them."""
 
+import asyncio
 import json
 import time
 import uuid
@@ -196,9 +197,10 @@ async def chat_completions(request: Request) -> Response:
         body = await read_body(request)
         model = await require_model(request, body,  # a bad request loads nothing
                                     lambda b, name: parse_chat_request(b, name, engine.defaults))
-        chat = parse_chat_request(body, model, engine.defaults)
+        # tool schemas compile, and a long conversation is fitted, off the event loop
+        chat = await asyncio.to_thread(parse_chat_request, body, model, engine.defaults)
         speculative = parse_speculative(body.get("speculative"))
-        messages = _truncated(engine, body.get("truncate"), chat)
+        messages = await asyncio.to_thread(_truncated, engine, body.get("truncate"), chat)
         handles = await submit(engine, messages, chat.params, chat.n, speculative,
                                tools=chat.tools, split_reasoning=chat.split_reasoning,
                                keep_alive=chat.keep_alive)

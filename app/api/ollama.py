@@ -2,13 +2,14 @@
 or `mlxchat serve --port 11434`): version, tags, show, ps, chat, generate, pull, delete.
 
 An adapter over the same engine requests as the OpenAI and Anthropic endpoints
-(app/api_serving.py): prefix reuse, cancel on disconnect, admission, constrained decoding
+(app/api/serving.py): prefix reuse, cancel on disconnect, admission, constrained decoding
 (`format`), the API key. Streams are newline-delimited JSON (`stream` defaults to true, as in
 Ollama); errors are `{"error": "..."}`.
 
 Names: Ollama clients write `name:tag`. A name matches a local model by dropping a `:latest` tag
 (and an `hf.co/` prefix), case aside; `/api/tags` lists each model as `<id>:latest`. Other names
 run on the loaded model, as on `/v1/messages` (aliases from `--model-alias` apply first).
+`/api/embed` and `/api/embeddings` run through the engine's embedding queue (app/api/embeddings.py).
 `prompt_eval_count` counts only the prompt tokens actually computed, so the prefix cache's reuse
 shows; durations are nanoseconds. Accepted and ignored: `options.num_ctx` (the model's own
 context is used), `template`, and `raw` on chat.
@@ -27,13 +28,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine import (DownloadError, EngineError, Event, InvalidRequest, ModelInfo, effort_budget,
-                    pull_model, remove_model, tool_request)
+                    parse_pull_spec, pull_model, remove_model, tool_request)
 
 from .choices import Choice
+from .embeddings import embed as embed_vectors
 from .errors import ApiError
 from .models import local_models
 from .openai_request import parse_messages
-from .serving import (finished, fit_max_tokens, public_error, read_body, stream, submit,
+from .serving import (aliased, finished, public_error, read_body, stream, submit,
                       use_named_model)
 
 # The Ollama version we answer as: clients check it (codex --oss needs >= 0.13.4).
@@ -269,14 +271,12 @@ async def _run(request: Request, messages: list[dict[str, Any]] | None, body: di
     loaded_at = time.perf_counter()
     sampling = _sampling(body)
     try:
-        _, sampling["max_tokens"] = await fit_max_tokens(engine, messages, sampling["max_tokens"],
-                                                         tools, text)
         params = engine.defaults.params(sampling)
     except InvalidRequest as exc:
         raise ApiError(400, public_error(str(exc))) from None
     options = {"text": text} if text is not None else {}
     handles = await submit(engine, messages, params, tools=tools, split_reasoning=True,
-                           keep_alive=body.get("keep_alive"), **options)
+                           keep_alive=body.get("keep_alive"), fit_max_tokens=True, **options)
     return handles, {"model": ollama_name(model), "load_ns": int((loaded_at - started) * 1e9)}, \
         started
 
@@ -449,6 +449,10 @@ async def pull(request: Request) -> Response:
         name, streamed = await _pull_request(request)
     except ApiError as exc:
         return _from(exc)
+    try:
+        parse_pull_spec(_hub_spec(name))
+    except DownloadError as exc:  # not a name the hub has: the client's mistake
+        return _error(400, str(exc).split("\n", 1)[0])
     if local_id(request, name) is not None:  # already here
         done = {"status": "success"}
         return _ndjson(_one(done)) if streamed else JSONResponse(done)
@@ -469,7 +473,7 @@ async def pull(request: Request) -> Response:
 
     if not streamed:
         failure = await fetch()
-        return _error(500, failure) if failure else JSONResponse({"status": "success"})
+        return _error(502, failure) if failure else JSONResponse({"status": "success"})
 
     return _ndjson(_pull_progress(fetch, updates))
 
@@ -510,8 +514,40 @@ async def delete(request: Request) -> Response:
     return JSONResponse({})
 
 
+def _embedding_model(request: Request, name: Any) -> str | None:
+    """The model an embed request names: an alias, a local model, or a folder; any other name
+    embeds with the loaded chat model (None), as chat names do."""
+    if not isinstance(name, str):
+        return None
+    target = aliased(getattr(request.app.state, "aliases", {}), name)
+    return local_id(request, target) or (target if Path(target).expanduser().exists() else None)
+
+
 async def embed(request: Request) -> Response:
-    return _error(501, "embeddings are not served yet")
+    """`/api/embed` (`input`: a string or strings -> `embeddings`) and the older `/api/embeddings`
+    (`prompt` -> `embedding`), through the engine's embedding queue."""
+    legacy = request.url.path.endswith("/embeddings")
+    started = time.perf_counter()
+    try:
+        body = await read_body(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        inputs = body.get("prompt") if legacy else body.get("input")
+        if inputs is None:
+            raise ApiError(400, f"'{'prompt' if legacy else 'input'}' is required")
+        dimensions = body.get("dimensions")
+        result = await embed_vectors(
+            request.app.state.engine, inputs, model=_embedding_model(request, body.get("model")),
+            dimensions=dimensions if isinstance(dimensions, int) else None,
+            truncate=body.get("truncate", True) is not False, keep_alive=body.get("keep_alive"))
+    except ApiError as exc:
+        return _from(exc)
+    vectors = [v.tolist() for v in result.vectors]
+    if legacy:
+        return JSONResponse({"embedding": vectors[0]})
+    return JSONResponse({"model": ollama_name(result.model), "embeddings": vectors,
+                         "total_duration": int((time.perf_counter() - started) * 1e9),
+                         "load_duration": 0, "prompt_eval_count": result.prompt_tokens})
 
 
 routes = [

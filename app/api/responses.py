@@ -1,7 +1,7 @@
 """OpenAI's Responses API: `POST /v1/responses` (JSON or SSE), `GET` and `DELETE
 /v1/responses/{id}`, for the `openai` SDK's `responses` and Codex CLI.
 
-An adapter over the same engine requests as chat completions (app/api_serving.py): `input` (a
+An adapter over the same engine requests as chat completions (app/api/serving.py): `input` (a
 string or items: messages, function_call, function_call_output; reasoning items are skipped) and
 `instructions` become engine messages, function `tools` a `ToolRequest` (`required` and a named
 function decode under the grammar), `text.format` a JSON schema; the engine's events become
@@ -31,7 +31,7 @@ from .choices import Choice
 from .errors import ApiError
 from .openai_request import parse_messages
 from .response_format import json_schema
-from .serving import (finished, fit_max_tokens, public_error, read_body, stream, submit,
+from .serving import (finished, public_error, read_body, stream, submit,
                       use_named_model)
 
 _SKIPPED_ITEMS = {"reasoning", "item_reference", "web_search_call"}
@@ -263,13 +263,11 @@ async def create(request: Request) -> Response:
         parsed = _Request(await read_body(request), storage)
         model = await use_named_model(request, parsed.body.get("model"))
         try:
-            _, parsed.sampling["max_tokens"] = await fit_max_tokens(
-                engine, parsed.messages, parsed.sampling["max_tokens"], parsed.tools)
             params = engine.defaults.params(parsed.sampling)
         except InvalidRequest as exc:
             raise ApiError(400, public_error(str(exc)), exc.field, exc.code) from None
         handles = await submit(engine, parsed.messages, params, tools=parsed.tools,
-                               split_reasoning=True)
+                               split_reasoning=True, fit_max_tokens=True)
         envelope = parsed.envelope(_new("resp"), model, "in_progress")
         if parsed.stream:
             return stream(request, handles, ResponseEncoder(parsed, envelope, storage))

@@ -1,7 +1,8 @@
 """The serving core every API protocol runs on; an adapter (one module per protocol) only parses
 its request and encodes the engine's events.
 
-The contract of an adapter (chat.py, completions.py, anthropic.py, responses.py, ollama.py):
+The contract of an adapter (chat.py, completions.py, anthropic.py, responses.py, ollama.py,
+embeddings.py):
 
 1. Read the body with `read_body` (size checked by the middleware; depth and Unicode here; JSON
    errors, nesting deeper than `MAX_DEPTH` and lone surrogates raise `ApiError` 400).
@@ -11,8 +12,11 @@ The contract of an adapter (chat.py, completions.py, anthropic.py, responses.py,
    model-switch service (app/model_switch.py) and answer 503 while none is loaded.
 3. Parse the request into engine messages (or a raw prompt) + `SamplingParams` + `ToolRequest`;
    refuse bad input by raising `ApiError` (status, message, field, code).
-4. `submit` the engine requests (`n` choices); the engine's refusals become `ApiError`s: invalid
-   input 400, `Overloaded` 429 with Retry-After, no model 503.
+4. `submit` the engine requests (`n` choices; `fit_max_tokens=True` for clients that ask for more
+   than the context leaves, as Claude Code does: `Engine.submit` clamps `max_tokens` to the
+   context the prompt leaves); the engine's refusals become `ApiError`s (`engine_refusal`:
+   invalid input 400, an unknown model 404, `Overloaded` 429 with Retry-After, no model 503).
+   Embeddings submit through `Engine.embed` and answer whole.
 5. Answer whole (`finished`: every choice collected while a client that leaves cancels them; a
    failed generation raises `ApiError` 500) or streamed (`stream`: the engine's events handed to
    the adapter's `StreamEncoder`, whose lines go out as server-sent events, or NDJSON).
@@ -32,8 +36,8 @@ from typing import Any, AsyncIterator, Iterable, Protocol, Sequence
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from engine import (EngineError, Event, InvalidRequest, Overloaded, RequestHandle, SamplingParams,
-                    SpeculativeOptions, ToolRequest, count_tokens)
+from engine import (EngineError, Event, InvalidRequest, ModelLoadError, Overloaded, RequestHandle,
+                    SamplingParams, SpeculativeOptions)
 
 from .choices import Choice, collect_choices, merged, start_choices, tracked
 from .errors import ApiError
@@ -96,7 +100,8 @@ async def read_body(request: Request) -> Any:
 
 # --- the model ----------------------------------------------------------------------------------
 
-def _model_loading() -> ApiError:
+def model_loading() -> ApiError:
+    """The 503 (with Retry-After) while no model is loaded."""
     return ApiError(503, "a model is loading; try again shortly", type_="server_error",
                     code="model_loading", headers={"Retry-After": "5"})
 
@@ -108,11 +113,11 @@ async def require_model(request: Request, body: Any, check: Any = None) -> str:
     Raises ApiError: 503 while no model is loaded, 404 for a name no local model has."""
     engine = request.app.state.engine
     if engine.model_name is None:
-        raise _model_loading()
+        raise model_loading()
     wanted = body.get("model") if isinstance(body, dict) else None
     if isinstance(wanted, str) and wanted != engine.model_name:
-        if check is not None:
-            check(body, wanted)
+        if check is not None:  # off the event loop: parsing may compile tool schemas
+            await asyncio.to_thread(check, body, wanted)
         await use_model(request, wanted)
     return engine.model_name
 
@@ -147,23 +152,8 @@ async def use_named_model(request: Request, name: Any) -> str:
         if target != engine.model_name and target in {m.name for m in engine.list_models()}:
             await use_model(request, target)
     if engine.model_name is None:
-        raise _model_loading()
+        raise model_loading()
     return engine.model_name
-
-
-async def fit_max_tokens(engine: Any, messages: list[dict[str, Any]] | None, max_tokens: int,
-                         tools: ToolRequest | None, text: str | None = None) -> tuple[int, int]:
-    """(prompt tokens, `max_tokens` clamped to the context the prompt leaves), as clients such as
-    Claude Code expect (it always asks for 32,000); a prompt that alone fills the context is
-    refused (InvalidRequest, `context_length_exceeded`). `text`: a raw prompt instead."""
-    prompt = await asyncio.to_thread(count_tokens, engine, messages=messages, tools=tools,
-                                     text=text)
-    left = engine.model.context_length - prompt
-    if left < 1:
-        raise InvalidRequest(f"the prompt is {prompt} tokens, which fills this model's context "
-                             f"of {engine.model.context_length} tokens", field="messages",
-                             code="context_length_exceeded")
-    return prompt, min(max_tokens, left)
 
 
 # --- the engine requests ------------------------------------------------------------------------
@@ -189,13 +179,23 @@ async def submit(engine: Any, messages: list[dict[str, Any]] | None, params: Sam
     become ApiErrors (400 invalid, 429 overloaded, 503 no model)."""
     try:
         return await start_choices(engine, messages, params, n, speculative, **options)
-    except InvalidRequest as exc:
-        raise ApiError(400, public_error(str(exc)), engine_param(exc), exc.code) from None
-    except Overloaded as exc:
-        raise ApiError(429, str(exc), type_="rate_limit_exceeded", code="rate_limit_exceeded",
-                       headers={"Retry-After": str(math.ceil(exc.retry_after))}) from None
-    except EngineError as exc:  # no model loaded
-        raise ApiError(503, str(exc), type_="server_error", code="model_unavailable") from None
+    except EngineError as exc:
+        raise engine_refusal(exc) from None
+
+
+def engine_refusal(exc: EngineError) -> ApiError:
+    """An engine's refusal as the client's error: invalid input 400 (an unknown model 404),
+    `Overloaded` 429 with Retry-After, a model that failed to load or none loaded 503."""
+    if isinstance(exc, InvalidRequest):
+        status = 404 if exc.code == "model_not_found" else 400
+        return ApiError(status, public_error(str(exc)), engine_param(exc), exc.code)
+    if isinstance(exc, Overloaded):
+        return ApiError(429, str(exc), type_="rate_limit_exceeded", code="rate_limit_exceeded",
+                        headers={"Retry-After": str(math.ceil(exc.retry_after))})
+    if isinstance(exc, ModelLoadError):
+        return ApiError(503, str(exc), "model", exc.code or "model_load_failed",
+                        type_="server_error")
+    return ApiError(503, str(exc), type_="server_error", code="model_unavailable")
 
 
 async def cancel_on_disconnect(request: Request, handles: Sequence[RequestHandle]) -> None:

@@ -83,7 +83,7 @@ async def respond(app: Any, cid: int, action: str, data: dict[str, Any], gen: Ge
     page of the conversation."""
     pages: Conversations = app.state.conversations
     try:
-        turn = record(app, cid, action, data)
+        turn = await record(app, cid, action, data)
         if isinstance(turn, str):  # too long for the context: nothing is recorded, the user chooses
             await pages.send(cid, turn + _idle())
             return
@@ -99,7 +99,7 @@ async def respond(app: Any, cid: int, action: str, data: dict[str, Any], gen: Ge
         pages.release(cid, gen)
 
 
-def record(app: Any, cid: int, action: str, data: dict[str, Any]) -> Recorded | str:
+async def record(app: Any, cid: int, action: str, data: dict[str, Any]) -> Recorded | str:
     """The user's side and the empty answer, recorded; or the context notice to show instead
     (nothing recorded). Raises Refused."""
     storage, engine = app.state.storage, app.state.engine
@@ -109,7 +109,8 @@ def record(app: Any, cid: int, action: str, data: dict[str, Any]) -> Recorded | 
     title = conv.title
     try:
         params = sampling_params(conv.settings, engine.defaults)
-        conv, overflow_notice = prepare_send(engine, storage, conv, action, data, params.max_tokens)
+        conv, overflow_notice = await asyncio.to_thread(prepare_send, engine, storage, conv, action,
+                                                        data, params.max_tokens)
         if overflow_notice:
             return overflow_notice
         turn = record_user_turn(storage, conv, action, data)
@@ -144,9 +145,9 @@ async def stream(app: Any, turn: Recorded, gen: Generation) -> Streamed:
     out = Streamed()
     try:
         path = storage.active_path(cid)
-        gen.handle = await start(engine, answer_messages(engine, turn.conv.settings, path[:-1],
-                                                         turn.params.max_tokens),
-                                 turn.params, turn.speculative)
+        messages = await asyncio.to_thread(answer_messages, engine, turn.conv.settings, path[:-1],
+                                           turn.params.max_tokens)
+        gen.handle = await start(engine, messages, turn.params, turn.speculative)
         if gen.stop_requested:  # Stop pressed before the request existed
             gen.handle.cancel()
         with app.state.runs.track(gen.handle):

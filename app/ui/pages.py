@@ -1,5 +1,6 @@
 """The chat UI's pages and htmx fragments: conversations, their messages and settings."""
 
+import asyncio
 from typing import Any
 
 from starlette.requests import Request
@@ -37,12 +38,12 @@ async def conversation_page(request: Request) -> Response:
     conv = conversation_of(request)
     if conv is None:
         return not_found()
-    html = render(
+    html = await asyncio.to_thread(lambda: render(  # a long conversation renders off the loop
         "chat.html", conversations=storage.list_conversations(), current_id=conv.id,
         q="", views=message_views(storage, storage.active_path(conv.id)), generating=False,
         logout=bool(request.app.state.api_key),
         **settings_context(conv, engine=request.app.state.engine), **models_context(request),
-    )
+    ))
     # Boosted navigation: make the address bar show the conversation (also after a redirect).
     return HTMLResponse(html, headers={"HX-Push-Url": f"/c/{conv.id}"} if
                         request.headers.get("hx-request") else None)

@@ -15,6 +15,7 @@ from engine import PRESETS, DraftChoice, Engine
 from web import __file__ as _web_init
 
 from ..markdown import render_markdown, render_plain, render_tool_calls, render_tool_result
+from ..socket_limits import WS_MAX_BYTES
 from ..storage import Conversation, Message, Storage
 from .settings import SAMPLING_FIELDS, default_sources, preset_settings
 
@@ -34,6 +35,7 @@ def _size(n: int | None) -> str:
 
 
 templates.filters["filesize"] = _size
+templates.globals["ws_max_bytes"] = WS_MAX_BYTES  # the page refuses larger frames itself
 
 
 # --- view models --------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ deleted first. A restart indexes the files by their tokens and loads one on its 
 memory copy, when there is one, is always used first. A file that fails any check is deleted with
 one warning and the request recomputes what it would have reused.
 
-A sharded model (engine/distributed/) offers `snapshot_shards`: then each rank keeps its own
+A sharded model's caches (engine/distributed/sharded.py) carry `shards`: then each rank keeps its own
 shard's files in a folder of its own, and the prefix cache tells it what it wrote and deleted,
 keeps only the files every rank holds, and uses a file only once every rank's shard loaded.
 """
@@ -40,10 +40,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from ..device import memory_budget
+from ..kernels.caches import CacheOps, cache_length, from_layers, snapshot_layers
 from ..paths import cache_dir
 from ..loading.registry import LoadedModel
 from . import snapshot_files as files
@@ -55,82 +55,7 @@ DISK_BUDGET_BYTES = 512 * 2**20  # snapshot files kept on disk per model
 WRITE_DELAY_S = 1.0  # write-behind: how long after a snapshot is made it is written
 
 
-# -- snapshots of mlx-lm caches -------------------------------------------------------------------
-
-def is_supported(cache: Sequence[Any]) -> bool:
-    return all(type(c) in (KVCache, ArraysCache) for c in cache)
-
-
-def is_trimmable(cache: Sequence[Any]) -> bool:
-    return all(type(c) is KVCache for c in cache)
-
-
-def cache_length(cache: Sequence[Any]) -> int | None:
-    """Tokens held by the attention layers (None when the model has none to tell)."""
-    offsets = {c.offset for c in cache if type(c) is KVCache}
-    return offsets.pop() if len(offsets) == 1 else None
-
-
-def copy_cache(cache: Sequence[Any]) -> list[Any]:
-    """Compact private copies of every layer's state, evaluated."""
-    out: list[Any] = []
-    for c in cache:
-        if type(c) is KVCache:
-            n = c.offset
-            keys = mx.contiguous(c.keys[..., :n, :]) if c.keys is not None else None
-            values = mx.contiguous(c.values[..., :n, :]) if c.values is not None else None
-            out.append(KVCache.from_state((keys, values, n)))
-        else:
-            arrays = [mx.contiguous(a) if a is not None else None for a in c.cache]
-            out.append(ArraysCache.from_state((arrays, None, None)))
-    mx.eval(list(_arrays(out)))
-    return _mirrored(cache, out, None)
-
-
-def restore(snapshot: Sequence[Any], length: int) -> list[Any]:
-    """A new cache for a request, holding the first `length` tokens of `snapshot`.
-
-    Every array is a fresh object, so the request's in-place writes rebind its own arrays; MLX
-    never writes into a buffer another array still references."""
-    out: list[Any] = []
-    for c in snapshot:
-        if type(c) is KVCache:
-            keys = c.keys[..., :length, :] if c.keys is not None else None
-            values = c.values[..., :length, :] if c.values is not None else None
-            out.append(KVCache.from_state((keys, values, length)))
-        else:
-            out.append(ArraysCache.from_state(([a[...] if a is not None else None for a in c.cache],
-                                               None, None)))
-    return _mirrored(snapshot, out, length)
-
-
-def _mirrored(source: Sequence[Any], out: list[Any], length: int | None) -> list[Any]:
-    """A sharded model's caches have twins on the other ranks (engine/distributed/sharded.py):
-    a copy of one (`length` None) or a restore from one is made there too."""
-    mirror = getattr(source, "mirror", None)
-    return mirror(out, length) if mirror is not None else out
-
-
-def snapshot_layers(snapshot: Sequence[Any]) -> list[files.Layer]:
-    """A snapshot's arrays by layer, as they are (no MLX op: safe on another thread)."""
-    return [("KVCache", [c.keys, c.values]) if type(c) is KVCache else ("ArraysCache", list(c.cache))
-            for c in snapshot]
-
-
-def from_layers(layers: Sequence[files.Layer], length: int) -> list[Any]:
-    return [KVCache.from_state((arrays[0], arrays[1], length)) if kind == "KVCache"
-            else ArraysCache.from_state((arrays, None, None)) for kind, arrays in layers]
-
-
-def _arrays(cache: Sequence[Any]) -> Iterator[mx.array]:
-    for c in cache:
-        layer = (c.keys, c.values) if type(c) is KVCache else c.cache
-        yield from (a for a in layer if a is not None)
-
-
-def nbytes(cache: Sequence[Any]) -> int:
-    return sum(a.nbytes for a in _arrays(cache))
-
+# -- snapshots ------------------------------------------------------------------------------------
 
 def model_key(lm: LoadedModel) -> str:
     """Identity of a model's weights for cache purposes: its name and resolved folder."""
@@ -253,24 +178,27 @@ class PrefixCache:
 
     def __init__(self, lm: LoadedModel, budget_bytes: int | Callable[[], int] | None = None,
                  persist_dir: Path | None = None, disk_budget_bytes: int = DISK_BUDGET_BYTES,
-                 write_delay: float | None = WRITE_DELAY_S):
+                 write_delay: float | None = WRITE_DELAY_S, caches: CacheOps | None = None):
         """`budget_bytes` (a number, or a function giving the bytes currently allowed, as the
         engine's one memory budget shares them) defaults to the device's memory budget
         (engine/device.py). With `persist_dir` (e.g. `default_persist_dir()`), snapshots are
         written there `write_delay` seconds after they are made (None: only by `persist()`), kept
-        within `disk_budget_bytes`, and found again by the next PrefixCache of the same model."""
+        within `disk_budget_bytes`, and found again by the next PrefixCache of the same model.
+        `caches`: how to copy and restore the model's caches (default: the model's own,
+        `lm.caches`)."""
         self.lm = lm
+        self.caches = caches if caches is not None else lm.caches
         self.key = model_key(lm)
         self._budget = memory_budget() if budget_bytes is None else budget_bytes
         template = make_prompt_cache(lm.model)
-        self.enabled = is_supported(template)
-        self.trimmable = is_trimmable(template)
+        self.enabled = self.caches.supported(template)
+        self.trimmable = self.enabled and self.caches.trimmable(template)
         self.layer_types = [type(c).__name__ for c in template]
         if not self.enabled:
             log.info("prefix cache off for %s: unsupported cache types %s", lm.name, self.layer_types)
         self.dir = persist_dir / self.key if persist_dir is not None and self.enabled else None
         # a sharded model's ranks each keep their shard's files (engine/distributed/snapshots.py)
-        self._shards = getattr(lm.model, "snapshot_shards", None) if self.dir is not None else None
+        self._shards = self.caches.shards if self.dir is not None else None
         if self._shards is not None:
             self.dir = self._shards.folder(self.dir)
         self.disk_budget = int(disk_budget_bytes)
@@ -310,7 +238,7 @@ class PrefixCache:
                 self._touch(snapshot)
                 self._hits += 1
                 self._reused += reuse
-                return restore(snapshot.cache, reuse), reuse
+                return self.caches.restore(snapshot.cache, reuse), reuse
             self._misses += 1
         return make_prompt_cache(self.lm.model), 0
 
@@ -325,16 +253,10 @@ class PrefixCache:
             return
         with self._lock:
             path, matched = _walk(self._root, tokens)
-            depth, node = path[-1]
-            if matched == n and depth == n and node.snapshot is not None:
-                self._touch(node.snapshot)  # already cached
-                if node.snapshot.cache is not None:
-                    return
-            elif matched == n and self.trimmable:
-                self._touch(self._covering(node).snapshot)  # a longer one serves these tokens
+            if self._served(path[-1], matched, n):
                 return
-            copy = copy_cache(cache)
-            size = nbytes(copy)
+            copy = self.caches.copy(cache)
+            size = self.caches.nbytes(copy)
             if size > self.budget:
                 log.debug("prefix cache: a %d-byte snapshot exceeds the budget", size)
                 return
@@ -349,13 +271,29 @@ class PrefixCache:
             self._bytes += size
             self._touch(snapshot)
             if self.trimmable:  # shorter snapshots on this path are this one trimmed: drop them
-                for depth, ancestor in path:
-                    if depth <= matched and depth < n and ancestor.snapshot is not None \
-                            and ancestor.snapshot.cache is not None:
-                        self._drop(ancestor)
+                self._drop_shorter(path, matched, n)
             self._evict(keep=snapshot)
         if self._writer is not None:
             self._writer.poke()
+
+    def _served(self, end: tuple[int, _Node], matched: int, n: int) -> bool:
+        """Under the lock: whether a snapshot in memory already serves these `n` tokens (`end`
+        and `matched`: where `_walk` ended), touching the snapshot that does."""
+        depth, node = end
+        if matched == n and depth == n and node.snapshot is not None:
+            self._touch(node.snapshot)  # already cached
+            return node.snapshot.cache is not None
+        if matched == n and self.trimmable:
+            self._touch(self._covering(node).snapshot)  # a longer one serves these tokens
+            return True
+        return False
+
+    def _drop_shorter(self, path: list[tuple[int, _Node]], matched: int, n: int) -> None:
+        """Drop the snapshots in memory on `path` that a new one of `n` tokens covers."""
+        for depth, ancestor in path:
+            if depth <= matched and depth < n and ancestor.snapshot is not None \
+                    and ancestor.snapshot.cache is not None:
+                self._drop(ancestor)
 
     def branch_point(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of `tokens` the cached snapshots' token runs share: where this
@@ -572,7 +510,7 @@ class PrefixCache:
             node.snapshot = None
             _prune(node)
             return False
-        snapshot.cache, snapshot.nbytes = cache, nbytes(cache)
+        snapshot.cache, snapshot.nbytes = cache, self.caches.nbytes(cache)
         self._bytes += snapshot.nbytes
         self._touch(snapshot)
         self._evict(keep=snapshot)

@@ -36,8 +36,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
+from ..kernels.caches import Layer, held_layers
 from ..loading.registry import LoadedModel
 
 FORMAT = "mlxchat-snapshot-2"
@@ -51,7 +52,6 @@ _DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.float64
            mx.uint16: "U16", mx.uint32: "U32", mx.uint64: "U64", mx.bool_: "BOOL"}
 _SIZES = {name: dtype.size for dtype, name in _DTYPES.items()}
 
-Layer = tuple[str, list[mx.array | None]]  # cache type name, its array slots
 Layout = list[tuple[str, list[tuple[tuple[int, ...], str] | None]]]  # shapes and dtypes instead
 
 
@@ -92,19 +92,11 @@ def file_name(tokens: Sequence[int]) -> str:
     return hashlib.sha256(json.dumps(list(tokens)).encode()).hexdigest()[:24] + SUFFIX
 
 
-def layer_arrays(cache: Any) -> list[mx.array | None]:
-    """A layer cache's arrays as a snapshot stores them (a KVCache cut to its token count)."""
-    if type(cache) is KVCache:
-        n = cache.offset
-        return [None if a is None else a[..., :n, :] for a in (cache.keys, cache.values)]
-    return list(cache.cache)
-
-
 def cache_layout(model: nn.Module) -> Layout:
     """Each layer's cache type and its arrays' shapes and dtypes after one token."""
     cache = make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)
-    layers = [(type(c).__name__, layer_arrays(c)) for c in cache]
+    layers = held_layers(cache)
     mx.eval([a for _, arrays in layers for a in arrays if a is not None])
     return [(kind, [None if a is None else (tuple(a.shape), _DTYPES[a.dtype]) for a in arrays])
             for kind, arrays in layers]

@@ -85,11 +85,6 @@ class ModelDefaults:
                     values[name] = OPTIONS_BY_NAME[name].default
         return SamplingParams(**values)
 
-    def with_explicit(self, explicit: Mapping[str, Any]) -> dict[str, Default]:
-        """Each option's effective value and source once `explicit` values override."""
-        return {name: Default(explicit[name], "explicit") if explicit.get(name) is not None
-                else d for name, d in self.values.items()}
-
     def as_dict(self) -> dict[str, dict[str, Any]]:
         return {name: {"value": d.value, "source": d.source} for name, d in self.values.items()}
 

@@ -11,13 +11,15 @@ import time
 from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
 
 from .channels import ChannelSplitter, Markers
 from .chat import Prompt, encode_text, render
-from ..device import backend
+from ..device import backend, memory_budget
 from ..errors import InvalidRequest
 from ..events import Channel, Event, Timings, Usage
+from ..kernels.head import last_logits
 from ..loading.registry import LoadedModel
 from .logprobs import token_logprob
 from .sampling import SamplingParams, TokenSampler
@@ -32,13 +34,58 @@ if TYPE_CHECKING:
 
 
 
-def default_prefill_chunk() -> int:
+def default_prefill_chunk(lm: LoadedModel | None = None) -> int:
     """Prompt tokens per prefill forward. Each chunk ends with an evaluation (a device sync on a
-    GPU, where large chunks pay: on a CUDA data-centre GPU a chunk of 4096 beats 2048 in a cold
-    time to first token, see the README's GPU table); on the CPU one chunk is seconds of work
-    during which no other request decodes, so chunks stay small there."""
-    return {"cuda": 4096, "cpu": 512}.get(backend(), 2048)
+    GPU, where large chunks pay); on the CPU one chunk is seconds of work during which no other
+    request decodes, so chunks stay small there. On CUDA, given the model, the chunk is sized
+    against memory (`memory_sized_chunk`)."""
+    largest = {"cuda": 4096, "cpu": 512}.get(backend(), 2048)
+    if lm is None or backend() != "cuda":
+        return largest
+    return memory_sized_chunk(lm, largest)
 
+
+# A prefill chunk's activations may take this share of the weights' bytes (at least
+# CHUNK_ACTIVATIONS_MIN bytes, at most a tenth of the device's memory).
+CHUNK_ACTIVATIONS_OF_WEIGHTS = 0.25
+CHUNK_ACTIVATIONS_MIN = 1 << 30
+SMALLEST_CHUNK = 256
+
+
+def activation_bytes_per_token(config: dict[str, Any]) -> int:
+    """An estimate of the activation bytes one prompt token of a chunk holds at its peak on CUDA:
+    per layer two hidden-wide and three MLP-wide 2-byte rows. Measured on the H200 (MLX 0.32.4;
+    bench/results/cuda-h200-2026-issue34-*.json): Qwen3-8B ~2.8 MB per chunk token (estimate
+    3.2), the Qwen3.5-9B hybrid 2-3.4 MB (estimate 2.9)."""
+    text = config.get("text_config", config)
+    return text["num_hidden_layers"] * (2 * text["hidden_size"] + 3 * text["intermediate_size"]) * 2
+
+
+def memory_sized_chunk(lm: LoadedModel, largest: int) -> int:
+    """The largest power-of-two chunk, from `largest` down to SMALLEST_CHUNK, whose estimated
+    activations fit the chunk budget. MLX's CUDA backend keeps a chunk's intermediates until its
+    work completes, so peak memory grows with the chunk: on the H200 a 4,096-token chunk put
+    Qwen3-8B's peak at 1.17x mlx-lm's (2,048-token) and 1,024 at 0.91x, for 17% more cold TTFT;
+    the 9B hybrid's peak fell from 17.8 to 11.3 GB at 512 and its TTFT too. Computed once per
+    model (kept in `lm.extras`)."""
+    if "prefill_chunk" in lm.extras:
+        return lm.extras["prefill_chunk"]
+    try:
+        per_token = activation_bytes_per_token(lm.config)
+    except (KeyError, TypeError):
+        return largest
+    weights = sum(p.nbytes for _, p in tree_flatten(lm.model.parameters()))
+    budget = min(max(weights * CHUNK_ACTIVATIONS_OF_WEIGHTS, CHUNK_ACTIVATIONS_MIN), memory_budget(0.1))
+    chunk = largest
+    while chunk > SMALLEST_CHUNK and chunk * per_token > budget:
+        chunk //= 2
+    lm.extras["prefill_chunk"] = chunk
+    return chunk
+
+
+# The final prefill chunk's head runs on its last row only (engine/kernels/head.py); a switch so
+# that bench.gpu_step can measure the memory it saves in the same process.
+LAST_ROW_HEAD = True
 
 # The last prompt token rides with a final prefill chunk of at most this many tokens (its logits
 # read from that call: every position's logits are computed, so only for short chunks).
@@ -71,13 +118,14 @@ class PrefixStore(Protocol):
 
 def build_prompt(lm: LoadedModel, messages: Sequence[dict] | None = None,
                  prompt_tokens: Sequence[int] | None = None, text: str | None = None,
-                 tools: ToolRequest | None = None) -> Prompt:
-    """Exactly one of messages (chat template, with `tools` offered), prompt_tokens or text (raw)."""
+                 tools: ToolRequest | None = None, with_checkpoints: bool = True) -> Prompt:
+    """Exactly one of messages (chat template, with `tools` offered), prompt_tokens or text (raw).
+    Without `with_checkpoints` a rendered prompt's only checkpoint is its end (to count tokens)."""
     if sum(x is not None for x in (messages, prompt_tokens, text)) != 1:
         raise InvalidRequest("give exactly one of messages, prompt_tokens or text")
     if messages is not None:
         msgs, kwargs = prepare_tools(lm.tokenizer, messages, tools)
-        return render(lm.tokenizer, msgs, **kwargs)
+        return render(lm.tokenizer, msgs, with_checkpoints=with_checkpoints, **kwargs)
     if text is not None:
         return encode_text(lm.tokenizer, text)
     tokens = list(prompt_tokens or [])
@@ -87,6 +135,13 @@ def build_prompt(lm: LoadedModel, messages: Sequence[dict] | None = None,
     if not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
         raise InvalidRequest(f"prompt_tokens must be integers in [0, {vocab})")
     return Prompt(tokens=tokens, checkpoints=[len(tokens)], continued=True)  # raw, as `text`
+
+
+def check_model_ranges(params: SamplingParams, vocab: int) -> None:
+    """The sampling options whose range depends on the model: top_k at most its vocabulary."""
+    if params.top_k > vocab:
+        raise InvalidRequest(f"top_k must be at most this model's vocabulary of {vocab} tokens "
+                             f"(0: all), got {params.top_k}", field="top_k", code="invalid_value")
 
 
 def check_fits(lm: LoadedModel, prompt: Prompt, params: SamplingParams) -> None:
@@ -120,10 +175,11 @@ class Generation:
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise InvalidRequest(f"logit_bias token ids must be below {vocab}", field="logit_bias",
                                  code="invalid_value")
+        check_model_ranges(params, vocab)
         self.speculator = speculator  # opt-in: decode by draft-and-verify (engine/decoding/speculative.py)
         self.lm, self.prompt, self.params = lm, prompt, params
         self.prefix_cache = prefix_cache
-        self.prefill_chunk = prefill_chunk or default_prefill_chunk()
+        self.prefill_chunk = prefill_chunk or default_prefill_chunk(lm)
         self.last_with_chunk = last_with_chunk_default() if last_with_chunk is None else last_with_chunk
         self.sampler = TokenSampler(params)
         budget = thinking_budget(lm.tokenizer, params.thinking_budget, prompt.tokens)
@@ -213,16 +269,19 @@ class Generation:
         self.fed = list(tokens[: self.reused])
         branch = self.prefix_cache.branch_point(tokens) if self.prefix_cache is not None else 0
         self._stops = POLICY.prefill_stops(self.prompt, self.reused,
-                                           can_trim_prompt_cache(self.cache), branch)
+                                           self.lm.caches.trimmable(self.cache), branch)
         if self.sampler.processors:
             self._history = mx.array(self.fed, dtype=mx.uint32)
 
-    def _feed(self, inputs: mx.array) -> mx.array:
-        """Run the model over `inputs` (1-D, possibly not yet evaluated); returns the logits."""
+    def _feed(self, inputs: mx.array, last_only: bool = False) -> mx.array:
+        """Run the model over `inputs` (1-D, possibly not yet evaluated); returns the logits (with
+        `last_only`, those of the last position alone: the head runs on that row only)."""
         if self._history is not None:
             self._history = mx.concatenate([self._history, inputs])
         if self.speculator is not None:
             return self.speculator.prefill(inputs, self.cache, len(self.fed))
+        if last_only and LAST_ROW_HEAD:
+            return last_logits(self.lm.model, inputs[None], self.cache)
         return self.lm.model(inputs[None], cache=self.cache)
 
     def _save(self) -> None:
@@ -274,7 +333,7 @@ class Generation:
     def _prefill_last(self, pos: int) -> list[Event]:
         """Feed the prompt from `pos` to its end and sample the first token from the last logits."""
         tokens = self.prompt.tokens
-        logits = self._feed(mx.array(tokens[pos:], dtype=mx.uint32))
+        logits = self._feed(mx.array(tokens[pos:], dtype=mx.uint32), last_only=True)
         self.fed.extend(tokens[pos:])
         self._next = self.sampler(logits[:, -1, :], self._history)
         mx.async_eval(*self._next)

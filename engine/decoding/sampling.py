@@ -72,18 +72,22 @@ class SamplingOption:
                                  field=self.name, code="invalid_value")
 
 
+# Counts that reach MLX as 32-bit integers (top_k, the penalty window); the model may bound them
+# further (top_k by its vocabulary: generate.check_model_ranges).
+MAX_INT32 = 2**31 - 1
+
 SAMPLING_OPTIONS: tuple[SamplingOption, ...] = (
     SamplingOption("temperature", float, 0.0, 0, 5, "Temperature", "0 means greedy."),
     SamplingOption("top_p", float, 1.0, 0, 1, "Top p",
                    "Keep the most likely tokens up to this total probability.", low_open=True),
-    SamplingOption("top_k", int, 0, 0, None, "Top k",
+    SamplingOption("top_k", int, 0, 0, MAX_INT32, "Top k",
                    "Keep only the k most likely tokens (0: all)."),
     SamplingOption("min_p", float, 0.0, 0, 1, "Min p",
                    "Drop tokens less likely than this fraction of the most likely one.",
                    high_open=True),
     SamplingOption("repetition_penalty", float, 1.0, 0, 10, "Repetition penalty",
                    "Above 1 discourages repeating earlier tokens.", low_open=True),
-    SamplingOption("repetition_context_size", int, 20, 1, None, "Penalty window",
+    SamplingOption("repetition_context_size", int, 20, 1, MAX_INT32, "Penalty window",
                    "How many of the latest tokens the penalties look at."),
     SamplingOption("frequency_penalty", float, 0.0, -2, 2, "Frequency penalty",
                    "Lowers a token's score by this much for each time it already appeared."),
@@ -211,7 +215,7 @@ def filter_logprobs(logprobs: mx.array, params: SamplingParams) -> mx.array:
         logprobs = apply_top_p(logprobs, params.top_p)
     if params.min_p != 0.0:
         logprobs = apply_min_p(logprobs, params.min_p, 1)
-    if params.top_k > 0:
+    if 0 < params.top_k < logprobs.shape[-1]:  # k of the whole vocabulary keeps every token
         logprobs = apply_top_k(logprobs, params.top_k)
     return logprobs
 

@@ -22,9 +22,10 @@ from typing import Any, Callable, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import InvalidRequest
+from ..kernels.caches import can_roll_back, roll_back, rollback_mark
 from ..loading.registry import LoadedModel
 from .sampling import SamplingParams, TokenSampler, filter_logprobs
 
@@ -43,14 +44,12 @@ class CacheMark:
 
 
 def mark_cache(cache: list[Any], length: int) -> CacheMark:
-    if all(not isinstance(c, ArraysCache) for c in cache):
-        return CacheMark(length, None)
-    return CacheMark(length, tuple(list(c.cache) if isinstance(c, ArraysCache) else None for c in cache))
+    return CacheMark(length, rollback_mark(cache))
 
 
 def check_cache(cache: list[Any]) -> None:
     for c in cache:
-        if not isinstance(c, ArraysCache) and not c.is_trimmable():
+        if not can_roll_back(c):
             raise InvalidRequest(f"speculative decoding cannot roll back a {type(c).__name__}")
 
 
@@ -74,10 +73,7 @@ def rewind_cache(cache: list[Any], mark: CacheMark, fed: list[int], seq: list[in
             c.trim(len(fed) - keep)
         return mark.length + keep
     for c, arrays in zip(cache, mark.arrays):
-        if arrays is None:
-            c.trim(len(fed))
-        else:
-            c.cache = list(arrays)
+        roll_back(c, arrays, len(fed))
     return mark.length
 
 

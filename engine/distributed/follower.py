@@ -1,15 +1,15 @@
 """Every rank but 0: run the plans rank 0 broadcasts, with this rank's shard, until STOP."""
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..cache.prefix_cache import copy_cache, restore
+from ..kernels.caches import LOCAL
 from ..loading.registry import LoadedModel, load_model
 from .group import World
-from .plan import Op, broadcast
+from .plan import Op, Plan, broadcast
 from .sharded import batch_edit, cache_offset
 from .snapshots import FollowerFiles
 
@@ -20,45 +20,64 @@ def follow(world: World) -> int:
     """The follower loop; returns the number of plans run. Never decides anything itself: a
     plan that does not fit this rank's state (an unknown cache at a nonzero offset, an offset
     that differs) is a bug that would desynchronise the ranks, so it raises."""
-    lm: LoadedModel | None = None
-    caches: dict[int, list[Any]] = {}
-    snapshot_files = FollowerFiles(world)
+    rank = _Follower(world)
     steps = 0
     while True:
         plan = broadcast(world.group, None)
         steps += 1
-        snapshot_files.work(plan, caches)
-        for cache_id in plan.drops:
-            caches.pop(cache_id, None)
-        if plan.op == Op.STOP:
-            snapshot_files.close()
+        if not rank.run(plan):
             return steps
+
+
+class _Follower:
+    """This rank's model shard and its caches by id, as the plans so far left them."""
+
+    def __init__(self, world: World):
+        self.world = world
+        self.lm: LoadedModel | None = None
+        self.caches: dict[int, list[Any]] = {}
+        self.files = FollowerFiles(world)
+        self._ops: dict[Op, Callable[[Plan], list[Any] | None]] = {
+            Op.COPY: lambda plan: LOCAL.copy(self.caches[plan.cache_id]),
+            Op.RESTORE: lambda plan: LOCAL.restore(self.caches[plan.cache_id], plan.length),
+            Op.MERGE: lambda plan: batch_edit(plan, self.caches),
+            Op.EXTEND: lambda plan: batch_edit(plan, self.caches),
+            Op.EXTRACT: lambda plan: batch_edit(plan, self.caches),
+            Op.FILTER: lambda plan: batch_edit(plan, self.caches),
+            Op.CHECK: lambda plan: self.files.check(plan, self.lm),
+            Op.READ: self.files.read,
+            Op.FORWARD: self._forward,
+        }
+
+    def run(self, plan: Plan) -> bool:
+        """Run one plan; False once it says STOP. A plan's new cache is kept as `plan.target`."""
+        self.files.work(plan, self.caches)
+        for cache_id in plan.drops:
+            self.caches.pop(cache_id, None)
+        if plan.op == Op.STOP:
+            self.files.close()
+            return False
         if plan.op == Op.LOAD:
-            lm, caches = None, {}
-            mx.clear_cache()
-            lm = load_model(plan.name, group=world.group)
-            log.info("rank %d loaded its shard of %s", world.rank, plan.name)
-        elif lm is None:
+            self._load(plan.name)
+        elif self.lm is None:
             raise RuntimeError(f"{plan.op.name} before any model was loaded")
-        elif plan.op == Op.COPY:
-            caches[plan.target] = copy_cache(caches[plan.cache_id])
-        elif plan.op == Op.RESTORE:
-            caches[plan.target] = restore(caches[plan.cache_id], plan.length)
-        elif plan.op in (Op.MERGE, Op.EXTEND, Op.EXTRACT, Op.FILTER):
-            made = batch_edit(plan, caches)
+        else:
+            made = self._ops[plan.op](plan)
             if made is not None:
-                caches[plan.target] = made
-        elif plan.op == Op.CHECK:
-            snapshot_files.check(plan, lm)
-        elif plan.op == Op.READ:
-            made = snapshot_files.read(plan)
-            if made is not None:
-                caches[plan.target] = made
-        elif plan.op == Op.FORWARD:
-            cache = caches.get(plan.cache_id)
-            if cache is None:
-                cache = caches[plan.cache_id] = make_prompt_cache(lm.model)
-            if cache_offset(cache) != plan.offset:
-                raise RuntimeError(f"cache {plan.cache_id} holds {cache_offset(cache)} tokens, "
-                                   f"rank 0's holds {plan.offset}: the ranks diverged")
-            mx.eval(lm.model(plan.tokens.astype(mx.uint32), cache=cache))
+                self.caches[plan.target] = made
+        return True
+
+    def _load(self, name: str) -> None:
+        self.lm, self.caches = None, {}
+        mx.clear_cache()
+        self.lm = load_model(name, group=self.world.group)
+        log.info("rank %d loaded its shard of %s", self.world.rank, name)
+
+    def _forward(self, plan: Plan) -> None:
+        cache = self.caches.get(plan.cache_id)
+        if cache is None:
+            cache = self.caches[plan.cache_id] = make_prompt_cache(self.lm.model)
+        if cache_offset(cache) != plan.offset:
+            raise RuntimeError(f"cache {plan.cache_id} holds {cache_offset(cache)} tokens, "
+                               f"rank 0's holds {plan.offset}: the ranks diverged")
+        mx.eval(self.lm.model(plan.tokens.astype(mx.uint32), cache=cache))

@@ -4,11 +4,11 @@ The scheduler calls the model exactly as on one process; this wrapper broadcasts
 plan first, so the followers run the same forward on their mirror of the same cache. Caches are
 mirrored by id: a cache made here (mlx-lm's `make_prompt_cache` asks the model's `make_cache`)
 gets the next id, and when rank 0 lets it go its id rides along with the next plan so the
-followers drop theirs too. Prefix-cache snapshots and the caches restored from them are
-mirrored the same way (engine/cache/prefix_cache.py asks `mirror`), so reuse works as on one
-process, and so are the batch caches of requests decoding together (engine/scheduling/batch.py
-asks for `batch_merged`, `batch_extend`, `batch_extracted`, `batch_filter`), and so are the
-snapshot files, each rank its own shard's (engine/distributed/snapshots.py). A cache with no twin
+followers drop theirs too. The loaded model's `caches` (`MirroredCaches`, the engine's cache
+protocol, engine/kernels/caches.py) make every other cache edit on every rank the same way:
+prefix-cache snapshots and the caches restored from them, so reuse works as on one process, the
+batch edits of requests decoding together, and the snapshot files, each rank its own shard's
+(engine/distributed/snapshots.py). A cache with no twin
 on the followers is refused rather than run out of step. Speculative decoding stays off: its draft
 model and caches, and the verify step's rollback of rejected tokens, have no plan ops yet.
 """
@@ -16,14 +16,14 @@ model and caches, and the verify step's rollback of rejected tokens, have no pla
 import itertools
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import EngineError
+from ..kernels.caches import LOCAL, Cache, LocalCaches
 from ..loading.registry import LoadedModel, load_model, resolve
 from .group import World
 from .plan import FileWork, Op, Plan, broadcast
@@ -35,16 +35,13 @@ def batch_edit(plan: Plan, caches: dict[int, list[Any]]) -> list[Any] | None:
     the new cache of MERGE and EXTRACT."""
     source = caches[plan.cache_id]
     if plan.op == Op.MERGE:
-        return _merge_caches([source])
+        return LOCAL.merge([source])
     if plan.op == Op.EXTEND:
-        for batch_layer, row_layer in zip(caches[plan.target], source):
-            batch_layer.extend(row_layer)
-        return None
-    if plan.op == Op.EXTRACT:
-        return [layer.extract(plan.length) for layer in source]
-    keep = mx.array(plan.values)
-    for layer in source:
-        layer.filter(keep)
+        LOCAL.extend(caches[plan.target], source)
+    elif plan.op == Op.EXTRACT:
+        return LOCAL.extract(source, plan.length)
+    else:
+        LOCAL.filter(source, list(plan.values))
     return None
 
 
@@ -52,33 +49,53 @@ class MirroredCache(list):
     """A model cache whose twin lives on every follower under `cache_id`."""
 
     cache_id: int
-    coordinator: "Coordinator"
 
-    def mirror(self, out: list[Any], length: int | None) -> "MirroredCache":
-        """`out`, a copy of this cache (or of its first `length` tokens), made on every rank."""
+
+class MirroredCaches(LocalCaches):
+    """The cache protocol for a sharded model: each edit made here, and by a plan on every
+    follower's twin. Rows prefill alone (the followers have no plan for a padded prefill)."""
+
+    padded_prefill = False
+
+    def __init__(self, coordinator: "Coordinator", shards: SnapshotShards):
+        self.coordinator = coordinator
+        self.shards = shards  # engine/cache/prefix_cache.py persists through it
+
+    def copy(self, cache: Sequence[Any]) -> Cache:
+        return self._mirror(cache, super().copy(cache), None)
+
+    def restore(self, snapshot: Sequence[Any], length: int) -> Cache:
+        return self._mirror(snapshot, super().restore(snapshot, length), length)
+
+    def _mirror(self, source: Any, out: Cache, length: int | None) -> MirroredCache:
+        """`out`, a copy of `source` (or of its first `length` tokens), made on every rank."""
         made = self.coordinator.adopt(out)
         op = Op.COPY if length is None else Op.RESTORE
-        self.coordinator.send(Plan(op, self.cache_id, target=made.cache_id, length=length or 0))
+        self.coordinator.send(Plan(op, source.cache_id, target=made.cache_id, length=length or 0))
         return made
 
-    def _batch(self, plan: Plan, other: "MirroredCache | None" = None) -> "MirroredCache | None":
+    def _edit(self, plan: Plan, *involved: MirroredCache) -> MirroredCache | None:
         self.coordinator.send(plan)
-        caches = {self.cache_id: self, **({other.cache_id: other} if other is not None else {})}
-        made = batch_edit(plan, caches)
+        made = batch_edit(plan, {c.cache_id: c for c in involved})
         return self.coordinator.adopt(made, plan.target) if made is not None else None
 
-    def batch_merged(self) -> "MirroredCache | None":
-        return self._batch(Plan(Op.MERGE, self.cache_id, target=self.coordinator.next_id()))
+    def merge(self, caches: Sequence[Sequence[Any]]) -> Cache:
+        """Merged one cache at a time (one plan each), the later ones extending the first."""
+        merged = [self._edit(Plan(Op.MERGE, c.cache_id, target=self.coordinator.next_id()), c)
+                  for c in caches]
+        for rows in merged[1:]:
+            self.extend(merged[0], rows)
+        return merged[0]
 
-    def batch_extend(self, row: "MirroredCache") -> None:
-        self._batch(Plan(Op.EXTEND, row.cache_id, target=self.cache_id), row)
+    def extend(self, batch: Cache, rows: Cache) -> None:
+        self._edit(Plan(Op.EXTEND, rows.cache_id, target=batch.cache_id), batch, rows)
 
-    def batch_extracted(self, i: int) -> "MirroredCache | None":
-        return self._batch(Plan(Op.EXTRACT, self.cache_id, target=self.coordinator.next_id(),
-                                length=i))
+    def extract(self, batch: Cache, i: int) -> Cache:
+        return self._edit(Plan(Op.EXTRACT, batch.cache_id, target=self.coordinator.next_id(),
+                               length=i), batch)
 
-    def batch_filter(self, keep: list[int]) -> None:
-        self._batch(Plan(Op.FILTER, self.cache_id, values=keep))
+    def filter(self, batch: Cache, keep: list[int]) -> None:
+        self._edit(Plan(Op.FILTER, batch.cache_id, values=keep), batch)
 
 
 def cache_offset(cache: list[Any]) -> int:
@@ -110,7 +127,7 @@ class Coordinator:
         """`layers` under `cache_id` (default: the next id); its twins are dropped when rank 0
         lets it go."""
         cache = MirroredCache(layers)
-        cache.cache_id, cache.coordinator = cache_id or self.next_id(), self
+        cache.cache_id = cache_id or self.next_id()
         weakref.finalize(cache, self._release, cache.cache_id)
         return cache
 
@@ -141,10 +158,9 @@ class Coordinator:
 class ShardedModel:
     """Looks like the model to the engine; each call is broadcast before it runs here."""
 
-    def __init__(self, model: nn.Module, coordinator: Coordinator, shards: SnapshotShards):
+    def __init__(self, model: nn.Module, coordinator: Coordinator):
         self.model = model
         self.coordinator = coordinator
-        self.snapshot_shards = shards  # engine/cache/prefix_cache.py persists through it
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
@@ -176,7 +192,8 @@ def sharded_loader(world: World, coordinator: Coordinator) -> Callable[..., Load
         lm.name = display  # as the picker lists it (a hub model's folder is a snapshot hash)
         shards = SnapshotShards(world, coordinator, lm.model)
         coordinator.use_files(shards)
-        lm.model = ShardedModel(lm.model, coordinator, shards)
+        lm.model = ShardedModel(lm.model, coordinator)
+        lm.caches = MirroredCaches(coordinator, shards)
         return lm
 
     return load

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..cache import snapshot_files as files
-from ..cache.prefix_cache import default_persist_dir, from_layers, snapshot_layers
+from ..cache.prefix_cache import default_persist_dir
+from ..kernels.caches import from_layers, snapshot_layers
 from ..loading.registry import LoadedModel
 from .group import World
 from .plan import Op, Plan, agree
@@ -35,7 +36,7 @@ def shard_folder(world: World) -> str:
 
 
 class SnapshotShards:
-    """Rank 0's side, as engine/cache/prefix_cache.py asks it (`lm.model.snapshot_shards`): the
+    """Rank 0's side, as engine/cache/prefix_cache.py asks it (`lm.caches.shards`): the
     scheduler thread calls `agree` and `read`, any thread `written` and `deleted`."""
 
     def __init__(self, world: World, coordinator: Any, model: Any):

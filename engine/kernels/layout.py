@@ -38,9 +38,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
 from mlx_lm.models.activations import swiglu
-from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from . import native
+from .caches import batch_kv, plain_kv
 from .cpu_layout import swap_matvec
 
 log = logging.getLogger(__name__)
@@ -128,22 +128,22 @@ def _one_token_step(x: mx.array, mask: Any, cache: Any) -> tuple[bool, mx.array 
     visible key (its left padding; None for a plain `KVCache`)."""
     if x.shape[1] != 1 or x.dtype != mx.float32:
         return False, None
-    if type(cache) is KVCache and mask is None:
+    if plain_kv(cache) and mask is None:
         return True, None
-    if type(cache) is BatchKVCache and (mask is None or isinstance(mask, mx.array)):
+    if batch_kv(cache) and (mask is None or isinstance(mask, mx.array)):
         return True, _int32(cache.left_padding)
     return False, None
 
 
 def _row_offsets(cache: Any) -> mx.array | None:
     """A `BatchKVCache`'s per-row positions of the incoming token (None for a plain cache)."""
-    return _int32(cache.offset) if type(cache) is BatchKVCache else None
+    return _int32(cache.offset) if batch_kv(cache) else None
 
 
 def _prompt_chunk(x: mx.array, mask: Any, cache: Any) -> bool:
     """Whether this call is a prompt chunk our prefill attention takes: several positions of one
     sequence over a plain `KVCache`, under mlx-lm's causal mask."""
-    return (x.shape[1] > 1 and x.dtype == mx.float32 and type(cache) is KVCache
+    return (x.shape[1] > 1 and x.dtype == mx.float32 and plain_kv(cache)
             and (mask is None or (isinstance(mask, str) and mask == "causal")))
 
 
@@ -164,7 +164,7 @@ class KernelLlamaAttention(llama.Attention):
         out = _Run.kernels.decode_attention(q, k, v, self.scale, starts=starts)
         return self.o_proj(out.reshape(B, 1, -1))
 
-    def _prompt_chunk(self, x: mx.array, cache: KVCache) -> mx.array:
+    def _prompt_chunk(self, x: mx.array, cache: Any) -> mx.array:
         """mlx-lm's prompt step with our causal attention, whose output comes in the layout
         o_proj reads (one query position after another)."""
         B, L, _ = x.shape

@@ -19,7 +19,6 @@ from .gguf_arch import ARCHITECTURES, LLAMA_LAYER, arch_for, map_tensors, rename
 from .gguf_quant import GROUP_SIZE, to_mlx
 from .gguf_tokenizer import add_bos, tokenizer_json
 
-SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 def _scalar(value: Any) -> Any:
     """A metadata number as a Python value (a list for an array)."""

@@ -379,7 +379,8 @@ def pull(text: str, progress: Callable[[DownloadProgress], None] | None = None,
 
 def remove(name: str) -> list[Path]:
     """Delete a downloaded model (`owner/name` or `owner/name:FILE.gguf`) from the hub cache, with
-    its converted copy; returns what was deleted. Only models in the hub cache can be removed."""
+    its converted copy; returns what was deleted. Only models in the hub cache can be removed, and
+    only files inside it: a link pointing out of the cache is deleted, never its target."""
     from .registry import converted_folder
 
     spec = parse_spec(name)
@@ -398,14 +399,18 @@ def remove(name: str) -> list[Path]:
     if spec.file:
         if not links:
             raise DownloadError(f"{name} is not a downloaded model")
+        blobs = (repo / "blobs").resolve()
         for link in links:
             blob = link.resolve()
             link.unlink()
-            if blob.is_relative_to(repo.resolve()):  # never follow a link out of the cache
+            if blob.is_relative_to(blobs):  # a link out of the cache: its target is not ours
                 blob.unlink(missing_ok=True)
             removed.append(link)
         if any(p.is_file() for p in (repo / "snapshots").rglob("*")):
             return removed
-    shutil.rmtree(repo)
+    if repo.is_symlink():  # the repository folder itself links elsewhere: drop only the link
+        repo.unlink()
+    else:
+        shutil.rmtree(repo)  # removes links inside, never what they point at
     removed.append(repo)
     return removed

@@ -20,6 +20,7 @@ from ..errors import ModelLoadError
 from .gguf import convert_gguf
 from .hub import hub_cache_dir
 from .memory import shortfall, weight_files_bytes
+from ..kernels.caches import LOCAL, CacheOps
 from ..kernels.fastest import fastest_layout
 from ..kernels.gated_delta import use_chunked_prefill
 from ..paths import cache_dir
@@ -43,9 +44,15 @@ CAPABILITIES = ("completion", "tools", "thinking", "vision", "embedding")
 
 
 def capabilities(lm: "LoadedModel") -> tuple[str, ...]:
-    """The model's CAPABILITIES: every chat model completes; tools when its tokenizer knows its
-    family's tool-call markers or its chat template takes `tools`; thinking when it knows think
-    markers. (Vision and dedicated embedding models are not served yet.)"""
+    """The model's CAPABILITIES: a dedicated embedding model (sentence-transformers pooling,
+    engine/decoding/embeddings.py) only embeds; every other model completes and embeds (mean
+    pooling of its last hidden state); tools when its tokenizer knows its family's tool-call
+    markers or its chat template takes `tools`; thinking when it knows think markers. (Vision is
+    not served yet.)"""
+    from .embedding_recipe import embedding_recipe
+
+    if embedding_recipe(lm.path).dedicated:
+        return ("embedding",)
     tok = lm.tokenizer
     template = getattr(tok, "chat_template", None) or ""
     found = ["completion"]
@@ -53,6 +60,7 @@ def capabilities(lm: "LoadedModel") -> tuple[str, ...]:
         found.append("tools")
     if getattr(tok, "has_thinking", False):
         found.append("thinking")
+    found.append("embedding")
     return tuple(found)
 
 
@@ -66,6 +74,7 @@ class LoadedModel:
     config: dict[str, Any]
     path: Path
     extras: dict[str, Any] = field(default_factory=dict)
+    caches: CacheOps = LOCAL  # how the engine copies, restores and batches its caches
 
     @functools.cached_property
     def weights_digest(self) -> str:
@@ -78,11 +87,16 @@ class LoadedModel:
 
     @property
     def context_length(self) -> int:
-        for key in ("max_position_embeddings", "max_seq_len", "seq_length"):
-            text = self.config.get("text_config", self.config)
-            if key in text:
-                return int(text[key])
-        return 4096
+        return context_length(self.config)
+
+
+def context_length(config: dict[str, Any]) -> int:
+    """The longest input a model with this config.json takes, in tokens."""
+    text = config.get("text_config", config)
+    for key in ("max_position_embeddings", "max_seq_len", "seq_length"):
+        if key in text:
+            return int(text[key])
+    return 4096
 
 
 def _dir_size(path: Path) -> int:

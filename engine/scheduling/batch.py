@@ -19,18 +19,13 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..events import Event
+from ..kernels.caches import CacheOps
 from ..decoding.generate import Generation, PrefixStore
 from ..decoding.sampling import sample_rows
 from ..decoding.snapshots import POLICY
-
-
-def can_batch(cache: list[Any]) -> bool:
-    """Whether mlx-lm can merge this kind of cache (quantized or chunked caches cannot)."""
-    return all(hasattr(c, "merge") for c in cache)
 
 
 class KVFootprint(NamedTuple):
@@ -44,19 +39,16 @@ class KVFootprint(NamedTuple):
         return int(self.per_token * tokens + self.fixed)
 
 
-def _mirrored(cache: list[Any]) -> bool:
-    """A sharded model's cache (engine/distributed/sharded.py): its batch edits are mirrored on
-    every rank, which has no plan for a padded prefill, so such requests prefill alone."""
-    return hasattr(cache, "batch_merged")
-
-
 def can_prefill_together(gen: Generation) -> bool:
-    """Whether `gen` (started: its cache fetched) can prefill in a call shared with others."""
-    return (not gen.prefills_alone and gen.cache is not None and can_batch(gen.cache)
-            and not _mirrored(gen.cache))
+    """Whether `gen` (started: its cache fetched) can prefill in a call shared with others (a
+    sharded model's caches cannot: the other ranks have no plan for a padded prefill)."""
+    caches = gen.lm.caches
+    return (not gen.prefills_alone and gen.cache is not None and caches.padded_prefill
+            and caches.mergeable(gen.cache))
 
 
-def prefill_together(model: nn.Module, rows: list[tuple[Generation, list[int]]]) -> list[Exception | None]:
+def prefill_together(model: nn.Module, caches: CacheOps,
+                     rows: list[tuple[Generation, list[int]]]) -> list[Exception | None]:
     """Feed each generation its next prefill tokens (`Generation.prefill_input`) in one model call,
     as mlx-lm's `BatchGenerator` prefills: the rows' caches merged (left-padded to a common
     length), the inputs right-padded to the longest, the padding moved to the left after the call
@@ -64,7 +56,7 @@ def prefill_together(model: nn.Module, rows: list[tuple[Generation, list[int]]])
     A row whose tokens end its prompt gets the logits of its last token (all rows of the call
     should then be one token long: the logits are only computed when some row reads them).
     Returns each row's failure (its sampling raised) or None; a failing model call raises."""
-    cache = _merge_caches([gen.cache for gen, _ in rows])
+    cache = caches.merge([gen.cache for gen, _ in rows])
     lengths = [len(tokens) for _, tokens in rows]
     width = max(lengths)
     padding = [width - n for n in lengths]
@@ -81,7 +73,7 @@ def prefill_together(model: nn.Module, rows: list[tuple[Generation, list[int]]])
     for i, (gen, tokens) in enumerate(rows):
         ends = len(gen.fed) + len(tokens) == len(gen.prompt.tokens)
         try:
-            gen.prefilled(tokens, [layer.extract(i) for layer in cache],
+            gen.prefilled(tokens, caches.extract(cache, i),
                           logits[i : i + 1, lengths[i] - 1, :] if ends else None)
             failures.append(None)
         except Exception as exc:  # isolated to this row; the scheduler fails that request
@@ -89,7 +81,7 @@ def prefill_together(model: nn.Module, rows: list[tuple[Generation, list[int]]])
     return failures
 
 
-def kv_footprint(model: nn.Module) -> KVFootprint:
+def kv_footprint(model: nn.Module, caches: CacheOps) -> KVFootprint:
     """Measure the footprint by running one token through a fresh cache."""
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([[0]]), cache=cache))
@@ -100,21 +92,15 @@ def kv_footprint(model: nn.Module) -> KVFootprint:
             per_token += layer.nbytes / keys.shape[2]
         else:
             fixed += layer.nbytes
-    return KVFootprint(per_token, fixed, can_batch(cache))
-
-
-def _edit(cache: list[Any], name: str, local: Any, *args: Any) -> Any:
-    """`local(*args)`, or for a sharded model's cache its method `name`, which makes the same edit
-    on every rank (engine/distributed/sharded.py)."""
-    mirrored = getattr(cache, name, None)
-    return mirrored(*args) if mirrored is not None else local(*args)
+    return KVFootprint(per_token, fixed, caches.mergeable(cache))
 
 
 class DecodeBatch:
     """The generations decoding together on one model, in row order."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, caches: CacheOps):
         self.model = model
+        self.caches = caches
         self.rows: list[Generation] = []
         self.cache: list[Any] = []
         self._stores: dict[int, PrefixStore | None] = {}
@@ -129,13 +115,12 @@ class DecodeBatch:
         return len(self.rows)
 
     def join(self, gens: list[Generation]) -> None:
-        """Move the caches of `gens` into the batch as new last rows (merged in one edit unless
-        the model is sharded, whose edits are mirrored one cache at a time)."""
-        if len(gens) > 1 and not any(_mirrored(g.cache) for g in gens):
-            self._append(_merge_caches([g.cache for g in gens]))
+        """Move the caches of `gens` into the batch as new last rows."""
+        merged = self.caches.merge([g.cache for g in gens])
+        if self.cache:
+            self.caches.extend(self.cache, merged)
         else:
-            for gen in gens:
-                self._append(_edit(gen.cache, "batch_merged", lambda: _merge_caches([gen.cache])))
+            self.cache = merged
         for gen in gens:
             # The batch holds this request's keys and values now; its own copy is released. While
             # it is a row the scheduler never steps it alone, so nothing reads `gen.cache`, and its
@@ -144,13 +129,6 @@ class DecodeBatch:
             self._stores[id(gen)] = gen.prefix_cache
             gen.prefix_cache = None
             self.rows.append(gen)
-
-    def _append(self, merged: list[Any]) -> None:
-        if self.cache:
-            _edit(self.cache, "batch_extend", lambda row: [b.extend(r) for b, r in zip(self.cache, row)],
-                  merged)
-        else:
-            self.cache = merged
 
     def leave(self, gens: list[Generation]) -> None:
         """Hand each of `gens` its row of the cache back and drop their rows from the batch in one
@@ -165,15 +143,14 @@ class DecodeBatch:
             if gen.done and not saves:
                 gen.cache = []
             else:
-                gen.cache = _edit(self.cache, "batch_extracted",
-                                  lambda i: [c.extract(i) for c in self.cache], i)
+                gen.cache = self.caches.extract(self.cache, i)
             gen.prefix_cache = store
             if gen.done and saves:
                 store.save(list(gen.fed), gen.cache)  # the save its finish skipped
         keep = [j for j, g in enumerate(self.rows) if id(g) not in leaving]
         self.rows = [self.rows[j] for j in keep]
         if self.rows:
-            _edit(self.cache, "batch_filter", lambda k: [c.filter(mx.array(k)) for c in self.cache], keep)
+            self.caches.filter(self.cache, keep)
         else:
             self.cache, self._sampled, self._sampled_rows = [], None, []
 

@@ -11,10 +11,6 @@ admitted requests may grow to); requests that decode at the same time share one 
 step (engine/scheduling/batch.py).
 """
 
-import asyncio
-import concurrent.futures
-import dataclasses
-import gc
 import itertools
 import logging
 import queue
@@ -22,25 +18,27 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
 
-import mlx.core as mx
-
-from .batch import DecodeBatch, KVFootprint, can_prefill_together, kv_footprint, prefill_together
-from ..decoding.drafts import (DraftChoice, SpeculativeOptions, SpeculatorFactory, check_draft,
-                               draft_choices, draft_identity, load_draft)
+from .batch import DecodeBatch, can_prefill_together, prefill_together
+from ..decoding.drafts import SpeculativeOptions, SpeculatorFactory, check_draft
 from ..device import memory_budget as device_memory_budget
 from ..errors import EngineError, InvalidRequest, Overloaded
-from ..events import FINAL_STATES, Event, FinishReason, RequestState, Timings, Usage
+from ..events import FINAL_STATES, Event, FinishReason, RequestState, Timings
 from ..decoding.generate import Generation, build_prompt
-from ..loading.memory import weight_files_bytes
-from ..loading.registry import LoadedModel, ModelInfo, capabilities, list_models, load_model
-from ..decoding.defaults import ModelDefaults, resolve_defaults
+from ..loading.registry import LoadedModel, ModelInfo, load_model
+from ..decoding.defaults import ModelDefaults
 from ..decoding.sampling import SamplingParams
 from ..decoding.tools import ToolRequest
+from .draft_loader import DraftLoader
+from .embeddings import EmbeddingHandle, EmbeddingInput, EmbeddingQueue
 from .keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
+from .requests import RequestHandle
+from .slot import ModelDescription, ModelSlot
+
+if TYPE_CHECKING:
+    from ..cache.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -57,19 +55,6 @@ PREFILL_CHUNKS_IDLE = 4
 # most ADMIT_WAIT_S, so that the burst prefills in shared calls and decodes as one batch.
 ADMIT_QUIET_S = 5e-4
 ADMIT_WAIT_S = 5e-3
-PERSIST_BYTES = 512 * 2**20  # prefix-cache snapshots written to disk at shutdown
-
-
-@dataclass(frozen=True)
-class ModelDescription:
-    """The loaded model as callers see it: what it is and which drafts it can speculate with."""
-
-    name: str
-    family: str  # the config's model_type, e.g. "llama", "qwen3_5"
-    context_length: int
-    drafts: tuple[DraftChoice, ...]
-    defaults: ModelDefaults  # each sampling option's default for this model, with its source
-    capabilities: tuple[str, ...] = ("completion",)  # engine.loading.registry.CAPABILITIES
 
 
 @dataclass(frozen=True)
@@ -85,99 +70,13 @@ class EngineStatus:
     memory_budget: int
     reserved_bytes: int  # model-cache memory reserved by the admitted requests
     resident: bool = False  # the model's weights are in memory (not unloaded after an idle time)
-
-
-@dataclass(eq=False)
-class RequestHandle:
-    """A submitted request: its state, timestamps and events, readable from any thread."""
-
-    id: str
-    generation: Generation | None  # None while its draft loads
-    kv_bytes: int = 0  # estimated model-cache memory at full length, reserved while admitted
-    state: RequestState = "queued"
-    times: dict[str, float] = field(default_factory=dict)  # queued, started, first_token, last_token, ended
-    transitions: list[tuple[RequestState, float]] = field(default_factory=list)
-    error: str | None = None
-    finish_reason: FinishReason | None = None
-    cancel_requested: bool = False
-    keep_alive: float | None = None  # seconds the model stays loaded after this request (None: the engine's)
-    # SimpleQueue: a put is one C call (no Python lock and condition per token on the scheduler
-    # thread, whose time per token a small model's step waits for)
-    _events: "queue.SimpleQueue[Event]" = field(default_factory=queue.SimpleQueue)
-    _loop: asyncio.AbstractEventLoop | None = None
-    _wakeup: asyncio.Event = field(default_factory=asyncio.Event)
-    _on_cancel: Callable[["RequestHandle"], None] | None = None
-    _accepted: "concurrent.futures.Future[None]" = field(default_factory=concurrent.futures.Future)
-
-    def cancel(self) -> None:
-        """Stop the request at its next step (or before it starts); safe from any thread."""
-        self.cancel_requested = True
-        if self.generation is not None:
-            self.generation.cancel()
-        if self._on_cancel is not None:
-            self._on_cancel(self)
-
-    @property
-    def usage(self) -> Usage:
-        return self.generation.usage() if self.generation is not None else Usage()
-
-    def wait_accepted(self, timeout: float | None = None) -> None:
-        """Block until the request is queued (its draft loaded); raises the EngineError that
-        refused it instead (e.g. a draft that cannot load), as `submit` would have."""
-        self._accepted.result(timeout)
-
-    async def accepted(self) -> None:
-        """`wait_accepted` for an event loop."""
-        await asyncio.wrap_future(self._accepted)
-
-    def _enter(self, state: RequestState) -> None:
-        now = time.time()
-        self.state = state
-        self.transitions.append((state, now))
-        if state in FINAL_STATES:
-            self.times["ended"] = now
-        elif state in ("loading_draft", "queued"):
-            self.times.setdefault("queued", now)  # submitted
-        elif state == "prefill":
-            self.times["started"] = now
-        # decoding starts with the first token, timed as first_token
-
-    def _publish(self, event: Event) -> None:
-        self._events.put(event)
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._wakeup.set)
-
-    def events(self, timeout: float | None = None) -> Iterator[Event]:
-        """Blocking iterator for threads (CLI, tests); ends after the `done` event."""
-        while True:
-            event = self._events.get(timeout=timeout)
-            yield event
-            if event.kind == "done":
-                return
-
-    async def stream(self) -> AsyncIterator[Event]:
-        """Async iterator for an event loop; leaving it early (client gone) cancels the request.
-        The loop that streams is the one woken, whichever thread submitted the request (a long
-        prompt is tokenised in a worker thread, which has no loop)."""
-        finished = False
-        self._loop = asyncio.get_running_loop()
-        try:
-            while True:
-                self._wakeup.clear()
-                while not self._events.empty():
-                    event = self._events.get_nowait()
-                    yield event
-                    if event.kind == "done":
-                        finished = True
-                        return
-                await self._wakeup.wait()
-        finally:
-            if not finished:
-                self.cancel()
+    embedding_models: tuple[str, ...] = ()  # dedicated embedding models loaded beside it
 
 
 class Engine:
-    """Owns one loaded model and runs every request on a single scheduler thread.
+    """Runs every request on a single scheduler thread, on the model its `ModelSlot` holds
+    (engine/scheduling/slot.py); drafts for speculative requests load on their own thread
+    (engine/scheduling/draft_loader.py).
 
     Each scheduler tick prefills up to a budget of prompt tokens (oldest request first, short
     prompts that wait together in shared model calls; see PREFILL_CHUNKS_*), runs the solo steps
@@ -198,43 +97,30 @@ class Engine:
         self.keep_alive = keep_alive_seconds(keep_alive)
         self.max_running = max_running
         self.max_queued = max_queued
-        self.fallback_to_default = fallback_to_default
-        self.use_prefix_cache = prefix_cache
-        self.persist_prefix_cache = persist_prefix_cache
         self.batching = batching
         self.speculation = speculation  # off for a sharded model (engine/distributed/)
         # One budget for the model caches of admitted requests and the prefix cache's snapshots:
         # the prefix cache may hold what the admitted requests do not reserve.
         self.memory_budget = memory_budget if memory_budget is not None else device_memory_budget()
         self._reserved = 0  # bytes reserved by admitted requests (changed under the lock)
-        self._load = load
-        self.lm: LoadedModel | None = None
-        self.prefix_cache = None
-        self._footprint = KVFootprint(0, 0, False)
-        self._batch: DecodeBatch | None = None
+        self.drafts = DraftLoader(current=lambda: self.lm)
+        self.slot = ModelSlot(load, fallback_to_default=fallback_to_default,
+                              prefix_cache=prefix_cache, persist_prefix_cache=persist_prefix_cache,
+                              cache_budget=lambda: self.memory_budget - self._reserved,
+                              on_release=self.drafts.clear)
+        self.slot.touch(self.keep_alive)
         self._queued: deque[RequestHandle] = deque()
         self._running: list[RequestHandle] = []
         self._preparing: list[RequestHandle] = []  # loading_draft
         # SimpleQueues: the scheduler checks both every tick, and their `empty` is one C call
         self._control: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
-        self._soon: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()  # between ticks: drafts
-        # The resident draft (at most one), by identity, and the spellings known to name it;
-        # changed under the lock by the loader thread and on model changes.
-        self._drafts: dict[str, tuple[LoadedModel, SpeculatorFactory]] = {}
-        self._draft_spellings: dict[str, str] = {}
-        self._draft_jobs: "queue.Queue[Callable[[], None] | None]" = queue.Queue()
-        self._draft_loader: threading.Thread | None = None
+        self._soon: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()  # between ticks: drafts, embeddings
+        self._embeddings = EmbeddingQueue(self)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._described: ModelDescription | None = None
-        self._loaded_name: str | None = None  # as passed to `load`, for reloading after an unload
-        self._opened: dict[str, ModelInfo] = {}  # models loaded from a path, by display name
-        self._resident = False
-        self._idle_since = time.monotonic()
-        self._idle_keep: float | None = self.keep_alive
         self._halted: str | None = None  # why the engine stopped serving for good (see `halt`)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -246,10 +132,8 @@ class Engine:
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, name="mlxchat-scheduler", daemon=True)
         self._thread.start()
-        self._draft_loader = threading.Thread(target=self._load_drafts, name="mlxchat-drafts",
-                                              daemon=True)
-        self._draft_loader.start()
-        self._call(lambda: self._install(self.requested_model, progress))
+        self.drafts.start()
+        self._call(lambda: self.slot.install(self.requested_model, progress, self.keep_alive))
         return self
 
     def stop(self) -> None:
@@ -262,10 +146,9 @@ class Engine:
         if self._thread is not None:
             # a halted engine's thread may be blocked for good (see `halt`)
             self._thread.join(timeout=1 if self._halted else 30)
-        self._draft_jobs.put(None)
-        if self.prefix_cache is not None and self.persist_prefix_cache:
-            # so that reopening the app continues long conversations without re-prefill
-            self.prefix_cache.persist(max_bytes=PERSIST_BYTES)
+        self.drafts.stop()
+        self._embeddings.close()
+        self.slot.persist()  # so that reopening the app continues long conversations without re-prefill
 
     def halt(self, reason: str) -> None:
         """Fail every admitted request with `reason` and refuse new ones (EngineError) from now
@@ -276,6 +159,7 @@ class Engine:
             if self._halted is not None:
                 return
             self._halted = reason
+            self._embeddings.fail(reason)
             handles = self._preparing + list(self._queued) + self._running
             self._preparing, self._running = [], []
             self._queued.clear()
@@ -290,13 +174,22 @@ class Engine:
         return self._halted
 
     @property
+    def lm(self) -> LoadedModel | None:
+        return self.slot.lm
+
+    @property
+    def prefix_cache(self) -> "PrefixCache | None":
+        """The current model's prefix cache (None while its weights are unloaded, or when off)."""
+        return self.slot.prefix_cache
+
+    @property
     def model_name(self) -> str | None:
         return self.lm.name if self.lm else None
 
     @property
     def model(self) -> ModelDescription | None:
         """The current model (also while unloaded after an idle time), or None while none is."""
-        return self._described if self.lm is not None else None
+        return self.slot.described if self.lm is not None else None
 
     @property
     def defaults(self) -> ModelDefaults | None:
@@ -315,25 +208,22 @@ class Engine:
     def list_models(self) -> list[ModelInfo]:
         """The local models (bundled, downloaded), then those this engine loaded from a folder or
         GGUF path: any of them can be named to `switch_model`."""
-        found = {m.name: m for m in list_models()}
-        for m in self._opened.values():
-            found.setdefault(m.name, m)
-        if self.lm is not None:  # always listed, however it was loaded
-            found.setdefault(self.lm.name, ModelInfo(self.lm.name, "folder", str(self.lm.path), None))
-        return list(found.values())
+        return self.slot.list_models()
 
     def status(self) -> EngineStatus:
         with self._lock:
+            batch = self.slot.batch
             return EngineStatus(
                 model=self.model_name, running=len(self._running), queued=len(self._queued),
                 loading_drafts=len(self._preparing),
-                batch_rows=len(self._batch) if self._batch is not None else 0,
-                drafts=tuple(self._drafts), memory_budget=self.memory_budget,
-                reserved_bytes=self._reserved, resident=self._resident)
+                batch_rows=len(batch) if batch is not None else 0,
+                drafts=self.drafts.identities(), memory_budget=self.memory_budget,
+                reserved_bytes=self._reserved, resident=self.slot.resident,
+                embedding_models=tuple(self._embeddings.resident_models()))
 
     def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         """The model-cache memory a plain request of this size reserves while admitted."""
-        return self._footprint.bytes_for(prompt_tokens + max_tokens)
+        return self.slot.footprint.bytes_for(prompt_tokens + max_tokens)
 
     def _admitted(self) -> list[RequestHandle]:
         with self._lock:
@@ -345,101 +235,25 @@ class Engine:
         requests end (or are cancelled, if asked); meanwhile new requests are refused with
         Overloaded. A model that cannot load raises ModelLoadError with the previous model
         loaded again."""
-        opened = self._opened.get(name)
-        name = opened.path if opened is not None and opened.path else name
+        name = self.slot.path_of(name)
         if cancel_running:
             for h in self._admitted():  # outside the lock: cancelling a queued request takes it
                 h.cancel()
-        self._call(lambda: self._install(name, progress))
-
-    def _install(self, name: str | None, progress: Callable[[str], None] | None) -> None:
-        """Runs on the scheduler thread with no request running."""
-        report = progress or (lambda stage: None)
-        report("loading")
-        previous = self._loaded_name if self.lm is not None else _NONE
-        old, self.lm, self.prefix_cache, self._batch = self.lm, None, None, None
-        with self._lock:  # the loader keeps a draft only while its model is self.lm
-            self._drafts.clear()
-            self._draft_spellings.clear()
-        del old
-        mx.clear_cache()
-        self._described, self._resident = None, False
-        try:
-            loaded = self._load(name, fallback_to_default=self.fallback_to_default)
-        except EngineError:
-            if previous is not _NONE:  # keep serving the model that was loaded, then say why
-                log.warning("could not load %s; reloading %s", name, previous)
-                self._install(previous, None)  # type: ignore[arg-type]
-            raise
-        # Our own record of it: an idle unload empties its `model`, never the caller's object.
-        self.lm = dataclasses.replace(loaded)
-        self._loaded_name = name
-        if name and Path(name).expanduser().exists():
-            path = Path(name).expanduser()
-            self._opened[self.lm.name] = ModelInfo(
-                self.lm.name, "gguf" if path.is_file() else "folder", str(path),
-                weight_files_bytes([path] if path.is_file() else path.glob("*")))
-        self._footprint = kv_footprint(self.lm.model)
-        self._make_resident_parts()
-        lm = self.lm
-        self._described = ModelDescription(
-            name=lm.name, family=lm.family, context_length=lm.context_length,
-            drafts=draft_choices(lm), defaults=resolve_defaults(lm.name, lm.path, lm.family),
-            capabilities=capabilities(lm))
-        self._touch(self.keep_alive)
-        report("ready")
-
-    def _make_resident_parts(self) -> None:
-        """The decode batch and prefix cache of the model whose weights are in `self.lm`."""
-        self._batch = DecodeBatch(self.lm.model)
-        if self.use_prefix_cache:
-            from ..cache.prefix_cache import PrefixCache, default_persist_dir
-
-            persist_dir = default_persist_dir() if self.persist_prefix_cache else None
-            self.prefix_cache = PrefixCache(self.lm, persist_dir=persist_dir,
-                                            budget_bytes=lambda: self.memory_budget - self._reserved)
-        self._resident = True
+        self._call(lambda: self.slot.install(name, progress, self.keep_alive))
 
     # -- idle unload -----------------------------------------------------------------------------
-    def _touch(self, keep_alive: float | None) -> None:
-        """The model was just used: it stays loaded `keep_alive` seconds from now (None: always)."""
-        self._idle_since = time.monotonic()
-        self._idle_keep = keep_alive
-
     def _until_unload(self) -> float | None:
         """Under the lock, with nothing queued or running: seconds until the idle model should be
-        unloaded (<= 0: now), or None when it stays."""
-        if not self._resident or self._idle_keep is None or self._preparing or self._stopping:
+        unloaded (<= 0: now), or None when it stays (also while drafts load or the engine stops)."""
+        if self._preparing or self._stopping:
             return None
-        return self._idle_since + self._idle_keep - time.monotonic()
-
-    def _unload(self) -> None:
-        """On the scheduler thread, idle: return the weights' memory. The tokenizer, config and
-        description stay, so requests are still accepted; the persisted prefix-cache snapshots
-        are written first and found again after the reload."""
-        log.info("unloading %s after %.0f s idle", self.model_name, self._idle_keep or 0)
-        if self.prefix_cache is not None:
-            if self.persist_prefix_cache:
-                self.prefix_cache.persist(max_bytes=PERSIST_BYTES)
-            self.prefix_cache.close()
-        self.prefix_cache, self._batch = None, None
-        self._drafts.clear()
-        self._resident = False
-        assert self.lm is not None
-        self.lm.model = None  # type: ignore[assignment]
-        gc.collect()
-        mx.clear_cache()
+        return self.slot.until_unload()
 
     def _ensure_resident(self) -> None:
-        """On the scheduler thread: reload the weights of a model unloaded after an idle time,
-        and give the requests that waited for them its new prefix cache."""
-        if self._resident or self.lm is None:
+        """Reload the weights of a model unloaded after an idle time, and give the requests that
+        waited for them its new prefix cache."""
+        if not self.slot.ensure_resident():
             return
-        log.info("reloading %s", self.lm.name)
-        fresh = self._load(self._loaded_name, fallback_to_default=False)
-        self.lm.model = fresh.model
-        del fresh
-        self._make_resident_parts()
         with self._lock:
             waiting = list(self._queued) + self._running
         for handle in waiting:
@@ -474,116 +288,127 @@ class Engine:
     def submit(self, messages: Sequence[dict] | None = None, params: SamplingParams | None = None,
                *, prompt_tokens: Sequence[int] | None = None, text: str | None = None,
                speculative: SpeculativeOptions | None = None, tools: ToolRequest | None = None,
-               split_reasoning: bool = False,
-               keep_alive: float | str | None = None) -> RequestHandle:
+               split_reasoning: bool = False, keep_alive: float | str | None = None,
+               fit_max_tokens: bool = False) -> RequestHandle:
         """Validate and enqueue a request without waiting; raises InvalidRequest or Overloaded at
         once. `speculative` opts in to speculative decoding (engine/decoding/drafts.py; the default
-        is plain): a draft not loaded yet loads on the scheduler thread while the request is in
+        is plain): a draft not loaded yet loads on the loader thread while the request is in
         `loading_draft`; if it cannot load, the request ends `failed` and `accepted()` raises.
         `tools` and `split_reasoning`: see `Generation` (engine/decoding/generate.py).
         A model unloaded after an idle time is reloaded before the request runs; `keep_alive`
-        (like Ollama's) sets how long it stays loaded after this request."""
-        lm = self.lm
-        if self._halted is not None:
-            raise EngineError(self._halted)
-        if lm is None:
-            raise EngineError("no model is loaded yet")
+        (like Ollama's) sets how long it stays loaded after this request. `fit_max_tokens`:
+        lower `max_tokens` to the context the prompt leaves instead of refusing (clients such as
+        Claude Code always ask for 32,000; the prompt is tokenised once, here)."""
+        lm = self._serving()
         params = params or SamplingParams()
         prompt = build_prompt(lm, messages=messages, prompt_tokens=prompt_tokens, text=text,
                               tools=tools)
-        factory = None
-        if speculative is not None and not self.speculation:
-            raise InvalidRequest("speculative decoding is not available with a model sharded "
-                                 "over several processes: the other ranks do not mirror the "
-                                 "draft model's cache or the rollback of rejected draft tokens",
-                                 field="speculative")
-        if speculative is not None:
-            check_draft(lm, speculative.draft)
-            with self._lock:
-                entry = self._drafts.get(self._draft_spellings.get(speculative.draft, ""))
-            factory = entry[1] if entry is not None and entry[0] is lm else None
+        if fit_max_tokens and len(prompt.tokens) < lm.context_length:
+            params = params.with_(max_tokens=min(params.max_tokens,
+                                                 lm.context_length - len(prompt.tokens)))
+        factory = self._resident_draft(lm, speculative)
 
         def generation(factory: SpeculatorFactory | None) -> Generation:
             speculator = factory(speculative.config()) if factory and speculative else None
             return Generation(lm, prompt, params, prefix_cache=self.prefix_cache,
                               speculator=speculator, tools=tools, split_reasoning=split_reasoning)
 
-        ready = generation(factory) if speculative is None or factory is not None else None
         # A speculative request also grows its draft's cache: at most the target's again.
-        need = self._footprint.bytes_for(len(prompt.tokens) + params.max_tokens) * \
-            (2 if speculative is not None else 1)
+        need = self._cache_need(len(prompt.tokens), params.max_tokens,
+                                2 if speculative is not None else 1)
+        handle = RequestHandle(id=f"req-{next(self._ids)}", generation=None, kv_bytes=need,
+                               keep_alive=keep_alive_seconds(keep_alive, self.keep_alive),
+                               _on_cancel=self._cancelled)
+        if speculative is None or factory is not None:
+            handle.generation = generation(factory)
+            self._admit(handle)
+        else:
+            self._admit(handle, lambda: self.drafts.load(
+                lm, speculative.draft, cancelled=lambda: handle.cancel_requested,
+                prepare=self._ensure_resident,
+                done=lambda f, failure: self._later(
+                    lambda: self._draft_ready(handle, lm, f, failure, generation))))
+        return handle
+
+    def _serving(self) -> LoadedModel:
+        """The model new requests run on; raises EngineError when there is none."""
+        if self._halted is not None:
+            raise EngineError(self._halted)
+        if self.lm is None:
+            raise EngineError("no model is loaded yet")
+        return self.lm
+
+    def _resident_draft(self, lm: LoadedModel,
+                        speculative: SpeculativeOptions | None) -> SpeculatorFactory | None:
+        """For a speculative request, its draft's factory if the draft is resident (else None:
+        it loads while the request waits); raises InvalidRequest for a draft it cannot use."""
+        if speculative is None:
+            return None
+        if not self.speculation:
+            raise InvalidRequest("speculative decoding is not available with a model sharded "
+                                 "over several processes: the other ranks do not mirror the "
+                                 "draft model's cache or the rollback of rejected draft tokens",
+                                 field="speculative")
+        check_draft(lm, speculative.draft)
+        return self.drafts.resident(lm, speculative.draft)
+
+    def _cache_need(self, prompt_tokens: int, max_tokens: int, caches: int) -> int:
+        """The model-cache bytes a request reserves; raises InvalidRequest over the budget."""
+        need = self.slot.footprint.bytes_for(prompt_tokens + max_tokens) * caches
         if need > self.memory_budget:
             raise InvalidRequest(
                 f"this request would need about {_mib(need)} of model cache (prompt "
-                f"{len(prompt.tokens)} tokens + max_tokens {params.max_tokens}), over the memory "
+                f"{prompt_tokens} tokens + max_tokens {max_tokens}), over the memory "
                 f"budget of {_mib(self.memory_budget)}; shorten the prompt or lower max_tokens",
                 field="max_tokens", code="over_memory_budget")
-        handle = RequestHandle(id=f"req-{next(self._ids)}", generation=ready, kv_bytes=need,
-                               keep_alive=keep_alive_seconds(keep_alive, self.keep_alive),
-                               _on_cancel=self._cancelled)
+        return need
+
+    def _admit(self, handle: RequestHandle, prepare: Callable[[], None] | None = None) -> None:
+        """Admit `handle` (reserving its `kv_bytes`) or raise Overloaded. A handle with its
+        generation is queued and accepted at once; otherwise it waits in `loading_draft` while
+        `prepare()` (called under the lock) arranges for its generation."""
         with self._wake:
-            if not self._control.empty():  # accepted requests drain first, on the current model
-                raise Overloaded(f"switching models: {self.model_name} is finishing its requests",
-                                 retry_after=5.0)
-            admitted = self._preparing + list(self._running) + list(self._queued)
-            if len(admitted) >= self.max_running + self.max_queued:
-                raise Overloaded(f"server busy: {len(self._running)} requests running and "
-                                 f"{len(admitted) - len(self._running)} queued (limits "
-                                 f"{self.max_running} + {self.max_queued})", retry_after=2.0)
-            if self._reserved + need > self.memory_budget:
-                raise Overloaded(f"server busy: admitted requests reserve {_mib(self._reserved)} of "
-                                 f"the {_mib(self.memory_budget)} memory budget and this one needs "
-                                 f"{_mib(need)}", retry_after=2.0)
-            self._reserved += need
-            if ready is not None:
+            self._check_room(handle.kv_bytes)
+            self._reserved += handle.kv_bytes
+            if prepare is None:
                 handle._enter("queued")
                 self._queued.append(handle)
             else:
                 handle._enter("loading_draft")
                 self._preparing.append(handle)
-                assert speculative is not None
-                draft = speculative.draft
-                self._draft_jobs.put(lambda: self._load_draft(handle, lm, draft, generation))
+                prepare()
             self._wake.notify_all()
-        if ready is not None:
+        if prepare is None:
             handle._accepted.set_result(None)
-        return handle
 
-    def _load_drafts(self) -> None:
-        """The loader thread: load drafts one at a time, off the scheduler thread."""
-        while (job := self._draft_jobs.get()) is not None:
-            job()
+    def _check_room(self, need: int) -> None:
+        """Under the lock: raise Overloaded unless a request needing `need` bytes fits now."""
+        if not self._control.empty():  # accepted requests drain first, on the current model
+            raise Overloaded(f"switching models: {self.model_name} is finishing its requests",
+                             retry_after=5.0)
+        admitted = len(self._preparing) + len(self._running) + len(self._queued)
+        if admitted >= self.max_running + self.max_queued:
+            raise Overloaded(f"server busy: {len(self._running)} requests running and "
+                             f"{admitted - len(self._running)} queued (limits "
+                             f"{self.max_running} + {self.max_queued})", retry_after=2.0)
+        if self._reserved + need > self.memory_budget:
+            raise Overloaded(f"server busy: admitted requests reserve {_mib(self._reserved)} of "
+                             f"the {_mib(self.memory_budget)} memory budget and this one needs "
+                             f"{_mib(need)}", retry_after=2.0)
 
-    def _load_draft(self, handle: RequestHandle, lm: LoadedModel, draft: str,
-                    generation: Callable[[SpeculatorFactory], Generation]) -> None:
-        """On the loader thread: find `draft` for `lm` by its identity, loading it if it is not the
-        resident draft (which it then replaces), then let the scheduler thread queue the request,
-        or end it if that failed or it was cancelled."""
-        factory, failure = None, None
-        try:
-            if not handle.cancel_requested:
-                self._ensure_resident()
-                if self.lm is not lm:
-                    raise Overloaded(f"switching models: {lm.name} is being replaced",
-                                     retry_after=5.0)
-                identity = draft_identity(draft)
-                with self._lock:
-                    entry = self._drafts.get(identity)
-                    if entry is None or entry[0] is not lm:  # released before the next loads
-                        self._drafts.clear()
-                        self._draft_spellings.clear()
-                if entry is None or entry[0] is not lm:
-                    entry = (lm, load_draft(lm, identity))
-                with self._lock:
-                    if self.lm is lm:
-                        self._drafts = {identity: entry}
-                        self._draft_spellings = {**self._draft_spellings, draft: identity}
-                factory = entry[1]
-        except Exception as exc:  # handed to the caller through `accepted()` and the done event
-            failure = exc if isinstance(exc, EngineError) else EngineError(
-                f"{type(exc).__name__}: {exc}")
+    def embed(self, inputs: EmbeddingInput | Sequence[EmbeddingInput], *, model: str | None = None,
+              dimensions: int | None = None, truncate: bool = False, query: bool = False,
+              keep_alive: float | str | None = None) -> EmbeddingHandle:
+        """Queue an embedding request without waiting (engine/scheduling/embeddings.py): on the
+        loaded chat model (`model` None or its name) or a dedicated embedding model; raises
+        InvalidRequest or Overloaded at once. Its chunks run between scheduler ticks."""
+        return self._embeddings.submit(inputs, model=model, dimensions=dimensions,
+                                       truncate=truncate, query=query, keep_alive=keep_alive)
+
+    def _later(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the scheduler thread between ticks; safe from any thread."""
         with self._wake:
-            self._soon.put(lambda: self._draft_ready(handle, lm, factory, failure, generation))
+            self._soon.put(fn)
             self._wake.notify_all()
 
     def _draft_ready(self, handle: RequestHandle, lm: LoadedModel,
@@ -639,53 +464,68 @@ class Engine:
                       f"restart the server")
 
     def _serve(self) -> None:
+        """The loop: between ticks the drafts that loaded, then one piece of work at a time (an
+        idle unload, a control task such as a model switch, or a tick of the admitted requests)."""
         while self._halted is None:
-            while not self._soon.empty():
+            for _ in range(self._soon.qsize()):  # those posted before this tick: one chunk each
                 self._soon.get()()
-            unload, task, running = False, None, []
-            with self._wake:  # one lock section per tick: this loop runs once per token
-                # Stopping waits for the drafts being loaded: each request ends with its event.
-                while not ((self._stopping and not self._preparing) or self._queued
-                           or self._running or not self._control.empty()
-                           or not self._soon.empty()):
-                    wait_s = None if self._preparing else self._until_unload()
-                    if wait_s is not None and wait_s <= 0:
-                        unload = True
-                        break
-                    self._wake.wait(None if wait_s is None else min(wait_s, WAIT_MAX_S))
-                if not unload:
-                    if self._stopping and not self._running and not self._queued \
-                            and not self._preparing and self._soon.empty():
-                        return
-                    if not self._running and not self._queued and not self._control.empty():
-                        task = self._control.get()
-                    else:
-                        if not self._running and self._queued:
-                            self._settle()
-                        while self._queued and len(self._running) < self.max_running:
-                            handle = self._queued.popleft()
-                            handle._enter("prefill")
-                            self._running.append(handle)
-                        running = list(self._running)
-            if unload:
-                self._unload()
-                continue
-            if task is not None:
-                task()
-            elif running:
-                try:
-                    self._ensure_resident()
-                except Exception as exc:  # the weights cannot come back: these requests fail
-                    for h in running:
-                        self._advance(h, exc)
-                    continue
-                try:
-                    self._tick(running)
-                except Exception as exc:  # a tick-wide failure: its requests fail, serving goes on
-                    log.error("a scheduler tick failed", exc_info=exc)
-                    for h in running:
-                        if h.state not in FINAL_STATES:
-                            self._advance(h, exc)
+            work = self._next_work()
+            if work is _STOP:
+                return
+            if work is _UNLOAD:
+                self.slot.unload()
+            elif callable(work):
+                work()
+            elif work:
+                self._serve_tick(work)
+
+    def _next_work(self) -> "object | Callable[[], None] | list[RequestHandle]":
+        """Under the lock, once there is something to do: _STOP, _UNLOAD, a control task, or the
+        running requests (the queued ones admitted as far as `max_running` allows); [] when only
+        the drafts that loaded wait. One lock section per tick: this runs once per token."""
+        with self._wake:
+            if self._idle_wait():
+                return _UNLOAD
+            if self._stopping and not (self._running or self._queued or self._preparing) \
+                    and self._soon.empty():
+                return _STOP
+            if not self._running and not self._queued and not self._control.empty():
+                return self._control.get()
+            if not self._running and self._queued:
+                self._settle()
+            while self._queued and len(self._running) < self.max_running:
+                handle = self._queued.popleft()
+                handle._enter("prefill")
+                self._running.append(handle)
+            return list(self._running)
+
+    def _idle_wait(self) -> bool:
+        """Under the lock: wait until there is work; True when the idle model should unload."""
+        # Stopping waits for the drafts being loaded: each request ends with its event.
+        while not ((self._stopping and not self._preparing) or self._queued or self._running
+                   or not self._control.empty() or not self._soon.empty()):
+            wait_s = None if self._preparing else self._until_unload()
+            if wait_s is not None and wait_s <= 0:
+                return True
+            self._wake.wait(None if wait_s is None else min(wait_s, WAIT_MAX_S))
+        return False
+
+    def _serve_tick(self, running: list[RequestHandle]) -> None:
+        """One tick of the running requests, their weights reloaded first if they were unloaded;
+        a failure of either fails these requests and serving goes on."""
+        try:
+            self._ensure_resident()
+        except Exception as exc:  # the weights cannot come back: these requests fail
+            for h in running:
+                self._advance(h, exc)
+            return
+        try:
+            self._tick(running)
+        except Exception as exc:  # a tick-wide failure: its requests fail, serving goes on
+            log.error("a scheduler tick failed", exc_info=exc)
+            for h in running:
+                if h.state not in FINAL_STATES:
+                    self._advance(h, exc)
 
     def _settle(self) -> None:
         """Under the lock: wait while requests keep arriving (see ADMIT_QUIET_S)."""
@@ -699,11 +539,25 @@ class Engine:
                 return
 
     def _tick(self, running: list[RequestHandle]) -> None:
-        batch = self._batch
+        solo = self._regroup(running)
+        prefilling = [h for h in solo if h.generation.in_prefill and not h.cancel_requested]
+        decoding = len(prefilling) < len(running)
+        if prefilling:
+            self._prefill(prefilling, PREFILL_CHUNKS_DECODING if decoding else PREFILL_CHUNKS_IDLE)
+        for h in solo:
+            if h not in prefilling:
+                self._step(h)
+        if len(self.slot.batch):
+            self._step_batch(running)
+
+    def _regroup(self, running: list[RequestHandle]) -> list[RequestHandle]:
+        """Move the decoders that can share the batched step into the batch and the others out of
+        it; returns the requests that step alone this tick."""
+        batch = self.slot.batch
         # each request's state read once per tick (this runs for every token)
         states = [(h, h.generation.batchable, h.generation in batch) for h in running]
         # A lone decoder runs solo: its plain cache and pipelined step beat a one-row batch.
-        use_batch = self.batching and self._footprint.batchable and \
+        use_batch = self.batching and self.slot.footprint.batchable and \
             sum(ok for _, ok, _ in states) >= 2
         joining, leaving, solo = [], [], []
         for h, ok, inside in states:
@@ -718,25 +572,23 @@ class Engine:
             batch.leave(leaving)
         if joining:
             batch.join(joining)
-        prefilling = [h for h in solo if h.generation.in_prefill and not h.cancel_requested]
-        decoding = len(prefilling) < len(running)
-        if prefilling:
-            self._prefill(prefilling, PREFILL_CHUNKS_DECODING if decoding else PREFILL_CHUNKS_IDLE)
-        for h in solo:
-            if h not in prefilling:
-                self._step(h)
-        if len(batch):
-            by_gen = {id(h.generation): h for h in running}
-            try:
-                results = batch.step()
-            except Exception as exc:  # the shared model call: every row fails, the engine serves on
-                results = [(gen, exc) for gen in batch.rows]
-                self._batch = DecodeBatch(batch.model)
-            finished = [gen for gen, _ in results if gen.done and gen in self._batch]
-            if finished:
-                self._batch.leave(finished)
-            for gen, outcome in results:
-                self._advance(by_gen[id(gen)], outcome)
+        return solo
+
+    def _step_batch(self, running: list[RequestHandle]) -> None:
+        """One batched decode step; a failing shared model call fails every row, and the engine
+        serves on with a fresh batch."""
+        batch = self.slot.batch
+        by_gen = {id(h.generation): h for h in running}
+        try:
+            results = batch.step()
+        except Exception as exc:  # the shared model call: every row fails, the engine serves on
+            results = [(gen, exc) for gen in batch.rows]
+            self.slot.batch = DecodeBatch(batch.model, batch.caches)
+        finished = [gen for gen, _ in results if gen.done and gen in self.slot.batch]
+        if finished:
+            self.slot.batch.leave(finished)
+        for gen, outcome in results:
+            self._advance(by_gen[id(gen)], outcome)
 
     def _prefill(self, prefilling: list[RequestHandle], chunks: int) -> None:
         """Prefill within `chunks` prefill chunks' worth of prompt tokens, oldest prompts first:
@@ -804,7 +656,8 @@ class Engine:
         if not group:
             return
         try:
-            failures = prefill_together(self.lm.model, [(h.generation, t) for h, t in group])
+            failures = prefill_together(self.lm.model, self.lm.caches,
+                                        [(h.generation, t) for h, t in group])
             outcomes: list[list[Event] | Exception] = [f if f is not None else [] for f in failures]
         except Exception as exc:  # the shared model call: every request in it fails
             outcomes = [exc] * len(group)
@@ -842,8 +695,9 @@ class Engine:
             for event in events:
                 handle._publish(event)
             return
-        if self._batch is not None and gen in self._batch:
-            self._batch.leave([gen])
+        batch = self.slot.batch
+        if batch is not None and gen in batch:
+            batch.leave([gen])
         gen.release()
         state = {"cancelled": "cancelled", "failed": "failed"}.get(gen.finish_reason, "finished")
         with self._wake:
@@ -853,7 +707,7 @@ class Engine:
     def _end(self, handle: RequestHandle, state: RequestState, events: list[Event]) -> None:
         """Under the lock: the request leaves admission, its last events are published."""
         self._reserved -= handle.kv_bytes
-        self._touch(handle.keep_alive)
+        self.slot.touch(handle.keep_alive)
         handle.error = events[-1].error if events else None
         handle.finish_reason = events[-1].finish_reason if events else state
         handle._enter(state)
@@ -861,7 +715,7 @@ class Engine:
             handle._publish(event)
 
 
-_NONE = object()  # no model was loaded (None itself names the bundled model)
+_STOP, _UNLOAD = object(), object()  # the scheduler loop's work besides tasks and ticks
 
 
 def _mib(n: int) -> str:

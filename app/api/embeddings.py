@@ -1,0 +1,94 @@
+"""OpenAI's `POST /v1/embeddings` over the engine's embedding requests (`Engine.embed`).
+
+    {"model": "...", "input": "text" | ["text", ...] | [ids] | [[ids], ...],
+     "encoding_format": "float" | "base64", "dimensions": 256}
+
+`model` names the loaded chat model (its mean-pooled last hidden state) or a dedicated embedding
+model (Qwen3-Embedding, loaded beside the chat model), after the `--model-alias` table. `base64` is the vector's little-endian
+float32 bytes, which the openai SDK asks for by default. Extensions: `input_type` "query" puts a
+dedicated model's query instruction before each input ("document", the default, its document
+prompt); `truncate: true` cuts inputs longer than the model's context instead of refusing them;
+`keep_alive` as in chat requests. At most EMBEDDING_MAX_INPUTS inputs a request. Bad input is a
+400 naming its `param`, an unknown model a 404, a full queue a 429.
+
+An adapter on the serving core (app/api/serving.py): the body through `read_body`, the model
+through the alias table, the engine's refusals through `engine_refusal`; it answers whole (an
+embedding request does not stream).
+"""
+
+import asyncio
+import base64
+from typing import Any
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from engine import EngineError, Embeddings
+
+from .errors import ApiError, check_fields
+from .openai_request import typed
+from .serving import aliased, engine_refusal, model_loading, read_body
+
+ENCODINGS = ("float", "base64")
+INPUT_TYPES = ("query", "document")
+_FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "input_type", "truncate",
+           "keep_alive"}
+
+
+async def embed(engine: Any, inputs: Any, *, model: str | None, dimensions: int | None = None,
+                truncate: bool = False, query: bool = False,
+                keep_alive: Any = None) -> Embeddings:
+    """The vectors of `inputs`, engine refusals and failures as ApiErrors (for every API that
+    embeds: OpenAI's here, Ollama's /api/embed)."""
+    if engine.model_name is None:
+        raise model_loading()
+    try:
+        # tokenising a few thousand inputs (or naming a model not yet seen) takes a while
+        handle = await asyncio.to_thread(engine.embed, inputs, model=model, dimensions=dimensions,
+                                         truncate=truncate, query=query, keep_alive=keep_alive)
+        return await handle.wait()
+    except EngineError as exc:
+        raise engine_refusal(exc) from None
+
+
+def _encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
+    if encoding == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()
+
+
+async def embeddings(request: Request) -> Response:
+    engine = request.app.state.engine
+    try:
+        body = check_fields(await read_body(request), _FIELDS)
+        if body.get("input") is None:
+            raise ApiError(400, "'input' is required", "input", "missing_required_parameter")
+        encoding = typed(body, "encoding_format", str) or "float"
+        if encoding not in ENCODINGS:
+            raise ApiError(400, f"'encoding_format' must be one of {', '.join(ENCODINGS)}",
+                           "encoding_format", "invalid_value")
+        input_type = typed(body, "input_type", str) or "document"
+        if input_type not in INPUT_TYPES:
+            raise ApiError(400, f"'input_type' must be one of {', '.join(INPUT_TYPES)}",
+                           "input_type", "invalid_value")
+        model = typed(body, "model", str)
+        if model is not None:  # `--model-alias text-embedding-*=...` for clients' own names
+            model = aliased(getattr(request.app.state, "aliases", {}), model)
+        result = await embed(engine, body["input"], model=model,
+                             dimensions=typed(body, "dimensions", int),
+                             truncate=bool(typed(body, "truncate", bool)),
+                             query=input_type == "query", keep_alive=body.get("keep_alive"))
+    except ApiError as err:
+        return err.response()
+    return JSONResponse({
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": _encoded(v, encoding)}
+                 for i, v in enumerate(result.vectors)],
+        "model": result.model,
+        "usage": {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens},
+    })
+
+
+routes = [Route("/v1/embeddings", embeddings, methods=["POST"])]

@@ -1,0 +1,412 @@
+"""Embedding requests, scheduled beside chat on the engine's one scheduler thread.
+
+`Engine.embed` (service.py) hands a request to `EmbeddingQueue.submit`, which validates it at
+once in the caller's thread (InvalidRequest for bad input, Overloaded past MAX_PENDING requests)
+and queues it. The scheduler thread then runs one chunk (at most CHUNK_TOKENS padded tokens, one
+model call) between two of its ticks, so a running chat stream waits at most one chunk for its
+next token; requests run in arrival order.
+
+The model: the loaded chat model (mean pooling, engine/decoding/embeddings.py) when the request
+names it or no model, or a dedicated embedding model (Qwen3-Embedding) named by the request. A
+dedicated model loads on a loader thread when the queue reaches its first request, its weight
+files count in the engine's one memory budget while it is loaded (at most one at a time), and it
+is unloaded after its keep-alive like a chat model.
+"""
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence, Union
+
+import numpy as np
+
+from ..decoding.embeddings import embed_batch
+from ..loading.embedding_recipe import EmbeddingRecipe, embedding_recipe
+from ..errors import EngineError, InvalidRequest, ModelLoadError, Overloaded
+from ..loading.memory import weight_files_bytes
+from ..loading.registry import LoadedModel, context_length, load_model, resolve
+from .keep_alive import keep_alive_seconds
+
+if TYPE_CHECKING:
+    from .service import Engine
+
+log = logging.getLogger(__name__)
+
+MAX_INPUTS = 2048  # inputs in one request (OpenAI's own limit)
+MAX_PENDING = 8  # embedding requests admitted at once; past it, Overloaded (HTTP 429)
+CHUNK_TOKENS = 2048  # padded tokens in one model call (one chunk between two scheduler ticks)
+CHUNK_ROWS = 64  # inputs in one model call
+
+# An input: a string, or token ids.
+EmbeddingInput = Union[str, Sequence[int]]
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """A request's answer: one unit vector per input, in input order."""
+
+    vectors: np.ndarray  # float32, shape (inputs, dimensions)
+    prompt_tokens: int
+    model: str
+
+
+@dataclass(eq=False)
+class EmbeddingHandle:
+    """A submitted embedding request; its result is readable from any thread or loop."""
+
+    id: str
+    _future: "concurrent.futures.Future[Embeddings]" = field(default_factory=concurrent.futures.Future)
+
+    def result(self, timeout: float | None = None) -> Embeddings:
+        """Block for the vectors; raises the EngineError that failed the request."""
+        return self._future.result(timeout)
+
+    async def wait(self) -> Embeddings:
+        return await asyncio.wrap_future(self._future)
+
+
+@dataclass(eq=False)
+class _Model:
+    """A model embeddings run on: the chat model (`chat`) or a dedicated one, with what
+    validating a request needs (tokenizer, vocabulary, context) known before it loads."""
+
+    name: str
+    folder: Path
+    recipe: EmbeddingRecipe
+    tokenizer: Any
+    vocab_size: int
+    context_length: int
+    hidden_size: int
+    chat: LoadedModel | None = None  # the engine's chat model this runs on
+    loaded: LoadedModel | None = None  # a dedicated model's weights, while resident
+    weight_bytes: int = 0
+    idle_since: float = 0.0
+    keep_alive: float | None = None
+
+
+@dataclass(eq=False)
+class _Job:
+    handle: EmbeddingHandle
+    model: _Model
+    rows: list[list[int]]
+    dimensions: int | None
+    keep_alive: float | None
+    order: list[int] = field(default_factory=list)  # rows by length: less padding per chunk
+    done: int = 0  # rows of `order` embedded
+    vectors: np.ndarray | None = None
+
+
+def _text_config(config: dict) -> dict:
+    return config.get("text_config", config)
+
+
+class EmbeddingQueue:
+    """The engine's embedding requests and dedicated embedding models (see the module's doc)."""
+
+    def __init__(self, engine: "Engine"):
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._jobs: deque[_Job] = deque()
+        self._dedicated: dict[Path, _Model] = {}  # by folder, once named by a request
+        self._loading: _Model | None = None
+        self._posted = False  # a chunk is waiting on the scheduler thread
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlxchat-embed-load")
+        self._ids = 0
+        self._timer: threading.Timer | None = None  # the next keep-alive check
+
+    # -- any thread ------------------------------------------------------------------------------
+    def submit(self, inputs: EmbeddingInput | Sequence[EmbeddingInput], *, model: str | None = None,
+               dimensions: int | None = None, truncate: bool = False, query: bool = False,
+               keep_alive: float | str | None = None) -> EmbeddingHandle:
+        """Validate and queue; raises InvalidRequest (with `field`) or Overloaded at once.
+        `inputs`: a string, token ids, or a list of either. `truncate`: cut inputs longer than
+        the model's context instead of refusing them. `query`: prefix the model's query prompt
+        (a dedicated model's search-query instruction), else its document prompt."""
+        target = self._target(model)
+        rows = self._tokenize(target, inputs, truncate, query)
+        if dimensions is not None:
+            if isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1:
+                raise InvalidRequest("dimensions must be a positive integer", field="dimensions",
+                                     code="invalid_value")
+            if dimensions > target.hidden_size or (dimensions < target.hidden_size
+                                                   and not target.recipe.truncatable):
+                allowed = (f"1 to {target.hidden_size}" if target.recipe.truncatable
+                           else f"only {target.hidden_size} (its vectors are not trained to be "
+                                f"truncated)")
+                raise InvalidRequest(f"dimensions {dimensions} is not available for "
+                                     f"{target.name}: {allowed}", field="dimensions",
+                                     code="invalid_value")
+        keep = keep_alive_seconds(keep_alive, self._engine.keep_alive)
+        with self._lock:
+            if self._engine.halted is not None:
+                raise EngineError(self._engine.halted)
+            if len(self._jobs) >= MAX_PENDING:
+                raise Overloaded(f"server busy: {len(self._jobs)} embedding requests queued "
+                                 f"(limit {MAX_PENDING})", retry_after=1.0)
+            self._ids += 1
+            handle = EmbeddingHandle(id=f"emb-{self._ids}")
+            order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+            self._jobs.append(_Job(handle, target, rows, dimensions, keep, order))
+        self._kick()
+        return handle
+
+    def fail(self, reason: str) -> None:
+        """End every queued request with `reason` (the engine halted)."""
+        with self._lock:
+            jobs, self._jobs = list(self._jobs), deque()
+        for job in jobs:
+            job.handle._future.set_exception(EngineError(reason))
+
+    def close(self) -> None:
+        """The engine stops: no more keep-alive checks; the loader thread ends."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._loader.shutdown(wait=True, cancel_futures=True)
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._jobs)
+
+    def _target(self, name: str | None) -> _Model:
+        engine = self._engine
+        lm = engine.lm
+        if lm is not None and name in (None, "", "default", lm.name):
+            return self._chat_model(lm)
+        if name in (None, "", "default"):
+            raise EngineError("no model is loaded yet")
+        try:
+            display, folder = resolve(name)
+        except ModelLoadError as exc:
+            raise InvalidRequest(str(exc), field="model", code=exc.code or "model_not_found") from exc
+        folder = folder.resolve()
+        with self._lock:
+            known = self._dedicated.get(folder)
+        if known is not None:
+            return known
+        recipe = embedding_recipe(folder)
+        if not recipe.dedicated:
+            raise InvalidRequest(f"{display} is not an embedding model (it has no "
+                                 f"sentence-transformers pooling); name an embedding model or the "
+                                 f"loaded chat model {engine.model_name!r}, which embeds by mean "
+                                 f"pooling", field="model", code="model_not_embedding")
+        from mlx_lm.utils import load_tokenizer
+
+        config = json.loads((folder / "config.json").read_text())
+        text = _text_config(config)
+        tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
+        target = _Model(display, folder, recipe, tokenizer, int(text["vocab_size"]),
+                        context_length(config), int(text["hidden_size"]),
+                        weight_bytes=weight_files_bytes(folder.glob("*")))
+        with self._lock:
+            return self._dedicated.setdefault(folder, target)
+
+    def _chat_model(self, lm: LoadedModel) -> _Model:
+        text = _text_config(lm.config)
+        return _Model(lm.name, lm.path, embedding_recipe(lm.path), lm.tokenizer,
+                      int(text["vocab_size"]), lm.context_length, int(text["hidden_size"]), chat=lm)
+
+    def _tokenize(self, target: _Model, inputs: Any, truncate: bool, query: bool) -> list[list[int]]:
+        if isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and inputs
+                                       and all(_is_id(t) for t in inputs)):
+            items = [inputs]
+        elif isinstance(inputs, (list, tuple)):
+            items = list(inputs)
+        else:
+            raise InvalidRequest("input must be a string, a list of strings, token ids or a list "
+                                 "of token-id lists", field="input", code="invalid_type")
+        if not items:
+            raise InvalidRequest("input is empty: give at least one text", field="input",
+                                 code="empty_input")
+        if len(items) > MAX_INPUTS:
+            raise InvalidRequest(f"{len(items)} inputs in one request; the maximum is {MAX_INPUTS}",
+                                 field="input", code="too_many_inputs")
+        prompt = target.recipe.prompt(query)
+        rows = []
+        for i, item in enumerate(items):
+            where = "input" if len(items) == 1 else f"input[{i}]"
+            if isinstance(item, str):
+                if not item:
+                    raise InvalidRequest(f"{where} is an empty string", field="input",
+                                         code="empty_input")
+                ids = list(target.tokenizer.encode(prompt + item))
+            elif isinstance(item, (list, tuple)) and item and all(_is_id(t) for t in item):
+                ids = list(item)
+                bad = next((t for t in ids if not 0 <= t < target.vocab_size), None)
+                if bad is not None:
+                    raise InvalidRequest(f"{where} has token id {bad}, outside {target.name}'s "
+                                         f"vocabulary of {target.vocab_size}", field="input",
+                                         code="invalid_token")
+            else:
+                raise InvalidRequest(f"{where} must be a non-empty string or a non-empty list of "
+                                     f"token ids", field="input", code="invalid_type")
+            if len(ids) > target.context_length:
+                if not truncate:
+                    raise InvalidRequest(f"{where} is {len(ids)} tokens, over {target.name}'s "
+                                         f"context of {target.context_length}; shorten it or ask "
+                                         f"for truncation", field="input",
+                                         code="context_length_exceeded")
+                ids = ids[:target.context_length]
+            rows.append(ids)
+        return rows
+
+    def _kick(self) -> None:
+        """Have the scheduler thread run the next chunk between two ticks (once posted)."""
+        with self._lock:
+            if self._posted or not self._jobs:
+                return
+            self._posted = True
+        self._engine._later(self._run_chunk)
+
+    # -- the scheduler thread -------------------------------------------------------------------
+    def _run_chunk(self) -> None:
+        """One model call for the oldest request, then post the next (one chunk per tick)."""
+        with self._lock:
+            self._posted = False
+            job = self._jobs[0] if self._jobs else None
+        if job is None:
+            return
+        try:
+            model = self._resident(job.model)
+            if model is None:  # a dedicated model loading: its loader posts the next chunk
+                return
+            self._step(job, model)
+        except Exception as exc:  # this request fails alone; the queue goes on
+            failure = exc if isinstance(exc, EngineError) else EngineError(
+                f"{type(exc).__name__}: {exc}")
+            log.error("embedding request %s failed", job.handle.id, exc_info=exc)
+            self._finish(job, failure)
+        self._kick()
+
+    def _step(self, job: _Job, model: Any) -> None:
+        picked = next_chunk(job.rows, job.order[job.done:])
+        vectors = np.array(embed_batch(model, [job.rows[i] for i in picked], job.model.recipe,
+                                       job.dimensions))
+        if job.vectors is None:
+            job.vectors = np.empty((len(job.rows), vectors.shape[1]), dtype=np.float32)
+        job.vectors[picked] = vectors
+        job.done += len(picked)
+        if job.done == len(job.rows):
+            self._finish(job, None)
+
+    def _finish(self, job: _Job, failure: Exception | None) -> None:
+        with self._lock:
+            self._jobs.remove(job)
+        target = job.model
+        if target.chat is not None:
+            with self._engine._lock:
+                self._engine.slot.touch(job.keep_alive)
+        else:
+            target.idle_since, target.keep_alive = time.monotonic(), job.keep_alive
+            if job.keep_alive is not None:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timer = threading.Timer(job.keep_alive + 0.05,
+                                              lambda: self._engine._later(self._expire))
+                self._timer.daemon = True
+                self._timer.start()
+        if failure is not None:
+            job.handle._future.set_exception(failure)
+        else:
+            assert job.vectors is not None
+            job.handle._future.set_result(Embeddings(job.vectors, sum(map(len, job.rows)),
+                                                     target.name))
+
+    def _resident(self, target: _Model) -> Any:
+        """The module to run `target` on now, or None while its weights load."""
+        engine = self._engine
+        if target.chat is not None:
+            if engine.lm is not target.chat:
+                raise Overloaded(f"switching models: {target.name} was replaced", retry_after=5.0)
+            engine._ensure_resident()
+            return engine.lm.model
+        if target.loaded is not None:
+            return target.loaded.model
+        if self._loading is None:
+            for other in list(self._dedicated.values()):  # one dedicated model at a time
+                if other.loaded is not None:
+                    self._unload(other)
+            need = target.weight_bytes
+            with engine._lock:
+                if engine._reserved + need > engine.memory_budget:
+                    raise Overloaded(f"server busy: loading {target.name} needs {need >> 20} MiB "
+                                     f"of the memory budget, {engine._reserved >> 20} of "
+                                     f"{engine.memory_budget >> 20} MiB are in use",
+                                     retry_after=2.0)
+                engine._reserved += need
+            self._loading = target
+            self._loader.submit(self._load, target)
+        return None
+
+    def _load(self, target: _Model) -> None:
+        """On the loader thread: load a dedicated model's weights, then resume the queue."""
+        try:
+            loaded: LoadedModel | Exception = load_model(str(target.folder))
+        except Exception as exc:  # every request waiting for it fails
+            loaded = exc
+        self._engine._later(lambda: self._loaded(target, loaded))
+
+    def _loaded(self, target: _Model, loaded: "LoadedModel | Exception") -> None:
+        self._loading = None
+        if isinstance(loaded, Exception):
+            with self._engine._lock:
+                self._engine._reserved -= target.weight_bytes
+            failure = loaded if isinstance(loaded, EngineError) else ModelLoadError(
+                f"cannot load {target.name}: {loaded}")
+            with self._lock:
+                waiting = [j for j in self._jobs if j.model is target]
+            for job in waiting:
+                self._finish(job, failure)
+        else:
+            log.info("embedding model %s loaded", target.name)
+            target.loaded = loaded
+            target.idle_since = time.monotonic()
+        self._kick()
+
+    def _expire(self) -> None:
+        """Unload the dedicated models idle past their keep-alive with nothing queued for them."""
+        now = time.monotonic()
+        with self._lock:
+            wanted = {id(j.model) for j in self._jobs}
+        for target in list(self._dedicated.values()):
+            if target.loaded is not None and id(target) not in wanted and \
+                    target.keep_alive is not None and now - target.idle_since >= target.keep_alive:
+                self._unload(target)
+
+    def _unload(self, target: _Model) -> None:
+        log.info("unloading embedding model %s", target.name)
+        target.loaded = None
+        with self._engine._lock:
+            self._engine._reserved -= target.weight_bytes
+        import gc
+
+        import mlx.core as mx
+
+        gc.collect()
+        mx.clear_cache()
+
+    def resident_models(self) -> list[str]:
+        """The dedicated embedding models whose weights are loaded now."""
+        return [t.name for t in list(self._dedicated.values()) if t.loaded is not None]
+
+
+def next_chunk(rows: Sequence[Sequence[int]], order: Sequence[int]) -> list[int]:
+    """The rows (indices, taken from the front of `order`) of the next model call: as many as
+    fit CHUNK_TOKENS once padded to the longest of them, at most CHUNK_ROWS, at least one."""
+    picked: list[int] = []
+    width = 0
+    for i in order:
+        width = max(width, len(rows[i]))
+        if picked and (width * (len(picked) + 1) > CHUNK_TOKENS or len(picked) >= CHUNK_ROWS):
+            break
+        picked.append(i)
+    return picked
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,102 @@
+"""Issue 24 H4 and the PDF cases of M5/LOW: hostile PDFs attached over real HTTP to a real server
+(tiny random llama) become a chip saying why they were refused, never a 500, and `/health` keeps
+answering while they are read (pypdf runs in a child process with a time budget and limits)."""
+
+import re
+import zlib
+
+import httpx
+import pytest
+
+from live_server import engine_serving
+from loop_probe import STALL_S, health_probe
+from tiny_models import tiny_llama
+
+pytestmark = pytest.mark.fast
+
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    lm = tiny_llama()
+    with engine_serving(tmp_path_factory.mktemp("pdfs"), lm) as s:
+        yield s
+
+
+def pdf_file(objects: list[bytes]) -> bytes:
+    """A PDF of `objects` (object 1 is the catalog), with a correct cross-reference table."""
+    out, offsets = bytearray(b"%PDF-1.4\n"), []
+    for i, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
+    out += b"trailer\n<</Size %d/Root 1 0 R>>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
+    return bytes(out)
+
+
+def stream(data: bytes, flate: bool = False) -> bytes:
+    if flate:
+        data = zlib.compress(data, 9)
+        return b"<</Length %d/Filter/FlateDecode>>stream\n" % len(data) + data + b"\nendstream"
+    return b"<</Length %d>>stream\n" % len(data) + data + b"\nendstream"
+
+
+FONT = b"<</Type/Font/Subtype/Type1/BaseFont/Helvetica>>"
+
+
+def page(contents: int, parent: int = 2) -> bytes:
+    return (b"<</Type/Page/Parent %d 0 R/MediaBox[0 0 300 200]/Contents %d 0 R"
+            b"/Resources<</Font<</F1 3 0 R>>>>>>" % (parent, contents))
+
+
+def shared_stream_pdf(pages: int, ops: int) -> bytes:
+    """`pages` pages drawing one shared FlateDecode content stream of `ops` text operations."""
+    content = b"BT /F1 12 Tf " + b"(word) Tj 1 0 Td " * ops + b"ET"
+    kids = b" ".join(b"%d 0 R" % (5 + i) for i in range(pages))
+    return pdf_file([b"<</Type/Catalog/Pages 2 0 R>>",
+                     b"<</Type/Pages/Kids[%s]/Count %d>>" % (kids, pages), FONT,
+                     stream(content, flate=True)] + [page(4) for _ in range(pages)])
+
+
+def deep_page_tree_pdf(depth: int) -> bytes:
+    """A page tree `depth` levels deep above its one page."""
+    nodes = [b"<</Type/Pages/Kids[%d 0 R]/Count 1>>" % (i + 1) for i in range(4, 4 + depth)]
+    # objects: 1 catalog, 2 root pages node (-> 4), 3 font, 4.. chain, then the page, then contents
+    leaf = 4 + depth
+    return pdf_file([b"<</Type/Catalog/Pages 2 0 R>>", b"<</Type/Pages/Kids[4 0 R]/Count 1>>", FONT]
+                    + nodes + [page(leaf + 1, parent=leaf - 1),
+                               stream(b"BT /F1 12 Tf (deep) Tj ET")])
+
+
+def one_page_pdf(content: bytes, flate: bool = False) -> bytes:
+    return pdf_file([b"<</Type/Catalog/Pages 2 0 R>>", b"<</Type/Pages/Kids[4 0 R]/Count 1>>", FONT,
+                     page(5), stream(content, flate)])
+
+
+CASES = {
+    "shared stream re-read per page": lambda: shared_stream_pdf(200, 20_000),
+    "page tree 2,000 deep": lambda: deep_page_tree_pdf(2000),
+    "content array 5,000 deep": lambda: one_page_pdf(b"BT /F1 12 Tf " + b"[" * 5000 + b"]" * 5000
+                                                     + b" TJ ET"),
+    "flate bomb": lambda: one_page_pdf(b"BT /F1 12 Tf (x) Tj ET " + b" " * 400_000_000, flate=True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_hostile_pdf_is_refused_in_a_chip_without_stalling_the_server(server, case):
+    raw = CASES[case]()
+    with health_probe(server.url) as probe:
+        r = httpx.post(f"{server.url}/attachments", files=[("files", ("evil.pdf", raw))], timeout=120)
+    assert r.status_code == 200, r.text
+    assert "evil.pdf" in r.text
+    assert probe.latencies and probe.worst < STALL_S, probe.worst
+    # A chip either counts the text it read or says why not; it never carries an exception page.
+    assert re.search(r"\d+ tokens|PDF|characters|pages", r.text), r.text
+
+
+def test_an_ordinary_pdf_still_reads(server):
+    r = httpx.post(f"{server.url}/attachments", timeout=60,
+                   files=[("files", ("ok.pdf", one_page_pdf(b"BT /F1 12 Tf 20 100 Td (Hello PDF) Tj ET")))])
+    assert r.status_code == 200 and "tokens" in r.text and "Hello PDF" in r.text, r.text
