@@ -12,7 +12,7 @@ from starlette.responses import HTMLResponse
 from starlette.routing import Route
 
 from .documents import NotAttachable, attachment
-from .views import parts, render
+from .ui.views import parts, render
 
 MAX_FILES = 10
 

@@ -156,30 +156,38 @@ def chat(model: str | None, device: str, system: str | None, **opts: Any) -> Non
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        reply = ""
-        try:
-            handle = engine.submit(messages, params)
-        except EngineError as exc:  # e.g. the conversation no longer fits the context
-            click.echo(f"Error: {exc}", err=True)
+        reply = _answer(engine, messages, params)
+        if reply is None:  # the turn failed: the user's line is forgotten with it
             messages.pop()
-            continue
-        try:
-            for event in handle.events():
-                reply += event.text
-                click.echo(event.text, nl=False)
-        except KeyboardInterrupt:
-            handle.cancel()
-            reply += "".join(e.text for e in handle.events())
-        click.echo()
-        if event.finish_reason == "failed":
-            click.echo(f"Error: {event.error}", err=True)
-            messages.pop()
-            continue
-        messages.append({"role": "assistant", "content": reply})
-        usage = event.usage
-        click.echo(f"[{usage.completion_tokens} tokens, reused {usage.cached_tokens} of "
-                   f"{usage.prompt_tokens} prompt tokens]", err=True)
+        else:
+            messages.append({"role": "assistant", "content": reply})
     engine.stop()
+
+
+def _answer(engine: Engine, messages: list[dict[str, str]], params: SamplingParams) -> str | None:
+    """One answer of `chat`, printed as it streams (Ctrl-C stops it) and then its usage; None
+    when the engine refused the turn or the generation failed (the error printed)."""
+    reply = ""
+    try:
+        handle = engine.submit(messages, params)
+    except EngineError as exc:  # e.g. the conversation no longer fits the context
+        click.echo(f"Error: {exc}", err=True)
+        return None
+    try:
+        for event in handle.events():
+            reply += event.text
+            click.echo(event.text, nl=False)
+    except KeyboardInterrupt:
+        handle.cancel()
+        reply += "".join(e.text for e in handle.events())
+    click.echo()
+    if event.finish_reason == "failed":
+        click.echo(f"Error: {event.error}", err=True)
+        return None
+    usage = event.usage
+    click.echo(f"[{usage.completion_tokens} tokens, reused {usage.cached_tokens} of "
+               f"{usage.prompt_tokens} prompt tokens]", err=True)
+    return reply
 
 
 @cli.command()
@@ -247,7 +255,7 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
 
     Under `mlx.launch` every rank runs this: rank 0 serves, the others hold their shard of the
     model and follow rank 0 (engine/distributed/)."""
-    from app.api_serving import parse_aliases
+    from app.api.serving import parse_aliases
     from app.server import serve as run_server
     from app.storage import DatabaseTooNew
     from engine import Cluster, select_device

@@ -15,9 +15,10 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from .chat import chat_title, preset_settings
+from .ui.settings import preset_settings
+from .ui.user_turn import chat_title
 from .storage import EXPORT_FORMAT, Storage, export_conversation, import_conversation
-from .views import conversation_of, not_found, parts, render
+from .ui.views import conversation_of, not_found, parts, render
 
 def _filename(title: str, suffix: str) -> str:
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", title).strip("-.")[:60] or "conversation"

@@ -10,7 +10,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from .security import LOGIN_PATH, LOGOUT_PATH, SESSION_COOKIE, _cookie, client_address
-from .views import read_form, render
+from .ui.views import read_form, render
 
 FAILED_LOGIN_DELAY_S = 1.0  # slows down guessing
 

@@ -28,18 +28,18 @@ from starlette.staticfiles import StaticFiles
 import static
 from engine import DEFAULT_KEEP_ALIVE_S, Cluster, Engine, data_dir, describe_device
 
-from . import (api, api_anthropic, api_completions, api_embeddings, api_ollama, api_responses, login,
-               ui)
-from .api_errors import http_error
+from . import api, attachments, exports, login, ui
+from .api.errors import http_error
 from .connections import HeaderTimeoutProtocol
 from .folder_lock import FolderBusy, FolderLock
-from .runs import Runs
+from .model_switch import ModelSwitch
 from .key_access import KeyAccess
-from .socket_limits import WS_MAX_BYTES
+from .runs import Runs
 from .security import (LOOPBACK_NAMES, ApiKeyGuard, BodyLimit, HostGuard, OriginGuard,
                        SecurityHeaders, is_loopback)
+from .socket_limits import WS_MAX_BYTES
 from .storage import Storage
-from .turns import Conversations
+from .ui.conversation_pages import Conversations
 
 STATIC_DIR = Path(static.__file__).parent
 WILDCARD_HOSTS = ("0.0.0.0", "::")
@@ -61,10 +61,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     storage.interrupt_streaming()  # answers cut off by a crash: keep their text, mark them
     access = KeyAccess(api_key)
     app = Starlette(
-        routes=[*api.routes, *api_completions.routes, *api_anthropic.routes, *api_ollama.routes,
-                *api_responses.routes, *api_embeddings.routes,
-                *login.routes,
-                *ui.routes,
+        routes=[*api.routes, *login.routes, *ui.routes, *exports.routes, *attachments.routes,
                 Mount("/static", StaticFiles(directory=STATIC_DIR))],
         exception_handlers={HTTPException: http_error},
         # The security policy, outermost first; a refusal carries no security headers.
@@ -83,7 +80,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     app.state.access = access
     app.state.runs = Runs()
     app.state.conversations = Conversations()
-    app.state.switch = ui.ModelSwitch()
+    app.state.switch = ModelSwitch()
     return app
 
 

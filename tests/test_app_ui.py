@@ -133,7 +133,7 @@ def test_a_reload_mid_answer_keeps_it_going(http, server):
 
 
 def test_an_answer_nobody_comes_back_to_stops(http, server, monkeypatch):
-    monkeypatch.setattr("app.chat_socket.RECONNECT_GRACE_S", 0.2)
+    monkeypatch.setattr("app.ui.chat_socket.RECONNECT_GRACE_S", 0.2)
     cid = new_conversation(http, max_tokens=400)
     _leave_after_the_first_token(server, cid, "Tell me a long story about a dragon.")
     for _ in range(600):

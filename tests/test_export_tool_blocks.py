@@ -4,9 +4,9 @@ reach the model as OpenAI messages again."""
 
 import pytest
 
-from app.chat import engine_messages
+from app.ui.prompt import engine_messages
 from app.storage import import_conversation
-from app.views import message_views
+from app.ui.views import message_views
 
 pytestmark = pytest.mark.fast
 

@@ -108,7 +108,7 @@ def test_oversized_body_is_refused_before_it_is_read(server):
 
 def test_a_large_body_is_parsed_and_checked_in_full(server):
     """Bodies this large are parsed in a worker thread; the answer is the same as inline."""
-    from app.api import INLINE_BODY_BYTES
+    from app.api.serving import INLINE_BODY_BYTES
 
     body = json.dumps(chat(messages=[{"role": "user", "content": "x"}] * 60000,
                            model="another-model")).encode()

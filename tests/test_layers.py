@@ -1,7 +1,12 @@
 """The import rules, read from the source: the engine's layers never import upward, the engine
-never imports the app, and the app imports nothing from the engine but its public names."""
+never imports the app, and the app imports nothing from the engine but its public names; no
+import circles inside app/ or engine/; and few functions over ruff's complexity limit."""
 
 import ast
+import graphlib
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,3 +118,103 @@ def test_the_checks_catch_what_they_look_for(tmp_path, monkeypatch):
                                 "engine/events.py:1 imports app"]
     assert app_imports() == ["app/ui.py:1 imports engine.decoding.sampling",
                              "app/ui.py:2 imports engine.lm, not public"]
+
+
+# --- no import circles ----------------------------------------------------------------------------
+
+def _module_level(tree: ast.Module) -> list[ast.stmt]:
+    """The statements that run on import: the module's body, into `if`/`try` blocks (not
+    `if TYPE_CHECKING:`), never into functions or classes."""
+    out, pending = [], list(tree.body)
+    while pending:
+        node = pending.pop(0)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        if isinstance(node, (ast.If, ast.Try)):
+            pending += node.body + node.orelse + getattr(node, "finalbody", []) + [
+                s for h in getattr(node, "handlers", []) for s in h.body]
+        out.append(node)
+    return out
+
+
+def import_graph(top: str) -> dict[str, set[str]]:
+    """Each module of package `top` (`app`, `engine`) and the modules of `top` it imports when it
+    is imported (`from pkg import name` counts as importing `pkg.name` when that is a module)."""
+    files = {}
+    for path in sorted((ROOT / top).rglob("*.py")):
+        parts = [top, *path.relative_to(ROOT / top).with_suffix("").parts]
+        is_package = parts[-1] == "__init__"
+        module = ".".join(parts[:-1] if is_package else parts)
+        files[module] = (path, module if is_package else ".".join(parts[:-1]))
+    graph: dict[str, set[str]] = {}
+    for module, (path, package) in files.items():
+        edges = graph.setdefault(module, set())
+        for node in _module_level(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in files}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                for alias in node.names:
+                    target = f"{base}.{alias.name}"
+                    edges.add(target if target in files else base)
+        edges &= set(files) - {module}
+    return graph
+
+
+def import_circle(top: str) -> list[str] | None:
+    """One import circle among `top`'s modules (the modules in order), or None."""
+    try:
+        graphlib.TopologicalSorter(import_graph(top)).prepare()
+    except graphlib.CycleError as exc:
+        return exc.args[1]
+    return None
+
+
+@pytest.mark.parametrize("top", ["app", "engine"])
+def test_no_import_circles(top):
+    assert import_circle(top) is None
+
+
+def test_the_circle_check_finds_a_circle(tmp_path, monkeypatch):
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    (tmp_path / "app" / "ui").mkdir(parents=True)
+    (tmp_path / "app" / "__init__.py").write_text("")
+    (tmp_path / "app" / "ui" / "__init__.py").write_text("from . import views\n")
+    (tmp_path / "app" / "ui" / "views.py").write_text("def f():\n    from .picker import x\n")
+    (tmp_path / "app" / "ui" / "picker.py").write_text("import json\nfrom .views import f\n")
+    assert import_circle("app") is None  # an import inside a function runs later
+    (tmp_path / "app" / "ui" / "views.py").write_text("from app.ui import picker\n")
+    assert sorted(set(import_circle("app"))) == ["app.ui.picker", "app.ui.views"]
+
+
+# --- complexity -----------------------------------------------------------------------------------
+
+# Functions over ruff's C901 limit (max-complexity 10) allowed in engine/ and app/ together.
+MAX_COMPLEX_FUNCTIONS = 4
+
+
+def complex_functions(*folders: str) -> list[str]:
+    """`path:line name (complexity)` for each function over the C901 limit, as ruff finds them."""
+    run = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "C901", "--config",
+                          "lint.mccabe.max-complexity=10", "--output-format", "json", "--no-cache",
+                          "--exit-zero", *folders], cwd=ROOT, capture_output=True, text=True,
+                         check=True)
+    return [f"{Path(f['filename']).relative_to(ROOT)}:{f['location']['row']} {f['message']}"
+            for f in json.loads(run.stdout)]
+
+
+def test_few_functions_are_too_complex():
+    found = complex_functions("engine", "app")
+    assert len(found) <= MAX_COMPLEX_FUNCTIONS, "\n".join(found)
+
+
+def test_the_complexity_check_counts_what_ruff_finds(tmp_path, monkeypatch):
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    (tmp_path / "app").mkdir()
+    branches = "".join(f"    if x == {i}:\n        return {i}\n" for i in range(11))
+    (tmp_path / "app" / "a.py").write_text(f"def tangled(x):\n{branches}    return -1\n"
+                                          "def plain(x):\n    return x\n")
+    assert complex_functions("app") == ["app/a.py:1 `tangled` is too complex (12 > 10)"]

@@ -4,8 +4,9 @@ API's accepted fields, the CLI's flags and the settings form all follow it."""
 import pytest
 from click.testing import CliRunner
 
-from app.api import ApiError, parse_chat_request
-from app.chat import SAMPLING_FIELDS, parse_settings_form, sampling_params
+from app.api.chat import parse_chat_request
+from app.api.errors import ApiError
+from app.ui.settings import SAMPLING_FIELDS, parse_settings_form, sampling_params
 from app.cli import cli
 from engine import SAMPLING_OPTIONS, InvalidRequest, SamplingParams
 

@@ -7,7 +7,7 @@ import httpx
 from websockets.sync.client import ClientConnection, connect
 
 from app.storage import Storage
-from app.chat_socket import SAVE_EVERY_S
+from app.ui.chat_turn import SAVE_EVERY_S
 from live_server import ServerProcess
 
 PROMPT = "Write a very long story about a dragon who learns to cook."

@@ -3,57 +3,19 @@ one, with progress sent as server-sent events."""
 
 import asyncio
 import threading
-import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine import (DownloadCancelled, DownloadProgress, Engine, EngineError, list_models,
+from engine import (DownloadCancelled, DownloadProgress, EngineError, list_models,
                     pull_model, remove_model)
 
-from .sse import sse
-from .views import models_context, read_form, render
-
-@dataclass
-class ModelSwitch:
-    """The one model load that may be in progress, shown in the model picker."""
-
-    name: str | None = None
-    stage: str = ""
-    started: float = 0.0
-    error: str | None = None
-    task: asyncio.Task | None = None
-
-    @property
-    def loading(self) -> bool:
-        return self.task is not None and not self.task.done()
-
-    def describe(self) -> str:
-        return f"{self.stage.capitalize() or 'Loading'} {self.name}… {time.time() - self.started:.0f} s"
-
-
-def begin_switch(switch: ModelSwitch, engine: Engine, name: str) -> asyncio.Task:
-    """Start loading `name` as the picker's one model load; the task's result is the
-    EngineError that stopped it (also kept in `switch.error`), or None once loaded."""
-    switch.name, switch.stage, switch.started, switch.error = name, "", time.time(), None
-
-    def progress(stage: str) -> None:
-        switch.stage = stage
-
-    async def load() -> EngineError | None:
-        try:
-            await asyncio.to_thread(engine.switch_model, name, progress=progress)
-        except EngineError as exc:
-            switch.error = f"Could not load {name}: {exc}"
-            return exc
-        return None
-
-    switch.task = asyncio.create_task(load())
-    return switch.task
-
+from ..model_switch import ModelSwitch, begin_switch
+from ..sse import sse
+from .views import read_form, render
 
 async def switch_model(request: Request) -> Response:
     engine = request.app.state.engine
@@ -70,10 +32,15 @@ async def switch_model(request: Request) -> Response:
 async def model_progress(request: Request) -> Response:
     """Server-sent events while a model loads: `progress` text, then `done` with the new picker."""
     switch: ModelSwitch = request.app.state.switch
+    return _progress(request, lambda: switch.loading, switch.describe)
 
+
+def _progress(request: Request, busy: Callable[[], bool], describe: Callable[[], str]) -> Response:
+    """Server-sent events while `busy()`: `describe()` as `progress` every half second, then
+    `done` with the picker as it is then."""
     async def events() -> AsyncIterator[str]:
-        while switch.loading:
-            yield sse(switch.describe(), "progress")
+        while busy():
+            yield sse(describe(), "progress")
             await asyncio.sleep(0.5)
         yield sse(render("_models.html", **models_context(request)), "done")
 
@@ -143,15 +110,7 @@ async def cancel_download(request: Request) -> Response:
 async def download_progress(request: Request) -> Response:
     """Server-sent events while a download runs: `progress` text, then `done` with the picker."""
     download = download_state(request)
-
-    async def events() -> AsyncIterator[str]:
-        while download.active:
-            yield sse(download.describe(), "progress")
-            await asyncio.sleep(0.5)
-        yield sse(render("_models.html", **models_context(request)), "done")
-
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return _progress(request, lambda: download.active, download.describe)
 
 
 async def delete_model(request: Request) -> Response:
@@ -172,6 +131,17 @@ async def delete_model(request: Request) -> Response:
         except EngineError as exc:
             download.error = str(exc)
     return HTMLResponse(render("_models.html", **models_context(request)))
+
+
+
+
+def models_context(request: Request) -> dict[str, Any]:
+    engine = request.app.state.engine
+    cluster = getattr(request.app.state, "cluster", None)  # a sharded model (engine/distributed/)
+    return {"models": engine.list_models(), "current_model": engine.model_name,
+            "switch": request.app.state.switch, "download": download_state(request),
+            "resident": engine.status().resident,
+            "sharded_over": cluster.health()["world_size"] if cluster else None}
 
 
 routes = [

@@ -2,14 +2,14 @@
 or `mlxchat serve --port 11434`): version, tags, show, ps, chat, generate, pull, delete.
 
 An adapter over the same engine requests as the OpenAI and Anthropic endpoints
-(app/api_serving.py): prefix reuse, cancel on disconnect, admission, constrained decoding
+(app/api/serving.py): prefix reuse, cancel on disconnect, admission, constrained decoding
 (`format`), the API key. Streams are newline-delimited JSON (`stream` defaults to true, as in
 Ollama); errors are `{"error": "..."}`.
 
 Names: Ollama clients write `name:tag`. A name matches a local model by dropping a `:latest` tag
 (and an `hf.co/` prefix), case aside; `/api/tags` lists each model as `<id>:latest`. Other names
 run on the loaded model, as on `/v1/messages` (aliases from `--model-alias` apply first).
-`/api/embed` and `/api/embeddings` run through the engine's embedding queue (app/api_embeddings.py).
+`/api/embed` and `/api/embeddings` run through the engine's embedding queue (app/api/embeddings.py).
 `prompt_eval_count` counts only the prompt tokens actually computed, so the prefix cache's reuse
 shows; durations are nanoseconds. Accepted and ignored: `options.num_ctx` (the model's own
 context is used), `template`, and `raw` on chat.
@@ -21,7 +21,7 @@ import json
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -30,12 +30,13 @@ from starlette.routing import Route
 from engine import (DownloadError, EngineError, Event, InvalidRequest, ModelInfo, effort_budget,
                     parse_pull_spec, pull_model, remove_model, tool_request)
 
-from .api import parse_messages, public_error, submit_choices
-from .api_choices import Choice, collect_choices, merged
-from .api_errors import ApiError
-from .api_models import local_models
-from .api_embeddings import embed as embed_vectors
-from .api_serving import aliased, read_body, use_named_model, watched
+from .choices import Choice
+from .embeddings import embed as embed_vectors
+from .errors import ApiError
+from .models import local_models
+from .openai_request import parse_messages
+from .serving import (aliased, finished, public_error, read_body, stream, submit,
+                      use_named_model)
 
 # The Ollama version we answer as: clients check it (codex --oss needs >= 0.13.4).
 VERSION = "0.13.5"
@@ -119,8 +120,8 @@ def _config(m: ModelInfo) -> dict[str, Any]:
         return {}
 
 
-async def show(request: Request) -> Response:
-    engine = request.app.state.engine
+async def _named(request: Request) -> tuple[str, str] | Response:
+    """(the name a show/delete body gives, the local model it names); else the error answer."""
     try:
         body = await read_body(request)
     except ApiError as exc:
@@ -129,6 +130,15 @@ async def show(request: Request) -> Response:
     found = local_id(request, name)
     if found is None:
         return _error(404, f"model '{name}' not found")
+    return name, found
+
+
+async def show(request: Request) -> Response:
+    engine = request.app.state.engine
+    named = await _named(request)
+    if isinstance(named, Response):
+        return named
+    name, found = named
     m = next(m for m in local_models(engine) if m.name == found)
     described = engine.model if found == engine.model_name else None
     config = _config(m)
@@ -145,7 +155,24 @@ async def show(request: Request) -> Response:
 
 
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
-    options = body.get("options") or {}
+    """The `SamplingParams` fields of a chat/generate body: `options`, `format`, `think`."""
+    out = _options(body.get("options") or {})
+    fmt = body.get("format")
+    if fmt == "json":
+        out["json_schema"] = {"type": "object"}
+    elif isinstance(fmt, dict):
+        out["json_schema"] = fmt
+    elif fmt not in (None, ""):
+        raise ApiError(400, "'format' must be \"json\" or a JSON schema object")
+    out.setdefault("max_tokens", 1 << 30)
+    budget = _thinking_budget(body.get("think"))
+    if budget is not None:
+        out["thinking_budget"] = budget
+    return out
+
+
+def _options(options: Any) -> dict[str, Any]:
+    """Ollama's `options` by our names (OPTIONS), with `stop`."""
     if not isinstance(options, dict):
         raise ApiError(400, "'options' must be an object")
     out: dict[str, Any] = {}
@@ -165,25 +192,21 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
             raise ApiError(400, "option 'stop' must be a string or an array of strings")
         if stop:
             out["stop"] = tuple(stop)
-    fmt = body.get("format")
-    if fmt == "json":
-        out["json_schema"] = {"type": "object"}
-    elif isinstance(fmt, dict):
-        out["json_schema"] = fmt
-    elif fmt not in (None, ""):
-        raise ApiError(400, "'format' must be \"json\" or a JSON schema object")
-    out.setdefault("max_tokens", 1 << 30)
-    think = body.get("think")
+    return out
+
+
+def _thinking_budget(think: Any) -> int | None:
+    """`think`: false answers at once, an effort sets a budget, true or absent the model's way."""
     if think is False:
-        out["thinking_budget"] = 0
-    elif isinstance(think, str):
+        return 0
+    if isinstance(think, str):
         try:
-            out["thinking_budget"] = effort_budget(think, "think")
+            return effort_budget(think, "think")
         except InvalidRequest as exc:
             raise ApiError(400, str(exc)) from None
-    elif think not in (None, True):
+    if think not in (None, True):
         raise ApiError(400, "'think' must be true, false, \"low\", \"medium\" or \"high\"")
-    return out
+    return None
 
 
 def _images(where: str, value: Any) -> None:
@@ -252,9 +275,8 @@ async def _run(request: Request, messages: list[dict[str, Any]] | None, body: di
     except InvalidRequest as exc:
         raise ApiError(400, public_error(str(exc))) from None
     options = {"text": text} if text is not None else {}
-    handles = await submit_choices(engine, messages, params, 1, None, tools=tools,
-                                   split_reasoning=True, keep_alive=body.get("keep_alive"),
-                                   fit_max_tokens=True, **options)
+    handles = await submit(engine, messages, params, tools=tools, split_reasoning=True,
+                           keep_alive=body.get("keep_alive"), fit_max_tokens=True, **options)
     return handles, {"model": ollama_name(model), "load_ns": int((loaded_at - started) * 1e9)}, \
         started
 
@@ -290,54 +312,73 @@ def _ndjson(lines: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     return StreamingResponse(encode(), media_type="application/x-ndjson")
 
 
+def _piece(chat: bool, text: str, thinking: str = "", calls: list | None = None) -> dict[str, Any]:
+    """Answer text as Ollama writes it: chat answers carry `message`, generate answers `response`."""
+    if chat:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if thinking:
+            message["thinking"] = thinking
+        if calls:
+            message["tool_calls"] = calls
+        return {"message": message}
+    return {"response": text, **({"thinking": thinking} if thinking else {})}
+
+
+class OllamaEncoder:
+    """Ollama's stream: one NDJSON object per token (`done: false`), then the final one with the
+    timings (`done: true`); a failure is an `{"error": ...}` line."""
+
+    def __init__(self, meta: dict[str, Any], started: float, chat: bool) -> None:
+        self.meta, self.started, self.chat = meta, started, chat
+
+    def _line(self, body: dict[str, Any]) -> str:
+        return json.dumps(body, ensure_ascii=False) + "\n"
+
+    def opening(self) -> Iterable[str]:
+        return []
+
+    def token(self, i: int, event: Event) -> Iterable[str]:
+        if not event.text:
+            return []
+        thinking = event.channel == "reasoning"
+        return [self._line({"model": self.meta["model"], "created_at": _now(),
+                            **_piece(self.chat, "" if thinking else event.text,
+                                     event.text if thinking else ""), "done": False})]
+
+    def done(self, i: int, event: Event) -> Iterable[str]:
+        return [self._line({"model": self.meta["model"], "created_at": _now(),
+                            **_piece(self.chat, "", "", _calls(event)), "done": True,
+                            **_timings(event, self.meta, self.started)})]
+
+    def failed(self, i: int, event: Event) -> Iterable[str]:
+        return [self._line({"error": public_error(event.error)})]
+
+    def closing(self, finals: list[Event], complete: bool) -> Iterable[str]:
+        return []
+
+
 async def _answer(request: Request, handles: list, meta: dict[str, Any], started: float,
-                  stream: bool, chat: bool) -> Response:
-    """The answer as NDJSON chunks or one object; chat answers carry `message`, generate
-    answers `response`."""
-    def piece(text: str, thinking: str = "", calls: list | None = None) -> dict[str, Any]:
-        if chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if thinking:
-                message["thinking"] = thinking
-            if calls:
-                message["tool_calls"] = calls
-            return {"message": message}
-        return {"response": text, **({"thinking": thinking} if thinking else {})}
-
-    base = {"model": meta["model"]}
-    if not stream:
-        async with watched(request, handles):
-            choice: Choice = (await collect_choices(handles))[0]
-        final = choice.final
-        if final is None or final.finish_reason == "failed":
-            return _error(500, public_error(final.error if final else None))
-        return JSONResponse({**base, "created_at": _now(),
-                             **piece("".join(choice.content), "".join(choice.reasoning),
-                                     _calls(final)),
-                             "done": True, **_timings(final, meta, started)})
-
-    async def lines() -> AsyncIterator[dict[str, Any]]:
-        async with watched(request, handles):
-            async for _, event in merged(handles):
-                if event.kind == "token":
-                    if event.text:
-                        thinking = event.channel == "reasoning"
-                        yield {**base, "created_at": _now(),
-                               **piece("" if thinking else event.text,
-                                       event.text if thinking else ""), "done": False}
-                elif event.finish_reason == "failed":
-                    yield {"error": public_error(event.error)}
-                else:
-                    yield {**base, "created_at": _now(), **piece("", "", _calls(event)),
-                           "done": True, **_timings(event, meta, started)}
-    return _ndjson(lines())
+                  streamed: bool, chat: bool) -> Response:
+    """The answer as NDJSON chunks or one object."""
+    if streamed:
+        return stream(request, handles, OllamaEncoder(meta, started, chat),
+                      media_type="application/x-ndjson")
+    try:
+        choice: Choice = (await finished(request, handles))[0]
+    except ApiError as exc:
+        return _from(exc)
+    final = choice.final
+    return JSONResponse({"model": meta["model"], "created_at": _now(),
+                         **_piece(chat, "".join(choice.content), "".join(choice.reasoning),
+                                  _calls(final)),
+                         "done": True, **_timings(final, meta, started)})
 
 
 def _stream_flag(body: dict[str, Any]) -> bool:
-    stream = body.get("stream", True)
-    if not isinstance(stream, bool):
+    value = body.get("stream", True)
+    if not isinstance(value, bool):
         raise ApiError(400, "'stream' must be a boolean")
-    return stream
+    return value
 
 
 async def chat(request: Request) -> Response:
@@ -345,7 +386,7 @@ async def chat(request: Request) -> Response:
         body = await read_body(request)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
-        stream = _stream_flag(body)
+        streamed = _stream_flag(body)
         messages = _chat_messages(body.get("messages", []))
         if not messages:  # Ollama's way to load a model without asking anything
             model = await use_named_model(request, body.get("model"))
@@ -357,7 +398,7 @@ async def chat(request: Request) -> Response:
         handles, meta, started = await _run(request, messages, body, tools)
     except ApiError as exc:
         return _from(exc)
-    return await _answer(request, handles, meta, started, stream, chat=True)
+    return await _answer(request, handles, meta, started, streamed, chat=True)
 
 
 async def generate(request: Request) -> Response:
@@ -365,7 +406,7 @@ async def generate(request: Request) -> Response:
         body = await read_body(request)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
-        stream = _stream_flag(body)
+        streamed = _stream_flag(body)
         _images("the request", body.get("images"))
         prompt, system = body.get("prompt", ""), body.get("system")
         if not isinstance(prompt, str) or (system is not None and not isinstance(system, str)):
@@ -382,7 +423,7 @@ async def generate(request: Request) -> Response:
             handles, meta, started = await _run(request, parse_messages(messages), body, None)
     except ApiError as exc:
         return _from(exc)
-    return await _answer(request, handles, meta, started, stream, chat=False)
+    return await _answer(request, handles, meta, started, streamed, chat=False)
 
 
 def _hub_spec(name: str) -> str:
@@ -390,17 +431,22 @@ def _hub_spec(name: str) -> str:
     return name.removeprefix("hf.co/").removeprefix("huggingface.co/").removesuffix(":latest")
 
 
+async def _pull_request(request: Request) -> tuple[str, bool]:
+    """(the model to pull, whether to stream the progress) of a pull body; raises ApiError."""
+    body = await read_body(request)
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    name = body.get("model", body.get("name"))
+    if not isinstance(name, str) or not name:
+        raise ApiError(400, "'model' (the model to pull) is required")
+    return name, _stream_flag(body)
+
+
 async def pull(request: Request) -> Response:
     """Download a model from the Hugging Face hub (`owner/repo` or `owner/repo:FILE.gguf`, also
     written `hf.co/owner/repo:...`) with progress lines as Ollama streams them."""
     try:
-        body = await read_body(request)
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        name = body.get("model", body.get("name"))
-        if not isinstance(name, str) or not name:
-            raise ApiError(400, "'model' (the model to pull) is required")
-        stream = _stream_flag(body)
+        name, streamed = await _pull_request(request)
     except ApiError as exc:
         return _from(exc)
     try:
@@ -409,7 +455,7 @@ async def pull(request: Request) -> Response:
         return _error(400, str(exc).split("\n", 1)[0])
     if local_id(request, name) is not None:  # already here
         done = {"status": "success"}
-        return _ndjson(_one(done)) if stream else JSONResponse(done)
+        return _ndjson(_one(done)) if streamed else JSONResponse(done)
     updates: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
 
@@ -425,25 +471,29 @@ async def pull(request: Request) -> Response:
         except (DownloadError, EngineError) as exc:
             return str(exc).split("\n", 1)[0]
 
-    if not stream:
+    if not streamed:
         failure = await fetch()
         return _error(502, failure) if failure else JSONResponse({"status": "success"})
 
-    async def lines() -> AsyncIterator[dict[str, Any]]:
-        yield {"status": "pulling manifest"}
-        task = asyncio.create_task(fetch())
-        while not task.done() or not updates.empty():
-            try:
-                yield await asyncio.wait_for(updates.get(), 0.2)
-            except TimeoutError:
-                continue
-        failure = task.result()
-        if failure:
-            yield {"error": failure}
-        else:
-            yield {"status": "verifying sha256 digest"}
-            yield {"status": "success"}
-    return _ndjson(lines())
+    return _ndjson(_pull_progress(fetch, updates))
+
+
+async def _pull_progress(fetch: Callable[[], Awaitable[str | None]],
+                         updates: asyncio.Queue) -> AsyncIterator[dict[str, Any]]:
+    """Ollama's pull progress lines while `fetch` runs, then success or its error."""
+    yield {"status": "pulling manifest"}
+    task = asyncio.create_task(fetch())
+    while not task.done() or not updates.empty():
+        try:
+            yield await asyncio.wait_for(updates.get(), 0.2)
+        except TimeoutError:
+            continue
+    failure = task.result()
+    if failure:
+        yield {"error": failure}
+    else:
+        yield {"status": "verifying sha256 digest"}
+        yield {"status": "success"}
 
 
 async def _one(line: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -451,14 +501,10 @@ async def _one(line: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
 
 
 async def delete(request: Request) -> Response:
-    try:
-        body = await read_body(request)
-    except ApiError as exc:
-        return _from(exc)
-    name = body.get("model", body.get("name")) if isinstance(body, dict) else None
-    found = local_id(request, name)
-    if found is None:
-        return _error(404, f"model '{name}' not found")
+    named = await _named(request)
+    if isinstance(named, Response):
+        return named
+    name, found = named
     if found == request.app.state.engine.model_name:
         return _error(409, f"model '{name}' is loaded; load another model first")
     try:

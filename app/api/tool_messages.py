@@ -5,10 +5,10 @@ engine's `tool_request`)."""
 import json
 from typing import Any
 
+from .errors import ApiError
 
-def _bad(i: int, what: str) -> Exception:
-    from .api import ApiError
 
+def _bad(i: int, what: str) -> ApiError:
     return ApiError(400, f"messages[{i}].{what}", f"messages[{i}]", "invalid_value")
 
 

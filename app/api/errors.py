@@ -1,4 +1,6 @@
-"""The API's refusals: an HTTP status with an error in the OpenAI format."""
+"""The API's refusals: an HTTP status with an error, written in the shape of the protocol whose
+path was asked (app/error_shapes.py; OpenAI's by default), and the OpenAI fields an endpoint
+accepts only with their neutral values."""
 
 from collections.abc import Callable
 from typing import Any
@@ -7,10 +9,13 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from .error_shapes import api_error, is_api_path
+from ..error_shapes import api_error, is_api_path
 
 
 class ApiError(Exception):
+    """A refusal: status, message, the offending request field (`param`), a machine-readable
+    `code`, the error `type` and extra headers (Retry-After)."""
+
     def __init__(self, status: int, message: str, param: str | None = None,
                  code: str | None = None, type_: str = "invalid_request_error",
                  headers: dict[str, str] | None = None):
@@ -18,8 +23,10 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
         self.headers = headers
 
-    def response(self) -> JSONResponse:
-        return api_error(self.status, self.message, self.type, self.code, self.param, self.headers)
+    def response(self, path: str = "/v1/") -> JSONResponse:
+        """This error in the shape of the protocol `path` belongs to."""
+        return api_error(self.status, self.message, self.type, self.code, self.param, self.headers,
+                         path=path)
 
 
 # The codes of the routing errors an API client may meet (an unknown path, a wrong method).

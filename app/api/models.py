@@ -1,6 +1,7 @@
-"""Which model an API request runs on: a request naming another local model loads it first, under
-the model picker's rules (one load at a time, after the running requests end), as Ollama and
-LM Studio do; a name no local model has is a 404 listing the ones there are."""
+"""The models the API offers (`/v1/models`, `/v1/models/{model}`) and which one a request runs
+on: a request naming another local model loads it first, through the model-switch service the
+model picker uses too (app/model_switch.py: one load at a time, after the running requests end),
+as Ollama and LM Studio do; a name no local model has is a 404 listing the ones there are."""
 
 import asyncio
 import time
@@ -8,11 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from engine import Engine, ModelInfo
 
-from .api_errors import ApiError
-from .picker import ModelSwitch, begin_switch
+from ..model_switch import ModelSwitch, begin_switch
+from .errors import ApiError
 
 # When this server started: the `created` of a model whose files are not on disk.
 STARTED = int(time.time())
@@ -74,3 +77,24 @@ async def use_model(request: Request, name: Any) -> None:
 def _load_failed(name: str, exc: Exception) -> ApiError:
     code = getattr(exc, "code", None) or "model_load_failed"
     return ApiError(503, f"Could not load '{name}': {exc}", "model", code, type_="server_error")
+
+
+async def list_models(request: Request) -> JSONResponse:
+    """Every local model, the loaded one first: a request naming any of them loads it."""
+    data = [model_object(m) for m in local_models(request.app.state.engine)]
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def retrieve_model(request: Request) -> JSONResponse:
+    """One local model, as OpenAI's `models.retrieve` asks for it."""
+    try:
+        model = find_model(request.app.state.engine, request.path_params["model"])
+    except ApiError as exc:
+        return exc.response(request.url.path)
+    return JSONResponse(model_object(model))
+
+
+routes = [
+    Route("/v1/models", list_models),
+    Route("/v1/models/{model:path}", retrieve_model),
+]

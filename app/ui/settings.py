@@ -1,4 +1,5 @@
-"""Conversation logic shared by the UI views: settings, what to send to the model, new turns.
+"""A conversation's settings: presets, the settings panel's form, and the sampling and speculative
+options a turn runs with.
 
 A conversation's settings are `{"preset": ..., "sampling": {...}, "system_prompt": ...,
 "speculative": None | {"draft": ...}}`; `sampling` holds the `SamplingParams` fields the user set
@@ -6,18 +7,14 @@ A conversation's settings are `{"preset": ..., "sampling": {...}, "system_prompt
 turned on).
 """
 
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from engine import (SAMPLING_OPTIONS, InvalidRequest, ModelDefaults, SamplingOption,
                     SamplingParams, SpeculativeOptions)
 
-from .documents import parse_attachments, with_documents
-from .storage import DEFAULT_TITLE, Conversation, Message, Storage
 
 # Form fields of the settings panel, one per sampling option. Blank means the default.
 SAMPLING_FIELDS: dict[str, SamplingOption] = {o.name: o for o in SAMPLING_OPTIONS}
-TITLE_LENGTH = 60
 
 
 def preset_settings(name: str, system_prompt: str = "") -> dict[str, Any]:
@@ -92,79 +89,3 @@ def parse_settings_form(form: Mapping[str, str]) -> tuple[dict[str, Any], dict[s
     settings = {"preset": "custom", "sampling": sampling,
                 "system_prompt": (form.get("system_prompt") or "").strip(), "speculative": speculative}
     return settings, errors
-
-
-def engine_messages(settings: Mapping[str, Any], path: list[Message]) -> list[dict[str, Any]]:
-    """The prompt for the next answer: the system prompt, then the active path (a user turn with
-    its attached documents, tool calls and results as OpenAI writes them).
-
-    Failed answers without text are left out; a stopped answer is part of the conversation.
-    """
-    messages: list[dict[str, Any]] = []
-    if settings.get("system_prompt"):
-        messages.append({"role": "system", "content": settings["system_prompt"]})
-    for m in path:
-        if m.role == "assistant" and m.state == "failed" and not m.content and not m.tool_calls:
-            continue
-        message: dict[str, Any] = {"role": m.role, "content": with_documents(m.content, m.attachments)}
-        if m.tool_calls:
-            message["tool_calls"] = m.tool_calls
-        if m.tool_call_id:
-            message["tool_call_id"] = m.tool_call_id
-        messages.append(message)
-    return messages
-
-
-@dataclass(frozen=True)
-class Turn:
-    """Where the next answer goes (under `parent_id`), and whether the message list must be
-    re-rendered whole (edit and regenerate change the branch) or only grows (a new message)."""
-
-    parent_id: int
-    new_user: Message | None
-    rerender: bool
-
-
-def start_turn(storage: Storage, conv: Conversation, action: str, data: Mapping[str, Any]) -> Turn:
-    """Record the user's side of a turn before anything is generated; raises ValueError."""
-    if action not in ("send", "edit", "regenerate"):
-        raise ValueError(f"Unknown action {action!r}.")
-    content = str(data.get("content") or "").strip()
-    if action == "send":
-        if not content:
-            raise ValueError("Type a message first.")
-        path = storage.active_path(conv.id)
-        user = storage.add_message(conv.id, path[-1].id if path else None, "user", content,
-                                   attachments=parse_attachments(data.get("attachments")))
-        if conv.title == DEFAULT_TITLE and not path:
-            storage.rename_conversation(conv.id, chat_title(content))
-        return Turn(user.id, user, rerender=False)
-    target = _own_message(storage, conv, data.get("message_id"))
-    if action == "edit":
-        if target.role != "user":
-            raise ValueError("Only your own messages can be edited.")
-        if not content:
-            raise ValueError("The edited message is empty.")
-        user = storage.add_message(conv.id, target.parent_id, "user", content,
-                                   attachments=target.attachments)  # an edit keeps its documents
-        return Turn(user.id, user, rerender=True)
-    if target.role != "assistant" or target.parent_id is None:  # regenerate
-        raise ValueError("Only answers can be regenerated.")
-    return Turn(target.parent_id, None, rerender=True)
-
-
-def _own_message(storage: Storage, conv: Conversation, mid: Any) -> Message:
-    try:
-        message = storage.get_message(int(mid))
-    except (TypeError, ValueError, OverflowError):  # not an id, 1e400, or past SQLite's range
-        message = None
-    if message is None or message.conversation_id != conv.id:
-        raise ValueError("That message is not in this conversation.")
-    return message
-
-
-def chat_title(text: str) -> str:
-    """A conversation's title from its first message, as a new chat names itself."""
-    line = " ".join(text.split())
-    return line if len(line) <= TITLE_LENGTH else line[: TITLE_LENGTH - 1].rstrip() + "…"
-

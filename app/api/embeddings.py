@@ -10,11 +10,14 @@ dedicated model's query instruction before each input ("document", the default, 
 prompt); `truncate: true` cuts inputs longer than the model's context instead of refusing them;
 `keep_alive` as in chat requests. At most EMBEDDING_MAX_INPUTS inputs a request. Bad input is a
 400 naming its `param`, an unknown model a 404, a full queue a 429.
+
+An adapter on the serving core (app/api/serving.py): the body through `read_body`, the model
+through the alias table, the engine's refusals through `engine_refusal`; it answers whole (an
+embedding request does not stream).
 """
 
 import asyncio
 import base64
-import math
 from typing import Any
 
 import numpy as np
@@ -22,11 +25,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine import EngineError, Embeddings, InvalidRequest, ModelLoadError, Overloaded
+from engine import EngineError, Embeddings
 
-from .api import _typed
-from .api_errors import ApiError, check_fields
-from .api_serving import aliased, read_body
+from .errors import ApiError, check_fields
+from .openai_request import typed
+from .serving import aliased, engine_refusal, model_loading, read_body
 
 ENCODINGS = ("float", "base64")
 INPUT_TYPES = ("query", "document")
@@ -40,24 +43,14 @@ async def embed(engine: Any, inputs: Any, *, model: str | None, dimensions: int 
     """The vectors of `inputs`, engine refusals and failures as ApiErrors (for every API that
     embeds: OpenAI's here, Ollama's /api/embed)."""
     if engine.model_name is None:
-        raise ApiError(503, "a model is loading; try again shortly", type_="server_error",
-                       code="model_loading", headers={"Retry-After": "5"})
+        raise model_loading()
     try:
         # tokenising a few thousand inputs (or naming a model not yet seen) takes a while
         handle = await asyncio.to_thread(engine.embed, inputs, model=model, dimensions=dimensions,
                                          truncate=truncate, query=query, keep_alive=keep_alive)
         return await handle.wait()
-    except InvalidRequest as exc:
-        status = 404 if exc.code == "model_not_found" else 400
-        raise ApiError(status, str(exc), exc.field, exc.code) from None
-    except Overloaded as exc:
-        raise ApiError(429, str(exc), type_="rate_limit_exceeded", code="rate_limit_exceeded",
-                       headers={"Retry-After": str(math.ceil(exc.retry_after))}) from None
-    except ModelLoadError as exc:
-        raise ApiError(503, str(exc), "model", exc.code or "model_load_failed",
-                       type_="server_error") from None
     except EngineError as exc:
-        raise ApiError(503, str(exc), type_="server_error", code="model_unavailable") from None
+        raise engine_refusal(exc) from None
 
 
 def _encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
@@ -72,20 +65,20 @@ async def embeddings(request: Request) -> Response:
         body = check_fields(await read_body(request), _FIELDS)
         if body.get("input") is None:
             raise ApiError(400, "'input' is required", "input", "missing_required_parameter")
-        encoding = _typed(body, "encoding_format", str) or "float"
+        encoding = typed(body, "encoding_format", str) or "float"
         if encoding not in ENCODINGS:
             raise ApiError(400, f"'encoding_format' must be one of {', '.join(ENCODINGS)}",
                            "encoding_format", "invalid_value")
-        input_type = _typed(body, "input_type", str) or "document"
+        input_type = typed(body, "input_type", str) or "document"
         if input_type not in INPUT_TYPES:
             raise ApiError(400, f"'input_type' must be one of {', '.join(INPUT_TYPES)}",
                            "input_type", "invalid_value")
-        model = _typed(body, "model", str)
+        model = typed(body, "model", str)
         if model is not None:  # `--model-alias text-embedding-*=...` for clients' own names
             model = aliased(getattr(request.app.state, "aliases", {}), model)
         result = await embed(engine, body["input"], model=model,
-                             dimensions=_typed(body, "dimensions", int),
-                             truncate=bool(_typed(body, "truncate", bool)),
+                             dimensions=typed(body, "dimensions", int),
+                             truncate=bool(typed(body, "truncate", bool)),
                              query=input_type == "query", keep_alive=body.get("keep_alive"))
     except ApiError as err:
         return err.response()

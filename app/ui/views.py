@@ -14,10 +14,10 @@ from starlette.websockets import WebSocket
 from engine import PRESETS, DraftChoice, Engine
 from web import __file__ as _web_init
 
-from .chat import SAMPLING_FIELDS, default_sources, preset_settings
-from .markdown import render_markdown, render_plain, render_tool_calls, render_tool_result
-from .socket_limits import WS_MAX_BYTES
-from .storage import Conversation, Message, Storage
+from ..markdown import render_markdown, render_plain, render_tool_calls, render_tool_result
+from ..socket_limits import WS_MAX_BYTES
+from ..storage import Conversation, Message, Storage
+from .settings import SAMPLING_FIELDS, default_sources, preset_settings
 
 # Autoescaping everywhere: titles and user text are escaped; model output is inserted only after
 # `render_markdown` has sanitised it.
@@ -85,17 +85,6 @@ def render(template: str, **context: Any) -> str:
 
 def parts(conn: Request | WebSocket) -> tuple[Storage, Engine]:
     return conn.app.state.storage, conn.app.state.engine
-
-
-def models_context(request: Request) -> dict[str, Any]:
-    from .picker import download_state
-
-    engine = request.app.state.engine
-    cluster = getattr(request.app.state, "cluster", None)  # a sharded model (engine/distributed/)
-    return {"models": engine.list_models(), "current_model": engine.model_name,
-            "switch": request.app.state.switch, "download": download_state(request),
-            "resident": engine.status().resident,
-            "sharded_over": cluster.health()["world_size"] if cluster else None}
 
 
 def settings_context(conv: Conversation, errors: dict[str, str] | None = None,

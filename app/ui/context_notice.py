@@ -11,20 +11,11 @@ from starlette.routing import Route
 
 from engine import Engine
 
-from .documents import parse_attachments, with_documents
-from .chat import engine_messages
-from .context import TRUNCATE_MODES, drop_oldest, overflow
-from .storage import Conversation, Message, Storage
+from ..context import TRUNCATE_MODES, overflow
+from ..documents import parse_attachments, with_documents
+from ..storage import Conversation, Storage
+from .prompt import engine_messages
 from .views import conversation_of, not_found, parts, read_form, render
-
-
-def answer_messages(engine: Engine, settings: Mapping[str, Any], path: list[Message],
-                    max_tokens: int) -> list[dict[str, Any]]:
-    """The prompt for the next answer: the oldest turns dropped if the conversation opted in."""
-    messages = engine_messages(settings, path)
-    if settings.get("truncate") in TRUNCATE_MODES:
-        return drop_oldest(engine, messages, max_tokens)
-    return messages
 
 
 def prepare_send(engine: Engine, storage: Storage, conv: Conversation, action: str,

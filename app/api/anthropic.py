@@ -1,7 +1,7 @@
 """Anthropic's Messages API: `POST /v1/messages` (JSON or SSE) and `/v1/messages/count_tokens`,
 for the `anthropic` SDK and Claude Code (`ANTHROPIC_BASE_URL=http://127.0.0.1:8321`).
 
-An adapter over the same engine requests as the OpenAI endpoints (app/api_serving.py): the
+An adapter over the same engine requests as the OpenAI endpoints (app/api/serving.py): the
 request becomes engine messages (tool_use blocks as tool calls, tool_result blocks as tool
 messages), `SamplingParams` and a `ToolRequest` (`tool_choice` any/tool decode under the tool's
 grammar, as OpenAI's required/named do); the engine's events become Anthropic's content blocks
@@ -21,7 +21,7 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, Callable, Iterable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -29,22 +29,18 @@ from starlette.routing import Route
 
 from engine import EngineError, Event, InvalidRequest, Usage, count_tokens, tool_request
 
-from .api import parse_messages, public_error, sse_response, submit_choices
-from .api_choices import Choice, collect_choices, merged
-from .api_errors import ApiError
-from .api_serving import read_body, use_named_model, watched
-from .error_shapes import api_error
-from .sse import sse
+from ..sse import sse
+from .choices import Choice
+from .errors import ApiError
+from .openai_request import parse_messages
+from .serving import (finished, public_error, read_body, stream, submit,
+                      use_named_model)
 
 PATH = "/v1/messages"
 # Block types of earlier turns that carry nothing the model should read again.
 _SKIPPED_BLOCKS = {"thinking", "redacted_thinking", "server_tool_use", "web_search_tool_result"}
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn",
                  "cancelled": "end_turn"}
-
-
-def _error(exc: ApiError) -> JSONResponse:
-    return api_error(exc.status, exc.message, exc.type, exc.code, exc.param, exc.headers, path=PATH)
 
 
 def _bad(message: str, field: str | None = None) -> ApiError:
@@ -81,6 +77,17 @@ def _turn(i: int, message: Any) -> list[dict[str, Any]]:
     if not isinstance(content, list):
         raise _bad(f"{where}.content must be a string or an array of content blocks",
                    f"{where}.content")
+    texts, calls, results = _blocks(where, role, content)
+    out = list(results)
+    if texts or calls or not results:
+        out.append({"role": role, "content": "".join(texts),
+                    **({"tool_calls": calls} if calls else {})})
+    return out
+
+
+def _blocks(where: str, role: str, content: list[Any]) -> tuple[list[str], list[dict[str, Any]],
+                                                               list[dict[str, Any]]]:
+    """(texts, tool calls, tool results) of a message's content blocks."""
     texts, calls, results = [], [], []
     for j, block in enumerate(content):
         at = f"{where}.content[{j}]"
@@ -90,27 +97,32 @@ def _turn(i: int, message: Any) -> list[dict[str, Any]]:
         if kind == "text":
             texts.append(_text([block], at))
         elif kind == "tool_use" and role == "assistant":
-            if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
-                raise _bad(f"{at} must have a 'name' and an 'input' object", at)
-            calls.append({"id": str(block.get("id", "")), "type": "function",
-                          "function": {"name": block["name"],
-                                       "arguments": json.dumps(block.get("input", {}))}})
+            calls.append(_tool_use(at, block))
         elif kind == "tool_result" and role == "user":
-            if not isinstance(block.get("tool_use_id"), str):
-                raise _bad(f"{at}.tool_use_id (a string) is required", at)
-            text = _text(block.get("content", ""), f"{at}.content")
-            if block.get("is_error"):
-                text = f"Error: {text}"
-            results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
+            results.append(_tool_result(at, block))
         elif kind in ("image", "document"):
             raise _bad(f"{at} is an {kind} block: this server reads text only", at)
         elif kind not in _SKIPPED_BLOCKS and isinstance(block.get("text"), str):
             texts.append(block["text"])  # an unknown block type that carries text
-    out = list(results)
-    if texts or calls or not results:
-        out.append({"role": role, "content": "".join(texts),
-                    **({"tool_calls": calls} if calls else {})})
-    return out
+    return texts, calls, results
+
+
+def _tool_use(at: str, block: dict[str, Any]) -> dict[str, Any]:
+    """A `tool_use` block as an OpenAI tool call."""
+    if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
+        raise _bad(f"{at} must have a 'name' and an 'input' object", at)
+    return {"id": str(block.get("id", "")), "type": "function",
+            "function": {"name": block["name"], "arguments": json.dumps(block.get("input", {}))}}
+
+
+def _tool_result(at: str, block: dict[str, Any]) -> dict[str, Any]:
+    """A `tool_result` block as a tool message."""
+    if not isinstance(block.get("tool_use_id"), str):
+        raise _bad(f"{at}.tool_use_id (a string) is required", at)
+    text = _text(block.get("content", ""), f"{at}.content")
+    if block.get("is_error"):
+        text = f"Error: {text}"
+    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": text}
 
 
 def _system(value: Any) -> list[dict[str, Any]]:
@@ -178,6 +190,24 @@ def _number(body: dict[str, Any], name: str, kind: type) -> Any:
     return value
 
 
+def _sampling(body: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """The `SamplingParams` fields a Messages request sets."""
+    sampling: dict[str, Any] = {"max_tokens": max_tokens}
+    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int)):
+        if (value := _number(body, name, kind)) is not None:
+            sampling[name] = value
+    budget = _thinking(body.get("thinking"))
+    if budget is not None:
+        sampling["thinking_budget"] = budget
+    stops = body.get("stop_sequences")
+    if stops is not None:
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise _bad("'stop_sequences' must be an array of strings", "stop_sequences")
+        if stops:
+            sampling["stop"] = tuple(stops)
+    return sampling
+
+
 def parse(body: Any) -> tuple[list[dict[str, Any]], dict[str, Any], Any, bool]:
     """(engine messages, sampling fields, ToolRequest, stream) of a Messages request."""
     if not isinstance(body, dict):
@@ -192,19 +222,7 @@ def parse(body: Any) -> tuple[list[dict[str, Any]], dict[str, Any], Any, bool]:
         raise _bad("'messages' must be a non-empty array", "messages")
     messages = _system(body.get("system")) + [m for i, t in enumerate(turns) for m in _turn(i, t)]
     messages = parse_messages(messages)
-    sampling: dict[str, Any] = {"max_tokens": max_tokens}
-    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int)):
-        if (value := _number(body, name, kind)) is not None:
-            sampling[name] = value
-    budget = _thinking(body.get("thinking"))
-    if budget is not None:
-        sampling["thinking_budget"] = budget
-    stops = body.get("stop_sequences")
-    if stops is not None:
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise _bad("'stop_sequences' must be an array of strings", "stop_sequences")
-        if stops:
-            sampling["stop"] = tuple(stops)
+    sampling = _sampling(body, max_tokens)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean", "stream", "invalid_type")
@@ -252,24 +270,21 @@ async def messages_endpoint(request: Request) -> Response:
     engine = request.app.state.engine
     try:
         body = await read_body(request)
-        messages, sampling, tools, stream = parse(body)
+        messages, sampling, tools, streamed = parse(body)
         model = await use_named_model(request, body.get("model"))
         try:
             params = engine.defaults.params(sampling)
         except InvalidRequest as exc:
             raise ApiError(400, public_error(str(exc)), exc.field, exc.code) from None
-        handles = await submit_choices(engine, messages, params, 1, None, tools=tools,
-                                       split_reasoning=True, fit_max_tokens=True)
+        handles = await submit(engine, messages, params, tools=tools, split_reasoning=True,
+                               fit_max_tokens=True)
+        message_id = f"msg_{uuid.uuid4().hex[:24]}"
+        if streamed:
+            return stream(request, handles, MessageEncoder(message_id, model, lambda: handles[0].usage))
+        choice = (await finished(request, handles))[0]
     except ApiError as exc:
-        return _error(exc)
-    message_id = f"msg_{uuid.uuid4().hex[:24]}"
-    if stream:
-        return sse_response(_stream(request, handles, message_id, model))
-    async with watched(request, handles):
-        choice = (await collect_choices(handles))[0]
+        return exc.response(request.url.path)
     final = choice.final
-    if final is None or final.finish_reason == "failed":
-        return _error(ApiError(500, public_error(final.error if final else None), type_="api_error"))
     stop_reason, stop_sequence = _stop(final)
     return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": model,
                          "content": _content(choice), "stop_reason": stop_reason,
@@ -280,85 +295,84 @@ def _event(kind: str, payload: dict[str, Any]) -> str:
     return sse(json.dumps({"type": kind, **payload}, ensure_ascii=False), event=kind)
 
 
-class _Blocks:
-    """The content blocks of a streamed answer: a block opens when its kind of text starts and
-    closes when another kind begins (thinking, then text, then tool calls)."""
+class MessageEncoder:
+    """Anthropic's event sequence: message_start, ping, content blocks with their deltas (a block
+    opens when its kind of text starts and closes when another kind begins: thinking, then text,
+    then tool calls), message_delta (stop_reason, usage), message_stop; a failure becomes an
+    `error` event. A ping every 10 s of tokens keeps proxies from timing out."""
 
-    def __init__(self) -> None:
+    def __init__(self, message_id: str, model: str, usage: Callable[[], Usage]) -> None:
+        self.message_id, self.model, self.usage = message_id, model, usage
+        self.started = False
         self.index = -1
         self.open: str | None = None
+        self.last_ping = time.monotonic()
 
-    def switch(self, kind: str, start: dict[str, Any]) -> list[str]:
-        out = self.close()
+    def _switch(self, kind: str, start: dict[str, Any]) -> list[str]:
+        out = self._close()
         self.index += 1
         self.open = kind
         out.append(_event("content_block_start", {"index": self.index, "content_block": start}))
         return out
 
-    def close(self) -> list[str]:
+    def _close(self) -> list[str]:
         if self.open is None:
             return []
         self.open = None
         return [_event("content_block_stop", {"index": self.index})]
 
+    def opening(self) -> Iterable[str]:
+        return []  # message_start waits for the first event: see `_start`
 
-async def _stream(request: Request, handles: list, message_id: str,
-                  model: str) -> AsyncIterator[str]:
-    """Anthropic's event sequence: message_start, ping, content blocks with their deltas,
-    message_delta (stop_reason, usage), message_stop; a failure becomes an `error` event.
-    message_start goes out with the first event, once the prefix cache's reuse is known, so its
-    usage counts input tokens as every later usage does."""
-    blocks, last_ping, started = _Blocks(), time.monotonic(), False
-    async with watched(request, handles):
-        async for _, event in merged(handles):
-            if not started:
-                started = True
-                usage = {**_usage(handles[0].usage), "output_tokens": 0}
-                yield _event("message_start", {"message": {
-                    "id": message_id, "type": "message", "role": "assistant", "model": model,
-                    "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}})
-                yield _event("ping", {})
-            if event.kind == "token":
-                if not event.text:
-                    continue
-                if event.channel == "reasoning":
-                    if blocks.open != "thinking":
-                        for line in blocks.switch("thinking", {"type": "thinking", "thinking": ""}):
-                            yield line
-                    delta = {"type": "thinking_delta", "thinking": event.text}
-                else:
-                    if blocks.open != "text":
-                        for line in blocks.switch("text", {"type": "text", "text": ""}):
-                            yield line
-                    delta = {"type": "text_delta", "text": event.text}
-                yield _event("content_block_delta", {"index": blocks.index, "delta": delta})
-                if time.monotonic() - last_ping > 10:
-                    last_ping = time.monotonic()
-                    yield _event("ping", {})
-                continue
-            if event.finish_reason == "failed":
-                for line in blocks.close():
-                    yield line
-                yield _event("error", {"error": {"type": "api_error",
-                                                 "message": public_error(event.error)}})
-                return
-            if blocks.index < 0 and not event.tool_calls:  # an empty answer is one empty block
-                for line in blocks.switch("text", {"type": "text", "text": ""}):
-                    yield line
-            for call in event.tool_calls:
-                block = _tool_block(call)
-                for line in blocks.switch("tool_use", {**block, "input": {}}):
-                    yield line
-                yield _event("content_block_delta", {"index": blocks.index, "delta": {
-                    "type": "input_json_delta", "partial_json": json.dumps(block["input"])}})
-            for line in blocks.close():
-                yield line
-            stop_reason, stop_sequence = _stop(event)
-            usage = _usage(event.usage)
-            yield _event("message_delta", {"delta": {"stop_reason": stop_reason,
-                                                     "stop_sequence": stop_sequence},
-                                           "usage": usage})
-            yield _event("message_stop", {})
+    def _start(self) -> list[str]:
+        """message_start and a ping, once, with the first engine event: the prefix cache's reuse
+        is known by then, so its usage counts input tokens as every later usage does."""
+        if self.started:
+            return []
+        self.started = True
+        usage = {**_usage(self.usage()), "output_tokens": 0}
+        return [_event("message_start", {"message": {
+            "id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
+            "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}}),
+            _event("ping", {})]
+
+    def token(self, i: int, event: Event) -> Iterable[str]:
+        out = self._start()
+        if not event.text:
+            return out
+        kind = "thinking" if event.channel == "reasoning" else "text"
+        if self.open != kind:
+            out += self._switch(kind, {"type": kind, kind: ""})
+        delta = {"type": f"{kind}_delta", kind: event.text}
+        out.append(_event("content_block_delta", {"index": self.index, "delta": delta}))
+        if time.monotonic() - self.last_ping > 10:
+            self.last_ping = time.monotonic()
+            out.append(_event("ping", {}))
+        return out
+
+    def failed(self, i: int, event: Event) -> Iterable[str]:
+        return [*self._start(), *self._close(), _event("error", {"error": {"type": "api_error",
+                                                           "message": public_error(event.error)}})]
+
+    def done(self, i: int, event: Event) -> Iterable[str]:
+        out = self._start()
+        if self.index < 0 and not event.tool_calls:  # an empty answer is one empty block
+            out += self._switch("text", {"type": "text", "text": ""})
+        for call in event.tool_calls:
+            block = _tool_block(call)
+            out += self._switch("tool_use", {**block, "input": {}})
+            out.append(_event("content_block_delta", {"index": self.index, "delta": {
+                "type": "input_json_delta", "partial_json": json.dumps(block["input"])}}))
+        out += self._close()
+        stop_reason, stop_sequence = _stop(event)
+        out.append(_event("message_delta", {
+            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+            "usage": _usage(event.usage)}))
+        out.append(_event("message_stop", {}))
+        return out
+
+    def closing(self, finals: list[Event], complete: bool) -> Iterable[str]:
+        return []
 
 
 async def count_tokens_endpoint(request: Request) -> Response:
@@ -375,7 +389,7 @@ async def count_tokens_endpoint(request: Request) -> Response:
         except EngineError as exc:
             raise ApiError(400 if isinstance(exc, InvalidRequest) else 503, str(exc)) from None
     except ApiError as exc:
-        return _error(exc)
+        return exc.response(request.url.path)
     return JSONResponse({"input_tokens": n})
 
 

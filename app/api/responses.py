@@ -1,7 +1,7 @@
 """OpenAI's Responses API: `POST /v1/responses` (JSON or SSE), `GET` and `DELETE
 /v1/responses/{id}`, for the `openai` SDK's `responses` and Codex CLI.
 
-An adapter over the same engine requests as chat completions (app/api_serving.py): `input` (a
+An adapter over the same engine requests as chat completions (app/api/serving.py): `input` (a
 string or items: messages, function_call, function_call_output; reasoning items are skipped) and
 `instructions` become engine messages, function `tools` a `ToolRequest` (`required` and a named
 function decode under the grammar), `text.format` a JSON schema; the engine's events become
@@ -17,7 +17,7 @@ local model run on the loaded one (`--model-alias` applies).
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, Iterable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -25,12 +25,14 @@ from starlette.routing import Route
 
 from engine import Event, InvalidRequest, effort_budget, tool_request
 
-from .api import _json_schema, parse_messages, public_error, sse_response, submit_choices
-from .api_choices import Choice, collect_choices, merged
-from .api_errors import ApiError
-from .api_serving import read_body, use_named_model, watched
-from .error_shapes import api_error
-from .sse import sse
+from ..error_shapes import api_error
+from ..sse import sse
+from .choices import Choice
+from .errors import ApiError
+from .openai_request import parse_messages
+from .response_format import json_schema
+from .serving import (finished, public_error, read_body, stream, submit,
+                      use_named_model)
 
 _SKIPPED_ITEMS = {"reasoning", "item_reference", "web_search_call"}
 
@@ -72,34 +74,37 @@ def input_messages(value: Any, instructions: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise _bad("'input' must be a string or a non-empty array of items", "input")
     for i, item in enumerate(value):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise _bad(f"{where} must be an object", where)
-        kind = item.get("type", "message" if "role" in item else None)
-        if kind == "message":
-            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
-            if role not in ("user", "assistant", "system"):
-                raise _bad(f"{where}.role must be user, assistant, system or developer", where)
-            out.append({"role": role, "content": _text(item.get("content", ""), f"{where}.content")})
-        elif kind == "function_call":
-            if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
-                raise _bad(f"{where} needs 'name' and 'call_id'", where)
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
-            if out and out[-1]["role"] == "assistant":  # the same turn as the text before it
-                out[-1].setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str):
-                raise _bad(f"{where}.call_id is required", where)
-            out.append({"role": "tool", "tool_call_id": item["call_id"],
-                        "content": _text(item.get("output", ""), f"{where}.output")})
-        elif kind in _SKIPPED_ITEMS:
-            continue
-        else:
-            raise _bad(f"{where}.type {json.dumps(kind)} is not supported here", where)
+        _add_item(out, f"input[{i}]", item)
     return out
+
+
+def _add_item(out: list[dict[str, Any]], where: str, item: Any) -> None:
+    """Input item `item` appended to `out` as engine messages (a function call joins the
+    assistant turn before it)."""
+    if not isinstance(item, dict):
+        raise _bad(f"{where} must be an object", where)
+    kind = item.get("type", "message" if "role" in item else None)
+    if kind == "message":
+        role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+        if role not in ("user", "assistant", "system"):
+            raise _bad(f"{where}.role must be user, assistant, system or developer", where)
+        out.append({"role": role, "content": _text(item.get("content", ""), f"{where}.content")})
+    elif kind == "function_call":
+        if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
+            raise _bad(f"{where} needs 'name' and 'call_id'", where)
+        call = {"id": item["call_id"], "type": "function",
+                "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
+        if out and out[-1]["role"] == "assistant":  # the same turn as the text before it
+            out[-1].setdefault("tool_calls", []).append(call)
+        else:
+            out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    elif kind == "function_call_output":
+        if not isinstance(item.get("call_id"), str):
+            raise _bad(f"{where}.call_id is required", where)
+        out.append({"role": "tool", "tool_call_id": item["call_id"],
+                    "content": _text(item.get("output", ""), f"{where}.output")})
+    elif kind not in _SKIPPED_ITEMS:
+        raise _bad(f"{where}.type {json.dumps(kind)} is not supported here", where)
 
 
 def _functions(tools: Any) -> list[dict[str, Any]]:
@@ -145,7 +150,7 @@ def _format(body: dict[str, Any]) -> Any:
         return {"type": "object"}
     if fmt.get("type") == "json_schema":
         spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
-        return _json_schema({"type": "json_schema", "json_schema": spec})
+        return json_schema({"type": "json_schema", "json_schema": spec})
     raise _bad("'text.format.type' must be text, json_object or json_schema", "text.format")
 
 
@@ -261,122 +266,121 @@ async def create(request: Request) -> Response:
             params = engine.defaults.params(parsed.sampling)
         except InvalidRequest as exc:
             raise ApiError(400, public_error(str(exc)), exc.field, exc.code) from None
-        handles = await submit_choices(engine, parsed.messages, params, 1, None,
-                                       tools=parsed.tools, split_reasoning=True,
-                                       fit_max_tokens=True)
+        handles = await submit(engine, parsed.messages, params, tools=parsed.tools,
+                               split_reasoning=True, fit_max_tokens=True)
+        envelope = parsed.envelope(_new("resp"), model, "in_progress")
+        if parsed.stream:
+            return stream(request, handles, ResponseEncoder(parsed, envelope, storage))
+        choice: Choice = (await finished(request, handles))[0]
     except ApiError as exc:
-        return exc.response()
-    envelope = parsed.envelope(_new("resp"), model, "in_progress")
-    if parsed.stream:
-        return sse_response(_stream(request, handles, parsed, envelope))
-    async with watched(request, handles):
-        choice: Choice = (await collect_choices(handles))[0]
+        return exc.response(request.url.path)
     final = choice.final
-    if final is None or final.finish_reason == "failed":
-        return api_error(500, public_error(final.error if final else None), "server_error",
-                         "generation_failed")
     items = _items("".join(choice.reasoning), "".join(choice.content), final)
     return JSONResponse(parsed.finish(envelope, items, final, storage))
 
 
-async def _stream(request: Request, handles: list, parsed: _Request,
-                  envelope: dict[str, Any]) -> AsyncIterator[str]:
-    """OpenAI's Responses stream events, each with its `event:` line and sequence number."""
-    seq = 0
+class ResponseEncoder:
+    """OpenAI's Responses stream events, each with its `event:` line and sequence number: created,
+    in_progress, output items (reasoning, message, function calls) with their deltas, then always
+    `response.completed` (the response's own status says "incomplete" when the limit cut it: the
+    SDK's stream helper and Codex wait for that event alone), or `response.failed`."""
 
-    def event(kind: str, **payload: Any) -> str:
-        nonlocal seq
-        seq += 1
-        return sse(json.dumps({"type": kind, "sequence_number": seq, **payload},
+    def __init__(self, parsed: _Request, envelope: dict[str, Any], storage: Any) -> None:
+        self.parsed, self.envelope, self.storage = parsed, envelope, storage
+        self.seq = 0
+        self.items: list[dict[str, Any]] = []
+        self.current: dict[str, Any] | None = None  # the item being streamed: reasoning or message
+        self.texts: list[str] = []
+
+    def _event(self, kind: str, **payload: Any) -> str:
+        self.seq += 1
+        return sse(json.dumps({"type": kind, "sequence_number": self.seq, **payload},
                               ensure_ascii=False), event=kind)
 
-    yield event("response.created", response=envelope)
-    yield event("response.in_progress", response=envelope)
-    items: list[dict[str, Any]] = []
-    current: dict[str, Any] | None = None  # the item being streamed: reasoning or message
-    texts: list[str] = []
-
-    def close() -> list[str]:
-        nonlocal current
+    def _close(self) -> list[str]:
+        current = self.current
         if current is None:
             return []
-        index, text = len(items) - 1, "".join(texts)
+        index, text = len(self.items) - 1, "".join(self.texts)
         if current["type"] == "reasoning":
             current["content"] = [{"type": "reasoning_text", "text": text}]
-            out = [event("response.reasoning_text.done", item_id=current["id"], output_index=index,
-                         content_index=0, text=text)]
+            out = [self._event("response.reasoning_text.done", item_id=current["id"],
+                               output_index=index, content_index=0, text=text)]
         else:
             part = {"type": "output_text", "text": text, "annotations": []}
             current["content"], current["status"] = [part], "completed"
-            out = [event("response.output_text.done", item_id=current["id"], output_index=index,
-                         content_index=0, text=text),
-                   event("response.content_part.done", item_id=current["id"], output_index=index,
-                         content_index=0, part=part)]
-        out.append(event("response.output_item.done", output_index=index, item=current))
-        current = None
-        texts.clear()
+            out = [self._event("response.output_text.done", item_id=current["id"],
+                               output_index=index, content_index=0, text=text),
+                   self._event("response.content_part.done", item_id=current["id"],
+                               output_index=index, content_index=0, part=part)]
+        out.append(self._event("response.output_item.done", output_index=index, item=current))
+        self.current = None
+        self.texts.clear()
         return out
 
-    def open_item(kind: str) -> list[str]:
-        nonlocal current
-        out = close()
+    def _open(self, kind: str) -> list[str]:
+        out = self._close()
         if kind == "reasoning":
             current = {"type": "reasoning", "id": _new("rs"), "summary": [], "content": []}
         else:
             current = {"type": "message", "id": _new("msg"), "status": "in_progress",
                        "role": "assistant", "content": []}
-        items.append(current)
-        index = len(items) - 1
-        out.append(event("response.output_item.added", output_index=index, item=current))
+        self.current = current
+        self.items.append(current)
+        index = len(self.items) - 1
+        out.append(self._event("response.output_item.added", output_index=index, item=current))
         if kind == "message":
-            out.append(event("response.content_part.added", item_id=current["id"],
-                             output_index=index, content_index=0,
-                             part={"type": "output_text", "text": "", "annotations": []}))
+            out.append(self._event("response.content_part.added", item_id=current["id"],
+                                   output_index=index, content_index=0,
+                                   part={"type": "output_text", "text": "", "annotations": []}))
         return out
 
-    async with watched(request, handles):
-        async for _, ev in merged(handles):
-            if ev.kind == "token":
-                if not ev.text:
-                    continue
-                kind = "reasoning" if ev.channel == "reasoning" else "message"
-                if current is None or current["type"] != kind:
-                    for line in open_item(kind):
-                        yield line
-                texts.append(ev.text)
-                name = "response.reasoning_text.delta" if kind == "reasoning" else \
-                    "response.output_text.delta"
-                yield event(name, item_id=current["id"], output_index=len(items) - 1,
-                            content_index=0, delta=ev.text)
-                continue
-            if ev.finish_reason == "failed":
-                for line in close():
-                    yield line
-                failed = {**envelope, "status": "failed", "output": items,
-                          "error": {"code": "server_error", "message": public_error(ev.error)}}
-                yield event("response.failed", response=failed)
-                return
-            if not items and not ev.tool_calls:
-                for line in open_item("message"):
-                    yield line
-            for line in close():
-                yield line
-            for call in ev.tool_calls:
-                item = {"type": "function_call", "id": _new("fc"), "call_id": call.id or _new("call"),
-                        "name": call.name, "arguments": "", "status": "in_progress"}
-                items.append(item)
-                index = len(items) - 1
-                yield event("response.output_item.added", output_index=index, item=item)
-                yield event("response.function_call_arguments.delta", item_id=item["id"],
-                            output_index=index, delta=call.arguments)
-                yield event("response.function_call_arguments.done", item_id=item["id"],
-                            output_index=index, arguments=call.arguments)
-                item.update(arguments=call.arguments, status="completed")
-                yield event("response.output_item.done", output_index=index, item=item)
-            done = parsed.finish(envelope, items, ev, request.app.state.storage)
-            # Always `response.completed` (the response's own status says "incomplete" when the
-            # limit cut it): the SDK's stream helper and Codex wait for that event alone.
-            yield event("response.completed", response=done)
+    def _function_call(self, call: Any) -> list[str]:
+        item = {"type": "function_call", "id": _new("fc"), "call_id": call.id or _new("call"),
+                "name": call.name, "arguments": "", "status": "in_progress"}
+        self.items.append(item)
+        index = len(self.items) - 1
+        out = [self._event("response.output_item.added", output_index=index, item=item),
+               self._event("response.function_call_arguments.delta", item_id=item["id"],
+                           output_index=index, delta=call.arguments),
+               self._event("response.function_call_arguments.done", item_id=item["id"],
+                           output_index=index, arguments=call.arguments)]
+        item.update(arguments=call.arguments, status="completed")
+        out.append(self._event("response.output_item.done", output_index=index, item=item))
+        return out
+
+    def opening(self) -> Iterable[str]:
+        return [self._event("response.created", response=self.envelope),
+                self._event("response.in_progress", response=self.envelope)]
+
+    def token(self, i: int, event: Event) -> Iterable[str]:
+        if not event.text:
+            return []
+        kind = "reasoning" if event.channel == "reasoning" else "message"
+        out = self._open(kind) if self.current is None or self.current["type"] != kind else []
+        self.texts.append(event.text)
+        name = "response.reasoning_text.delta" if kind == "reasoning" else \
+            "response.output_text.delta"
+        out.append(self._event(name, item_id=self.current["id"], output_index=len(self.items) - 1,
+                               content_index=0, delta=event.text))
+        return out
+
+    def failed(self, i: int, event: Event) -> Iterable[str]:
+        failed = {**self.envelope, "status": "failed", "output": self.items,
+                  "error": {"code": "server_error", "message": public_error(event.error)}}
+        return [*self._close(), self._event("response.failed", response=failed)]
+
+    def done(self, i: int, event: Event) -> Iterable[str]:
+        out = self._open("message") if not self.items and not event.tool_calls else []
+        out += self._close()
+        for call in event.tool_calls:
+            out += self._function_call(call)
+        done = self.parsed.finish(self.envelope, self.items, event, self.storage)
+        out.append(self._event("response.completed", response=done))
+        return out
+
+    def closing(self, finals: list[Event], complete: bool) -> Iterable[str]:
+        return []
 
 
 async def retrieve(request: Request) -> Response:

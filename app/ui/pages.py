@@ -9,10 +9,11 @@ from starlette.routing import Route
 
 from engine import DEFAULTABLE, PRESETS, Engine
 
-from .chat import SAMPLING_FIELDS, parse_settings_form, preset_settings, speculative_form
-from .storage import Conversation, Storage
-from .views import (conversation_of, current_id, message_views, models_context, not_found,
-                    parts, read_form, render, settings_context)
+from ..storage import Conversation, Storage
+from .picker import models_context
+from .settings import SAMPLING_FIELDS, parse_settings_form, preset_settings, speculative_form
+from .views import (conversation_of, current_id, message_views, not_found, parts, read_form,
+                    render, settings_context)
 
 async def index(request: Request) -> Response:
     storage, _ = parts(request)

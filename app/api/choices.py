@@ -17,8 +17,8 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 from engine import (EngineError, Event, RequestHandle, SamplingParams, TokenLogprob, ToolCall,
                     Usage)
 
-from .runs import Runs
-from .turns import start
+from ..runs import Runs
+from ..submission import start
 
 MAX_CHOICES = 8
 

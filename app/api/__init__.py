@@ -1,0 +1,17 @@
+"""The programmatic APIs, each an adapter over one serving core (app/api/serving.py, whose
+docstring is the contract an adapter follows):
+
+- `chat.py`: OpenAI `/v1/chat/completions`; `completions.py`: legacy `/v1/completions`;
+  `openai_request.py`, `response_format.py`, `tool_messages.py`: the OpenAI request parts they
+  share; `choices.py`: `n` choices and OpenAI's message/delta shapes.
+- `anthropic.py`: Anthropic Messages `/v1/messages`; `responses.py`: OpenAI Responses
+  `/v1/responses`; `ollama.py`: Ollama's `/api/*`.
+- `embeddings.py`: OpenAI `/v1/embeddings` (and the `embed` Ollama's `/api/embed` shares).
+- `models.py`: `/v1/models` and the model a request runs on; `health.py`: `/health`.
+- `errors.py`: `ApiError` (written in each protocol's shape, app/error_shapes.py).
+"""
+
+from . import anthropic, chat, completions, embeddings, health, models, ollama, responses
+
+routes = [*health.routes, *models.routes, *chat.routes, *completions.routes, *anthropic.routes,
+          *ollama.routes, *responses.routes, *embeddings.routes]

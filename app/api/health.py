@@ -1,0 +1,22 @@
+"""`/health`: whether the engine serves (ok, loading, failed: 503), which model, how many requests
+are generating, the device, and a sharded model's cluster."""
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from engine import device_report
+
+
+async def health(request: Request) -> JSONResponse:
+    engine = request.app.state.engine
+    status = "failed" if engine.halted else "ok" if engine.model_name else "loading"
+    cluster = getattr(request.app.state, "cluster", None)  # a sharded model (engine/distributed/)
+    return JSONResponse({"status": status, "model": engine.model_name,
+                         "generating": len(request.app.state.runs), "device": device_report(),
+                         **({"error": engine.halted} if engine.halted else {}),
+                         **({"distributed": cluster.health()} if cluster else {})},
+                        status_code=503 if engine.halted else 200)
+
+
+routes = [Route("/health", health)]

@@ -1,0 +1,136 @@
+"""The fields OpenAI's two generation endpoints (chat and legacy completions) read alike: typed
+fields, the model, the sampling options, `stop`, `n`, `stream` + `stream_options`, the chat
+messages, and the `usage` they answer with.
+
+Validation is strict and answers in OpenAI's error format, so clients show a useful message:
+wrong types, unknown fields and unsupported options are refused rather than silently ignored.
+Ranges of sampling values are checked once, by `SamplingParams`.
+"""
+
+import json
+import math
+from typing import Any
+
+from engine import SAMPLING_OPTIONS, Usage
+
+from .choices import MAX_CHOICES
+from .errors import ApiError
+from .tool_messages import tool_fields
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}
+# Every sampling option by its own name (max_tokens also as OpenAI's max_completion_tokens).
+SAMPLING = {o.name: o.kind for o in SAMPLING_OPTIONS}
+
+
+def typed(body: dict[str, Any], name: str, kind: type) -> Any:
+    """`body[name]` checked against `kind` (float accepts integers; bool is never a number)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is float:
+        ok = is_number and math.isfinite(value)
+        value = float(value) if ok else value
+    elif kind is int:
+        ok = is_number and isinstance(value, int)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        expected = {float: "a number", int: "an integer", bool: "a boolean", str: "a string",
+                    list: "an array", dict: "an object"}[kind]
+        raise ApiError(400, f"'{name}' must be {expected}, got {json.dumps(value)}", name,
+                       "invalid_type")
+    return value
+
+
+def check_model(body: dict[str, Any], model_name: str | None) -> None:
+    """The `model` field names the loaded model `model_name` or is absent."""
+    model = typed(body, "model", str)
+    if model is not None and model != model_name:
+        raise ApiError(404, f"The model '{model}' does not exist or is not loaded "
+                            f"(this server runs '{model_name}')", "model", "model_not_found")
+
+
+def sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """The `SamplingParams` fields the body sets by their own names, with `stop` (a string or an
+    array of strings) and `logit_bias`."""
+    sampling = {k: v for k, kind in SAMPLING.items() if (v := typed(body, k, kind)) is not None}
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise ApiError(400, "'stop' must be a string or an array of strings", "stop")
+        sampling["stop"] = tuple(stop)
+    if bias := typed(body, "logit_bias", dict):
+        sampling["logit_bias"] = bias
+    return sampling
+
+
+def choice_count(body: dict[str, Any]) -> int:
+    """`n`: how many choices to generate (1 by default, at most MAX_CHOICES)."""
+    n = typed(body, "n", int)
+    if n is not None and not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"'n' must be an integer in [1, {MAX_CHOICES}], got {n}", "n",
+                       "invalid_value")
+    return n or 1
+
+
+def stream_fields(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(`stream`, `stream_options.include_usage`)."""
+    stream = typed(body, "stream", bool) or False
+    options = typed(body, "stream_options", dict) or {}
+    if options and not stream:
+        raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
+    if set(options) - {"include_usage"} or not isinstance(options.get("include_usage", False), bool):
+        raise ApiError(400, "'stream_options' may only hold 'include_usage' (a boolean)",
+                       "stream_options")
+    return stream, bool(options.get("include_usage"))
+
+
+def _content(i: int, content: Any) -> str:
+    """A message's text: a string, or OpenAI's list of `{"type": "text", "text": ...}` parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content):
+        return "".join(p["text"] for p in content)
+    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts "
+                        "(images, audio and tool calls are not supported)", f"messages[{i}].content")
+
+
+def parse_messages(value: Any) -> list[dict[str, Any]]:
+    """OpenAI chat messages as engine messages (roles mapped, text joined, tool fields kept)."""
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, "'messages' must be a non-empty array", "messages")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}] must be an object", f"messages[{i}]")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got "
+                                f"{json.dumps(role)}", f"messages[{i}].role")
+        content = m.get("content")
+        if content is None and (m.get("tool_calls") or role == "tool"):
+            content = ""
+        out.append({"role": ROLES[role], "content": _content(i, content),
+                    **tool_fields(i, role, m)})
+    return out
+
+
+def usage_body(usage: Usage, stats: dict[str, Any] | None = None) -> dict[str, Any]:
+    """OpenAI's `usage`, with the `speculative` extension for requests that opted in."""
+    body = {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+    speculative = (stats or {}).get("speculative")
+    if speculative is not None:  # an extension, only for requests that opted in
+        body["speculative"] = {k: speculative[k] for k in (
+            "drafted", "accepted", "acceptance_rate", "tokens_per_target_step", "switched_off")}
+    return body

@@ -1,0 +1,290 @@
+"""The serving core every API protocol runs on; an adapter (one module per protocol) only parses
+its request and encodes the engine's events.
+
+The contract of an adapter (chat.py, completions.py, anthropic.py, responses.py, ollama.py,
+embeddings.py):
+
+1. Read the body with `read_body` (size checked by the middleware; depth and Unicode here; JSON
+   errors, nesting deeper than `MAX_DEPTH` and lone surrogates raise `ApiError` 400).
+2. Choose the model: `require_model` (strict, OpenAI: a name no local model has is a 404, and the
+   request is parsed before anything loads) or `use_named_model` (lenient, for clients that send
+   their own vendor's names, with `--model-alias`). Both switch the loaded model through the shared
+   model-switch service (app/model_switch.py) and answer 503 while none is loaded.
+3. Parse the request into engine messages (or a raw prompt) + `SamplingParams` + `ToolRequest`;
+   refuse bad input by raising `ApiError` (status, message, field, code).
+4. `submit` the engine requests (`n` choices; `fit_max_tokens=True` for clients that ask for more
+   than the context leaves, as Claude Code does: `Engine.submit` clamps `max_tokens` to the
+   context the prompt leaves); the engine's refusals become `ApiError`s (`engine_refusal`:
+   invalid input 400, an unknown model 404, `Overloaded` 429 with Retry-After, no model 503).
+   Embeddings submit through `Engine.embed` and answer whole.
+5. Answer whole (`finished`: every choice collected while a client that leaves cancels them; a
+   failed generation raises `ApiError` 500) or streamed (`stream`: the engine's events handed to
+   the adapter's `StreamEncoder`, whose lines go out as server-sent events, or NDJSON).
+6. Turn every `ApiError` into the protocol's error shape: `ApiError.response(path)` picks the shape
+   of the path's protocol from app/error_shapes.py, so an adapter declares its shape once there.
+
+The core never writes a protocol's wire format; the encoders never touch the engine's requests.
+"""
+
+import asyncio
+import contextlib
+import fnmatch
+import json
+import math
+from typing import Any, AsyncIterator, Iterable, Protocol, Sequence
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from engine import (EngineError, Event, InvalidRequest, ModelLoadError, Overloaded, RequestHandle,
+                    SamplingParams, SpeculativeOptions)
+
+from .choices import Choice, collect_choices, merged, start_choices, tracked
+from .errors import ApiError
+from .models import use_model
+
+# Deeper JSON is refused before anything walks it recursively (schemas, the chat template).
+MAX_DEPTH = 64
+# Bodies from this size on are parsed and checked off the event loop.
+INLINE_BODY_BYTES = 64 * 1024
+
+
+# --- the body -----------------------------------------------------------------------------------
+
+def load_body(raw: bytes) -> Any:
+    """The request body as JSON, checked for what would break later: nesting deeper than
+    MAX_DEPTH, and strings that are not valid Unicode (lone surrogates such as "\\ud800", which
+    JSON allows but UTF-8 cannot encode). Raises ApiError."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, f"the request body is nested more than {MAX_DEPTH} levels deep") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+    _check_json(body)
+    return body
+
+
+def _check_json(body: Any) -> None:
+    pending: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while pending:
+        value, where, depth = pending.pop()
+        if depth > MAX_DEPTH:
+            raise ApiError(400, f"the request body is nested more than {MAX_DEPTH} levels deep",
+                           where.split(".")[0].split("[")[0] or None)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, where)
+                pending.append((item, f"{where}.{key}" if where else key, depth + 1))
+        elif isinstance(value, list):
+            pending.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(value, where)
+
+
+def _check_text(text: str, where: str) -> None:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, f"{where or 'the request body'} holds a string that is not valid "
+                                "Unicode (a lone surrogate)", where or None,
+                           "invalid_value") from None
+
+
+async def read_body(request: Request) -> Any:
+    """The request's JSON body, checked (depth, Unicode); large bodies are parsed in a thread."""
+    raw = await request.body()
+    return load_body(raw) if len(raw) < INLINE_BODY_BYTES else await asyncio.to_thread(load_body, raw)
+
+
+# --- the model ----------------------------------------------------------------------------------
+
+def model_loading() -> ApiError:
+    """The 503 (with Retry-After) while no model is loaded."""
+    return ApiError(503, "a model is loading; try again shortly", type_="server_error",
+                    code="model_loading", headers={"Retry-After": "5"})
+
+
+async def require_model(request: Request, body: Any, check: Any = None) -> str:
+    """The name of the model that serves `body` under OpenAI's strict rules: its `model` field
+    names a local model (loaded first) or is absent (the loaded one). `check(body, name)` parses
+    the request against the named model before anything loads, so a bad request loads nothing.
+    Raises ApiError: 503 while no model is loaded, 404 for a name no local model has."""
+    engine = request.app.state.engine
+    if engine.model_name is None:
+        raise model_loading()
+    wanted = body.get("model") if isinstance(body, dict) else None
+    if isinstance(wanted, str) and wanted != engine.model_name:
+        if check is not None:  # off the event loop: parsing may compile tool schemas
+            await asyncio.to_thread(check, body, wanted)
+        await use_model(request, wanted)
+    return engine.model_name
+
+
+def parse_aliases(pairs: Sequence[str]) -> dict[str, str]:
+    """`NAME=MODEL` pairs (`--model-alias`) as a table; NAME may hold `*` wildcards
+    (`claude-*=qwen3-8b`). Raises ValueError naming a malformed pair."""
+    table = {}
+    for pair in pairs:
+        name, sep, model = pair.partition("=")
+        if not sep or not name.strip() or not model.strip():
+            raise ValueError(f"--model-alias takes NAME=MODEL, got {pair!r}")
+        table[name.strip()] = model.strip()
+    return table
+
+
+def aliased(aliases: dict[str, str], name: str) -> str:
+    """The model `name` stands for in the alias table (exact names first, then patterns)."""
+    if name in aliases:
+        return aliases[name]
+    return next((m for pattern, m in aliases.items() if fnmatch.fnmatchcase(name, pattern)), name)
+
+
+async def use_named_model(request: Request, name: Any) -> str:
+    """Load the model a lenient client names and return the name that serves it: an alias
+    (`--model-alias`), or a local model's own name, loads that model; any other name (Claude Code's
+    `claude-*`, Codex's `gpt-*`) runs on the loaded model. Raises ApiError (503) while none is
+    loaded."""
+    engine = request.app.state.engine
+    if isinstance(name, str):
+        target = aliased(getattr(request.app.state, "aliases", {}), name)
+        if target != engine.model_name and target in {m.name for m in engine.list_models()}:
+            await use_model(request, target)
+    if engine.model_name is None:
+        raise model_loading()
+    return engine.model_name
+
+
+# --- the engine requests ------------------------------------------------------------------------
+
+def public_error(message: str | None) -> str:
+    """An engine failure as a client may see it: its first line only (a grammar engine's error
+    goes on with its internal state)."""
+    line = (message or "").strip().split("\n", 1)[0]
+    return line[:300] or "generation failed"
+
+
+def engine_param(exc: EngineError) -> str | None:
+    """The request parameter an engine error is about (JSON mode's schema is `response_format`)."""
+    return {"json_schema": "response_format", "logprobs": "top_logprobs"}.get(exc.field or "",
+                                                                              exc.field)
+
+
+async def submit(engine: Any, messages: list[dict[str, Any]] | None, params: SamplingParams,
+                 n: int = 1, speculative: SpeculativeOptions | None = None,
+                 **options: Any) -> list[RequestHandle]:
+    """The accepted engine requests of `n` choices (`options`: `tools`, `split_reasoning`,
+    `keep_alive`, or a raw `text`/`prompt_tokens` instead of `messages`); the engine's refusals
+    become ApiErrors (400 invalid, 429 overloaded, 503 no model)."""
+    try:
+        return await start_choices(engine, messages, params, n, speculative, **options)
+    except EngineError as exc:
+        raise engine_refusal(exc) from None
+
+
+def engine_refusal(exc: EngineError) -> ApiError:
+    """An engine's refusal as the client's error: invalid input 400 (an unknown model 404),
+    `Overloaded` 429 with Retry-After, a model that failed to load or none loaded 503."""
+    if isinstance(exc, InvalidRequest):
+        status = 404 if exc.code == "model_not_found" else 400
+        return ApiError(status, public_error(str(exc)), engine_param(exc), exc.code)
+    if isinstance(exc, Overloaded):
+        return ApiError(429, str(exc), type_="rate_limit_exceeded", code="rate_limit_exceeded",
+                        headers={"Retry-After": str(math.ceil(exc.retry_after))})
+    if isinstance(exc, ModelLoadError):
+        return ApiError(503, str(exc), "model", exc.code or "model_load_failed",
+                        type_="server_error")
+    return ApiError(503, str(exc), type_="server_error", code="model_unavailable")
+
+
+async def cancel_on_disconnect(request: Request, handles: Sequence[RequestHandle]) -> None:
+    """The body has been read, so the next ASGI message can only be the client leaving."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    for handle in handles:
+        handle.cancel()
+
+
+@contextlib.asynccontextmanager
+async def watched(request: Request, handles: Sequence[RequestHandle]) -> AsyncIterator[None]:
+    """While the block runs: the requests count in `/health`, and a client that leaves cancels
+    them (as does leaving the block early)."""
+    with tracked(request.app.state.runs, handles):
+        watcher = asyncio.create_task(cancel_on_disconnect(request, handles))
+        try:
+            yield
+        finally:
+            watcher.cancel()
+
+
+async def finished(request: Request, handles: Sequence[RequestHandle]) -> list[Choice]:
+    """Every choice once finished (a client that leaves cancels them); raises ApiError (500,
+    `generation_failed`) when one failed."""
+    async with watched(request, handles):
+        choices = await collect_choices(handles)
+    failed = next((c.final for c in choices if c.final is None or c.final.finish_reason == "failed"),
+                  False)
+    if failed is not False:
+        raise ApiError(500, public_error(failed.error if failed else None), type_="server_error",
+                       code="generation_failed")
+    return choices
+
+
+# --- streaming ----------------------------------------------------------------------------------
+
+class StreamEncoder(Protocol):
+    """A protocol's streamed wire format: each method returns the lines (server-sent events framed
+    by `app.sse.sse`, or NDJSON lines) for one step of the engine's events."""
+
+    def opening(self) -> Iterable[str]:
+        """Before any event (a role chunk, `message_start`...)."""
+        ...
+
+    def token(self, choice: int, event: Event) -> Iterable[str]:
+        """A token event of choice `choice` (text, reasoning, logprobs)."""
+        ...
+
+    def done(self, choice: int, event: Event) -> Iterable[str]:
+        """Choice `choice` finished (its finish reason, tool calls, usage)."""
+        ...
+
+    def failed(self, choice: int, event: Event) -> Iterable[str]:
+        """Choice `choice` failed mid-stream (the protocol's error event)."""
+        ...
+
+    def closing(self, finals: list[Event], complete: bool) -> Iterable[str]:
+        """After every choice ended; `complete` when none failed (usage, `[DONE]`)."""
+        ...
+
+
+async def stream_events(request: Request, handles: Sequence[RequestHandle],
+                        encoder: StreamEncoder) -> AsyncIterator[str]:
+    """The stream skeleton: the engine's events of every choice, as they come, handed to
+    `encoder`; the requests are watched (a client that leaves cancels them)."""
+    finals: list[Event] = []
+    failures = 0
+    async with watched(request, handles):
+        for line in encoder.opening():
+            yield line
+        async for i, event in merged(handles):
+            if event.kind == "token":
+                lines = encoder.token(i, event)
+            elif event.finish_reason == "failed":
+                failures += 1
+                lines = encoder.failed(i, event)
+            else:
+                finals.append(event)
+                lines = encoder.done(i, event)
+            for line in lines:
+                yield line
+        for line in encoder.closing(finals, complete=not failures and len(finals) == len(handles)):
+            yield line
+
+
+def stream(request: Request, handles: Sequence[RequestHandle], encoder: StreamEncoder,
+           media_type: str = "text/event-stream") -> StreamingResponse:
+    """The streamed answer: `encoder`'s lines as `media_type` (server-sent events unless the
+    protocol says otherwise: Ollama's `application/x-ndjson`), unbuffered."""
+    return StreamingResponse(stream_events(request, handles, encoder), media_type=media_type,
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

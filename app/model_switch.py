@@ -1,0 +1,47 @@
+"""The one model switch in progress, shared by the model picker (app/ui/picker.py) and the API
+(a request naming another local model loads it): `begin_switch` starts loading a model in a
+worker thread and `ModelSwitch` describes the load while it runs."""
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from engine import Engine, EngineError
+
+
+@dataclass
+class ModelSwitch:
+    """The one model load that may be in progress, shown in the model picker."""
+
+    name: str | None = None
+    stage: str = ""
+    started: float = 0.0
+    error: str | None = None
+    task: asyncio.Task | None = None
+
+    @property
+    def loading(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def describe(self) -> str:
+        return f"{self.stage.capitalize() or 'Loading'} {self.name}… {time.time() - self.started:.0f} s"
+
+
+def begin_switch(switch: ModelSwitch, engine: Engine, name: str) -> asyncio.Task:
+    """Start loading `name` as the picker's one model load; the task's result is the
+    EngineError that stopped it (also kept in `switch.error`), or None once loaded."""
+    switch.name, switch.stage, switch.started, switch.error = name, "", time.time(), None
+
+    def progress(stage: str) -> None:
+        switch.stage = stage
+
+    async def load() -> EngineError | None:
+        try:
+            await asyncio.to_thread(engine.switch_model, name, progress=progress)
+        except EngineError as exc:
+            switch.error = f"Could not load {name}: {exc}"
+            return exc
+        return None
+
+    switch.task = asyncio.create_task(load())
+    return switch.task

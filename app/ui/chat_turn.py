@@ -1,0 +1,201 @@
+"""One chat turn, run as rounds: `record` the user's side and the empty answer (or refuse with
+a notice), `stream` one round of the answer from the engine (saving it as it grows), `finalise`
+the answer with its statistics. MCP tool rounds will add rounds between stream and finalise.
+
+Whatever happens, every page of the conversation ends up with the turn's outcome, or a notice
+saying why there is none (`respond`)."""
+
+import asyncio
+import logging
+import sqlite3
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engine import EngineError, Event, RequestHandle, SamplingParams, SpeculativeOptions
+
+from ..markdown import render_markdown
+from ..storage import Conversation, Message, Storage
+from ..submission import start
+from .context_notice import prepare_send
+from .conversation_pages import Conversations
+from .prompt import answer_messages
+from .settings import sampling_params, speculative_options
+from .user_turn import record_user_turn
+from .views import message_views, render
+
+log = logging.getLogger(__name__)
+
+FLUSH_EVERY_S = 0.05  # coalesce tokens into one swap at most this often
+SAVE_EVERY_S = 1.0  # how much streamed text a crash can lose at most
+DELETED = "This conversation has been deleted."
+
+
+@dataclass
+class Generation:
+    """The answer a socket is generating: the task streaming it and, once submitted, its handle."""
+
+    task: asyncio.Task | None = None
+    handle: RequestHandle | None = None
+    stop_requested: bool = False
+
+    @property
+    def running(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def stop(self) -> None:
+        self.stop_requested = True
+        if self.handle is not None:
+            self.handle.cancel()
+
+
+class Refused(Exception):
+    """A turn that could not start; its message is shown to the user."""
+
+
+@dataclass
+class Recorded:
+    """A turn once recorded: the conversation, the empty answer, how it is sampled, and the
+    HTML that opens it on every page."""
+
+    conv: Conversation
+    answer: Message
+    params: SamplingParams
+    speculative: SpeculativeOptions | None
+    opening: str
+
+
+@dataclass
+class Streamed:
+    """What one round of streaming gave: the text, and the final event or the error."""
+
+    text: str = ""
+    final: Event | None = None
+    error: str | None = None
+
+
+def _idle() -> str:
+    return render("_composer_actions.html", generating=False, oob=True)
+
+
+async def respond(app: Any, cid: int, action: str, data: dict[str, Any], gen: Generation) -> None:
+    """One turn in conversation `cid`, its outcome (or the reason there is none) sent to every
+    page of the conversation."""
+    pages: Conversations = app.state.conversations
+    try:
+        turn = await record(app, cid, action, data)
+        if isinstance(turn, str):  # too long for the context: nothing is recorded, the user chooses
+            await pages.send(cid, turn + _idle())
+            return
+        await pages.send(cid, turn.opening)
+        streamed = await stream(app, turn, gen)
+        await finalise(app, turn, streamed)
+    except Refused as exc:
+        await pages.send(cid, render("_notice.html", text=str(exc)) + _idle())
+    except Exception as exc:  # noqa: BLE001 - shown to the user instead of vanishing
+        log.exception("a chat turn failed")
+        await pages.send(cid, render("_notice.html", text=f"The answer failed: {exc}") + _idle())
+    finally:
+        pages.release(cid, gen)
+
+
+async def record(app: Any, cid: int, action: str, data: dict[str, Any]) -> Recorded | str:
+    """The user's side and the empty answer, recorded; or the context notice to show instead
+    (nothing recorded). Raises Refused."""
+    storage, engine = app.state.storage, app.state.engine
+    conv = storage.get_conversation(cid)
+    if conv is None:
+        raise Refused(DELETED)
+    title = conv.title
+    try:
+        params = sampling_params(conv.settings, engine.defaults)
+        conv, overflow_notice = await asyncio.to_thread(prepare_send, engine, storage, conv, action,
+                                                        data, params.max_tokens)
+        if overflow_notice:
+            return overflow_notice
+        turn = record_user_turn(storage, conv, action, data)
+        speculative = speculative_options(conv.settings)
+    except (ValueError, EngineError) as exc:
+        raise Refused(str(exc)) from None
+    except sqlite3.IntegrityError:  # deleted meanwhile
+        raise Refused(DELETED) from None
+    answer = storage.add_message(cid, turn.parent_id, "assistant", "", state="streaming",
+                                 model=engine.model_name, sampling=params.to_dict())
+    storage.update_conversation(cid, model=engine.model_name)  # the model it last talked to
+    views = message_views(storage, storage.active_path(cid))
+    if turn.rerender:
+        opening = render("_messages.html", conv=conv, views=views, oob=True)
+    else:
+        opening = render("_append.html", conv=conv, views=views[-2:], first=len(views) == 2)
+    conv = storage.get_conversation(cid)
+    if conv.title != title:  # the first message named the conversation
+        opening += render("_title.html", title=conv.title, oob=True)
+        opening += render("_conversation_list.html", conversations=storage.list_conversations(),
+                          current_id=cid, q="", oob=True)
+    opening += render("_composer_actions.html", generating=True, oob=True)
+    return Recorded(conv, answer, params, speculative, opening)
+
+
+async def stream(app: Any, turn: Recorded, gen: Generation) -> Streamed:
+    """One round: the answer generated, each piece sent to the conversation's pages as it grows
+    and saved every SAVE_EVERY_S; saved as it ended whatever happens (`finish`)."""
+    storage, engine = app.state.storage, app.state.engine
+    pages: Conversations = app.state.conversations
+    cid, mid = turn.conv.id, turn.answer.id
+    out = Streamed()
+    try:
+        path = storage.active_path(cid)
+        messages = await asyncio.to_thread(answer_messages, engine, turn.conv.settings, path[:-1],
+                                           turn.params.max_tokens)
+        gen.handle = await start(engine, messages, turn.params, turn.speculative)
+        if gen.stop_requested:  # Stop pressed before the request existed
+            gen.handle.cancel()
+        with app.state.runs.track(gen.handle):
+            last_flush = last_save = time.monotonic()
+            async for event in gen.handle.stream():
+                if event.kind == "done":
+                    out.final = event
+                    break
+                out.text += event.text
+                now = time.monotonic()
+                if now - last_save >= SAVE_EVERY_S:
+                    storage.save_partial(mid, out.text)
+                    last_save = now
+                if now - last_flush >= FLUSH_EVERY_S:
+                    await pages.send(cid, render("_answer_body.html", mid=mid,
+                                                 html=render_markdown(out.text)))
+                    last_flush = now
+    except EngineError as exc:
+        out.error = str(exc)
+    finally:
+        finish(storage, mid, out)
+    return out
+
+
+async def finalise(app: Any, turn: Recorded, streamed: Streamed) -> None:
+    """The finished answer, with its statistics, on every page; the composer idle again."""
+    storage, cid = app.state.storage, turn.conv.id
+    views = message_views(storage, storage.active_path(cid))
+    if storage.get_conversation(cid) is None or not views:
+        raise Refused(DELETED)
+    await app.state.conversations.send(
+        cid, render("_message.html", conv=turn.conv, v=views[-1], oob=True) + _idle()
+        + render("_notice.html", text=""))  # "still answering" is over
+
+
+def finish(storage: Storage, mid: int, streamed: Streamed) -> None:
+    """Save the answer as it ended: done, stopped or failed, with its statistics."""
+    final, text, error = streamed.final, streamed.text, streamed.error
+    if final is None:
+        storage.finish_message(mid, text, "failed" if error else "stopped",
+                               finish_reason="failed" if error else "cancelled", error=error)
+        return
+    reason = final.finish_reason
+    state = {"cancelled": "stopped", "failed": "failed"}.get(reason, "done")
+    t = final.timings
+    storage.finish_message(
+        mid, text, state, finish_reason=reason, error=final.error,
+        ttft_ms=t.ttft_s * 1000 if t.ttft_s is not None else None, tokens_per_s=t.tokens_per_s,
+        prompt_tokens=final.usage.prompt_tokens, completion_tokens=final.usage.completion_tokens,
+        cached_tokens=final.usage.cached_tokens, speculative=final.stats.get("speculative"),
+    )
