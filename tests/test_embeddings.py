@@ -222,3 +222,18 @@ def test_model_alias_names_the_embedding_model(tmp_path, chat_lm, embedder_folde
     assert got.model == embedder_folder.name
     want = reference(embedder_folder, TEXTS[:1], "last")[0]
     assert np.abs(np.array(got.data[0].embedding) - want).max() < TOL
+
+
+def test_the_loaded_model_lists_its_capabilities(tmp_path):
+    """`/v1/models` marks what the loaded model can do, embedding included (mean pooling)."""
+    import httpx
+
+    from live_server import engine_serving
+    from tiny_models import tiny_llama
+
+    lm = tiny_llama()
+    with engine_serving(tmp_path, lm) as s:
+        listed = httpx.get(f"{s.url}/v1/models").json()["data"]
+        loaded = next(m for m in listed if m["id"] == lm.name)
+        assert {"completion", "embedding"} <= set(loaded["capabilities"])
+        assert httpx.get(f"{s.url}/v1/models/{lm.name}").json()["capabilities"] == loaded["capabilities"]

@@ -31,11 +31,16 @@ def local_models(engine: Engine) -> list[ModelInfo]:
     return sorted(found, key=lambda m: m.name != engine.model_name)
 
 
-def model_object(model: ModelInfo) -> dict[str, Any]:
-    """A model as OpenAI's `/v1/models` describes one; `created` is when its files were written."""
+def model_object(model: ModelInfo, engine: Engine | None = None) -> dict[str, Any]:
+    """A model as OpenAI's `/v1/models` describes one; `created` is when its files were written.
+    The loaded model also says what it can do (`capabilities`, an extension: completion, tools,
+    thinking, embedding — engine.loading.registry.CAPABILITIES)."""
     path = Path(model.path) if model.path else None
     created = int(path.stat().st_mtime) if path is not None and path.exists() else STARTED
-    return {"id": model.name, "object": "model", "created": created, "owned_by": "mlxchat"}
+    out = {"id": model.name, "object": "model", "created": created, "owned_by": "mlxchat"}
+    if engine is not None and engine.model is not None and model.name == engine.model_name:
+        out["capabilities"] = list(engine.model.capabilities)
+    return out
 
 
 def find_model(engine: Engine, name: str) -> ModelInfo:
@@ -81,7 +86,8 @@ def _load_failed(name: str, exc: Exception) -> ApiError:
 
 async def list_models(request: Request) -> JSONResponse:
     """Every local model, the loaded one first: a request naming any of them loads it."""
-    data = [model_object(m) for m in local_models(request.app.state.engine)]
+    engine = request.app.state.engine
+    data = [model_object(m, engine) for m in local_models(engine)]
     return JSONResponse({"object": "list", "data": data})
 
 
@@ -91,7 +97,7 @@ async def retrieve_model(request: Request) -> JSONResponse:
         model = find_model(request.app.state.engine, request.path_params["model"])
     except ApiError as exc:
         return exc.response(request.url.path)
-    return JSONResponse(model_object(model))
+    return JSONResponse(model_object(model, request.app.state.engine))
 
 
 routes = [
