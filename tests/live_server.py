@@ -46,6 +46,17 @@ def wait_healthy(url: str, timeout: float = START_TIMEOUT_S, alive=lambda: True)
     raise TimeoutError(f"no healthy server at {url} after {timeout} s")
 
 
+def wait_idle(url: str, timeout: float = 60) -> float:
+    """Seconds until the server at `url` reports no generation running (`/health`'s
+    `generating`); raises AssertionError after `timeout`."""
+    start = time.time()
+    while time.time() - start < timeout:
+        if httpx.get(f"{url}/health").json()["generating"] == 0:
+            return time.time() - start
+        time.sleep(0.05)
+    raise AssertionError(f"generations still running after {timeout} s")
+
+
 def app_home(path: Path) -> Path:
     """An MLXCHAT_HOME with an empty data dir and the shared model cache."""
     path.mkdir(parents=True, exist_ok=True)

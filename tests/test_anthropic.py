@@ -11,7 +11,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from live_server import engine_serving
+from live_server import engine_serving, wait_idle
 from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.fast
@@ -43,15 +43,6 @@ def ask(text: str = "Hello there", **fields) -> dict:
     return {"model": "claude-sonnet-4-5", "max_tokens": 8,
             "messages": [{"role": "user", "content": text}],
             "extra_body": {"temperature": 0}, **fields}
-
-
-def idle(server, timeout: float = 30) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if httpx.get(f"{server.url}/health").json()["generating"] == 0:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_create_answers_in_anthropic_shape(client, server):
@@ -214,7 +205,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(server):
         for line in r.iter_lines():
             if "text_delta" in line:
                 break
-    assert idle(server)
+    wait_idle(server.url)
 
 
 def test_overload_surfaces_as_the_sdks_rate_limit_error(tmp_path):

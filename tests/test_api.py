@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from app.server import create_app
-from live_server import ThreadedServer, openai_client
+from live_server import ThreadedServer, openai_client, wait_idle
 
 MODEL = "smollm2-135m-instruct"
 HELLO = [{"role": "user", "content": "Say hello."}]
@@ -43,16 +43,6 @@ def idle(request):
     wait_idle(server.url)
     yield
     wait_idle(server.url)
-
-
-def wait_idle(url: str, timeout: float = 30) -> float:
-    """Seconds until /health reports no generation running."""
-    start = time.time()
-    while time.time() - start < timeout:
-        if httpx.get(f"{url}/health").json()["generating"] == 0:
-            return time.time() - start
-        time.sleep(0.05)
-    raise AssertionError(f"generations still running after {timeout} s")
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from live_server import engine_serving, frames_until, ws_url
+from live_server import engine_serving, frames_until, ws_url, wait_idle
 from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.fast
@@ -41,22 +41,13 @@ def chat(server, chars: int, **fields) -> dict:
             "messages": [{"role": "user", "content": long_text(chars)}], **fields}
 
 
-def idle(server, timeout: float = 60) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if httpx.get(f"{server.url}/health").json()["generating"] == 0:
-            return True
-        time.sleep(0.1)
-    return False
-
-
 @pytest.mark.parametrize("chars", SIZES)
 def test_a_long_prompt_is_answered(server, chars):
     r = httpx.post(f"{server.url}/v1/chat/completions", json=chat(server, chars), timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] > chars // 8
     assert r.json()["choices"][0]["finish_reason"] == "length"
-    assert idle(server)
+    wait_idle(server.url)
 
 
 def test_a_long_prompt_is_answered_streamed_and_as_a_completion(server):
@@ -71,7 +62,7 @@ def test_a_long_prompt_is_answered_streamed_and_as_a_completion(server):
                    json={"model": server.model, "prompt": long_text(25_000), "max_tokens": 3})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["finish_reason"] == "length"
-    assert idle(server)
+    wait_idle(server.url)
 
 
 def test_leaving_a_long_streamed_prompt_stops_it(server):
@@ -80,7 +71,7 @@ def test_leaving_a_long_streamed_prompt_stops_it(server):
         for line in s.iter_lines():
             if line.startswith("data: "):  # the request is admitted; now the client leaves
                 break
-    assert idle(server), "the request kept running after its client left"
+    wait_idle(server.url)
 
 
 def test_a_conversation_past_20000_characters_keeps_answering_and_stops(server):
@@ -106,7 +97,7 @@ def test_a_conversation_past_20000_characters_keeps_answering_and_stops(server):
         frames_until(ws, 'id="send"')
     last = server.storage.active_path(cid)[-1]
     assert last.role == "assistant" and last.state != "streaming"
-    assert idle(server)
+    wait_idle(server.url)
 
 
 # --- H2: keep_alive of any size, and a scheduler that cannot die silently ------------------------
