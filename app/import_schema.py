@@ -116,7 +116,7 @@ def validated(data: dict[str, Any]) -> dict[str, Any]:
         where = ".".join(str(p) for p in first["loc"]) or "the file"
         raise ValueError(f"{where}: {first['msg']}") from None
     out = conv.model_dump(exclude={"messages", "settings"})
-    out["settings"] = conv.settings.model_dump(exclude_none=True) if conv.settings else {}
+    out["settings"] = conv.settings.model_dump(exclude_unset=True) if conv.settings else {}  # as sent
     out["messages"] = [m.model_dump() for m in conv.messages]
     return out
 

@@ -2,6 +2,7 @@
 own generation on the converted folder as loaded (4-bit weights, fp16 scales), and a build that
 cannot load leaves the app answering on the fp32 layout, with one warning that names the fix."""
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -86,7 +87,10 @@ def test_a_build_that_cannot_load_falls_back_with_one_warning(lm, tmp_path):
     broken = Path(key.stdout.strip())
     broken.mkdir(parents=True)
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    (broken / f"_mlxchat_kernels{suffix}").write_bytes(b"built for mlx 0.0.1")
+    module = broken / f"_mlxchat_kernels{suffix}"
+    module.write_bytes(b"built for mlx 0.0.1")
+    # its digest as a build records it: the module is intact, and only loading it fails
+    module.with_name(module.name + ".sha256").write_text(hashlib.sha256(module.read_bytes()).hexdigest())
     out = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], env=env, capture_output=True,
                          text=True, timeout=500, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
