@@ -223,6 +223,8 @@ def test_the_model_picker_downloads_with_progress_and_deletes(hub, tmp_path):
         assert 'hx-confirm="Delete test/tiny' in done  # deleting asks first
         r = http.post("/models/delete", data={"name": "test/tiny"})
         assert "Deleted test/tiny." in r.text and ">test/tiny<" not in r.text
+        r = http.post("/models/switch", data={"name": engine.model_name})  # the picker again
+        assert r.status_code == 200 and "Deleted test/tiny." not in r.text  # a notice shows once
         r = http.post("/models/download", data={"spec": "test/missing"})
         with http.stream("GET", "/models/download/progress") as events:
             text = "".join(events.iter_lines())

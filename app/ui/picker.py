@@ -2,6 +2,7 @@
 one, with progress sent as server-sent events."""
 
 import asyncio
+import copy
 import threading
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
@@ -133,13 +134,21 @@ async def delete_model(request: Request) -> Response:
     return HTMLResponse(render("_models.html", **models_context(request)))
 
 
+def _shown_once(download: ModelDownload) -> ModelDownload:
+    """The download as this render shows it; its finished or error notice is then cleared, so a
+    notice ("Deleted x.", "Downloaded x.", an error) shows once and never again on later renders."""
+    if download.active:
+        return download
+    shown = copy.copy(download)
+    download.error = download.finished = None
+    return shown
 
 
 def models_context(request: Request) -> dict[str, Any]:
     engine = request.app.state.engine
     cluster = getattr(request.app.state, "cluster", None)  # a sharded model (engine/distributed/)
     return {"models": engine.list_models(), "current_model": engine.model_name,
-            "switch": request.app.state.switch, "download": download_state(request),
+            "switch": request.app.state.switch, "download": _shown_once(download_state(request)),
             "resident": engine.status().resident,
             "sharded_over": cluster.health()["world_size"] if cluster else None}
 
