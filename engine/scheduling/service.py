@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from .batch import DecodeBatch, can_prefill_together, prefill_together
+from .prefill_policy import tick_budget
 from ..decoding.drafts import SpeculativeOptions, SpeculatorFactory, check_draft
 from ..device import memory_budget as device_memory_budget
 from ..errors import EngineError, InvalidRequest, Overloaded
@@ -45,11 +46,6 @@ log = logging.getLogger(__name__)
 SWITCH_INTERVAL_S = 2e-4
 # The idle scheduler re-checks at least this often (a wait must stay under threading.TIMEOUT_MAX).
 WAIT_MAX_S = 3600.0
-# Prompt tokens prefilled per tick, in prefill chunks: one while requests decode (each tick of
-# prefill delays their next token), more while nothing decodes, so that requests arriving
-# together start together and the batch runs full from its first step.
-PREFILL_CHUNKS_DECODING = 1
-PREFILL_CHUNKS_IDLE = 4
 # Requests submitted together (parallel calls of one client, a burst of streams) start together:
 # an idle engine admits its first request once no other has arrived for ADMIT_QUIET_S, waiting at
 # most ADMIT_WAIT_S, so that the burst prefills in shared calls and decodes as one batch.
@@ -79,7 +75,7 @@ class Engine:
     (engine/scheduling/draft_loader.py).
 
     Each scheduler tick prefills up to a budget of prompt tokens (oldest request first, short
-    prompts that wait together in shared model calls; see PREFILL_CHUNKS_*), runs the solo steps
+    prompts that wait together in shared model calls; engine/scheduling/prefill_policy.py), runs the solo steps
     that cannot be batched (cancellations, speculative decoding, a lone decoder) and one batched
     decode step for every other decoding request (engine/scheduling/batch.py).
     """
@@ -543,7 +539,8 @@ class Engine:
         prefilling = [h for h in solo if h.generation.in_prefill and not h.cancel_requested]
         decoding = len(prefilling) < len(running)
         if prefilling:
-            self._prefill(prefilling, PREFILL_CHUNKS_DECODING if decoding else PREFILL_CHUNKS_IDLE)
+            chunk = prefilling[0].generation.prefill_chunk
+            self._prefill(prefilling, tick_budget(chunk, decoding), chunk)
         for h in solo:
             if h not in prefilling:
                 self._step(h)
@@ -590,12 +587,11 @@ class Engine:
         for gen, outcome in results:
             self._advance(by_gen[id(gen)], outcome)
 
-    def _prefill(self, prefilling: list[RequestHandle], chunks: int) -> None:
-        """Prefill within `chunks` prefill chunks' worth of prompt tokens, oldest prompts first:
-        the prompts that can share a model call in calls of several (`_prefill_together`), the
-        others each in its own calls, finishing one before starting the next."""
-        chunk = prefilling[0].generation.prefill_chunk
-        budget = chunks * chunk
+    def _prefill(self, prefilling: list[RequestHandle], budget: int, chunk: int) -> None:
+        """Prefill within `budget` prompt tokens (engine/scheduling/prefill_policy.py), oldest
+        prompts first: the prompts that can share a model call in calls of several
+        (`_prefill_together`, at most `chunk` tokens a call), the others each in its own calls,
+        finishing one before starting the next."""
         if self.batching:
             budget = self._prefill_together(prefilling, budget, chunk)
         for h in prefilling:
