@@ -538,14 +538,32 @@ class Engine:
         solo = self._regroup(running)
         prefilling = [h for h in solo if h.generation.in_prefill and not h.cancel_requested]
         decoding = len(prefilling) < len(running)
+        rider = None
         if prefilling:
             chunk = prefilling[0].generation.prefill_chunk
-            self._prefill(prefilling, tick_budget(chunk, decoding), chunk)
+            budget = tick_budget(chunk, decoding)
+            rider = self._rider(prefilling[0], budget) if decoding else None
+            if rider is None:
+                self._prefill(prefilling, budget, chunk)
         for h in solo:
             if h not in prefilling:
                 self._step(h)
         if len(self.slot.batch):
-            self._step_batch(running)
+            self._step_batch(running, rider)
+
+    def _rider(self, handle: RequestHandle, budget: int) -> tuple[Generation, list[int]] | None:
+        """The oldest waiting prompt's next chunk (at most `budget` tokens), to ride in the batch's
+        step (a mixed step: engine/decoding/mixed.py), or None when it cannot (no batch, a model or
+        cache the mixed step does not know, batching off): then it prefills in calls of its own."""
+        batch, gen = self.slot.batch, handle.generation
+        if not (self.batching and batch is not None and batch.mixed and len(batch)) or gen.done:
+            return None
+        try:
+            tokens = gen.prefill_input(budget, with_last=gen.last_with_chunk)
+        except Exception as exc:  # e.g. its prefix-cache fetch: this request fails alone
+            self._advance(handle, exc)
+            return None
+        return (gen, tokens) if batch.can_carry(gen) else None
 
     def _regroup(self, running: list[RequestHandle]) -> list[RequestHandle]:
         """Move the decoders that can share the batched step into the batch and the others out of
@@ -571,15 +589,16 @@ class Engine:
             batch.join(joining)
         return solo
 
-    def _step_batch(self, running: list[RequestHandle]) -> None:
-        """One batched decode step; a failing shared model call fails every row, and the engine
-        serves on with a fresh batch."""
+    def _step_batch(self, running: list[RequestHandle],
+                    rider: tuple[Generation, list[int]] | None = None) -> None:
+        """One batched decode step (carrying `rider`'s prefill chunk, if any); a failing shared
+        model call fails every row and the rider, and the engine serves on with a fresh batch."""
         batch = self.slot.batch
         by_gen = {id(h.generation): h for h in running}
         try:
-            results = batch.step()
+            results = batch.step(rider)
         except Exception as exc:  # the shared model call: every row fails, the engine serves on
-            results = [(gen, exc) for gen in batch.rows]
+            results = [(gen, exc) for gen in batch.rows + ([rider[0]] if rider else [])]
             self.slot.batch = DecodeBatch(batch.model, batch.caches)
         finished = [gen for gen, _ in results if gen.done and gen in self.slot.batch]
         if finished:
