@@ -206,8 +206,9 @@ def interfere_once(svc: common.EngineService, lm, streams: int, long_prompt: int
 def part_interfere(lm, svc: common.EngineService, streams: int, long_prompt: int, budgets: list,
                    reps: int, warm_tokens: int = 32) -> dict:
     """The interference row for each prefill budget of `budgets` (engine/scheduling/
-    prefill_policy.py DECODING_TOKENS; "chunk": one prefill chunk per tick), interleaved with the
-    same prompt's time to first token on the idle engine and mlx-lm's prefill of it."""
+    prefill_policy.py DECODING_TOKENS; "chunk": one prefill chunk per tick; "alt" before it: with
+    mixed steps off, the chunks in calls of their own), interleaved with the same prompt's time to
+    first token on the idle engine and mlx-lm's prefill of it."""
     from engine.device import backend
     from engine.scheduling import prefill_policy
 
@@ -217,11 +218,17 @@ def part_interfere(lm, svc: common.EngineService, streams: int, long_prompt: int
     sides = {}
     for b in budgets:
         def run(b=b) -> dict:
-            prefill_policy.DECODING_TOKENS[backend()] = None if b == "chunk" else int(b)
+            alternate = b.startswith("alt")  # mixed steps off: chunks in calls of their own
+            tokens = b[3:] if alternate else b
+            prefill_policy.DECODING_TOKENS[backend()] = None if tokens == "chunk" else int(tokens)
+            batch = svc.engine.slot.batch
+            mixed, batch.mixed = batch.mixed, batch.mixed and not alternate
             try:
-                return interfere_once(svc, lm, streams, long_prompt, warm_tokens, seed=300)
+                return {**interfere_once(svc, lm, streams, long_prompt, warm_tokens, seed=300),
+                        "mixed_steps": batch.mixed}
             finally:
                 prefill_policy.DECODING_TOKENS.update(saved)
+                batch.mixed = mixed
         sides[f"budget_{b}"] = run
     sides["idle"] = lambda: {"ttft_s": svc.stream(long_ids, 2)["ttft_s"]}
     sides["mlx_prefill"] = lambda: {"ttft_s": common.mlx_lm_stream(lm, long_ids, 2)["ttft_s"]}

@@ -6,8 +6,8 @@ cancelled | failed`, recorded with the time of each transition, and always ends 
 `done` event, whatever happens inside. `submit` never waits: a speculative request whose draft is
 not loaded yet starts in `loading_draft` while a loader thread loads it (one draft at a time, and
 one kept per engine: every spelling of a model is one draft) and the scheduler serves the others.
-Admission is bounded (running + queued caps, and the memory budget for the model caches the
-admitted requests may grow to); requests that decode at the same time share one model call per
+Admission is by memory (the model-cache bytes each admitted request may grow to, within the
+memory budget; a running cap only if asked, and a queue cap); requests that decode at the same time share one model call per
 step (engine/scheduling/batch.py).
 """
 
@@ -51,6 +51,9 @@ WAIT_MAX_S = 3600.0
 # most ADMIT_WAIT_S, so that the burst prefills in shared calls and decodes as one batch.
 ADMIT_QUIET_S = 5e-4
 ADMIT_WAIT_S = 5e-3
+# Admitted by memory (no `max_running`), at most this many requests run at once: a batched step's
+# host work grows with its rows (bench.concurrency_step: 32 rows on the H200 still gained).
+MAX_RUNNING_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -80,18 +83,22 @@ class Engine:
     decode step for every other decoding request (engine/scheduling/batch.py).
     """
 
-    def __init__(self, model: str | None = None, *, max_running: int = 4, max_queued: int = 8,
+    def __init__(self, model: str | None = None, *, max_running: int | None = None, max_queued: int = 8,
                  fallback_to_default: bool = False, prefix_cache: bool = True,
                  persist_prefix_cache: bool = False,
                  load: Callable[..., LoadedModel] = load_model, batching: bool = True,
                  memory_budget: int | None = None,
                  keep_alive: float | str | None = DEFAULT_KEEP_ALIVE_S, speculation: bool = True):
-        """`keep_alive`: unload the model's weights after it has been idle this long (seconds or
-        a duration such as "30m"; None or negative: never); the next request reloads them.
-        `speculation=False` refuses speculative requests (a sharded model)."""
+        """`max_running`: None admits requests by memory: they run together (one batched step)
+        as long as the model-cache bytes each may grow to fit `memory_budget`, up to
+        MAX_RUNNING_ROWS; a number caps the requests running at once (`mlxchat serve
+        --max-running`). `max_queued`: requests waiting beyond those. `keep_alive`: unload the
+        model's weights after it has been idle this long (seconds or a duration such as "30m";
+        None or negative: never); the next request reloads them. `speculation=False` refuses
+        speculative requests (a sharded model)."""
         self.requested_model = model
         self.keep_alive = keep_alive_seconds(keep_alive)
-        self.max_running = max_running
+        self.max_running = max_running if max_running is not None else MAX_RUNNING_ROWS
         self.max_queued = max_queued
         self.batching = batching
         self.speculation = speculation  # off for a sharded model (engine/distributed/)
