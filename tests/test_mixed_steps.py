@@ -106,7 +106,7 @@ def test_prompts_riding_in_the_decode_steps_give_every_row_the_tokens_it_gets_al
     arrive and prefill in mixed steps of at most the tick budget while rows leave and the new ones
     join: every request's tokens equal its tokens alone."""
     engine = serve(llama, max_running=6, prefix_cache=False)
-    running = [(prompt(16 + 5 * i, 100 * i), params(i, m)) for i, m in enumerate((30, 60, 120))]
+    running = [(prompt(16 + 5 * i, 100 * i), params(i, m)) for i, m in enumerate((20, 40, 80))]
     handles = [engine.submit(prompt_tokens=t, params=p) for t, p in running]
     rests = [first_token(h) for h in handles]
     arriving = [(prompt(200, 3000), params(0, 40)), (prompt(130, 5000), params(1, 40))]
@@ -123,7 +123,7 @@ def test_cancelling_the_riding_prompt_and_a_decoding_row_mid_interleave(llama, s
     row too: both end `cancelled` with one final event, the other rows keep their tokens alone,
     and the engine serves on with nothing reserved."""
     engine = serve(llama, max_running=6, prefix_cache=False)
-    running = [(prompt(20, 100 * i), params(i, 150)) for i in range(3)]
+    running = [(prompt(20, 100 * i), params(i, 90)) for i in range(3)]
     handles = [engine.submit(prompt_tokens=t, params=p) for t, p in running]
     rests = [first_token(h) for h in handles]
     long = engine.submit(prompt_tokens=prompt(2000, 7000), params=SamplingParams(max_tokens=8))

@@ -13,9 +13,14 @@ per tick (the policy before issue 33); bench.concurrency_step's `interfere` part
 
 from ..device import backend
 
-# Prompt tokens per tick while others decode, by backend (None: one prefill chunk). See
-# docs/gpu.md "Many streams" for the figures that chose them.
-DECODING_TOKENS: dict[str, int | None] = {"cuda": 512, "cpu": 64}
+# Prompt tokens per tick while others decode, by backend (None: one prefill chunk). Measured on
+# the H200 (docs/gpu.md "Many streams", Qwen3-8B, 8 streams, a 4,000-token prompt arriving): with
+# the chunk riding in mixed steps, one memory-sized chunk (1,024) per tick gave the running
+# streams' p95 gap 2.25x steady and the prompt's TTFT 1.19x idle; 512 tokens 2.23x and 1.66x;
+# 256 1.87x and 2.95x. On the CPU smaller budgets lower the gaps (the bundled model, 4 streams:
+# p95 60x steady at 512, 14x at 32) but none reaches 2x, and prompts arriving together would
+# start in different ticks: it stays at one chunk.
+DECODING_TOKENS: dict[str, int | None] = {"cuda": None, "cpu": None}
 # Prefill chunks per tick while nothing decodes.
 IDLE_CHUNKS = 4
 
