@@ -345,12 +345,44 @@ def part_mixcost(lm, rows: int, chunks: list[int], context: int, reps: int) -> l
     return out
 
 
+def part_matmul(rows_list: list[int], dim: int, layers: int, reps: int) -> list[dict]:
+    """What a batched step's matmuls cost by rows: a chain of `layers` bf16 (dim x dim) weights
+    applied to (rows, dim) activations, as the bytes of weights read per second. A decode step
+    reads every weight once whatever its rows, so a rate falling with rows is the matmul kernel's,
+    not the bandwidth's."""
+    ws = [mx.random.normal((dim, dim)).astype(mx.bfloat16) * 0.01 for _ in range(layers)]
+    mx.eval(ws)
+    nbytes = sum(w.nbytes for w in ws)
+    out = []
+    for rows in rows_list:
+        x = mx.random.normal((rows, dim)).astype(mx.bfloat16)
+
+        def chain():
+            y = x
+            for w in ws:
+                y = y @ w.T
+            mx.eval(y)
+        ms = _timed(chain, reps)
+        out.append({"rows": rows, "dim": dim, "layers": layers, "ms": ms,
+                    "weights_gb_per_s": nbytes / ms / 1e6})
+        print(f"  matmul chain, {rows} rows: {ms:.2f} ms for {nbytes / 1e9:.2f} GB of weights = "
+              f"{out[-1]['weights_gb_per_s']:.0f} GB/s", flush=True)
+    return out
+
+
 def main_shapes(a) -> None:
     """`--shapes`: the issue-33 parts on bench.shapes models (or `bundled`: the bundled model)."""
     from .shapes import build
 
     parts = a.parts.split(",")
     results = []
+    if "matmul" in parts:
+        results.append({"shape": f"bf16 {a.matmul_dim}x{a.matmul_dim} chain",
+                        "matmul": part_matmul(a.matmul_rows, a.matmul_dim, a.matmul_layers, a.reps)})
+        if a.shapes == "none":
+            common.write_json(a.out, {**common.run_meta(sys.argv), "load_average": os.getloadavg()},
+                              [], results=results)
+            return
     for shape in a.shapes.split(","):
         if shape == "bundled":
             from engine.loading.registry import load_model
@@ -402,6 +434,9 @@ def main() -> None:
     parser.add_argument("--budgets", default="chunk,512,256")
     parser.add_argument("--cache-rows", type=lambda s: [int(x) for x in s.split(",")], default=[8, 32])
     parser.add_argument("--chunks", type=lambda s: [int(x) for x in s.split(",")], default=[256, 512, 1024])
+    parser.add_argument("--matmul-rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 136, 520])
+    parser.add_argument("--matmul-dim", type=int, default=4096)
+    parser.add_argument("--matmul-layers", type=int, default=96)
     parser.add_argument("--out", type=Path, default=None)
     a = parser.parse_args()
     if a.shapes:

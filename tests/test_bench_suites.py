@@ -101,17 +101,19 @@ def test_concurrency_step_measures_streams_interference_cache_ops_and_mixed_cost
     end to end on the tiny shape: streams against batch_generate with host ms per step, the gaps
     of running streams while a long prompt prefills (mixed steps, and with them off) against
     their steady gaps with the prompt's TTFT against an idle engine's, the cache join/leave cost,
-    and the mixed-step cost model."""
+    the mixed-step cost model and the matmul rate by rows."""
     out = tmp_path / "streams.json"
     run = subprocess.run([sys.executable, "-m", "bench.concurrency_step", "--shapes", "tiny",
                           "--device", "cpu", "--counts", "1,2", "--streams", "2", "--prompt", "16",
                           "--gen", "12", "--reps", "1", "--long-prompt", "120",
                           "--budgets", "chunk,16,alt16", "--cache-rows", "2", "--chunks", "16",
-                          "--out", str(out)],
+                          "--parts", "streams,interfere,cache,mixcost,matmul", "--matmul-rows", "1,4",
+                          "--matmul-dim", "64", "--matmul-layers", "2", "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert run.returncode == 0, run.stderr[-3000:]
-    [result] = json.loads(out.read_text())["results"]
+    matmul, result = json.loads(out.read_text())["results"]
+    assert [r["rows"] for r in matmul["matmul"]] == [1, 4] and min(r["ms"] for r in matmul["matmul"]) > 0
     assert [r["streams"] for r in result["streams"]] == [1, 2]
     for row in result["streams"]:
         assert min(row["median_tps"].values()) > 0 and min(row["median_host_ms_per_step"].values()) > 0
