@@ -163,3 +163,34 @@ def test_without_mixed_steps_the_tick_budget_still_bounds_each_prefill_call(llam
         assert [e.token for e in rest if e.kind == "token"] == alone(llama, p, t)[1:]
     prefill_calls = [n for rows, n in target.model.shapes[calls_before:] if n > 1]
     assert prefill_calls and max(prefill_calls) <= BUDGET and not rides
+
+
+def test_rows_leaving_read_the_padding_once_and_leave_the_batch_as_mlx_lm_would(llama):
+    """`LOCAL.filter` / `LOCAL.extract` (one read of the rows' padding for every layer) leave
+    the same keys, values, offsets and padding as mlx-lm's own `BatchKVCache.filter` / `.extract`,
+    also when the rows left behind all pad (the common padding is dropped)."""
+    model = llama.model
+
+    def batch():
+        caches = []
+        for i, n in enumerate((9, 3, 14, 5)):
+            cache = make_prompt_cache(model)
+            mx.eval(model(mx.array([prompt(n, 40 * i)]), cache=cache))
+            caches.append(cache)
+        merged = LOCAL.merge(caches)
+        mx.eval(model(mx.array([[3], [4], [5], [6]]), cache=merged))
+        return merged
+
+    ours, theirs = batch(), batch()
+    for i in range(4):
+        for a, b in zip(LOCAL.extract(ours, i), [layer.extract(i) for layer in theirs]):
+            assert a.offset == b.offset and mx.array_equal(a.keys[..., :a.offset, :], b.keys[..., :b.offset, :])
+    keep = [1, 3]  # the two short rows: the longest rows' padding columns go
+    LOCAL.filter(ours, keep)
+    for layer in theirs:
+        layer.filter(mx.array(keep))
+    for a, b in zip(ours, theirs):
+        assert a._idx == b._idx and a.left_padding.tolist() == b.left_padding.tolist()
+        assert a.offset.tolist() == b.offset.tolist()
+        assert mx.array_equal(a.keys[..., :a._idx, :], b.keys[..., :b._idx, :])
+        assert mx.array_equal(a.values[..., :a._idx, :], b.values[..., :b._idx, :])
