@@ -1,9 +1,11 @@
 """How many prompt tokens one scheduler tick prefills.
 
-While other requests decode, every token a tick prefills delays their next token: a tick is one
-batched decode step plus the prefill work in front of it, so the gap between the running streams'
-tokens is (step + prefill of the tick's budget). While nothing decodes, a larger budget lets
-requests that arrive together start together and the batch run full from its first step.
+While other requests decode, every token a tick prefills delays their next token: the tick's
+prompt tokens ride in the batch's decode step (a mixed step, engine/decoding/mixed.py) or, where
+that cannot run, go through calls of their own before it. Either way the running streams' gap
+grows with the budget and the new prompt's time to first token shrinks with it. While nothing
+decodes, a larger budget lets requests that arrive together start together and the batch run
+full from its first step.
 
 The budget while decoding is a token count, not a number of chunks, so that it holds whatever
 chunk size the model's memory allowed (engine/decoding/generate.py `memory_sized_chunk`: 1,024
@@ -14,13 +16,14 @@ per tick (the policy before issue 33); bench.concurrency_step's `interfere` part
 from ..device import backend
 
 # Prompt tokens per tick while others decode, by backend (None: one prefill chunk). Measured on
-# the H200 (docs/gpu.md "Many streams", Qwen3-8B, 8 streams, a 4,000-token prompt arriving): with
-# the chunk riding in mixed steps, one memory-sized chunk (1,024) per tick gave the running
-# streams' p95 gap 2.25x steady and the prompt's TTFT 1.19x idle; 512 tokens 2.23x and 1.66x;
-# 256 1.87x and 2.95x. On the CPU smaller budgets lower the gaps (the bundled model, 4 streams:
-# p95 60x steady at 512, 14x at 32) but none reaches 2x, and prompts arriving together would
-# start in different ticks: it stays at one chunk.
-DECODING_TOKENS: dict[str, int | None] = {"cuda": None, "cpu": None}
+# the H200 (docs/gpu.md "Many streams", Qwen3-8B bf16, 8 streams decoding, a 4,000-token prompt
+# arriving, its chunks riding in mixed steps, medians pooled over 2-3 calls): 768 tokens kept the
+# streams' p95 gap at 2.10x their steady p95 with the prompt's TTFT 1.37x an idle engine's; one
+# 1,024-token chunk 2.27x and 1.15x; 512 tokens 2.25x and 1.67x (before mixed steps, one chunk
+# per tick: 3.25x and 1.74x). On the CPU smaller budgets lower the gaps (the bundled model,
+# 4 streams: p95 60x steady at 512, 14x at 32) but none came near 2x, and prompts arriving
+# together would start in different ticks: it stays at one chunk.
+DECODING_TOKENS: dict[str, int | None] = {"cuda": 768, "cpu": None}
 # Prefill chunks per tick while nothing decodes.
 IDLE_CHUNKS = 4
 
