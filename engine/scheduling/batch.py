@@ -183,13 +183,7 @@ class DecodeBatch:
         else:  # rows joined or left since the last step: its tokens were not one array
             inputs = mx.concatenate([g.decode_input() for g in rows])
             mx.async_eval(inputs)
-        if rider is None:
-            logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]
-        else:
-            carried, chunk = rider
-            ends = len(carried.fed) + len(chunk) == len(carried.prompt.tokens)
-            logits, chunk_logits = mixed_call(self.model, inputs, self.cache,
-                                              mx.array(chunk, dtype=mx.uint32), carried.cache, ends)
+        logits, chunk_logits = self._forward(inputs, rider)
         tokens, logprobs, failures = sample_rows([g.sampler for g in rows],
                                                  [g.history for g in rows], logits)
         wanted = False
@@ -211,9 +205,26 @@ class DecodeBatch:
             except Exception as exc:
                 results.append((gen, exc))
         if rider is not None:
-            try:
-                carried.prefilled(chunk, carried.cache, chunk_logits)
-                results.append((carried, []))
-            except Exception as exc:  # its sampling: that request fails alone
-                results.append((carried, exc))
+            results.append(_prefilled(*rider, chunk_logits))
         return results
+
+    def _forward(self, inputs: mx.array, rider: tuple[Generation, list[int]] | None
+                 ) -> tuple[mx.array, mx.array | None]:
+        """The rows' logits for `inputs`, and with a `rider` whose chunk ends its prompt the
+        logits of that prompt's last token (a mixed step)."""
+        if rider is None:
+            return self.model(inputs[:, None], cache=self.cache)[:, -1, :], None
+        carried, chunk = rider
+        ends = len(carried.fed) + len(chunk) == len(carried.prompt.tokens)
+        return mixed_call(self.model, inputs, self.cache, mx.array(chunk, dtype=mx.uint32),
+                          carried.cache, ends)
+
+
+def _prefilled(gen: Generation, chunk: list[int], logits: mx.array | None
+               ) -> tuple[Generation, list[Event] | Exception]:
+    """A rider's outcome once its chunk went through the model: its sampling may fail it alone."""
+    try:
+        gen.prefilled(chunk, gen.cache, logits)
+        return gen, []
+    except Exception as exc:
+        return gen, exc
