@@ -38,3 +38,14 @@ def test_requests_that_fit_the_memory_budget_run_together_up_to_the_cap(llama, s
     assert all(len(tokens_of(h)) == 12 for h in handles)
     assert max(target.model.batch_sizes) == (6 if cap is None else cap)
     assert engine.status().reserved_bytes == 0
+
+
+def test_serve_takes_a_max_running_override_and_refuses_a_bad_one():
+    from click.testing import CliRunner
+
+    from app.cli import cli
+
+    runner = CliRunner()
+    assert "--max-running" in runner.invoke(cli, ["serve", "--help"]).output
+    bad = runner.invoke(cli, ["serve", "--max-running", "0", "--no-browser"])
+    assert bad.exit_code == 2 and "--max-running" in bad.output
