@@ -17,12 +17,13 @@ from ..device import backend
 
 # Prompt tokens per tick while others decode, by backend (None: one prefill chunk). Measured on
 # the H200 (docs/gpu.md "Many streams", Qwen3-8B bf16, 8 streams decoding, a 4,000-token prompt
-# arriving, its chunks riding in mixed steps, medians pooled over 2-3 calls): 768 tokens kept the
-# streams' p95 gap at 2.10x their steady p95 with the prompt's TTFT 1.37x an idle engine's; one
-# 1,024-token chunk 2.27x and 1.15x; 512 tokens 2.25x and 1.67x (before mixed steps, one chunk
-# per tick: 3.25x and 1.74x). On the CPU smaller budgets lower the gaps (the bundled model,
-# 4 streams: p95 60x steady at 512, 14x at 32) but none came near 2x, and prompts arriving
-# together would start in different ticks: it stays at one chunk.
+# arriving, its chunks riding in mixed steps, medians pooled over 3-4 calls): 768 tokens kept the
+# streams' p95 gap at 38 ms (2.41x their steady p95; 1.99x in the two calls after the one-read
+# filter) with the prompt's TTFT 1.40x an idle engine's; one 1,024-token chunk 44 ms (2.57x) and
+# 1.11x; 512 tokens 42 ms (2.25x) and 1.67x (before mixed steps, one chunk per tick: 3.25x and
+# 1.74x). On the CPU smaller budgets lower the gaps (the bundled model, 4 streams: p95 60x steady
+# at 512, 14x at 32) but none came near 2x, and prompts arriving together would start in
+# different ticks: it stays at one chunk.
 DECODING_TOKENS: dict[str, int | None] = {"cuda": 768, "cpu": None}
 # Prefill chunks per tick while nothing decodes.
 IDLE_CHUNKS = 4
