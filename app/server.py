@@ -191,7 +191,8 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
           open_browser: bool = True, allow_remote: bool = False, api_key: str | None = None,
           no_api_key: bool = False, keep_alive: float | str | None = DEFAULT_KEEP_ALIVE_S,
           cluster: Cluster | None = None, aliases: dict[str, str] | None = None,
-          allowed_origins: Iterable[str] = (), extra_hosts: Iterable[str] = ()) -> None:
+          allowed_origins: Iterable[str] = (), extra_hosts: Iterable[str] = (),
+          max_running: int | None = None) -> None:
     """Load `model`, then serve the UI and the API until Ctrl-C or SIGTERM/SIGHUP; the model's
     weights are unloaded after `keep_alive` idle seconds (None: never) and reloaded by the next
     request. With a `cluster`, serve as its rank 0 (the only rank that opens the data folder).
@@ -209,6 +210,7 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
         raise SystemExit(str(exc)) from None
     try:
         _run(_bind(host, port), host, port, model, open_browser, api_key, keep_alive, cluster,
+             max_running,
              {"aliases": aliases or {}, "allowed_origins": tuple(allowed_origins)},
              tuple(extra_hosts))
     finally:
@@ -217,13 +219,14 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
 
 def _run(sock: socket.socket, host: str, port: int, model: str | None, open_browser: bool,
          api_key: str | None, keep_alive: float | str | None, cluster: Cluster | None,
+         max_running: int | None,
          app_options: dict[str, Any], extra_hosts: tuple[str, ...]) -> None:
     storage = Storage()
     if storage.moved_aside is not None:
         print(f"The database was damaged: kept it as {storage.moved_aside} and started a new one.",
               file=sys.stderr)
     # A sharded model stays loaded: its followers cannot unload and reload in step yet.
-    engine = Engine(model=model, **(cluster.engine_options() if cluster else
+    engine = Engine(model=model, max_running=max_running, **(cluster.engine_options() if cluster else
                                     {"persist_prefix_cache": True, "keep_alive": keep_alive}))
     if cluster is not None:
         cluster.watch(engine)

@@ -28,6 +28,7 @@ import json
 import os
 import pstats
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -115,6 +116,303 @@ def engine_copy(folder: str, lm, streams: int) -> common.EngineService:
     return svc
 
 
+# -- many streams on a shape (issue 33): --shapes ... --parts streams,interfere,cache,mixcost ------
+
+def _reader(handle, times: list[float]) -> threading.Thread:
+    """A thread recording the arrival time of each token of `handle`."""
+    def read() -> None:
+        for ev in handle.events(timeout=600):
+            if ev.kind == "token":
+                times.append(time.perf_counter())
+            elif ev.error:
+                times.append(float("nan"))  # a failed stream shows as a NaN arrival
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    return t
+
+
+def part_streams(lm, svc: common.EngineService, counts: list[int], prompt: int, gen: int,
+                 reps: int) -> list[dict]:
+    """Aggregate tok/s of N streams (N in `counts`) through the Engine against mlx-lm's
+    `batch_generate` of the same N prompts, interleaved; host CPU ms per batched step of the thread
+    that drives the model (our scheduler thread; the caller of `batch_generate`)."""
+    vocab = lm.config["vocab_size"]
+    out = []
+    for n in counts:
+        prompts = [prompt_ids(prompt, vocab, seed=200 + i) for i in range(n)]
+        runs = common.interleave({"ours": lambda: ours(svc, prompts, gen),
+                                  "mlx": lambda: mlx_batch(lm, prompts, gen)}, reps, warmup=True)
+        tps = {k: [r["aggregate_tps"] for r in v] for k, v in runs.items()}
+        host = {k: [r["host_us_per_token"] * n / 1e3 for r in v] for k, v in runs.items()}
+        med = {k: common.median(v) for k, v in tps.items()}
+        out.append({"streams": n, "prompt": prompt, "gen": gen, "tps": tps, "median_tps": med,
+                    "ratio": med["ours"] / med["mlx"], "host_ms_per_step": host,
+                    "median_host_ms_per_step": {k: common.median(v) for k, v in host.items()},
+                    "first_token_s": [r.get("first_token_s") for r in runs["ours"]]})
+        print(f"  streams {n}: ours {med['ours']:.1f} tok/s ({common.spread(tps['ours'])}), "
+              f"batch_generate {med['mlx']:.1f} ({common.spread(tps['mlx'])}), "
+              f"{out[-1]['ratio']:.2f}x; host ms/step ours "
+              f"{out[-1]['median_host_ms_per_step']['ours']:.2f}, mlx "
+              f"{out[-1]['median_host_ms_per_step']['mlx']:.2f}", flush=True)
+    return out
+
+
+def _pcts(gaps: list[float]) -> dict:
+    gaps = sorted(g * 1e3 for g in gaps)
+    if not gaps:
+        return {"n": 0, "p50": None, "p95": None, "max": None}
+    pick = lambda q: gaps[min(int(q * len(gaps)), len(gaps) - 1)]
+    return {"n": len(gaps), "p50": pick(0.5), "p95": pick(0.95), "max": gaps[-1]}
+
+
+def interfere_once(svc: common.EngineService, lm, streams: int, long_prompt: int,
+                   warm_tokens: int, seed: int) -> dict:
+    """`streams` streams decoding, then a `long_prompt`-token prompt submitted: the gaps between
+    the streams' tokens while it is prefilled (those ending between its submission and its first
+    token, and each stream's first gap after it) against the same streams' gaps over the
+    `warm_tokens` tokens before it; the new prompt's time to first token."""
+    from engine.decoding.sampling import SamplingParams
+
+    vocab = lm.config["vocab_size"]
+    params = SamplingParams(max_tokens=4096)
+    handles = [svc.engine.submit(prompt_tokens=prompt_ids(64, vocab, seed=seed + i), params=params)
+               for i in range(streams)]
+    times: list[list[float]] = [[] for _ in handles]
+    threads = [_reader(h, t) for h, t in zip(handles, times)]
+    while min(len(t) for t in times) < warm_tokens + 8:
+        time.sleep(0.002)
+    submitted = time.perf_counter()
+    new = svc.engine.submit(prompt_tokens=prompt_ids(long_prompt, vocab, seed=seed + 99),
+                            params=SamplingParams(max_tokens=2))
+    first = next(time.perf_counter() for ev in new.events(timeout=600) if ev.kind == "token")
+    list(new.events(timeout=600))
+    while min(sum(1 for x in t if x > first) for t in times) < 4:
+        time.sleep(0.002)
+    for h in handles:
+        h.cancel()
+    for t in threads:
+        t.join(60)
+    steady, during = [], []
+    for ts in times:
+        gaps = [(a, b) for a, b in zip(ts, ts[1:])]
+        before = [b - a for a, b in gaps if b <= submitted][-warm_tokens:]
+        inside = [b - a for a, b in gaps if submitted < b <= first]
+        after = [b - a for a, b in gaps if b > first][:1]
+        steady += before
+        during += inside + after
+    return {"ttft_s": first - submitted, "steady": _pcts(steady), "during": _pcts(during)}
+
+
+def part_interfere(lm, svc: common.EngineService, streams: int, long_prompt: int, budgets: list,
+                   reps: int, warm_tokens: int = 32) -> dict:
+    """The interference row for each prefill budget of `budgets` (engine/scheduling/
+    prefill_policy.py DECODING_TOKENS; "chunk": one prefill chunk per tick; "alt" before it: with
+    mixed steps off, the chunks in calls of their own), interleaved with the same prompt's time to
+    first token on the idle engine and mlx-lm's prefill of it."""
+    from engine.device import backend
+    from engine.scheduling import prefill_policy
+
+    vocab = lm.config["vocab_size"]
+    long_ids = prompt_ids(long_prompt, vocab, seed=999)
+    saved = dict(prefill_policy.DECODING_TOKENS)
+    sides = {}
+    for b in budgets:
+        def run(b=b) -> dict:
+            alternate = b.startswith("alt")  # mixed steps off: chunks in calls of their own
+            tokens = b[3:] if alternate else b
+            prefill_policy.DECODING_TOKENS[backend()] = None if tokens == "chunk" else int(tokens)
+            batch = svc.engine.slot.batch
+            mixed, batch.mixed = batch.mixed, batch.mixed and not alternate
+            try:
+                return {**interfere_once(svc, lm, streams, long_prompt, warm_tokens, seed=300),
+                        "mixed_steps": batch.mixed}
+            finally:
+                prefill_policy.DECODING_TOKENS.update(saved)
+                batch.mixed = mixed
+        sides[f"budget_{b}"] = run
+    sides["idle"] = lambda: {"ttft_s": svc.stream(long_ids, 2)["ttft_s"]}
+    sides["mlx_prefill"] = lambda: {"ttft_s": common.mlx_lm_stream(lm, long_ids, 2)["ttft_s"]}
+    runs = common.interleave(sides, reps, warmup=True)
+    idle = common.median([r["ttft_s"] for r in runs["idle"]])
+    out = {"streams": streams, "long_prompt": long_prompt, "reps": reps, "runs": runs,
+           "idle_ttft_s": idle,
+           "mlx_prefill_s": common.median([r["ttft_s"] for r in runs["mlx_prefill"]]),
+           "chunk": _chunk_of(lm), "summary": {}}
+    for b in budgets:
+        rs = runs[f"budget_{b}"]
+        med = lambda part, key: common.median([r[part][key] for r in rs])
+        s = {"steady_p50": med("steady", "p50"), "steady_p95": med("steady", "p95"),
+             "during_p50": med("during", "p50"), "during_p95": med("during", "p95"),
+             "during_max": med("during", "max"),
+             "ttft_s": common.median([r["ttft_s"] for r in rs])}
+        s["p95_over_steady"] = s["during_p95"] / s["steady_p95"]
+        s["max_over_steady_p95"] = s["during_max"] / s["steady_p95"]
+        s["ttft_over_idle"] = s["ttft_s"] / idle
+        out["summary"][str(b)] = s
+        print(f"  budget {b}: steady p50/p95 {s['steady_p50']:.1f}/{s['steady_p95']:.1f} ms; during "
+              f"p50/p95/max {s['during_p50']:.1f}/{s['during_p95']:.1f}/{s['during_max']:.1f} ms "
+              f"(p95 {s['p95_over_steady']:.2f}x, max {s['max_over_steady_p95']:.2f}x steady p95); "
+              f"TTFT {s['ttft_s'] * 1e3:.0f} ms = {s['ttft_over_idle']:.2f}x idle "
+              f"{idle * 1e3:.0f} ms (mlx-lm prefill {out['mlx_prefill_s'] * 1e3:.0f} ms)", flush=True)
+    return out
+
+
+def _chunk_of(lm) -> int:
+    from engine.decoding.generate import default_prefill_chunk
+
+    return default_prefill_chunk(lm)
+
+
+def _timed(fn, reps: int) -> float:
+    """Median ms of `fn()` (which evaluates what it builds), after one untimed call."""
+    fn()
+    out = []
+    for _ in range(reps):
+        mx.synchronize()
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1e3)
+    return common.median(out)
+
+
+def part_cache(lm, rows_list: list[int], context: int, reps: int) -> list[dict]:
+    """What rows joining and leaving cost at `rows` rows of `context` tokens each: mlx-lm's batch
+    caches' extend (a row joins), filter (a row leaves), extract (a row's cache handed back),
+    merge of all rows, each evaluated, against one batched decode step at that many rows."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches, model, vocab = lm.caches, lm.model, lm.config["vocab_size"]
+    out = []
+    for n in rows_list:
+        singles = []
+        for i in range(n + 1):
+            c = make_prompt_cache(model)
+            mx.eval(model(mx.array([prompt_ids(context, vocab, seed=i)]), cache=c))
+            singles.append(c)
+        state = lambda cache: [layer.state for layer in cache]
+        batch = caches.merge(singles[:n])
+        mx.eval(state(batch))
+        tokens = mx.array([[5]] * n)
+
+        def extend_filter():  # a row joins, then leaves: the batch is as before
+            caches.extend(batch, caches.merge([singles[n]]))
+            mx.eval(state(batch))
+            caches.filter(batch, list(range(n)))
+            mx.eval(state(batch))
+
+        def step():
+            mx.eval(model(tokens, cache=batch))
+        extend_ms = _timed(extend_filter, reps)
+        row = {"rows": n, "context": context,
+               "merge_ms": _timed(lambda: mx.eval(state(caches.merge(singles[:n]))), reps),
+               "extend_then_filter_ms": extend_ms,
+               "extract_ms": _timed(lambda: mx.eval(state(caches.extract(batch, n // 2))), reps),
+               "decode_step_ms": _timed(step, reps)}
+        out.append(row)
+        print(f"  cache ops at {n} rows of {context}+ tokens: merge {row['merge_ms']:.2f} ms, "
+              f"join+leave {row['extend_then_filter_ms']:.2f} ms, extract {row['extract_ms']:.2f} "
+              f"ms; one decode step {row['decode_step_ms']:.2f} ms", flush=True)
+    return out
+
+
+def part_mixcost(lm, rows: int, chunks: list[int], context: int, reps: int) -> list[dict]:
+    """The model-call cost behind mixed steps: a decode step of `rows` rows, a prefill chunk of C
+    tokens alone, and one call over rows + C tokens flattened into a single sequence (what a step
+    carrying both pays for its matmuls; its attention is the chunk's), each evaluated."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.kernels.head import last_logits
+
+    model, vocab = lm.model, lm.config["vocab_size"]
+    batch = make_prompt_cache(model)
+    mx.eval(model(mx.array([prompt_ids(context, vocab, seed=i) for i in range(rows)]), cache=batch))
+    decode = lambda: mx.eval(model(mx.array([[5]] * rows), cache=batch))
+    out = []
+    for c in chunks:
+        def alone(n: int) -> float:
+            ids = mx.array([prompt_ids(n, vocab, seed=7)])
+            def call():
+                cache = make_prompt_cache(model)
+                mx.eval(last_logits(model, ids, cache))
+            return _timed(call, reps)
+        row = {"rows": rows, "chunk": c, "decode_ms": _timed(decode, reps),
+               "chunk_ms": alone(c), "mixed_ms": alone(c + rows)}
+        row["alternating_ms"] = row["decode_ms"] + row["chunk_ms"]
+        out.append(row)
+        print(f"  {rows} decode rows + {c}-token chunk: apart {row['decode_ms']:.2f} + "
+              f"{row['chunk_ms']:.2f} = {row['alternating_ms']:.2f} ms; one call of {rows + c} "
+              f"tokens {row['mixed_ms']:.2f} ms", flush=True)
+    return out
+
+
+def part_matmul(rows_list: list[int], dim: int, layers: int, reps: int) -> list[dict]:
+    """What a batched step's matmuls cost by rows: a chain of `layers` bf16 (dim x dim) weights
+    applied to (rows, dim) activations, as the bytes of weights read per second. A decode step
+    reads every weight once whatever its rows, so a rate falling with rows is the matmul kernel's,
+    not the bandwidth's."""
+    ws = [mx.random.normal((dim, dim)).astype(mx.bfloat16) * 0.01 for _ in range(layers)]
+    mx.eval(ws)
+    nbytes = sum(w.nbytes for w in ws)
+    out = []
+    for rows in rows_list:
+        x = mx.random.normal((rows, dim)).astype(mx.bfloat16)
+
+        def chain():
+            y = x
+            for w in ws:
+                y = y @ w.T
+            mx.eval(y)
+        ms = _timed(chain, reps)
+        out.append({"rows": rows, "dim": dim, "layers": layers, "ms": ms,
+                    "weights_gb_per_s": nbytes / ms / 1e6})
+        print(f"  matmul chain, {rows} rows: {ms:.2f} ms for {nbytes / 1e9:.2f} GB of weights = "
+              f"{out[-1]['weights_gb_per_s']:.0f} GB/s", flush=True)
+    return out
+
+
+def main_shapes(a) -> None:
+    """`--shapes`: the issue-33 parts on bench.shapes models (or `bundled`: the bundled model)."""
+    from .shapes import build
+
+    parts = a.parts.split(",")
+    results = []
+    if "matmul" in parts:
+        results.append({"shape": f"bf16 {a.matmul_dim}x{a.matmul_dim} chain",
+                        "matmul": part_matmul(a.matmul_rows, a.matmul_dim, a.matmul_layers, a.reps)})
+        if a.shapes == "none":
+            common.write_json(a.out, {**common.run_meta(sys.argv), "load_average": os.getloadavg()},
+                              [], results=results)
+            return
+    for shape in a.shapes.split(","):
+        if shape == "bundled":
+            from engine.loading.registry import load_model
+
+            lm = load_model(None)
+        else:
+            lm = build(shape)
+        res: dict = {"shape": shape}
+        svc = common.EngineService(lm, max_running=max(a.counts + [a.streams + 1]),
+                                   prefix_cache=False)
+        try:
+            if "streams" in parts:
+                res["streams"] = part_streams(lm, svc, a.counts, a.prompt, a.gen, a.reps)
+            if "interfere" in parts:
+                res["interfere"] = part_interfere(lm, svc, a.streams, a.long_prompt,
+                                                  a.budgets.split(","), a.reps)
+        finally:
+            svc.close()
+        if "cache" in parts:
+            res["cache"] = part_cache(lm, a.cache_rows, a.prompt + a.gen // 2, a.reps)
+        if "mixcost" in parts:
+            res["mixcost"] = part_mixcost(lm, a.streams, a.chunks, a.prompt + a.gen // 2, a.reps)
+        results.append(res)
+        del lm, svc
+        common.fresh_memory()
+        common.write_json(a.out, {**common.run_meta(sys.argv), "load_average": os.getloadavg()},
+                          [], results=results)
+    print(f"wrote {a.out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=8)
@@ -127,7 +425,26 @@ def main() -> None:
     parser.add_argument("--profile", default=None)
     parser.add_argument("--baseline-engine", default=None, metavar="DIR",
                         help="also run the engine package in DIR/engine (e.g. main's), side by side")
+    # issue 33's parts on bench.shapes models (--shapes switches to them)
+    parser.add_argument("--shapes", default=None, help="e.g. qwen3-8b (or bundled)")
+    parser.add_argument("--parts", default="streams,interfere,cache,mixcost")
+    parser.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    parser.add_argument("--counts", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    parser.add_argument("--long-prompt", type=int, default=4000)
+    parser.add_argument("--budgets", default="chunk,512,256")
+    parser.add_argument("--cache-rows", type=lambda s: [int(x) for x in s.split(",")], default=[8, 32])
+    parser.add_argument("--chunks", type=lambda s: [int(x) for x in s.split(",")], default=[256, 512, 1024])
+    parser.add_argument("--matmul-rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 136, 520])
+    parser.add_argument("--matmul-dim", type=int, default=4096)
+    parser.add_argument("--matmul-layers", type=int, default=96)
+    parser.add_argument("--out", type=Path, default=None)
     a = parser.parse_args()
+    if a.shapes:
+        from engine import device
+
+        device.select_device(a.device)
+        a.out = a.out or RESULTS.with_name("concurrency-shapes.json")
+        return main_shapes(a)
 
     lm = tiny_lm(a.vocab, a.layers, a.hidden)
     prompts = [prompt_ids(a.prompt, a.vocab, seed=100 + i) for i in range(a.streams)]

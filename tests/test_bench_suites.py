@@ -93,3 +93,36 @@ def test_protocols_bench_measures_every_adapter_against_chat_completions(tmp_pat
         assert row["ours"] > 0 and row["baseline"] > 0 and row["ratio"] > 0, row
         assert row["extra"]["same_text_as_chat"] is True, row
         assert row["extra"]["tokens"] == [8], row
+
+
+@pytest.mark.fast
+def test_concurrency_step_measures_streams_interference_cache_ops_and_mixed_cost(tmp_path):
+    """`python -m bench.concurrency_step --shapes`, the device run for issue 33, runs every part
+    end to end on the tiny shape: streams against batch_generate with host ms per step, the gaps
+    of running streams while a long prompt prefills (mixed steps, and with them off) against
+    their steady gaps with the prompt's TTFT against an idle engine's, the cache join/leave cost,
+    the mixed-step cost model and the matmul rate by rows."""
+    out = tmp_path / "streams.json"
+    run = subprocess.run([sys.executable, "-m", "bench.concurrency_step", "--shapes", "tiny",
+                          "--device", "cpu", "--counts", "1,2", "--streams", "2", "--prompt", "16",
+                          "--gen", "12", "--reps", "1", "--long-prompt", "120",
+                          "--budgets", "chunk,16,alt16", "--cache-rows", "2", "--chunks", "16",
+                          "--parts", "streams,interfere,cache,mixcost,matmul", "--matmul-rows", "1,4",
+                          "--matmul-dim", "64", "--matmul-layers", "2", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    matmul, result = json.loads(out.read_text())["results"]
+    assert [r["rows"] for r in matmul["matmul"]] == [1, 4] and min(r["ms"] for r in matmul["matmul"]) > 0
+    assert [r["streams"] for r in result["streams"]] == [1, 2]
+    for row in result["streams"]:
+        assert min(row["median_tps"].values()) > 0 and min(row["median_host_ms_per_step"].values()) > 0
+    inter = result["interfere"]
+    assert set(inter["summary"]) == {"chunk", "16", "alt16"} and inter["idle_ttft_s"] > 0
+    assert inter["runs"]["budget_16"][0]["mixed_steps"] and not inter["runs"]["budget_alt16"][0]["mixed_steps"]
+    for s in inter["summary"].values():
+        assert s["ttft_s"] > 0 and s["during_p95"] > 0 and s["steady_p95"] > 0
+    [cache] = result["cache"]
+    assert cache["rows"] == 2 and cache["extend_then_filter_ms"] > 0 and cache["decode_step_ms"] > 0
+    [mix] = result["mixcost"]
+    assert mix["mixed_ms"] > 0 and mix["alternating_ms"] > 0

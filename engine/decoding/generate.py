@@ -343,17 +343,21 @@ class Generation:
     # Prefill split around its model call, so that engine/scheduling/batch.py can prefill several
     # requests in one call: `prefill_input` then, after the call, `prefilled` do what
     # `_prefill_step` does.
-    def prefill_input(self, limit: int) -> list[int]:
+    def prefill_input(self, limit: int, with_last: bool = False) -> list[int]:
         """Start the request if it has not started, and return the prompt tokens its next prefill
         step feeds: a chunk of at most `limit` ending at the next stop, or the last prompt token
-        alone (whose logits give the first token)."""
+        alone (whose logits give the first token). `with_last`: a chunk that reaches the last
+        token takes it too (when no snapshot is taken just before it), as `last_with_chunk` does."""
         if self.cache is None:
             self._begin()
         tokens, pos = self.prompt.tokens, len(self.fed)
         last = len(tokens) - 1
         if pos < last:
             stop = next((s for s in self._stops if s > pos), last)
-            return list(tokens[pos:min(stop, pos + min(limit, self.prefill_chunk))])
+            end = min(stop, pos + min(limit, self.prefill_chunk))
+            if with_last and end == last and last not in self._stops:
+                end += 1
+            return list(tokens[pos:end])
         return list(tokens[last:])
 
     def prefilled(self, tokens: list[int], cache: list[Any], logits: mx.array | None) -> None:

@@ -225,12 +225,18 @@ class LocalCaches:
             batch_layer.extend(row_layer)
 
     def extract(self, batch: Cache, i: int) -> Cache:
-        return [layer.extract(i) for layer in batch]
+        padding = _left_padding(batch)
+        return [_extract_kv(layer, i, padding) if batch_kv(layer) else layer.extract(i)
+                for layer in batch]
 
     def filter(self, batch: Cache, keep: list[int]) -> None:
         rows = mx.array(keep)
+        padding = _left_padding(batch)
         for layer in batch:
-            layer.filter(rows)
+            if batch_kv(layer):
+                _filter_kv(layer, rows, [padding[i] for i in keep])
+            else:
+                layer.filter(rows)
 
     def trimmable(self, cache: Sequence[Any]) -> bool:
         return trimmable(cache)
@@ -240,6 +246,41 @@ class LocalCaches:
 
 
 LOCAL = LocalCaches()
+
+
+# A row leaving the batch: mlx-lm's `BatchKVCache.filter` and `.extract` read the rows' left
+# padding back from the device in every layer (36 reads for an 8B model, each one waiting behind
+# the step in flight on a GPU): a row joining and leaving cost as much as a decode step on the
+# H200 (bench/results/cuda-h200-2026-issue33-8b-run1.json). Every `BatchKVCache` layer of a batch
+# holds the same padding (its rows were merged from the same caches), so it is read once.
+
+def _left_padding(batch: Cache) -> list[int]:
+    """The rows' left padding, read once for every `BatchKVCache` layer of `batch` ([] if none)."""
+    first = next((layer for layer in batch if batch_kv(layer)), None)
+    return first.left_padding.tolist() if first is not None else []
+
+
+def _filter_kv(layer: BatchKVCache, rows: mx.array, padding: list[int]) -> None:
+    """`BatchKVCache.filter(rows)` given the kept rows' padding (no device read)."""
+    if layer.keys is not None:
+        layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+    layer.offset = layer.offset[rows]
+    shift = min(padding)
+    layer.left_padding = mx.array([p - shift for p in padding])
+    if shift > 0:  # drop the columns every row pads
+        if layer.keys is not None:
+            layer.keys = layer.keys[..., shift:, :]
+            layer.values = layer.values[..., shift:, :]
+        layer._idx -= shift
+
+
+def _extract_kv(layer: BatchKVCache, i: int, padding: list[int]) -> KVCache:
+    """`BatchKVCache.extract(i)` given the rows' padding (no device read)."""
+    cache = KVCache()
+    cache.keys = mx.contiguous(layer.keys[i : i + 1, :, padding[i] : layer._idx])
+    cache.values = mx.contiguous(layer.values[i : i + 1, :, padding[i] : layer._idx])
+    cache.offset = cache.keys.shape[2]
+    return cache
 
 
 def _arrays(cache: Sequence[Any]) -> Iterator[mx.array]:

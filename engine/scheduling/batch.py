@@ -24,6 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..events import Event
 from ..kernels.caches import CacheOps
 from ..decoding.generate import Generation, PrefixStore
+from ..decoding.mixed import cache_fits, mixed_call, supports as supports_mixed
 from ..decoding.sampling import sample_rows
 from ..decoding.snapshots import POLICY
 
@@ -107,6 +108,13 @@ class DecodeBatch:
         # the tokens the last step sampled (evaluating) and the rows they belong to, in order
         self._sampled: mx.array | None = None
         self._sampled_rows: list[Generation] = []
+        self.mixed = supports_mixed(model)  # prefill chunks can ride in its steps
+
+    def can_carry(self, gen: Generation) -> bool:
+        """Whether the next prefill chunk of `gen` (started: its cache fetched) can ride in this
+        batch's next step (engine/decoding/mixed.py)."""
+        return (self.mixed and bool(self.rows) and can_prefill_together(gen)
+                and cache_fits(self.cache, gen.cache))
 
     def __contains__(self, gen: Generation) -> bool:
         return id(gen) in self._stores  # every row has its entry there
@@ -154,8 +162,11 @@ class DecodeBatch:
         else:
             self.cache, self._sampled, self._sampled_rows = [], None, []
 
-    def step(self) -> list[tuple[Generation, list[Event] | Exception]]:
-        """One model call for all rows, their next tokens sampled together
+    def step(self, rider: tuple[Generation, list[int]] | None = None
+             ) -> list[tuple[Generation, list[Event] | Exception]]:
+        """One model call for all rows (and, with a `rider`, the prefill tokens of one prompt
+        that `can_carry` allowed: a mixed step, engine/decoding/mixed.py; its outcome comes last
+        in the results), their next tokens sampled together
         (engine/decoding/sampling.py `sample_rows`) and evaluated asynchronously, then one read of
         the tokens just fed, pipelined as mlx-lm's `BatchGenerator` is: those tokens are an array
         whose evaluation was queued before this step (the last step's own array while the rows
@@ -172,7 +183,7 @@ class DecodeBatch:
         else:  # rows joined or left since the last step: its tokens were not one array
             inputs = mx.concatenate([g.decode_input() for g in rows])
             mx.async_eval(inputs)
-        logits = self.model(inputs[:, None], cache=self.cache)[:, -1, :]
+        logits, chunk_logits = self._forward(inputs, rider)
         tokens, logprobs, failures = sample_rows([g.sampler for g in rows],
                                                  [g.history for g in rows], logits)
         wanted = False
@@ -193,4 +204,27 @@ class DecodeBatch:
                 results.append((gen, gen.accept(token)))
             except Exception as exc:
                 results.append((gen, exc))
+        if rider is not None:
+            results.append(_prefilled(*rider, chunk_logits))
         return results
+
+    def _forward(self, inputs: mx.array, rider: tuple[Generation, list[int]] | None
+                 ) -> tuple[mx.array, mx.array | None]:
+        """The rows' logits for `inputs`, and with a `rider` whose chunk ends its prompt the
+        logits of that prompt's last token (a mixed step)."""
+        if rider is None:
+            return self.model(inputs[:, None], cache=self.cache)[:, -1, :], None
+        carried, chunk = rider
+        ends = len(carried.fed) + len(chunk) == len(carried.prompt.tokens)
+        return mixed_call(self.model, inputs, self.cache, mx.array(chunk, dtype=mx.uint32),
+                          carried.cache, ends)
+
+
+def _prefilled(gen: Generation, chunk: list[int], logits: mx.array | None
+               ) -> tuple[Generation, list[Event] | Exception]:
+    """A rider's outcome once its chunk went through the model: its sampling may fail it alone."""
+    try:
+        gen.prefilled(chunk, gen.cache, logits)
+        return gen, []
+    except Exception as exc:
+        return gen, exc

@@ -6,8 +6,8 @@ cancelled | failed`, recorded with the time of each transition, and always ends 
 `done` event, whatever happens inside. `submit` never waits: a speculative request whose draft is
 not loaded yet starts in `loading_draft` while a loader thread loads it (one draft at a time, and
 one kept per engine: every spelling of a model is one draft) and the scheduler serves the others.
-Admission is bounded (running + queued caps, and the memory budget for the model caches the
-admitted requests may grow to); requests that decode at the same time share one model call per
+Admission is by memory (the model-cache bytes each admitted request may grow to, within the
+memory budget; a running cap only if asked, and a queue cap); requests that decode at the same time share one model call per
 step (engine/scheduling/batch.py).
 """
 
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from .batch import DecodeBatch, can_prefill_together, prefill_together
+from .prefill_policy import tick_budget
 from ..decoding.drafts import SpeculativeOptions, SpeculatorFactory, check_draft
 from ..device import memory_budget as device_memory_budget
 from ..errors import EngineError, InvalidRequest, Overloaded
@@ -45,16 +46,14 @@ log = logging.getLogger(__name__)
 SWITCH_INTERVAL_S = 2e-4
 # The idle scheduler re-checks at least this often (a wait must stay under threading.TIMEOUT_MAX).
 WAIT_MAX_S = 3600.0
-# Prompt tokens prefilled per tick, in prefill chunks: one while requests decode (each tick of
-# prefill delays their next token), more while nothing decodes, so that requests arriving
-# together start together and the batch runs full from its first step.
-PREFILL_CHUNKS_DECODING = 1
-PREFILL_CHUNKS_IDLE = 4
 # Requests submitted together (parallel calls of one client, a burst of streams) start together:
 # an idle engine admits its first request once no other has arrived for ADMIT_QUIET_S, waiting at
 # most ADMIT_WAIT_S, so that the burst prefills in shared calls and decodes as one batch.
 ADMIT_QUIET_S = 5e-4
 ADMIT_WAIT_S = 5e-3
+# Admitted by memory (no `max_running`), at most this many requests run at once: a batched step's
+# host work grows with its rows (bench.concurrency_step: 32 rows on the H200 still gained).
+MAX_RUNNING_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -79,23 +78,27 @@ class Engine:
     (engine/scheduling/draft_loader.py).
 
     Each scheduler tick prefills up to a budget of prompt tokens (oldest request first, short
-    prompts that wait together in shared model calls; see PREFILL_CHUNKS_*), runs the solo steps
+    prompts that wait together in shared model calls; engine/scheduling/prefill_policy.py), runs the solo steps
     that cannot be batched (cancellations, speculative decoding, a lone decoder) and one batched
     decode step for every other decoding request (engine/scheduling/batch.py).
     """
 
-    def __init__(self, model: str | None = None, *, max_running: int = 4, max_queued: int = 8,
+    def __init__(self, model: str | None = None, *, max_running: int | None = None, max_queued: int = 8,
                  fallback_to_default: bool = False, prefix_cache: bool = True,
                  persist_prefix_cache: bool = False,
                  load: Callable[..., LoadedModel] = load_model, batching: bool = True,
                  memory_budget: int | None = None,
                  keep_alive: float | str | None = DEFAULT_KEEP_ALIVE_S, speculation: bool = True):
-        """`keep_alive`: unload the model's weights after it has been idle this long (seconds or
-        a duration such as "30m"; None or negative: never); the next request reloads them.
-        `speculation=False` refuses speculative requests (a sharded model)."""
+        """`max_running`: None admits requests by memory: they run together (one batched step)
+        as long as the model-cache bytes each may grow to fit `memory_budget`, up to
+        MAX_RUNNING_ROWS; a number caps the requests running at once (`mlxchat serve
+        --max-running`). `max_queued`: requests waiting beyond those. `keep_alive`: unload the
+        model's weights after it has been idle this long (seconds or a duration such as "30m";
+        None or negative: never); the next request reloads them. `speculation=False` refuses
+        speculative requests (a sharded model)."""
         self.requested_model = model
         self.keep_alive = keep_alive_seconds(keep_alive)
-        self.max_running = max_running
+        self.max_running = max_running if max_running is not None else MAX_RUNNING_ROWS
         self.max_queued = max_queued
         self.batching = batching
         self.speculation = speculation  # off for a sharded model (engine/distributed/)
@@ -542,13 +545,32 @@ class Engine:
         solo = self._regroup(running)
         prefilling = [h for h in solo if h.generation.in_prefill and not h.cancel_requested]
         decoding = len(prefilling) < len(running)
+        rider = None
         if prefilling:
-            self._prefill(prefilling, PREFILL_CHUNKS_DECODING if decoding else PREFILL_CHUNKS_IDLE)
+            chunk = prefilling[0].generation.prefill_chunk
+            budget = tick_budget(chunk, decoding)
+            rider = self._rider(prefilling[0], budget) if decoding else None
+            if rider is None:
+                self._prefill(prefilling, budget, chunk)
         for h in solo:
             if h not in prefilling:
                 self._step(h)
         if len(self.slot.batch):
-            self._step_batch(running)
+            self._step_batch(running, rider)
+
+    def _rider(self, handle: RequestHandle, budget: int) -> tuple[Generation, list[int]] | None:
+        """The oldest waiting prompt's next chunk (at most `budget` tokens), to ride in the batch's
+        step (a mixed step: engine/decoding/mixed.py), or None when it cannot (no batch, a model or
+        cache the mixed step does not know, batching off): then it prefills in calls of its own."""
+        batch, gen = self.slot.batch, handle.generation
+        if not (self.batching and batch is not None and batch.mixed and len(batch)) or gen.done:
+            return None
+        try:
+            tokens = gen.prefill_input(budget, with_last=gen.last_with_chunk)
+        except Exception as exc:  # e.g. its prefix-cache fetch: this request fails alone
+            self._advance(handle, exc)
+            return None
+        return (gen, tokens) if batch.can_carry(gen) else None
 
     def _regroup(self, running: list[RequestHandle]) -> list[RequestHandle]:
         """Move the decoders that can share the batched step into the batch and the others out of
@@ -574,15 +596,16 @@ class Engine:
             batch.join(joining)
         return solo
 
-    def _step_batch(self, running: list[RequestHandle]) -> None:
-        """One batched decode step; a failing shared model call fails every row, and the engine
-        serves on with a fresh batch."""
+    def _step_batch(self, running: list[RequestHandle],
+                    rider: tuple[Generation, list[int]] | None = None) -> None:
+        """One batched decode step (carrying `rider`'s prefill chunk, if any); a failing shared
+        model call fails every row and the rider, and the engine serves on with a fresh batch."""
         batch = self.slot.batch
         by_gen = {id(h.generation): h for h in running}
         try:
-            results = batch.step()
+            results = batch.step(rider)
         except Exception as exc:  # the shared model call: every row fails, the engine serves on
-            results = [(gen, exc) for gen in batch.rows]
+            results = [(gen, exc) for gen in batch.rows + ([rider[0]] if rider else [])]
             self.slot.batch = DecodeBatch(batch.model, batch.caches)
         finished = [gen for gen, _ in results if gen.done and gen in self.slot.batch]
         if finished:
@@ -590,12 +613,11 @@ class Engine:
         for gen, outcome in results:
             self._advance(by_gen[id(gen)], outcome)
 
-    def _prefill(self, prefilling: list[RequestHandle], chunks: int) -> None:
-        """Prefill within `chunks` prefill chunks' worth of prompt tokens, oldest prompts first:
-        the prompts that can share a model call in calls of several (`_prefill_together`), the
-        others each in its own calls, finishing one before starting the next."""
-        chunk = prefilling[0].generation.prefill_chunk
-        budget = chunks * chunk
+    def _prefill(self, prefilling: list[RequestHandle], budget: int, chunk: int) -> None:
+        """Prefill within `budget` prompt tokens (engine/scheduling/prefill_policy.py), oldest
+        prompts first: the prompts that can share a model call in calls of several
+        (`_prefill_together`, at most `chunk` tokens a call), the others each in its own calls,
+        finishing one before starting the next."""
         if self.batching:
             budget = self._prefill_together(prefilling, budget, chunk)
         for h in prefilling:
