@@ -10,7 +10,7 @@ from typing import Iterator
 
 import httpx
 
-from tests.live_server import free_port
+from live_server import free_port
 
 SERVER = Path(__file__).parent / "mcp_servers" / "tools_server.py"
 SECRET_ENV = "env-secret-4f1c"

@@ -11,7 +11,7 @@ import pytest
 from app.mcp import config
 from app.mcp.config import ConfigError
 from app.mcp.servers import McpServers, capped
-from tests.mcp_fixtures import SECRET_ENV, SECRET_TOKEN, http_server, stdio_entry
+from mcp_fixtures import SECRET_ENV, SECRET_TOKEN, http_server, stdio_entry
 
 pytestmark = pytest.mark.fast
 

@@ -55,12 +55,19 @@ def offered_tools(tools: list[ToolInfo]) -> dict[str, ToolInfo]:
     return out
 
 
+def _parameters(schema: dict[str, Any]) -> dict[str, Any]:
+    """A tool's arguments schema as the model must follow it: no keys beyond the declared ones
+    unless the schema asks for them (MCP servers rarely say; a small model then invents keys)."""
+    schema = schema or {"type": "object"}
+    return {**schema, "additionalProperties": schema.get("additionalProperties", False)}
+
+
 def _functions(offered: dict[str, ToolInfo]) -> list[dict[str, Any]]:
     """The tools as OpenAI functions, leaving out any whose schema the engine cannot enforce."""
     functions = []
     for name, t in offered.items():
         fn = {"type": "function", "function": {"name": name, "description": t.description,
-                                               "parameters": t.schema or {"type": "object"}}}
+                                               "parameters": _parameters(t.schema)}}
         try:
             tool_request([fn])
         except InvalidRequest as exc:
@@ -83,11 +90,12 @@ class TurnTools:
     approvals: Approvals
     running: asyncio.Task | None = None
 
-    def request(self, round_number: int) -> ToolRequest | None:
-        """The tools of round `round_number` (0 first): forced first if asked, none after the
-        last allowed round."""
+    def request(self, round_number: int) -> ToolRequest:
+        """The tools of round `round_number` (0 first): a call forced first if asked; after the
+        last allowed round still shown to the model (the prompt, and so the prefix cache, stays
+        the same) but no call is taken (`tool_choice: "none"`)."""
         if round_number >= self.choice.max_rounds:
-            return None
+            return dataclasses.replace(self.auto, choice="none")
         return self.forced if round_number == 0 and self.choice.first_call else self.auto
 
     def stop(self) -> None:

@@ -56,6 +56,7 @@ async def save_choice(request: Request) -> Response:
     if conv is None:
         return not_found()
     storage: Storage = request.app.state.storage
+    request.app.state.mcp.ensure_started()
     try:
         choice = choice_form(await read_form(request), set(request.app.state.mcp.servers),
                              storage.mcp_choice(conv.id).always)
