@@ -115,19 +115,24 @@ def parse_server(name: Any, entry: Any) -> ServerConfig:
             raise ConfigError(f"{where}.{key} must be true or false")
     common = {"name": name, "trusted": entry.get("trusted", False),
               "disabled": entry.get("disabled", False)}
-    if command:
-        args = entry.get("args", [])
-        if not isinstance(command, str) or not isinstance(args, list) or \
-                not all(isinstance(a, str) for a in args):
-            raise ConfigError(f"{where}: 'command' must be a string and 'args' a list of strings")
-        cwd = entry.get("cwd")
-        if cwd is not None and not isinstance(cwd, str):
-            raise ConfigError(f"{where}.cwd must be a string")
-        return ServerConfig(command=command, args=tuple(args), env=_strings(entry.get("env"),
-                            f"{where}.env"), cwd=cwd, **common)
+    return _stdio(entry, where, common) if command else _http(entry, where, common)
+
+
+def _stdio(entry: dict[str, Any], where: str, common: dict[str, Any]) -> ServerConfig:
+    command, args, cwd = entry["command"], entry.get("args", []), entry.get("cwd")
+    if not isinstance(command, str) or not isinstance(args, list) or \
+            not all(isinstance(a, str) for a in args):
+        raise ConfigError(f"{where}: 'command' must be a string and 'args' a list of strings")
+    if cwd is not None and not isinstance(cwd, str):
+        raise ConfigError(f"{where}.cwd must be a string")
+    return ServerConfig(command=command, args=tuple(args),
+                        env=_strings(entry.get("env"), f"{where}.env"), cwd=cwd, **common)
+
+
+def _http(entry: dict[str, Any], where: str, common: dict[str, Any]) -> ServerConfig:
+    url, token = entry.get("url") or entry.get("serverUrl"), entry.get("token")
     if not isinstance(url, str) or urlsplit(url).scheme not in ("http", "https"):
         raise ConfigError(f"{where}.url must be an http:// or https:// URL")
-    token = entry.get("token")
     if token is not None and not isinstance(token, str):
         raise ConfigError(f"{where}.token must be a string")
     return ServerConfig(url=url, headers=_strings(entry.get("headers"), f"{where}.headers"),
