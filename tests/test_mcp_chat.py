@@ -118,7 +118,7 @@ def test_allow_once_runs_the_call_and_the_model_answers_from_its_result(server, 
     assert answer.cached_tokens >= call.prompt_tokens
     # reloaded, the page shows the call (tool, server, arguments) and the result again
     page = http.get(f"/c/{cid}").text
-    assert 'class="tool-call"' in page and "calc" in page and f"Result of <code>add" in page
+    assert 'class="tool-call"' in page and "calc" in page and "Result of <code>add" in page
     exported = http.get(f"/c/{cid}/export.json").text
     assert '"tool_calls"' in exported and '"tool_meta"' in exported
     assert SECRET_ENV not in exported and SECRET_TOKEN not in exported
@@ -201,3 +201,15 @@ def test_the_panel_adds_servers_only_when_local_and_never_shows_secrets(server, 
     assert "extra" not in json.loads((server.storage.path.parent / "mcp.json").read_text())["mcpServers"]
     for text in (r.text, http.get(f"/c/{cid}").text, "\n".join(logs.text)):
         assert SECRET_ENV not in text and SECRET_TOKEN not in text
+
+
+def test_tool_results_and_names_are_escaped_never_markup():
+    from app.markdown import render_tool_calls, render_tool_result
+
+    shown = render_tool_result('<img src=x onerror="alert(1)"><script>x()</script>', "c1",
+                               {"tool": "<b>t</b>", "outcome": "<i>error</i>", "truncated": True})
+    assert "<img" not in shown and "<script" not in shown and "<b>" not in shown
+    assert "&lt;img" in shown and "(truncated)" in shown
+    call = render_tool_calls([{"id": "c1", "function": {"name": "add", "arguments": "{}"}}],
+                             {"c1": {"server": "<svg onload=x()>", "tool": "add"}})
+    assert "<svg" not in call and "&lt;svg" in call
