@@ -85,8 +85,9 @@ def tool_turn(server, cid: int, decision: str | None, message: dict | None = Non
         while True:
             frames.append(ws.recv(timeout=timeout))
             asked = re.search(r'"call_id": "([^"]+)", "decision": "once"', frames[-1])
-            if asked:
-                assert decision is not None, "an approval was asked"
+            if asked and decision is None:
+                assert stop_on, "an approval was asked"
+            elif asked:
                 ws.send(json.dumps({"action": "tool", "call_id": asked.group(1),
                                     "decision": decision}))
             if stop_on and stop_on in frames[-1]:
@@ -169,6 +170,23 @@ def test_stop_cancels_the_running_tool_and_the_turn(server, http):
     assert path[-1].tool_meta["outcome"] == "stopped"
 
 
+def test_stop_while_asked_denies_and_ends_the_turn_and_a_new_page_sees_the_question(server, http):
+    cid = chat_with(http, "calc")
+    with connect(ws_url(server, cid), origin=server.url) as ws:
+        ws.recv(timeout=60)
+        ws.send(json.dumps({"action": "send", "content": "What is 2 + 3?"}))
+        while 'class="allow-once"' not in ws.recv(timeout=120):
+            pass
+        with connect(ws_url(server, cid), origin=server.url) as again:  # a reload meanwhile
+            assert 'class="allow-once"' in again.recv(timeout=60)
+        ws.send(json.dumps({"action": "stop"}))
+        while 'id="send"' not in ws.recv(timeout=30):
+            pass
+    path = server.storage.active_path(cid)
+    assert [m.role for m in path] == ["user", "assistant", "tool"]
+    assert path[-1].tool_meta["outcome"] == "stopped"
+
+
 def test_a_failed_server_is_shown_and_does_not_block_the_chat(server, http):
     cid = chat_with(http, "crash", "calc")
     tool_turn(server, cid, "once")
@@ -213,3 +231,17 @@ def test_tool_results_and_names_are_escaped_never_markup():
     call = render_tool_calls([{"id": "c1", "function": {"name": "add", "arguments": "{}"}}],
                              {"c1": {"server": "<svg onload=x()>", "tool": "add"}})
     assert "<svg" not in call and "&lt;svg" in call
+
+
+def test_only_standing_approvals_and_trusted_read_only_tools_skip_the_question():
+    from app.mcp.approval import standing
+    from app.mcp.config import ServerConfig
+    from app.mcp.servers import ToolInfo
+    from app.storage import McpChoice
+
+    reader = ToolInfo("s", "read", "", {}, read_only=True)
+    writer = ToolInfo("s", "write", "", {}, read_only=False)
+    trusted, plain = ServerConfig("s", command="x", trusted=True), ServerConfig("s", command="x")
+    assert standing(reader, McpChoice(), trusted) and not standing(writer, McpChoice(), trusted)
+    assert not standing(reader, McpChoice(), plain)
+    assert standing(writer, McpChoice(always=("s/write",)), plain)
