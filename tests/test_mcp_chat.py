@@ -148,6 +148,11 @@ def test_a_denied_call_does_not_run_and_the_model_is_told(server, http):
     _, _, result, answer = server.storage.active_path(cid)
     assert result.content == "The user denied this call." and result.tool_meta["outcome"] == "denied"
     assert answer.state == "done"
+    # regenerating the answer after the round is not a first round again (max rounds: 1)
+    frames = tool_turn(server, cid, None, {"action": "regenerate", "message_id": answer.id})
+    assert asked(frames) == 0
+    again = server.storage.active_path(cid)[-1]
+    assert again.id != answer.id and again.parent_id == result.id and not again.tool_calls
 
 
 def test_a_failing_tools_error_reaches_the_model(server, http):

@@ -38,6 +38,7 @@ def test_mcp_json_round_trip_keeps_every_field_and_public_hides_the_secrets(tmp_
     assert SECRET_ENV not in shown and SECRET_TOKEN not in shown
     assert servers["web"].public()["url"] == "https://example.com/mcp"
     assert servers["calc"].public()["env_keys"] == ["KEY"]
+    assert SECRET_TOKEN not in servers["web"].redact(f"failed: GET {servers['web'].url}")
 
 
 @pytest.mark.parametrize("text, where", [
@@ -71,6 +72,8 @@ def test_servers_over_stdio_and_http_list_call_fail_and_cancel(tmp_path, http_ur
         "web": {"url": http_url, "token": SECRET_TOKEN},
         "wrongtoken": {"url": http_url, "token": "not-it"},
         "crash": {"command": sys.executable, "args": ["-c", "import sys; sys.exit('boom')"]},
+        "leaky": {"command": sys.executable, "env": {"LEAK": SECRET_ENV},
+                  "args": ["-c", "import os, sys; sys.exit('leaked ' + os.environ['LEAK'])"]},
         "off": {"command": "never-run", "disabled": True}}})))
 
     async def scenario():
@@ -80,8 +83,9 @@ def test_servers_over_stdio_and_http_list_call_fail_and_cancel(tmp_path, http_ur
             await servers.wait_ready(list(servers.servers))
             states = {n: s.state for n, s in servers.servers.items()}
             assert states == {"local": "ready", "web": "ready", "wrongtoken": "failed",
-                              "crash": "failed", "off": "disabled"}
+                              "crash": "failed", "leaky": "failed", "off": "disabled"}
             assert "boom" in servers.servers["crash"].reason
+            assert servers.servers["leaky"].reason.endswith("(leaked ***)")  # its secret taken out
             assert [t.name for t in servers.tools(["local", "crash", "web"])] == \
                 ["add", "fail", "env", "read_file", "add", "read_file", "sleep"]
             add = servers.tools(["local"])[0]

@@ -66,6 +66,21 @@ class ServerConfig:
                          header_keys=sorted(self.headers), token=bool(self.token))
         return shown
 
+    def secrets(self) -> list[str]:
+        """Every secret value of the entry (to take out of any text that may show it)."""
+        found = [*self.env.values(), *self.headers.values(), self.token or ""]
+        if self.url:
+            parts = urlsplit(self.url)
+            found += [parts.password or "", parts.username or "", parts.query]
+            found += [v for pair in parts.query.split("&") for v in pair.split("=")[1:]]
+        return sorted({s for s in found if len(s) >= 3}, key=len, reverse=True)
+
+    def redact(self, text: str) -> str:
+        """`text` with the entry's secrets replaced by "***"."""
+        for secret in self.secrets():
+            text = text.replace(secret, "***")
+        return text
+
     def to_json(self) -> dict[str, Any]:
         """The entry as mcp.json holds it (secrets included: for the file only)."""
         out: dict[str, Any] = {}

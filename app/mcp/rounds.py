@@ -98,6 +98,17 @@ class TurnTools:
             return dataclasses.replace(self.auto, choice="none")
         return self.forced if round_number == 0 and self.choice.first_call else self.auto
 
+    def request_after(self, path: list[Any]) -> ToolRequest:
+        """The tools of the answer that follows `path`: its round is the number of answers that
+        called tools since the last user message (a regenerated last answer continues the
+        rounds before it; it is not a first round again)."""
+        rounds = 0
+        for m in reversed(path):
+            if m.role == "user":
+                break
+            rounds += m.role == "assistant" and bool(m.tool_calls)
+        return self.request(rounds)
+
     def stop(self) -> None:
         """Stop: pending questions denied, the running call cancelled."""
         self.approvals.deny_all()
@@ -143,7 +154,8 @@ async def run_calls(tools: TurnTools, storage: Storage, conv: Any, answer_id: in
                                         "function": {"name": c.name, "arguments": c.arguments}}
                                        for c in calls], meta)
     path = storage.active_path(conv.id)
-    await send(render("_message.html", conv=conv, v=message_views(storage, path)[-1], oob=True))
+    view = dataclasses.replace(message_views(storage, path)[-1], regenerable=False)  # more to come
+    await send(render("_message.html", conv=conv, v=view, oob=True))
     parent = answer_id
     for call in calls:
         tool = tools.offered.get(call.name)

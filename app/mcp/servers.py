@@ -181,7 +181,7 @@ class McpServers:
         except BaseException as exc:  # noqa: BLE001 - any failure is the server's state
             tail = self._stderr_tail(cfg.name) if cfg.command else ""
             server.state = "failed"
-            server.reason = _reason(exc) + (f" ({tail})" if tail else "")
+            server.reason = cfg.redact(_reason(exc) + (f" ({tail})" if tail else ""))
             log.warning("MCP server %s failed: %s", cfg.name, server.reason)
         finally:
             server.client = None
@@ -239,6 +239,6 @@ class McpServers:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the model and the page get the reason
-            return ToolResult(f"The call failed: {_reason(exc)}", True)
+            return ToolResult(server.config.redact(f"The call failed: {_reason(exc)}"), True)
         text, truncated = capped(_result_text(result))
         return ToolResult(text, bool(result.is_error), truncated)

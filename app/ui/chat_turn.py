@@ -97,7 +97,7 @@ async def respond(app: Any, cid: int, action: str, data: dict[str, Any], gen: Ge
         await pages.send(cid, turn.opening)
         gen.tools = await mcp_rounds.turn_tools(app.state.mcp, app.state.storage, cid)
         if gen.tools is not None:
-            turn.tools = gen.tools.request(0)
+            turn.tools = gen.tools.request_after(app.state.storage.active_path(cid)[:-1])
         streamed = await stream(app, turn, gen)
         turn, streamed = await tool_rounds(app, turn, streamed, gen)
         await finalise(app, turn, streamed)
@@ -189,7 +189,7 @@ async def tool_rounds(app: Any, turn: Recorded, streamed: Streamed,
                       gen: Generation) -> tuple[Recorded, Streamed]:
     """While the model calls tools: the calls approved, run and stored, and the next answer
     streamed (app/mcp/rounds.py); the last round's turn and answer."""
-    storage, cid, rounds = app.state.storage, turn.conv.id, 0
+    storage, cid = app.state.storage, turn.conv.id
     while (gen.tools is not None and streamed.final is not None and streamed.final.tool_calls
            and not gen.stop_requested):
         parent = await mcp_rounds.run_calls(
@@ -197,10 +197,10 @@ async def tool_rounds(app: Any, turn: Recorded, streamed: Streamed,
             lambda html: app.state.conversations.send(cid, html), lambda: gen.stop_requested)
         if gen.stop_requested:
             break
-        rounds += 1
         answer = storage.add_message(cid, parent, "assistant", "", state="streaming",
                                      model=turn.answer.model, sampling=turn.answer.sampling)
-        turn = dataclasses.replace(turn, answer=answer, tools=gen.tools.request(rounds))
+        turn = dataclasses.replace(turn, answer=answer, tools=gen.tools.request_after(
+            storage.active_path(cid)[:-1]))
         await app.state.conversations.send(cid, render(
             "_messages.html", conv=turn.conv, oob=True,
             views=message_views(storage, storage.active_path(cid))))
