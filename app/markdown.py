@@ -101,9 +101,11 @@ def render_tool_calls(calls: list[dict], servers: dict | None = None) -> str:
     """An answer's tool calls, each a collapsed block: the function's name (and the MCP server it
     belongs to, from `servers`: call id -> {"server", "tool"}), its arguments."""
     blocks = []
+    servers = servers if isinstance(servers, dict) else {}  # an imported file may hold anything
     for call in calls:
         fn = call.get("function") or {}
-        where = (servers or {}).get(call.get("id")) or {}
+        where = servers.get(call.get("id")) if isinstance(call.get("id"), str) else None
+        where = where if isinstance(where, dict) else {}
         name = where.get("tool") or fn.get("name")
         on = f' on <span class="server">{html.escape(str(where["server"]))}</span>' \
             if where.get("server") else ""
@@ -116,7 +118,7 @@ def render_tool_calls(calls: list[dict], servers: dict | None = None) -> str:
 def render_tool_result(text: str, call_id: str | None, meta: dict | None = None) -> str:
     """A tool's result as a collapsed block of plain text, whatever it holds; `meta` (MCP) names
     the tool and says how the call ended ("error", "denied", "stopped") and if it was cut."""
-    meta = meta or {}
+    meta = meta if isinstance(meta, dict) else {}
     if meta.get("tool"):
         label = f"Result of <code>{html.escape(str(meta['tool']))}</code>"
         outcome = str(meta.get("outcome") or "done")

@@ -236,6 +236,11 @@ def test_tool_results_and_names_are_escaped_never_markup():
     call = render_tool_calls([{"id": "c1", "function": {"name": "add", "arguments": "{}"}}],
                              {"c1": {"server": "<svg onload=x()>", "tool": "add"}})
     assert "<svg" not in call and "&lt;svg" in call
+    # what an imported file may hold instead of the shapes mlxchat writes
+    calls = [{"id": "c1", "function": {"name": "add", "arguments": "{}"}}]
+    for odd in ([1], "x", {"c1": [1]}, {"c1": "x"}):
+        assert "Tool call: <code>add" in render_tool_calls(calls, odd)
+    assert "Tool result" in render_tool_result("r", "c1", ["odd"])
 
 
 def test_only_standing_approvals_and_trusted_read_only_tools_skip_the_question():

@@ -67,7 +67,7 @@ def test_results_are_capped_with_a_notice():
 def test_servers_over_stdio_and_http_list_call_fail_and_cancel(tmp_path, http_url):
     (tmp_path / "notes.txt").write_text("hello from a file")
     config.save(tmp_path / "mcp.json", config.parse(json.dumps({"mcpServers": {
-        "local": stdio_entry("add,fail,env,read_file", tmp_path,
+        "local": stdio_entry("add,fail,env,read_file,crash", tmp_path,
                              env={"SECRET_X": SECRET_ENV, "MCP_TEST_ECHO_ENV": "SECRET_X"}),
         "web": {"url": http_url, "token": SECRET_TOKEN},
         "wrongtoken": {"url": http_url, "token": "not-it"},
@@ -87,7 +87,7 @@ def test_servers_over_stdio_and_http_list_call_fail_and_cancel(tmp_path, http_ur
             assert "boom" in servers.servers["crash"].reason
             assert servers.servers["leaky"].reason.endswith("(leaked ***)")  # its secret taken out
             assert [t.name for t in servers.tools(["local", "crash", "web"])] == \
-                ["add", "fail", "env", "read_file", "add", "read_file", "sleep"]
+                ["add", "fail", "env", "read_file", "crash", "add", "read_file", "sleep"]
             add = servers.tools(["local"])[0]
             assert add.read_only and add.schema["properties"]["a"]["maximum"] == 99
             assert (await servers.call("local", "add", {"a": 2, "b": 40})).text == "42"
@@ -107,6 +107,12 @@ def test_servers_over_stdio_and_http_list_call_fail_and_cancel(tmp_path, http_ur
                 await call
             assert asyncio.get_running_loop().time() - started < 5
             assert (await servers.call("web", "add", {"a": 1, "b": 1})).text == "2"  # still usable
+            # a server that dies mid-call: an error result, and the server shown as failed
+            died = await servers.call("local", "crash", {"code": 3})
+            assert died.is_error and "Connection closed" in died.text
+            assert servers.servers["local"].state == "failed"
+            assert servers.servers["local"].reason.startswith("the server stopped")
+            assert servers.tools(["local"]) == []
         finally:
             await servers.stop()
 

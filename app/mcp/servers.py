@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+from mcp_types import CONNECTION_CLOSED
+
 from . import config
 from .config import ConfigError, ServerConfig
 
@@ -57,6 +59,8 @@ class Server:
     tools: tuple[ToolInfo, ...] = ()
     client: Any = None
     task: asyncio.Task | None = None
+    watch: asyncio.Task | None = None  # fails it after the start timeout
+    errlog: Any = None  # a stdio command's stderr (the last line explains a failed start)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -101,7 +105,6 @@ class McpServers:
         self.servers: dict[str, Server] = {}
         self.error = ""  # why mcp.json could not be read, if it could not
         self._started = False
-        self._logs = Path(tempfile.mkdtemp(prefix="mlxchat-mcp-"))
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -126,7 +129,7 @@ class McpServers:
             server.ready.set()
             return
         server.task = asyncio.create_task(self._run(server), name=f"mcp:{cfg.name}")
-        asyncio.create_task(self._watch_start(server))
+        server.watch = asyncio.create_task(self._watch_start(server))
 
     async def _watch_start(self, server: Server) -> None:
         try:
@@ -138,14 +141,15 @@ class McpServers:
                 server.task.cancel()
             server.ready.set()
 
-    def _transport(self, cfg: ServerConfig) -> Any:
+    def _transport(self, server: Server) -> Any:
+        cfg = server.config
         if cfg.command:
             from mcp.client.stdio import StdioServerParameters, stdio_client
 
-            errlog = open(self._logs / f"{cfg.name}.log", "w")  # noqa: SIM115 - kept by the child
+            server.errlog = tempfile.TemporaryFile("w+", prefix="mlxchat-mcp-")
             params = StdioServerParameters(command=cfg.command, args=list(cfg.args),
                                            env=dict(cfg.env) or None, cwd=cfg.cwd)
-            return stdio_client(params, errlog=errlog)
+            return stdio_client(params, errlog=server.errlog)
         from mcp.client.streamable_http import streamable_http_client
         from mcp.shared._httpx_utils import create_mcp_http_client
 
@@ -154,9 +158,13 @@ class McpServers:
             headers["Authorization"] = f"Bearer {cfg.token}"
         return streamable_http_client(cfg.url, http_client=create_mcp_http_client(headers=headers))
 
-    def _stderr_tail(self, name: str) -> str:
-        with suppress(OSError):
-            lines = (self._logs / f"{name}.log").read_text(errors="replace").strip().splitlines()
+    @staticmethod
+    def _stderr_tail(server: Server) -> str:
+        if server.errlog is None:
+            return ""
+        with suppress(OSError, ValueError):
+            server.errlog.seek(0)
+            lines = server.errlog.read().strip().splitlines()
             return lines[-1][:300] if lines else ""
         return ""
 
@@ -165,7 +173,7 @@ class McpServers:
 
         cfg = server.config
         try:
-            async with Client(self._transport(cfg), read_timeout_seconds=CALL_TIMEOUT_S) as client:
+            async with Client(self._transport(server), read_timeout_seconds=CALL_TIMEOUT_S) as client:
                 listing = await client.list_tools()
                 server.tools = tuple(
                     ToolInfo(cfg.name, t.name, t.description or "", dict(t.input_schema or {}),
@@ -179,13 +187,15 @@ class McpServers:
                 server.state = "stopped"
             raise
         except BaseException as exc:  # noqa: BLE001 - any failure is the server's state
-            tail = self._stderr_tail(cfg.name) if cfg.command else ""
+            tail = self._stderr_tail(server)
             server.state = "failed"
             server.reason = cfg.redact(_reason(exc) + (f" ({tail})" if tail else ""))
             log.warning("MCP server %s failed: %s", cfg.name, server.reason)
         finally:
             server.client = None
             server.ready.set()
+            if server.errlog is not None:
+                server.errlog.close()
 
     async def stop(self) -> None:
         """Close every server (stdio commands end with their pipes)."""
@@ -239,6 +249,10 @@ class McpServers:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the model and the page get the reason
-            return ToolResult(server.config.redact(f"The call failed: {_reason(exc)}"), True)
+            reason = server.config.redact(_reason(exc))
+            if getattr(exc, "code", None) == CONNECTION_CLOSED:  # the server has gone
+                server.state, server.reason = "failed", f"the server stopped ({reason})"
+                server.stop.set()
+            return ToolResult(f"The call failed: {reason}", True)
         text, truncated = capped(_result_text(result))
         return ToolResult(text, bool(result.is_error), truncated)

@@ -1,5 +1,5 @@
 """A real MCP server for the tests, written with the official SDK (`MCPServer`): a calculator, a
-reader of files in one folder, a tool that sleeps and one that fails.
+reader of files in one folder, a tool that sleeps, one that fails and one that ends the process.
 
     python tests/mcp_servers/tools_server.py stdio [--tools add,fail] [--folder DIR]
     python tests/mcp_servers/tools_server.py http PORT [--token TOKEN] [--tools ...] [--folder DIR]
@@ -46,13 +46,18 @@ def fail(reason: Annotated[str, Field(max_length=8)]) -> str:
     raise ToolError(f"the tool failed on purpose ({reason})")
 
 
+def crash(code: Annotated[int, Field(ge=1, le=9)]) -> str:
+    """Ends the server's process at once (a server that crashes mid-call)."""
+    os._exit(code)
+
+
 def env(name: Annotated[str, Field(max_length=8)]) -> str:
     """The environment variable MCP_TEST_ECHO_ENV names."""
     return os.environ.get(os.environ.get("MCP_TEST_ECHO_ENV", ""), "")
 
 
 TOOLS = {"add": (add, READ_ONLY), "read_file": (read_file, READ_ONLY), "sleep": (sleep, None),
-         "fail": (fail, None), "env": (env, None)}
+         "fail": (fail, None), "crash": (crash, None), "env": (env, None)}
 
 
 def build(names: list[str]) -> MCPServer:
