@@ -96,8 +96,9 @@ async def respond(app: Any, cid: int, action: str, data: dict[str, Any], gen: Ge
             return
         await pages.send(cid, turn.opening)
         gen.tools = await mcp_rounds.turn_tools(app.state.mcp, app.state.storage, cid)
-        if gen.tools is not None:
+        if gen.tools is not None:  # tools run with plain decoding (the engine refuses both)
             turn.tools = gen.tools.request_after(app.state.storage.active_path(cid)[:-1])
+            turn.speculative = None
         streamed = await stream(app, turn, gen)
         turn, streamed = await tool_rounds(app, turn, streamed, gen)
         await finalise(app, turn, streamed)
