@@ -4,6 +4,7 @@ cancelled, failures shown as states, secrets kept off what pages see."""
 
 import asyncio
 import json
+import os
 import sys
 
 import pytest
@@ -130,6 +131,29 @@ def test_a_server_that_never_answers_is_failed_after_the_start_timeout(tmp_path)
         mute = servers.servers["mute"]
         assert (mute.state, mute.reason) == ("failed", "did not start within 1 s")
         assert servers.tools(["mute"]) == []
+        await servers.stop()
+
+    asyncio.run(scenario())
+
+
+def test_an_mcp_json_edited_by_hand_is_read_again(tmp_path):
+    path = tmp_path / "mcp.json"
+    path.write_text('{"mcpServers": {"a": {"command": "x", "disabled": true}}}')
+
+    async def scenario():
+        servers = McpServers(path)
+        await servers.current()
+        assert list(servers.servers) == ["a"]
+        await servers.current()  # unchanged: nothing restarts
+        assert list(servers.servers) == ["a"]
+        path.write_text('{"mcpServers": {"b": {"url": "http://127.0.0.1:9/mcp", "disabled": true}}}')
+        os.utime(path, (1, 1))
+        await servers.current()
+        assert list(servers.servers) == ["b"] and servers.servers["b"].state == "disabled"
+        path.write_text("{oops")
+        os.utime(path, (2, 2))
+        await servers.current()
+        assert servers.servers == {} and "not JSON" in servers.error
         await servers.stop()
 
     asyncio.run(scenario())

@@ -121,7 +121,7 @@ async def turn_tools(servers: McpServers, storage: Storage, cid: int) -> TurnToo
     choice = storage.mcp_choice(cid)
     if not choice.servers:
         return None
-    servers.ensure_started()
+    await servers.current()
     await servers.wait_ready(list(choice.servers))
     offered = offered_tools(servers.tools(list(choice.servers)))
     functions = await asyncio.to_thread(_functions, offered)

@@ -105,6 +105,7 @@ class McpServers:
         self.servers: dict[str, Server] = {}
         self.error = ""  # why mcp.json could not be read, if it could not
         self._started = False
+        self._read: float | None = None  # mcp.json's modification time when it was read
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -113,6 +114,7 @@ class McpServers:
         if self._started:
             return
         self._started = True
+        self._read = self._mtime()
         try:
             configs = config.load(self.path)
             self.error = ""
@@ -120,6 +122,19 @@ class McpServers:
             configs, self.error = {}, str(exc)
         for name, cfg in configs.items():
             self._start(cfg)
+
+    def _mtime(self) -> float | None:
+        try:
+            return self.path.stat().st_mtime
+        except OSError:
+            return None
+
+    async def current(self) -> None:
+        """Started, and on the file as it is now: an mcp.json edited by hand since it was read
+        restarts every server."""
+        if self._started and self._mtime() != self._read:
+            await self.restart()
+        self.ensure_started()
 
     def _start(self, cfg: ServerConfig) -> None:
         server = Server(cfg)

@@ -36,7 +36,10 @@ def _panel(request: Request, conv: Conversation, *, error: str = "", saved: str 
 
 async def tools_panel(request: Request) -> Response:
     conv = conversation_of(request)
-    return not_found() if conv is None else _panel(request, conv)
+    if conv is None:
+        return not_found()
+    await request.app.state.mcp.current()  # mcp.json edited by hand: read again
+    return _panel(request, conv)
 
 
 def choice_form(form: dict[str, str], known: set[str], always: tuple[str, ...]) -> McpChoice:
