@@ -172,6 +172,7 @@ async def run_calls(tools: TurnTools, storage: Storage, conv: Any, answer_id: in
 async def _one_call(tools: TurnTools, storage: Storage, conv: Any, call: ToolCall,
                     tool: ToolInfo | None, send: Send,
                     stopped: Callable[[], bool]) -> tuple[ToolResult, str]:
+    """One call: checked, approved (or not), run; its result and how it ended."""
     if stopped():
         return ToolResult(STOPPED, True), "stopped"
     if tool is None:
@@ -181,22 +182,37 @@ async def _one_call(tools: TurnTools, storage: Storage, conv: Any, call: ToolCal
         return ToolResult("The arguments are not a JSON object.", True), "error"
     server = tools.servers.configs().get(tool.server)
     if not standing(tool, tools.choice, server):
-        question = render("_tool_approval.html", call=call, tool=tool,
-                          arguments=json.dumps(args, indent=2, ensure_ascii=False))
-        await send(question)
-        decision = await tools.approvals.ask(call.id, question)
-        await send(render("_tool_approval.html", call=None))
+        decision = await _ask(tools, storage, conv, call, tool, args, send)
         if stopped():
             return ToolResult(STOPPED, True), "stopped"
         if decision == "deny":
             return ToolResult(DENIED, True), "denied"
-        if decision == "always":  # kept for the conversation's later turns too
-            saved = storage.mcp_choice(conv.id)
-            storage.save_mcp_choice(conv.id, dataclasses.replace(
-                saved, always=tuple(sorted({*saved.always, key(tool)}))))
-            tools.choice = dataclasses.replace(tools.choice,
-                                               always=(*tools.choice.always, key(tool)))
+    return await _run(tools, tool, args, send, stopped)
+
+
+async def _ask(tools: TurnTools, storage: Storage, conv: Any, call: ToolCall, tool: ToolInfo,
+               args: dict[str, Any], send: Send) -> str:
+    """The user's decision on the call, asked on the page; "always" is kept for the
+    conversation's later calls and turns."""
+    question = render("_tool_approval.html", call=call, tool=tool,
+                      arguments=json.dumps(args, indent=2, ensure_ascii=False))
+    await send(question)
+    decision = await tools.approvals.ask(call.id, question)
+    await send(render("_tool_approval.html", call=None))
+    if decision == "always":
+        saved = storage.mcp_choice(conv.id)
+        storage.save_mcp_choice(conv.id, dataclasses.replace(
+            saved, always=tuple(sorted({*saved.always, key(tool)}))))
+        tools.choice = dataclasses.replace(tools.choice, always=(*tools.choice.always, key(tool)))
+    return decision
+
+
+async def _run(tools: TurnTools, tool: ToolInfo, args: dict[str, Any], send: Send,
+               stopped: Callable[[], bool]) -> tuple[ToolResult, str]:
+    """The approved call, run on its server (Stop cancels it)."""
     await send(render("_notice.html", text=f"Running {tool.name} on {tool.server}…"))
+    if stopped():  # Stop pressed while the notice went out
+        return ToolResult(STOPPED, True), "stopped"
     tools.running = asyncio.create_task(tools.servers.call(tool.server, tool.name, args))
     try:
         result = await asyncio.shield(tools.running)
