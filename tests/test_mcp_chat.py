@@ -140,6 +140,12 @@ def test_always_for_this_conversation_asks_once_over_http(server, http):
     results = [m for m in path if m.role == "tool"]
     assert len(results) == 2 and all(m.tool_meta["outcome"] == "done" for m in results)
     assert all(m.content.isdigit() for m in results)
+    # the panel lists the standing approval; unticking it takes it back
+    panel = http.get(f"/c/{cid}/tools").text
+    assert 'name="always:web/add" checked' in panel
+    http.post(f"/c/{cid}/tools", data={"server:web": "on", "first_call": "on", "max_rounds": "1"})
+    assert server.storage.mcp_choice(cid).always == ()
+    assert asked(tool_turn(server, cid, "deny")) == 1
 
 
 def test_a_denied_call_does_not_run_and_the_model_is_told(server, http):

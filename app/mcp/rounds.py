@@ -33,6 +33,7 @@ from .servers import McpServers, ToolInfo, ToolResult
 log = logging.getLogger(__name__)
 
 DENIED = "The user denied this call."
+Send = Callable[[str], Awaitable[None]]  # sends HTML to every page of the conversation
 STOPPED = "The call was stopped by the user."
 
 
@@ -116,13 +117,19 @@ class TurnTools:
             self.running.cancel()
 
 
-async def turn_tools(servers: McpServers, storage: Storage, cid: int) -> TurnTools | None:
+async def turn_tools(servers: McpServers, storage: Storage, cid: int,
+                     send: Send) -> TurnTools | None:
     """The conversation's tools for a turn, or None (no server switched on, or none ready)."""
     choice = storage.mcp_choice(cid)
     if not choice.servers:
         return None
     await servers.current()
-    await servers.wait_ready(list(choice.servers))
+    starting = [n for n in choice.servers if n in servers.servers
+                and servers.servers[n].state == "starting"]
+    if starting:
+        await send(render("_notice.html", text=f"Starting MCP servers: {', '.join(starting)}…"))
+        await servers.wait_ready(starting)
+        await send(render("_notice.html", text=""))
     offered = offered_tools(servers.tools(list(choice.servers)))
     functions = await asyncio.to_thread(_functions, offered)
     if not functions:
@@ -139,9 +146,6 @@ def _arguments(call: ToolCall) -> dict[str, Any] | None:
     except json.JSONDecodeError:
         return None
     return args if isinstance(args, dict) else None
-
-
-Send = Callable[[str], Awaitable[None]]
 
 
 async def run_calls(tools: TurnTools, storage: Storage, conv: Any, answer_id: int,

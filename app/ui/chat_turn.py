@@ -95,7 +95,8 @@ async def respond(app: Any, cid: int, action: str, data: dict[str, Any], gen: Ge
             await pages.send(cid, turn + _idle())
             return
         await pages.send(cid, turn.opening)
-        gen.tools = await mcp_rounds.turn_tools(app.state.mcp, app.state.storage, cid)
+        gen.tools = await mcp_rounds.turn_tools(app.state.mcp, app.state.storage, cid,
+                                                lambda html: pages.send(cid, html))
         if gen.tools is not None:  # tools run with plain decoding (the engine refuses both)
             turn.tools = gen.tools.request_after(app.state.storage.active_path(cid)[:-1])
             turn.speculative = None

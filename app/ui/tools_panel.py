@@ -43,7 +43,8 @@ async def tools_panel(request: Request) -> Response:
 
 
 def choice_form(form: dict[str, str], known: set[str], always: tuple[str, ...]) -> McpChoice:
-    """The panel's choices; raises ValueError with the message to show."""
+    """The panel's choices; raises ValueError with the message to show. A tool allowed for the
+    whole conversation stays so while its box stays ticked."""
     try:
         rounds = int(form.get("max_rounds") or 8)
     except ValueError:
@@ -51,7 +52,8 @@ def choice_form(form: dict[str, str], known: set[str], always: tuple[str, ...]) 
     if not 1 <= rounds <= MAX_ROUNDS_LIMIT:
         raise ValueError(f"Most tool rounds must be from 1 to {MAX_ROUNDS_LIMIT}.")
     servers = tuple(sorted(n for n in known if form.get(f"server:{n}") == "on"))
-    return McpChoice(servers, always, form.get("first_call") == "on", rounds)
+    kept = tuple(k for k in always if form.get(f"always:{k}") == "on")
+    return McpChoice(servers, kept, form.get("first_call") == "on", rounds)
 
 
 async def save_choice(request: Request) -> Response:
