@@ -43,6 +43,7 @@ def test_add_a_server_approve_a_call_and_see_it_after_reload(page: Page, shot):
     page.fill("input[name=max_rounds]", "1")
     page.click("#tools-save")
     expect(page.locator("#tools-panel .saved")).to_have_text("Saved.")
+    shot(page, "mcp-panel")
     page.click("#tools summary")  # close the panel
 
     send(page, "What is 2 + 3? Use the calculator.")
