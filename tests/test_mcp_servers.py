@@ -146,10 +146,17 @@ def test_an_mcp_json_edited_by_hand_is_read_again(tmp_path):
         assert list(servers.servers) == ["a"]
         await servers.current()  # unchanged: nothing restarts
         assert list(servers.servers) == ["a"]
-        path.write_text('{"mcpServers": {"b": {"url": "http://127.0.0.1:9/mcp", "disabled": true}}}')
+        kept = servers.servers["a"]
+        path.write_text('{"mcpServers": {"a": {"command": "x", "disabled": true}, '
+                        '"b": {"url": "http://127.0.0.1:9/mcp", "disabled": true}}}')
         os.utime(path, (1, 1))
         await servers.current()
-        assert list(servers.servers) == ["b"] and servers.servers["b"].state == "disabled"
+        assert list(servers.servers) == ["a", "b"] and servers.servers["b"].state == "disabled"
+        assert servers.servers["a"] is kept  # unchanged: not restarted
+        path.write_text('{"mcpServers": {"b": {"url": "http://127.0.0.1:9/mcp", "disabled": true}}}')
+        os.utime(path, (3, 3))
+        await servers.current()
+        assert list(servers.servers) == ["b"]
         path.write_text("{oops")
         os.utime(path, (2, 2))
         await servers.current()

@@ -114,14 +114,18 @@ class McpServers:
         if self._started:
             return
         self._started = True
+        for cfg in self._load().values():
+            self._start(cfg)
+
+    def _load(self) -> dict[str, ServerConfig]:
+        """mcp.json's servers as the file is now (none, and `error` says why, if unusable)."""
         self._read = self._mtime()
         try:
             configs = config.load(self.path)
             self.error = ""
         except ConfigError as exc:
             configs, self.error = {}, str(exc)
-        for name, cfg in configs.items():
-            self._start(cfg)
+        return configs
 
     def _mtime(self) -> float | None:
         try:
@@ -130,8 +134,8 @@ class McpServers:
             return None
 
     async def current(self) -> None:
-        """Started, and on the file as it is now: an mcp.json edited by hand since it was read
-        restarts every server."""
+        """Started, and on the file as it is now (an mcp.json edited by hand since it was read:
+        `restart`)."""
         if self._started and self._mtime() != self._read:
             await self.restart()
         self.ensure_started()
@@ -214,8 +218,14 @@ class McpServers:
 
     async def stop(self) -> None:
         """Close every server (stdio commands end with their pipes)."""
+        await self._close(list(self.servers.values()))
+        self.servers = {}
+        self._started = False
+
+    @staticmethod
+    async def _close(servers: list[Server]) -> None:
         tasks = []
-        for server in self.servers.values():
+        for server in servers:
             server.stop.set()
             if server.task is not None:
                 tasks.append(server.task)
@@ -223,8 +233,6 @@ class McpServers:
             done, pending = await asyncio.wait(tasks, timeout=5)
             for task in pending:
                 task.cancel()
-        self.servers = {}
-        self._started = False
 
     @asynccontextmanager
     async def lifespan(self, app: Any) -> AsyncIterator[None]:
@@ -233,9 +241,19 @@ class McpServers:
         await self.stop()
 
     async def restart(self) -> None:
-        """Read mcp.json again and restart every server (after an edit)."""
-        await self.stop()
-        self.ensure_started()
+        """Read mcp.json again (after an edit): servers removed or changed are closed, new or
+        changed ones started; the others run on."""
+        if not self._started:
+            self.ensure_started()
+            return
+        configs = self._load()
+        gone = [s for name, s in self.servers.items() if configs.get(name) != s.config]
+        for server in gone:
+            del self.servers[server.config.name]
+        await self._close(gone)
+        for name, cfg in configs.items():
+            if name not in self.servers:
+                self._start(cfg)
 
     # --- what the chat uses ------------------------------------------------------------------
 
