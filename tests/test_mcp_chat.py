@@ -217,6 +217,9 @@ def test_the_panel_adds_servers_only_when_local_and_never_shows_secrets(server, 
         r = http.post(f"/c/{cid}/tools/servers", data={"config": pasted})
         assert r.status_code == 403 and "--allow-remote" in r.text
         assert "edit <code>" in http.get(f"/c/{cid}/tools").text
+        for action in ("remove", "trust"):
+            assert http.post(f"/c/{cid}/tools/servers/{action}",
+                             data={"name": "calc", "trusted": "on"}).status_code == 403
     finally:
         server.app.state.mcp_edit = True
     r = http.post(f"/c/{cid}/tools/servers", data={"config": "{broken"})
@@ -225,6 +228,11 @@ def test_the_panel_adds_servers_only_when_local_and_never_shows_secrets(server, 
     assert r.status_code == 200 and 'data-server="extra"' in r.text
     saved = json.loads((server.storage.path.parent / "mcp.json").read_text())
     assert saved["mcpServers"]["extra"]["env"] == {"K": SECRET_ENV}  # the file keeps it
+    r = http.post(f"/c/{cid}/tools/servers/trust", data={"name": "extra", "trusted": "on"})
+    assert r.status_code == 200 and "Stop trusting" in r.text
+    saved = json.loads((server.storage.path.parent / "mcp.json").read_text())
+    assert saved["mcpServers"]["extra"]["trusted"] is True
+    assert http.post(f"/c/{cid}/tools/servers/trust", data={"name": "nope"}).status_code == 400
     r = http.post(f"/c/{cid}/tools/servers/remove", data={"name": "extra"})
     assert r.status_code == 200 and 'data-server="extra"' not in r.text
     assert "extra" not in json.loads((server.storage.path.parent / "mcp.json").read_text())["mcpServers"]

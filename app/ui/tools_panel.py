@@ -120,9 +120,33 @@ async def remove_server(request: Request) -> Response:
     return _panel(request, conv, saved=f"Removed {name}.")
 
 
+async def trust_server(request: Request) -> Response:
+    """Mark a server trusted (its read-only tools run without asking) or not, in mcp.json."""
+    conv = conversation_of(request)
+    if conv is None:
+        return not_found()
+    form = await read_form(request)
+    name, trusted = form.get("name", ""), form.get("trusted") == "on"
+    if not request.app.state.mcp_edit:
+        return _panel(request, conv, status=403, error="Edit mcp.json to trust a server.")
+
+    def change(servers: dict[str, config.ServerConfig]) -> None:
+        if name not in servers:
+            raise ConfigError(f"there is no server {name!r}")
+        servers[name] = dataclasses.replace(servers[name], trusted=trusted)
+    try:
+        _edited(request, change)
+    except ConfigError as exc:
+        return _panel(request, conv, error=str(exc), status=400)
+    await request.app.state.mcp.restart()
+    return _panel(request, conv, saved=f"{name}: read-only tools "
+                                       f"{'run without asking' if trusted else 'ask first'}.")
+
+
 routes = [
     Route("/c/{cid:int}/tools", tools_panel),
     Route("/c/{cid:int}/tools", save_choice, methods=["POST"]),
     Route("/c/{cid:int}/tools/servers", add_servers, methods=["POST"]),
     Route("/c/{cid:int}/tools/servers/remove", remove_server, methods=["POST"]),
+    Route("/c/{cid:int}/tools/servers/trust", trust_server, methods=["POST"]),
 ]
