@@ -101,46 +101,47 @@ async def add_servers(request: Request) -> Response:
     return _panel(request, conv, saved=f"Added {', '.join(pasted)}.")
 
 
-async def remove_server(request: Request) -> Response:
-    conv = conversation_of(request)
-    if conv is None:
-        return not_found()
-    name = (await read_form(request)).get("name", "")
-    if not request.app.state.mcp_edit:
-        return _panel(request, conv, status=403, error="Edit mcp.json to remove a server.")
-    try:
-        _edited(request, lambda servers: servers.pop(name, None))
-    except ConfigError as exc:
-        return _panel(request, conv, error=str(exc), status=400)
-    storage: Storage = request.app.state.storage
-    choice = storage.mcp_choice(conv.id)
-    storage.save_mcp_choice(conv.id, dataclasses.replace(
-        choice, servers=tuple(n for n in choice.servers if n != name)))
-    await request.app.state.mcp.restart()
-    return _panel(request, conv, saved=f"Removed {name}.")
-
-
-async def trust_server(request: Request) -> Response:
-    """Mark a server trusted (its read-only tools run without asking) or not, in mcp.json."""
+async def _server_edit(request: Request, what: str, change: Any) -> Response:
+    """A change to one server of mcp.json from the panel (`change(servers, name, form)`: the
+    message to show); only where the page may edit the file."""
     conv = conversation_of(request)
     if conv is None:
         return not_found()
     form = await read_form(request)
-    name, trusted = form.get("name", ""), form.get("trusted") == "on"
+    name = form.get("name", "")
     if not request.app.state.mcp_edit:
-        return _panel(request, conv, status=403, error="Edit mcp.json to trust a server.")
-
-    def change(servers: dict[str, config.ServerConfig]) -> None:
-        if name not in servers:
-            raise ConfigError(f"there is no server {name!r}")
-        servers[name] = dataclasses.replace(servers[name], trusted=trusted)
+        return _panel(request, conv, status=403, error=f"Edit mcp.json to {what}.")
+    done: list[str] = []
     try:
-        _edited(request, change)
+        _edited(request, lambda servers: done.append(change(servers, name, form)))
     except ConfigError as exc:
         return _panel(request, conv, error=str(exc), status=400)
     await request.app.state.mcp.restart()
-    return _panel(request, conv, saved=f"{name}: read-only tools "
-                                       f"{'run without asking' if trusted else 'ask first'}.")
+    return _panel(request, conv, saved=done[0])
+
+
+async def remove_server(request: Request) -> Response:
+    storage: Storage = request.app.state.storage
+
+    def remove(servers: dict[str, config.ServerConfig], name: str, form: dict[str, str]) -> str:
+        servers.pop(name, None)
+        cid = int(request.path_params["cid"])
+        choice = storage.mcp_choice(cid)
+        storage.save_mcp_choice(cid, dataclasses.replace(
+            choice, servers=tuple(n for n in choice.servers if n != name)))
+        return f"Removed {name}."
+    return await _server_edit(request, "remove a server", remove)
+
+
+async def trust_server(request: Request) -> Response:
+    """Mark a server trusted (its read-only tools run without asking) or not, in mcp.json."""
+    def trust(servers: dict[str, config.ServerConfig], name: str, form: dict[str, str]) -> str:
+        if name not in servers:
+            raise ConfigError(f"there is no server {name!r}")
+        trusted = form.get("trusted") == "on"
+        servers[name] = dataclasses.replace(servers[name], trusted=trusted)
+        return f"{name}: read-only tools {'run without asking' if trusted else 'ask first'}."
+    return await _server_edit(request, "trust a server", trust)
 
 
 routes = [
