@@ -206,6 +206,8 @@ def test_a_failed_server_is_shown_and_does_not_block_the_chat(server, http):
     panel = http.get(f"/c/{cid}/tools").text
     crash = re.search(r'data-server="crash" data-state="(\w+)".*?</fieldset>', panel, re.S)
     assert crash.group(1) == "failed" and "boom" in crash.group(0)
+    retried = http.post(f"/c/{cid}/tools/servers/retry", data={"name": "crash"}).text
+    assert 'data-server="crash" data-state="starting"' in retried  # started again (it fails again)
     assert 'data-server="calc" data-state="ready"' in panel
 
 

@@ -114,6 +114,10 @@ def test_servers_over_stdio_and_http_list_call_fail_and_cancel(tmp_path, http_ur
             assert servers.servers["local"].state == "failed"
             assert servers.servers["local"].reason.startswith("the server stopped")
             assert servers.tools(["local"]) == []
+            await servers.retry("local")  # the panel's Retry
+            await servers.wait_ready(["local"])
+            assert servers.servers["local"].state == "ready" and servers.servers["web"].state == "ready"
+            assert (await servers.call("local", "add", {"a": 3, "b": 4})).text == "7"
         finally:
             await servers.stop()
 

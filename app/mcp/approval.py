@@ -43,10 +43,6 @@ class Approvals:
             self._pending.pop(call_id, None)
             self.shown = ""
 
-    @property
-    def waiting(self) -> list[str]:
-        return list(self._pending)
-
     def answer(self, call_id: object, decision: object) -> str | None:
         """Record a decision; None when accepted, else why not (shown to the user)."""
         if decision not in DECISIONS:

@@ -140,6 +140,14 @@ class McpServers:
             await self.restart()
         self.ensure_started()
 
+    async def retry(self, name: str) -> None:
+        """Start a failed server again."""
+        server = self.servers.get(name)
+        if server is not None and server.state == "failed":
+            del self.servers[name]
+            await self._close([server])
+            self._start(server.config)
+
     def _start(self, cfg: ServerConfig) -> None:
         server = Server(cfg)
         self.servers[cfg.name] = server

@@ -144,10 +144,21 @@ async def trust_server(request: Request) -> Response:
     return await _server_edit(request, "trust a server", trust)
 
 
+async def retry_server(request: Request) -> Response:
+    """Start a failed server again (its command or URL as mcp.json has it)."""
+    conv = conversation_of(request)
+    if conv is None:
+        return not_found()
+    name = (await read_form(request)).get("name", "")
+    await request.app.state.mcp.retry(name)
+    return _panel(request, conv)
+
+
 routes = [
     Route("/c/{cid:int}/tools", tools_panel),
     Route("/c/{cid:int}/tools", save_choice, methods=["POST"]),
     Route("/c/{cid:int}/tools/servers", add_servers, methods=["POST"]),
     Route("/c/{cid:int}/tools/servers/remove", remove_server, methods=["POST"]),
     Route("/c/{cid:int}/tools/servers/trust", trust_server, methods=["POST"]),
+    Route("/c/{cid:int}/tools/servers/retry", retry_server, methods=["POST"]),
 ]
