@@ -94,6 +94,7 @@ class ImportedMessage(_Strict):
     attachments: list[Attachment] | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    tool_meta: dict[str, Any] | None = None  # MCP: a call's server and outcome
 
 
 class ImportedConversation(_Strict):

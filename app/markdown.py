@@ -97,20 +97,37 @@ def _pretty(arguments: object) -> str:
     return json.dumps(value, indent=2, ensure_ascii=False)
 
 
-def render_tool_calls(calls: list[dict]) -> str:
-    """An answer's tool calls, each a collapsed block: the function's name, its arguments."""
+def render_tool_calls(calls: list[dict], servers: dict | None = None) -> str:
+    """An answer's tool calls, each a collapsed block: the function's name (and the MCP server it
+    belongs to, from `servers`: call id -> {"server", "tool"}), its arguments."""
     blocks = []
+    servers = servers if isinstance(servers, dict) else {}  # an imported file may hold anything
     for call in calls:
         fn = call.get("function") or {}
+        where = servers.get(call.get("id")) if isinstance(call.get("id"), str) else None
+        where = where if isinstance(where, dict) else {}
+        name = where.get("tool") or fn.get("name")
+        on = f' on <span class="server">{html.escape(str(where["server"]))}</span>' \
+            if where.get("server") else ""
         blocks.append(
-            f'<details class="tool-call"><summary>Tool call: <code>{html.escape(str(fn.get("name")))}'
-            f'</code></summary><pre><code>{html.escape(_pretty(fn.get("arguments")))}</code></pre></details>')
+            f'<details class="tool-call"><summary>Tool call: <code>{html.escape(str(name))}'
+            f'</code>{on}</summary><pre><code>{html.escape(_pretty(fn.get("arguments")))}</code></pre></details>')
     return _clean("".join(blocks))
 
 
-def render_tool_result(text: str, call_id: str | None) -> str:
-    """A tool's result as a collapsed block of plain text, whatever it holds."""
-    label = f"Tool result <code>{html.escape(call_id)}</code>" if call_id else "Tool result"
+def render_tool_result(text: str, call_id: str | None, meta: dict | None = None) -> str:
+    """A tool's result as a collapsed block of plain text, whatever it holds; `meta` (MCP) names
+    the tool and says how the call ended ("error", "denied", "stopped") and if it was cut."""
+    meta = meta if isinstance(meta, dict) else {}
+    if meta.get("tool"):
+        label = f"Result of <code>{html.escape(str(meta['tool']))}</code>"
+        outcome = str(meta.get("outcome") or "done")
+        if outcome != "done":
+            label += f' <span class="outcome">({html.escape(outcome)})</span>'
+        if meta.get("truncated"):
+            label += ' <span class="outcome">(truncated)</span>'
+    else:
+        label = f"Tool result <code>{html.escape(call_id)}</code>" if call_id else "Tool result"
     return _clean(f'<details class="tool-result"><summary>{label}</summary>'
                   f"<pre>{html.escape(text)}</pre></details>")
 

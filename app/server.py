@@ -34,6 +34,8 @@ from .connections import HeaderTimeoutProtocol
 from .folder_lock import FolderBusy, FolderLock
 from .model_switch import ModelSwitch
 from .key_access import KeyAccess
+from .mcp.config import FILE_NAME as MCP_FILE
+from .mcp.servers import McpServers
 from .runs import Runs
 from .security import (LOOPBACK_NAMES, ApiKeyGuard, BodyLimit, HostGuard, OriginGuard,
                        SecurityHeaders, is_loopback)
@@ -53,16 +55,20 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
                allowed_hosts: Iterable[str] | None = LOOPBACK_NAMES,
                api_key: str | None = None, storage: Storage | None = None,
                aliases: dict[str, str] | None = None,
-               allowed_origins: Iterable[str] = ()) -> Starlette:
+               allowed_origins: Iterable[str] = (), mcp_edit: bool = True) -> Starlette:
     """The whole app around a started `engine`. `allowed_hosts=None` accepts any Host header.
     `aliases`: model names clients send (`claude-*`) and the local model each stands for.
-    `allowed_origins`: browser origins (patterns) that may call the APIs (`--allow-origin`)."""
+    `allowed_origins`: browser origins (patterns) that may call the APIs (`--allow-origin`).
+    `mcp_edit`: whether the page may add MCP servers (run commands): only on 127.0.0.1 without
+    `--allow-remote`. mcp.json lives beside the database."""
     storage = storage or Storage(db_path)
+    mcp = McpServers(storage.path.parent / MCP_FILE)
     storage.interrupt_streaming()  # answers cut off by a crash: keep their text, mark them
     access = KeyAccess(api_key)
     app = Starlette(
         routes=[*api.routes, *login.routes, *ui.routes, *exports.routes, *attachments.routes,
                 Mount("/static", StaticFiles(directory=STATIC_DIR))],
+        lifespan=mcp.lifespan,
         exception_handlers={HTTPException: http_error},
         # The security policy, outermost first; a refusal carries no security headers.
         middleware=[
@@ -81,6 +87,8 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     app.state.runs = Runs()
     app.state.conversations = Conversations()
     app.state.switch = ModelSwitch()
+    app.state.mcp = mcp
+    app.state.mcp_edit = mcp_edit
     return app
 
 
@@ -211,7 +219,8 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
     try:
         _run(_bind(host, port), host, port, model, open_browser, api_key, keep_alive, cluster,
              max_running,
-             {"aliases": aliases or {}, "allowed_origins": tuple(allowed_origins)},
+             {"aliases": aliases or {}, "allowed_origins": tuple(allowed_origins),
+              "mcp_edit": host == "127.0.0.1" and not allow_remote},
              tuple(extra_hosts))
     finally:
         lock.release()

@@ -128,8 +128,23 @@ _V6 = """
         );
 """
 
+# MCP tools in the chat (app/mcp): per conversation, the servers switched on, the tools allowed
+# for the whole conversation ("server/tool", JSON), whether the first round must call a tool, and
+# the most tool rounds a turn may take; on a message, what the app knows of its tool calls or of
+# the result it holds (JSON: server, tool, outcome, is_error, truncated).
+_V7 = """
+        CREATE TABLE mcp_conversations (
+            conversation_id INTEGER PRIMARY KEY REFERENCES conversations(id) ON DELETE CASCADE,
+            servers TEXT NOT NULL DEFAULT '[]',
+            always TEXT NOT NULL DEFAULT '[]',
+            first_call INTEGER NOT NULL DEFAULT 0,
+            max_rounds INTEGER NOT NULL DEFAULT 8
+        );
+        ALTER TABLE messages ADD COLUMN tool_meta TEXT;
+"""
+
 # Append only: the schema version of a database (PRAGMA user_version) is how many have run.
-MIGRATIONS: list[str] = [_V1, _V2, _V3, _V4, _V5, _V6]
+MIGRATIONS: list[str] = [_V1, _V2, _V3, _V4, _V5, _V6, _V7]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -285,6 +300,19 @@ class Message:
     attachments: list[dict[str, Any]] | None = None  # documents of a user turn: name, text, tokens
     tool_calls: list[dict[str, Any]] | None = None  # an answer's calls, as OpenAI sends them
     tool_call_id: str | None = None  # the call a `tool` message answers
+    tool_meta: dict[str, Any] | None = None  # MCP: a call's server and outcome (app/mcp)
+
+
+@dataclass(frozen=True)
+class McpChoice:
+    """A conversation's MCP tool settings (app/mcp): the servers switched on, the tools allowed
+    for the whole conversation ("server/tool"), whether the first round must call a tool, and
+    the most tool rounds one turn may take."""
+
+    servers: tuple[str, ...] = ()
+    always: tuple[str, ...] = ()
+    first_call: bool = False
+    max_rounds: int = 8
 
 
 def _conversation(row: sqlite3.Row) -> Conversation:
@@ -293,7 +321,7 @@ def _conversation(row: sqlite3.Row) -> Conversation:
     return Conversation(**d)
 
 
-_JSON_COLUMNS = ("sampling", "speculative", "attachments", "tool_calls")
+_JSON_COLUMNS = ("sampling", "speculative", "attachments", "tool_calls", "tool_meta")
 
 
 def _message(row: sqlite3.Row) -> Message:
@@ -425,17 +453,21 @@ class Storage:
     def add_message(self, cid: int, parent_id: int | None, role: str, content: str, *,
                     state: str = "done", model: str | None = None,
                     sampling: dict[str, Any] | None = None,
-                    attachments: list[dict[str, Any]] | None = None) -> Message:
+                    attachments: list[dict[str, Any]] | None = None,
+                    tool_call_id: str | None = None,
+                    tool_meta: dict[str, Any] | None = None) -> Message:
         """Insert a message under `parent_id` and make it the conversation's active leaf."""
         assert state in MESSAGE_STATES, state
         now = time.time()
         with self._transaction() as db:
             mid = db.execute(
                 """INSERT INTO messages (conversation_id, parent_id, role, content, model, sampling,
-                   state, created, attachments) VALUES (?,?,?,?,?,?,?,?,?)""",
+                   state, created, attachments, tool_call_id, tool_meta)
+                   VALUES (?,?,?,?,?,?,?,?,?,?,?)""",
                 (cid, parent_id, role, content, model,
                  json.dumps(sampling) if sampling is not None else None, state, now,
-                 json.dumps(attachments) if attachments else None),
+                 json.dumps(attachments) if attachments else None, tool_call_id,
+                 json.dumps(tool_meta) if tool_meta else None),
             ).lastrowid
             db.execute("UPDATE conversations SET leaf_id = ?, updated = ? WHERE id = ?",
                              (mid, now, cid))
@@ -462,6 +494,31 @@ class Storage:
         self._write(f"UPDATE messages SET {', '.join(fields)} WHERE id = ?",
                     (content, state, *result.values(), mid))
         return self.get_message(mid)
+
+    def set_tool_calls(self, mid: int, calls: list[dict[str, Any]],
+                       meta: dict[str, Any] | None = None) -> None:
+        """An answer's tool calls (OpenAI's shape) and what the app knows of them."""
+        self._write("UPDATE messages SET tool_calls = ?, tool_meta = ? WHERE id = ?",
+                    (json.dumps(calls) if calls else None, json.dumps(meta) if meta else None, mid))
+
+    # MCP tool settings of a conversation
+
+    def mcp_choice(self, cid: int) -> McpChoice:
+        rows = self._query("SELECT * FROM mcp_conversations WHERE conversation_id = ?", (cid,))
+        if not rows:
+            return McpChoice()
+        r = rows[0]
+        return McpChoice(tuple(json.loads(r["servers"])), tuple(json.loads(r["always"])),
+                         bool(r["first_call"]), r["max_rounds"])
+
+    def save_mcp_choice(self, cid: int, choice: McpChoice) -> None:
+        self._write(
+            """INSERT INTO mcp_conversations (conversation_id, servers, always, first_call, max_rounds)
+               VALUES (?,?,?,?,?) ON CONFLICT(conversation_id) DO UPDATE SET servers = excluded.servers,
+               always = excluded.always, first_call = excluded.first_call,
+               max_rounds = excluded.max_rounds""",
+            (cid, json.dumps(list(choice.servers)), json.dumps(list(choice.always)),
+             int(choice.first_call), choice.max_rounds))
 
     def interrupt_streaming(self) -> int:
         """At startup: answers left `streaming` by a crash keep their text and become `stopped`."""
@@ -517,7 +574,8 @@ class Storage:
 EXPORT_FORMAT = "mlxchat.conversation/1"
 _MESSAGE_COLUMNS = ("role", "content", "model", "sampling", "ttft_ms", "tokens_per_s",
                     "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "state",
-                    "error", "created", "speculative", "attachments", "tool_calls", "tool_call_id")
+                    "error", "created", "speculative", "attachments", "tool_calls", "tool_call_id",
+                    "tool_meta")
 _ROLES = ("system", "user", "assistant", "tool")
 
 

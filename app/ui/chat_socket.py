@@ -59,6 +59,12 @@ async def _act(ws: WebSocket, cid: int, data: dict[str, Any]) -> None:
     if action == "stop":
         if isinstance(running, Generation):
             running.stop()
+    elif action == "tool":  # the user's decision on a tool call (app/mcp/approval.py)
+        tools = running.tools if isinstance(running, Generation) else None
+        problem = tools.approvals.answer(data.get("call_id"), data.get("decision")) if tools \
+            else "No tool call is waiting for an answer."
+        if problem:
+            await _notice(ws, problem)
     elif running is not None:
         await _notice(ws, "Still answering: stop it first or wait for the end.")
     else:
@@ -90,9 +96,11 @@ def _current_state(app: Any, cid: int) -> str:
     storage = app.state.storage
     conv = storage.get_conversation(cid)
     views = message_views(storage, storage.active_path(cid))
-    running = app.state.conversations.running(cid) is not None
+    running = app.state.conversations.running(cid)
+    tools = running.tools if isinstance(running, Generation) else None
     return (render("_messages.html", conv=conv, views=views, oob=True)
-            + render("_composer_actions.html", generating=running, oob=True))
+            + render("_composer_actions.html", generating=running is not None, oob=True)
+            + (tools.approvals.shown if tools else ""))
 
 
 async def _notice(ws: WebSocket, text: str) -> None:

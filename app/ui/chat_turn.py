@@ -1,20 +1,23 @@
 """One chat turn, run as rounds: `record` the user's side and the empty answer (or refuse with
 a notice), `stream` one round of the answer from the engine (saving it as it grows), `finalise`
-the answer with its statistics. MCP tool rounds will add rounds between stream and finalise.
+the answer with its statistics. When the conversation has MCP tools switched on, tool rounds
+(app/mcp/rounds.py: approve, call, answer again) run between stream and finalise.
 
 Whatever happens, every page of the conversation ends up with the turn's outcome, or a notice
 saying why there is none (`respond`)."""
 
 import asyncio
+import dataclasses
 import logging
 import sqlite3
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from engine import EngineError, Event, RequestHandle, SamplingParams, SpeculativeOptions
+from engine import EngineError, Event, RequestHandle, SamplingParams, SpeculativeOptions, ToolRequest
 
 from ..markdown import render_markdown
+from ..mcp import rounds as mcp_rounds
 from ..storage import Conversation, Message, Storage
 from ..submission import start
 from .context_notice import prepare_send
@@ -38,6 +41,7 @@ class Generation:
     task: asyncio.Task | None = None
     handle: RequestHandle | None = None
     stop_requested: bool = False
+    tools: Any = None  # the turn's MCP tools (app/mcp/rounds.TurnTools), when it has some
 
     @property
     def running(self) -> bool:
@@ -47,6 +51,8 @@ class Generation:
         self.stop_requested = True
         if self.handle is not None:
             self.handle.cancel()
+        if self.tools is not None:
+            self.tools.stop()
 
 
 class Refused(Exception):
@@ -63,6 +69,7 @@ class Recorded:
     params: SamplingParams
     speculative: SpeculativeOptions | None
     opening: str
+    tools: ToolRequest | None = None  # this round's MCP tools
 
 
 @dataclass
@@ -88,7 +95,13 @@ async def respond(app: Any, cid: int, action: str, data: dict[str, Any], gen: Ge
             await pages.send(cid, turn + _idle())
             return
         await pages.send(cid, turn.opening)
+        gen.tools = await mcp_rounds.turn_tools(app.state.mcp, app.state.storage, cid,
+                                                lambda html: pages.send(cid, html))
+        if gen.tools is not None:  # tools run with plain decoding (the engine refuses both)
+            turn.tools = gen.tools.request_after(app.state.storage.active_path(cid)[:-1])
+            turn.speculative = None
         streamed = await stream(app, turn, gen)
+        turn, streamed = await tool_rounds(app, turn, streamed, gen)
         await finalise(app, turn, streamed)
     except Refused as exc:
         await pages.send(cid, render("_notice.html", text=str(exc)) + _idle())
@@ -147,7 +160,7 @@ async def stream(app: Any, turn: Recorded, gen: Generation) -> Streamed:
         path = storage.active_path(cid)
         messages = await asyncio.to_thread(answer_messages, engine, turn.conv.settings, path[:-1],
                                            turn.params.max_tokens)
-        gen.handle = await start(engine, messages, turn.params, turn.speculative)
+        gen.handle = await start(engine, messages, turn.params, turn.speculative, tools=turn.tools)
         if gen.stop_requested:  # Stop pressed before the request existed
             gen.handle.cancel()
         with app.state.runs.track(gen.handle):
@@ -156,6 +169,8 @@ async def stream(app: Any, turn: Recorded, gen: Generation) -> Streamed:
                 if event.kind == "done":
                     out.final = event
                     break
+                if event.channel != "content":  # a tool call being written: shown once done
+                    continue
                 out.text += event.text
                 now = time.monotonic()
                 if now - last_save >= SAVE_EVERY_S:
@@ -170,6 +185,29 @@ async def stream(app: Any, turn: Recorded, gen: Generation) -> Streamed:
     finally:
         finish(storage, mid, out)
     return out
+
+
+async def tool_rounds(app: Any, turn: Recorded, streamed: Streamed,
+                      gen: Generation) -> tuple[Recorded, Streamed]:
+    """While the model calls tools: the calls approved, run and stored, and the next answer
+    streamed (app/mcp/rounds.py); the last round's turn and answer."""
+    storage, cid = app.state.storage, turn.conv.id
+    while (gen.tools is not None and streamed.final is not None and streamed.final.tool_calls
+           and not gen.stop_requested):
+        parent = await mcp_rounds.run_calls(
+            gen.tools, storage, turn.conv, turn.answer.id, streamed.final.tool_calls,
+            lambda html: app.state.conversations.send(cid, html), lambda: gen.stop_requested)
+        if gen.stop_requested:
+            break
+        answer = storage.add_message(cid, parent, "assistant", "", state="streaming",
+                                     model=turn.answer.model, sampling=turn.answer.sampling)
+        turn = dataclasses.replace(turn, answer=answer, tools=gen.tools.request_after(
+            storage.active_path(cid)[:-1]))
+        await app.state.conversations.send(cid, render(
+            "_messages.html", conv=turn.conv, oob=True,
+            views=message_views(storage, storage.active_path(cid))))
+        streamed = await stream(app, turn, gen)
+    return turn, streamed
 
 
 async def finalise(app: Any, turn: Recorded, streamed: Streamed) -> None:

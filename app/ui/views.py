@@ -55,9 +55,10 @@ class MessageView:
 def _body(m: Message) -> str:
     """A message's HTML: answers as sanitised markdown (with their tool calls), the rest as typed."""
     if m.role == "assistant":
-        return render_markdown(m.content) + render_tool_calls(m.tool_calls or [])
+        return render_markdown(m.content) + render_tool_calls(m.tool_calls or [],
+                                                              (m.tool_meta or {}).get("calls"))
     if m.role == "tool":
-        return render_tool_result(m.content, m.tool_call_id)
+        return render_tool_result(m.content, m.tool_call_id, m.tool_meta)
     return render_plain(m.content)
 
 

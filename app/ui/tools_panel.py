@@ -1,0 +1,164 @@
+"""The Tools panel of a conversation: the MCP servers of mcp.json with their state and tools, which
+of them this conversation uses, whether its first round must call a tool, the most tool rounds of
+a turn; and, when mlxchat listens on 127.0.0.1 without --allow-remote, adding servers (an mcp.json
+or its entries, pasted) and removing them. Otherwise adding a stdio command is refused (it runs
+code on this machine) and the panel names the file to edit. Secrets never reach the page:
+servers are shown through `ServerConfig.public()`."""
+
+import dataclasses
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
+from starlette.routing import Route
+
+from ..mcp import config
+from ..mcp.config import ConfigError
+from ..mcp.servers import McpServers
+from ..storage import Conversation, McpChoice, Storage
+from .views import conversation_of, not_found, read_form, render
+
+MAX_ROUNDS_LIMIT = 64
+
+
+def _panel(request: Request, conv: Conversation, *, error: str = "", saved: str = "",
+           status: int = 200) -> HTMLResponse:
+    servers: McpServers = request.app.state.mcp
+    servers.ensure_started()
+    storage: Storage = request.app.state.storage
+    shown = [{**s.config.public(), "state": s.state, "reason": s.reason, "tools": s.tools}
+             for s in servers.servers.values()]
+    return HTMLResponse(render("_tools_panel.html", conv=conv, servers=shown,
+                               choice=storage.mcp_choice(conv.id), edit=request.app.state.mcp_edit,
+                               path=str(servers.path), file_error=servers.error, error=error,
+                               saved=saved, max_rounds_limit=MAX_ROUNDS_LIMIT), status_code=status)
+
+
+async def tools_panel(request: Request) -> Response:
+    conv = conversation_of(request)
+    if conv is None:
+        return not_found()
+    await request.app.state.mcp.current()  # mcp.json edited by hand: read again
+    return _panel(request, conv)
+
+
+def choice_form(form: dict[str, str], known: set[str], always: tuple[str, ...]) -> McpChoice:
+    """The panel's choices; raises ValueError with the message to show. A tool allowed for the
+    whole conversation stays so while its box stays ticked."""
+    try:
+        rounds = int(form.get("max_rounds") or 8)
+    except ValueError:
+        raise ValueError("Most tool rounds must be a whole number.") from None
+    if not 1 <= rounds <= MAX_ROUNDS_LIMIT:
+        raise ValueError(f"Most tool rounds must be from 1 to {MAX_ROUNDS_LIMIT}.")
+    servers = tuple(sorted(n for n in known if form.get(f"server:{n}") == "on"))
+    kept = tuple(k for k in always if form.get(f"always:{k}") == "on")
+    return McpChoice(servers, kept, form.get("first_call") == "on", rounds)
+
+
+async def save_choice(request: Request) -> Response:
+    conv = conversation_of(request)
+    if conv is None:
+        return not_found()
+    storage: Storage = request.app.state.storage
+    request.app.state.mcp.ensure_started()
+    try:
+        choice = choice_form(await read_form(request), set(request.app.state.mcp.servers),
+                             storage.mcp_choice(conv.id).always)
+    except ValueError as exc:
+        return _panel(request, conv, error=str(exc), status=400)
+    storage.save_mcp_choice(conv.id, choice)
+    return _panel(request, conv, saved="Saved.")
+
+
+def _edited(request: Request, change: Any) -> dict[str, config.ServerConfig]:
+    """mcp.json after `change(servers)`, written; raises ConfigError."""
+    path = request.app.state.mcp.path
+    servers = config.load(path)
+    change(servers)
+    config.save(path, servers)
+    return servers
+
+
+async def add_servers(request: Request) -> Response:
+    """Add (or replace, by name) the servers of a pasted mcp.json."""
+    conv = conversation_of(request)
+    if conv is None:
+        return not_found()
+    form = await read_form(request)
+    try:
+        pasted = config.parse(form.get("config") or "")
+        if not pasted:
+            raise ConfigError("paste an mcp.json, or the entries of its mcpServers")
+        if not request.app.state.mcp_edit and any(s.command for s in pasted.values()):
+            return _panel(request, conv, status=403, error=(
+                "Adding a command from the page is allowed only when mlxchat listens on "
+                f"127.0.0.1 without --allow-remote: edit {request.app.state.mcp.path} instead."))
+        _edited(request, lambda servers: servers.update(pasted))
+    except ConfigError as exc:
+        return _panel(request, conv, error=f"Not added: {exc}", status=400)
+    await request.app.state.mcp.restart()
+    return _panel(request, conv, saved=f"Added {', '.join(pasted)}.")
+
+
+async def _server_edit(request: Request, what: str, change: Any) -> Response:
+    """A change to one server of mcp.json from the panel (`change(servers, name, form)`: the
+    message to show); only where the page may edit the file."""
+    conv = conversation_of(request)
+    if conv is None:
+        return not_found()
+    form = await read_form(request)
+    name = form.get("name", "")
+    if not request.app.state.mcp_edit:
+        return _panel(request, conv, status=403, error=f"Edit mcp.json to {what}.")
+    done: list[str] = []
+    try:
+        _edited(request, lambda servers: done.append(change(servers, name, form)))
+    except ConfigError as exc:
+        return _panel(request, conv, error=str(exc), status=400)
+    await request.app.state.mcp.restart()
+    return _panel(request, conv, saved=done[0])
+
+
+async def remove_server(request: Request) -> Response:
+    storage: Storage = request.app.state.storage
+
+    def remove(servers: dict[str, config.ServerConfig], name: str, form: dict[str, str]) -> str:
+        servers.pop(name, None)
+        cid = int(request.path_params["cid"])
+        choice = storage.mcp_choice(cid)
+        storage.save_mcp_choice(cid, dataclasses.replace(
+            choice, servers=tuple(n for n in choice.servers if n != name)))
+        return f"Removed {name}."
+    return await _server_edit(request, "remove a server", remove)
+
+
+async def trust_server(request: Request) -> Response:
+    """Mark a server trusted (its read-only tools run without asking) or not, in mcp.json."""
+    def trust(servers: dict[str, config.ServerConfig], name: str, form: dict[str, str]) -> str:
+        if name not in servers:
+            raise ConfigError(f"there is no server {name!r}")
+        trusted = form.get("trusted") == "on"
+        servers[name] = dataclasses.replace(servers[name], trusted=trusted)
+        return f"{name}: read-only tools {'run without asking' if trusted else 'ask first'}."
+    return await _server_edit(request, "trust a server", trust)
+
+
+async def retry_server(request: Request) -> Response:
+    """Start a failed server again (its command or URL as mcp.json has it)."""
+    conv = conversation_of(request)
+    if conv is None:
+        return not_found()
+    name = (await read_form(request)).get("name", "")
+    await request.app.state.mcp.retry(name)
+    return _panel(request, conv)
+
+
+routes = [
+    Route("/c/{cid:int}/tools", tools_panel),
+    Route("/c/{cid:int}/tools", save_choice, methods=["POST"]),
+    Route("/c/{cid:int}/tools/servers", add_servers, methods=["POST"]),
+    Route("/c/{cid:int}/tools/servers/remove", remove_server, methods=["POST"]),
+    Route("/c/{cid:int}/tools/servers/trust", trust_server, methods=["POST"]),
+    Route("/c/{cid:int}/tools/servers/retry", retry_server, methods=["POST"]),
+]
