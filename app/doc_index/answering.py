@@ -15,6 +15,7 @@ from engine import Engine, count_tokens
 from ..context import overflow
 from ..storage import Message, Storage
 from ..upload_store import UploadStore
+from .indexing import DOCUMENT_KIND_NAMES
 from .store import ChunkStore, StoredChunk
 
 WHOLE_FRACTION = 0.5
@@ -86,7 +87,8 @@ class DocumentPrompt:
 
     def _large(self, m: Message) -> list[dict[str, Any]]:
         limit = self.engine.model.context_length
-        return [a for a in m.attachments or () if "upload" in a and not whole(a, limit)]
+        return [a for a in m.attachments or () if "upload" in a
+                and a.get("kind") in DOCUMENT_KIND_NAMES and not whole(a, limit)]
 
     def resolve(self, path: list[Message]) -> list[Message]:
         """`path` with each user turn's upload references replaced by `{name, text}` documents:
@@ -99,13 +101,14 @@ class DocumentPrompt:
 
     def documents(self, attachments: list[dict[str, Any]], retrieved: list[int]) -> list[dict[str, Any]]:
         """`attachments` as documents the model reads (`{name, text, tokens}`): inline ones as
-        they are, uploads whole or as their chunks among `retrieved`."""
+        they are, uploaded documents whole or as their chunks among `retrieved`; uploads of other
+        kinds stay references (`{"upload": id, "kind", ...}`) for their own prompt hook."""
         limit = self.engine.model.context_length
         found = self.chunks.get(retrieved)
         docs = []
         for a in attachments:
-            if "upload" not in a:
-                docs.append(a)
+            if "upload" not in a or a.get("kind") not in DOCUMENT_KIND_NAMES:
+                docs.append(a)  # inline documents as they are; other kinds (images) left as refs
                 continue
             up = self.uploads.get(a["upload"])
             if up is None:
