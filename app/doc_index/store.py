@@ -13,6 +13,12 @@ from ..storage import Storage, fts_query
 from .chunking import Chunk
 
 BATCH = 500  # chunks per transaction while indexing (progress is reported between them)
+# Words that say nothing about which chunk answers a question (English). Left in, every chunk that
+# has one matches, and a second ranking fused with BM25 (the vectors) can outvote the one chunk
+# that has the question's real words.
+STOPWORDS = frozenset("""a about an and are as at be but by can could did do does for from had has
+have how i if in is it its me my of on or our so than that the their them then there these they
+this those to was we were what when where which who whom why will with would you your""".split())
 
 
 @dataclass(frozen=True)
@@ -70,12 +76,15 @@ class ChunkStore:
 
     def bm25(self, sha256s: Iterable[str], question: str, limit: int = 50) -> list[int]:
         """Ids of the chunks of these files that best match `question` (FTS5 BM25), best first.
-        Any of its words may match (each quoted: FTS syntax in the question is just text)."""
+        Any of its words may match, stopwords aside (each quoted: FTS syntax in the question is
+        just text)."""
         shas = list(sha256s)
         words = fts_query(question)
         if not shas or words is None:
             return []
-        query = " OR ".join(dict.fromkeys(w.rstrip("*") for w in words.split(" ")))
+        terms = [w.rstrip("*") for w in words.split(" ")]
+        terms = [t for t in terms if t.strip('"').lower() not in STOPWORDS] or terms
+        query = " OR ".join(dict.fromkeys(terms))
         rows = self.storage._query(
             f"""SELECT c.id FROM chunks_fts JOIN chunks c ON c.id = chunks_fts.rowid
                 WHERE chunks_fts MATCH ? AND c.sha256 IN ({_marks(shas)})
