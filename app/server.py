@@ -203,12 +203,14 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
           open_browser: bool = True, allow_remote: bool = False, api_key: str | None = None,
           no_api_key: bool = False, keep_alive: float | str | None = DEFAULT_KEEP_ALIVE_S,
           cluster: Cluster | None = None, aliases: dict[str, str] | None = None,
-          allowed_origins: Iterable[str] = (), extra_hosts: Iterable[str] = ()) -> None:
+          allowed_origins: Iterable[str] = (), extra_hosts: Iterable[str] = (),
+          document_embeddings: str | None = None) -> None:
     """Load `model`, then serve the UI and the API until Ctrl-C or SIGTERM/SIGHUP; the model's
     weights are unloaded after `keep_alive` idle seconds (None: never) and reloaded by the next
     request. With a `cluster`, serve as its rank 0 (the only rank that opens the data folder).
     `aliases`, `allowed_origins`: see `create_app`; `extra_hosts`: Host names accepted besides
-    the bound one and loopback (`--allow-host`, e.g. host.docker.internal)."""
+    the bound one and loopback (`--allow-host`, e.g. host.docker.internal);
+    `document_embeddings`: see `create_app`."""
     _check_remote(host, allow_remote, api_key, no_api_key)
     try:
         folder = data_dir()
@@ -221,7 +223,8 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
         raise SystemExit(str(exc)) from None
     try:
         _run(_bind(host, port), host, port, model, open_browser, api_key, keep_alive, cluster,
-             {"aliases": aliases or {}, "allowed_origins": tuple(allowed_origins)},
+             {"aliases": aliases or {}, "allowed_origins": tuple(allowed_origins),
+              "document_embeddings": document_embeddings},
              tuple(extra_hosts))
     finally:
         lock.release()

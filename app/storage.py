@@ -498,6 +498,11 @@ class Storage:
                              (mid, now, cid))
         return self.get_message(mid)
 
+    def messages(self, cid: int) -> list[Message]:
+        """Every message of conversation `cid` (all versions), oldest first."""
+        rows = self._query("SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (cid,))
+        return [_message(r) for r in rows]
+
     def get_message(self, mid: int) -> Message | None:
         if not valid_id(mid):
             return None
@@ -588,8 +593,7 @@ def export_conversation(storage: Storage, cid: int) -> dict[str, Any]:
     conv = storage.get_conversation(cid)
     if conv is None:
         raise KeyError(cid)
-    rows = storage._query("SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (cid,))
-    messages = [_message(r) for r in rows]
+    messages = storage.messages(cid)
     local = {m.id: i for i, m in enumerate(messages)}
     return {"format": EXPORT_FORMAT, "title": conv.title, "created": conv.created,
             "updated": conv.updated, "model": conv.model, "settings": conv.settings,

@@ -7,6 +7,7 @@ byte-identical); citations open the chunk's text, escaped; a 20 MB document inde
 while `/health` keeps answering."""
 
 import html
+import json
 import re
 import time
 
@@ -148,3 +149,21 @@ def test_hybrid_retrieval_with_a_tiny_embedding_model(tmp_path_factory, lm, repo
             assert s.app.state.chunks.has_vectors([sha], embedder)
             ask(s, cid, up, QUESTION)
             assert FACT_PAGE in pages_used(s, cid)
+
+
+def test_exports_carry_the_documents_as_the_model_read_them_and_import_back(http, server, report):
+    cid = new_conversation(http, max_tokens=4)
+    up = upload(http, cid, "report.pdf", report)
+    ask(server, cid, up, QUESTION)
+    data = http.get(f"/c/{cid}/export.json").json()
+    user = data["messages"][0]
+    assert [a["name"] for a in user["attachments"]] == ["report.pdf"]
+    assert FACT in user["attachments"][0]["text"] and "upload" not in user["attachments"][0]
+    assert user["sources"][0]["page"] == FACT_PAGE and FACT in user["sources"][0]["text"]
+    markdown = http.get(f"/c/{cid}/export.md").text
+    assert f"Source: report.pdf, p. {FACT_PAGE}" in markdown and FACT in markdown
+    r = http.post("/import", files={"file": ("c.json", json.dumps(data).encode(), "application/json")})
+    assert r.status_code == 303, r.text  # to the imported copy
+    copy = int(r.headers["location"].rsplit("/", 1)[1])
+    imported = server.storage.active_path(copy)[0]
+    assert imported.attachments == [{k: user["attachments"][0][k] for k in ("name", "text", "tokens")}]
