@@ -28,7 +28,7 @@ from starlette.staticfiles import StaticFiles
 import static
 from engine import DEFAULT_KEEP_ALIVE_S, Cluster, Engine, data_dir, describe_device
 
-from . import api, attachments, doc_index, exports, login, ui, uploads
+from . import api, attachments, exports, login, ui, uploads
 from .api.errors import http_error
 from .connections import HeaderTimeoutProtocol
 from .folder_lock import FolderBusy, FolderLock

@@ -32,7 +32,7 @@ from starlette.routing import Route
 from .documents import NotAttachable
 from .upload_kinds import HEAD_BYTES, Processing, kind_named, kind_of
 from .upload_store import PART_PREFIX, Upload, UploadStore
-from .ui.views import conversation_of, parts, render
+from .ui.views import conversation_of, render
 
 log = logging.getLogger(__name__)
 

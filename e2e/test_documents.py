@@ -3,15 +3,11 @@ attach a 300-page PDF (its chip shows progress, then pages and tokens), ask, see
 page 217 under the answer, open it to read the chunk, reload and find it still there."""
 
 import re
-import sys
-from pathlib import Path
 
 from playwright.sync_api import Page, expect
 
+from bench.document_corpus import FACT, FACT_PAGE, report_pdf
 from chat_page import last, new_chat, send, wait_answer
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from pdf_pages import FACT, FACT_PAGE, report_pdf  # noqa: E402
 
 
 def test_attach_a_large_pdf_ask_see_the_citation_open_it_and_reload(page: Page, server, shot):

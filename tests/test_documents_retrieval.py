@@ -18,7 +18,7 @@ from app.ui.prompt import prompt_with_documents
 from engine import count_tokens
 from live_server import engine_serving, new_conversation, turn
 from loop_probe import STALL_S, health_probe
-from pdf_pages import FACT, FACT_PAGE, report_pdf
+from bench.document_corpus import FACT, FACT_PAGE, report_pdf
 from tiny_models import tiny_llama, tiny_qwen3_embedding_folder
 
 pytestmark = pytest.mark.fast

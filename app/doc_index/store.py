@@ -100,8 +100,8 @@ class ChunkStore:
         q = np.asarray(query, dtype=np.float32)
         q = q / (np.linalg.norm(q) or 1.0)
         scores = matrix @ q
-        top = np.argsort(-scores)[:limit] if len(scores) > limit else np.argsort(-scores)
-        return [int(ids[i]) for i in top]
+        top = np.argpartition(-scores, limit)[:limit] if len(scores) > limit else np.arange(len(scores))
+        return [int(ids[i]) for i in top[np.argsort(-scores[top])]]
 
     def has_vectors(self, sha256s: Iterable[str], model: str) -> bool:
         shas = list(sha256s)
@@ -124,6 +124,8 @@ class ChunkStore:
         parts = [p for p in parts if len(p[0])]
         if not parts:
             return np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.float32)
+        if len(parts) == 1:  # one document: its cached matrix as it is, not a copy
+            return parts[0]
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
     def _file_matrix(self, sha: str, model: str) -> tuple[np.ndarray, np.ndarray]:

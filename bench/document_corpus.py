@@ -1,7 +1,26 @@
-"""Many-page PDFs for the document tests and benchmark, written by hand (no PDF library writes
-them here): each page shows its lines of text in Helvetica, and pypdf reads them back."""
+"""Documents for the document benchmark and tests (bench/documents.py, tests/test_documents_*.py,
+e2e/test_documents.py): many-page PDFs written by hand (no PDF-writing library is installed), each
+page showing its lines of text in Helvetica so that pypdf reads them back, and a report with one
+planted fact among decoys."""
 
-from test_hostile_pdfs import FONT, pdf_file, stream
+FONT = b"<</Type/Font/Subtype/Type1/BaseFont/Helvetica>>"
+
+
+def pdf_file(objects: list[bytes]) -> bytes:
+    """A PDF of `objects` (object 1 is the catalog), with a correct cross-reference table."""
+    out, offsets = bytearray(b"%PDF-1.4\n"), []
+    for i, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
+    out += b"trailer\n<</Size %d/Root 1 0 R>>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
+    return bytes(out)
+
+
+def stream(data: bytes) -> bytes:
+    return b"<</Length %d>>stream\n" % len(data) + data + b"\nendstream"
 
 
 def _escape(line: str) -> str:
