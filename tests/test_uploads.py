@@ -126,10 +126,16 @@ def test_a_message_stores_upload_ids_and_deleting_the_conversation_removes_them(
     assert "text" not in user.attachments[0]
     sha = hashlib.sha256(text).hexdigest()
     assert (folder(server) / sha).exists()
+    assert storage._query("SELECT count(*) FROM chunks WHERE sha256 = ?", (sha,))[0][0] > 0
+    other = new_conversation(http)
+    assert post(http, other, "same.txt", text).json()["status"] == "ready"  # the same file
     assert http.post(f"/c/{cid}/delete").status_code in (200, 204)
+    assert (folder(server) / sha).exists()  # still used by the other conversation
+    assert http.post(f"/c/{other}/delete").status_code in (200, 204)
     assert not (folder(server) / sha).exists()
-    rows = storage._query("SELECT count(*) FROM files WHERE sha256 = ?", (sha,))
-    assert rows[0][0] == 0
+    for table in ("files", "chunks"):  # the index goes with the last conversation using the file
+        assert storage._query(f"SELECT count(*) FROM {table} WHERE sha256 = ?", (sha,))[0][0] == 0
+    assert not storage._query("SELECT 1 FROM chunks_fts WHERE chunks_fts MATCH 'Tuesday'")
 
 
 def test_a_file_still_being_read_cannot_be_sent(http, server):
