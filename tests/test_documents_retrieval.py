@@ -83,7 +83,7 @@ def test_the_prompt_never_exceeds_the_context(http, server, report):
     up = upload(http, cid, "report.pdf", report)  # the same bytes as before: indexed once
     ref = server.app.state.uploads.get(up["id"]).reference()
     engine, chosen = server.app.state.engine, []
-    for max_tokens in (64, CONTEXT // 2, CONTEXT - 200, CONTEXT - 60):
+    for max_tokens in (64, CONTEXT // 2, CONTEXT - 200, CONTEXT - 100):  # the last: no chunk fits
         user = server.storage.add_message(cid, None, "user", QUESTION, attachments=[ref])
         messages = prompt_with_documents(server.app, {}, [user], max_tokens)
         assert count_tokens(engine, messages=messages) + max_tokens <= CONTEXT
@@ -167,3 +167,12 @@ def test_exports_carry_the_documents_as_the_model_read_them_and_import_back(http
     copy = int(r.headers["location"].rsplit("/", 1)[1])
     imported = server.storage.active_path(copy)[0]
     assert imported.attachments == [{k: user["attachments"][0][k] for k in ("name", "text", "tokens")}]
+
+
+def test_a_question_nothing_matches_retrieves_nothing_and_still_answers(http, server, report):
+    cid = new_conversation(http, max_tokens=4)
+    up = upload(http, cid, "report.pdf", report)
+    ask(server, cid, up, "Qwxyz plorf?")
+    user, answer = server.storage.active_path(cid)
+    assert user.retrieved == [] and answer.state == "done"
+    assert 'class="citations"' not in http.get(f"/c/{cid}").text

@@ -144,3 +144,16 @@ def test_a_file_still_being_read_cannot_be_sent(http, server):
     up, _ = store.add(cid, "slow.txt", "0" * 64, "text", 3)  # never read: stays "reading"
     frames = turn(server, cid, action="send", content="hi", uploads=[up.id])
     assert "still being read" in "".join(frames)
+
+
+def test_with_an_api_key_uploads_need_it_and_foreign_hosts_are_refused(tmp_path, lm):
+    with engine_serving(tmp_path, lm, api_key="sesame") as s:
+        with httpx.Client(base_url=s.url, timeout=60) as client:
+            cid = s.storage.create_conversation().id
+            refused = post(client, cid, "a.txt", b"hello")
+            assert refused.status_code == 401
+            assert not folder(s).exists() or not any(folder(s).iterdir())  # nothing was stored
+            assert post(client, cid, "a.txt", b"hello", Host="evil.example",
+                        Authorization="Bearer sesame").status_code == 400
+            ok = post(client, cid, "a.txt", b"hello", Authorization="Bearer sesame")
+            assert ok.status_code == 201 and ok.json()["kind"] == "text"

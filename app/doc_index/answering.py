@@ -66,6 +66,8 @@ def ranked(chunks: ChunkStore, engine: Engine, shas: list[str], question: str,
 
 def excerpts(found: list[StoredChunk]) -> str:
     """A large document's retrieved chunks as the model reads them, each after where it is from."""
+    if not found:
+        return "(no passage of this document matched the question)"
     parts = []
     for c in found:
         place = f"[page {c.page}]" if c.page else f"[{c.heading}]" if c.heading else "[excerpt]"
