@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 import webbrowser
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -92,6 +93,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     app.state.uploads.sweep()
     app.state.chunks = ChunkStore(storage)
     app.state.reading = set()  # uploads being read (their tasks)
+    app.state.readers = ThreadPoolExecutor(uploads.READERS, thread_name_prefix="upload-reader")
     app.state.document_embeddings = document_embeddings
     return app
 

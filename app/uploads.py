@@ -4,10 +4,11 @@ app/upload_kinds.py such as images):
 - `POST /c/{cid}/uploads?name=<file name>`: the request body is the file itself (any
   Content-Type; `curl --data-binary @report.pdf`). It is streamed to the data folder while its
   sha256 is computed (never held in memory), up to `UPLOAD_MAX_BYTES` (413 beyond it, at once when
-  Content-Length says so; the partial file is removed), each piece within `IDLE_TIMEOUT_S` (408).
+  Content-Length says so; the partial file is removed), each piece within `IDLE_TIMEOUT_S` and
+  the whole within `UPLOAD_TIMEOUT_S` (408).
   The kind comes from the content (415 when no kind accepts it). Answers 201 with
   `{id, kind, name, size, status, ...}` (`Upload.public`), or, to htmx (`HX-Request`), the chip.
-  Reading the file (a PDF's text, the index) then runs in a worker thread.
+  Reading the file (a PDF's text, the index) then runs on one of `READERS` reader threads.
 - `GET /c/{cid}/uploads/{id}`: the same JSON, or the chip, which polls this route while the file
   is being read (its stage and progress) and then shows its size and tokens, or why it was refused.
 
@@ -20,6 +21,7 @@ import hashlib
 import logging
 import os
 import re
+import time
 import unicodedata
 import uuid
 from pathlib import Path
@@ -37,7 +39,9 @@ from .ui.views import conversation_of, render
 log = logging.getLogger(__name__)
 
 UPLOAD_MAX_BYTES = 64 * 1024 * 1024
-IDLE_TIMEOUT_S = 30.0
+IDLE_TIMEOUT_S = 30.0  # the most a body may pause
+UPLOAD_TIMEOUT_S = 600.0  # the most a whole upload may take (64 MiB at ~110 KB/s)
+READERS = 2  # files read at once (app.state.readers)
 NAME_LENGTH = 200
 POLL_S = 1  # how often a reading chip asks again
 UPLOAD_PATH = re.compile(r"^/c/\d+/uploads$")
@@ -83,8 +87,11 @@ async def _receive(request: Request, part: Path) -> tuple[int, str]:
     ClientDisconnect; the caller removes `part`."""
     digest, size = hashlib.sha256(), 0
     chunks = request.stream().__aiter__()
+    deadline = time.monotonic() + UPLOAD_TIMEOUT_S
     with open(part, "wb") as out:
         while True:
+            if time.monotonic() > deadline:
+                raise TimeoutError
             try:
                 chunk = await asyncio.wait_for(chunks.__anext__(), IDLE_TIMEOUT_S)
             except StopAsyncIteration:
@@ -147,8 +154,9 @@ async def show(request: Request) -> Response:
 
 
 def start_reading(app: Any, up: Upload) -> None:
-    """Read the stored file in a worker thread (its kind's `process`), keeping the task."""
-    task = asyncio.get_running_loop().create_task(asyncio.to_thread(read_file, app, up))
+    """Read the stored file (its kind's `process`) on the app's own reader threads, keeping the
+    task: uploads queue there, never taking the threads chat turns prepare their prompts on."""
+    task = asyncio.wrap_future(app.state.readers.submit(read_file, app, up))
     app.state.reading.add(task)
     task.add_done_callback(app.state.reading.discard)
 

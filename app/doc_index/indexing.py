@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 PDF_TIME_BUDGET_S = 60.0  # a 1,000-page PDF on a slow machine
 COUNT_CHARS = 400_000  # texts longer than this are counted in pieces (chunks), not whole
 EMBED_BATCH = 64
+EMBED_TIMEOUT_S = 600.0  # one batch; a stopped engine must not hold a reader thread forever
 NOT_TEXT = "not a text file (only text, Markdown, code, CSV, JSON and PDF)"
 _MD_HEADING = re.compile(rb"^#{1,6} \S", re.M)
 
@@ -88,7 +89,7 @@ def embed_chunks(job: Processing, ids: list[int], chunks: list[Chunk], model: st
     """Each chunk's vector from the embedding model, in batches, with progress."""
     for start in range(0, len(chunks), EMBED_BATCH):
         texts = [c.text for c in chunks[start:start + EMBED_BATCH]]
-        vectors = job.engine.embed(texts, model=model, truncate=True).result()
+        vectors = job.engine.embed(texts, model=model, truncate=True).result(EMBED_TIMEOUT_S)
         job.index.set_vectors(ids[start:start + EMBED_BATCH], np.asarray(vectors.vectors), model)
         job.progress("embedding", (start + len(texts)) / len(chunks))
 
