@@ -76,7 +76,7 @@ def index_document(job: Processing, text: str, chunks: list[Chunk], pages: int |
     if model is not None:
         try:
             embed_chunks(job, ids, chunks, model)
-        except EngineError:  # the model cannot embed now: BM25 alone still finds the chunks
+        except (EngineError, TimeoutError):  # cannot embed now: BM25 alone still finds the chunks
             log.warning("embedding %s failed; it is searched by BM25 only", job.name, exc_info=True)
             model = None
     counted = f"{tokens:,} tokens" if exact else f"about {tokens:,} tokens"
