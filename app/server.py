@@ -32,6 +32,7 @@ from engine import DEFAULT_KEEP_ALIVE_S, Cluster, Engine, data_dir, describe_dev
 from . import api, attachments, exports, login, ui, uploads
 from .api.errors import http_error
 from .connections import HeaderTimeoutProtocol
+from .doc_index.store import ChunkStore
 from .folder_lock import FolderBusy, FolderLock
 from .model_switch import ModelSwitch
 from .key_access import KeyAccess
@@ -39,7 +40,6 @@ from .runs import Runs
 from .security import (LOOPBACK_NAMES, ApiKeyGuard, BodyLimit, HostGuard, OriginGuard,
                        SecurityHeaders, is_loopback)
 from .socket_limits import WS_MAX_BYTES
-from .doc_index.store import ChunkStore
 from .storage import Storage
 from .upload_store import UploadStore
 from .ui.conversation_pages import Conversations
