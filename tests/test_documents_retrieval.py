@@ -14,6 +14,7 @@ import time
 import pytest
 
 from app.doc_index import answering
+from app.pdf_text import pdf_pages
 from app.ui.prompt import prompt_with_documents
 from engine import count_tokens
 from live_server import engine_serving, new_conversation, turn
@@ -176,3 +177,10 @@ def test_a_question_nothing_matches_retrieves_nothing_and_still_answers(http, se
     user, answer = server.storage.active_path(cid)
     assert user.retrieved == [] and answer.state == "done"
     assert 'class="citations"' not in http.get(f"/c/{cid}").text
+
+
+def test_a_pdf_reports_its_pages_as_they_are_read():
+    seen = []
+    pages = pdf_pages(report_pdf(40), progress=seen.append)
+    assert len(pages) == 40 and FACT not in "".join(pages)
+    assert seen == sorted(seen) and len(seen) >= 20 and seen[-1] == 1.0

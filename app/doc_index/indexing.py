@@ -97,7 +97,8 @@ def embed_chunks(job: Processing, ids: list[int], chunks: list[Chunk], model: st
 def process_pdf(job: Processing) -> Processed:
     job.progress("reading pages", 0.0)
     try:
-        pages = pdf_pages(job.path, PDF_TIME_BUDGET_S)
+        pages = pdf_pages(job.path, PDF_TIME_BUDGET_S,
+                          lambda fraction: job.progress("reading pages", fraction))
     except PdfUnreadable as exc:
         raise NotAttachable(str(exc)) from None
     if not any(p.strip() for p in pages):
