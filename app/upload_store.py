@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .storage import Storage, valid_id
+from .storage import Conversation, Storage, valid_id
 
 UPLOADS_DIR = "uploads"
 PART_PREFIX = ".part-"  # a file still arriving; removed when the upload fails
@@ -163,3 +163,27 @@ def attached_uploads(storage: Storage, cid: int, value: Any) -> list[dict[str, A
             raise ValueError(f"“{up.name}” cannot be attached: {up.error}")
         refs.append(up.reference())
     return refs
+
+
+def carry_uploads(storage: Storage, from_cid: int, to_cid: int, value: Any) -> list[int]:
+    """Attach conversation `from_cid`'s uploads `value` (a JSON list of ids, as the context
+    notice's form sends it) in conversation `to_cid` too; their new ids. Unknown ids are skipped."""
+    try:
+        ids = json.loads(value or "[]")
+    except ValueError:
+        return []
+    store, carried = UploadStore(storage), []
+    for raw in ids if isinstance(ids, list) else []:
+        up = store.get(raw, from_cid) if isinstance(raw, int) else None
+        if up is not None and up.status == "ready":
+            carried.append(store.add(to_cid, up.name, up.sha256, up.kind, up.size)[0].id)
+    return carried
+
+
+def draft_uploads(storage: Storage, conv: Conversation) -> list[Upload]:
+    """The uploads waiting in a conversation's composer (its draft, from the context notice)."""
+    draft = conv.settings.get("draft")
+    ids = draft.get("uploads") if isinstance(draft, dict) else None
+    store = UploadStore(storage)
+    found = [store.get(i, conv.id) for i in ids if isinstance(i, int)] if isinstance(ids, list) else []
+    return [up for up in found if up is not None]

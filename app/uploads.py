@@ -34,7 +34,7 @@ from starlette.routing import Route
 from .documents import NotAttachable
 from .upload_kinds import HEAD_BYTES, Processing, kind_named, kind_of
 from .upload_store import PART_PREFIX, Upload, UploadStore
-from .ui.views import conversation_of, render
+from .ui.views import conversation_of, render, templates
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,11 @@ def store_of(request: Request) -> UploadStore:
     return request.app.state.uploads
 
 
+templates.globals["upload_poll_s"] = POLL_S
+
+
 def chip(up: Upload, conv_id: int) -> str:
-    return render("_upload.html", u=up, cid=conv_id, poll_s=POLL_S)
+    return render("_upload.html", u=up, cid=conv_id)
 
 
 def _answer(request: Request, up: Upload, status: int = 200) -> Response:

@@ -157,3 +157,20 @@ def test_with_an_api_key_uploads_need_it_and_foreign_hosts_are_refused(tmp_path,
                         Authorization="Bearer sesame").status_code == 400
             ok = post(client, cid, "a.txt", b"hello", Authorization="Bearer sesame")
             assert ok.status_code == 201 and ok.json()["kind"] == "text"
+
+
+def test_continuing_in_a_new_conversation_keeps_the_uploads_in_its_composer(http, server):
+    cid = new_conversation(http, max_tokens=CONTEXT - 8)  # no message fits with this answer room
+    text = b"Notes about the harbour and its cranes."
+    up = ready(http, cid, post(http, cid, "harbour.txt", text).json()["id"])
+    frames = turn(server, cid, ends=('class="context-overflow"',), action="send",
+                  content="Summarise the notes.", uploads=[up["id"]])
+    assert f'name="uploads" value="[{up["id"]}]"' in frames[-1]  # the notice's form carries it
+    r = http.post(f"/c/{cid}/continue", data={"content": "Summarise the notes.", "attachments": "[]",
+                                              "uploads": f"[{up['id']}]"}, follow_redirects=False)
+    new = int(r.headers["location"].rsplit("/", 1)[1])
+    page = http.get(f"/c/{new}").text
+    carried = server.storage.get_conversation(new).settings["draft"]["uploads"]
+    assert len(carried) == 1 and carried[0] != up["id"]
+    assert f'name="uploads" value="{carried[0]}"' in page and "harbour.txt" in page
+    assert http.get(f"/c/{new}/uploads/{carried[0]}").json()["status"] == "ready"

@@ -15,7 +15,7 @@ from ..context import TRUNCATE_MODES, overflow
 from ..doc_index.answering import DocumentPrompt
 from ..documents import parse_attachments, with_documents
 from ..storage import Conversation, Storage
-from ..upload_store import attached_uploads
+from ..upload_store import attached_uploads, carry_uploads
 from .prompt import engine_messages
 from .views import conversation_of, not_found, parts, read_form, render
 
@@ -63,8 +63,11 @@ async def continue_in_new(request: Request) -> Response:
     except (ValueError, TypeError):
         attachments = []
     settings = {k: v for k, v in conv.settings.items() if k not in ("draft", "truncate")}
-    settings["draft"] = {"content": form.get("content", ""), "attachments": attachments}
     new = storage.create_conversation(model=conv.model, settings=settings)
+    uploads = carry_uploads(storage, conv.id, new.id, form.get("uploads"))  # attached there too
+    settings["draft"] = {"content": form.get("content", ""), "attachments": attachments,
+                         "uploads": uploads}
+    storage.update_conversation(new.id, settings=settings)
     return RedirectResponse(f"/c/{new.id}", status_code=303)
 
 
