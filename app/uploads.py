@@ -142,15 +142,17 @@ async def create(request: Request) -> Response:
         return upload_error(415, "not a text file (only text, Markdown, code, CSV, JSON and PDF)",
                             "unsupported_file", "file")
     os.replace(part, store.blob(sha256))  # the same bytes again: one copy
-    up, fresh = store.add(conv.id, name, sha256, kind.name, size)
+    up, fresh = await asyncio.to_thread(store.add, conv.id, name, sha256, kind.name, size)
     if fresh:
         start_reading(request.app, up)
-    return _answer(request, store.get(up.id) or up, 201)
+    return _answer(request, up, 201)
 
 
 async def show(request: Request) -> Response:
     """`GET /c/{cid}/uploads/{id}`: the upload (JSON) or its chip (htmx)."""
-    up = store_of(request).get(int(request.path_params["uid"]), int(request.path_params["cid"]))
+    # Off the loop: a file being indexed holds the database lock for a batch at a time.
+    up = await asyncio.to_thread(store_of(request).get, int(request.path_params["uid"]),
+                                 int(request.path_params["cid"]))
     if up is None:
         return upload_error(404, "no such upload in this conversation", "not_found", "id")
     return _answer(request, up)

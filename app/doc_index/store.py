@@ -12,7 +12,10 @@ import numpy as np
 from ..storage import Storage, fts_query
 from .chunking import Chunk
 
-BATCH = 500  # chunks per transaction while indexing (progress is reported between them)
+# Chunks per transaction while indexing (progress is reported between them). Small, because the
+# database lock is held meanwhile and the server's own reads and writes (a streaming answer's
+# saves, a chip's poll) wait for it.
+BATCH = 100
 # Words that say nothing about which chunk answers a question (English). Left in, every chunk that
 # has one matches, and a second ranking fused with BM25 (the vectors) can outvote the one chunk
 # that has the question's real words.
