@@ -128,9 +128,13 @@ async def create(request: Request) -> Response:
     except TimeoutError:
         part.unlink(missing_ok=True)
         return upload_error(408, "the file did not arrive in time", "request_timeout", "file")
-    except (ClientDisconnect, OSError):
+    except ClientDisconnect:  # nobody to answer; nothing kept
         part.unlink(missing_ok=True)
-        raise
+        return Response(status_code=400)
+    except OSError as exc:  # the disk is full, or the folder went away
+        part.unlink(missing_ok=True)
+        return upload_error(507, f"the data folder cannot take the file ({exc.strerror or exc})",
+                            "storage_unavailable", "file")
     name = clean_name(request.query_params.get("name"))
     if size == 0:
         part.unlink(missing_ok=True)
