@@ -7,10 +7,11 @@ the answer. Retrieval happens once per user turn and its chunk ids are stored on
 and earlier turns stay byte-identical (the prefix cache keeps working). UI only: the API's
 requests carry their own messages."""
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
-from engine import Engine, count_tokens
+from engine import Engine, EngineError, count_tokens
 
 from ..context import overflow
 from ..storage import Message, Storage
@@ -18,11 +19,14 @@ from ..upload_store import UploadStore
 from .indexing import DOCUMENT_KIND_NAMES
 from .store import ChunkStore, StoredChunk
 
+log = logging.getLogger(__name__)
+
 WHOLE_FRACTION = 0.5
 MAX_EXCERPTS = 8
 EXCERPT_OVERHEAD = 12  # tokens of an excerpt's "[page N]" line and the blank lines around it
 RRF_K = 60
 CANDIDATES = 50
+EMBED_WAIT_S = 60.0  # for the question's embedding
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,12 @@ def ranked(chunks: ChunkStore, engine: Engine, shas: list[str], question: str,
     lexical = chunks.bm25(shas, question, CANDIDATES)
     if embedding_model is None or not chunks.has_vectors(shas, embedding_model):
         return lexical
-    query = engine.embed([question], model=embedding_model, query=True, truncate=True).result()
+    try:
+        query = engine.embed([question], model=embedding_model, query=True,
+                             truncate=True).result(EMBED_WAIT_S)
+    except (EngineError, TimeoutError):  # the embedding model cannot answer now: BM25 alone
+        log.warning("embedding a question failed; retrieving by BM25 alone", exc_info=True)
+        return lexical
     return fused(lexical, chunks.nearest(shas, query.vectors[0], embedding_model, CANDIDATES))
 
 
