@@ -15,6 +15,11 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
+from engine import Engine
+
+from .doc_index.answering import DocumentPrompt, citations
+from .doc_index.exporting import self_contained
+from .doc_index.store import ChunkStore
 from .ui.settings import preset_settings
 from .ui.user_turn import chat_title
 from .storage import EXPORT_FORMAT, Storage, export_conversation, import_conversation
@@ -30,8 +35,10 @@ def _download(body: str | bytes, media_type: str, filename: str) -> Response:
                     headers={"Content-Disposition": f'attachment; filename="{filename}"'})
 
 
-def conversation_markdown(storage: Storage, cid: int) -> str:
-    """The branch shown, as a person would read it."""
+def conversation_markdown(storage: Storage, cid: int, engine: Engine) -> str:
+    """The branch shown, as a person would read it (documents as the model read them, and the
+    sources a turn was answered from)."""
+    docs = DocumentPrompt(storage, ChunkStore(storage), engine)
     conv = storage.get_conversation(cid)
     lines = [f"# {conv.title}", ""]
     if conv.model:
@@ -40,10 +47,14 @@ def conversation_markdown(storage: Storage, cid: int) -> str:
         lines += ["## System", "", conv.settings["system_prompt"], ""]
     for m in storage.active_path(cid):
         lines += [f"## {m.role.capitalize()}", ""]
-        for doc in m.attachments or ():
-            lines += [f"Attached: {doc['name']}", "", "```", doc["text"], "```", ""]
+        for doc in docs.documents(m.attachments or [], m.retrieved or []):
+            if "text" in doc:
+                lines += [f"Attached: {doc['name']}", "", "```", doc["text"], "```", ""]
         if m.content:
             lines += [m.content, ""]
+        for c in citations(storage, m):
+            lines += [f"Source: {c.name}{', ' + c.place if c.place else ''}", "",
+                      *(f"> {line}" for line in c.text.splitlines()), ""]
         for call in m.tool_calls or ():
             fn = call.get("function", {})
             lines += [f"Tool call `{fn.get('name')}`:", "", "```json", str(fn.get("arguments")), "```", ""]
@@ -54,7 +65,8 @@ async def export_json(request: Request) -> Response:
     conv = conversation_of(request)
     if conv is None:
         return not_found()
-    data = export_conversation(request.app.state.storage, conv.id)
+    storage, engine = parts(request)
+    data = await asyncio.to_thread(exported, storage, engine, conv.id)
     return _download(json.dumps(data, ensure_ascii=False, indent=1), "application/json",
                      _filename(conv.title, ".json"))
 
@@ -63,24 +75,30 @@ async def export_markdown(request: Request) -> Response:
     conv = conversation_of(request)
     if conv is None:
         return not_found()
-    return _download(await asyncio.to_thread(conversation_markdown, request.app.state.storage, conv.id),
+    storage, engine = parts(request)
+    return _download(await asyncio.to_thread(conversation_markdown, storage, conv.id, engine),
                      "text/markdown; charset=utf-8", _filename(conv.title, ".md"))
 
 
-def all_conversations_zip(storage: Storage) -> bytes:
+def exported(storage: Storage, engine: Engine, cid: int) -> dict[str, Any]:
+    """A conversation's JSON export, its uploaded documents carried as the model read them."""
+    return self_contained(storage, engine, export_conversation(storage, cid), storage.messages(cid))
+
+
+def all_conversations_zip(storage: Storage, engine: Engine) -> bytes:
     """Every conversation's JSON export in one zip (CPU-bound: call it off the event loop)."""
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
         for conv in storage.list_conversations(limit=-1):
-            data = export_conversation(storage, conv.id)
+            data = exported(storage, engine, conv.id)
             archive.writestr(f"conversation-{conv.id}.json",
                              json.dumps(data, ensure_ascii=False, indent=1))
     return buffer.getvalue()
 
 
 async def export_all(request: Request) -> Response:
-    storage, _ = parts(request)
-    return _download(await asyncio.to_thread(all_conversations_zip, storage), "application/zip",
+    storage, engine = parts(request)
+    return _download(await asyncio.to_thread(all_conversations_zip, storage, engine), "application/zip",
                      "mlxchat-conversations.zip")
 
 

@@ -7,7 +7,9 @@ child, which is killed at the budget. Call `pdf_text` off the event loop: it wai
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any, Callable
 
 TIME_BUDGET_S = 20.0
 MEMORY_BYTES = 1 << 30  # the child's address space
@@ -23,15 +25,71 @@ class PdfUnreadable(ValueError):
 
 def pdf_text(raw: bytes) -> str:
     """The text of the PDF `raw`, pages separated by blank lines; PdfUnreadable on any failure."""
+    return "\n\n".join(pdf_pages(raw))
+
+
+def pdf_pages(source: bytes | Path, time_budget_s: float = TIME_BUDGET_S,
+              progress: Callable[[float], None] = lambda fraction: None) -> list[str]:
+    """The text of each page of the PDF `source` (its bytes, or a file the child reads itself);
+    `progress` hears the fraction of pages read. PdfUnreadable on any failure."""
     command = [sys.executable, "-I", str(_WORKER), str(MEMORY_BYTES), str(MAX_PAGES), str(MAX_CHARS)]
     try:
-        done = subprocess.run(command, input=raw, capture_output=True, timeout=TIME_BUDGET_S)
+        stdout = _run(command, source, time_budget_s, progress)
     except subprocess.TimeoutExpired:
-        raise PdfUnreadable(f"this PDF took more than {TIME_BUDGET_S:g} s to read") from None
+        raise PdfUnreadable(f"this PDF took more than {time_budget_s:g} s to read") from None
     try:
-        result = json.loads(done.stdout)
+        result = json.loads(stdout)
     except ValueError:
         raise PdfUnreadable("this PDF cannot be read (its reader stopped)") from None
     if "error" in result:
         raise PdfUnreadable(result["error"])
-    return result["text"]
+    return result["pages"]
+
+
+def _run(command: list[str], source: bytes | Path, time_budget_s: float,
+         progress: Callable[[float], None]) -> bytes:
+    """The child's stdout; its stderr's `page <n> <pages>` lines go to `progress` as they come.
+    Raises TimeoutExpired (the child killed) past `time_budget_s`."""
+    stdin = open(source, "rb") if isinstance(source, Path) else subprocess.PIPE
+    try:
+        with subprocess.Popen(command, stdin=stdin, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) as child:
+            out: list[bytes] = []
+            work = [lambda: out.append(child.stdout.read()), lambda: _pages(child.stderr, progress)]
+            if stdin is subprocess.PIPE:
+                work.append(lambda: _feed(child.stdin, source))
+            threads = [threading.Thread(target=w, daemon=True) for w in work]
+            for t in threads:
+                t.start()
+            try:
+                child.wait(timeout=time_budget_s)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                raise
+            finally:
+                for t in threads:
+                    t.join()
+            return out[0] if out else b""
+    finally:
+        if stdin is not subprocess.PIPE:
+            stdin.close()
+
+
+def _feed(pipe: Any, data: bytes) -> None:
+    try:
+        pipe.write(data)
+        pipe.close()
+    except (BrokenPipeError, OSError):  # the child stopped reading (it failed or was killed)
+        pass
+
+
+def _pages(pipe: Any, progress: Callable[[float], None]) -> None:
+    """Each percent of pages read, to `progress` (other lines, such as warnings, are skipped)."""
+    told = -1
+    for line in pipe:
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == b"page" and parts[1].isdigit() and parts[2].isdigit():
+            fraction = int(parts[1]) / max(1, int(parts[2]))
+            if int(fraction * 100) > told:
+                told = int(fraction * 100)
+                progress(fraction)

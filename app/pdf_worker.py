@@ -1,6 +1,7 @@
 """Reads one PDF's text with pypdf: run as a child process by `app/pdf_text.py`, never imported by
-the server. The PDF comes on stdin; one JSON object goes to stdout: `{"text": ...}` or
-`{"error": ...}`. Arguments: memory limit (bytes), most pages, most characters of text.
+the server. The PDF comes on stdin; one JSON object goes to stdout: `{"pages": [text, ...]}` or
+`{"error": ...}`; a line `page <n> <pages>` goes to stderr as each page is read. Arguments: memory
+limit (bytes), most pages, most characters of text.
 
 The child caps its own address space, so a decompression bomb ends in MemoryError here, not in the
 server; pypdf's own limits (stream length, inflated size, array sizes) apply too, and anything
@@ -20,13 +21,15 @@ def _text(raw: bytes, max_pages: int, max_chars: int) -> dict:
     if pages > max_pages:
         return {"error": f"this PDF has {pages} pages; at most {max_pages} can be attached"}
     parts, size = [], 0
-    for page in reader.pages:
+    for number, page in enumerate(reader.pages, 1):
         part = (page.extract_text() or "").strip()
+        sys.stderr.write(f"page {number} {pages}\n")  # progress, for the reader's chip
+        sys.stderr.flush()
         size += len(part)
         if size > max_chars:
             return {"error": f"this PDF has more than {max_chars} characters of text"}
         parts.append(part)
-    return {"text": "\n\n".join(parts)}
+    return {"pages": parts}
 
 
 def main() -> None:

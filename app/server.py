@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 import webbrowser
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -28,9 +29,10 @@ from starlette.staticfiles import StaticFiles
 import static
 from engine import DEFAULT_KEEP_ALIVE_S, Cluster, Engine, data_dir, describe_device
 
-from . import api, attachments, exports, login, ui
+from . import api, attachments, exports, login, ui, uploads
 from .api.errors import http_error
 from .connections import HeaderTimeoutProtocol
+from .doc_index.store import ChunkStore
 from .folder_lock import FolderBusy, FolderLock
 from .model_switch import ModelSwitch
 from .key_access import KeyAccess
@@ -41,6 +43,7 @@ from .security import (LOOPBACK_NAMES, ApiKeyGuard, BodyLimit, HostGuard, Origin
                        SecurityHeaders, is_loopback)
 from .socket_limits import WS_MAX_BYTES
 from .storage import Storage
+from .upload_store import UploadStore
 from .ui.conversation_pages import Conversations
 
 STATIC_DIR = Path(static.__file__).parent
@@ -55,18 +58,21 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
                allowed_hosts: Iterable[str] | None = LOOPBACK_NAMES,
                api_key: str | None = None, storage: Storage | None = None,
                aliases: dict[str, str] | None = None,
-               allowed_origins: Iterable[str] = (), mcp_edit: bool = True) -> Starlette:
+               allowed_origins: Iterable[str] = (), mcp_edit: bool = True,
+               document_embeddings: str | None = None) -> Starlette:
     """The whole app around a started `engine`. `allowed_hosts=None` accepts any Host header.
     `aliases`: model names clients send (`claude-*`) and the local model each stands for.
     `allowed_origins`: browser origins (patterns) that may call the APIs (`--allow-origin`).
     `mcp_edit`: whether the page may add MCP servers (run commands): only on 127.0.0.1 without
-    `--allow-remote`. mcp.json lives beside the database."""
+    `--allow-remote`. mcp.json lives beside the database.
+    `document_embeddings`: the embedding model that indexes uploaded documents besides BM25."""
     storage = storage or Storage(db_path)
     mcp = McpServers(storage.path.parent / MCP_FILE)
     storage.interrupt_streaming()  # answers cut off by a crash: keep their text, mark them
     access = KeyAccess(api_key)
     app = Starlette(
         routes=[*api.routes, *login.routes, *ui.routes, *exports.routes, *attachments.routes,
+                *uploads.routes,
                 Mount("/static", StaticFiles(directory=STATIC_DIR))],
         lifespan=mcp.lifespan,
         exception_handlers={HTTPException: http_error},
@@ -75,7 +81,8 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
             Middleware(HostGuard, allowed_hosts=allowed_hosts),  # DNS rebinding: 400
             Middleware(OriginGuard, allowed_origins=allowed_origins),  # cross-site writes: 403
             Middleware(ApiKeyGuard, access=access),  # with --api-key, all but /health: 401
-            Middleware(BodyLimit),  # oversized bodies 413, slow ones 408, before the app reads
+            # oversized bodies 413, slow ones 408, before the app reads (uploads bound their own)
+            Middleware(BodyLimit, streamed=uploads.is_upload_path),
             Middleware(SecurityHeaders),  # CSP, nosniff, no framing, no referrer to other sites
         ],
     )
@@ -89,6 +96,13 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     app.state.switch = ModelSwitch()
     app.state.mcp = mcp
     app.state.mcp_edit = mcp_edit
+    app.state.uploads = UploadStore(storage)
+    app.state.uploads.interrupted()  # files a stopped server was reading: refused, attach again
+    app.state.uploads.sweep()
+    app.state.chunks = ChunkStore(storage)
+    app.state.reading = set()  # uploads being read (their tasks)
+    app.state.readers = ThreadPoolExecutor(uploads.READERS, thread_name_prefix="upload-reader")
+    app.state.document_embeddings = document_embeddings
     return app
 
 
@@ -200,12 +214,13 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
           no_api_key: bool = False, keep_alive: float | str | None = DEFAULT_KEEP_ALIVE_S,
           cluster: Cluster | None = None, aliases: dict[str, str] | None = None,
           allowed_origins: Iterable[str] = (), extra_hosts: Iterable[str] = (),
-          max_running: int | None = None) -> None:
+          max_running: int | None = None, document_embeddings: str | None = None) -> None:
     """Load `model`, then serve the UI and the API until Ctrl-C or SIGTERM/SIGHUP; the model's
     weights are unloaded after `keep_alive` idle seconds (None: never) and reloaded by the next
     request. With a `cluster`, serve as its rank 0 (the only rank that opens the data folder).
     `aliases`, `allowed_origins`: see `create_app`; `extra_hosts`: Host names accepted besides
-    the bound one and loopback (`--allow-host`, e.g. host.docker.internal)."""
+    the bound one and loopback (`--allow-host`, e.g. host.docker.internal);
+    `document_embeddings`: see `create_app`."""
     _check_remote(host, allow_remote, api_key, no_api_key)
     try:
         folder = data_dir()
@@ -220,7 +235,8 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
         _run(_bind(host, port), host, port, model, open_browser, api_key, keep_alive, cluster,
              max_running,
              {"aliases": aliases or {}, "allowed_origins": tuple(allowed_origins),
-              "mcp_edit": host == "127.0.0.1" and not allow_remote},
+              "mcp_edit": host == "127.0.0.1" and not allow_remote,
+              "document_embeddings": document_embeddings},
              tuple(extra_hosts))
     finally:
         lock.release()

@@ -143,8 +143,64 @@ _V7 = """
         ALTER TABLE messages ADD COLUMN tool_meta TEXT;
 """
 
+# Uploaded files (app/uploads.py) and their document index (app/doc_index/): `files` holds each
+# distinct file once (content-addressed by sha256; the bytes live in the data folder's uploads/),
+# `uploads` ties a file to the conversation it was attached in (deleting the conversation deletes
+# them, and a file no upload refers to any more goes with its chunks), `chunks` are a document's
+# retrievable pieces (page or heading, text, an optional embedding) with an FTS5 index for BM25,
+# and `messages.retrieved` records which chunks a user turn was answered with (JSON list of ids).
+_V8 = """
+        CREATE TABLE files (
+            sha256 TEXT PRIMARY KEY,
+            kind TEXT NOT NULL,
+            size INTEGER NOT NULL,
+            status TEXT NOT NULL DEFAULT 'reading',
+            stage TEXT,
+            progress REAL NOT NULL DEFAULT 0,
+            error TEXT,
+            tokens INTEGER,
+            pages INTEGER,
+            text TEXT,
+            meta TEXT,
+            created REAL NOT NULL
+        );
+        CREATE TABLE uploads (
+            id INTEGER PRIMARY KEY,
+            conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            sha256 TEXT NOT NULL,
+            name TEXT NOT NULL,
+            created REAL NOT NULL
+        );
+        CREATE INDEX uploads_conversation ON uploads(conversation_id);
+        CREATE INDEX uploads_sha256 ON uploads(sha256);
+        CREATE TRIGGER uploads_unused AFTER DELETE ON uploads
+        WHEN NOT EXISTS (SELECT 1 FROM uploads WHERE sha256 = old.sha256) BEGIN
+            DELETE FROM files WHERE sha256 = old.sha256;
+        END;
+        CREATE TABLE chunks (
+            id INTEGER PRIMARY KEY,
+            sha256 TEXT NOT NULL REFERENCES files(sha256) ON DELETE CASCADE,
+            seq INTEGER NOT NULL,
+            page INTEGER,
+            heading TEXT,
+            text TEXT NOT NULL,
+            vector BLOB,
+            vector_model TEXT
+        );
+        CREATE INDEX chunks_file ON chunks(sha256, seq);
+        CREATE VIRTUAL TABLE chunks_fts USING fts5(
+            text, content='chunks', content_rowid='id', tokenize='unicode61 remove_diacritics 2');
+        CREATE TRIGGER chunks_fts_insert AFTER INSERT ON chunks BEGIN
+            INSERT INTO chunks_fts(rowid, text) VALUES (new.id, new.text);
+        END;
+        CREATE TRIGGER chunks_fts_delete AFTER DELETE ON chunks BEGIN
+            INSERT INTO chunks_fts(chunks_fts, rowid, text) VALUES ('delete', old.id, old.text);
+        END;
+        ALTER TABLE messages ADD COLUMN retrieved TEXT;
+"""
+
 # Append only: the schema version of a database (PRAGMA user_version) is how many have run.
-MIGRATIONS: list[str] = [_V1, _V2, _V3, _V4, _V5, _V6, _V7]
+MIGRATIONS: list[str] = [_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -302,6 +358,7 @@ class Message:
     tool_call_id: str | None = None  # the call a `tool` message answers
     tool_meta: dict[str, Any] | None = None  # MCP: a call's server and outcome (app/mcp)
 
+    retrieved: list[int] | None = None  # chunk ids a user turn's large documents gave it
 
 @dataclass(frozen=True)
 class McpChoice:
@@ -321,7 +378,7 @@ def _conversation(row: sqlite3.Row) -> Conversation:
     return Conversation(**d)
 
 
-_JSON_COLUMNS = ("sampling", "speculative", "attachments", "tool_calls", "tool_meta")
+_JSON_COLUMNS = ("sampling", "speculative", "attachments", "tool_calls", "tool_meta", "retrieved")
 
 
 def _message(row: sqlite3.Row) -> Message:
@@ -473,6 +530,11 @@ class Storage:
                              (mid, now, cid))
         return self.get_message(mid)
 
+    def messages(self, cid: int) -> list[Message]:
+        """Every message of conversation `cid` (all versions), oldest first."""
+        rows = self._query("SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (cid,))
+        return [_message(r) for r in rows]
+
     def get_message(self, mid: int) -> Message | None:
         if not valid_id(mid):
             return None
@@ -519,6 +581,10 @@ class Storage:
                max_rounds = excluded.max_rounds""",
             (cid, json.dumps(list(choice.servers)), json.dumps(list(choice.always)),
              int(choice.first_call), choice.max_rounds))
+
+    def set_retrieved(self, mid: int, chunk_ids: list[int]) -> None:
+        """Record the chunks a user turn was answered with (app/doc_index/answering.py)."""
+        self._write("UPDATE messages SET retrieved = ? WHERE id = ?", (json.dumps(chunk_ids), mid))
 
     def interrupt_streaming(self) -> int:
         """At startup: answers left `streaming` by a crash keep their text and become `stopped`."""
@@ -585,8 +651,7 @@ def export_conversation(storage: Storage, cid: int) -> dict[str, Any]:
     conv = storage.get_conversation(cid)
     if conv is None:
         raise KeyError(cid)
-    rows = storage._query("SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (cid,))
-    messages = [_message(r) for r in rows]
+    messages = storage.messages(cid)
     local = {m.id: i for i, m in enumerate(messages)}
     return {"format": EXPORT_FORMAT, "title": conv.title, "created": conv.created,
             "updated": conv.updated, "model": conv.model, "settings": conv.settings,

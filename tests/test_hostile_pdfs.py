@@ -8,6 +8,7 @@ import zlib
 import httpx
 import pytest
 
+from bench.document_corpus import pdf_file
 from live_server import engine_serving
 from loop_probe import STALL_S, health_probe
 from tiny_models import tiny_llama
@@ -15,25 +16,11 @@ from tiny_models import tiny_llama
 pytestmark = pytest.mark.fast
 
 
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     lm = tiny_llama()
     with engine_serving(tmp_path_factory.mktemp("pdfs"), lm) as s:
         yield s
-
-
-def pdf_file(objects: list[bytes]) -> bytes:
-    """A PDF of `objects` (object 1 is the catalog), with a correct cross-reference table."""
-    out, offsets = bytearray(b"%PDF-1.4\n"), []
-    for i, body in enumerate(objects, 1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
-    out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
-    out += b"trailer\n<</Size %d/Root 1 0 R>>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
-    return bytes(out)
 
 
 def stream(data: bytes, flate: bool = False) -> bytes:
