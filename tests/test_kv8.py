@@ -19,11 +19,13 @@ from engine.kernels.kv8 import (GROUP_SIZE, BatchKV8Cache, KV8Cache, kv_format, 
                                 use_kv_bits)
 from engine.scheduling.service import Engine
 from test_cache_protocol import Recording
-from test_kernels import PROMPTS, isa, kern, left_padded_batch, tiny_llama_pair  # noqa: F401
+import test_kernels
+from test_kernels import PROMPTS, tiny_llama_pair
 from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.fast
 
+kern, isa = test_kernels.kern, test_kernels.isa  # the built extension; each unit the CPU runs
 KV8 = {"head_dim": 32}  # a multiple of the 8-bit cache's group size (tiny_llama's 16 is not)
 
 
@@ -49,7 +51,7 @@ def kv_prefix(kv_heads, dim, length, rows=2):
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 1, 128), (4, 4, 32)])
-def test_decode_attention_reads_packed_rows_as_their_values(kern, isa, heads, kv_heads, dim):  # noqa: F811
+def test_decode_attention_reads_packed_rows_as_their_values(kern, isa, heads, kv_heads, dim):
     """Single-query attention over packed rows equals it over their dequantized fp32 values, bit
     for bit, with and without per-row left padding hidden."""
     k, v = kv_prefix(kv_heads, dim, 300, rows=3)
@@ -62,14 +64,14 @@ def test_decode_attention_reads_packed_rows_as_their_values(kern, isa, heads, kv
 
 
 @pytest.mark.parametrize("length,cached", [(37, 0), (19, 45)])
-def test_prefill_attention_reads_packed_rows_as_their_values(kern, isa, length, cached):  # noqa: F811
+def test_prefill_attention_reads_packed_rows_as_their_values(kern, isa, length, cached):
     k, v = kv_prefix(3, 64, cached + length)
     q = mx.random.normal((2, 9, length, 64))
     ours = kern.prefill_attention(q, k, v, 0.125)
     assert mx.array_equal(ours, kern.prefill_attention(q, unpack(k), unpack(v), 0.125)).item()
 
 
-def test_packed_rows_of_a_width_no_group_gives_are_refused(kern):  # noqa: F811
+def test_packed_rows_of_a_width_no_group_gives_are_refused(kern):
     q = mx.random.normal((1, 4, 1, 64))
     bad = mx.zeros((1, 4, 10, 64 // 4 + 3), dtype=mx.uint32)
     with pytest.raises(ValueError, match="head dimension"):
@@ -85,7 +87,7 @@ def kv8_pair():
     return ours, ref
 
 
-def test_the_kernels_over_the_8bit_cache_give_mlx_lms_logits_over_its_values(kern):  # noqa: F811
+def test_the_kernels_over_the_8bit_cache_give_mlx_lms_logits_over_its_values(kern):
     """Prefill (our prefill attention on packed rows) then one-token steps (the fused layer ops):
     logits within 1e-4 of mlx-lm's model, whose attention gets the dequantized cache; and close
     to the full-precision cache's (the quantization's own error, well under the logits' scale)."""
@@ -101,7 +103,7 @@ def test_the_kernels_over_the_8bit_cache_give_mlx_lms_logits_over_its_values(ker
         tokens = mx.argmax(b[:, -1:], axis=-1)
 
 
-def test_cache_bytes_are_under_a_third_of_the_full_cache(kern):  # noqa: F811
+def test_cache_bytes_are_under_a_third_of_the_full_cache(kern):
     ours, _ = kv8_pair()
     full, _ = tiny_llama_pair(4, 32, True)
     sizes = []
@@ -112,7 +114,7 @@ def test_cache_bytes_are_under_a_third_of_the_full_cache(kern):  # noqa: F811
     assert sizes[0] / sizes[1] == (1 + 8 / GROUP_SIZE) / 4  # codes + fp32 scale and bias per group
 
 
-def test_a_rows_logits_do_not_depend_on_its_batch(kern):  # noqa: F811
+def test_a_rows_logits_do_not_depend_on_its_batch(kern):
     """Rows prefilled alone (KV8Caches), then decoded greedily together (merged into a
     BatchKV8Cache, left-padded, as the engine's decode batch does): each row's logits are, bit for
     bit, the ones it gets decoding alone, in either batch composition."""
