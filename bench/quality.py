@@ -1,5 +1,5 @@
 """How far a lossy path (int8 activations, the 8-bit KV cache) moves a model's predictions: the
-perplexity of a fixed public-domain text (tests/data/declaration-of-independence.txt, the US
+perplexity of a fixed public-domain text (bench/data/declaration-of-independence.txt, the US
 Declaration of Independence, 1776), and each position's next-token distribution against the exact
 path's (mean KL divergence, top-1 agreement). The text goes in `step` tokens a forward, so every
 product takes the 1-8 row kernels and every chunk attends over the cache the earlier ones left."""
@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "declaration-of-independence.txt"
+TEXT = Path(__file__).resolve().parent / "data" / "declaration-of-independence.txt"
 GATE = 0.005  # relative perplexity difference allowed
 
 

@@ -1,5 +1,5 @@
 """The quality gate of the lossy int8-activation path (`MLXCHAT_KERNELS=int8`) on the real bundled
-model: perplexity on a fixed public-domain text (tests/data/declaration-of-independence.txt, the
+model: perplexity on a fixed public-domain text (bench/data/declaration-of-independence.txt, the
 US Declaration of Independence, 1776) within 0.5% of the exact kernels, the text fed 8 tokens a
 step so that every product takes the 1-8 row kernels. Greedy agreement with the exact path on the
 identity prompts is printed (run with -s); token identity is not expected of this path."""

@@ -5,6 +5,7 @@
 // MLX's own CPU ops do, and the kernels there split it over our thread pool. fp32 activations only; the Python side
 // (engine/kernels/ops.py) checks inputs and takes MLX's own ops for anything else.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -1030,6 +1031,38 @@ mx::array block_out(const mx::array& h, const mx::array& q, const mx::array& k, 
                    inputs);
 }
 
+// ----------------------------------------------- read bandwidth (the bench's STREAM-style row)
+
+// Reads the evaluated array `a` `passes` times over our pool (the threads the kernels use, blocks
+// of 256 KB handed out as the products hand them out), summing its 64-bit words so no read can be
+// skipped; returns (seconds, checksum). Bytes read = passes * a.nbytes().
+std::tuple<double, uint64_t> read_bandwidth(const mx::array& a, int passes) {
+  if (!a.flags().row_contiguous || a.nbytes() % 8 || passes < 1)
+    throw std::invalid_argument("a row-contiguous array of whole 64-bit words, passes >= 1");
+  const auto* words = reinterpret_cast<const uint64_t*>(a.data<uint8_t>());
+  const int64_t n = int64_t(a.nbytes() / 8), block = 32768;
+  const int64_t nblocks = (n + block - 1) / block;
+  std::vector<uint64_t> sums(size_t(nblocks), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int p = 0; p < passes; ++p)
+    parallel_for(nblocks, [&](int64_t b) {
+      uint64_t acc[8] = {};
+      const uint64_t* w = words + b * block;
+      const int64_t len = std::min(block, n - b * block);
+      int64_t i = 0;
+      for (; i + 8 <= len; i += 8)
+        for (int j = 0; j < 8; ++j) acc[j] += w[i + j];
+      for (; i < len; ++i) acc[0] += w[i];
+      uint64_t total = 0;
+      for (uint64_t x : acc) total += x;
+      sums[size_t(b)] += total;
+    });
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  uint64_t check = 0;
+  for (uint64_t x : sums) check += x;
+  return {secs, check};
+}
+
 }  // namespace
 }  // namespace mlxchat
 
@@ -1055,6 +1088,7 @@ NB_MODULE(_mlxchat_kernels, m) {
   m.def("block_out", &block_out, nb::arg("h"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("attn_scale"), nb::arg("wo"), nb::arg("norm"), nb::arg("eps"), nb::arg("wg"),
         nb::arg("wu"), nb::arg("wd"), nb::arg("int8") = false, nb::arg("starts") = nb::none());
+  m.def("read_bandwidth", &read_bandwidth, nb::arg("a"), nb::arg("passes") = 1);
   m.def("isa", [] { return std::string(impl()->name); });
   m.def("isas", &isas);
   m.def("set_isa", &set_isa, nb::arg("name"));
