@@ -15,8 +15,7 @@ Models:
   llama-3b      Llama-3.2-3B's shape (~3.0B with SmolLM2's vocabulary), likewise (~1.7 GB).
   llama-8b      Llama-3.1-8B's shape (~7.0B), likewise (~4 GB; build and rows need ~10 GB of RAM).
   qwen3-4b      Qwen3-4B's shape (q/k norms, head dim 128), likewise: our products, mlx-lm's
-  qwen3-8b      attention; Qwen3-8B's shape. No llama.cpp rows yet (bench/llama_gguf.py writes
-                llama only).
+  qwen3-8b      attention; Qwen3-8B's shape.
 Rows:
   engine        our engine as shipped: engine.scheduling.service.Engine on load_model(folder) (the
                 CPU kernels; OpenBLAS preloaded, as `mlxchat` does), scheduler thread, prefix cache
@@ -51,6 +50,8 @@ The full CPU bench, for a quiet machine (no other process on the cores; see docs
   python -m bench.decode --models bundled,llama-350m,llama-1b,llama-3b,llama-8b \
       --rows engine,engine-int8,engine-kv8,llama.cpp,llama.cpp-avx512 --reps 3 --rounds 3 \
       --out bench/results/decode-cpu-quiet.json
+  python -m bench.decode --models qwen3-4b,qwen3-8b --rows engine,engine-kv8,llama.cpp,llama.cpp-avx512 \
+      --reps 3 --rounds 3 --out bench/results/decode-cpu-quiet-qwen3.json
 """
 from __future__ import annotations
 
