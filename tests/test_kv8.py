@@ -17,6 +17,7 @@ from engine.decoding.sampling import SamplingParams
 from engine.kernels.caches import LOCAL, held_layers
 from engine.kernels.kv8 import (GROUP_SIZE, BatchKV8Cache, KV8Cache, kv_format, pack, unpack,
                                 use_kv_bits)
+from engine.scheduling.batch import kv_footprint
 from engine.scheduling.service import Engine
 from test_cache_protocol import Recording
 import test_kernels
@@ -148,6 +149,8 @@ def test_the_gpu_and_half_precision_take_mlx_lms_quantized_cache():
     cache = make_prompt_cache(ref)
     assert all(type(c) is QuantizedKVCache and c.bits == 8 for c in cache)
     assert ref(mx.array([[1, 2, 3]]), cache=cache).shape == (1, 3, 320)
+    footprint = kv_footprint(ref, LOCAL)  # the engine's memory budget sees it grow per token
+    assert footprint.per_token > 0 and footprint.fixed == 0 and not footprint.batchable
     assert use_kv_bits(ref, {"head_dim": 48}, 8) == "full"  # no group fits: kept full
 
 
