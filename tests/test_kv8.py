@@ -13,6 +13,8 @@ import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from engine.cache import snapshot_files
+from engine.errors import ModelLoadError
+from engine.kernels import active_path
 from engine.decoding.sampling import SamplingParams
 from engine.kernels.caches import LOCAL, held_layers
 from engine.kernels.kv8 import (GROUP_SIZE, BatchKV8Cache, KV8Cache, kv_format, pack, unpack,
@@ -190,6 +192,16 @@ def test_the_engine_batches_snapshots_and_restores_the_8bit_cache(lm8):
         engine.stop()
     for op in ("merge", "extract", "copy", "restore"):  # batched, snapshotted, restored
         assert caches.calls[op] > 0, (op, caches.calls)
+
+
+def test_the_active_path_names_the_8bit_cache(monkeypatch):
+    assert "KV cache" not in active_path()
+    monkeypatch.setenv("MLXCHAT_KV_BITS", "8")
+    assert active_path().endswith("; 8-bit KV cache")
+    monkeypatch.setenv("MLXCHAT_KV_BITS", "4")
+    assert "only 8 is supported" in active_path()
+    with pytest.raises(ModelLoadError, match="only 8"):
+        tiny_llama(**KV8)
 
 
 def test_a_snapshot_of_one_kv_format_is_refused_under_the_other(lm8, tmp_path):
