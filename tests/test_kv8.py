@@ -221,3 +221,22 @@ def test_a_snapshot_of_one_kv_format_is_refused_under_the_other(lm8, tmp_path):
         with pytest.raises(snapshot_files.BadSnapshot, match="layer types"):
             snapshot_files.load_arrays(path, mine, snapshot_files.cache_layout(reader.model))
 
+
+
+def test_the_cli_option_loads_the_model_with_the_8bit_cache(monkeypatch, caplog):
+    """`mlxchat generate --kv-bits 8`: the loading line names the 8-bit cache and the model's
+    layers get it."""
+    import logging
+
+    from click.testing import CliRunner
+
+    from app.cli import cli
+
+    monkeypatch.setenv("MLXCHAT_KV_BITS", "")  # restored (unset) after the test: the option sets it
+    folder = str(tiny_llama(**KV8).path)
+    with caplog.at_level(logging.INFO, logger="engine.kernels.kv8"):
+        result = CliRunner().invoke(cli, ["generate", "--model", folder, "--kv-bits", "8", "-n",
+                                          "3", "Hello"])
+    assert result.exit_code == 0, result.output
+    assert "8-bit KV cache" in result.output
+    assert any("KV cache: 8-bit" in r.getMessage() for r in caplog.records)
