@@ -3,9 +3,9 @@
 The header's metadata holds:
 - `format`: this module's format name;
 - `identity`: what produced the arrays (the weights' content digest, the compute path, the weights'
-  dtypes, the KV cache's format, the device, the distributed rank, the mlx and mlx-lm versions),
-  see `identity()`: a snapshot of the full KV cache is refused under the 8-bit one and the other
-  way round (engine/kernels/kv8.py);
+  dtypes, the device, the distributed rank, the mlx and mlx-lm versions, and the KV cache's format
+  where it is not the full one), see `identity()`: a snapshot of the full KV cache is refused
+  under the 8-bit one and the other way round (engine/kernels/kv8.py);
 - `tokens`: the token ids the snapshot holds (the file name is a digest of them);
 - `layers`: each layer's cache type and number of array slots;
 - `sha256`: of every tensor's bytes, in tensor order.
@@ -41,7 +41,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..kernels.caches import KV_KINDS, Layer, held_layers
-from ..kernels.kv8 import kv_format
+from ..kernels.kv8 import FULL as FULL_KV, kv_format
 from ..loading.registry import LoadedModel
 
 FORMAT = "mlxchat-snapshot-2"
@@ -84,11 +84,12 @@ def identity(lm: LoadedModel) -> dict[str, str]:
         "weights_sha256": lm.weights_digest,
         "compute": compute,
         "weight_dtypes": ",".join(sorted({str(p.dtype) for _, p in tree_flatten(model.parameters())})),
-        "kv_format": kv_format(model),
         "device": str(mx.default_device()),
         "rank": os.environ.get("MLX_RANK", "0"),
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
+        # only where not the full cache: snapshots written before the 8-bit cache existed stay good
+        **({} if kv_format(model) == FULL_KV else {"kv_format": kv_format(model)}),
     }
 
 
