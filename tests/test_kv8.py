@@ -13,6 +13,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from engine.cache import snapshot_files
+from engine.cache.prefix_cache import PrefixCache
 from engine.errors import ModelLoadError
 from engine.kernels import active_path
 from engine.decoding.sampling import SamplingParams
@@ -240,3 +241,32 @@ def test_the_cli_option_loads_the_model_with_the_8bit_cache(monkeypatch, caplog)
     assert result.exit_code == 0, result.output
     assert "8-bit KV cache" in result.output
     assert any("KV cache: 8-bit" in r.getMessage() for r in caplog.records)
+
+
+def test_the_prefix_cache_recomputes_what_the_other_format_persisted(lm8, tmp_path, caplog):
+    """Each KV format keeps its own snapshot folder: the 8-bit model's prefix cache finds none of
+    what the full one persisted (and the other way round), recomputes, answers as it does without
+    a cache, and leaves the other's files in place. A file of the other format put in its folder
+    is skipped (and deleted) with a log line."""
+    import logging
+    import shutil
+
+    from chats import ask, long_chat, same_without_cache
+
+    full = tiny_llama(**KV8)
+    chat, params = long_chat(2), SamplingParams(max_tokens=4)
+    for writer, reader in ((full, lm8), (lm8, full)):
+        folder = tmp_path / kv_format(writer.model)
+        first = PrefixCache(writer, persist_dir=folder)
+        ask(writer, chat, params, first)
+        written = first.persist()
+        other = PrefixCache(reader, persist_dir=folder)
+        assert written and other.stats().disk_entries == 0
+        assert same_without_cache(reader, chat, params, other).cached == 0
+        assert PrefixCache(writer, persist_dir=folder).stats().disk_entries == len(written)
+        if other.dir is not None:  # a stray file of the other format in the reader's own folder
+            other.dir.mkdir(parents=True, exist_ok=True)
+            shutil.copy(written[0], other.dir / written[0].name)
+            with caplog.at_level(logging.WARNING, logger="engine.cache.prefix_cache"):
+                assert PrefixCache(reader, persist_dir=folder).stats().disk_entries == 0
+            assert any("kv_format" in r.getMessage() for r in caplog.records)
