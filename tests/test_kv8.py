@@ -143,6 +143,38 @@ def test_a_rows_logits_do_not_depend_on_its_batch(kern):
     assert mx.array_equal(decode([2, 1]), together[mx.array([2, 1])]).item()
 
 
+@pytest.mark.parametrize("held", [0, 3])
+def test_a_padded_prefill_of_rows_keeps_the_8bit_format(kern, held):
+    """prefill_together's steps (rows merged, right padding moved left, each row extracted) on
+    8-bit caches, empty (fresh requests) or not (prefix hits): the rows stay 8-bit and each row's
+    last logits are its own prefill's."""
+    ours, _ = kv8_pair()
+    prompts = [[5, 17, 200, 3, 99], [12, 8]]
+    starts = []
+    for _ in prompts:
+        cache = make_prompt_cache(ours)
+        if held:
+            ours(mx.array([[1, 2, 3][:held]]), cache=cache)
+        starts.append(cache)
+    alone = []
+    for prompt, start in zip(prompts, starts):
+        copy = LOCAL.restore(LOCAL.copy(start), held) if held else make_prompt_cache(ours)
+        alone.append(ours(mx.array([prompt]), cache=copy)[:, -1])
+    merged = LOCAL.merge(starts)
+    assert all(type(layer) is BatchKV8Cache for layer in merged)
+    lengths, width = [len(p) for p in prompts], max(map(len, prompts))
+    for layer in merged:
+        layer.prepare(lengths=lengths, right_padding=[width - n for n in lengths])
+    logits = ours(mx.array([p + [0] * (width - len(p)) for p in prompts]), cache=merged)
+    for layer in merged:
+        layer.finalize()
+    for i, n in enumerate(lengths):
+        row = LOCAL.extract(merged, i)
+        assert all(type(layer) is KV8Cache and layer.keys.dtype == mx.uint32 for layer in row)
+        assert row[0].offset == held + n
+        assert mx.allclose(logits[i, n - 1], alone[i][0], rtol=1e-4, atol=1e-4).item()
+
+
 def test_the_gpu_and_half_precision_take_mlx_lms_quantized_cache():
     """A model whose activations are not fp32 (the GPU; the CPU without our layouts) gets mlx-lm's
     QuantizedKVCache, which its own attention reads; recurrent layers keep their caches."""

@@ -101,6 +101,12 @@ class KV8Cache(_Packed, KVCache):
 class BatchKV8Cache(_Packed, BatchKVCache):
     """The decode batch's 8-bit keys and values (mlx-lm's `BatchKVCache` holding packed rows)."""
 
+    @classmethod
+    def merge(cls, caches: list[Any]) -> "BatchKV8Cache":
+        if max(c.size() for c in caches) == 0:  # mlx-lm's merge makes a plain BatchKVCache then
+            return cls([0] * len(caches))
+        return super().merge(caches)
+
     def extract(self, idx: int) -> KV8Cache:
         return KV8Cache.from_state(super().extract(idx).state)
 
