@@ -7,8 +7,8 @@ from typing import Any
 
 import click
 
-from engine import (DEFAULT_KEEP_ALIVE_S, DEVICES, PRESETS, SAMPLING_OPTIONS, Engine, EngineError,
-                    SamplingOption, SamplingParams, keep_alive_seconds, preset)
+from engine import (DEFAULT_KEEP_ALIVE_S, DEVICES, KV_BITS_ENV, PRESETS, SAMPLING_OPTIONS, Engine,
+                    EngineError, SamplingOption, SamplingParams, keep_alive_seconds, preset)
 
 SHORT_FLAGS = {"temperature": "-t", "max_tokens": "-n"}
 
@@ -76,6 +76,18 @@ device_option = click.option("--device", type=click.Choice(DEVICES), default="au
                              show_default=True, help="Where MLX runs.")
 
 
+def _kv_bits(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value:  # the engine reads it when it loads a model (engine/kernels/kv8.py)
+        os.environ[KV_BITS_ENV] = value
+
+
+kv_bits_option = click.option(
+    "--kv-bits", type=click.Choice(["8"]), envvar=KV_BITS_ENV, expose_value=False,
+    callback=_kv_bits,
+    help="Store the KV cache in 8 bits (per-group scales): about a third of its memory on the "
+         "CPU, for long conversations on small machines; answers may differ slightly.")
+
+
 @click.group(invoke_without_command=True)
 @click.option("-v", "--verbose", is_flag=True, help="Log what the engine does.")
 @click.pass_context
@@ -93,6 +105,7 @@ def cli(ctx: click.Context, verbose: bool) -> None:
 @click.argument("prompt")
 @model_option
 @device_option
+@kv_bits_option
 @click.option("--system", help="System prompt.")
 @click.option("--raw", is_flag=True, help="Send PROMPT as is, without the chat template.")
 @_sampling_options
@@ -131,6 +144,7 @@ def _read_turn() -> str:
 @cli.command()
 @model_option
 @device_option
+@kv_bits_option
 @click.option("--system", help="System prompt.")
 @_sampling_options
 def chat(model: str | None, device: str, system: str | None, **opts: Any) -> None:
@@ -221,6 +235,7 @@ def models(import_wheel: str | None, as_json: bool) -> None:
 @click.option("--port", default=8321, show_default=True, type=click.IntRange(1, 65535))
 @model_option
 @device_option
+@kv_bits_option
 @click.option("--no-browser", is_flag=True, help="Do not open a browser tab.")
 @click.option("--allow-remote", is_flag=True,
               help="Allow binding to a non-loopback address (anyone on the network can chat).")

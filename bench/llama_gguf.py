@@ -1,4 +1,5 @@
-"""The random-weight llamas of bench/decode.py as GGUF files, so llama.cpp runs the same weights.
+"""The random-weight llamas (and qwen3s) of bench/decode.py as GGUF files, so llama.cpp runs the
+same weights.
 
 `write_gguf(folder, out)` writes an mlx-lm llama folder as a GGUF of llama.cpp's `llama`
 architecture: every weight dequantized from MLX's affine layout (F32, or F16 for a file that is
@@ -83,7 +84,9 @@ def _copy_tokenizer(writer, source: Path) -> None:
 
 
 def write_gguf(folder: Path, out: Path, *, f16: bool = False) -> Path:
-    """`folder` (an mlx-lm llama with the SmolLM2 vocabulary) as an F32 (or F16) GGUF at `out`."""
+    """`folder` (an mlx-lm llama or qwen3 with the SmolLM2 vocabulary) as an F32 (or F16) GGUF at
+    `out`. A qwen3 is written as llama.cpp's `qwen3` (its q/k norms included; its RoPE rotates
+    halves as mlx-lm's does, so q/k are not permuted)."""
     from gguf import GGUFWriter, LlamaFileType
 
     from engine.loading import bundled
@@ -91,7 +94,10 @@ def write_gguf(folder: Path, out: Path, *, f16: bool = False) -> Path:
     config, weights = dequantized(Path(folder))
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    writer = GGUFWriter(str(out), "llama")
+    arch = config.get("model_type", "llama")
+    if arch not in ("llama", "qwen3"):
+        raise ValueError(f"cannot write a {arch!r} folder as a GGUF (llama and qwen3 only)")
+    writer = GGUFWriter(str(out), arch)
     writer.add_name(Path(folder).name)
     writer.add_file_type(LlamaFileType.MOSTLY_F16 if f16 else LlamaFileType.ALL_F32)
     writer.add_context_length(config["max_position_embeddings"])
@@ -107,7 +113,7 @@ def write_gguf(folder: Path, out: Path, *, f16: bool = False) -> Path:
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     _copy_tokenizer(writer, bundled.ensure_bundled_gguf())
-    hf_rope = not config.get("rope_traditional", False)
+    hf_rope = arch == "llama" and not config.get("rope_traditional", False)
     for name, w in weights.items():
         if hf_rope and name.endswith("self_attn.q_proj.weight"):
             w = permute(w, heads)

@@ -13,6 +13,7 @@ from .decoding.sampling import PRESETS, SAMPLING_OPTIONS, SamplingOption, Sampli
 from .distributed.cluster import Cluster
 from .device import DEVICES, restart_with_blas, select_device
 from .kernels import describe_device, device_report
+from .kernels.kv8 import ENV as KV_BITS_ENV
 from .errors import (DownloadCancelled, DownloadError, EngineError, InvalidRequest, ModelLoadError,
                      Overloaded, UnsupportedArchitecture)
 from .decoding.thinking import EFFORT_BUDGETS, effort_budget
@@ -32,7 +33,8 @@ from .scheduling.slot import ModelDescription
 from .decoding.generate import build_prompt as _build_prompt
 
 __all__ = [
-    "Cluster", "DEFAULTABLE", "DEFAULT_KEEP_ALIVE_S", "DEFAULT_SOURCES", "DEVICES", "PRESETS", "SAMPLING_OPTIONS",
+    "Cluster", "DEFAULTABLE", "DEFAULT_KEEP_ALIVE_S", "DEFAULT_SOURCES", "DEVICES", "KV_BITS_ENV", "PRESETS",
+    "SAMPLING_OPTIONS",
     "EMBEDDING_MAX_INPUTS", "EmbeddingHandle", "Embeddings",
     "Channel", "Default", "DownloadCancelled", "DownloadError", "DownloadProgress", "DraftChoice",
     "Engine", "EngineError", "EngineStatus", "Event", "FinishReason", "InvalidRequest",

@@ -28,14 +28,18 @@ PROMPT = [1, 500, 2000, 37, 9000, 12, 44, 100, 8000, 3]
 TOLERANCE = 0.05
 
 
-def test_gguf_of_a_random_folder_gives_the_folder_models_logits(tmp_path):
-    name = "llama-gguf-test-" + hashlib.sha256(json.dumps(SHAPE, sort_keys=True).encode()).hexdigest()[:8]
-    folder = random_folder(name, SHAPE)
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_gguf_of_a_random_folder_gives_the_folder_models_logits(tmp_path, kind):
+    shape = SHAPE if kind == "llama" else {**SHAPE, "model_type": "qwen3", "head_dim": 16}
+    name = f"{kind}-gguf-test-" + hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:8]
+    folder = random_folder(name, shape)
     gguf = write_gguf(folder, tmp_path / "tiny.gguf")
     try:
         ours, theirs = load_model(str(folder)), load_model(str(gguf))
-        assert theirs.config["rope_traditional"] is True  # llama.cpp's rotation, on permuted q/k
-        assert not ours.config.get("rope_traditional", False)
+        assert theirs.config["model_type"] == kind
+        if kind == "llama":  # llama.cpp's rotation, on permuted q/k
+            assert theirs.config["rope_traditional"] is True
+            assert not ours.config.get("rope_traditional", False)
         ids = mx.array([PROMPT])
         a = np.array(ours.model(ids).astype(mx.float32))[0]
         b = np.array(theirs.model(ids).astype(mx.float32))[0]

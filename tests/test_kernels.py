@@ -429,3 +429,17 @@ def test_a_damaged_kernel_module_is_never_loaded(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "module False" in out.stdout and "damaged" in out.stdout
     assert not (target / module.name).exists()
+
+
+def test_read_bandwidth_reads_every_word_of_every_pass(kern):
+    """The bench's STREAM-style row (bench/decode.py): its checksum is the sum of all 64-bit
+    words, once per pass, and it refuses arrays it cannot read as such."""
+    import numpy as np
+
+    a = mx.arange(3 << 18, dtype=mx.uint32) * 7919
+    mx.eval(a)
+    seconds, check = kern.read_bandwidth(a, 3)
+    words = np.array(a).view(np.uint64)
+    assert seconds > 0 and check == (3 * int(words.sum(dtype=np.uint64))) % 2**64
+    with pytest.raises(ValueError):
+        kern.read_bandwidth(mx.zeros((3,), dtype=mx.uint8))

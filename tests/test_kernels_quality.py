@@ -1,24 +1,18 @@
 """The quality gate of the lossy int8-activation path (`MLXCHAT_KERNELS=int8`) on the real bundled
-model: perplexity on a fixed public-domain text (tests/data/declaration-of-independence.txt, the
+model: perplexity on a fixed public-domain text (bench/data/declaration-of-independence.txt, the
 US Declaration of Independence, 1776) within 0.5% of the exact kernels, the text fed 8 tokens a
 step so that every product takes the 1-8 row kernels. Greedy agreement with the exact path on the
 identity prompts is printed (run with -s); token identity is not expected of this path."""
 
-import math
-from pathlib import Path
-
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 
+from bench.quality import GATE, TEXT, perplexity
 from engine.decoding.generate import build_prompt, generate
 from engine.decoding.sampling import SamplingParams
 from engine.kernels import active_path
 from engine.loading.registry import load_model
 from chats import CONVERSATIONS
-
-TEXT = Path(__file__).resolve().parent / "data" / "declaration-of-independence.txt"
-GATE = 0.005  # relative perplexity difference allowed
 
 
 @pytest.fixture(scope="module")
@@ -27,21 +21,6 @@ def int8_lm():
         mp.setenv("MLXCHAT_KERNELS", "int8")
         assert "int8 activations" in active_path(), active_path()
         return load_model(None)
-
-
-def perplexity(lm, tokens: list[int], step: int = 8) -> float:
-    """exp(mean negative log-likelihood of each token after the first), `step` tokens a forward."""
-    cache = make_prompt_cache(lm.model)
-    nll, count = 0.0, 0
-    for start in range(0, len(tokens) - 1, step):
-        chunk = tokens[start:start + step]
-        targets = tokens[start + 1:start + 1 + len(chunk)]
-        logits = lm.model(mx.array([chunk]), cache=cache)[0, :len(targets)].astype(mx.float32)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        picked = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)
-        nll -= mx.sum(picked).item()
-        count += len(targets)
-    return math.exp(nll / count)
 
 
 @pytest.mark.timeout(900)

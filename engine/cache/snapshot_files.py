@@ -3,7 +3,9 @@
 The header's metadata holds:
 - `format`: this module's format name;
 - `identity`: what produced the arrays (the weights' content digest, the compute path, the weights'
-  dtypes, the device, the distributed rank, the mlx and mlx-lm versions), see `identity()`;
+  dtypes, the device, the distributed rank, the mlx and mlx-lm versions, and the KV cache's format
+  where it is not the full one), see `identity()`: a snapshot of the full KV cache is refused
+  under the 8-bit one and the other way round (engine/kernels/kv8.py);
 - `tokens`: the token ids the snapshot holds (the file name is a digest of them);
 - `layers`: each layer's cache type and number of array slots;
 - `sha256`: of every tensor's bytes, in tensor order.
@@ -38,7 +40,8 @@ import mlx_lm
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..kernels.caches import Layer, held_layers
+from ..kernels.caches import KV_KINDS, Layer, held_layers
+from ..kernels.kv8 import FULL as FULL_KV, kv_format
 from ..loading.registry import LoadedModel
 
 FORMAT = "mlxchat-snapshot-2"
@@ -85,6 +88,8 @@ def identity(lm: LoadedModel) -> dict[str, str]:
         "rank": os.environ.get("MLX_RANK", "0"),
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
+        # only where not the full cache: snapshots written before the 8-bit cache existed stay good
+        **({} if kv_format(model) == FULL_KV else {"kv_format": kv_format(model)}),
     }
 
 
@@ -214,7 +219,7 @@ def read_header(path: Path, ident: dict[str, str]) -> Header:
         _check(begin == end and stop - begin == math.prod(shape) * _SIZES[dtype],
                f"{name}: data offsets {begin}..{stop} do not tile the data")
         end = stop
-        if layers[int(m[1])][0] == "KVCache":
+        if layers[int(m[1])][0] in KV_KINDS:
             _check(len(shape) == 4 and shape[KV_TOKEN_AXIS] == len(tokens),
                    f"{name}: shape {shape} does not hold {len(tokens)} tokens")
         tensors[name] = (dtype, tuple(shape))
@@ -239,7 +244,7 @@ def load_arrays(path: Path, header: Header, layout: Layout) -> list[Layer]:
         for j, slot in enumerate(slots):
             if slot is not None:
                 shape, dtype = slot
-                if kind == "KVCache":
+                if kind in KV_KINDS:
                     shape = shape[:KV_TOKEN_AXIS] + (len(header.tokens),) + shape[KV_TOKEN_AXIS + 1:]
                 expected[f"{i}.{j}"] = (dtype, shape)
     for name in sorted(set(expected) | set(header.tensors)):

@@ -9,16 +9,23 @@ from .. import device as _device
 
 
 def active_path() -> str:
-    """Which path quantized models take in this process, with the reason for any fallback."""
+    """Which path quantized models take in this process, with the reason for any fallback, and
+    the KV cache's format when it is not the full one (kv8.py)."""
+    from .kv8 import kv_bits
+
+    try:
+        kv = f"; {kv_bits()}-bit KV cache" if kv_bits() else ""
+    except ValueError as exc:
+        kv = f"; {exc}"
     if mx.default_device().type != mx.DeviceType.cpu:
-        return "mlx (GPU)"
+        return f"mlx (GPU){kv}"
     from . import native
 
     result = native.status()
     if result.module is not None:
         extra = ", int8 activations" if native.int8_activations() else ""
-        return f"quantized CPU kernels ({result.reason}{extra})"
-    return f"fp32 layout (CPU kernels unavailable: {result.reason})"
+        return f"quantized CPU kernels ({result.reason}{extra}){kv}"
+    return f"fp32 layout (CPU kernels unavailable: {result.reason}){kv}"
 
 
 def describe_device(device: mx.Device | None = None) -> str:

@@ -6,8 +6,8 @@ layer), and its implementation over mlx-lm's caches on one process.
 restores from them, the batch edits (merge, extend, extract, filter), whether it can be trimmed,
 and its size. A model's `LoadedModel.caches` says which implementation serves it: `LOCAL` here, or
 a sharded model's mirrored one (engine/distributed/sharded.py), which makes every edit on every
-rank. A new kind of cache (an 8-bit KV cache, say) is a new `LayerKind` or a new `CacheOps`, never
-a type switch at the callers.
+rank. A new kind of cache is a new `LayerKind` or a new `CacheOps`, never a type switch at the
+callers (the 8-bit KV cache, kv8.py, is the `KV8` kind).
 
 This is the one module that touches mlx-lm's private helpers (`_merge_caches`).
 """
@@ -17,6 +17,8 @@ from typing import Any, Iterator, Protocol, Sequence
 import mlx.core as mx
 from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+
+from .kv8 import BatchKV8Cache, KV8Cache
 
 Cache = list[Any]  # one mlx-lm cache object per layer
 # one layer's arrays as a snapshot file stores them: its kind's name and the arrays
@@ -51,9 +53,11 @@ class LayerKind(Protocol):
 
 
 class _KV:
-    """mlx-lm's `KVCache`: keys and values, written into a buffer of several tokens' room."""
+    """mlx-lm's `KVCache`: keys and values, written into a buffer of several tokens' room; or,
+    as `KV8`, the 8-bit cache (kv8.py: the same class holding packed rows)."""
 
     name = "KVCache"
+    cls: type[KVCache] = KVCache
 
     def arrays(self, layer: KVCache) -> list[mx.array | None]:
         return [layer.keys, layer.values]
@@ -64,14 +68,14 @@ class _KV:
 
     def copy(self, layer: KVCache) -> KVCache:
         keys, values = (None if a is None else mx.contiguous(a) for a in self.held(layer))
-        return KVCache.from_state((keys, values, layer.offset))
+        return self.cls.from_state((keys, values, layer.offset))
 
     def restore(self, layer: KVCache, length: int) -> KVCache:
         keys, values = (None if a is None else a[..., :length, :] for a in (layer.keys, layer.values))
-        return KVCache.from_state((keys, values, length))
+        return self.cls.from_state((keys, values, length))
 
     def from_arrays(self, arrays: list[mx.array | None], length: int) -> KVCache:
-        return KVCache.from_state((arrays[0], arrays[1], length))
+        return self.cls.from_state((arrays[0], arrays[1], length))
 
     def length(self, layer: KVCache) -> int | None:
         return layer.offset
@@ -108,7 +112,14 @@ class _Arrays:
         layer.cache = list(arrays)
 
 
-KINDS: dict[type, LayerKind] = {KVCache: _KV(), ArraysCache: _Arrays()}
+class _KV8(_KV):
+    name = "KV8Cache"
+    cls = KV8Cache
+
+
+KINDS: dict[type, LayerKind] = {KVCache: _KV(), KV8Cache: _KV8(), ArraysCache: _Arrays()}
+# the kinds whose arrays are (batch, heads, tokens, ...): snapshot files check their token axis
+KV_KINDS = frozenset({_KV.name, _KV8.name})
 _BY_NAME = {kind.name: kind for kind in KINDS.values()}
 
 
@@ -119,14 +130,16 @@ def kind_of(layer: Any) -> LayerKind | None:
 
 
 def plain_kv(layer: Any) -> bool:
-    """Exactly mlx-lm's `KVCache` (one sequence's keys and values; not a subclass, quantized or
-    rotating cache), whose layout our attention kernels know."""
-    return type(layer) is KVCache
+    """Exactly mlx-lm's `KVCache` or our 8-bit `KV8Cache` (one sequence's keys and values; not
+    another subclass, mlx-lm's quantized or rotating cache), whose layout our attention kernels
+    know."""
+    return type(layer) in (KVCache, KV8Cache)
 
 
 def batch_kv(layer: Any) -> bool:
-    """Exactly mlx-lm's `BatchKVCache` (rows left-padded to a common length)."""
-    return type(layer) is BatchKVCache
+    """Exactly mlx-lm's `BatchKVCache` or our `BatchKV8Cache` (rows left-padded to a common
+    length)."""
+    return type(layer) in (BatchKVCache, BatchKV8Cache)
 
 
 def trimmable(cache: Sequence[Any]) -> bool:

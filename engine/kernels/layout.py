@@ -9,7 +9,8 @@ arrays), as engine/kernels/cpu_layout.py does for its fp32 layout:
   the weight dequantized to fp32 through BLAS when an optimised BLAS is loaded;
 - `nn.RMSNorm` -> `KernelRMSNorm`, `nn.RoPE` -> `KernelRoPE`;
 - mlx-lm's llama `Attention` -> `KernelLlamaAttention`: one-token steps over a plain `KVCache`
-  or a `BatchKVCache` take our single-query attention, prompt chunks over a plain `KVCache` our
+  or a `BatchKVCache` (or their 8-bit forms, kv8.py, whose packed rows the kernels read) take our
+  single-query attention, prompt chunks over a plain `KVCache` our
   causal attention (each position the same arithmetic as a decode step there); everything else
   runs mlx-lm's own code;
 - mlx-lm's llama `MLP` -> `KernelMLP`: our SwiGLU between its products;
@@ -41,6 +42,7 @@ from mlx_lm.models.activations import swiglu
 
 from . import native
 from .caches import batch_kv, plain_kv
+from .kv8 import packed_kv
 from .cpu_layout import swap_matvec
 
 log = logging.getLogger(__name__)
@@ -135,6 +137,12 @@ def _one_token_step(x: mx.array, mask: Any, cache: Any) -> tuple[bool, mx.array 
     return False, None
 
 
+def _append(cache: Any, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+    """Append k and v to the cache; every position's keys and values as our attention reads them
+    (an 8-bit cache's packed rows, kv8.py)."""
+    return cache.store(k, v) if packed_kv(cache) else cache.update_and_fetch(k, v)
+
+
 def _row_offsets(cache: Any) -> mx.array | None:
     """A `BatchKVCache`'s per-row positions of the incoming token (None for a plain cache)."""
     return _int32(cache.offset) if batch_kv(cache) else None
@@ -160,7 +168,7 @@ class KernelLlamaAttention(llama.Attention):
         q = self.rope(self.q_proj(x).reshape(B, self.n_heads, 1, -1), offset=cache.offset)
         k = self.rope(self.k_proj(x).reshape(B, self.n_kv_heads, 1, -1), offset=cache.offset)
         v = self.v_proj(x).reshape(B, self.n_kv_heads, 1, -1)
-        k, v = cache.update_and_fetch(k, v)
+        k, v = _append(cache, k, v)
         out = _Run.kernels.decode_attention(q, k, v, self.scale, starts=starts)
         return self.o_proj(out.reshape(B, 1, -1))
 
@@ -173,7 +181,7 @@ class KernelLlamaAttention(llama.Attention):
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=cache.offset)
         k = self.rope(k, offset=cache.offset)
-        k, v = cache.update_and_fetch(k, v)
+        k, v = _append(cache, k, v)
         return self.o_proj(_Run.kernels.prefill_attention(q, k, v, self.scale))
 
 
@@ -212,7 +220,7 @@ class KernelLlamaBlock(llama.TransformerBlock):
                                   rope.traditional, rope.base, rope.scale,
                                   0 if offsets is not None else cache.offset,
                                   int8=self.int8_activations, offsets=offsets)
-        k, v = cache.update_and_fetch(k, v)
+        k, v = _append(cache, k, v)
         return kernels.block_out(x, q, k, v, attn.scale, _qw(attn.o_proj), norm2.weight, norm2.eps,
                                  _qw(mlp.gate_proj), _qw(mlp.up_proj), _qw(mlp.down_proj),
                                  int8=self.int8_activations, starts=starts)

@@ -23,6 +23,7 @@ from .memory import shortfall, weight_files_bytes
 from ..kernels.caches import LOCAL, CacheOps
 from ..kernels.fastest import fastest_layout
 from ..kernels.gated_delta import use_chunked_prefill
+from ..kernels.kv8 import kv_bits, use_kv_bits
 from ..paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -209,6 +210,13 @@ def resolve(name: str | None) -> tuple[str, Path]:
 Transform = Callable[[nn.Module], nn.Module]
 
 
+def _kv_bits() -> int | None:
+    try:
+        return kv_bits()
+    except ValueError as exc:
+        raise ModelLoadError(str(exc), code="invalid_kv_bits") from None
+
+
 def load_model(name: str | None = None, *, fallback_to_default: bool = False,
                transform: Transform | None = None,
                group: mx.distributed.Group | None = None) -> LoadedModel:
@@ -246,6 +254,7 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
         model = transform(model)
     if group is None:
         model = fastest_layout(model, config)
+        use_kv_bits(model, config, _kv_bits())  # the 8-bit KV cache where asked for
     use_chunked_prefill(model)  # Qwen3.5 / Qwen3-Next: chunked linear-attention prefill
     # Materialise the weights here: lazy arrays belong to this thread's MLX stream, and the
     # scheduler thread that runs the model cannot evaluate them.

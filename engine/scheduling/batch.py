@@ -89,6 +89,8 @@ def kv_footprint(model: nn.Module, caches: CacheOps) -> KVFootprint:
     per_token, fixed = 0.0, 0
     for layer in cache:
         keys = getattr(layer, "keys", None)
+        if isinstance(keys, tuple) and keys:  # mlx-lm's QuantizedKVCache: (codes, scales, biases)
+            keys = keys[0]
         if isinstance(keys, mx.array):  # allocated in steps of several tokens: divide by them
             per_token += layer.nbytes / keys.shape[2]
         else:

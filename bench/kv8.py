@@ -1,0 +1,129 @@
+"""The 8-bit KV cache (`--kv-bits 8`, engine/kernels/kv8.py) against the full cache, one process,
+the same model folder loaded twice:
+
+    python -m bench.kv8 [--model bundled|llama-350m|llama-1b|...] [--contexts 512,2048] [--reps 3]
+
+Rows:
+  quality   perplexity of bench/quality.py's text (all of it, 8 tokens a step) with each cache,
+            the relative difference (gate: <= +0.5%), mean and max KL(full || 8-bit) of the
+            next-token distributions, top-1 agreement.
+  bytes     the cache's bytes holding each context (a prefix-cache snapshot's arrays), and their
+            ratio (goal <= 0.5; 0.3125 by construction on the CPU: codes plus an fp32 scale and
+            bias per 32 values, against fp32).
+  decode    greedy one-token steps (our fused layer ops) after each context, tok/s with each
+            cache, runs interleaved, best of --reps; the ratio says what dequantizing the 8-bit
+            rows costs or saves at that length. Speed is load-sensitive: run it on a quiet machine.
+Results: a table on stdout and JSON in bench/results/kv8-cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results" / "kv8-cpu.json"
+
+
+def _load(model: str, kv_bits: str | None):
+    from engine.kernels.kv8 import ENV
+    from engine.loading.registry import load_model
+
+    from .decode import random_folder
+
+    folder = None if model == "bundled" else str(random_folder(model))
+    if kv_bits:
+        os.environ[ENV] = kv_bits
+    try:
+        return load_model(folder)
+    finally:
+        os.environ.pop(ENV, None)
+
+
+def _context(lm, tokens: list[int], n: int) -> list[int]:
+    out = list(tokens)
+    while len(out) < n:
+        out += tokens
+    return out[:n]
+
+
+def _fill(lm, ids: list[int], chunk: int = 512):
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(lm.model)
+    for start in range(0, len(ids), chunk):
+        logits = lm.model(mx.array([ids[start:start + chunk]]), cache=cache)
+        mx.eval(logits)
+    return cache, logits[:, -1:]
+
+
+def _decode_tps(lm, ids: list[int], steps: int) -> float:
+    import mlx.core as mx
+
+    cache, logits = _fill(lm, ids)
+    token = mx.argmax(logits, axis=-1)
+    mx.eval(token)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        token = mx.argmax(lm.model(token, cache=cache), axis=-1)
+        mx.eval(token)
+    return steps / (time.perf_counter() - t0)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="bundled")
+    ap.add_argument("--contexts", default="512,2048")
+    ap.add_argument("--steps", type=int, default=32, help="decode steps timed per run")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=str(RESULTS))
+    a = ap.parse_args(argv)
+
+    from engine.kernels import active_path
+    from engine.kernels.caches import LOCAL
+    from engine.kernels.kv8 import kv_format
+
+    from .quality import compare, logprobs, text_tokens
+
+    full, kv8 = _load(a.model, None), _load(a.model, "8")
+    tokens = text_tokens(full)
+    quality = compare(logprobs(full, tokens), logprobs(kv8, tokens), tokens)
+    print(f"{a.model} ({active_path()}; {kv_format(kv8.model)})")
+    print(f"quality over {quality['tokens']} tokens: perplexity {quality['perplexity']:.4f} full, "
+          f"{quality['lossy_perplexity']:.4f} 8-bit ({quality['relative'] * 100:+.3f}%, gate <= "
+          f"+0.5%); mean KL {quality['mean_kl']:.5f} nats (max {quality['max_kl']:.4f}); top-1 "
+          f"agreement {quality['top1_agreement'] * 100:.1f}%")
+    rows = []
+    print(f"{'context':>8} {'full bytes':>12} {'8-bit bytes':>12} {'ratio':>6} "
+          f"{'full tok/s':>10} {'8-bit tok/s':>11} {'ratio':>6}")
+    for n in map(int, a.contexts.split(",")):
+        ids = _context(full, tokens, n)
+        sizes = [LOCAL.nbytes(LOCAL.copy(_fill(lm, ids)[0])) for lm in (full, kv8)]
+        speeds: dict[str, list[float]] = {"full": [], "kv8": []}
+        for _ in range(a.reps):  # interleaved: load that comes and goes hits both alike
+            speeds["full"].append(_decode_tps(full, ids, a.steps))
+            speeds["kv8"].append(_decode_tps(kv8, ids, a.steps))
+        best = {k: max(v) for k, v in speeds.items()}
+        rows.append(dict(context=n, full_bytes=sizes[0], kv8_bytes=sizes[1],
+                         bytes_ratio=sizes[1] / sizes[0], decode_tps=best, decode_all=speeds,
+                         decode_ratio=best["kv8"] / best["full"]))
+        print(f"{n:>8} {sizes[0]:>12} {sizes[1]:>12} {sizes[1] / sizes[0]:>6.3f} "
+              f"{best['full']:>10.2f} {best['kv8']:>11.2f} {best['kv8'] / best['full']:>6.2f}")
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = dict(model=a.model, path=active_path(), kv_format=kv_format(kv8.model), steps=a.steps,
+                reps=a.reps, cpus=os.cpu_count(), load_avg=os.getloadavg(), time=time.time(),
+                command="python -m bench.kv8 " + " ".join(argv if argv is not None else sys.argv[1:]))
+    out.write_text(json.dumps(dict(meta=meta, quality=quality, contexts=rows), indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    from engine import restart_with_blas
+
+    restart_with_blas("bench.kv8")  # as `mlxchat` does: prompt chunks of 64+ rows go to BLAS
+    main()
