@@ -288,8 +288,9 @@ def _filter_kv(layer: BatchKVCache, rows: mx.array, padding: list[int]) -> None:
 
 
 def _extract_kv(layer: BatchKVCache, i: int, padding: list[int]) -> KVCache:
-    """`BatchKVCache.extract(i)` given the rows' padding (no device read)."""
-    cache = KVCache()
+    """`BatchKVCache.extract(i)` given the rows' padding (no device read); a row of an 8-bit
+    batch stays 8-bit."""
+    cache = KV8Cache() if type(layer) is BatchKV8Cache else KVCache()
     cache.keys = mx.contiguous(layer.keys[i : i + 1, :, padding[i] : layer._idx])
     cache.values = mx.contiguous(layer.values[i : i + 1, :, padding[i] : layer._idx])
     cache.offset = cache.keys.shape[2]
