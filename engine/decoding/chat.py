@@ -45,6 +45,7 @@ class Prompt:
     tokens: list[int]
     checkpoints: list[int]
     continued: bool = False  # it ends inside an assistant message that the answer continues
+    vision: Any = None  # its images, as engine/decoding/vision.py's VisionPrompt (None: text only)
 
 
 # Kept for templates that render tool calls and results (engine/decoding/tools.py).

@@ -1,0 +1,248 @@
+"""Images in a prompt: what a request with images carries through generation.
+
+A message's content may be a list of parts, `{"type": "text", "text": str}` and
+`{"type": "image", "image": ImageInput}`, in order. `render_with_images` renders such a
+conversation with the model's chat template (each image where the template puts its placeholder),
+expands each placeholder into the image's tokens with the model's processor (mlx-vlm), and returns
+a `Prompt` whose `vision` is a `VisionPrompt`.
+
+Generation (engine/decoding/generate.py) feeds a `VisionPrompt`'s prompt through
+`VisionPrompt.forward`: a prefill chunk that covers image tokens takes the merged input embeddings
+(mlx-vlm's vision tower and merge, computed once per request and only if some chunk needs them: a
+follow-up whose image tokens all come from the prefix cache never runs the vision tower); every
+other chunk and every decode step is the language model on token ids. Multimodal-RoPE families
+(Qwen2.5-VL) take their positions from the image grids; past the prompt, a token's position is its
+index plus the prompt's `rope_delta`.
+
+Prefix cache: an image's tokens are one id repeated, so the cache is keyed by `keys` instead of
+the token ids: each image token replaced by a number derived from its image's pixel digest (above
+any vocabulary), so a follow-up about the same image reuses its prefill and another image reuses
+nothing past the text before it. Snapshot files record the same keys.
+
+One image request runs at a time in its own model calls (not batched): its decode positions and
+cache keys are its own (engine/scheduling/service.py steps it alone).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+import mlx.core as mx
+
+from ..errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from ..loading.registry import LoadedModel
+    from ..loading.vision import VisionParts
+    from .chat import Prompt
+    from .tools import ToolRequest
+
+# Cache keys of image tokens lie above every vocabulary.
+IMAGE_KEY_BASE = 1 << 62
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """A decoded image (RGB, orientation applied) and the sha256 of its pixels."""
+
+    image: "Image.Image"
+    digest: str
+
+    @classmethod
+    def from_pil(cls, image: "Image.Image") -> "ImageInput":
+        rgb = image if image.mode == "RGB" else image.convert("RGB")
+        h = hashlib.sha256(f"{rgb.width}x{rgb.height}\0".encode())
+        h.update(rgb.tobytes())
+        return cls(rgb, h.hexdigest())
+
+    @property
+    def key(self) -> int:
+        """The prefix-cache key of this image's tokens."""
+        return IMAGE_KEY_BASE + int(self.digest[:15], 16)
+
+
+def has_images(messages: Sequence[dict[str, Any]] | None) -> bool:
+    return bool(messages) and any(isinstance(m, dict) and isinstance(m.get("content"), list)
+                                  and any(_is_image(p) for p in m["content"]) for m in messages)
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image"
+
+
+def flatten(messages: Sequence[dict[str, Any]], placeholder: str | None
+            ) -> tuple[list[dict[str, Any]], list[ImageInput]]:
+    """Messages with string content (each image as `placeholder`) and the images in order."""
+    flat, images = [], []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            flat.append(m)
+            continue
+        text = []
+        for j, part in enumerate(content):
+            if _is_image(part) and isinstance(part.get("image"), ImageInput):
+                if placeholder is None:
+                    raise InvalidRequest("this model cannot see images: choose a vision model or "
+                                         "send text only", field=f"messages[{i}].content",
+                                         code="model_not_vision")
+                images.append(part["image"])
+                text.append(placeholder)
+            elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                text.append(part["text"])
+            else:
+                raise InvalidRequest(f"messages[{i}].content[{j}] must be a text or image part",
+                                     field=f"messages[{i}].content", code="invalid_value")
+        flat.append({**m, "content": "".join(text)})
+    return flat, images
+
+
+def placeholder(lm: "LoadedModel") -> str | None:
+    """The text the model's chat template writes for one image (None: not a vision model), found
+    by rendering an image part between two marked text parts; the processor's image token when the
+    template does not render image parts."""
+    parts: VisionParts | None = lm.extras.get("vision")
+    if parts is None:
+        return None
+    if "placeholder" not in lm.extras:
+        found = None
+        try:
+            text = lm.tokenizer.apply_chat_template(
+                [{"role": "user", "content": [{"type": "text", "text": "[[A]]"}, {"type": "image"},
+                                              {"type": "text", "text": "[[B]]"}]}],
+                tokenize=False, add_generation_prompt=False)
+            found = text.split("[[A]]", 1)[1].split("[[B]]", 1)[0] or None
+        except Exception:  # noqa: BLE001 - a template that refuses list content
+            found = None
+        lm.extras["placeholder"] = found or getattr(parts.processor, "image_token", None)
+    return lm.extras["placeholder"]
+
+
+def render_with_images(lm: "LoadedModel", messages: Sequence[dict[str, Any]],
+                       tools: "ToolRequest | None" = None) -> "Prompt":
+    """The prompt of a conversation with image parts (see the module docstring)."""
+    from .chat import Prompt, render
+    from .tools import prepare as prepare_tools
+
+    mark = placeholder(lm)
+    flat, images = flatten(messages, mark)
+    for i, m in enumerate(flat):
+        if isinstance(m.get("content"), str) and mark and m["content"].count(mark) != sum(
+                _is_image(p) for p in (messages[i].get("content") or []) if isinstance(p, dict)):
+            raise InvalidRequest(f"messages[{i}] contains this model's image marker {mark!r} as "
+                                 "text; send the image as an image part", field=f"messages[{i}].content",
+                                 code="invalid_value")
+    msgs, kwargs = prepare_tools(lm.tokenizer, flat, tools)
+    plain = render(lm.tokenizer, msgs, **kwargs)  # validates; its checkpoints and continuation
+    parts: VisionParts = lm.extras["vision"]
+    if not images:
+        return plain
+    text = lm.tokenizer.apply_chat_template(
+        msgs, tokenize=False, **({**kwargs, "continue_final_message": True} if plain.continued
+                                 else {**kwargs, "add_generation_prompt": True}))
+    vision = VisionPrompt.build(parts, text, images)
+    first = plain.tokens.index(parts.image_token_id) if parts.image_token_id in plain.tokens else 0
+    checkpoints = [c for c in plain.checkpoints if c <= first] + [len(vision.tokens)]
+    return Prompt(tokens=vision.tokens, checkpoints=sorted(set(checkpoints)),
+                  continued=plain.continued, vision=vision)
+
+
+@dataclass(eq=False)
+class VisionPrompt:
+    """A prompt's images as the model takes them; see the module docstring."""
+
+    parts: "VisionParts"
+    input_ids: mx.array  # (1, L): the prompt's tokens, each image expanded
+    pixel_inputs: dict[str, Any]  # the processor's other outputs (pixel values, grids, masks)
+    tokens: list[int]
+    keys: list[int]  # tokens with image tokens replaced by their image's key
+    images: tuple[ImageInput, ...]
+    _embeds: mx.array | None = field(default=None, repr=False)
+    _positions: mx.array | None = field(default=None, repr=False)
+    rope_delta: int = 0
+
+    @classmethod
+    def build(cls, parts: "VisionParts", text: str, images: Sequence[ImageInput]) -> "VisionPrompt":
+        """Run the processor over the rendered `text` and the `images` (on the calling thread;
+        the model runs later, on the scheduler's)."""
+        pil = [im.image for im in images]
+        try:
+            out = dict(parts.processor(text=[text], images=pil, return_tensors="mlx"))
+        except Exception as exc:  # noqa: BLE001 - the processor rejects an image it cannot size
+            raise InvalidRequest(f"the model's processor refused the image: {exc}",
+                                 field="messages", code="invalid_image") from exc
+        input_ids = mx.array(out.pop("input_ids"))
+        tokens = [int(t) for t in input_ids.reshape(-1).tolist()]
+        out.pop("attention_mask", None)
+        keys = cls._keys(parts, tokens, images)
+        return cls(parts, input_ids.reshape(1, -1), out, tokens, keys, tuple(images))
+
+    @staticmethod
+    def _keys(parts: "VisionParts", tokens: list[int], images: Sequence[ImageInput]) -> list[int]:
+        """Image tokens in order belong to the images in order; each image's count is what the
+        processor gives it alone."""
+        counts = []
+        for im in images:
+            one = parts.processor(text=[parts.processor.image_token if hasattr(parts.processor, "image_token")
+                                        else "<image>"], images=[im.image], return_tensors="mlx")
+            counts.append(sum(1 for t in mx.array(one["input_ids"]).reshape(-1).tolist()
+                              if t == parts.image_token_id))
+        keys, image, seen = [], 0, 0
+        for t in tokens:
+            if t == parts.image_token_id and image < len(images):
+                keys.append(images[image].key)
+                seen += 1
+                if seen == counts[image]:
+                    image, seen = image + 1, 0
+            else:
+                keys.append(t)
+        return keys
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def key(self, tokens: Sequence[int]) -> list[int]:
+        """The prefix-cache key of `tokens` (this prompt, then what follows it)."""
+        n = len(self.keys)
+        return self.keys[:len(tokens)] + list(tokens[n:])
+
+    def _image_in(self, start: int, end: int) -> bool:
+        return any(k >= IMAGE_KEY_BASE for k in self.keys[start:end])
+
+    def _rope(self) -> mx.array:
+        """The prompt's multimodal RoPE positions (3, 1, L); sets `rope_delta`."""
+        if self._positions is None:
+            lang = self.parts.vlm.language_model
+            positions, delta = lang.get_rope_index(self.input_ids, self.pixel_inputs.get("image_grid_thw"),
+                                                   None, None)
+            self._positions = positions
+            self.rope_delta = int(mx.array(delta).reshape(-1)[0].item())
+        return self._positions
+
+    def embeddings(self) -> mx.array:
+        """The merged input embeddings (1, L, hidden) of the whole prompt: the vision tower over
+        every image, once per request."""
+        if self._embeds is None:
+            kwargs = dict(self.pixel_inputs)
+            pixel_values = kwargs.pop("pixel_values")
+            self._embeds = self.parts.vlm.get_input_embeddings(self.input_ids, pixel_values,
+                                                               **kwargs).inputs_embeds
+        return self._embeds
+
+    def forward(self, model: Any, inputs: mx.array, start: int, cache: Any) -> mx.array:
+        """Logits (1, L, vocab) of `inputs` (1-D tokens at positions start.. of the sequence)."""
+        n, end = len(self.tokens), start + inputs.shape[0]
+        embeds = self.embeddings()[:, start:end] if start < n and self._image_in(start, end) else None
+        positions = None
+        if self.parts.mrope:
+            rope = self._rope()
+            if end <= n:
+                positions = rope[..., start:end]
+            else:
+                steps = mx.arange(start, end) + self.rope_delta
+                positions = mx.broadcast_to(steps[None, None], (3, 1, end - start))
+        return model(inputs[None], cache=cache, inputs_embeds=embeds, position_ids=positions)
