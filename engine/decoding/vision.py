@@ -2,8 +2,8 @@
 
 A message's content may be a list of parts, `{"type": "text", "text": str}` and
 `{"type": "image", "image": ImageInput}`, in order. `render_with_images` renders such a
-conversation with the model's chat template (each image where the template puts its placeholder),
-expands each placeholder into the image's tokens with the model's processor (mlx-vlm), and returns
+conversation with the model's chat template (given the parts, as mlx-vlm gives them, so each image
+goes where the template puts its placeholder), expands each placeholder into the image's tokens with the model's processor (mlx-vlm), and returns
 a `Prompt` whose `vision` is a `VisionPrompt`.
 
 Generation (engine/decoding/generate.py) feeds a `VisionPrompt`'s prompt through
@@ -74,31 +74,32 @@ def _is_image(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") == "image"
 
 
-def flatten(messages: Sequence[dict[str, Any]], placeholder: str | None
-            ) -> tuple[list[dict[str, Any]], list[ImageInput]]:
-    """Messages with string content (each image as `placeholder`) and the images in order."""
-    flat, images = [], []
+def split_images(messages: Sequence[dict[str, Any]], vision: bool
+                 ) -> tuple[list[dict[str, Any]], list[ImageInput]]:
+    """The messages as the chat template takes them (each image part as `{"type": "image"}`) and
+    the images in order; `vision`: whether the model sees images (else image parts are refused)."""
+    out, images = [], []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
         if not isinstance(content, list):
-            flat.append(m)
+            out.append(m)
             continue
-        text = []
+        parts = []
         for j, part in enumerate(content):
             if _is_image(part) and isinstance(part.get("image"), ImageInput):
-                if placeholder is None:
+                if not vision:
                     raise InvalidRequest("this model cannot see images: choose a vision model or "
                                          "send text only", field=f"messages[{i}].content",
                                          code="model_not_vision")
                 images.append(part["image"])
-                text.append(placeholder)
+                parts.append({"type": "image"})
             elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                text.append(part["text"])
+                parts.append({"type": "text", "text": part["text"]})
             else:
                 raise InvalidRequest(f"messages[{i}].content[{j}] must be a text or image part",
                                      field=f"messages[{i}].content", code="invalid_value")
-        flat.append({**m, "content": "".join(text)})
-    return flat, images
+        out.append({**m, "content": parts})
+    return out, images
 
 
 def placeholder(lm: "LoadedModel") -> str | None:
@@ -128,22 +129,20 @@ def render_with_images(lm: "LoadedModel", messages: Sequence[dict[str, Any]],
     from .chat import Prompt, render
     from .tools import prepare as prepare_tools
 
-    mark = placeholder(lm)
-    flat, images = flatten(messages, mark)
-    for i, m in enumerate(flat):
-        if isinstance(m.get("content"), str) and mark and m["content"].count(mark) != sum(
-                _is_image(p) for p in (messages[i].get("content") or []) if isinstance(p, dict)):
-            raise InvalidRequest(f"messages[{i}] contains this model's image marker {mark!r} as "
-                                 "text; send the image as an image part", field=f"messages[{i}].content",
-                                 code="invalid_value")
-    msgs, kwargs = prepare_tools(lm.tokenizer, flat, tools)
+    msgs, images = split_images(messages, "vision" in lm.extras)
+    msgs, kwargs = prepare_tools(lm.tokenizer, msgs, tools)
     plain = render(lm.tokenizer, msgs, **kwargs)  # validates; its checkpoints and continuation
-    parts: VisionParts = lm.extras["vision"]
     if not images:
         return plain
+    parts: VisionParts = lm.extras["vision"]
     text = lm.tokenizer.apply_chat_template(
         msgs, tokenize=False, **({**kwargs, "continue_final_message": True} if plain.continued
                                  else {**kwargs, "add_generation_prompt": True}))
+    mark = placeholder(lm)
+    if mark and text.count(mark) != len(images):
+        raise InvalidRequest(f"the conversation contains this model's image marker {mark!r} as "
+                             "text; send images as image parts", field="messages",
+                             code="invalid_value")
     vision = VisionPrompt.build(parts, text, images)
     first = plain.tokens.index(parts.image_token_id) if parts.image_token_id in plain.tokens else 0
     checkpoints = [c for c in plain.checkpoints if c <= first] + [len(vision.tokens)]
