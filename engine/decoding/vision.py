@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from ..errors import InvalidRequest
 
@@ -47,14 +48,18 @@ IMAGE_KEY_BASE = 1 << 62
 
 @dataclass(frozen=True)
 class ImageInput:
-    """A decoded image (RGB, orientation applied) and the sha256 of its pixels."""
+    """A decoded image (RGB pixels only, orientation applied, no metadata) and the sha256 of its
+    pixels."""
 
     image: "Image.Image"
     digest: str
 
     @classmethod
     def from_pil(cls, image: "Image.Image") -> "ImageInput":
+        from PIL import Image
+
         rgb = image if image.mode == "RGB" else image.convert("RGB")
+        rgb = Image.frombytes("RGB", rgb.size, rgb.tobytes())  # pixels only: no EXIF, no metadata
         h = hashlib.sha256(f"{rgb.width}x{rgb.height}\0".encode())
         h.update(rgb.tobytes())
         return cls(rgb, h.hexdigest())
@@ -155,11 +160,13 @@ class VisionPrompt:
     """A prompt's images as the model takes them; see the module docstring."""
 
     parts: "VisionParts"
-    input_ids: mx.array  # (1, L): the prompt's tokens, each image expanded
-    pixel_inputs: dict[str, Any]  # the processor's other outputs (pixel values, grids, masks)
+    # The processor's outputs as numpy arrays: MLX arrays belong to the thread that made them,
+    # and the model runs on the scheduler's (`_arrays` makes them there, on first use).
+    host_inputs: dict[str, Any]  # input_ids (1, L), pixel values, grids, masks
     tokens: list[int]
     keys: list[int]  # tokens with image tokens replaced by their image's key
     images: tuple[ImageInput, ...]
+    _device_inputs: dict[str, Any] | None = field(default=None, repr=False)
     _embeds: mx.array | None = field(default=None, repr=False)
     _positions: mx.array | None = field(default=None, repr=False)
     rope_delta: int = 0
@@ -174,11 +181,13 @@ class VisionPrompt:
         except Exception as exc:  # noqa: BLE001 - the processor rejects an image it cannot size
             raise InvalidRequest(f"the model's processor refused the image: {exc}",
                                  field="messages", code="invalid_image") from exc
-        input_ids = mx.array(out.pop("input_ids"))
-        tokens = [int(t) for t in input_ids.reshape(-1).tolist()]
         out.pop("attention_mask", None)
+        host = {k: np.asarray(v) if isinstance(v, (mx.array, np.ndarray)) else v
+                for k, v in out.items()}
+        host["input_ids"] = host["input_ids"].reshape(1, -1)
+        tokens = [int(t) for t in host["input_ids"].reshape(-1)]
         keys = cls._keys(parts, tokens, images)
-        return cls(parts, input_ids.reshape(1, -1), out, tokens, keys, tuple(images))
+        return cls(parts, host, tokens, keys, tuple(images))
 
     @staticmethod
     def _keys(parts: "VisionParts", tokens: list[int], images: Sequence[ImageInput]) -> list[int]:
@@ -188,7 +197,7 @@ class VisionPrompt:
         for im in images:
             one = parts.processor(text=[parts.processor.image_token if hasattr(parts.processor, "image_token")
                                         else "<image>"], images=[im.image], return_tensors="mlx")
-            counts.append(sum(1 for t in mx.array(one["input_ids"]).reshape(-1).tolist()
+            counts.append(sum(1 for t in np.asarray(one["input_ids"]).reshape(-1).tolist()
                               if t == parts.image_token_id))
         keys, image, seen = [], 0, 0
         for t in tokens:
@@ -212,11 +221,19 @@ class VisionPrompt:
     def _image_in(self, start: int, end: int) -> bool:
         return any(k >= IMAGE_KEY_BASE for k in self.keys[start:end])
 
+    def _arrays(self) -> dict[str, Any]:
+        """The processor's outputs as MLX arrays (made on the calling thread, once)."""
+        if self._device_inputs is None:
+            self._device_inputs = {k: mx.array(v) if isinstance(v, np.ndarray) else v
+                                   for k, v in self.host_inputs.items()}
+        return self._device_inputs
+
     def _rope(self) -> mx.array:
         """The prompt's multimodal RoPE positions (3, 1, L); sets `rope_delta`."""
         if self._positions is None:
             lang = self.parts.vlm.language_model
-            positions, delta = lang.get_rope_index(self.input_ids, self.pixel_inputs.get("image_grid_thw"),
+            arrays = self._arrays()
+            positions, delta = lang.get_rope_index(arrays["input_ids"], arrays.get("image_grid_thw"),
                                                    None, None)
             self._positions = positions
             self.rope_delta = int(mx.array(delta).reshape(-1)[0].item())
@@ -226,9 +243,9 @@ class VisionPrompt:
         """The merged input embeddings (1, L, hidden) of the whole prompt: the vision tower over
         every image, once per request."""
         if self._embeds is None:
-            kwargs = dict(self.pixel_inputs)
-            pixel_values = kwargs.pop("pixel_values")
-            self._embeds = self.parts.vlm.get_input_embeddings(self.input_ids, pixel_values,
+            kwargs = dict(self._arrays())
+            input_ids, pixel_values = kwargs.pop("input_ids"), kwargs.pop("pixel_values")
+            self._embeds = self.parts.vlm.get_input_embeddings(input_ids, pixel_values,
                                                                **kwargs).inputs_embeds
         return self._embeds
 
