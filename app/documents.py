@@ -50,7 +50,7 @@ def with_documents(content: str, attachments: list[dict[str, Any]] | None) -> st
     """A user turn's text for the model: its documents first, then what was typed. The documents
     lead, so a later turn's edit reuses them from the prefix cache."""
     blocks = [f'<document name="{a["name"].replace(chr(34), chr(39))}">\n{a["text"]}\n</document>\n\n'
-              for a in attachments or ()]
+              for a in attachments or () if "text" in a]  # other uploads (images) are not text
     return "".join(blocks) + content
 
 

@@ -23,15 +23,25 @@ class PdfUnreadable(ValueError):
 
 def pdf_text(raw: bytes) -> str:
     """The text of the PDF `raw`, pages separated by blank lines; PdfUnreadable on any failure."""
+    return "\n\n".join(pdf_pages(raw))
+
+
+def pdf_pages(source: bytes | Path, time_budget_s: float = TIME_BUDGET_S) -> list[str]:
+    """The text of each page of the PDF `source` (its bytes, or a file the child reads itself);
+    PdfUnreadable on any failure."""
     command = [sys.executable, "-I", str(_WORKER), str(MEMORY_BYTES), str(MAX_PAGES), str(MAX_CHARS)]
     try:
-        done = subprocess.run(command, input=raw, capture_output=True, timeout=TIME_BUDGET_S)
+        if isinstance(source, Path):
+            with open(source, "rb") as stdin:
+                done = subprocess.run(command, stdin=stdin, capture_output=True, timeout=time_budget_s)
+        else:
+            done = subprocess.run(command, input=source, capture_output=True, timeout=time_budget_s)
     except subprocess.TimeoutExpired:
-        raise PdfUnreadable(f"this PDF took more than {TIME_BUDGET_S:g} s to read") from None
+        raise PdfUnreadable(f"this PDF took more than {time_budget_s:g} s to read") from None
     try:
         result = json.loads(done.stdout)
     except ValueError:
         raise PdfUnreadable("this PDF cannot be read (its reader stopped)") from None
     if "error" in result:
         raise PdfUnreadable(result["error"])
-    return result["text"]
+    return result["pages"]

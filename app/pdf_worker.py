@@ -1,5 +1,5 @@
 """Reads one PDF's text with pypdf: run as a child process by `app/pdf_text.py`, never imported by
-the server. The PDF comes on stdin; one JSON object goes to stdout: `{"text": ...}` or
+the server. The PDF comes on stdin; one JSON object goes to stdout: `{"pages": [text, ...]}` or
 `{"error": ...}`. Arguments: memory limit (bytes), most pages, most characters of text.
 
 The child caps its own address space, so a decompression bomb ends in MemoryError here, not in the
@@ -26,7 +26,7 @@ def _text(raw: bytes, max_pages: int, max_chars: int) -> dict:
         if size > max_chars:
             return {"error": f"this PDF has more than {max_chars} characters of text"}
         parts.append(part)
-    return {"text": "\n\n".join(parts)}
+    return {"pages": parts}
 
 
 def main() -> None:

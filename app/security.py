@@ -16,7 +16,7 @@ import asyncio
 import fnmatch
 import ipaddress
 import math
-from typing import Iterable
+from typing import Callable, Iterable
 from urllib.parse import quote, urlsplit
 
 from starlette.datastructures import Headers
@@ -235,16 +235,18 @@ class BodyLimit:
     """Reads each HTTP request body here, before the app sees it: a `Content-Length` over the
     limit is refused at once (413) without reading anything; a chunked body is refused as soon as
     it grows past the limit; a body that does not arrive within `timeout_s` (a slow client holding
-    a connection) gets 408. The app then reads the body from memory."""
+    a connection) gets 408. The app then reads the body from memory. Paths for which `streamed`
+    is true (file uploads) pass unread: their route streams the body to disk under its own limits."""
 
     def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES,
-                 timeout_s: float = BODY_TIMEOUT_S):
+                 timeout_s: float = BODY_TIMEOUT_S, streamed: Callable[[str], bool] = lambda p: False):
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        self.streamed = streamed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or self.streamed(scope["path"]):
             return await self.app(scope, receive, send)
         declared = Headers(scope=scope).get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):

@@ -28,7 +28,7 @@ from starlette.staticfiles import StaticFiles
 import static
 from engine import DEFAULT_KEEP_ALIVE_S, Cluster, Engine, data_dir, describe_device
 
-from . import api, attachments, exports, login, ui
+from . import api, attachments, doc_index, exports, login, ui, uploads
 from .api.errors import http_error
 from .connections import HeaderTimeoutProtocol
 from .folder_lock import FolderBusy, FolderLock
@@ -38,7 +38,9 @@ from .runs import Runs
 from .security import (LOOPBACK_NAMES, ApiKeyGuard, BodyLimit, HostGuard, OriginGuard,
                        SecurityHeaders, is_loopback)
 from .socket_limits import WS_MAX_BYTES
+from .doc_index.store import ChunkStore
 from .storage import Storage
+from .upload_store import UploadStore
 from .ui.conversation_pages import Conversations
 
 STATIC_DIR = Path(static.__file__).parent
@@ -53,15 +55,18 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
                allowed_hosts: Iterable[str] | None = LOOPBACK_NAMES,
                api_key: str | None = None, storage: Storage | None = None,
                aliases: dict[str, str] | None = None,
-               allowed_origins: Iterable[str] = ()) -> Starlette:
+               allowed_origins: Iterable[str] = (),
+               document_embeddings: str | None = None) -> Starlette:
     """The whole app around a started `engine`. `allowed_hosts=None` accepts any Host header.
     `aliases`: model names clients send (`claude-*`) and the local model each stands for.
-    `allowed_origins`: browser origins (patterns) that may call the APIs (`--allow-origin`)."""
+    `allowed_origins`: browser origins (patterns) that may call the APIs (`--allow-origin`).
+    `document_embeddings`: the embedding model that indexes uploaded documents besides BM25."""
     storage = storage or Storage(db_path)
     storage.interrupt_streaming()  # answers cut off by a crash: keep their text, mark them
     access = KeyAccess(api_key)
     app = Starlette(
         routes=[*api.routes, *login.routes, *ui.routes, *exports.routes, *attachments.routes,
+                *uploads.routes,
                 Mount("/static", StaticFiles(directory=STATIC_DIR))],
         exception_handlers={HTTPException: http_error},
         # The security policy, outermost first; a refusal carries no security headers.
@@ -69,7 +74,8 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
             Middleware(HostGuard, allowed_hosts=allowed_hosts),  # DNS rebinding: 400
             Middleware(OriginGuard, allowed_origins=allowed_origins),  # cross-site writes: 403
             Middleware(ApiKeyGuard, access=access),  # with --api-key, all but /health: 401
-            Middleware(BodyLimit),  # oversized bodies 413, slow ones 408, before the app reads
+            # oversized bodies 413, slow ones 408, before the app reads (uploads bound their own)
+            Middleware(BodyLimit, streamed=uploads.is_upload_path),
             Middleware(SecurityHeaders),  # CSP, nosniff, no framing, no referrer to other sites
         ],
     )
@@ -81,6 +87,12 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     app.state.runs = Runs()
     app.state.conversations = Conversations()
     app.state.switch = ModelSwitch()
+    app.state.uploads = UploadStore(storage)
+    app.state.uploads.interrupted()  # files a stopped server was reading: refused, attach again
+    app.state.uploads.sweep()
+    app.state.chunks = ChunkStore(storage)
+    app.state.reading = set()  # uploads being read (their tasks)
+    app.state.document_embeddings = document_embeddings
     return app
 
 

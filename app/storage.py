@@ -128,8 +128,64 @@ _V6 = """
         );
 """
 
+# Uploaded files (app/uploads.py) and their document index (app/doc_index/): `files` holds each
+# distinct file once (content-addressed by sha256; the bytes live in the data folder's uploads/),
+# `uploads` ties a file to the conversation it was attached in (deleting the conversation deletes
+# them, and a file no upload refers to any more goes with its chunks), `chunks` are a document's
+# retrievable pieces (page or heading, text, an optional embedding) with an FTS5 index for BM25,
+# and `messages.retrieved` records which chunks a user turn was answered with (JSON list of ids).
+_V8 = """
+        CREATE TABLE files (
+            sha256 TEXT PRIMARY KEY,
+            kind TEXT NOT NULL,
+            size INTEGER NOT NULL,
+            status TEXT NOT NULL DEFAULT 'reading',
+            stage TEXT,
+            progress REAL NOT NULL DEFAULT 0,
+            error TEXT,
+            tokens INTEGER,
+            pages INTEGER,
+            text TEXT,
+            meta TEXT,
+            created REAL NOT NULL
+        );
+        CREATE TABLE uploads (
+            id INTEGER PRIMARY KEY,
+            conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            sha256 TEXT NOT NULL,
+            name TEXT NOT NULL,
+            created REAL NOT NULL
+        );
+        CREATE INDEX uploads_conversation ON uploads(conversation_id);
+        CREATE INDEX uploads_sha256 ON uploads(sha256);
+        CREATE TRIGGER uploads_unused AFTER DELETE ON uploads
+        WHEN NOT EXISTS (SELECT 1 FROM uploads WHERE sha256 = old.sha256) BEGIN
+            DELETE FROM files WHERE sha256 = old.sha256;
+        END;
+        CREATE TABLE chunks (
+            id INTEGER PRIMARY KEY,
+            sha256 TEXT NOT NULL REFERENCES files(sha256) ON DELETE CASCADE,
+            seq INTEGER NOT NULL,
+            page INTEGER,
+            heading TEXT,
+            text TEXT NOT NULL,
+            vector BLOB,
+            vector_model TEXT
+        );
+        CREATE INDEX chunks_file ON chunks(sha256, seq);
+        CREATE VIRTUAL TABLE chunks_fts USING fts5(
+            text, content='chunks', content_rowid='id', tokenize='unicode61 remove_diacritics 2');
+        CREATE TRIGGER chunks_fts_insert AFTER INSERT ON chunks BEGIN
+            INSERT INTO chunks_fts(rowid, text) VALUES (new.id, new.text);
+        END;
+        CREATE TRIGGER chunks_fts_delete AFTER DELETE ON chunks BEGIN
+            INSERT INTO chunks_fts(chunks_fts, rowid, text) VALUES ('delete', old.id, old.text);
+        END;
+        ALTER TABLE messages ADD COLUMN retrieved TEXT;
+"""
+
 # Append only: the schema version of a database (PRAGMA user_version) is how many have run.
-MIGRATIONS: list[str] = [_V1, _V2, _V3, _V4, _V5, _V6]
+MIGRATIONS: list[str] = [_V1, _V2, _V3, _V4, _V5, _V6, _V8]  # _V7 (MCP) lands from its branch
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -285,6 +341,7 @@ class Message:
     attachments: list[dict[str, Any]] | None = None  # documents of a user turn: name, text, tokens
     tool_calls: list[dict[str, Any]] | None = None  # an answer's calls, as OpenAI sends them
     tool_call_id: str | None = None  # the call a `tool` message answers
+    retrieved: list[int] | None = None  # chunk ids a user turn's large documents gave it
 
 
 def _conversation(row: sqlite3.Row) -> Conversation:
@@ -293,7 +350,7 @@ def _conversation(row: sqlite3.Row) -> Conversation:
     return Conversation(**d)
 
 
-_JSON_COLUMNS = ("sampling", "speculative", "attachments", "tool_calls")
+_JSON_COLUMNS = ("sampling", "speculative", "attachments", "tool_calls", "retrieved")
 
 
 def _message(row: sqlite3.Row) -> Message:
@@ -462,6 +519,10 @@ class Storage:
         self._write(f"UPDATE messages SET {', '.join(fields)} WHERE id = ?",
                     (content, state, *result.values(), mid))
         return self.get_message(mid)
+
+    def set_retrieved(self, mid: int, chunk_ids: list[int]) -> None:
+        """Record the chunks a user turn was answered with (app/doc_index/answering.py)."""
+        self._write("UPDATE messages SET retrieved = ? WHERE id = ?", (json.dumps(chunk_ids), mid))
 
     def interrupt_streaming(self) -> int:
         """At startup: answers left `streaming` by a crash keep their text and become `stopped`."""

@@ -98,21 +98,69 @@
     document.getElementById("attachments").replaceChildren();
   });
 
-  // Dropped or pasted files go through the attach form's file input (htmx posts it on change).
+  // Each attached file is uploaded on its own (POST <form data-upload>?name=..., the file as the
+  // body), its chip showing the upload's progress; the server's chip (app/uploads.py) then takes its
+  // place and polls while the file is read.
+  function uploadChip(file) {
+    const chip = document.createElement("span");
+    chip.className = "chip upload sending";
+    const name = document.createElement("span");
+    name.className = "name";
+    name.textContent = file.name;
+    const bar = document.createElement("progress");
+    bar.max = 1; bar.value = 0; bar.setAttribute("aria-label", `Uploading ${file.name}`);
+    chip.append(name, " · ", bar);
+    return chip;
+  }
+  function refused(chip, text) {
+    chip.className = "chip upload refused";
+    chip.setAttribute("role", "alert");
+    chip.replaceChildren(chip.querySelector(".name"), `: ${text} `);
+    const dismiss = document.createElement("button");
+    dismiss.type = "button"; dismiss.className = "subtle remove-chip"; dismiss.textContent = "×";
+    dismiss.setAttribute("aria-label", "Dismiss");
+    chip.append(dismiss);
+  }
+  function upload(file) {
+    const form = document.getElementById("attach-form");
+    const box = document.getElementById("attachments");
+    if (!form || !box) return;
+    const chip = uploadChip(file);
+    box.append(chip);
+    const xhr = new XMLHttpRequest();
+    xhr.open("POST", `${form.dataset.upload}?name=${encodeURIComponent(file.name)}`);
+    xhr.setRequestHeader("HX-Request", "true");
+    xhr.upload.onprogress = (e) => { if (e.lengthComputable) chip.querySelector("progress").value = e.loaded / e.total; };
+    xhr.onload = () => {
+      if (xhr.status === 201) {
+        const t = document.createElement("template");
+        t.innerHTML = xhr.responseText.trim();
+        const fresh = t.content.firstElementChild;
+        chip.replaceWith(fresh);
+        htmx.process(fresh);
+      } else {
+        let text = `upload failed (${xhr.status})`;
+        try { text = JSON.parse(xhr.responseText).error.message; } catch (_) { /* not JSON */ }
+        refused(chip, text);
+      }
+    };
+    xhr.onerror = () => refused(chip, "the upload did not reach the server");
+    xhr.send(file);
+  }
   function attach(files) {
-    const input = document.getElementById("attach-file");
-    if (!input || !files || !files.length) return false;
-    const list = new DataTransfer();
-    for (const f of files) list.items.add(f);
-    input.files = list.files;
-    input.dispatchEvent(new Event("change", { bubbles: true }));
+    if (!files || !files.length) return false;
+    for (const f of files) upload(f);
     return true;
   }
+  document.addEventListener("change", (e) => {
+    if (e.target.id !== "attach-file") return;
+    attach(e.target.files);
+    e.target.value = "";
+  });
   const inComposer = (e) => e.target instanceof Element && e.target.closest(".composer");
   document.addEventListener("dragover", (e) => { if (inComposer(e)) e.preventDefault(); });
   document.addEventListener("drop", (e) => { if (inComposer(e) && attach(e.dataTransfer.files)) e.preventDefault(); });
   document.addEventListener("paste", (e) => { if (inComposer(e) && attach(e.clipboardData.files)) e.preventDefault(); });
-  document.addEventListener("htmx:afterRequest", (e) => { if (e.target.id === "attach-form") e.target.reset(); });
   // An upload the server refused outright (413: over its body limit) says so where chips or the
   // import result would have gone.
   document.addEventListener("htmx:responseError", (e) => {

@@ -19,7 +19,7 @@ from ..storage import Conversation, Message, Storage
 from ..submission import start
 from .context_notice import prepare_send
 from .conversation_pages import Conversations
-from .prompt import answer_messages
+from .prompt import document_prompt, prompt_with_documents
 from .settings import sampling_params, speculative_options
 from .user_turn import record_user_turn
 from .views import message_views, render
@@ -110,7 +110,7 @@ async def record(app: Any, cid: int, action: str, data: dict[str, Any]) -> Recor
     try:
         params = sampling_params(conv.settings, engine.defaults)
         conv, overflow_notice = await asyncio.to_thread(prepare_send, engine, storage, conv, action,
-                                                        data, params.max_tokens)
+                                                        data, params.max_tokens, document_prompt(app))
         if overflow_notice:
             return overflow_notice
         turn = record_user_turn(storage, conv, action, data)
@@ -145,8 +145,8 @@ async def stream(app: Any, turn: Recorded, gen: Generation) -> Streamed:
     out = Streamed()
     try:
         path = storage.active_path(cid)
-        messages = await asyncio.to_thread(answer_messages, engine, turn.conv.settings, path[:-1],
-                                           turn.params.max_tokens)
+        messages = await asyncio.to_thread(prompt_with_documents, app, turn.conv.settings,
+                                           path[:-1], turn.params.max_tokens)
         gen.handle = await start(engine, messages, turn.params, turn.speculative)
         if gen.stop_requested:  # Stop pressed before the request existed
             gen.handle.cancel()

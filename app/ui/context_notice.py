@@ -12,16 +12,20 @@ from starlette.routing import Route
 from engine import Engine
 
 from ..context import TRUNCATE_MODES, overflow
+from ..doc_index.answering import DocumentPrompt
 from ..documents import parse_attachments, with_documents
 from ..storage import Conversation, Storage
+from ..upload_store import attached_uploads
 from .prompt import engine_messages
 from .views import conversation_of, not_found, parts, read_form, render
 
 
 def prepare_send(engine: Engine, storage: Storage, conv: Conversation, action: str,
-                 data: Mapping[str, Any], max_tokens: int) -> tuple[Conversation, str | None]:
+                 data: Mapping[str, Any], max_tokens: int,
+                 docs: DocumentPrompt) -> tuple[Conversation, str | None]:
     """Before a message is recorded: the conversation (with the opt-in to dropping old turns saved
-    and a waiting draft cleared) and, when the message would not fit, the notice to show instead."""
+    and a waiting draft cleared) and, when the message would not fit, the notice to show instead.
+    `docs` resolves uploaded documents (a large one counts nothing: it retrieves what fits)."""
     if action != "send":
         return conv, None
     settings = {k: v for k, v in conv.settings.items() if k != "draft"}
@@ -34,13 +38,15 @@ def prepare_send(engine: Engine, storage: Storage, conv: Conversation, action: s
     if settings.get("truncate") in TRUNCATE_MODES or not content:
         return conv, None
     attachments = parse_attachments(data.get("attachments"))
-    new = {"role": "user", "content": with_documents(content, attachments)}
-    too_long = overflow(engine, engine_messages(settings, storage.active_path(conv.id)) + [new],
-                        max_tokens)
+    uploads = attached_uploads(storage, conv.id, data.get("uploads"))
+    new = {"role": "user", "content": with_documents(content, docs.documents(attachments + uploads, []))}
+    too_long = overflow(engine, engine_messages(settings, docs.resolve(storage.active_path(conv.id)))
+                        + [new], max_tokens)
     if too_long is None:
         return conv, None
     retry = {"action": "send", "content": content, "truncate": "oldest",
-             "attachments": [json.dumps(a, ensure_ascii=False) for a in attachments]}
+             "attachments": [json.dumps(a, ensure_ascii=False) for a in attachments],
+             "uploads": [u["upload"] for u in uploads]}
     return conv, render("_context_notice.html", conv=conv, need=too_long[0], limit=too_long[1],
                         retry=retry, content=content, attachments=retry["attachments"])
 

@@ -86,6 +86,7 @@ async def delete_conversation(request: Request) -> Response:
     if conv is None:
         return not_found()
     storage.delete_conversation(conv.id)
+    request.app.state.uploads.sweep()  # its files no other conversation has
     if conv.id == current_id(request):
         return Response(headers={"HX-Redirect": "/"})
     return _list_response(request)

@@ -7,6 +7,7 @@ from typing import Any, Mapping
 from engine import Engine
 
 from ..context import TRUNCATE_MODES, drop_oldest
+from ..doc_index.answering import DocumentPrompt
 from ..documents import with_documents
 from ..storage import Message
 
@@ -39,3 +40,18 @@ def answer_messages(engine: Engine, settings: Mapping[str, Any], path: list[Mess
     if settings.get("truncate") in TRUNCATE_MODES:
         return drop_oldest(engine, messages, max_tokens)
     return messages
+
+
+def document_prompt(app: Any) -> DocumentPrompt:
+    """How the app's uploaded documents enter prompts (app/doc_index/answering.py)."""
+    state = app.state
+    return DocumentPrompt(state.storage, state.chunks, state.engine, state.document_embeddings)
+
+
+def prompt_with_documents(app: Any, settings: Mapping[str, Any], path: list[Message],
+                          max_tokens: int) -> list[dict[str, Any]]:
+    """`answer_messages` for `path` once its uploads are resolved: the newest user turn's chunks
+    retrieved (and stored) when it has documents too large to go in whole. CPU-bound."""
+    docs = document_prompt(app)
+    path = docs.retrieve(settings, path, max_tokens, engine_messages)
+    return answer_messages(app.state.engine, settings, docs.resolve(path), max_tokens)

@@ -6,6 +6,7 @@ from typing import Any, Mapping
 
 from ..documents import parse_attachments
 from ..storage import DEFAULT_TITLE, Conversation, Message, Storage
+from ..upload_store import attached_uploads
 
 TITLE_LENGTH = 60
 
@@ -29,7 +30,8 @@ def record_user_turn(storage: Storage, conv: Conversation, action: str, data: Ma
             raise ValueError("Type a message first.")
         path = storage.active_path(conv.id)
         user = storage.add_message(conv.id, path[-1].id if path else None, "user", content,
-                                   attachments=parse_attachments(data.get("attachments")))
+                                   attachments=parse_attachments(data.get("attachments"))
+                                   + attached_uploads(storage, conv.id, data.get("uploads")))
         if conv.title == DEFAULT_TITLE and not path:
             storage.rename_conversation(conv.id, chat_title(content))
         return Turn(user.id, rerender=False)

@@ -14,6 +14,7 @@ from starlette.websockets import WebSocket
 from engine import PRESETS, DraftChoice, Engine
 from web import __file__ as _web_init
 
+from ..doc_index.answering import Citation, citations
 from ..markdown import render_markdown, render_plain, render_tool_calls, render_tool_result
 from ..socket_limits import WS_MAX_BYTES
 from ..storage import Conversation, Message, Storage
@@ -50,6 +51,7 @@ class MessageView:
     next_id: int | None
     editable: bool  # the last user message
     regenerable: bool  # the last answer
+    citations: tuple[Citation, ...] = ()  # an answer's document chunks (app/doc_index)
 
 
 def _body(m: Message) -> str:
@@ -64,7 +66,7 @@ def _body(m: Message) -> str:
 def message_views(storage: Storage, path: list[Message]) -> list[MessageView]:
     last_user = next((m.id for m in reversed(path) if m.role == "user"), None)
     last_answer = path[-1].id if path and path[-1].role == "assistant" else None
-    views = []
+    views, previous = [], None
     for m in path:
         versions = [s.id for s in storage.siblings(m)]
         i = versions.index(m.id)
@@ -75,7 +77,10 @@ def message_views(storage: Storage, path: list[Message]) -> list[MessageView]:
             prev_id=versions[i - 1] if i > 0 else None,
             next_id=versions[i + 1] if i + 1 < len(versions) else None,
             editable=m.id == last_user, regenerable=m.id == last_answer,
+            citations=tuple(citations(storage, previous))
+            if m.role == "assistant" and previous is not None and previous.role == "user" else (),
         ))
+        previous = m
     return views
 
 
