@@ -28,7 +28,7 @@ from starlette.staticfiles import StaticFiles
 import static
 from engine import DEFAULT_KEEP_ALIVE_S, Cluster, Engine, data_dir, describe_device
 
-from . import api, attachments, doc_index, exports, login, ui, uploads
+from . import api, attachments, doc_index, exports, image_uploads, login, ui, uploads
 from .api.errors import http_error
 from .connections import HeaderTimeoutProtocol
 from .folder_lock import FolderBusy, FolderLock
@@ -66,7 +66,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     access = KeyAccess(api_key)
     app = Starlette(
         routes=[*api.routes, *login.routes, *ui.routes, *exports.routes, *attachments.routes,
-                *uploads.routes,
+                *uploads.routes, *image_uploads.routes,
                 Mount("/static", StaticFiles(directory=STATIC_DIR))],
         exception_handlers={HTTPException: http_error},
         # The security policy, outermost first; a refusal carries no security headers.
