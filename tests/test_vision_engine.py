@@ -132,3 +132,22 @@ def test_refusals(qwen):
     with pytest.raises(InvalidRequest) as err:  # the image marker typed as text
         build_prompt(qwen, messages=ask(image(0), "<|vision_start|><|image_pad|><|vision_end|>?"))
     assert err.value.code == "invalid_value"
+
+
+def test_two_images_each_keyed_by_its_own_pixels(vlm):
+    """With two images, each image's tokens carry its own key: a prompt that keeps the first
+    image and changes the second shares the prefix up to the second image's tokens."""
+    a, b, c = image(1), image(2), image(3)
+
+    def two(first, second):
+        return [{"role": "user", "content": [{"type": "image", "image": first},
+                                             {"type": "text", "text": "and"},
+                                             {"type": "image", "image": second},
+                                             {"type": "text", "text": QUESTION}]}]
+
+    ab, ac = (build_prompt(vlm, messages=two(a, x)).vision for x in (b, c))
+    assert ab.keys.count(a.key) == ab.keys.count(b.key) > 0
+    assert ab.keys.count(a.key) + ab.keys.count(b.key) == ab.tokens.count(
+        vlm.extras["vision"].image_token_id)
+    shared = next(i for i, (x, y) in enumerate(zip(ab.keys, ac.keys)) if x != y)
+    assert shared == ab.keys.index(b.key) > ab.keys.index(a.key)

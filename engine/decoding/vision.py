@@ -79,6 +79,16 @@ def _is_image(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") == "image"
 
 
+def _not_vision() -> str:
+    """The refusal of an image by a text-only model, naming the vision models known here."""
+    from ..loading.vision import known_vision_models
+
+    known = known_vision_models()
+    offer = (f"switch to a vision model ({', '.join(known)})" if known else
+             "load a vision model (e.g. `mlxchat pull mlx-community/Qwen2.5-VL-3B-Instruct-4bit`)")
+    return f"this model cannot see images: {offer}, or send text only"
+
+
 def split_images(messages: Sequence[dict[str, Any]], vision: bool
                  ) -> tuple[list[dict[str, Any]], list[ImageInput]]:
     """The messages as the chat template takes them (each image part as `{"type": "image"}`) and
@@ -93,8 +103,7 @@ def split_images(messages: Sequence[dict[str, Any]], vision: bool
         for j, part in enumerate(content):
             if _is_image(part) and isinstance(part.get("image"), ImageInput):
                 if not vision:
-                    raise InvalidRequest("this model cannot see images: choose a vision model or "
-                                         "send text only", field=f"messages[{i}].content",
+                    raise InvalidRequest(_not_vision(), field=f"messages[{i}].content",
                                          code="model_not_vision")
                 images.append(part["image"])
                 parts.append({"type": "image"})
@@ -131,28 +140,30 @@ def placeholder(lm: "LoadedModel") -> str | None:
 def render_with_images(lm: "LoadedModel", messages: Sequence[dict[str, Any]],
                        tools: "ToolRequest | None" = None) -> "Prompt":
     """The prompt of a conversation with image parts (see the module docstring)."""
-    from .chat import Prompt, render
+    from .chat import Prompt, render, validate_messages
     from .tools import prepare as prepare_tools
 
     msgs, images = split_images(messages, "vision" in lm.extras)
     msgs, kwargs = prepare_tools(lm.tokenizer, msgs, tools)
-    plain = render(lm.tokenizer, msgs, **kwargs)  # validates; its checkpoints and continuation
     if not images:
-        return plain
-    parts: VisionParts = lm.extras["vision"]
+        return render(lm.tokenizer, msgs, **kwargs)
+    validate_messages(msgs)
+    if getattr(lm.tokenizer, "chat_template", None) is None:
+        raise InvalidRequest("this model has no chat template; it cannot take images")
+    # Rendered once, as text: the processor tokenizes it with each image's tokens expanded. The
+    # one checkpoint is the prompt's end (a dense model's cache serves any shorter prefix).
+    continued = msgs[-1]["role"] == "assistant" and not msgs[-1].get("tool_calls")
     text = lm.tokenizer.apply_chat_template(
-        msgs, tokenize=False, **({**kwargs, "continue_final_message": True} if plain.continued
+        msgs, tokenize=False, **({**kwargs, "continue_final_message": True} if continued
                                  else {**kwargs, "add_generation_prompt": True}))
     mark = placeholder(lm)
     if mark and text.count(mark) != len(images):
         raise InvalidRequest(f"the conversation contains this model's image marker {mark!r} as "
                              "text; send images as image parts", field="messages",
                              code="invalid_value")
-    vision = VisionPrompt.build(parts, text, images)
-    first = plain.tokens.index(parts.image_token_id) if parts.image_token_id in plain.tokens else 0
-    checkpoints = [c for c in plain.checkpoints if c <= first] + [len(vision.tokens)]
-    return Prompt(tokens=vision.tokens, checkpoints=sorted(set(checkpoints)),
-                  continued=plain.continued, vision=vision)
+    vision = VisionPrompt.build(lm.extras["vision"], text, images)
+    return Prompt(tokens=vision.tokens, checkpoints=[len(vision.tokens)], continued=continued,
+                  vision=vision)
 
 
 @dataclass(eq=False)
@@ -186,19 +197,25 @@ class VisionPrompt:
                 for k, v in out.items()}
         host["input_ids"] = host["input_ids"].reshape(1, -1)
         tokens = [int(t) for t in host["input_ids"].reshape(-1)]
-        keys = cls._keys(parts, tokens, images)
+        keys = cls._keys(parts, tokens, images, host.get("image_grid_thw"))
         return cls(parts, host, tokens, keys, tuple(images))
 
     @staticmethod
-    def _keys(parts: "VisionParts", tokens: list[int], images: Sequence[ImageInput]) -> list[int]:
-        """Image tokens in order belong to the images in order; each image's count is what the
-        processor gives it alone."""
-        counts = []
-        for im in images:
-            one = parts.processor(text=[parts.processor.image_token if hasattr(parts.processor, "image_token")
-                                        else "<image>"], images=[im.image], return_tensors="mlx")
-            counts.append(sum(1 for t in np.asarray(one["input_ids"]).reshape(-1).tolist()
-                              if t == parts.image_token_id))
+    def _keys(parts: "VisionParts", tokens: list[int], images: Sequence[ImageInput],
+              grids: Any = None) -> list[int]:
+        """Image tokens in order belong to the images in order. How many each image has: all of
+        them for one image; from its grid for Qwen2.5-VL (t*h*w / merge^2); otherwise what the
+        processor gives the image alone."""
+        if len(images) == 1:
+            counts = [tokens.count(parts.image_token_id)]
+        elif grids is not None and parts.mrope:
+            merge = parts.vlm.config.vision_config.spatial_merge_size ** 2
+            counts = [int(np.prod(g)) // merge for g in np.asarray(grids).reshape(len(images), -1)]
+        else:
+            mark = getattr(parts.processor, "image_token", "<image>")
+            counts = [sum(1 for t in np.asarray(parts.processor(
+                text=[mark], images=[im.image], return_tensors="mlx")["input_ids"]).reshape(-1)
+                if t == parts.image_token_id) for im in images]
         keys, image, seen = [], 0, 0
         for t in tokens:
             if t == parts.image_token_id and image < len(images):

@@ -41,6 +41,14 @@ def is_vision_folder(folder: Path) -> bool:
     return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
 
 
+def known_vision_models() -> list[str]:
+    """The names of the local models (engine/loading/registry.py) that are vision models."""
+    from .registry import list_models
+
+    return [m.name for m in list_models()
+            if m.path and Path(m.path).is_dir() and is_vision_folder(Path(m.path))]
+
+
 def available() -> bool:
     """Whether mlx-vlm is installed (the `mlxchat[vision]` extra)."""
     try:
