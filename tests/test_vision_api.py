@@ -169,3 +169,16 @@ def test_a_text_only_model_refuses_images(tmp_path):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "model_not_vision"
     assert "cannot see images" in r.json()["error"]["message"]
+
+
+def test_image_tokens_count_where_the_context_is_checked(server, lm):
+    """`count_tokens`, which the context check and "truncate oldest" use (app/context.py),
+    counts an image's tokens; the picker says the model sees images."""
+    from engine import count_tokens
+
+    messages = [{"role": "user", "content": [
+        {"type": "image", "image": ImageInput.from_pil(random_image(0))},
+        {"type": "text", "text": "What is in this image?"}]}]
+    assert count_tokens(server.app.state.engine, messages=messages) == \
+        prompt_tokens(lm, 0, "What is in this image?")
+    assert "sees images" in httpx.get(f"{server.url}/", follow_redirects=True).text

@@ -25,6 +25,7 @@ cache keys are its own (engine/scheduling/service.py steps it alone).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
@@ -64,7 +65,7 @@ class ImageInput:
         h.update(rgb.tobytes())
         return cls(rgb, h.hexdigest())
 
-    @property
+    @functools.cached_property
     def key(self) -> int:
         """The prefix-cache key of this image's tokens."""
         return IMAGE_KEY_BASE + int(self.digest[:15], 16)
@@ -262,8 +263,12 @@ class VisionPrompt:
         if self._embeds is None:
             kwargs = dict(self._arrays())
             input_ids, pixel_values = kwargs.pop("input_ids"), kwargs.pop("pixel_values")
-            self._embeds = self.parts.vlm.get_input_embeddings(input_ids, pixel_values,
-                                                               **kwargs).inputs_embeds
+            out = self.parts.vlm.get_input_embeddings(input_ids, pixel_values, **kwargs)
+            self._embeds = out.inputs_embeds
+            delta = getattr(out, "rope_deltas", None)
+            if self.parts.mrope and self._positions is None and delta is not None:
+                self._positions = out.position_ids  # computed with the embeddings: not twice
+                self.rope_delta = int(mx.array(delta).reshape(-1)[0].item())
         return self._embeds
 
     def forward(self, model: Any, inputs: mx.array, start: int, cache: Any) -> mx.array:

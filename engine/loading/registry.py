@@ -37,6 +37,7 @@ class ModelInfo:
     source: str  # "bundled" | "folder" | "gguf" | "hf-cache"
     path: str | None
     size_bytes: int | None
+    vision: bool = False  # a vision-language model's folder (engine/loading/vision.py)
 
 
 # What a model can do, as clients ask (Ollama's /api/show, /v1/models, the picker): one
@@ -144,7 +145,8 @@ def _hf_cache_models() -> list[ModelInfo]:
         snapshots = sorted((repo / "snapshots").glob("*/config.json"), key=lambda p: p.stat().st_mtime)
         if snapshots and any(snapshots[-1].parent.glob("*.safetensors")):
             folder = snapshots[-1].parent
-            found.append(ModelInfo(name, "hf-cache", str(folder), _dir_size(folder.resolve())))
+            found.append(ModelInfo(name, "hf-cache", str(folder), _dir_size(folder.resolve()),
+                                   vision=is_vision_folder(folder)))
         for gguf in sorted((repo / "snapshots").glob("*/**/*.gguf")):
             if gguf.is_file():
                 file = gguf.relative_to(repo / "snapshots").as_posix().split("/", 1)[1]

@@ -45,8 +45,7 @@ def known_vision_models() -> list[str]:
     """The names of the local models (engine/loading/registry.py) that are vision models."""
     from .registry import list_models
 
-    return [m.name for m in list_models()
-            if m.path and Path(m.path).is_dir() and is_vision_folder(Path(m.path))]
+    return [m.name for m in list_models() if m.vision]
 
 
 def available() -> bool:
