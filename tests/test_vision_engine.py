@@ -112,6 +112,29 @@ def test_follow_up_reuses_the_image_and_another_image_does_not(qwen):
     assert reused_other == tokens_of(generate(qwen, other, greedy))
 
 
+def run(lm, prompt, store) -> tuple[list[int], int]:
+    gen = Generation(lm, prompt, SamplingParams(max_tokens=4), prefix_cache=store)
+    out = []
+    while not gen.done:
+        out += tokens_of(gen.step())
+    return out, gen.reused
+
+
+def test_snapshot_files_are_keyed_by_the_image_too(qwen, tmp_path):
+    """After a restart, the snapshot files reuse an image's prefill for the same image only."""
+    a, b = image(4), image(5)
+    first = PrefixCache(qwen, persist_dir=tmp_path, write_delay=None)
+    run(qwen, build_prompt(qwen, messages=ask(a)), first)
+    assert first.persist()
+    restarted = PrefixCache(qwen, persist_dir=tmp_path, write_delay=None)
+    same = build_prompt(qwen, messages=ask(a, "Which shapes?"))
+    tokens, reused = run(qwen, same, restarted)
+    assert reused > max(i for i, k in enumerate(same.vision.keys) if k == a.key)
+    assert tokens == tokens_of(generate(qwen, same, SamplingParams(max_tokens=4)))
+    other = build_prompt(qwen, messages=ask(b, "Which shapes?"))
+    assert run(qwen, other, restarted)[1] <= other.vision.keys.index(b.key)
+
+
 def test_image_tokens_count_in_the_context(qwen):
     prompt = build_prompt(qwen, messages=ask(image(0)))
     text_only = build_prompt(qwen, messages=[{"role": "user", "content": QUESTION}])
