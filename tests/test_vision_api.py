@@ -12,7 +12,6 @@ import pytest
 pytest.importorskip("mlx_vlm")
 
 import anthropic  # noqa: E402
-import openai  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from app.api.errors import ApiError  # noqa: E402

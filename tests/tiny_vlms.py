@@ -10,9 +10,7 @@ files' contents, so each is built once per cache directory.
     lm = tiny_smolvlm()        # SmolVLM (Idefics3 layout): SigLIP tower, pixel shuffle, plain RoPE
 """
 
-import hashlib
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +19,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 from PIL import Image
 
-from bench.shapes import TOKENIZER_FILES
-from engine.loading.registry import LoadedModel, load_model, resolve
-from engine.paths import cache_dir
+from bench.shapes import copy_bundled_tokenizer, folder_to_build
+from engine.loading.registry import LoadedModel, load_model
 
 VOCAB = 49152  # the bundled SmolLM2 tokenizer's vocabulary; image tokens are added after it
 
@@ -92,14 +89,9 @@ def build_vlm_folder(config: dict[str, Any], tokens: list[str], template: str,
     """Write a random-weight mlx-vlm folder (see the module docstring); returns its path."""
     from mlx_vlm.utils import get_model_and_args
 
-    recipe = [config, tokens, template, files, seed]
-    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-    folder = (root or cache_dir() / "tiny-models") / f"{config['model_type']}-{key}"
-    if (folder / "model.safetensors").exists():
+    folder, tmp = folder_to_build(config["model_type"], [config, tokens, template, files, seed], root)
+    if tmp is None:
         return folder
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     module, _ = get_model_and_args(config)
     model_config = module.ModelConfig.from_dict(json.loads(json.dumps(config)))
     model_config.vision_config = module.VisionConfig.from_dict(config["vision_config"])
@@ -109,10 +101,7 @@ def build_vlm_folder(config: dict[str, Any], tokens: list[str], template: str,
     mx.eval(model.parameters())
     mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    _, tokenizer_folder = resolve(None)  # the bundled model, converted once
-    for name in TOKENIZER_FILES:
-        if (tokenizer_folder / name).exists():
-            shutil.copy(tokenizer_folder / name, tmp / name)
+    copy_bundled_tokenizer(tmp)
     added = {VOCAB + i: t for i, t in enumerate(tokens)}
     tok = json.loads((tmp / "tokenizer.json").read_text())
     tok["added_tokens"] += [{"id": i, "content": t, "single_word": False, "lstrip": False,

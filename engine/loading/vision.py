@@ -50,11 +50,9 @@ def known_vision_models() -> list[str]:
 
 def available() -> bool:
     """Whether mlx-vlm is installed (the `mlxchat[vision]` extra)."""
-    try:
-        import mlx_vlm  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import importlib.util
+
+    return importlib.util.find_spec("mlx_vlm") is not None
 
 
 @dataclass
