@@ -181,3 +181,15 @@ def test_image_tokens_count_where_the_context_is_checked(server, lm):
     assert count_tokens(server.app.state.engine, messages=messages) == \
         prompt_tokens(lm, 0, "What is in this image?")
     assert "sees images" in httpx.get(f"{server.url}/", follow_redirects=True).text
+
+
+def test_an_image_request_goes_through_the_scheduler_and_cancels(server):
+    from engine import SamplingParams
+
+    messages = [{"role": "user", "content": [
+        {"type": "image", "image": ImageInput.from_pil(random_image(7))},
+        {"type": "text", "text": "Describe it at length."}]}]
+    handle = server.app.state.engine.submit(messages, SamplingParams(max_tokens=2000))
+    handle.cancel()
+    done = [e for e in handle.events(timeout=60) if e.kind == "done"][0]
+    assert done.finish_reason == "cancelled" and handle.state == "cancelled"

@@ -174,3 +174,14 @@ def test_two_images_each_keyed_by_its_own_pixels(vlm):
         vlm.extras["vision"].image_token_id)
     shared = next(i for i, (x, y) in enumerate(zip(ab.keys, ac.keys)) if x != y)
     assert shared == ab.keys.index(b.key) > ab.keys.index(a.key)
+
+
+def test_json_mode_constrains_an_answer_about_an_image(qwen):
+    """Constrained decoding runs on an image request as on text (the random model's answer is
+    held to the schema's shape)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    params = SamplingParams(max_tokens=12, json_schema=schema)
+    events = list(generate(qwen, build_prompt(qwen, messages=ask(image(0))), params))
+    text = "".join(e.text or "" for e in events)
+    assert text.startswith('{"a":') and text[5:].rstrip("}").lstrip("-").isdigit()
