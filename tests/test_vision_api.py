@@ -193,3 +193,29 @@ def test_an_image_request_goes_through_the_scheduler_and_cancels(server):
     handle.cancel()
     done = [e for e in handle.events(timeout=60) if e.kind == "done"][0]
     assert done.finish_reason == "cancelled" and handle.state == "cancelled"
+
+
+def test_text_requests_on_a_vision_model_batch_with_an_image_request(server, lm, monkeypatch):
+    """Text-only requests on a vision model decode batched (multimodal RoPE positions per row
+    from the batch cache) beside an image request that runs alone: each answer equals the same
+    request run alone."""
+    from engine import SamplingParams
+    from engine.decoding.generate import generate
+    from engine.scheduling.batch import DecodeBatch
+
+    widths = []
+    step = DecodeBatch.step
+    monkeypatch.setattr(DecodeBatch, "step", lambda self: widths.append(len(self.rows)) or step(self))
+    greedy = SamplingParams(max_tokens=8)
+    texts = [[{"role": "user", "content": q}] for q in ("Count to five.", "Name a colour, then why.")]
+    pictured = [{"role": "user", "content": [
+        {"type": "image", "image": ImageInput.from_pil(random_image(8))},
+        {"type": "text", "text": "Describe it."}]}]
+    requests = texts + [pictured]
+    handles = [server.app.state.engine.submit(m, greedy) for m in requests]
+    together = [[e.token for e in h.events(timeout=60) if e.kind == "token" and e.token is not None]
+                for h in handles]
+    alone = [[e.token for e in generate(lm, build_prompt(lm, messages=m), greedy)
+              if e.kind == "token" and e.token is not None] for m in requests]
+    assert together == alone and all(len(t) == 8 for t in together)
+    assert widths and max(widths) == 2  # the two text requests, batched; the image one alone

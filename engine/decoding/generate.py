@@ -125,7 +125,7 @@ def build_prompt(lm: LoadedModel, messages: Sequence[dict] | None = None,
     if sum(x is not None for x in (messages, prompt_tokens, text)) != 1:
         raise InvalidRequest("give exactly one of messages, prompt_tokens or text")
     if messages is not None and (has_images(messages) or "vision" in lm.extras):  # vision.py
-        return render_with_images(lm, messages, tools)
+        return render_with_images(lm, messages, tools, with_checkpoints)
     if messages is not None:
         msgs, kwargs = prepare_tools(lm.tokenizer, messages, tools)
         return render(lm.tokenizer, msgs, with_checkpoints=with_checkpoints, **kwargs)

@@ -139,7 +139,7 @@ def placeholder(lm: "LoadedModel") -> str | None:
 
 
 def render_with_images(lm: "LoadedModel", messages: Sequence[dict[str, Any]],
-                       tools: "ToolRequest | None" = None) -> "Prompt":
+                       tools: "ToolRequest | None" = None, with_checkpoints: bool = True) -> "Prompt":
     """The prompt of a conversation with image parts (see the module docstring)."""
     from .chat import Prompt, render, validate_messages
     from .tools import prepare as prepare_tools
@@ -147,7 +147,7 @@ def render_with_images(lm: "LoadedModel", messages: Sequence[dict[str, Any]],
     msgs, images = split_images(messages, "vision" in lm.extras)
     msgs, kwargs = prepare_tools(lm.tokenizer, msgs, tools)
     if not images:
-        return render(lm.tokenizer, msgs, **kwargs)
+        return render(lm.tokenizer, msgs, with_checkpoints=with_checkpoints, **kwargs)
     validate_messages(msgs)
     if getattr(lm.tokenizer, "chat_template", None) is None:
         raise InvalidRequest("this model has no chat template; it cannot take images")
