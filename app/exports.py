@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
+from .image_uploads import export_images, import_images
 from .ui.settings import preset_settings
 from .ui.user_turn import chat_title
 from .storage import EXPORT_FORMAT, Storage, export_conversation, import_conversation
@@ -55,6 +56,7 @@ async def export_json(request: Request) -> Response:
     if conv is None:
         return not_found()
     data = export_conversation(request.app.state.storage, conv.id)
+    data = export_images(request.app.state.storage, data, conv.id)  # app/image_uploads.py
     return _download(json.dumps(data, ensure_ascii=False, indent=1), "application/json",
                      _filename(conv.title, ".json"))
 
@@ -72,7 +74,7 @@ def all_conversations_zip(storage: Storage) -> bytes:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
         for conv in storage.list_conversations(limit=-1):
-            data = export_conversation(storage, conv.id)
+            data = export_images(storage, export_conversation(storage, conv.id), conv.id)
             archive.writestr(f"conversation-{conv.id}.json",
                              json.dumps(data, ensure_ascii=False, indent=1))
     return buffer.getvalue()
@@ -150,6 +152,7 @@ def import_documents(storage: Storage, raw: bytes, model: str | None) -> list[in
         for data in documents:
             imported.append(import_conversation(storage, _titled(data), model=model,
                                                 settings=preset_settings("recommended")).id)
+            import_images(storage, imported[-1], data)  # app/image_uploads.py
     except ValueError:
         for cid in imported:  # all or nothing
             storage.delete_conversation(cid)

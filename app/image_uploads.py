@@ -11,12 +11,18 @@ the route that shows them, and how a user turn's images enter the prompt.
 - Prompt: a user turn's image references (`kind == "image"`) are resolved to decoded images
   (`resolve_images`) and the turn's content becomes text and image parts (`with_images`), which
   the engine takes for a vision model and refuses clearly for a text-only one.
+- Export / import: an exported message carries its images as `images: [{name, data_url}]` (PNG
+  data URLs of the pixels, no EXIF) instead of upload references, which mean nothing elsewhere
+  (`export_images`); importing stores them as uploads of the new conversation again
+  (`import_images`), decoded with the same limits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
+import json
 from typing import Any
 
 from starlette.requests import Request
@@ -26,8 +32,8 @@ from starlette.routing import Route
 from engine import ImageInput
 
 from .api.errors import ApiError
-from .api.images import decode_image, image_part
-from .storage import Message
+from .api.images import decode_image, decode_url, image_part, to_data_url
+from .storage import Message, Storage
 from .upload_kinds import FileKind, NotAttachable, Processed, Processing, register_kind
 from .upload_store import UploadStore
 
@@ -121,3 +127,72 @@ def with_images(content: str, attachments: list[dict[str, Any]] | None) -> str |
     if not images:
         return content
     return [image_part(im) for im in images] + [{"type": "text", "text": content}]
+
+
+def _is_ref(a: dict[str, Any]) -> bool:
+    return a.get("kind") == "image" and "upload" in a
+
+
+def export_images(storage: Storage, data: dict[str, Any], cid: int) -> dict[str, Any]:
+    """`data` (export_conversation's JSON of conversation `cid`) with each message's image
+    references replaced by `images`: `[{name, data_url}]` (an image that can no longer be read
+    is left out)."""
+    store = UploadStore(storage)
+    rows = storage._query("SELECT attachments FROM messages WHERE conversation_id = ? ORDER BY id",
+                          (cid,))
+    for out, row in zip(data["messages"], rows):
+        refs = [a for a in json.loads(row[0] or "null") or [] if _is_ref(a)]
+        if not refs:
+            continue
+        images = []
+        for a in refs:
+            up = store.get(a["upload"], cid)
+            if up is not None and up.status == "ready":
+                try:
+                    images.append({"name": up.name,
+                                   "data_url": to_data_url(load(store.blob(up.sha256), up.name))})
+                except (NotAttachable, OSError):
+                    pass
+        rest = [a for a in out.get("attachments") or [] if not _is_ref(a)]
+        out["attachments"] = rest or None
+        out["images"] = images
+    return data
+
+
+def import_images(storage: Storage, cid: int, data: dict[str, Any]) -> None:
+    """Store the `images` of an imported export (`data`, imported as conversation `cid`, its
+    messages in the same order) as uploads of `cid`, referenced by their messages. Raises
+    ValueError for an image that does not pass the limits."""
+    exported = data.get("messages") if isinstance(data, dict) else None
+    if not isinstance(exported, list) or not any(isinstance(m, dict) and m.get("images")
+                                                 for m in exported):
+        return
+    store = UploadStore(storage)
+    store.folder.mkdir(parents=True, exist_ok=True)
+    rows = storage._query("SELECT id, attachments FROM messages WHERE conversation_id = ? "
+                          "ORDER BY id", (cid,))
+    for i, ((mid, attachments), m) in enumerate(zip(rows, exported)):
+        images = m.get("images") if isinstance(m, dict) else None
+        if not isinstance(images, list) or not images:
+            continue
+        refs = json.loads(attachments or "null") or []
+        for j, item in enumerate(images):
+            where = f"messages[{i}].images[{j}]"
+            if not isinstance(item, dict):
+                raise ValueError(f"{where} must be an object with name and data_url")
+            try:
+                image = decode_url(item.get("data_url"), where)
+            except ApiError as exc:
+                raise ValueError(exc.message) from None
+            body = png_bytes(image)
+            sha = hashlib.sha256(body).hexdigest()
+            if not store.blob(sha).exists():
+                store.blob(sha).write_bytes(body)
+            up, fresh = store.add(cid, str(item.get("name") or "image.png")[:200], sha, "image",
+                                  len(body))
+            if fresh or up.status != "ready":
+                w, h = image.image.size
+                store.ready(sha, summary=f"{w}×{h}", tokens=None, pages=None, text=None,
+                            meta={"width": w, "height": h})
+            refs.append((store.get(up.id) or up).reference())
+        storage._write("UPDATE messages SET attachments = ? WHERE id = ?", (json.dumps(refs), mid))

@@ -4,8 +4,10 @@ as a thumbnail in its chip and in the conversation, served re-encoded without EX
 turn as image parts (its tokens counted, a follow-up reusing its prefill); a corrupt image is
 refused with a reason and its bytes removed."""
 
+import base64
 import hashlib
 import io
+import json
 import time
 
 import pytest
@@ -83,3 +85,33 @@ def test_a_corrupt_image_is_refused_and_not_kept(http, server):
     assert up["status"] == "refused" and "not a readable image" in up["error"]
     assert not (server.app.state.uploads.folder / hashlib.sha256(broken).hexdigest()).exists()
     assert http.get(f"/c/{cid}/uploads/{up['id']}/image").status_code == 404
+
+
+def test_export_carries_the_images_and_import_restores_them(http, server):
+    cid = new_conversation(http, max_tokens=2)
+    up = upload(http, cid, "photo.jpg", jpeg_with_gps())
+    turn(server, cid, action="send", content="What is it?", uploads=[str(up["id"])])
+    exported = http.get(f"/c/{cid}/export.json").json()
+    user = next(m for m in exported["messages"] if m["role"] == "user")
+    assert not any("upload" in a for a in user["attachments"] or [])  # ids mean nothing elsewhere
+    assert [i["name"] for i in user["images"]] == ["photo.jpg"]
+    url = user["images"][0]["data_url"]
+    assert url.startswith("data:image/png;base64,")
+    pixels = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+    assert pixels.size == (60, 80) and not pixels.getexif()  # oriented, no EXIF (no GPS)
+
+    r = http.post("/import", files={"file": ("c.json", json.dumps(exported), "application/json")},
+                  follow_redirects=False)
+    assert r.status_code == 303, r.text
+    new = int(r.headers["location"].rsplit("/", 1)[1])
+    restored = next(m for m in server.storage.active_path(new) if m.role == "user")
+    ref = restored.attachments[0]
+    assert ref["kind"] == "image" and ref["name"] == "photo.jpg"
+    shown = http.get(f"/c/{new}/uploads/{ref['upload']}/image")
+    assert shown.status_code == 200
+    assert Image.open(io.BytesIO(shown.content)).tobytes() == pixels.convert("RGB").tobytes()
+    frames = turn(server, new, action="send", content="And now?")  # the imported image is used
+    answer = server.storage.active_path(new)[-1]
+    assert answer.state == "done", "".join(frames)[-300:]
+    first = server.storage.active_path(cid)[-1]
+    assert answer.prompt_tokens > first.prompt_tokens  # the image's tokens are in it again
