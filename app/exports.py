@@ -42,7 +42,10 @@ def conversation_markdown(storage: Storage, cid: int) -> str:
     for m in storage.active_path(cid):
         lines += [f"## {m.role.capitalize()}", ""]
         for doc in m.attachments or ():
-            lines += [f"Attached: {doc['name']}", "", "```", doc["text"], "```", ""]
+            if "text" in doc:  # (an image is a reference: app/image_uploads.py)
+                lines += [f"Attached: {doc['name']}", "", "```", doc["text"], "```", ""]
+            else:
+                lines += [f"Attached: {doc['name']}", ""]
         if m.content:
             lines += [m.content, ""]
         for call in m.tool_calls or ():

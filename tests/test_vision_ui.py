@@ -91,6 +91,8 @@ def test_export_carries_the_images_and_import_restores_them(http, server):
     cid = new_conversation(http, max_tokens=2)
     up = upload(http, cid, "photo.jpg", jpeg_with_gps())
     turn(server, cid, action="send", content="What is it?", uploads=[str(up["id"])])
+    markdown = http.get(f"/c/{cid}/export.md")
+    assert markdown.status_code == 200 and "Attached: photo.jpg" in markdown.text
     exported = http.get(f"/c/{cid}/export.json").json()
     user = next(m for m in exported["messages"] if m["role"] == "user")
     assert not any("upload" in a for a in user["attachments"] or [])  # ids mean nothing elsewhere
