@@ -117,3 +117,17 @@ def test_export_carries_the_images_and_import_restores_them(http, server):
     assert answer.state == "done", "".join(frames)[-300:]
     first = server.storage.active_path(cid)[-1]
     assert answer.prompt_tokens > first.prompt_tokens  # the image's tokens are in it again
+
+
+def test_a_text_only_model_says_it_cannot_see_the_image(tmp_path):
+    import httpx
+
+    from tiny_models import tiny_llama
+
+    with engine_serving(tmp_path, tiny_llama()) as text_only:
+        with httpx.Client(base_url=text_only.url, timeout=60) as client:
+            cid = new_conversation(client)
+            up = upload(client, cid, "photo.jpg", jpeg_with_gps())
+            frames = "".join(turn(text_only, cid, action="send", content="What is it?",
+                                  uploads=[str(up["id"])]))
+    assert "cannot see images" in frames
