@@ -1,7 +1,8 @@
 """Images through every API shape on a real server (127.0.0.1, one per module) running a tiny
 random-weight Qwen2.5-VL (tests/tiny_vlms.py): OpenAI `image_url` data URLs (the openai SDK),
 Anthropic `image` blocks (the anthropic SDK), Ollama `images`, Responses `input_image`; the same
-limits and clear 4xx errors everywhere (app/api/images.py); a text-only model refuses images."""
+limits and clear 4xx errors everywhere (app/api/images.py). (A text-only model's refusal:
+tests/test_vision_ui.py.)"""
 
 import base64
 import io
@@ -19,7 +20,6 @@ from app.api.images import MAX_IMAGES, decode_image  # noqa: E402
 from engine.decoding.generate import build_prompt  # noqa: E402
 from engine.decoding.vision import ImageInput  # noqa: E402
 from live_server import engine_serving, openai_client  # noqa: E402
-from tiny_models import tiny_llama  # noqa: E402
 from tiny_vlms import random_image, tiny_qwen2_5_vl  # noqa: E402
 
 pytestmark = pytest.mark.fast
@@ -158,16 +158,6 @@ def test_exif_orientation_applied_and_stripped():
     with pytest.raises(ApiError) as err:
         decode_image(b"GIF89a\x01", "image")
     assert err.value.status == 400
-
-
-def test_a_text_only_model_refuses_images(tmp_path):
-    text_only = tiny_llama()
-    with engine_serving(tmp_path, lm=text_only) as server:
-        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
-            "model": text_only.name, "max_tokens": 2, "messages": image_message(data_url(png(0)))})
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["code"] == "model_not_vision"
-    assert "cannot see images" in r.json()["error"]["message"]
 
 
 def test_image_tokens_count_where_the_context_is_checked(server, lm):

@@ -26,14 +26,19 @@ pytestmark = pytest.mark.fast
 QUESTION = "What is in this image?"
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "smolvlm"])
-def vlm(request):
-    return {"qwen2_5_vl": tiny_qwen2_5_vl, "smolvlm": tiny_smolvlm}[request.param]()
-
-
 @pytest.fixture(scope="module")
 def qwen():
     return tiny_qwen2_5_vl()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "smolvlm"])
+def vlm(request):
+    return request.getfixturevalue("qwen") if request.param == "qwen2_5_vl" else tiny_smolvlm()
 
 
 def image(seed: int) -> ImageInput:
@@ -79,9 +84,9 @@ def test_text_only_request_on_a_vision_model(vlm):
     assert len(tokens_of(generate(vlm, prompt, SamplingParams(max_tokens=4)))) == 4
 
 
-def test_capabilities_say_vision(vlm):
+def test_capabilities_say_vision(vlm, llama):
     assert "vision" in capabilities(vlm)
-    assert "vision" not in capabilities(tiny_llama())
+    assert "vision" not in capabilities(llama)
 
 
 def test_follow_up_reuses_the_image_and_another_image_does_not(qwen):
@@ -144,9 +149,9 @@ def test_image_tokens_count_in_the_context(qwen):
     assert err.value.code == "context_length_exceeded"
 
 
-def test_refusals(qwen):
+def test_refusals(qwen, llama):
     with pytest.raises(InvalidRequest) as err:
-        build_prompt(tiny_llama(), messages=ask(image(0)))
+        build_prompt(llama, messages=ask(image(0)))
     assert err.value.code == "model_not_vision"
     prompt = build_prompt(qwen, messages=ask(image(0)))
     with pytest.raises(InvalidRequest) as err:  # checked before the speculator is used

@@ -120,14 +120,25 @@ def test_export_carries_the_images_and_import_restores_them(http, server):
 
 
 def test_a_text_only_model_says_it_cannot_see_the_image(tmp_path):
+    """In the chat and through the API (400 `model_not_vision`, naming the field)."""
     import httpx
 
     from tiny_models import tiny_llama
 
-    with engine_serving(tmp_path, tiny_llama()) as text_only:
+    text_model = tiny_llama()
+    with engine_serving(tmp_path, text_model) as text_only:
         with httpx.Client(base_url=text_only.url, timeout=60) as client:
             cid = new_conversation(client)
             up = upload(client, cid, "photo.jpg", jpeg_with_gps())
             frames = "".join(turn(text_only, cid, action="send", content="What is it?",
                                   uploads=[str(up["id"])]))
+            url = "data:image/jpeg;base64," + base64.b64encode(jpeg_with_gps()).decode()
+            r = client.post("/v1/chat/completions", json={
+                "model": text_model.name, "max_tokens": 2, "messages": [{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "What is it?"}]}]})
     assert "cannot see images" in frames
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "model_not_vision" and error["param"] == "messages[0].content"
+    assert "cannot see images" in error["message"]
