@@ -60,10 +60,9 @@ class ImageInput:
         from PIL import Image
 
         rgb = image if image.mode == "RGB" else image.convert("RGB")
-        rgb = Image.frombytes("RGB", rgb.size, rgb.tobytes())  # pixels only: no EXIF, no metadata
-        h = hashlib.sha256(f"{rgb.width}x{rgb.height}\0".encode())
-        h.update(rgb.tobytes())
-        return cls(rgb, h.hexdigest())
+        pixels = rgb.tobytes()
+        digest = hashlib.sha256(f"{rgb.width}x{rgb.height}\0".encode() + pixels).hexdigest()
+        return cls(Image.frombytes("RGB", rgb.size, pixels), digest)  # pixels only: no metadata
 
     @functools.cached_property
     def key(self) -> int:
