@@ -29,7 +29,7 @@ from starlette.staticfiles import StaticFiles
 import static
 from engine import DEFAULT_KEEP_ALIVE_S, Cluster, Engine, data_dir, describe_device
 
-from . import api, attachments, exports, login, ui, uploads
+from . import api, attachments, exports, image_uploads, login, ui, uploads
 from .api.errors import http_error
 from .connections import HeaderTimeoutProtocol
 from .doc_index.store import ChunkStore
@@ -72,7 +72,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     access = KeyAccess(api_key)
     app = Starlette(
         routes=[*api.routes, *login.routes, *ui.routes, *exports.routes, *attachments.routes,
-                *uploads.routes,
+                *uploads.routes, *image_uploads.routes,
                 Mount("/static", StaticFiles(directory=STATIC_DIR))],
         lifespan=mcp.lifespan,
         exception_handlers={HTTPException: http_error},

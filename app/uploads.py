@@ -143,7 +143,8 @@ async def create(request: Request) -> Response:
         kind = kind_of(f.read(HEAD_BYTES), name)
     if kind is None:
         part.unlink(missing_ok=True)
-        return upload_error(415, "not a text file (only text, Markdown, code, CSV, JSON and PDF)",
+        return upload_error(415, "not a text file (only text, Markdown, code, CSV, JSON and PDF) "
+                            "nor an image (PNG, JPEG, WebP, GIF)",
                             "unsupported_file", "file")
     os.replace(part, store.blob(sha256))  # the same bytes again: one copy
     up, fresh = await asyncio.to_thread(store.add, conv.id, name, sha256, kind.name, size)

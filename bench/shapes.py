@@ -267,27 +267,43 @@ def build(name: str, dtype: mx.Dtype = mx.bfloat16, seed: int = 0):
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
+def folder_to_build(model_type: str, recipe: Any, root: Path | None = None) -> tuple[Path, Path | None]:
+    """Where a random-weight folder made from `recipe` (JSON) lives under `root` (default: our
+    cache), named by a hash of it, and an empty scratch folder to build it in (renamed into place
+    when done), or None when it is already built."""
+    from engine.paths import cache_dir
+
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    folder = (root or cache_dir() / "tiny-models") / f"{model_type}-{key}"
+    if (folder / "model.safetensors").exists():
+        return folder, None
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return folder, tmp
+
+
+def copy_bundled_tokenizer(folder: Path) -> None:
+    """The bundled model's tokenizer files into `folder`."""
+    from engine.loading.registry import resolve
+
+    _, tokenizer_folder = resolve(None)  # the bundled model, converted once
+    for name in TOKENIZER_FILES:
+        if (tokenizer_folder / name).exists():
+            shutil.copy(tokenizer_folder / name, folder / name)
+
+
 def build_folder(config: dict[str, Any], seed: int = 0, root: Path | None = None) -> Path:
     """Write an mlx-lm folder with random weights for `config` (mlx-lm's own seeded
     initialisation) and the bundled model's tokenizer files, under `root` (default: our cache).
     The folder's name hashes the config and seed, so it is built once and reused."""
-    from engine.loading.registry import resolve
-    from engine.paths import cache_dir
-
-    key = hashlib.sha256(json.dumps([config, seed], sort_keys=True).encode()).hexdigest()[:12]
-    folder = (root or cache_dir() / "tiny-models") / f"{config['model_type']}-{key}"
-    if (folder / "model.safetensors").exists():
+    folder, tmp = folder_to_build(config["model_type"], [config, seed], root)
+    if tmp is None:
         return folder
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     model = build_module(Shape(folder.name, config), dtype=None, seed=seed)
     mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    _, tokenizer_folder = resolve(None)  # the bundled model, converted once
-    for name in TOKENIZER_FILES:
-        if (tokenizer_folder / name).exists():
-            shutil.copy(tokenizer_folder / name, tmp / name)
+    copy_bundled_tokenizer(tmp)
     tmp.rename(folder)
     return folder
 

@@ -31,6 +31,7 @@ from .scheduling.requests import RequestHandle
 from .scheduling.service import Engine, EngineStatus
 from .scheduling.slot import ModelDescription
 from .decoding.generate import build_prompt as _build_prompt
+from .decoding.vision import ImageInput
 
 __all__ = [
     "Cluster", "DEFAULTABLE", "DEFAULT_KEEP_ALIVE_S", "DEFAULT_SOURCES", "DEVICES", "KV_BITS_ENV", "PRESETS",
@@ -38,7 +39,7 @@ __all__ = [
     "EMBEDDING_MAX_INPUTS", "EmbeddingHandle", "Embeddings",
     "Channel", "Default", "DownloadCancelled", "DownloadError", "DownloadProgress", "DraftChoice",
     "Engine", "EngineError", "EngineStatus", "Event", "FinishReason", "InvalidRequest",
-    "ModelDefaults", "ModelDescription", "ModelInfo", "ModelLoadError", "Overloaded",
+    "ImageInput", "ModelDefaults", "ModelDescription", "ModelInfo", "ModelLoadError", "Overloaded",
     "RequestHandle", "RequestState", "SamplingOption", "SamplingParams", "SpeculativeOptions",
     "Timings", "TokenLogprob", "ToolCall", "ToolRequest", "TopLogprob", "UnsupportedArchitecture",
     "Usage",

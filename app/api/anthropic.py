@@ -14,7 +14,8 @@ Tolerant as its clients need: fields and block types that ask for nothing this s
 (`cache_control`, `metadata`, `thinking: adaptive`, `output_config`, `context_management`, server
 tools ...) are accepted and ignored; `max_tokens` is clamped to the context the prompt leaves; any
 model name runs on the loaded model unless an alias (`--model-alias`) or a local model's own name
-says otherwise. Not supported: images and documents (a clear 400).
+says otherwise. Images: `image` blocks with a base64 source in user turns (limits in
+app/api/images.py). Not supported: documents (a clear 400).
 """
 
 import asyncio
@@ -80,14 +81,30 @@ def _turn(i: int, message: Any) -> list[dict[str, Any]]:
     texts, calls, results = _blocks(where, role, content)
     out = list(results)
     if texts or calls or not results:
-        out.append({"role": role, "content": "".join(texts),
+        text_only = all(isinstance(t, str) for t in texts)
+        parts = [{"type": "text", "text": t} if isinstance(t, str) else t for t in texts]
+        out.append({"role": role, "content": "".join(texts) if text_only else parts,
                     **({"tool_calls": calls} if calls else {})})
     return out
 
 
-def _blocks(where: str, role: str, content: list[Any]) -> tuple[list[str], list[dict[str, Any]],
+def _image(at: str, block: dict[str, Any]) -> dict[str, Any]:
+    """An `image` block (base64 source) as an OpenAI `image_url` part, which parse_messages decodes
+    with the limits of app/api/images.py; a `url` source is refused the same way."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise _bad(f"{at} must have a 'source' object", at)
+    if source.get("type") == "url":
+        return {"type": "image_url", "image_url": {"url": source.get("url")}}
+    if source.get("type") != "base64" or not isinstance(source.get("data"), str):
+        raise _bad(f"{at}.source must be {{\"type\": \"base64\", \"media_type\", \"data\"}}", at)
+    media = source.get("media_type") if isinstance(source.get("media_type"), str) else ""
+    return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{source['data']}"}}
+
+
+def _blocks(where: str, role: str, content: list[Any]) -> tuple[list[Any], list[dict[str, Any]],
                                                                list[dict[str, Any]]]:
-    """(texts, tool calls, tool results) of a message's content blocks."""
+    """(texts and image parts, tool calls, tool results) of a message's content blocks."""
     texts, calls, results = [], [], []
     for j, block in enumerate(content):
         at = f"{where}.content[{j}]"
@@ -100,8 +117,10 @@ def _blocks(where: str, role: str, content: list[Any]) -> tuple[list[str], list[
             calls.append(_tool_use(at, block))
         elif kind == "tool_result" and role == "user":
             results.append(_tool_result(at, block))
+        elif kind == "image" and role == "user":
+            texts.append(_image(at, block))
         elif kind in ("image", "document"):
-            raise _bad(f"{at} is an {kind} block: this server reads text only", at)
+            raise _bad(f"{at} is an {kind} block: this server reads text and user images only", at)
         elif kind not in _SKIPPED_BLOCKS and isinstance(block.get("text"), str):
             texts.append(block["text"])  # an unknown block type that carries text
     return texts, calls, results

@@ -209,10 +209,15 @@ def _thinking_budget(think: Any) -> int | None:
     return None
 
 
-def _images(where: str, value: Any) -> None:
-    if value:
-        raise ApiError(400, f"{where} holds images, and the loaded model reads text only "
-                            "(no vision model is served yet)")
+def _with_images(where: str, images: Any, text: str) -> str | list[dict[str, Any]]:
+    """Content with Ollama's `images` (base64 strings), placed before the text as Ollama places
+    them, as OpenAI `image_url` parts that parse_messages decodes (limits: app/api/images.py)."""
+    if not images:
+        return text
+    if not isinstance(images, list) or not all(isinstance(x, str) for x in images):
+        raise ApiError(400, f"{where}.images must be an array of base64 strings", f"{where}.images")
+    return [{"type": "image_url", "image_url": {"url": f"data:;base64,{x}"}} for x in images] + \
+        [{"type": "text", "text": text}]
 
 
 def _chat_messages(value: Any) -> list[dict[str, Any]]:
@@ -224,8 +229,8 @@ def _chat_messages(value: Any) -> list[dict[str, Any]]:
     for i, m in enumerate(value):
         if not isinstance(m, dict):
             raise ApiError(400, f"messages[{i}] must be an object")
-        _images(f"messages[{i}]", m.get("images"))
-        message = {"role": m.get("role"), "content": m.get("content") or ""}
+        message = {"role": m.get("role"),
+                   "content": _with_images(f"messages[{i}]", m.get("images"), m.get("content") or "")}
         calls = m.get("tool_calls")
         if calls:
             if not isinstance(calls, list):
@@ -407,7 +412,6 @@ async def generate(request: Request) -> Response:
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         streamed = _stream_flag(body)
-        _images("the request", body.get("images"))
         prompt, system = body.get("prompt", ""), body.get("system")
         if not isinstance(prompt, str) or (system is not None and not isinstance(system, str)):
             raise ApiError(400, "'prompt' and 'system' must be strings")
@@ -419,7 +423,7 @@ async def generate(request: Request) -> Response:
             handles, meta, started = await _run(request, None, body, None, text=prompt)
         else:
             messages = ([{"role": "system", "content": system}] if system else []) + \
-                [{"role": "user", "content": prompt}]
+                [{"role": "user", "content": _with_images("the request", body.get("images"), prompt)}]
             handles, meta, started = await _run(request, parse_messages(messages), body, None)
     except ApiError as exc:
         return _from(exc)

@@ -15,6 +15,7 @@ from engine import SAMPLING_OPTIONS, Usage
 
 from .choices import MAX_CHOICES
 from .errors import ApiError
+from .images import check_count, count_images, decode_url, image_part
 from .tool_messages import tool_fields
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -89,16 +90,30 @@ def stream_fields(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, bool(options.get("include_usage"))
 
 
-def _content(i: int, content: Any) -> str:
-    """A message's text: a string, or OpenAI's list of `{"type": "text", "text": ...}` parts."""
+def _content(i: int, content: Any) -> str | list[dict[str, Any]]:
+    """A message's content: a string, or OpenAI's list of parts: text parts alone are joined into
+    a string; with `image_url` parts (data URLs, app/api/images.py) it stays a list of text and
+    image parts, in order."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content):
-        return "".join(p["text"] for p in content)
-    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts "
-                        "(images, audio and tool calls are not supported)", f"messages[{i}].content")
+    where = f"messages[{i}].content"
+    if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
+        raise ApiError(400, f"{where} must be a string or a list of text and image_url parts",
+                       where)
+    parts: list[dict[str, Any]] = []
+    for j, p in enumerate(content):
+        if p.get("type") == "text" and isinstance(p.get("text"), str):
+            parts.append({"type": "text", "text": p["text"]})
+        elif p.get("type") == "image_url":
+            url = p.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            parts.append(image_part(decode_url(url, f"{where}[{j}].image_url", where)))
+        else:
+            raise ApiError(400, f"{where}[{j}] must be a text or image_url part (audio and files "
+                                "are not supported)", where)
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
 def parse_messages(value: Any) -> list[dict[str, Any]]:
@@ -118,6 +133,7 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
             content = ""
         out.append({"role": ROLES[role], "content": _content(i, content),
                     **tool_fields(i, role, m)})
+    check_count(count_images(out))
     return out
 
 

@@ -9,7 +9,9 @@ output items (reasoning, message, function_call) and OpenAI's stream events. `st
 default) keeps the response and its conversation in SQLite so that `previous_response_id`
 continues it; `store: false` keeps nothing. Fields that ask for nothing this server must do
 (`include`, `prompt_cache_key`, `truncation`, `metadata`, `user`, `service_tier` ...) and hosted
-tool types (web search, ...) are ignored; images and files are refused with a clear 400. Without
+tool types (web search, ...) are ignored; `input_image` parts (data URLs) in user messages are
+images (app/api/images.py; stored with the conversation as PNG data URLs, EXIF stripped); files
+are refused with a clear 400. Without
 `max_output_tokens` the answer may use the context the prompt leaves. Model names that are no
 local model run on the loaded one (`--model-alias` applies).
 """
@@ -29,6 +31,7 @@ from ..error_shapes import api_error
 from ..sse import sse
 from .choices import Choice
 from .errors import ApiError
+from .images import storable
 from .openai_request import parse_messages
 from .response_format import json_schema
 from .serving import (finished, public_error, read_body, stream, submit,
@@ -45,21 +48,29 @@ def _bad(message: str, param: str | None = None, code: str = "invalid_value") ->
     return ApiError(400, message, param, code)
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: Any, where: str, images: bool = False) -> str | list[dict[str, Any]]:
+    """A content's text; with `images` (a message's content), `input_image` parts (an
+    `image_url` data URL) make it a list of text and OpenAI `image_url` parts, which
+    parse_messages decodes (limits: app/api/images.py)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise _bad(f"{where} must be a string or an array of content parts", where)
-    parts = []
+    parts: list[Any] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
             parts.append(part["text"])
+        elif kind == "input_image" and images and part.get("image_url") is not None:
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
         elif kind in ("input_image", "input_file", "input_audio"):
-            raise _bad(f"{where}[{j}] is {kind}: this server reads text only", where)
+            raise _bad(f"{where}[{j}] is {kind}: this server reads text and images given as "
+                       "`image_url` data URLs only", where)
         elif kind is None:
             raise _bad(f"{where}[{j}] must be a content part with a 'type'", where)
-    return "".join(parts)
+    if all(isinstance(p, str) for p in parts):
+        return "".join(parts)
+    return [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
 
 
 def input_messages(value: Any, instructions: Any) -> list[dict[str, Any]]:
@@ -88,7 +99,8 @@ def _add_item(out: list[dict[str, Any]], where: str, item: Any) -> None:
         role = {"developer": "system"}.get(item.get("role"), item.get("role"))
         if role not in ("user", "assistant", "system"):
             raise _bad(f"{where}.role must be user, assistant, system or developer", where)
-        out.append({"role": role, "content": _text(item.get("content", ""), f"{where}.content")})
+        out.append({"role": role, "content": _text(item.get("content", ""), f"{where}.content",
+                                                   images=role == "user")})
     elif kind == "function_call":
         if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
             raise _bad(f"{where} needs 'name' and 'call_id'", where)
@@ -253,7 +265,7 @@ class _Request:
                       "function": {"name": i["name"], "arguments": i["arguments"]}}
                      for i in items if i["type"] == "function_call"]
             answer = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
-            storage.save_response(done["id"], done, self.messages + [answer])
+            storage.save_response(done["id"], done, storable(self.messages + [answer]))
         return done
 
 

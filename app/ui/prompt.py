@@ -9,6 +9,7 @@ from engine import Engine
 from ..context import TRUNCATE_MODES, drop_oldest
 from ..doc_index.answering import DocumentPrompt
 from ..documents import with_documents
+from ..image_uploads import resolve_images, with_images
 from ..storage import Message
 
 
@@ -24,7 +25,8 @@ def engine_messages(settings: Mapping[str, Any], path: list[Message]) -> list[di
     for m in path:
         if m.role == "assistant" and m.state == "failed" and not m.content and not m.tool_calls:
             continue
-        message: dict[str, Any] = {"role": m.role, "content": with_documents(m.content, m.attachments)}
+        content = with_images(with_documents(m.content, m.attachments), m.attachments)
+        message: dict[str, Any] = {"role": m.role, "content": content}
         if m.tool_calls:
             message["tool_calls"] = m.tool_calls
         if m.tool_call_id:
@@ -54,4 +56,5 @@ def prompt_with_documents(app: Any, settings: Mapping[str, Any], path: list[Mess
     retrieved (and stored) when it has documents too large to go in whole. CPU-bound."""
     docs = document_prompt(app)
     path = docs.retrieve(settings, path, max_tokens, engine_messages)
+    path = resolve_images(app.state.uploads, path)  # app/image_uploads.py
     return answer_messages(app.state.engine, settings, docs.resolve(path), max_tokens)

@@ -45,6 +45,7 @@ class Prompt:
     tokens: list[int]
     checkpoints: list[int]
     continued: bool = False  # it ends inside an assistant message that the answer continues
+    vision: Any = None  # its images, as engine/decoding/vision.py's VisionPrompt (None: text only)
 
 
 # Kept for templates that render tool calls and results (engine/decoding/tools.py).
@@ -61,12 +62,27 @@ def validate_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
-        if not isinstance(content, str):
+        if not isinstance(content, str) and not _is_parts(content):
             raise InvalidRequest(f"messages[{i}].content must be a string")
         clean.append({"role": role, "content": content, **{k: m[k] for k in _TOOL_KEYS if m.get(k)}})
-    if not any(m["content"].strip() or m.get("tool_calls") for m in clean):
+    if not any(_has_content(m["content"]) or m.get("tool_calls") for m in clean):
         raise InvalidRequest("the prompt is empty: every message has empty content")
     return clean
+
+
+def _is_parts(content: Any) -> bool:
+    """Content as a list of parts, as a vision model's template takes it (engine/decoding/vision.py
+    makes them): `{"type": "text", "text": str}` and `{"type": "image"}`."""
+    return isinstance(content, list) and all(
+        isinstance(p, dict) and (p.get("type") == "image" or
+                                 (p.get("type") == "text" and isinstance(p.get("text"), str)))
+        for p in content)
+
+
+def _has_content(content: str | list[dict[str, Any]]) -> bool:
+    if isinstance(content, str):
+        return bool(content.strip())
+    return any(p["type"] == "image" or p["text"].strip() for p in content)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -103,7 +103,10 @@ def _has_mtp(lm: LoadedModel) -> bool:
 
 
 def draft_choices(lm: LoadedModel) -> tuple[DraftChoice, ...]:
-    """The drafts worth offering for `lm`, the recommended one first."""
+    """The drafts worth offering for `lm`, the recommended one first (none for a vision model,
+    whose language model runs in mlx-vlm's layers: engine/loading/vision.py)."""
+    if "vision" in lm.extras:
+        return ()
     choices = [DraftChoice("self-q4", "self-q4")]
     allowed = _truncations(lm)
     if allowed:

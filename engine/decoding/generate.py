@@ -28,6 +28,7 @@ from .stops import StopMatcher
 from .thinking import thinking_budget
 from .tools import ToolRequest, constraint as tool_constraint, markers as tool_markers, parse_calls
 from .tools import prepare as prepare_tools
+from .vision import has_images, render_with_images
 
 if TYPE_CHECKING:
     from .speculative import Speculator
@@ -123,6 +124,8 @@ def build_prompt(lm: LoadedModel, messages: Sequence[dict] | None = None,
     Without `with_checkpoints` a rendered prompt's only checkpoint is its end (to count tokens)."""
     if sum(x is not None for x in (messages, prompt_tokens, text)) != 1:
         raise InvalidRequest("give exactly one of messages, prompt_tokens or text")
+    if messages is not None and (has_images(messages) or "vision" in lm.extras):  # vision.py
+        return render_with_images(lm, messages, tools, with_checkpoints)
     if messages is not None:
         msgs, kwargs = prepare_tools(lm.tokenizer, messages, tools)
         return render(lm.tokenizer, msgs, with_checkpoints=with_checkpoints, **kwargs)
@@ -176,6 +179,10 @@ class Generation:
             raise InvalidRequest(f"logit_bias token ids must be below {vocab}", field="logit_bias",
                                  code="invalid_value")
         check_model_ranges(params, vocab)
+        self.vision = prompt.vision  # its images (engine/decoding/vision.py), or None
+        if self.vision is not None and speculator is not None:
+            raise InvalidRequest("speculative decoding does not take images; send the request "
+                                 "without `speculative`", field="speculative", code="invalid_value")
         self.speculator = speculator  # opt-in: decode by draft-and-verify (engine/decoding/speculative.py)
         self.lm, self.prompt, self.params = lm, prompt, params
         self.prefix_cache = prefix_cache
@@ -262,12 +269,13 @@ class Generation:
     def _begin(self) -> None:
         self.started = time.perf_counter()
         tokens = self.prompt.tokens
+        key = self._key(tokens)
         if self.prefix_cache is not None:
-            self.cache, self.reused = self.prefix_cache.fetch(tokens)
+            self.cache, self.reused = self.prefix_cache.fetch(key)
         else:
             self.cache, self.reused = make_prompt_cache(self.lm.model), 0
         self.fed = list(tokens[: self.reused])
-        branch = self.prefix_cache.branch_point(tokens) if self.prefix_cache is not None else 0
+        branch = self.prefix_cache.branch_point(key) if self.prefix_cache is not None else 0
         self._stops = POLICY.prefill_stops(self.prompt, self.reused,
                                            self.lm.caches.trimmable(self.cache), branch)
         if self.sampler.processors:
@@ -280,13 +288,20 @@ class Generation:
             self._history = mx.concatenate([self._history, inputs])
         if self.speculator is not None:
             return self.speculator.prefill(inputs, self.cache, len(self.fed))
+        if self.vision is not None:
+            return self.vision.forward(self.lm.model, inputs, len(self.fed), self.cache)
         if last_only and LAST_ROW_HEAD:
             return last_logits(self.lm.model, inputs[None], self.cache)
         return self.lm.model(inputs[None], cache=self.cache)
 
+    def _key(self, tokens: Sequence[int]) -> list[int]:
+        """The prefix-cache key of `tokens`: the tokens, each image's tokens replaced by its
+        image's key (engine/decoding/vision.py)."""
+        return self.vision.key(tokens) if self.vision is not None else list(tokens)
+
     def _save(self) -> None:
         if self.prefix_cache is not None:
-            self.prefix_cache.save(list(self.fed), self.cache)
+            self.prefix_cache.save(self._key(self.fed), self.cache)
 
     # -- work ----------------------------------------------------------------------------------
     def step(self, prefill_limit: int | None = None) -> list[Event]:
@@ -378,8 +393,8 @@ class Generation:
     @property
     def prefills_alone(self) -> bool:
         """Whether its prefill must run in its own model calls (a speculator prefills its draft
-        with the target)."""
-        return self.speculator is not None
+        with the target; images take their own embeddings and positions)."""
+        return self.speculator is not None or self.vision is not None
 
     def _decode_step(self) -> list[Event]:
         spec = self.speculator
@@ -411,7 +426,11 @@ class Generation:
             self._pending_logprobs = self._next[1]
             self._next = None
             return self._emit([y.item()])
-        logits = self.lm.model(self.decode_input()[None], cache=self.cache)
+        inputs = self.decode_input()
+        if self.vision is not None:
+            logits = self.vision.forward(self.lm.model, inputs, len(self.fed), self.cache)
+        else:
+            logits = self.lm.model(inputs[None], cache=self.cache)
         return self.decode_output(logits[:, -1, :])
 
     def _resume_plain(self) -> None:
@@ -431,9 +450,10 @@ class Generation:
     def batchable(self) -> bool:
         """Decoding plainly with a token to feed next (not cancelled). A row's last token is fed
         too (one wasted row of a model call that runs anyway), so it need not leave the batch
-        before its last step."""
-        return ((self.speculator is None or self._plain_left is None) and self.finish_reason is None
-                and not self._cancel and self._next is not None)
+        before its last step. A request with images decodes alone (its positions and cache keys
+        are its own)."""
+        return (self.vision is None and (self.speculator is None or self._plain_left is None)
+                and self.finish_reason is None and not self._cancel and self._next is not None)
 
     def decode_input(self) -> mx.array:
         """The sampled token not yet fed, as model input of shape (1,), added to the history."""

@@ -167,7 +167,9 @@ def prepare(tokenizer: Any, messages: Sequence[dict[str, Any]],
             out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
         else:
             content = m.get("content") or ""
-            out.append({"role": m["role"], "content": content + "".join(_fallback_call(c) for c in calls)})
+            if calls:  # (content with image parts is a list: engine/decoding/vision.py)
+                content = content + "".join(_fallback_call(c) for c in calls)
+            out.append({"role": m["role"], "content": content})
     if tools is None:
         return out, {}
     if native:

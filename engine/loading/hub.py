@@ -33,7 +33,10 @@ _SPLIT_GGUF = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 FOLDER_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json",
                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                 "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-                "chat_template.json", "chat_template.jinja")
+                "chat_template.json", "chat_template.jinja",
+                # a vision model's processor (engine/loading/vision.py)
+                "preprocessor_config.json", "processor_config.json",
+                "video_preprocessor_config.json")
 PICKLED = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 PROGRESS_INTERVAL_S = 0.25
 PROGRESS_BYTES = 2**20  # a report at least this often, whatever the time

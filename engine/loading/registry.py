@@ -20,6 +20,7 @@ from ..errors import ModelLoadError
 from .gguf import convert_gguf
 from .hub import hub_cache_dir
 from .memory import shortfall, weight_files_bytes
+from .vision import is_vision_folder
 from ..kernels.caches import LOCAL, CacheOps
 from ..kernels.fastest import fastest_layout
 from ..kernels.gated_delta import use_chunked_prefill
@@ -37,6 +38,7 @@ class ModelInfo:
     source: str  # "bundled" | "folder" | "gguf" | "hf-cache"
     path: str | None
     size_bytes: int | None
+    vision: bool = False  # a vision-language model's folder (engine/loading/vision.py)
 
 
 # What a model can do, as clients ask (Ollama's /api/show, /v1/models, the picker): one
@@ -48,8 +50,8 @@ def capabilities(lm: "LoadedModel") -> tuple[str, ...]:
     """The model's CAPABILITIES: a dedicated embedding model (sentence-transformers pooling,
     engine/decoding/embeddings.py) only embeds; every other model completes and embeds (mean
     pooling of its last hidden state); tools when its tokenizer knows its family's tool-call
-    markers or its chat template takes `tools`; thinking when it knows think markers. (Vision is
-    not served yet.)"""
+    markers or its chat template takes `tools`; thinking when it knows think markers; vision when
+    it is a vision-language model loaded through mlx-vlm (engine/loading/vision.py)."""
     from .embedding_recipe import embedding_recipe
 
     if embedding_recipe(lm.path).dedicated:
@@ -61,6 +63,8 @@ def capabilities(lm: "LoadedModel") -> tuple[str, ...]:
         found.append("tools")
     if getattr(tok, "has_thinking", False):
         found.append("thinking")
+    if "vision" in lm.extras:
+        found.append("vision")
     found.append("embedding")
     return tuple(found)
 
@@ -142,7 +146,8 @@ def _hf_cache_models() -> list[ModelInfo]:
         snapshots = sorted((repo / "snapshots").glob("*/config.json"), key=lambda p: p.stat().st_mtime)
         if snapshots and any(snapshots[-1].parent.glob("*.safetensors")):
             folder = snapshots[-1].parent
-            found.append(ModelInfo(name, "hf-cache", str(folder), _dir_size(folder.resolve())))
+            found.append(ModelInfo(name, "hf-cache", str(folder), _dir_size(folder.resolve()),
+                                   vision=is_vision_folder(folder)))
         for gguf in sorted((repo / "snapshots").glob("*/**/*.gguf")):
             if gguf.is_file():
                 file = gguf.relative_to(repo / "snapshots").as_posix().split("/", 1)[1]
@@ -234,6 +239,8 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
         why = shortfall(display, weight_files_bytes(folder.glob("*")))
         if why:
             raise ModelLoadError(f"not loading: {why}", code="insufficient_memory")
+        if is_vision_folder(folder):
+            return _load_vision_model(display, folder, group)
         try:
             # mlx_lm.load's two steps, with Gemma 2's sliding window (gemma2_window.py)
             model, config = mlx_lm_load_model(folder, get_model_classes=model_classes)
@@ -260,3 +267,22 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
     # scheduler thread that runs the model cannot evaluate them.
     mx.eval(model.parameters())
     return LoadedModel(name=display, model=model, tokenizer=tokenizer, config=config, path=folder)
+
+
+def _load_vision_model(display: str, folder: Path,
+                       group: mx.distributed.Group | None) -> LoadedModel:
+    """A vision-language model through mlx-vlm (engine/loading/vision.py): its language model in
+    mlx-vlm's own layers (no CPU layout, no transform); never sharded."""
+    from mlx_lm.utils import load_tokenizer
+
+    from .vision import adapt_template, load_vision
+
+    if group is not None:
+        raise ModelLoadError(f"{display!r} is a vision model: sharded serving does not take vision "
+                             "models; serve it on one process", code="vision_not_shardable")
+    model, parts, config = load_vision(folder, display)
+    tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
+    adapt_template(tokenizer)
+    mx.eval(model.parameters())
+    return LoadedModel(name=display, model=model, tokenizer=tokenizer, config=config, path=folder,
+                       extras={"vision": parts})

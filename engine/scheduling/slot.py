@@ -79,7 +79,8 @@ class ModelSlot:
         for m in self._opened.values():
             found.setdefault(m.name, m)
         if self.lm is not None:  # always listed, however it was loaded
-            found.setdefault(self.lm.name, ModelInfo(self.lm.name, "folder", str(self.lm.path), None))
+            found.setdefault(self.lm.name, ModelInfo(self.lm.name, "folder", str(self.lm.path), None,
+                                                     vision="vision" in self.lm.extras))
         return list(found.values())
 
     # -- loading and switching -------------------------------------------------------------------
@@ -109,7 +110,8 @@ class ModelSlot:
             path = Path(name).expanduser()
             self._opened[lm.name] = ModelInfo(
                 lm.name, "gguf" if path.is_file() else "folder", str(path),
-                weight_files_bytes([path] if path.is_file() else path.glob("*")))
+                weight_files_bytes([path] if path.is_file() else path.glob("*")),
+                vision="vision" in lm.extras)
         self.footprint = kv_footprint(lm.model, lm.caches)
         self._make_resident_parts()
         self.described = ModelDescription(

@@ -1,0 +1,211 @@
+"""Images through every API shape on a real server (127.0.0.1, one per module) running a tiny
+random-weight Qwen2.5-VL (tests/tiny_vlms.py): OpenAI `image_url` data URLs (the openai SDK),
+Anthropic `image` blocks (the anthropic SDK), Ollama `images`, Responses `input_image`; the same
+limits and clear 4xx errors everywhere (app/api/images.py). (A text-only model's refusal:
+tests/test_vision_ui.py.)"""
+
+import base64
+import io
+
+import httpx
+import pytest
+
+pytest.importorskip("mlx_vlm")
+
+import anthropic  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from app.api.errors import ApiError  # noqa: E402
+from app.api.images import MAX_IMAGES, decode_image  # noqa: E402
+from engine.decoding.generate import build_prompt  # noqa: E402
+from engine.decoding.vision import ImageInput  # noqa: E402
+from live_server import engine_serving, openai_client  # noqa: E402
+from tiny_vlms import random_image, tiny_qwen2_5_vl  # noqa: E402
+
+pytestmark = pytest.mark.fast
+
+
+def png(seed: int = 0, size=(80, 60)) -> bytes:
+    out = io.BytesIO()
+    random_image(seed, size).save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(raw: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64," + base64.b64encode(raw).decode()
+
+
+def image_message(url: str, text: str = "What is in this image?") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": text}]}]
+
+
+def prompt_tokens(lm, seed: int, text: str) -> int:
+    """Tokens of a one-image question, as the engine counts them (the image's tokens included)."""
+    return len(build_prompt(lm, messages=[{"role": "user", "content": [
+        {"type": "image", "image": ImageInput.from_pil(random_image(seed))},
+        {"type": "text", "text": text}]}]).tokens)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_qwen2_5_vl()
+
+
+@pytest.fixture(scope="module")
+def server(lm, tmp_path_factory):
+    with engine_serving(tmp_path_factory.mktemp("vision-api"), lm=lm) as s:
+        yield s
+
+
+def test_openai_image_url_answers_and_counts_the_image_tokens(server, lm):
+    client = openai_client(server)
+    messages = image_message(data_url(png(0)))
+    first = client.chat.completions.create(model=lm.name, messages=messages, max_tokens=5,
+                                           temperature=0)
+    assert first.choices[0].message.content and first.usage.completion_tokens == 5
+    expected = prompt_tokens(lm, 0, "What is in this image?")
+    assert first.usage.prompt_tokens == expected  # the image's tokens counted
+    # a follow-up about the same image reuses its prefill
+    follow = messages + [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "And its colours?"}]
+    second = client.chat.completions.create(model=lm.name, messages=follow, max_tokens=3,
+                                            temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens > expected - 3
+
+
+def test_models_list_the_vision_capability(server, lm):
+    listed = httpx.get(f"{server.url}/v1/models").json()["data"]
+    assert "vision" in next(m for m in listed if m.get("capabilities"))["capabilities"]
+    shown = httpx.post(f"{server.url}/api/show", json={"model": lm.name}).json()
+    assert "vision" in shown["capabilities"]
+
+
+def test_anthropic_ollama_and_responses_take_images(server, lm):
+    raw = png(1)
+    b64 = base64.b64encode(raw).decode()
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    answer = client.messages.create(model=lm.name, max_tokens=4, messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}},
+        {"type": "text", "text": "Describe it."}]}])
+    expected = prompt_tokens(lm, 1, "Describe it.")
+    assert answer.usage.input_tokens + (answer.usage.cache_read_input_tokens or 0) == expected
+    assert answer.content[0].text
+
+    r = httpx.post(f"{server.url}/api/chat", timeout=60, json={
+        "model": lm.name, "stream": False, "options": {"num_predict": 4},
+        "messages": [{"role": "user", "content": "Describe it.", "images": [b64]}]})
+    assert r.status_code == 200 and r.json()["done"], r.text
+    # Ollama counts the tokens it evaluated: the same image and text as the Anthropic request
+    # (Ollama puts images before the text), so its image came from the prefix cache
+    assert r.json()["prompt_eval_count"] < expected - 4
+
+    responses = openai_client(server).responses
+    first = responses.create(model=lm.name, max_output_tokens=4, input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": data_url(raw)},
+        {"type": "input_text", "text": "Describe it."}]}])
+    assert first.usage.input_tokens == expected
+    # the stored conversation keeps the image: a follow-up by previous_response_id sees it
+    second = responses.create(model=lm.name, max_output_tokens=2, input="More?",
+                              previous_response_id=first.id)
+    assert second.usage.input_tokens > first.usage.input_tokens
+
+
+BAD = [
+    ("http URL", "https://example.com/cat.png", "image_url_not_allowed"),
+    ("SVG", data_url(b'<svg xmlns="http://www.w3.org/2000/svg"/>', "image/svg+xml"),
+     "unsupported_image_format"),
+    ("0 bytes", "data:image/png;base64,", "invalid_image"),
+    ("corrupt", data_url(png(0)[:40]), "invalid_image"),
+    ("not base64", "data:image/png;base64,@@@", "invalid_image"),
+    ("a BMP", None, "unsupported_image_format"),
+]
+
+
+@pytest.mark.parametrize("name,url,code", BAD, ids=[b[0] for b in BAD])
+def test_bad_images_are_clear_4xx(server, lm, name, url, code):
+    if url is None:
+        out = io.BytesIO()
+        random_image(0).save(out, format="BMP")
+        url = data_url(out.getvalue(), "")
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": lm.name, "max_tokens": 2, "messages": image_message(url)})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == code and r.json()["error"]["param"] == "messages[0].content"
+
+
+def test_too_many_images_and_the_pixel_limit(server, lm, monkeypatch):
+    url = data_url(png(0, (16, 16)))
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": lm.name, "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}] * (MAX_IMAGES + 1)}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_images"
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # a bomb, by Pillow's own limit
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": lm.name, "max_tokens": 2, "messages": image_message(data_url(png(0)))})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "image_too_large"
+
+
+def test_exif_orientation_applied_and_stripped():
+    out = io.BytesIO()
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotated: shown 90 degrees clockwise
+    exif[0x8825] = {2: (48.0, 51.0, 0.0)}  # GPS latitude
+    random_image(0, (80, 60)).save(out, format="JPEG", exif=exif)
+    image = decode_image(out.getvalue(), "image")
+    assert image.image.size == (60, 80)
+    assert not image.image.info.get("exif") and not image.image.getexif()
+    with pytest.raises(ApiError) as err:
+        decode_image(b"GIF89a\x01", "image")
+    assert err.value.status == 400
+
+
+def test_image_tokens_count_where_the_context_is_checked(server, lm):
+    """`count_tokens`, which the context check and "truncate oldest" use (app/context.py),
+    counts an image's tokens; the picker says the model sees images."""
+    from engine import count_tokens
+
+    messages = [{"role": "user", "content": [
+        {"type": "image", "image": ImageInput.from_pil(random_image(0))},
+        {"type": "text", "text": "What is in this image?"}]}]
+    assert count_tokens(server.app.state.engine, messages=messages) == \
+        prompt_tokens(lm, 0, "What is in this image?")
+    assert "sees images" in httpx.get(f"{server.url}/", follow_redirects=True).text
+
+
+def test_an_image_request_goes_through_the_scheduler_and_cancels(server):
+    from engine import SamplingParams
+
+    messages = [{"role": "user", "content": [
+        {"type": "image", "image": ImageInput.from_pil(random_image(7))},
+        {"type": "text", "text": "Describe it at length."}]}]
+    handle = server.app.state.engine.submit(messages, SamplingParams(max_tokens=2000))
+    handle.cancel()
+    done = [e for e in handle.events(timeout=60) if e.kind == "done"][0]
+    assert done.finish_reason == "cancelled" and handle.state == "cancelled"
+
+
+def test_text_requests_on_a_vision_model_batch_with_an_image_request(server, lm, monkeypatch):
+    """Text-only requests on a vision model decode batched (multimodal RoPE positions per row
+    from the batch cache) beside an image request that runs alone: each answer equals the same
+    request run alone."""
+    from engine import SamplingParams
+    from engine.decoding.generate import generate
+    from engine.scheduling.batch import DecodeBatch
+
+    widths = []
+    step = DecodeBatch.step
+    monkeypatch.setattr(DecodeBatch, "step", lambda self: widths.append(len(self.rows)) or step(self))
+    greedy = SamplingParams(max_tokens=8)
+    texts = [[{"role": "user", "content": q}] for q in ("Count to five.", "Name a colour, then why.")]
+    pictured = [{"role": "user", "content": [
+        {"type": "image", "image": ImageInput.from_pil(random_image(8))},
+        {"type": "text", "text": "Describe it."}]}]
+    requests = texts + [pictured]
+    handles = [server.app.state.engine.submit(m, greedy) for m in requests]
+    together = [[e.token for e in h.events(timeout=60) if e.kind == "token" and e.token is not None]
+                for h in handles]
+    alone = [[e.token for e in generate(lm, build_prompt(lm, messages=m), greedy)
+              if e.kind == "token" and e.token is not None] for m in requests]
+    assert together == alone and all(len(t) == 8 for t in together)
+    assert widths and max(widths) == 2  # the two text requests, batched; the image one alone
