@@ -195,7 +195,7 @@ def test_text_requests_on_a_vision_model_batch_with_an_image_request(server, lm,
 
     widths = []
     step = DecodeBatch.step
-    monkeypatch.setattr(DecodeBatch, "step", lambda self: widths.append(len(self.rows)) or step(self))
+    monkeypatch.setattr(DecodeBatch, "step", lambda self, *rider: widths.append(len(self.rows)) or step(self, *rider))
     greedy = SamplingParams(max_tokens=8)
     texts = [[{"role": "user", "content": q}] for q in ("Count to five.", "Name a colour, then why.")]
     pictured = [{"role": "user", "content": [
