@@ -1,0 +1,130 @@
+"""engine/kernels/qmv_cuda.py, the quantized one-to-eight-row matrix x vector kernel for CUDA. The
+CPU cannot run it, so: its index math and summation order, restated in numpy (`emulate`), give
+`mx.quantized_matmul`'s products for bits 4 and 8, groups 32/64/128, one row and several, widths
+whose rows end part-way through the warp's last step and output counts that leave part of the last
+block idle; and the hook in gpu_layout.py puts the kernel under exactly the layers it fits, only
+with `MLXCHAT_CUDA_QMV=1` on CUDA, and sends products of at most eight rows to it (a model served
+so still gives mlx-lm's logits). `python -m bench.qmv` checks the kernel itself on a GPU."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from bench.shapes import Shape, build_module
+from engine import device
+from engine.kernels import qmv_cuda
+from engine.kernels.gpu_layout import to_gpu_layout
+from engine.kernels.qmv_cuda import MAX_ROWS, QMVLinear, emulate, fits_layer
+from tiny_models import LLAMA
+
+pytestmark = pytest.mark.fast
+
+# (rows of x, input width K, outputs N): one row with K's words fewer than the 32 lanes (8 bits:
+# 24 words) and N not a multiple of the 8 rows per block; three rows over 1.5 steps of the lanes;
+# eight rows (MAX_ROWS) over more than two steps.
+SHAPES = [(1, 384, 37), (3, 1536, 20), (8, 2176, 9)]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_the_kernels_arithmetic_gives_quantized_matmul(bits, group_size, m, k, n):
+    mx.random.seed(bits * 1000 + group_size + m)
+    w = mx.random.normal((n, k)) / k ** 0.5
+    x = mx.random.normal((m, k))
+    wq, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+    want = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=group_size, bits=bits)
+    got = emulate(np.array(x), np.array(wq), np.array(scales), np.array(biases), bits, group_size)
+    np.testing.assert_allclose(got, np.array(want), rtol=1e-4, atol=1e-4)
+    assert np.abs(got - np.array(w @ x.T).T).max() > 0  # the products are of the quantized weights
+
+
+def test_bf16_activations_and_scales_sum_in_fp32():
+    """bf16 x, scales and biases (a bf16 model's layers) are widened and summed in fp32: MLX's
+    product of the same values in fp32, not its bf16 product (which, on the CPU, rounds as it
+    goes)."""
+    mx.random.seed(7)
+    w = (mx.random.normal((40, 1024)) / 32).astype(mx.bfloat16)
+    x = mx.random.normal((2, 1024)).astype(mx.bfloat16)
+    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    f32 = lambda a: a.astype(mx.float32)  # noqa: E731
+    want = mx.quantized_matmul(f32(x), wq, f32(scales), f32(biases), transpose=True, group_size=64, bits=4)
+    got = emulate(np.array(f32(x)), np.array(wq), np.array(f32(scales)), np.array(f32(biases)), 4, 64)
+    np.testing.assert_allclose(got, np.array(want), rtol=1e-4, atol=1e-4)
+
+
+def quantized(bits=8, group_size=64, k=256, n=32, bias=False, mode="affine"):
+    layer = nn.Linear(k, n, bias=bias)
+    return nn.QuantizedLinear.from_linear(layer, group_size=group_size, bits=bits, mode=mode)
+
+
+def test_the_kernel_fits_affine_4_and_8_bit_layers_only():
+    assert fits_layer(quantized(8)) and fits_layer(quantized(4, 128)) and fits_layer(quantized(4, 32, bias=True))
+    assert not fits_layer(quantized(3)) and not fits_layer(quantized(6))
+    assert not fits_layer(quantized(4, 32, mode="mxfp4"))  # no biases, another layout
+    assert not fits_layer(nn.Linear(256, 32))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The kernel's launches, each computed by `emulate`, with the switch on and MLX taken for CUDA."""
+    calls = []
+
+    def launch(x2, w, scales, biases, bits, group_size):
+        calls.append(x2.shape)
+        f32 = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
+        return mx.array(emulate(f32(x2), np.array(w), f32(scales), f32(biases), bits, group_size)).astype(x2.dtype)
+
+    monkeypatch.setattr(qmv_cuda, "_launch", launch)
+    monkeypatch.setattr(device, "backend", lambda: "cuda")
+    monkeypatch.setenv(qmv_cuda.SWITCH, "1")
+    return calls
+
+
+def model_pair():
+    shape = Shape("llama-8bit", LLAMA, bits=8)
+    return build_module(shape, dtype=None, seed=3), build_module(shape, dtype=None, seed=3)
+
+
+def test_with_the_switch_the_gpu_layout_runs_decode_steps_on_the_kernel(launches):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    plain, ours = model_pair()
+    to_gpu_layout(ours)
+    swapped = [name for name, m in ours.named_modules() if isinstance(m, QMVLinear)]
+    left = [name for name, m in ours.named_modules()
+            if isinstance(m, nn.QuantizedLinear) and not isinstance(m, QMVLinear)]
+    per_layer = {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"}
+    assert {name.split(".", 3)[-1] for name in swapped if name.startswith("model.layers.")} == per_layer
+    assert len(swapped) >= LLAMA["num_hidden_layers"] * 4 and not left
+
+    caches = [make_prompt_cache(plain), make_prompt_cache(ours)]
+    prompt = mx.array([[5, 17, 300, 42, 9, 1000, 77, 3, 12]])  # 9 rows: over MAX_ROWS
+    a, b = plain(prompt, cache=caches[0]), ours(prompt, cache=caches[1])
+    mx.eval(a, b)
+    assert prompt.shape[1] > MAX_ROWS and launches == []
+    assert mx.allclose(a, b, rtol=1e-5, atol=1e-5).item()
+    for token in (11, 4000):  # one-row decode steps: every swapped layer on the kernel
+        step = mx.array([[token]])
+        a, b = plain(step, cache=caches[0]), ours(step, cache=caches[1])
+        mx.eval(a, b)
+        assert mx.allclose(a, b, rtol=1e-4, atol=1e-4).item(), mx.abs(a - b).max().item()
+        assert mx.array_equal(mx.argmax(a, -1), mx.argmax(b, -1)).item()
+    assert len(launches) == 2 * len(swapped) and set(launches) <= {(1, LLAMA["hidden_size"]),
+                                                                  (1, LLAMA["intermediate_size"])}
+    launches.clear()
+    rows = mx.array([[17], [900], [4000]])  # a batch of three decode rows: one launch per layer
+    a, b = plain(rows, cache=make_prompt_cache(plain)), ours(rows, cache=make_prompt_cache(ours))
+    mx.eval(a, b)
+    assert mx.allclose(a, b, rtol=1e-4, atol=1e-4).item()
+    assert len(launches) == len(swapped) and {s[0] for s in launches} == {3}
+
+
+@pytest.mark.parametrize("switch,backend", [("0", "cuda"), ("1", "cpu"), ("1", "metal")])
+def test_without_the_switch_or_off_cuda_the_layers_stay_as_loaded(monkeypatch, switch, backend):
+    monkeypatch.setenv(qmv_cuda.SWITCH, switch)
+    monkeypatch.setattr(device, "backend", lambda: backend)
+    _, ours = model_pair()
+    to_gpu_layout(ours)
+    assert not any(isinstance(m, QMVLinear) for _, m in ours.named_modules())
