@@ -128,3 +128,31 @@ def test_without_the_switch_or_off_cuda_the_layers_stay_as_loaded(monkeypatch, s
     _, ours = model_pair()
     to_gpu_layout(ours)
     assert not any(isinstance(m, QMVLinear) for _, m in ours.named_modules())
+
+
+def test_the_device_harness_runs_without_cuda(tmp_path):
+    """`python -m bench.qmv` on the CPU: the kernel part checks the emulation (correct, MLX's rate
+    only), and the step part runs bench.gpu_step with the switch off and on, each to its JSON."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "qmv.json"
+    run = subprocess.run([sys.executable, "-m", "bench.qmv", "--device", "cpu", "--sizes", "256:384", "--reps", "1",
+                          "--chain-gb", "0.001", "--step-shapes", "tiny", "--step-reps", "1", "--gen", "8",
+                          "--bw-gb", "0.01", "--out", str(out)],
+                         cwd=root, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    data = json.loads(out.read_text())
+    assert data["cuda"] is False
+    checks = [r for r in data["rows"] if r["metric"].startswith("max error")]
+    assert len(checks) == 2 and all(r["extra"]["check"]["ok"] for r in checks)
+    assert not any(r["metric"] == "weight read" for r in data["rows"])  # no kernel rate without CUDA
+    for switch in ("qmv0", "qmv1"):
+        step = json.loads(Path(data["step"][switch]["json"]).read_text())
+        assert step["meta"]["env"]["MLXCHAT_CUDA_QMV"] == switch[-1]
+        assert {r["metric"] for r in step["rows"]} >= {"decode batch 1 (service)"}
