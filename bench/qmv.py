@@ -15,8 +15,8 @@ Parts:
           in all, so L2 does not hold them; median and best of `--reps`), ours and MLX's
           interleaved. Without CUDA, "ours" is the kernel's numpy emulation (correctness only, no
           rate) and MLX's rate is the CPU's.
-  step    `bench.gpu_step --parts bw,step --shapes <step-shapes>` with MLXCHAT_CUDA_QMV=0 and
-          then =1 (skipped when the kernel part found ours wrong), JSON beside --out.
+  step    `bench.gpu_step --parts bw,step --shapes <step-shapes>` with MLXCHAT_CUDA_QMV=1 and
+          then =0 (skipped when the kernel part found ours wrong), JSON beside --out.
 Results: a table on stdout, JSON at --out (default bench/results/<backend>-<date>-qmv.json).
 """
 
@@ -149,10 +149,10 @@ def part_kernel(a, cuda: bool) -> list[common.Row]:
 
 
 def part_step(a, out: Path) -> dict[str, Any]:
-    """bench.gpu_step with the switch off, then on: each in its own process; their JSON paths
+    """bench.gpu_step with the switch on, then off: each in its own process; their JSON paths
     and exit codes."""
     done: dict[str, Any] = {}
-    for switch in ("0", "1"):
+    for switch in ("1", "0"):  # on first: the row that matters if the call runs out of time
         path = out.with_name(f"{out.stem}-step-qmv{switch}.json")
         cmd = [sys.executable, "-m", "bench.gpu_step", "--device", a.device, "--parts", "bw,step",
                "--shapes", a.step_shapes, "--reps", str(a.step_reps), "--gen", str(a.gen),
