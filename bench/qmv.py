@@ -15,8 +15,9 @@ Parts:
           in all, so L2 does not hold them; median and best of `--reps`), ours and MLX's
           interleaved. Without CUDA, "ours" is the kernel's numpy emulation (correctness only, no
           rate) and MLX's rate is the CPU's.
-  step    `bench.gpu_step --parts bw,step --shapes <step-shapes>` with MLXCHAT_CUDA_QMV=1 and
-          then =0 (skipped when the kernel part found ours wrong), JSON beside --out.
+  step    `bench.gpu_step --parts bw,step --shapes <step-shapes>` with MLXCHAT_CUDA_QMV=1 (every
+          layer), unset (the default layers) and =0 (`--switches`; skipped when the kernel part
+          found ours wrong), JSON beside --out.
 Results: a table on stdout, JSON at --out (default bench/results/<backend>-<date>-qmv.json).
 """
 
@@ -149,16 +150,19 @@ def part_kernel(a, cuda: bool) -> list[common.Row]:
 
 
 def part_step(a, out: Path) -> dict[str, Any]:
-    """bench.gpu_step with the switch on, then off: each in its own process; their JSON paths
-    and exit codes."""
+    """bench.gpu_step with each of `--switches` (MLXCHAT_CUDA_QMV=1, unset: the default, =0), each
+    in its own process; their JSON paths and exit codes."""
     done: dict[str, Any] = {}
-    for switch in ("1", "0"):  # on first: the row that matters if the call runs out of time
+    for switch in a.switches.split(","):
         path = out.with_name(f"{out.stem}-step-qmv{switch}.json")
         cmd = [sys.executable, "-m", "bench.gpu_step", "--device", a.device, "--parts", "bw,step",
                "--shapes", a.step_shapes, "--reps", str(a.step_reps), "--gen", str(a.gen),
                "--bw-gb", str(a.bw_gb), "--out", str(path)]
+        env = {k: v for k, v in os.environ.items() if k != "MLXCHAT_CUDA_QMV"}
+        if switch != "auto":
+            env["MLXCHAT_CUDA_QMV"] = switch
         print(f"\n$ MLXCHAT_CUDA_QMV={switch} {' '.join(cmd[1:])}", flush=True)
-        rc = subprocess.run(cmd, env={**os.environ, "MLXCHAT_CUDA_QMV": switch}).returncode
+        rc = subprocess.run(cmd, env=env).returncode
         done[f"qmv{switch}"] = {"json": str(path), "rc": rc}
     return done
 
@@ -181,6 +185,8 @@ def main(argv=None) -> int:
     ap.add_argument("--step-reps", type=int, default=4)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--bw-gb", type=float, default=4.0)
+    ap.add_argument("--switches", default="1,auto,0", help="MLXCHAT_CUDA_QMV values for the step part "
+                    "(auto: unset, the default layers)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     device.select_device(a.device)

@@ -2,9 +2,10 @@
 CPU cannot run it, so: its index math and summation order, restated in numpy (`emulate`), give
 `mx.quantized_matmul`'s products for bits 4 and 8, groups 32/64/128, one row and several, widths
 whose rows end part-way through the warp's last step and output counts that leave part of the last
-block idle; and the hook in gpu_layout.py puts the kernel under exactly the layers it fits, only
-with `MLXCHAT_CUDA_QMV=1` on CUDA, and sends products of at most eight rows to it (a model served
-so still gives mlx-lm's logits). `python -m bench.qmv` checks the kernel itself on a GPU."""
+block idle; and the hook in gpu_layout.py, on CUDA only, puts the kernel under the layers the
+switch picks (`MLXCHAT_CUDA_QMV=1`: every layer it fits, up to eight rows; unset: 4-bit layers and
+heads, one row; 0: none) and sends those products to it (a model served so still gives mlx-lm's
+logits). `python -m bench.qmv` checks the kernel itself on a GPU."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -71,10 +72,12 @@ def launches(monkeypatch):
     """The kernel's launches, each computed by `emulate`, with the switch on and MLX taken for CUDA."""
     calls = []
 
-    def launch(x2, w, scales, biases, bits, group_size):
+    def launch(x, w, scales, biases, bits, group_size):
+        x2 = x.reshape(-1, x.shape[-1])  # the kernel reads x as rows x K in memory
         calls.append(x2.shape)
         f32 = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
-        return mx.array(emulate(f32(x2), np.array(w), f32(scales), f32(biases), bits, group_size)).astype(x2.dtype)
+        y = emulate(f32(x2), np.array(w), f32(scales), f32(biases), bits, group_size)
+        return mx.array(y).astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
     monkeypatch.setattr(qmv_cuda, "_launch", launch)
     monkeypatch.setattr(device, "backend", lambda: "cuda")
@@ -121,6 +124,27 @@ def test_with_the_switch_the_gpu_layout_runs_decode_steps_on_the_kernel(launches
     assert len(launches) == len(swapped) and {s[0] for s in launches} == {3}
 
 
+def test_by_default_only_4_bit_layers_and_heads_take_one_row_products(launches, monkeypatch):
+    """Unset, the switch picks where the H200 measured the kernel faster: every 4-bit layer and a
+    vocabulary head at 8 bits, for one-row products only; 8-bit layers of a decoder stay on MLX."""
+    monkeypatch.delenv(qmv_cuda.SWITCH)
+    assert qmv_cuda.mode() == "auto"
+    four = to_gpu_layout(build_module(Shape("llama-4bit", LLAMA, bits=4), dtype=None, seed=3))
+    swapped = [m for _, m in four.named_modules() if isinstance(m, QMVLinear)]
+    assert len(swapped) >= LLAMA["num_hidden_layers"] * 4 and {m.max_rows for m in swapped} == {1}
+    eight = to_gpu_layout(build_module(Shape("llama-8bit", LLAMA, bits=8), dtype=None, seed=3))
+    assert not any(isinstance(m, QMVLinear) for _, m in eight.named_modules())
+    head = nn.Module()
+    head.lm_head = quantized(8, 64, k=64, n=qmv_cuda.HEAD_OUTPUTS)
+    assert qmv_cuda.use_qmv(head, "auto") == 1 and head.lm_head.max_rows == 1
+
+    x = mx.random.normal((1, 1, 64))
+    assert mx.allclose(head.lm_head(x), nn.QuantizedLinear.__call__(head.lm_head, x), atol=1e-4).item()
+    assert launches == [(1, 64)]
+    head.lm_head(mx.random.normal((1, 2, 64)))  # two rows (a short prefill, a 2-stream step): MLX's
+    assert launches == [(1, 64)]
+
+
 @pytest.mark.parametrize("switch,backend", [("0", "cuda"), ("1", "cpu"), ("1", "metal")])
 def test_without_the_switch_or_off_cuda_the_layers_stay_as_loaded(monkeypatch, switch, backend):
     monkeypatch.setenv(qmv_cuda.SWITCH, switch)
@@ -132,7 +156,8 @@ def test_without_the_switch_or_off_cuda_the_layers_stay_as_loaded(monkeypatch, s
 
 def test_the_device_harness_runs_without_cuda(tmp_path):
     """`python -m bench.qmv` on the CPU: the kernel part checks the emulation (correct, MLX's rate
-    only), and the step part runs bench.gpu_step with the switch off and on, each to its JSON."""
+    only), and the step part runs bench.gpu_step with the switch on, unset and off, each to its
+    JSON."""
     import json
     import os
     import subprocess
@@ -152,7 +177,7 @@ def test_the_device_harness_runs_without_cuda(tmp_path):
     checks = [r for r in data["rows"] if r["metric"].startswith("max error")]
     assert len(checks) == 2 and all(r["extra"]["check"]["ok"] for r in checks)
     assert not any(r["metric"] == "weight read" for r in data["rows"])  # no kernel rate without CUDA
-    for switch in ("qmv0", "qmv1"):
-        step = json.loads(Path(data["step"][switch]["json"]).read_text())
-        assert step["meta"]["env"]["MLXCHAT_CUDA_QMV"] == switch[-1]
+    for switch in ("0", "1", "auto"):
+        step = json.loads(Path(data["step"]["qmv" + switch]["json"]).read_text())
+        assert step["meta"]["env"].get("MLXCHAT_CUDA_QMV", "auto") == switch
         assert {r["metric"] for r in step["rows"]} >= {"decode batch 1 (service)"}

@@ -14,8 +14,8 @@ qwen3 classes by `StackedAttention` and each `mlp` of their MLP classes (and Qwe
 the Qwen3.5 hybrids use) by `StackedMLP`. Their forward is mlx-lm's, restated around the one
 product; every other module (norms, RoPE, o_proj, down_proj, the cache protocol) is the loaded one.
 Plain and affine-quantized linears are both stacked (quantized rows stack with their scales and
-biases). Anything else stays as loaded. With `MLXCHAT_CUDA_QMV=1` on CUDA, every affine-quantized
-linear then runs products of a few rows (decode) on qmv_cuda.py's kernel.
+biases). Anything else stays as loaded. On CUDA, the quantized linears qmv_cuda.mode() picks
+then run their decode products on qmv_cuda.py's kernel.
 """
 
 from __future__ import annotations
@@ -134,6 +134,5 @@ def to_gpu_layout(model: nn.Module) -> nn.Module:
             if gate_up is not None:
                 layer.mlp = StackedMLP(mlp, gate_up)
                 mx.eval(gate_up.parameters())
-    if qmv_cuda.enabled():
-        qmv_cuda.use_qmv(model)
+    qmv_cuda.use_qmv(model, qmv_cuda.mode())
     return model

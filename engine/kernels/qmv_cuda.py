@@ -21,8 +21,10 @@ checks it on the CPU against `mx.quantized_matmul` for every bits / group / shap
 the device runs is the math the CPU tested. `python -m bench.qmv` checks the kernel itself
 against `mx.quantized_matmul` on a GPU and measures its GB/s.
 
-`MLXCHAT_CUDA_QMV=1` turns it on (engine/kernels/gpu_layout.py then puts `QMVLinear` in place
-of each quantized linear that fits); off by default until the device shows it correct and faster.
+engine/kernels/gpu_layout.py puts `QMVLinear` in place of the quantized linears `mode` picks:
+by default where the H200 measured the kernel faster (4-bit layers and vocabulary heads, one row:
+docs/gpu.md has the figures); `MLXCHAT_CUDA_QMV=1` every layer it fits, up to `MAX_ROWS` rows;
+`MLXCHAT_CUDA_QMV=0` none.
 """
 
 from __future__ import annotations
@@ -126,9 +128,27 @@ def _kernel():
     return _KERNEL
 
 
-def enabled() -> bool:
-    """Whether the switch is on (`MLXCHAT_CUDA_QMV=1`) and MLX runs on CUDA."""
-    return os.environ.get(SWITCH, "0").strip() == "1" and device.backend() == "cuda"
+def mode() -> str:
+    """Which layers take the kernel, from `MLXCHAT_CUDA_QMV`: "off" ("0", or MLX not on CUDA);
+    "all" ("1": every layer that fits, products of up to `MAX_ROWS` rows); else "auto", the layers
+    and rows where the H200 measured it faster (docs/gpu.md): one-row products of 4-bit layers and
+    of heads (`HEAD_OUTPUTS` outputs or more) at either width."""
+    if device.backend() != "cuda":
+        return "off"
+    value = os.environ.get(SWITCH, "").strip().lower()
+    return {"0": "off", "1": "all"}.get(value, "auto")
+
+
+HEAD_OUTPUTS = 65536  # a layer this wide is a vocabulary head: the kernel won at 8 bits there too
+
+
+def wanted(layer: nn.Module, how: str) -> int:
+    """The most rows of x `layer` should run on the kernel in mode `how` (0: none)."""
+    if how == "off" or not fits_layer(layer):
+        return 0
+    if how == "all":
+        return MAX_ROWS
+    return 1 if layer.bits == 4 or layer.weight.shape[0] >= HEAD_OUTPUTS else 0
 
 
 def fits_layer(layer: nn.Module) -> bool:
@@ -148,44 +168,45 @@ def rows(x: mx.array) -> int:
     return x.size // x.shape[-1] if x.shape[-1] else 0
 
 
-def _launch(x2: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> mx.array:
-    """The kernel on x2 (M, K): y (M, N) in x2's dtype."""
-    m, k = x2.shape
-    n = w.shape[0]
+def _launch(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> mx.array:
+    """The kernel on x (..., K), row-contiguous: y (..., N) in x's dtype (no reshape in the graph:
+    the kernel reads x and writes y as M x K and M x N in memory)."""
+    k, n = x.shape[-1], w.shape[0]
     return _kernel()(
-        inputs=[x2, w, scales, biases],
-        template=[("T", x2.dtype), ("ST", scales.dtype), ("M", m), ("K", k), ("N", n), ("BITS", bits),
+        inputs=[x, w, scales, biases],
+        template=[("T", x.dtype), ("ST", scales.dtype), ("M", rows(x)), ("K", k), ("N", n), ("BITS", bits),
                   ("GS", group_size)],
         grid=(32, -(-n // ROWS_PER_BLOCK) * ROWS_PER_BLOCK, 1), threadgroup=(32, ROWS_PER_BLOCK, 1),
-        output_shapes=[(m, n)], output_dtypes=[x2.dtype])[0]
+        output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype])[0]
 
 
 def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> mx.array:
     """`mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits)` for x of at
     most `MAX_ROWS` rows (any leading shape), through the kernel."""
-    k = x.shape[-1]
-    y = _launch(x.reshape(-1, k), w, scales, biases, bits, group_size)
-    return y.reshape(*x.shape[:-1], w.shape[0])
+    return _launch(x, w, scales, biases, bits, group_size)
 
 
 class QMVLinear(nn.QuantizedLinear):
-    """An affine-quantized linear whose products of at most `MAX_ROWS` rows in a float dtype run
+    """An affine-quantized linear whose products of at most `max_rows` rows in a float dtype run
     the kernel; anything else runs `nn.QuantizedLinear` (mx.quantized_matmul)."""
 
+    max_rows: int = MAX_ROWS
+
     def __call__(self, x: mx.array) -> mx.array:
-        if 0 < rows(x) <= MAX_ROWS and x.dtype in DTYPES:
+        if 0 < rows(x) <= self.max_rows and x.dtype in DTYPES:
             y = qmv(x, self["weight"], self["scales"], self["biases"], self.bits, self.group_size)
             return y + self["bias"] if "bias" in self else y
         return super().__call__(x)
 
 
-def to_qmv(layer: nn.Module) -> nn.Module:
-    """`layer` as a QMVLinear (the same arrays) when the kernel fits it, else `layer`."""
+def to_qmv(layer: nn.Module, max_rows: int = MAX_ROWS) -> nn.Module:
+    """`layer` as a QMVLinear (the same arrays) serving up to `max_rows` rows, when the kernel fits
+    it; else `layer`."""
     if not fits_layer(layer) or isinstance(layer, QMVLinear):
         return layer
     out = QMVLinear.__new__(QMVLinear)
     nn.Module.__init__(out)
-    out.group_size, out.bits, out.mode = layer.group_size, layer.bits, layer.mode
+    out.group_size, out.bits, out.mode, out.max_rows = layer.group_size, layer.bits, layer.mode, max_rows
     for name in ("weight", "scales", "biases", "bias"):
         if name in layer:
             out[name] = layer[name]
@@ -193,13 +214,15 @@ def to_qmv(layer: nn.Module) -> nn.Module:
     return out
 
 
-def use_qmv(model: nn.Module) -> int:
-    """Put a QMVLinear in place of every quantized linear of `model` the kernel fits (in place);
-    returns how many."""
-    swaps = [(parent, key, child) for _, parent in model.named_modules() for key, child in parent.items()
-             if isinstance(child, nn.QuantizedLinear) and not isinstance(child, QMVLinear) and fits_layer(child)]
-    for parent, key, child in swaps:
-        parent[key] = to_qmv(child)
+def use_qmv(model: nn.Module, how: str = "all") -> int:
+    """Put a QMVLinear in place of every quantized linear of `model` that mode `how` wants on the
+    kernel (in place; see `mode`); returns how many."""
+    swaps = [(parent, key, child, wanted(child, how)) for _, parent in model.named_modules()
+             for key, child in parent.items()
+             if isinstance(child, nn.QuantizedLinear) and not isinstance(child, QMVLinear)]
+    swaps = [s for s in swaps if s[3]]
+    for parent, key, child, most in swaps:
+        parent[key] = to_qmv(child, most)
     return len(swaps)
 
 
