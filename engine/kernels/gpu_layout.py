@@ -14,7 +14,8 @@ qwen3 classes by `StackedAttention` and each `mlp` of their MLP classes (and Qwe
 the Qwen3.5 hybrids use) by `StackedMLP`. Their forward is mlx-lm's, restated around the one
 product; every other module (norms, RoPE, o_proj, down_proj, the cache protocol) is the loaded one.
 Plain and affine-quantized linears are both stacked (quantized rows stack with their scales and
-biases). Anything else stays as loaded.
+biases). Anything else stays as loaded. On CUDA, the quantized linears qmv_cuda.mode() picks
+then run their decode products on qmv_cuda.py's kernel.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import mlx.nn as nn
 from mlx_lm.models import llama, qwen2, qwen3, qwen3_next
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import scaled_dot_product_attention
+
+from . import qmv_cuda
 
 ATTENTION = (llama.Attention, qwen2.Attention, qwen3.Attention)
 MLP = (llama.MLP, qwen2.MLP, qwen3.MLP, qwen3_next.Qwen3NextMLP)
@@ -131,4 +134,5 @@ def to_gpu_layout(model: nn.Module) -> nn.Module:
             if gate_up is not None:
                 layer.mlp = StackedMLP(mlp, gate_up)
                 mx.eval(gate_up.parameters())
+    qmv_cuda.use_qmv(model, qmv_cuda.mode())
     return model
