@@ -24,10 +24,14 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city.",
                                                     "maximum": 9}},
                             "required": ["city", "days"]}}
 
+# A short context: Claude Code's max_tokens 32000, clamped to the context left, decodes to the
+# context's end, a few hundred tokens here rather than 8,000.
+CONTEXT = 384
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    lm = tiny_llama()
+    lm = tiny_llama(max_position_embeddings=CONTEXT)
     with engine_serving(tmp_path_factory.mktemp("anthropic"), lm, api_key=KEY,
                         aliases={"claude-*": lm.name}) as s:
         s.model = lm.name
@@ -159,6 +163,10 @@ def test_claude_code_request_shape_is_answered(server):
     assert any(e.get("delta", {}).get("type") == "text_delta" for e in events)
     stop = next(e for e in events if e["type"] == "message_delta")
     assert stop["delta"]["stop_reason"] in ("max_tokens", "end_turn", "tool_use")
+    used = sum(stop["usage"][k] for k in ("input_tokens", "cache_read_input_tokens",
+                                          "output_tokens"))
+    # max_tokens 32000 was clamped to the context left: a full answer ends exactly at its end.
+    assert used == CONTEXT if stop["delta"]["stop_reason"] == "max_tokens" else used < CONTEXT
 
 
 def test_errors_come_in_anthropic_shape(server, client):
