@@ -4,11 +4,19 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 REPO = Path(__file__).resolve().parent.parent
 # The bundled model is fetched once per machine into this (git-ignored) folder and reused.
 MODEL_HOME = Path(os.environ.get("MLXCHAT_TEST_HOME", REPO / ".mlxchat-home"))
 os.environ["MLXCHAT_HOME"] = str(MODEL_HOME)
+
+# Hypothesis examples per property: few in CI, where each example of a server fuzzer is a real
+# HTTP request; MLXCHAT_HYPOTHESIS=nightly runs many more. A test that names its own
+# `max_examples` (a cheap pure function) keeps it. No example database: CI starts from nothing.
+settings.register_profile("ci", max_examples=10, deadline=None, database=None)
+settings.register_profile("nightly", max_examples=300, deadline=None, database=None)
+settings.load_profile(os.environ.get("MLXCHAT_HYPOTHESIS", "ci"))
 
 
 @pytest.fixture(scope="session")

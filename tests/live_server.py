@@ -162,6 +162,20 @@ def engine_serving(folder: Path, lm=None, engine_options: dict | None = None,
         yield server
 
 
+@contextmanager
+def tiny_serving(folder: Path, lm=None, engine_options: dict | None = None,
+                 **app_options) -> Iterator[ThreadedServer]:
+    """`engine_serving` on a tiny random llama (`tests/tiny_models.py`), or on `lm` (another tiny
+    model, loaded); `server.model` is its name. For a module's tests that need a real server but
+    not the bundled model's text: one per module (a module-scoped fixture)."""
+    from tiny_models import tiny_llama
+
+    lm = lm or tiny_llama()
+    with engine_serving(folder, lm, engine_options, **app_options) as server:
+        server.model = lm.name
+        yield server
+
+
 def openai_client(server: ThreadedServer):
     """The official `openai` client pointed at `server`'s API."""
     import openai

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from live_server import engine_serving, wait_idle
+from live_server import engine_serving, tiny_serving, wait_idle
 from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.fast
@@ -32,9 +32,8 @@ CONTEXT = 384
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     lm = tiny_llama(max_position_embeddings=CONTEXT)
-    with engine_serving(tmp_path_factory.mktemp("anthropic"), lm, api_key=KEY,
-                        aliases={"claude-*": lm.name}) as s:
-        s.model = lm.name
+    with tiny_serving(tmp_path_factory.mktemp("anthropic"), lm, api_key=KEY,
+                      aliases={"claude-*": lm.name}) as s:
         yield s
 
 
@@ -189,7 +188,7 @@ def test_errors_come_in_anthropic_shape(server, client):
     assert big.status_code == 413 and big.json()["error"]["type"] == "request_too_large"
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(suppress_health_check=list(HealthCheck))  # examples: tests/conftest.py
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
                     lambda inner: st.lists(inner, max_size=3)
                     | st.dictionaries(st.sampled_from(["model", "max_tokens", "messages", "role",

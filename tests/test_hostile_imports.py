@@ -10,9 +10,8 @@ import zipfile
 import httpx
 import pytest
 
-from live_server import engine_serving
+from live_server import tiny_serving
 from loop_probe import STALL_S, health_probe
-from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.fast
 
@@ -21,7 +20,7 @@ FORMAT = "mlxchat.conversation/1"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with engine_serving(tmp_path_factory.mktemp("imports"), tiny_llama()) as s:
+    with tiny_serving(tmp_path_factory.mktemp("imports")) as s:
         yield s
 
 

@@ -8,9 +8,8 @@ import zlib
 import httpx
 import pytest
 
-from live_server import engine_serving
+from live_server import tiny_serving
 from loop_probe import STALL_S, health_probe
-from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.fast
 
@@ -18,8 +17,7 @@ pytestmark = pytest.mark.fast
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    lm = tiny_llama()
-    with engine_serving(tmp_path_factory.mktemp("pdfs"), lm) as s:
+    with tiny_serving(tmp_path_factory.mktemp("pdfs")) as s:
         yield s
 
 

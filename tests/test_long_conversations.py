@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from engine.decoding import chat as chat_render
-from live_server import engine_serving
+from live_server import tiny_serving
 from loop_probe import STALL_S, health_probe
 from tiny_models import tiny_llama
 
@@ -25,8 +25,7 @@ def lm():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, lm):
-    with engine_serving(tmp_path_factory.mktemp("longconv"), lm) as s:
-        s.model = lm.name
+    with tiny_serving(tmp_path_factory.mktemp("longconv"), lm) as s:
         yield s
 
 

@@ -7,9 +7,8 @@ import json
 import httpx
 import pytest
 
-from live_server import engine_serving
+from live_server import tiny_serving
 from loop_probe import STALL_S, health_probe
-from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.fast
 
@@ -17,7 +16,7 @@ pytestmark = pytest.mark.fast
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with engine_serving(tmp_path_factory.mktemp("longpage"), tiny_llama()) as s:
+    with tiny_serving(tmp_path_factory.mktemp("longpage")) as s:
         yield s
 
 

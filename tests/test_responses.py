@@ -8,7 +8,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from live_server import engine_serving
+from live_server import tiny_serving
 from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.fast
@@ -25,9 +25,7 @@ CONTEXT = 384
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    lm = tiny_llama(max_position_embeddings=CONTEXT)
-    with engine_serving(tmp_path_factory.mktemp("responses"), lm) as s:
-        s.model = lm.name
+    with tiny_serving(tmp_path_factory.mktemp("responses"), tiny_llama(max_position_embeddings=CONTEXT)) as s:
         yield s
 
 
@@ -128,7 +126,7 @@ def test_codex_request_shape_is_answered(server):
         else final["usage"]["total_tokens"] < CONTEXT
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(suppress_health_check=list(HealthCheck))  # examples: tests/conftest.py
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=6),
                     lambda inner: st.lists(inner, max_size=3)
                     | st.dictionaries(st.sampled_from(["model", "input", "type", "role", "content",
