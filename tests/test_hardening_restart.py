@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from live_server import MODEL_HOME, REPO, ServerProcess, free_port, wait_healthy
+from live_server import MODEL_HOME, REPO, ServerProcess, engine_serving, free_port, wait_healthy
 
 MODEL = "smollm2-135m-instruct"
 SYSTEM = ("You are a careful assistant. Answer in one short sentence. " * 8).strip()
@@ -50,15 +50,14 @@ def second_turn(first: dict) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def cold(tmp_path_factory) -> dict:
-    """The answers of servers that have nothing cached: each turn asked of a fresh one."""
+def cold(tmp_path_factory, lm) -> dict:
+    """The answers of servers that have nothing cached: each turn asked of a fresh one. These run
+    in this process on the session's loaded model (a fresh engine has an empty, unpersisted prefix
+    cache), sparing two cold starts of a server process; the app and engine are the same."""
     answers = {}
     for turn in ("first", "second"):
-        server = ServerProcess(private_home(tmp_path_factory.mktemp("cold") / "home")).start()
-        try:
+        with engine_serving(tmp_path_factory.mktemp("cold"), lm) as server:
             answers[turn] = ask(server.url, FIRST if turn == "first" else second_turn(answers["first"]))
-        finally:
-            server.kill()
     return answers
 
 
