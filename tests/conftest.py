@@ -51,6 +51,19 @@ def serve():
         engine.stop()
 
 
+@pytest.fixture(scope="module")
+def tiny_engine():
+    """A started engine on a tiny random llama (tests/tiny_models.py), for a module whose servers
+    share one (`live_server.app_serving`); stopped at the end of the module."""
+    from engine.scheduling.service import Engine
+    from tiny_models import tiny_llama
+
+    lm = tiny_llama()
+    engine = Engine(lm.name, load=lambda name, **_: lm).start()
+    yield engine
+    engine.stop()
+
+
 @pytest.fixture
 def storage(tmp_path):
     """A real SQLite database in a fresh folder, closed at the end of the test."""

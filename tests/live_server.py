@@ -133,10 +133,10 @@ class ThreadedServer:
 
 
 @contextmanager
-def serving(engine, db_path: Path, **app_options) -> Iterator[ThreadedServer]:
-    """The app on `engine` (already started) in a uvicorn thread, its storage at `db_path`;
-    the server and then the engine are stopped on exit. `app_options` go to `create_app`
-    (`api_key`, `aliases`)."""
+def app_serving(engine, db_path: Path, **app_options) -> Iterator[ThreadedServer]:
+    """The app on `engine` (already started) in a uvicorn thread, its storage at `db_path`; the
+    server is stopped on exit, the engine left running (several apps may share one engine).
+    `app_options` go to `create_app` (`api_key`, `aliases`)."""
     from app.server import create_app
 
     server = ThreadedServer(create_app(engine, db_path, **app_options)).start()
@@ -145,6 +145,15 @@ def serving(engine, db_path: Path, **app_options) -> Iterator[ThreadedServer]:
         yield server
     finally:
         server.stop()
+
+
+@contextmanager
+def serving(engine, db_path: Path, **app_options) -> Iterator[ThreadedServer]:
+    """`app_serving`, then the engine is stopped too."""
+    try:
+        with app_serving(engine, db_path, **app_options) as server:
+            yield server
+    finally:
         engine.stop()
 
 
