@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from live_server import MODEL_HOME, REPO, ServerProcess, engine_serving, free_port, wait_healthy
+from live_server import (MODEL_HOME, REPO, ServerProcess, engine_serving, free_port, linked_home,
+                         wait_healthy)
 
 MODEL = "smollm2-135m-instruct"
 SYSTEM = ("You are a careful assistant. Answer in one short sentence. " * 8).strip()
@@ -25,12 +26,8 @@ FIRST = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Nam
 
 def private_home(path: Path) -> Path:
     """An MLXCHAT_HOME sharing the model files but with a prompt cache of its own."""
-    cache = path / "cache"
-    cache.mkdir(parents=True, exist_ok=True)
-    for entry in (MODEL_HOME / "cache").iterdir():
-        if entry.name != "prompt-cache" and not (cache / entry.name).exists():
-            (cache / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
-    return path
+    return linked_home(path, *(entry.name for entry in (MODEL_HOME / "cache").iterdir()
+                               if entry.is_dir() and entry.name != "prompt-cache"))
 
 
 def ask(url: str, messages: list[dict], **fields) -> dict:
