@@ -28,6 +28,7 @@ PROMPT = [1, 500, 2000, 37, 9000, 12, 44, 100, 8000, 3]
 TOLERANCE = 0.05
 
 
+@pytest.mark.slow  # seconds of compute by design: the second tier
 def test_gguf_of_a_random_folder_gives_the_folder_models_logits(tmp_path):
     name = "llama-gguf-test-" + hashlib.sha256(json.dumps(SHAPE, sort_keys=True).encode()).hexdigest()[:8]
     folder = random_folder(name, SHAPE)

@@ -81,6 +81,7 @@ def _open(path: str, barrier) -> int:
     return 0
 
 
+@pytest.mark.slow  # seconds of compute by design: the second tier
 def test_concurrent_openers_migrate_a_new_database_once(tmp_path):
     ctx = multiprocessing.get_context("spawn")
     with ctx.Manager() as manager, ctx.Pool(4) as pool:

@@ -133,6 +133,7 @@ def test_an_encrypted_or_unknown_compression_member_is_refused(server, patch):
     assert r.status_code == 400 and "Could not import" in r.text, r.text
 
 
+@pytest.mark.slow  # seconds of compute by design: the second tier
 def test_ten_thousand_conversations_import_and_export_without_stalling(server):
     members = {f"c{i}.json": json.dumps(ours(title=f"t{i}")).encode() for i in range(10_000)}
     before = count(server)

@@ -20,6 +20,7 @@ def server(tmp_path_factory):
         yield s
 
 
+@pytest.mark.slow  # seconds of compute by design: the second tier
 def test_the_page_of_fifty_thousand_messages_does_not_stall_the_server(server):
     messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message *{i}*"}
                 for i in range(50_000)]
