@@ -14,17 +14,15 @@ SmolLM2-135M as the chat-model fallback.
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import Callable
 
 import httpx
 
-from bench.common import RESULTS_DIR, Row, median, print_table, run_meta, spread, write_json
+from bench.common import (RESULTS_DIR, Row, median, print_table, run_meta, served_app, spread,
+                          write_json)
 from bench.shapes import SHAPES, TINY_QWEN3, build_folder, embedding_folder
 from engine import Engine
 from engine.decoding.embeddings import embed_batch
@@ -39,29 +37,6 @@ TINY_CHAT = {**SHAPES["tiny"].config, "vocab_size": 49152}
 
 def short_texts(n: int) -> list[str]:
     return [f"Short text number {i}: a note about topic {i % 7} for retrieval." for i in range(n)]
-
-
-def _serve(engine: Engine, db: Path) -> tuple[str, Callable[[], None]]:
-    """The app on `engine` in a uvicorn thread; its URL and a stop function."""
-    import uvicorn
-
-    from app.server import create_app
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, db), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-
-    def stop() -> None:
-        server.should_exit = True
-        thread.join(10)
-
-    return f"http://127.0.0.1:{port}", stop
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
@@ -79,46 +54,42 @@ def main(argv: list[str] | None = None) -> list[Row]:
     direct_lm = load_model(embedder or chat)  # the same weights, a second copy for direct calls
     recipe = embedding_recipe(direct_lm.path)
     rows: list[Row] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        url, stop = _serve(engine, Path(tmp) / "db.sqlite")
-        try:
-            with httpx.Client(timeout=600) as client:
-                for n in SIZES:
-                    texts = short_texts(n)
+    with tempfile.TemporaryDirectory() as tmp, served_app(engine, Path(tmp)) as app:
+        url = app.url
+        with httpx.Client(timeout=600) as client:
+            for n in SIZES:
+                texts = short_texts(n)
 
-                    def served() -> float:
-                        t0 = time.perf_counter()
-                        r = client.post(f"{url}/v1/embeddings", json={
-                            "model": served_name, "input": texts, "encoding_format": "base64"})
-                        r.raise_for_status()
-                        return time.perf_counter() - t0
+                def served() -> float:
+                    t0 = time.perf_counter()
+                    r = client.post(f"{url}/v1/embeddings", json={
+                        "model": served_name, "input": texts, "encoding_format": "base64"})
+                    r.raise_for_status()
+                    return time.perf_counter() - t0
 
-                    def direct() -> float:
-                        t0 = time.perf_counter()
-                        ids = [list(direct_lm.tokenizer.encode(recipe.prompt(False) + t))
-                               for t in texts]
-                        order = sorted(range(n), key=lambda i: len(ids[i]))
-                        while order:
-                            picked = next_chunk(ids, order)
-                            embed_batch(direct_lm.model, [ids[i] for i in picked], recipe)
-                            order = order[len(picked):]
-                        return time.perf_counter() - t0
+                def direct() -> float:
+                    t0 = time.perf_counter()
+                    ids = [list(direct_lm.tokenizer.encode(recipe.prompt(False) + t))
+                           for t in texts]
+                    order = sorted(range(n), key=lambda i: len(ids[i]))
+                    while order:
+                        picked = next_chunk(ids, order)
+                        embed_batch(direct_lm.model, [ids[i] for i in picked], recipe)
+                        order = order[len(picked):]
+                    return time.perf_counter() - t0
 
-                    served(), direct()  # warm-up: the dedicated model loads, kernels compile
-                    times: dict[str, list[float]] = {"served": [], "direct": []}
-                    for _ in range(args.reps):
-                        times["served"].append(served())
-                        times["direct"].append(direct())
-                    rate = {k: n / median(v) for k, v in times.items()}
-                    rows.append(Row("embeddings", f"{args.model}:{served_name}", f"texts/s, {n} texts",
-                                    "texts/s", rate["served"], rate["direct"],
-                                    "embed_batch called directly",
-                                    notes=f"served {spread(times['served'], 1e3)} ms, direct "
-                                          f"{spread(times['direct'], 1e3)} ms",
-                                    extra={"reps": args.reps, "seconds": times}))
-        finally:
-            stop()
-            engine.stop()
+                served(), direct()  # warm-up: the dedicated model loads, kernels compile
+                times: dict[str, list[float]] = {"served": [], "direct": []}
+                for _ in range(args.reps):
+                    times["served"].append(served())
+                    times["direct"].append(direct())
+                rate = {k: n / median(v) for k, v in times.items()}
+                rows.append(Row("embeddings", f"{args.model}:{served_name}", f"texts/s, {n} texts",
+                                "texts/s", rate["served"], rate["direct"],
+                                "embed_batch called directly",
+                                notes=f"served {spread(times['served'], 1e3)} ms, direct "
+                                      f"{spread(times['direct'], 1e3)} ms",
+                                extra={"reps": args.reps, "seconds": times}))
     print_table(rows, "embeddings: POST /v1/embeddings vs the forward pass called directly")
     out = args.out or RESULTS_DIR / f"embeddings-cpu-{args.model}.json"
     write_json(out, run_meta(sys.argv if argv is None else argv), rows)

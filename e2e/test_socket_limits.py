@@ -5,7 +5,7 @@ works (before, the server closed the socket under it and the page's chat stayed 
 from playwright.sync_api import Page, expect
 
 from app.socket_limits import WS_MAX_BYTES
-from test_chat import last, new_chat, send, wait_answer
+from chat_page import last, new_chat, send, wait_answer
 
 
 def test_an_oversized_message_gets_a_notice_and_the_chat_keeps_working(page: Page, shot):

@@ -4,11 +4,19 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 REPO = Path(__file__).resolve().parent.parent
 # The bundled model is fetched once per machine into this (git-ignored) folder and reused.
 MODEL_HOME = Path(os.environ.get("MLXCHAT_TEST_HOME", REPO / ".mlxchat-home"))
 os.environ["MLXCHAT_HOME"] = str(MODEL_HOME)
+
+# Hypothesis examples per property: few in CI, where each example of a server fuzzer is a real
+# HTTP request; MLXCHAT_HYPOTHESIS=nightly runs many more. A test that names its own
+# `max_examples` (a cheap pure function) keeps it. No example database: CI starts from nothing.
+settings.register_profile("ci", max_examples=10, deadline=None, database=None)
+settings.register_profile("nightly", max_examples=300, deadline=None, database=None)
+settings.load_profile(os.environ.get("MLXCHAT_HYPOTHESIS", "ci"))
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +51,19 @@ def serve():
         engine.stop()
 
 
+@pytest.fixture(scope="module")
+def tiny_engine():
+    """A started engine on a tiny random llama (tests/tiny_models.py), for a module whose servers
+    share one (`live_server.app_serving`); stopped at the end of the module."""
+    from engine.scheduling.service import Engine
+    from tiny_models import tiny_llama
+
+    lm = tiny_llama()
+    engine = Engine(lm.name, load=lambda name, **_: lm).start()
+    yield engine
+    engine.stop()
+
+
 @pytest.fixture
 def storage(tmp_path):
     """A real SQLite database in a fresh folder, closed at the end of the test."""
@@ -60,3 +81,26 @@ def http(server):
 
     with httpx.Client(base_url=server.url, timeout=60) as client:
         yield client
+
+
+# The CPU kernels (engine/kernels): tests/test_kernels.py, test_kv8.py
+
+@pytest.fixture(scope="module")
+def kern():
+    """The built extension: CI installs the toolchain (scripts/setup), so it must load."""
+    from engine.kernels import native
+
+    module = native.kernels()
+    assert module is not None, native.status().reason
+    return module
+
+
+@pytest.fixture(params=["avx512-vnni", "avx512", "avx2", "generic"])
+def isa(kern, request):
+    """Each instruction-set unit this CPU can run, in turn."""
+    if request.param not in kern.isas():
+        pytest.skip(f"this CPU cannot run the {request.param} kernels")
+    default = kern.isa()
+    kern.set_isa(request.param)
+    yield request.param
+    kern.set_isa(default)

@@ -66,6 +66,19 @@ def app_home(path: Path) -> Path:
     return path
 
 
+def linked_home(path: Path, *names: str) -> Path:
+    """An MLXCHAT_HOME at `path` whose cache shares only the entries `names` of the shared model
+    cache ("kernels", "models", "converted", ...); everything else in it starts empty. Sharing
+    "kernels" spares a child process a build of the CPU kernels (a minute on 2 cores)."""
+    cache = path / "cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        if not (cache / name).is_symlink():
+            (MODEL_HOME / "cache" / name).mkdir(parents=True, exist_ok=True)
+            (cache / name).symlink_to(MODEL_HOME / "cache" / name, target_is_directory=True)
+    return path
+
+
 class ServerProcess:
     """`app.server.serve()` in a child process, as `mlxchat serve --no-browser` runs it."""
 
@@ -133,10 +146,10 @@ class ThreadedServer:
 
 
 @contextmanager
-def serving(engine, db_path: Path, **app_options) -> Iterator[ThreadedServer]:
-    """The app on `engine` (already started) in a uvicorn thread, its storage at `db_path`;
-    the server and then the engine are stopped on exit. `app_options` go to `create_app`
-    (`api_key`, `aliases`)."""
+def app_serving(engine, db_path: Path, **app_options) -> Iterator[ThreadedServer]:
+    """The app on `engine` (already started) in a uvicorn thread, its storage at `db_path`; the
+    server is stopped on exit, the engine left running (several apps may share one engine).
+    `app_options` go to `create_app` (`api_key`, `aliases`)."""
     from app.server import create_app
 
     server = ThreadedServer(create_app(engine, db_path, **app_options)).start()
@@ -145,6 +158,15 @@ def serving(engine, db_path: Path, **app_options) -> Iterator[ThreadedServer]:
         yield server
     finally:
         server.stop()
+
+
+@contextmanager
+def serving(engine, db_path: Path, **app_options) -> Iterator[ThreadedServer]:
+    """`app_serving`, then the engine is stopped too."""
+    try:
+        with app_serving(engine, db_path, **app_options) as server:
+            yield server
+    finally:
         engine.stop()
 
 
@@ -159,6 +181,20 @@ def engine_serving(folder: Path, lm=None, engine_options: dict | None = None,
     engine = Engine(lm.name, load=lambda name, **_: lm, **options) if lm is not None \
         else Engine(**options)
     with serving(engine.start(), folder / "db.sqlite", **app_options) as server:
+        yield server
+
+
+@contextmanager
+def tiny_serving(folder: Path, lm=None, engine_options: dict | None = None,
+                 **app_options) -> Iterator[ThreadedServer]:
+    """`engine_serving` on a tiny random llama (`tests/tiny_models.py`), or on `lm` (another tiny
+    model, loaded); `server.model` is its name. For a module's tests that need a real server but
+    not the bundled model's text: one per module (a module-scoped fixture)."""
+    from tiny_models import tiny_llama
+
+    lm = lm or tiny_llama()
+    with engine_serving(folder, lm, engine_options, **app_options) as server:
+        server.model = lm.name
         yield server
 
 

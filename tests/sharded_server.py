@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.live_server import MODEL_HOME, REPO, free_port, wait_healthy
+from tests.live_server import REPO, free_port, linked_home, wait_healthy
 
 # every rank loads its shard and builds nothing (CPU kernels shared), but on a busy 2-core
 # machine several ranks starting at once take minutes
@@ -40,15 +40,9 @@ class ShardedServer:
         heartbeat = f"127.0.0.1:{free_port()}"
         for rank in range(self.ranks):
             # a home of its own, caches included: no prefix-cache files from earlier runs
-            home = self.root / f"home{rank}"
-            home.mkdir(parents=True, exist_ok=True)
             # ... but the CPU kernels built once for every test (a build per home costs minutes
             # on a busy 2-core machine)
-            kernels = home / "cache" / "kernels"
-            if not kernels.is_symlink():
-                kernels.parent.mkdir(parents=True, exist_ok=True)
-                (MODEL_HOME / "cache" / "kernels").mkdir(parents=True, exist_ok=True)
-                kernels.symlink_to(MODEL_HOME / "cache" / "kernels", target_is_directory=True)
+            home = linked_home(self.root / f"home{rank}", "kernels")
             env = {**os.environ, **self.env, "MLXCHAT_HOME": str(home)}
             if self.ranks > 1:
                 env.update(MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile),

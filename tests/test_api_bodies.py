@@ -6,8 +6,7 @@ A real server on 127.0.0.1 with a tiny random llama."""
 import httpx
 import pytest
 
-from live_server import engine_serving
-from tiny_models import tiny_llama
+from live_server import tiny_serving
 
 pytestmark = pytest.mark.fast
 
@@ -34,8 +33,7 @@ ENDPOINTS = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    lm = tiny_llama()
-    with engine_serving(tmp_path_factory.mktemp("bodies"), lm) as s:
+    with tiny_serving(tmp_path_factory.mktemp("bodies")) as s:
         yield s
 
 

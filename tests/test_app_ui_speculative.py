@@ -6,15 +6,14 @@ import re
 
 import pytest
 
-from live_server import engine_serving, new_conversation, turn
-from tiny_models import tiny_llama
+from live_server import new_conversation, tiny_serving, turn
 
 pytestmark = pytest.mark.fast
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with engine_serving(tmp_path_factory.mktemp("ui-spec"), tiny_llama()) as s:
+    with tiny_serving(tmp_path_factory.mktemp("ui-spec")) as s:
         yield s
 
 

@@ -15,7 +15,7 @@ import pytest
 from app.documents import with_documents
 from live_server import engine_serving, new_conversation, openai_client, turn
 from tiny_models import tiny_llama
-from test_hostile_pdfs import pdf_file
+from bench.document_corpus import pdf_file
 
 pytestmark = pytest.mark.fast
 

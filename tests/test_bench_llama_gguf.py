@@ -28,6 +28,7 @@ PROMPT = [1, 500, 2000, 37, 9000, 12, 44, 100, 8000, 3]
 TOLERANCE = 0.05
 
 
+@pytest.mark.slow  # seconds of compute by design: the second tier
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_gguf_of_a_random_folder_gives_the_folder_models_logits(tmp_path, kind):
     shape = SHAPE if kind == "llama" else {**SHAPE, "model_type": "qwen3", "head_dim": 16}

@@ -73,6 +73,7 @@ def test_gpu_step_measures_bandwidth_steps_memory_parts_and_the_demo(tmp_path):
     assert "streamed text == final text: True" in rows[("demo", "peak")]["notes"]
 
 
+@pytest.mark.slow  # seconds of compute by design: the second tier
 @pytest.mark.fast
 def test_protocols_bench_measures_every_adapter_against_chat_completions(tmp_path):
     """`python -m bench.protocols` runs end to end on the tiny model: for each adapter

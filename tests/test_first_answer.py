@@ -9,22 +9,20 @@ import pytest
 from engine import Engine
 
 # Ordinary first prompts on which the bundled model's plain greedy decoding falls into a loop
-# (checked below), so that defaults which stopped preventing loops would fail this test.
+# (checked below), so that defaults which stopped preventing loops would fail this test. These are
+# the eight (of twelve tried) whose greedy answers loop earliest: by their 33rd to 153rd token
+# (measured 2026-12-04), so MAX_TOKENS keeps a margin over the latest.
 PROMPTS = [
-    "List ten fruits.",
-    "Write a letter to a friend.",
-    "Write a song about summer.",
-    "Tell me about dolphins.",
     "Write a motivational speech.",
-    "Describe a dog.",
     "Write a poem about love.",
-    "Tell me about cats.",
-    "Describe the ocean.",
+    "Write a song about summer.",
+    "Describe a dog.",
     "Describe your best friend.",
-    "Describe your ideal day.",
-    "What is love?",
+    "Describe the ocean.",
+    "Tell me about cats.",
+    "Tell me about dolphins.",
 ]
-MAX_TOKENS = 200
+MAX_TOKENS = 170
 
 
 def loops(text: str) -> bool:

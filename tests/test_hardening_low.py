@@ -6,17 +6,14 @@ import httpx
 import pytest
 from websockets.sync.client import connect
 
-from live_server import engine_serving, frames_until, ws_url
-from tiny_models import tiny_llama
+from live_server import frames_until, tiny_serving, ws_url
 
 pytestmark = pytest.mark.fast
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    lm = tiny_llama()
-    with engine_serving(tmp_path_factory.mktemp("low"), lm) as s:
-        s.model = lm.name
+    with tiny_serving(tmp_path_factory.mktemp("low")) as s:
         yield s
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from live_server import MODEL_HOME, REPO, ServerProcess, free_port, wait_healthy
+from live_server import (MODEL_HOME, REPO, ServerProcess, engine_serving, free_port, linked_home,
+                         wait_healthy)
 
 MODEL = "smollm2-135m-instruct"
 SYSTEM = ("You are a careful assistant. Answer in one short sentence. " * 8).strip()
@@ -25,12 +26,8 @@ FIRST = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Nam
 
 def private_home(path: Path) -> Path:
     """An MLXCHAT_HOME sharing the model files but with a prompt cache of its own."""
-    cache = path / "cache"
-    cache.mkdir(parents=True, exist_ok=True)
-    for entry in (MODEL_HOME / "cache").iterdir():
-        if entry.name != "prompt-cache" and not (cache / entry.name).exists():
-            (cache / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
-    return path
+    return linked_home(path, *(entry.name for entry in (MODEL_HOME / "cache").iterdir()
+                               if entry.is_dir() and entry.name != "prompt-cache"))
 
 
 def ask(url: str, messages: list[dict], **fields) -> dict:
@@ -50,15 +47,14 @@ def second_turn(first: dict) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def cold(tmp_path_factory) -> dict:
-    """The answers of servers that have nothing cached: each turn asked of a fresh one."""
+def cold(tmp_path_factory, lm) -> dict:
+    """The answers of servers that have nothing cached: each turn asked of a fresh one. These run
+    in this process on the session's loaded model (a fresh engine has an empty, unpersisted prefix
+    cache), sparing two cold starts of a server process; the app and engine are the same."""
     answers = {}
     for turn in ("first", "second"):
-        server = ServerProcess(private_home(tmp_path_factory.mktemp("cold") / "home")).start()
-        try:
+        with engine_serving(tmp_path_factory.mktemp("cold"), lm) as server:
             answers[turn] = ask(server.url, FIRST if turn == "first" else second_turn(answers["first"]))
-        finally:
-            server.kill()
     return answers
 
 

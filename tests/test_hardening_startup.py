@@ -13,26 +13,10 @@ import pytest
 
 from app.folder_lock import FolderLock
 from app.storage import SCHEMA_VERSION, Storage
+from cli_runs import mlxchat, refusal
 
 pytestmark = pytest.mark.fast
 REPO = Path(__file__).resolve().parents[1]
-
-
-def mlxchat(*args: str, home: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MLXCHAT_HOME": str(home)}
-    return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-
-
-def refusal(result: subprocess.CompletedProcess) -> str:
-    """The one line the CLI said, checking it said nothing else of note."""
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr, result.stderr
-    lines = [l for l in result.stderr.splitlines() if l.strip() and "no GPU" not in l
-             and not l.startswith("Usage:") and not l.startswith("Try ")]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("Error: ")
-    return lines[0]
 
 
 def test_wildcard_host_without_allow_remote(tmp_path):
@@ -97,6 +81,7 @@ def _open(path: str, barrier) -> int:
     return 0
 
 
+@pytest.mark.slow  # seconds of compute by design: the second tier
 def test_concurrent_openers_migrate_a_new_database_once(tmp_path):
     ctx = multiprocessing.get_context("spawn")
     with ctx.Manager() as manager, ctx.Pool(4) as pool:

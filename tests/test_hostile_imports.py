@@ -10,9 +10,8 @@ import zipfile
 import httpx
 import pytest
 
-from live_server import engine_serving
+from live_server import tiny_serving
 from loop_probe import STALL_S, health_probe
-from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.fast
 
@@ -21,7 +20,7 @@ FORMAT = "mlxchat.conversation/1"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with engine_serving(tmp_path_factory.mktemp("imports"), tiny_llama()) as s:
+    with tiny_serving(tmp_path_factory.mktemp("imports")) as s:
         yield s
 
 
@@ -134,6 +133,7 @@ def test_an_encrypted_or_unknown_compression_member_is_refused(server, patch):
     assert r.status_code == 400 and "Could not import" in r.text, r.text
 
 
+@pytest.mark.slow  # seconds of compute by design: the second tier
 def test_ten_thousand_conversations_import_and_export_without_stalling(server):
     members = {f"c{i}.json": json.dumps(ours(title=f"t{i}")).encode() for i in range(10_000)}
     before = count(server)

@@ -29,14 +29,6 @@ from engine.kernels.layout import KernelLinear, to_kernel_layout, unsupported
 pytestmark = pytest.mark.fast
 
 
-@pytest.fixture(scope="module")
-def kern():
-    """The built extension: CI installs the toolchain (scripts/setup), so it must load."""
-    module = native.kernels()
-    assert module is not None, native.status().reason
-    return module
-
-
 def quantized(n, k, bits, gs, scale_dtype=mx.float16, seed=0):
     mx.random.seed(seed)
     w, s, b = mx.quantize(mx.random.normal((n, k)), group_size=gs, bits=bits)
@@ -219,17 +211,6 @@ def test_prefill_attention_matches_mlx(kern, heads, kv_heads, dim, length, cache
         assert mx.array_equal(ours[:, i], step.reshape(2, -1)).item(), i
     with pytest.raises(ValueError):
         kern.prefill_attention(q, k[:, :, :length - 1], v[:, :, :length - 1], 0.125)
-
-
-@pytest.fixture(params=["avx512-vnni", "avx512", "avx2", "generic"])
-def isa(kern, request):
-    """Each instruction-set unit this CPU can run, in turn."""
-    if request.param not in kern.isas():
-        pytest.skip(f"this CPU cannot run the {request.param} kernels")
-    default = kern.isa()
-    kern.set_isa(request.param)
-    yield request.param
-    kern.set_isa(default)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -21,6 +21,7 @@ from engine.kernels import active_path
 from engine.kernels.cpu_layout import fp32_bytes
 from engine.kernels.layout import KernelEmbedding, KernelLinear, KernelLlamaAttention
 from chats import CONVERSATIONS
+from live_server import linked_home
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -75,11 +76,7 @@ print("TOKENS", tokens)
 def test_a_build_that_cannot_load_falls_back_with_one_warning(lm, tmp_path):
     """A cached extension that does not load (as one built for another mlx) on a machine without
     a compiler: the app still answers, on the fp32 layout, with the same greedy tokens."""
-    home = tmp_path / "home"
-    (home / "cache").mkdir(parents=True)
-    shared = Path(os.environ["MLXCHAT_HOME"]) / "cache"
-    for name in ("models", "converted"):
-        (home / "cache" / name).symlink_to(shared / name)
+    home = linked_home(tmp_path / "home", "models", "converted")
     env = dict(os.environ, MLXCHAT_HOME=str(home), PYTHONPATH=str(REPO), PATH=str(tmp_path / "bin"))
     env.pop("MLXCHAT_THREADS", None)
     key = subprocess.run([sys.executable, "-c", "from engine.kernels.native import build_dir; "

@@ -47,7 +47,7 @@ def test_int8_activations_change_the_numbers_but_answer_alike(lm, int8_lm):
     lines = []
     for name, messages in CONVERSATIONS.items():
         prompt = build_prompt(lm, messages=messages)
-        params = SamplingParams(max_tokens=48)
+        params = SamplingParams(max_tokens=16)  # printed, not asserted: a short look is enough
         ours = [e.token for e in generate(int8_lm, prompt, params) if e.kind == "token"]
         exact = [e.token for e in generate(lm, prompt, params) if e.kind == "token"]
         same = next((i for i, (a, b) in enumerate(zip(ours, exact)) if a != b), min(len(ours), len(exact)))

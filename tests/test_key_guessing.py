@@ -9,26 +9,16 @@ import httpx
 import pytest
 
 from app.key_access import PER_CLIENT
-from engine import Engine
-from test_login import running
-from tiny_models import tiny_llama
+from live_server import app_serving
 
 pytestmark = pytest.mark.fast
 
 KEY = "s3cret-ключ"  # non-ASCII: sent as UTF-8 bytes in a header, it must still match
 
 
-@pytest.fixture(scope="module")
-def engine():
-    lm = tiny_llama()
-    engine = Engine(lm.name, load=lambda name, **_: lm).start()
-    yield engine
-    engine.stop()
-
-
 @pytest.fixture
-def server(engine, tmp_path):
-    with running(engine, tmp_path, KEY) as s:
+def server(tiny_engine, tmp_path):
+    with app_serving(tiny_engine, tmp_path / "db.sqlite", api_key=KEY) as s:
         yield s
 
 

@@ -23,13 +23,11 @@ from engine.kernels.kv8 import (GROUP_SIZE, BatchKV8Cache, KV8Cache, kv_format, 
 from engine.scheduling.batch import kv_footprint
 from engine.scheduling.service import Engine
 from test_cache_protocol import Recording
-import test_kernels
 from test_kernels import PROMPTS, tiny_llama_pair
 from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.fast
 
-kern, isa = test_kernels.kern, test_kernels.isa  # the built extension; each unit the CPU runs
 KV8 = {"head_dim": 32}  # a multiple of the 8-bit cache's group size (tiny_llama's 16 is not)
 
 

@@ -9,10 +9,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from app.server import create_app
-from engine import Engine
-from live_server import ThreadedServer
-from tiny_models import tiny_llama
+from live_server import app_serving
 
 pytestmark = pytest.mark.fast
 
@@ -20,25 +17,8 @@ KEY = "s3cret"
 
 
 @pytest.fixture(scope="module")
-def engine():
-    lm = tiny_llama()
-    engine = Engine(lm.name, load=lambda name, **_: lm).start()
-    yield engine
-    engine.stop()
-
-
-@contextmanager
-def running(engine, folder, api_key):
-    server = ThreadedServer(create_app(engine, folder / "db.sqlite", api_key=api_key)).start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def server(engine, tmp_path_factory):
-    with running(engine, tmp_path_factory.mktemp("login"), KEY) as s:
+def server(tiny_engine, tmp_path_factory):
+    with app_serving(tiny_engine, tmp_path_factory.mktemp("login") / "db.sqlite", api_key=KEY) as s:
         yield s
 
 
@@ -82,8 +62,8 @@ def test_a_stale_cookie_can_be_cleared(server):
     assert r.status_code == 303 and "Max-Age=0" in r.headers["set-cookie"]
 
 
-def test_no_logout_control_without_a_key(engine, tmp_path):
-    with running(engine, tmp_path, None) as s:
+def test_no_logout_control_without_a_key(tiny_engine, tmp_path):
+    with app_serving(tiny_engine, tmp_path / "db.sqlite") as s:
         page = httpx.get(s.url + "/", follow_redirects=True)
         assert page.status_code == 200 and "/logout" not in page.text
         # nothing to log in to: the login page sends the browser on

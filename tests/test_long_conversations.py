@@ -3,13 +3,14 @@ and off the event loop. A real server on 127.0.0.1 with a tiny random llama; `/h
 throughout each request and must keep answering (a generous bound: the issue's figure was 31 s to
 62 s of silence, and more than 13 minutes for 200 long messages)."""
 
+import bisect
 import random
 
 import httpx
 import pytest
 
 from engine.decoding import chat as chat_render
-from live_server import engine_serving
+from live_server import tiny_serving
 from loop_probe import STALL_S, health_probe
 from tiny_models import tiny_llama
 
@@ -24,8 +25,7 @@ def lm():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, lm):
-    with engine_serving(tmp_path_factory.mktemp("longconv"), lm) as s:
-        s.model = lm.name
+    with tiny_serving(tmp_path_factory.mktemp("longconv"), lm) as s:
         yield s
 
 
@@ -62,20 +62,29 @@ def test_dropping_keeps_the_most_turns_that_fit(server, lm):
     """The binary search finds what dropping one turn at a time found: the longest tail that fits."""
     msgs = [{"role": "system", "content": "be brief"}] + conversation(400, "y" * 200)
     # max_tokens leaves ~1,200 tokens of prompt: a short prefill for the tiny model on 2 cores.
+    # The end-of-turn token, biased up, ends the answer at its first token: the room reserved for
+    # 7,000 tokens is what the search fits into, not 7,000 tokens of decoding.
+    eos = sorted(lm.tokenizer.eos_token_ids)[0]
     body = {"model": server.model, "max_tokens": 7000, "temperature": 0, "truncate": "oldest",
-            "messages": msgs}
+            "messages": msgs, "logit_bias": {str(eos): 100}}
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 1
     used = r.json()["usage"]["prompt_tokens"]
 
     def tokens(kept):
         return len(chat_render.render(lm.tokenizer, kept, with_checkpoints=False).tokens)
 
+    def fits(start):
+        return tokens(msgs[:1] + rest[start:]) + 7000 <= 8192
+
     rest = msgs[1:]
     starts = [i for i in range(len(rest)) if rest[i]["role"] == "user"]
-    fitting = [s for s in starts if tokens(msgs[:1] + rest[s:]) + 7000 <= 8192]
-    assert used == tokens(msgs[:1] + rest[fitting[0]:])
-    assert tokens(msgs[:1] + rest[starts[starts.index(fitting[0]) - 1]:]) + 7000 > 8192
+    # The first start whose tail fits (tails shrink as the start grows), found by bisection here
+    # too: rendering every tail of 400 messages is what the server's search avoids.
+    first = starts[bisect.bisect_left(starts, True, key=lambda s: fits(s))]
+    assert used == tokens(msgs[:1] + rest[first:])
+    assert not fits(starts[starts.index(first) - 1])
 
 
 WORDS = ["hello", "wörld", "😀", "12345", "\n\n", "  x", "<b>", "日本語", " ", "."]

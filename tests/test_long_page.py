@@ -7,9 +7,8 @@ import json
 import httpx
 import pytest
 
-from live_server import engine_serving
+from live_server import tiny_serving
 from loop_probe import STALL_S, health_probe
-from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.fast
 
@@ -17,10 +16,11 @@ pytestmark = pytest.mark.fast
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with engine_serving(tmp_path_factory.mktemp("longpage"), tiny_llama()) as s:
+    with tiny_serving(tmp_path_factory.mktemp("longpage")) as s:
         yield s
 
 
+@pytest.mark.slow  # seconds of compute by design: the second tier
 def test_the_page_of_fifty_thousand_messages_does_not_stall_the_server(server):
     messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message *{i}*"}
                 for i in range(50_000)]

@@ -6,9 +6,8 @@ import httpx
 import pytest
 
 from engine.decoding.tools import MAX_TOOLS
-from live_server import engine_serving
+from live_server import tiny_serving
 from loop_probe import STALL_S, health_probe
-from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.fast
 
@@ -16,9 +15,7 @@ pytestmark = pytest.mark.fast
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    lm = tiny_llama()
-    with engine_serving(tmp_path_factory.mktemp("tools"), lm) as s:
-        s.model = lm.name
+    with tiny_serving(tmp_path_factory.mktemp("tools")) as s:
         yield s
 
 

@@ -24,6 +24,13 @@ def gguf_file(lm):
     return bundled.ensure_bundled_gguf()
 
 
+@pytest.fixture(scope="module")
+def gguf_read(gguf_file):
+    """The bundled GGUF's tensors and metadata, read once for the module (a read takes seconds;
+    the tests only read them)."""
+    return read_gguf(gguf_file)
+
+
 def test_bundled_model_is_the_default(lm):
     assert lm.name == DEFAULT_MODEL
     assert lm.config["model_type"] == "llama" and lm.config["rope_traditional"] is True
@@ -32,9 +39,9 @@ def test_bundled_model_is_the_default(lm):
     assert lm.context_length == 8192
 
 
-def test_imported_logits_match_the_gguf_tensors_loaded_directly(lm, gguf_file):
+def test_imported_logits_match_the_gguf_tensors_loaded_directly(lm, gguf_read):
     """Dequantize the GGUF tensors ourselves into a float model; logits must agree."""
-    weights, _ = read_gguf(gguf_file)
+    weights, _ = gguf_read
     dense = {}
     for name, w in weights.items():
         if name.endswith((".scales", ".biases")):
@@ -61,8 +68,8 @@ def test_tokenizer_round_trip_on_mixed_text(lm):
     assert lm.tokenizer.encode("12345") == [33, 34, 35, 36, 37]
 
 
-def test_control_tokens_are_single_ids(lm, gguf_file):
-    _, md = read_gguf(gguf_file)
+def test_control_tokens_are_single_ids(lm, gguf_read):
+    _, md = gguf_read
     types = md["tokenizer.ggml.token_type"].tolist()
     control = [tok for tok, t in zip(md["tokenizer.ggml.tokens"], types) if t == 3]
     assert "<|im_start|>" in control and "<|im_end|>" in control and len(control) == 17
@@ -108,8 +115,8 @@ def _tiny_gguf(path: Path, arch: str, md_source: dict, *, qk_norm: bool = False)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
-def test_other_gguf_architectures_import_and_generate(tmp_path, gguf_file, arch):
-    _, md = read_gguf(gguf_file)
+def test_other_gguf_architectures_import_and_generate(tmp_path, gguf_read, arch):
+    _, md = gguf_read
     path = _tiny_gguf(tmp_path / f"tiny-{arch}.gguf", arch, md, qk_norm=arch == "qwen3")
     tiny = load_model(str(path))
     assert tiny.config["model_type"] == arch
@@ -118,8 +125,7 @@ def test_other_gguf_architectures_import_and_generate(tmp_path, gguf_file, arch)
     assert events[-1].kind == "done" and events[-1].usage.prompt_tokens == len(prompt.tokens)
 
 
-def test_unsupported_architecture_is_named(tmp_path, gguf_file):
-    _, md = read_gguf(gguf_file)
+def test_unsupported_architecture_is_named(tmp_path):
     path = tmp_path / "mamba.gguf"
     mx.save_gguf(str(path), {"token_embd.weight": mx.zeros((4, 4))},
                  {"general.architecture": "mamba", "tokenizer.ggml.model": "gpt2"})
@@ -210,8 +216,8 @@ def test_converted_folder_is_reused(lm):
     assert (lm.path / "model.safetensors").stat().st_mtime_ns == mtime
 
 
-def test_convert_refuses_unknown_tokenizers(tmp_path, gguf_file):
-    _, md = read_gguf(gguf_file)
+def test_convert_refuses_unknown_tokenizers(tmp_path, gguf_read):
+    _, md = gguf_read
     md = dict(md, **{"tokenizer.ggml.model": "rwkv"})
     path = _tiny_gguf(tmp_path / "rwkv-vocab.gguf", "llama", md)
     with pytest.raises(UnsupportedArchitecture, match="tokenizer model 'rwkv'"):

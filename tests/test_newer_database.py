@@ -8,7 +8,7 @@ from live_server import free_port
 import pytest
 
 from app.storage import DB_NAME, SCHEMA_VERSION, Storage
-from test_hardening_startup import mlxchat, refusal
+from cli_runs import mlxchat, refusal
 
 pytestmark = pytest.mark.fast
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from hub_standin import HubStandIn, Repo
-from live_server import ThreadedServer, engine_serving, free_port
+from live_server import ThreadedServer, engine_serving, free_port, tiny_serving
 from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.fast
@@ -27,9 +27,7 @@ GREEDY = {"temperature": 0, "num_predict": 8}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    lm = tiny_llama()
-    with engine_serving(tmp_path_factory.mktemp("ollama"), lm) as s:
-        s.model = lm.name
+    with tiny_serving(tmp_path_factory.mktemp("ollama")) as s:
         yield s
 
 
@@ -130,7 +128,7 @@ def test_bad_input_gets_ollamas_error_shape(server):
     assert r.status_code == 400 and "error" in r.json()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(suppress_health_check=list(HealthCheck))  # examples: tests/conftest.py
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=6),
                     lambda inner: st.lists(inner, max_size=3)
                     | st.dictionaries(st.sampled_from(["model", "messages", "role", "content",

@@ -7,8 +7,7 @@ import httpx
 import pytest
 
 from engine.decoding.channels import ChannelSplitter, Markers
-from engine.scheduling.service import Engine
-from live_server import openai_client, serving
+from live_server import openai_client, tiny_serving
 from tiny_models import VOCAB, tiny_marker_llama
 
 pytestmark = pytest.mark.fast
@@ -24,8 +23,7 @@ ASK = [{"role": "user", "content": "Think about it."}]
 def server(tmp_path_factory):
     lm = tiny_marker_llama(THINKING)
     assert lm.tokenizer.has_thinking
-    engine = Engine(lm.name, load=lambda name, **_: lm).start()
-    with serving(engine, tmp_path_factory.mktemp("reasoning") / "db.sqlite") as s:
+    with tiny_serving(tmp_path_factory.mktemp("reasoning"), lm) as s:
         yield s
 
 

@@ -5,17 +5,15 @@
 import httpx
 import pytest
 
-from live_server import engine_serving
-from tiny_models import VOCAB, tiny_llama
+from live_server import tiny_serving
+from tiny_models import VOCAB
 
 pytestmark = pytest.mark.fast
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    lm = tiny_llama()
-    with engine_serving(tmp_path_factory.mktemp("ranges"), lm) as s:
-        s.model = lm.name
+    with tiny_serving(tmp_path_factory.mktemp("ranges")) as s:
         yield s
 
 

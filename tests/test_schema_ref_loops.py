@@ -5,8 +5,7 @@ into properties or items stays allowed."""
 import httpx
 import pytest
 
-from live_server import serving
-from tiny_models import tiny_llama
+from live_server import tiny_serving
 
 pytestmark = pytest.mark.fast
 
@@ -21,12 +20,7 @@ LOOPS = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from engine.scheduling.service import Engine
-
-    lm = tiny_llama()
-    engine = Engine(lm.name, load=lambda name, **_: lm).start()
-    with serving(engine, tmp_path_factory.mktemp("schema") / "db.sqlite") as s:
-        s.model = lm.name
+    with tiny_serving(tmp_path_factory.mktemp("schema")) as s:
         yield s
 
 

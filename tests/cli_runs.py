@@ -1,0 +1,26 @@
+"""The real `mlxchat` command line in a child process, and reading the one line it refuses with."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def mlxchat(*args: str, home: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`mlxchat ARGS...` with MLXCHAT_HOME=`home`, no standard input; its output captured."""
+    env = {**os.environ, "MLXCHAT_HOME": str(home)}
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def refusal(result: subprocess.CompletedProcess) -> str:
+    """The one line the CLI said, checking it said nothing else of note."""
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [l for l in result.stderr.splitlines() if l.strip() and "no GPU" not in l
+             and not l.startswith("Usage:") and not l.startswith("Try ")]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("Error: ")
+    return lines[0]
