@@ -3,33 +3,20 @@ model's caches only through the `CacheOps` its `LoadedModel.caches` hands them, 
 implementation's snapshots and rollbacks keep what they held."""
 
 import dataclasses
-from collections import Counter
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.kernels.caches import (LOCAL, LocalCaches, cache_length, from_layers, rollback_mark,
+from engine.kernels.caches import (LOCAL, cache_length, from_layers, rollback_mark,
                                    roll_back, snapshot_layers)
 from engine.scheduling.service import Engine
 from engine.decoding.sampling import SamplingParams
 from tiny_models import tiny_llama, tiny_qwen3_5
+from watched_model import RecordingCaches as Recording
 
 pytestmark = pytest.mark.fast
-
-
-class Recording(LocalCaches):
-    """The local protocol, counting each call the engine makes through it."""
-
-    def __init__(self):
-        self.calls: Counter[str] = Counter()
-
-    def __getattribute__(self, name):
-        if name in ("copy", "restore", "merge", "extend", "extract", "filter", "trimmable",
-                    "nbytes"):
-            object.__getattribute__(self, "calls")[name] += 1
-        return object.__getattribute__(self, name)
 
 
 def arrays(cache) -> list[np.ndarray]:

@@ -25,6 +25,7 @@ import pytest
 
 from engine.kernels import active_path, describe_device, device_report, native
 from engine.kernels.layout import KernelLinear, to_kernel_layout, unsupported
+from tiny_models import KERNEL_PROMPTS as PROMPTS, tiny_llama_pair
 
 pytestmark = pytest.mark.fast
 
@@ -279,31 +280,6 @@ def test_device_report_and_description_name_the_path(kern):
     assert describe_device(mx.Device(mx.cpu)).endswith(f"; {active_path()})")
 
 
-def tiny_llama_pair(bits, gs, traditional, **overrides):
-    """(ours, reference): the same random quantized llama twice; ours in the kernel layout with fp16
-    scales, the reference on MLX's own ops with the same scales as fp32 (the exact same weights)."""
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
-
-    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2,
-                           intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                           rms_norm_eps=1e-5, vocab_size=320, rope_traditional=traditional,
-                           rope_theta=10000.0, tie_word_embeddings=True, **overrides)
-    models = []
-    for _ in range(2):
-        mx.random.seed(7)
-        model = llama.Model(args)
-        nn.quantize(model, group_size=gs, bits=bits)
-        models.append(model)
-    ours, ref = models
-    params = dict(tree_flatten(ours.parameters()))
-    half = {k: v.astype(mx.float16) if k.endswith(("scales", "biases")) else v for k, v in params.items()}
-    ours.load_weights(list(half.items()))
-    ref.load_weights([(k, v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v)
-                      for k, v in half.items()])
-    return to_kernel_layout(ours), ref
-
-
 @pytest.mark.parametrize("bits,gs,traditional", [(4, 32, True), (4, 64, False), (8, 128, True)])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fused_layer_steps_match_mlx_lm(kern, bits, gs, traditional, batch):
@@ -333,9 +309,6 @@ def left_padded_batch(model, prompts):
     caches = [BatchKVCache(padding) for _ in model.layers]
     logits = model(mx.array([[0] * n + p for n, p in zip(padding, prompts)]), cache=caches)
     return caches, logits[:, -1:]
-
-
-PROMPTS = [[5, 17, 200, 3, 99, 41, 7], [12, 8], [300, 2, 77, 150]]
 
 
 @pytest.mark.parametrize("bits,gs,traditional", [(4, 32, True), (4, 64, False), (8, 128, True)])

@@ -22,8 +22,8 @@ from engine.kernels.kv8 import (GROUP_SIZE, BatchKV8Cache, KV8Cache, kv_format, 
                                 use_kv_bits)
 from engine.scheduling.batch import kv_footprint
 from engine.scheduling.service import Engine
-from test_cache_protocol import Recording
-from test_kernels import PROMPTS, tiny_llama_pair
+from tiny_models import KERNEL_PROMPTS as PROMPTS, tiny_llama_pair
+from watched_model import RecordingCaches as Recording
 from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.fast

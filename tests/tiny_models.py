@@ -173,3 +173,34 @@ def mtp_folder(config, tmp_path, raw_hf):
     config["mtp_num_hidden_layers"] = 1
     (folder / "config.json").write_text(json.dumps(config))
     return folder, head
+
+
+# Token prompts of different lengths for batched kernel tests (left padding 0, 5 and 3).
+KERNEL_PROMPTS = [[5, 17, 200, 3, 99, 41, 7], [12, 8], [300, 2, 77, 150]]
+
+
+def tiny_llama_pair(bits, gs, traditional, **overrides):
+    """(ours, reference): the same random quantized llama twice; ours in the kernel layout with fp16
+    scales, the reference on MLX's own ops with the same scales as fp32 (the exact same weights)."""
+    import mlx.nn as nn
+    from mlx_lm.models import llama
+
+    from engine.kernels.layout import to_kernel_layout
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2,
+                           intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                           rms_norm_eps=1e-5, vocab_size=320, rope_traditional=traditional,
+                           rope_theta=10000.0, tie_word_embeddings=True, **overrides)
+    models = []
+    for _ in range(2):
+        mx.random.seed(7)
+        model = llama.Model(args)
+        nn.quantize(model, group_size=gs, bits=bits)
+        models.append(model)
+    ours, ref = models
+    params = dict(tree_flatten(ours.parameters()))
+    half = {k: v.astype(mx.float16) if k.endswith(("scales", "biases")) else v for k, v in params.items()}
+    ours.load_weights(list(half.items()))
+    ref.load_weights([(k, v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v)
+                      for k, v in half.items()])
+    return to_kernel_layout(ours), ref

@@ -15,6 +15,9 @@
 import dataclasses
 import threading
 import time
+from collections import Counter
+
+from engine.kernels.caches import LocalCaches
 
 
 class WatchedModel:
@@ -67,3 +70,16 @@ def tokens_of(handle) -> list[int]:
     events = list(handle.events(timeout=120))
     assert [e.kind for e in events].count("done") == 1 and events[-1].kind == "done"
     return [e.token for e in events if e.kind == "token"]
+
+
+class RecordingCaches(LocalCaches):
+    """The local protocol, counting each call the engine makes through it."""
+
+    def __init__(self):
+        self.calls: Counter[str] = Counter()
+
+    def __getattribute__(self, name):
+        if name in ("copy", "restore", "merge", "extend", "extract", "filter", "trimmable",
+                    "nbytes"):
+            object.__getattribute__(self, "calls")[name] += 1
+        return object.__getattribute__(self, name)
