@@ -239,22 +239,25 @@ class BodyLimit:
     is true (file uploads) pass unread: their route streams the body to disk under its own limits."""
 
     def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES,
-                 timeout_s: float = BODY_TIMEOUT_S, streamed: Callable[[str], bool] = lambda p: False):
+                 timeout_s: float = BODY_TIMEOUT_S, streamed: Callable[[str], bool] = lambda p: False,
+                 larger: Callable[[str], int | None] = lambda p: None):
         self.app = app
         self.max_bytes = max_bytes
+        self.larger = larger  # a path's own, larger limit (requests that may carry images)
         self.timeout_s = timeout_s
         self.streamed = streamed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self.streamed(scope["path"]):
             return await self.app(scope, receive, send)
+        limit = self.larger(scope["path"]) or self.max_bytes
         declared = Headers(scope=scope).get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            return await self._too_large(scope, receive, send)
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            return await self._too_large(scope, receive, send, limit)
         try:
-            body = await asyncio.wait_for(self._read(receive), self.timeout_s)
+            body = await asyncio.wait_for(self._read(receive, limit), self.timeout_s)
         except _TooLarge:
-            return await self._too_large(scope, receive, send)
+            return await self._too_large(scope, receive, send, limit)
         except TimeoutError:
             response = api_error(408, "the request body did not arrive in time",
                                  "invalid_request_error", "request_timeout",
@@ -273,7 +276,7 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _read(self, receive: Receive) -> bytes | None:
+    async def _read(self, receive: Receive, limit: int) -> bytes | None:
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -281,14 +284,14 @@ class BodyLimit:
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_bytes:
+            if size > limit:
                 raise _TooLarge
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = api_error(413, f"the request body is larger than {self.max_bytes} bytes",
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+        response = api_error(413, f"the request body is larger than {limit} bytes",
                              "invalid_request_error", "request_too_large",
                              headers={"Connection": "close"}, path=scope["path"])
         await response(scope, receive, send)

@@ -209,3 +209,23 @@ def test_text_requests_on_a_vision_model_batch_with_an_image_request(server, lm,
               if e.kind == "token" and e.token is not None] for m in requests]
     assert together == alone and all(len(t) == 8 for t in together)
     assert widths and max(widths) == 2  # the two text requests, batched; the image one alone
+
+
+def test_an_image_larger_than_the_json_body_limit_goes_through_the_image_routes(server, lm):
+    """A 10 MB image is 13 MB as base64: over the 8 MiB body limit of other routes, within the
+    image routes' own (app/api/images.py MAX_IMAGE_BODY_BYTES); past that, a clear 413."""
+    noise = Image.frombytes("RGB", (1900, 1800), bytes(range(256)) * (1900 * 1800 * 3 // 256 + 1))
+    out = io.BytesIO()
+    noise.save(out, format="PNG", compress_level=0)
+    raw = out.getvalue()
+    assert 9_000_000 < len(raw) < 20_000_000
+    body = {"model": lm.name, "messages": image_message(data_url(raw)), "max_tokens": 2}
+    answer = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 2
+    elsewhere = httpx.post(f"{server.url}/v1/embeddings", json={"model": lm.name, "input":
+                           "x" * (9 * 1024 * 1024)}, timeout=60)
+    assert elsewhere.status_code == 413  # other routes keep the 8 MiB limit
+    huge = httpx.post(f"{server.url}/v1/messages", content=b"{" + b" " * (65 * 1024 * 1024),
+                      headers={"content-type": "application/json"}, timeout=60)
+    assert huge.status_code == 413 and str(64 * 1024 * 1024) in huge.text

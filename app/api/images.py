@@ -2,8 +2,10 @@
 data URLs, Anthropic `image` blocks, Ollama `images`, Responses `input_image`) and for uploads.
 
 Limits (named here, documented in docs/vision.md):
-- `MAX_IMAGE_BYTES` per image (20 MB, encoded size). Through the JSON APIs the request body limit
-  (app/security.py, 8 MiB) binds first; larger images go through the upload endpoint.
+- `MAX_IMAGE_BYTES` per image (20 MB, encoded size).
+- `MAX_IMAGE_BODY_BYTES`: the request body limit of the API routes that may carry images
+  (`IMAGE_PATHS`; 64 MiB, so one image at its limit fits as base64 with room to spare; every other
+  route keeps app/security.py's 8 MiB).
 - `MAX_IMAGES` per request (8).
 - `FORMATS`: PNG, JPEG, WebP and GIF (its first frame). SVG and anything else is refused.
 - Pillow's decompression-bomb limit (`Image.MAX_IMAGE_PIXELS`): a bigger image is refused, never
@@ -30,10 +32,18 @@ from .errors import ApiError
 
 MAX_IMAGE_BYTES = 20 * 1000 * 1000
 MAX_IMAGES = 8
+MAX_IMAGE_BODY_BYTES = 64 * 1024 * 1024
+IMAGE_PATHS = frozenset({"/v1/chat/completions", "/v1/messages", "/v1/responses", "/api/chat",
+                         "/api/generate"})
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 MEDIA_TYPES = {"image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif"}
 
 _DATA_URL = re.compile(r"data:([\w/+.-]*)((?:;[\w=.-]+)*?);base64,(.*)", re.S)
+
+
+def body_limit(path: str) -> int | None:
+    """The body limit of `path` when it is an API route that may carry images (else None)."""
+    return MAX_IMAGE_BODY_BYTES if path in IMAGE_PATHS else None
 
 
 def decode_image(data: bytes, where: str, param: str | None = None) -> ImageInput:
