@@ -20,14 +20,13 @@ from typing import Any
 
 from bench.common import RESULTS_DIR, Row, median, print_table, run_meta, spread, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/tiny_vlms.py
 
 QUESTION = "What is in this image?"
 FOLLOW_UP = "And what colours does it have?"
 
 
 def _load(model: str):
-    from tiny_vlms import tiny_qwen2_5_vl, tiny_smolvlm
+    from bench.vlm_shapes import tiny_qwen2_5_vl, tiny_smolvlm
 
     return {"qwen2_5_vl": tiny_qwen2_5_vl, "smolvlm": tiny_smolvlm}[model]()
 
@@ -77,7 +76,7 @@ def measure(model: str, side: int, reps: int) -> tuple[list[Row], dict[str, Any]
     from engine.cache.prefix_cache import PrefixCache
     from engine.decoding.generate import build_prompt
     from engine.decoding.vision import ImageInput
-    from tiny_vlms import random_image
+    from bench.vlm_shapes import random_image
 
     lm = _load(model)
     times: dict[str, list[float]] = {k: [] for k in ("cold", "follow", "vlm_cold", "vlm_follow",

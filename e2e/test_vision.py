@@ -15,7 +15,7 @@ from live_server import MODEL_HOME, engine_serving  # noqa: E402
 
 os.environ.setdefault("MLXCHAT_HOME", str(MODEL_HOME))  # the shared tiny-model cache
 
-from tiny_vlms import random_image, tiny_qwen2_5_vl  # noqa: E402
+from bench.vlm_shapes import random_image, tiny_qwen2_5_vl  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -184,7 +184,7 @@ def test_errors_come_in_anthropic_shape(server, client):
     with pytest.raises(anthropic.BadRequestError, match="image"):
         client.messages.create(**ask(messages=[{"role": "user", "content": image}]))
     big = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": KEY},
-                     content=b"x" * (9 * 1024 * 1024))
+                     content=b"x" * (65 * 1024 * 1024))  # over the image routes' 64 MiB
     assert big.status_code == 413 and big.json()["error"]["type"] == "request_too_large"
 
 

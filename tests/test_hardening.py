@@ -93,8 +93,9 @@ def test_api_key_guards_every_route_with_a_login_page_for_the_browser(engine, tm
 # --- case 5: body limit, parsing off the loop, slow clients ---------------------------------------
 
 def test_oversized_body_is_refused_before_it_is_read(server):
+    """On a route without images (8 MiB; the image routes' 64 MiB: tests/test_vision_api.py)."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      b"Content-Type: application/json\r\nContent-Length: 20000000\r\n\r\n{")
         head = sock.recv(4096).decode()
     assert head.startswith("HTTP/1.1 413")
@@ -102,7 +103,7 @@ def test_oversized_body_is_refused_before_it_is_read(server):
     def chunks():
         for _ in range(40):
             yield b" " * 1_000_000
-    r = httpx.post(f"{server.url}/v1/chat/completions", content=chunks(), timeout=60)
+    r = httpx.post(f"{server.url}/v1/completions", content=chunks(), timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 

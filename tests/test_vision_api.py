@@ -1,5 +1,5 @@
 """Images through every API shape on a real server (127.0.0.1, one per module) running a tiny
-random-weight Qwen2.5-VL (tests/tiny_vlms.py): OpenAI `image_url` data URLs (the openai SDK),
+random-weight Qwen2.5-VL (bench/vlm_shapes.py): OpenAI `image_url` data URLs (the openai SDK),
 Anthropic `image` blocks (the anthropic SDK), Ollama `images`, Responses `input_image`; the same
 limits and clear 4xx errors everywhere (app/api/images.py). (A text-only model's refusal:
 tests/test_vision_ui.py.)"""
@@ -20,7 +20,7 @@ from app.api.images import MAX_IMAGES, decode_image  # noqa: E402
 from engine.decoding.generate import build_prompt  # noqa: E402
 from engine.decoding.vision import ImageInput  # noqa: E402
 from live_server import engine_serving, openai_client  # noqa: E402
-from tiny_vlms import random_image, tiny_qwen2_5_vl  # noqa: E402
+from bench.vlm_shapes import random_image, tiny_qwen2_5_vl  # noqa: E402
 
 pytestmark = pytest.mark.fast
 

@@ -1,5 +1,5 @@
 """Vision-language models in the engine: tiny random-weight Qwen2.5-VL and SmolVLM folders
-(tests/tiny_vlms.py) generate through our prefill/decode loop exactly the tokens mlx-vlm's own
+(bench/vlm_shapes.py) generate through our prefill/decode loop exactly the tokens mlx-vlm's own
 `generate` gives for the same image and prompt, greedy and seeded; the prefix cache reuses an
 image's prefill for a follow-up about the same image and never for another image; images are
 refused clearly where they cannot go."""
@@ -19,7 +19,7 @@ from engine.decoding.vision import IMAGE_KEY_BASE, ImageInput  # noqa: E402
 from engine.errors import InvalidRequest  # noqa: E402
 from engine.loading.registry import capabilities  # noqa: E402
 from tiny_models import tiny_llama  # noqa: E402
-from tiny_vlms import random_image, tiny_qwen2_5_vl, tiny_smolvlm  # noqa: E402
+from bench.vlm_shapes import random_image, tiny_qwen2_5_vl, tiny_smolvlm  # noqa: E402
 
 pytestmark = pytest.mark.fast
 

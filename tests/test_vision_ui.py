@@ -17,7 +17,7 @@ pytest.importorskip("mlx_vlm")
 from PIL import Image  # noqa: E402
 
 from live_server import engine_serving, new_conversation, turn  # noqa: E402
-from tiny_vlms import random_image, tiny_qwen2_5_vl  # noqa: E402
+from bench.vlm_shapes import random_image, tiny_qwen2_5_vl  # noqa: E402
 
 pytestmark = pytest.mark.fast
 
