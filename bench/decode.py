@@ -117,7 +117,7 @@ def random_folder(name: str, shape: dict | None = None) -> Path:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from bench.shapes import Shape, build_module
+    from bench.shapes import Shape, build_module, publish, scratch_for
     from engine.loading.registry import resolve
     from engine.paths import cache_dir
 
@@ -128,17 +128,14 @@ def random_folder(name: str, shape: dict | None = None) -> Path:
                      tie_word_embeddings=True, max_position_embeddings=8192),
               **(shape or RANDOM_MODELS[name])}
     model = build_module(Shape(name, config, bits=4, group_size=32), dtype=mx.float16)
-    tmp = folder.with_name(name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = scratch_for(folder)
     mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (tmp / "config.json").write_text(json.dumps({**config, "quantization": {"group_size": 32, "bits": 4}}))
     _, bundled = resolve(None)
     for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (bundled / file).exists():
             shutil.copy(bundled / file, tmp / file)
-    tmp.rename(folder)
-    return folder
+    return publish(tmp, folder)
 
 
 # ------------------------------------------------------------ bytes a token reads, the limit

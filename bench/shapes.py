@@ -22,7 +22,9 @@ import copy
 import hashlib
 import json
 import math
+import os
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -277,10 +279,27 @@ def folder_to_build(model_type: str, recipe: Any, root: Path | None = None) -> t
     folder = (root or cache_dir() / "tiny-models") / f"{model_type}-{key}"
     if (folder / "model.safetensors").exists():
         return folder, None
-    tmp = folder.with_name(folder.name + ".tmp")
+    return folder, scratch_for(folder)
+
+
+def scratch_for(folder: Path) -> Path:
+    """An empty scratch folder beside `folder`, this process's and thread's own, so that two test
+    processes building the same folder at once never share one; `publish` moves it into place."""
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    return folder, tmp
+    return tmp
+
+
+def publish(tmp: Path, folder: Path) -> Path:
+    """Rename the finished `tmp` to `folder`; if another process got there first, keep theirs."""
+    try:
+        tmp.rename(folder)
+    except OSError:
+        if not (folder / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
 
 
 def copy_bundled_tokenizer(folder: Path) -> None:
@@ -304,7 +323,7 @@ def build_folder(config: dict[str, Any], seed: int = 0, root: Path | None = None
     mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     copy_bundled_tokenizer(tmp)
-    tmp.rename(folder)
+    publish(tmp, folder)
     return folder
 
 
@@ -349,13 +368,12 @@ def embedding_folder(config: dict[str, Any], seed: int = 0, root: Path | None = 
     folder = build_folder(config, seed, root)
     target = folder.with_name(f"{folder.name}-embedding")
     if not (target / "model.safetensors").exists():
-        tmp = target.with_name(target.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(folder, tmp)
+        tmp = scratch_for(target)
+        shutil.copytree(folder, tmp, dirs_exist_ok=True)
         for name, content in _sentence_transformers_files(int(config["hidden_size"])).items():
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             (tmp / name).write_text(json.dumps(content, indent=2))
-        tmp.rename(target)
+        publish(tmp, target)
     return target
 
 

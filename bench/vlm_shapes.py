@@ -19,7 +19,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from PIL import Image
 
-from bench.shapes import copy_bundled_tokenizer, folder_to_build
+from bench.shapes import copy_bundled_tokenizer, folder_to_build, publish
 from engine.loading.registry import LoadedModel, load_model
 
 VOCAB = 49152  # the bundled SmolLM2 tokenizer's vocabulary; image tokens are added after it
@@ -117,8 +117,7 @@ def build_vlm_folder(config: dict[str, Any], tokens: list[str], template: str,
     (tmp / "chat_template.json").write_text(json.dumps({"chat_template": template}))
     for name, content in files.items():
         (tmp / name).write_text(json.dumps(content))
-    tmp.rename(folder)
-    return folder
+    return publish(tmp, folder)
 
 
 def tiny_qwen2_5_vl_folder(seed: int = 0, root: Path | None = None) -> Path:

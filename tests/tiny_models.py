@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from bench.shapes import TINY_QWEN3, build_folder, embedding_folder
+from bench.shapes import TINY_QWEN3, build_folder, embedding_folder, publish, scratch_for
 from engine.decoding.mtp import build_mtp_head
 from engine.loading.registry import LoadedModel, load_model
 
@@ -125,9 +125,8 @@ def tiny_marker_llama(template: str, seed: int = 0, root: Path | None = None) ->
     key = hashlib.sha256(template.encode()).hexdigest()[:12]
     target = folder.with_name(f"{folder.name}-markers-{key}")
     if not (target / "model.safetensors").exists():
-        tmp = target.with_name(target.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(folder, tmp)
+        tmp = scratch_for(target)
+        shutil.copytree(folder, tmp, dirs_exist_ok=True)
         tok = json.loads((tmp / "tokenizer.json").read_text())
         tok["added_tokens"] += [{"id": VOCAB + i, "content": m, "single_word": False,
                                  "lstrip": False, "rstrip": False, "normalized": False,
@@ -140,7 +139,7 @@ def tiny_marker_llama(template: str, seed: int = 0, root: Path | None = None) ->
                               "single_word": False, "special": False}
              for i, m in enumerate(MARKERS)})
         (tmp / "tokenizer_config.json").write_text(json.dumps(cfg))
-        tmp.rename(target)
+        publish(tmp, target)
     return load_model(str(target))
 
 
