@@ -129,17 +129,20 @@ def kind_of(layer: Any) -> LayerKind | None:
     return KINDS.get(type(layer))
 
 
+# The batch KV caches (rows left-padded to a common length) and the cache one row becomes.
+ROW_CACHE: dict[type, type] = {BatchKVCache: KVCache, BatchKV8Cache: KV8Cache}
+
+
 def plain_kv(layer: Any) -> bool:
     """Exactly mlx-lm's `KVCache` or our 8-bit `KV8Cache` (one sequence's keys and values; not
     another subclass, mlx-lm's quantized or rotating cache), whose layout our attention kernels
     know."""
-    return type(layer) in (KVCache, KV8Cache)
+    return type(layer) in ROW_CACHE.values()
 
 
 def batch_kv(layer: Any) -> bool:
-    """Exactly mlx-lm's `BatchKVCache` or our `BatchKV8Cache` (rows left-padded to a common
-    length)."""
-    return type(layer) in (BatchKVCache, BatchKV8Cache)
+    """Exactly mlx-lm's `BatchKVCache` or our `BatchKV8Cache` (`ROW_CACHE`)."""
+    return type(layer) in ROW_CACHE
 
 
 def trimmable(cache: Sequence[Any]) -> bool:
@@ -288,9 +291,9 @@ def _filter_kv(layer: BatchKVCache, rows: mx.array, padding: list[int]) -> None:
 
 
 def _extract_kv(layer: BatchKVCache, i: int, padding: list[int]) -> KVCache:
-    """`BatchKVCache.extract(i)` given the rows' padding (no device read); a row of an 8-bit
-    batch stays 8-bit."""
-    cache = KV8Cache() if type(layer) is BatchKV8Cache else KVCache()
+    """`BatchKVCache.extract(i)` given the rows' padding (no device read), as its row's cache
+    class (`ROW_CACHE`: a row of an 8-bit batch stays 8-bit)."""
+    cache = ROW_CACHE[type(layer)]()
     cache.keys = mx.contiguous(layer.keys[i : i + 1, :, padding[i] : layer._idx])
     cache.values = mx.contiguous(layer.values[i : i + 1, :, padding[i] : layer._idx])
     cache.offset = cache.keys.shape[2]
