@@ -131,6 +131,26 @@ def _reader(handle, times: list[float]) -> threading.Thread:
     return t
 
 
+def smallmm_layers(model) -> list:
+    """The layers of `model` that gpu_layout.py put on the small-rows kernel."""
+    from engine.kernels.smallmm_cuda import SmallMMLinear
+
+    return [m for _, m in model.named_modules() if isinstance(m, SmallMMLinear)]
+
+
+def without_smallmm(model, fn):
+    """`fn()` with every small-rows layer of `model` sending its products to MLX's matmul."""
+    layers = smallmm_layers(model)
+    saved = [(m.min_rows, m.max_rows) for m in layers]
+    for m in layers:
+        m.min_rows, m.max_rows = 1, 0
+    try:
+        return fn()
+    finally:
+        for m, (least, most) in zip(layers, saved):
+            m.min_rows, m.max_rows = least, most
+
+
 def part_streams(lm, svc: common.EngineService, counts: list[int], prompt: int, gen: int,
                  reps: int) -> list[dict]:
     """Aggregate tok/s of N streams (N in `counts`) through the Engine against mlx-lm's
@@ -140,8 +160,10 @@ def part_streams(lm, svc: common.EngineService, counts: list[int], prompt: int, 
     out = []
     for n in counts:
         prompts = [prompt_ids(prompt, vocab, seed=200 + i) for i in range(n)]
-        runs = common.interleave({"ours": lambda: ours(svc, prompts, gen),
-                                  "mlx": lambda: mlx_batch(lm, prompts, gen)}, reps, warmup=True)
+        sides = {"ours": lambda: ours(svc, prompts, gen), "mlx": lambda: mlx_batch(lm, prompts, gen)}
+        if smallmm_layers(lm.model):  # ours again with the small-rows kernel off: MLX's matmul
+            sides["ours_mlx_matmul"] = lambda: without_smallmm(lm.model, lambda: ours(svc, prompts, gen))
+        runs = common.interleave(sides, reps, warmup=True)
         tps = {k: [r["aggregate_tps"] for r in v] for k, v in runs.items()}
         host = {k: [r["host_us_per_token"] * n / 1e3 for r in v] for k, v in runs.items()}
         med = {k: common.median(v) for k, v in tps.items()}
@@ -153,7 +175,10 @@ def part_streams(lm, svc: common.EngineService, counts: list[int], prompt: int, 
               f"batch_generate {med['mlx']:.1f} ({common.spread(tps['mlx'])}), "
               f"{out[-1]['ratio']:.2f}x; host ms/step ours "
               f"{out[-1]['median_host_ms_per_step']['ours']:.2f}, mlx "
-              f"{out[-1]['median_host_ms_per_step']['mlx']:.2f}", flush=True)
+              f"{out[-1]['median_host_ms_per_step']['mlx']:.2f}" + (
+                  f"; ours with MLX's matmul {med['ours_mlx_matmul']:.1f} tok/s "
+                  f"({common.spread(tps['ours_mlx_matmul'])})" if "ours_mlx_matmul" in med else ""),
+              flush=True)
     return out
 
 
@@ -345,11 +370,61 @@ def part_mixcost(lm, rows: int, chunks: list[int], context: int, reps: int) -> l
     return out
 
 
-def part_matmul(rows_list: list[int], dim: int, layers: int, reps: int) -> list[dict]:
+def _smallmm_side():
+    """Our small-rows product (engine/kernels/smallmm_cuda.py): the kernel on CUDA, its numpy
+    emulation elsewhere (correct, not timed)."""
+    import numpy as np
+
+    from engine.device import backend
+    from engine.kernels import smallmm_cuda
+
+    if backend() == "cuda":
+        return smallmm_cuda.smallmm, True
+    f32 = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
+    return (lambda x, w: mx.array(smallmm_cuda.emulate(f32(x), f32(w))).astype(x.dtype)), False
+
+
+def check_smallmm(shapes: list[tuple[int, int]], rows_list: list[int]) -> list[dict]:
+    """Our product against the fp32 product of the same bf16 (and fp16) values, next to MLX's own
+    matmul's difference from it: ours is correct when within 2x MLX's difference or 1% of the
+    output's scale."""
+    from engine.kernels import smallmm_cuda
+
+    ours, _ = _smallmm_side()
+    out = []
+    for k, n in shapes:
+        for dtype in (mx.bfloat16, mx.float16):
+            w = (mx.random.normal((n, k)) / k ** 0.5).astype(dtype)
+            for rows in rows_list:
+                if rows > smallmm_cuda.MAX_ROWS:
+                    continue
+                x = mx.random.normal((rows, k)).astype(dtype)
+                exact = x.astype(mx.float32) @ w.astype(mx.float32).T
+                err = lambda y: mx.abs(y.astype(mx.float32) - exact).max().item()  # noqa: E731
+                e_ours, e_mlx, scale = err(ours(x, w)), err(x @ w.T), mx.abs(exact).max().item()
+                row = {"k": k, "n": n, "rows": rows, "dtype": str(dtype), "err_ours": e_ours,
+                       "err_mlx": e_mlx, "scale": scale, "ok": e_ours <= max(2 * e_mlx, 0.01 * scale)}
+                out.append(row)
+            print(f"  check {k}->{n} {dtype}: " + ", ".join(
+                f"{r['rows']} rows {r['err_ours']:.4f}/{r['err_mlx']:.4f}{'' if r['ok'] else ' WRONG'}"
+                for r in out if (r["k"], r["n"], r["dtype"]) == (k, n, str(dtype))), flush=True)
+            if dtype == mx.bfloat16 and (k, n) != shapes[0]:
+                break  # fp16 on the first shape only
+    return out
+
+
+def part_matmul(rows_list: list[int], dim: int, layers: int, reps: int) -> dict:
     """What a batched step's matmuls cost by rows: a chain of `layers` bf16 (dim x dim) weights
-    applied to (rows, dim) activations, as the bytes of weights read per second. A decode step
-    reads every weight once whatever its rows, so a rate falling with rows is the matmul kernel's,
-    not the bandwidth's."""
+    applied to (rows, dim) activations, as the bytes of weights read per second, through MLX's
+    matmul and (on CUDA, once `check_smallmm` found it correct) through our small-rows kernel,
+    interleaved. A decode step reads every weight once whatever its rows, so a rate falling with
+    rows is the matmul kernel's, not the bandwidth's."""
+    from engine.kernels import smallmm_cuda
+
+    shapes = [(dim, dim), (dim, 3 * dim // 2 + 7), (3 * dim, dim)]
+    check = check_smallmm(shapes, sorted({1, 2, 5, 8, 13, 32} | set(rows_list)))
+    ours, timed = _smallmm_side()
+    timed = timed and all(r["ok"] for r in check)
     ws = [mx.random.normal((dim, dim)).astype(mx.bfloat16) * 0.01 for _ in range(layers)]
     mx.eval(ws)
     nbytes = sum(w.nbytes for w in ws)
@@ -357,17 +432,35 @@ def part_matmul(rows_list: list[int], dim: int, layers: int, reps: int) -> list[
     for rows in rows_list:
         x = mx.random.normal((rows, dim)).astype(mx.bfloat16)
 
-        def chain():
+        def chain(product):
             y = x
             for w in ws:
-                y = y @ w.T
+                y = product(y, w)
             mx.eval(y)
-        ms = _timed(chain, reps)
-        out.append({"rows": rows, "dim": dim, "layers": layers, "ms": ms,
-                    "weights_gb_per_s": nbytes / ms / 1e6})
-        print(f"  matmul chain, {rows} rows: {ms:.2f} ms for {nbytes / 1e9:.2f} GB of weights = "
-              f"{out[-1]['weights_gb_per_s']:.0f} GB/s", flush=True)
-    return out
+        sides = {"mlx": lambda: chain(lambda a, w: a @ w.T)}
+        if timed and rows <= smallmm_cuda.MAX_ROWS:
+            sides["ours"] = lambda: chain(ours)
+        ms = {}
+        for side in sides:
+            sides[side]()  # untimed: compiled and allocated
+        runs: dict[str, list[float]] = {side: [] for side in sides}
+        for i in range(reps):
+            for side in (list(sides) if i % 2 == 0 else list(reversed(sides))):
+                mx.synchronize()
+                t = time.perf_counter()
+                sides[side]()
+                runs[side].append((time.perf_counter() - t) * 1e3)
+        ms = {side: common.median(v) for side, v in runs.items()}
+        row = {"rows": rows, "dim": dim, "layers": layers, "ms": ms["mlx"],
+               "weights_gb_per_s": nbytes / ms["mlx"] / 1e6, "runs_ms": runs}
+        if "ours" in ms:
+            row.update(ours_ms=ms["ours"], ours_weights_gb_per_s=nbytes / ms["ours"] / 1e6)
+        out.append(row)
+        print(f"  matmul chain, {rows} rows: {nbytes / 1e9:.2f} GB of weights, MLX {ms['mlx']:.2f} ms = "
+              f"{row['weights_gb_per_s']:.0f} GB/s" + (
+                  f"; ours {row['ours_ms']:.2f} ms = {row['ours_weights_gb_per_s']:.0f} GB/s "
+                  f"({ms['mlx'] / ms['ours']:.2f}x)" if "ours" in ms else ""), flush=True)
+    return {"check": check, "check_ok": all(r["ok"] for r in check), "chain": out}
 
 
 def main_shapes(a) -> None:
@@ -378,7 +471,7 @@ def main_shapes(a) -> None:
     results = []
     if "matmul" in parts:
         results.append({"shape": f"bf16 {a.matmul_dim}x{a.matmul_dim} chain",
-                        "matmul": part_matmul(a.matmul_rows, a.matmul_dim, a.matmul_layers, a.reps)})
+                        **part_matmul(a.matmul_rows, a.matmul_dim, a.matmul_layers, a.reps)})
         if a.shapes == "none":
             common.write_json(a.out, {**common.run_meta(sys.argv), "load_average": os.getloadavg()},
                               [], results=results)

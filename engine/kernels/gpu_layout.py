@@ -15,7 +15,8 @@ the Qwen3.5 hybrids use) by `StackedMLP`. Their forward is mlx-lm's, restated ar
 product; every other module (norms, RoPE, o_proj, down_proj, the cache protocol) is the loaded one.
 Plain and affine-quantized linears are both stacked (quantized rows stack with their scales and
 biases). Anything else stays as loaded. On CUDA, the quantized linears qmv_cuda.mode() picks
-then run their decode products on qmv_cuda.py's kernel.
+then run their decode products on qmv_cuda.py's kernel, and the dense bf16/fp16 linears the
+products of the rows smallmm_cuda.mode() picks on smallmm_cuda.py's.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from mlx_lm.models import llama, qwen2, qwen3, qwen3_next
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from . import qmv_cuda
+from . import qmv_cuda, smallmm_cuda
 
 ATTENTION = (llama.Attention, qwen2.Attention, qwen3.Attention)
 MLP = (llama.MLP, qwen2.MLP, qwen3.MLP, qwen3_next.Qwen3NextMLP)
@@ -135,4 +136,5 @@ def to_gpu_layout(model: nn.Module) -> nn.Module:
                 layer.mlp = StackedMLP(mlp, gate_up)
                 mx.eval(gate_up.parameters())
     qmv_cuda.use_qmv(model, qmv_cuda.mode())
+    smallmm_cuda.use_smallmm(model, smallmm_cuda.mode())
     return model
