@@ -225,7 +225,13 @@ def interfere_once(svc: common.EngineService, lm, streams: int, long_prompt: int
         after = [b - a for a, b in gaps if b > first][:1]
         steady += before
         during += inside + after
-    return {"ttft_s": first - submitted, "steady": _pcts(steady), "during": _pcts(during)}
+    # one stream's gaps through the window (ms after submission the gap ended, its ms): where the
+    # worst one sits (a prefill step, the prompt's row joining, the steps after)
+    ts = times[0]
+    timeline = [(round((b - submitted) * 1e3, 1), round((b - a) * 1e3, 1)) for a, b in zip(ts, ts[1:])
+                if submitted - 0.03 < b and sum(1 for x in ts if first < x <= b) <= 4]
+    return {"ttft_s": first - submitted, "steady": _pcts(steady), "during": _pcts(during),
+            "timeline_ms": timeline}
 
 
 def part_interfere(lm, svc: common.EngineService, streams: int, long_prompt: int, budgets: list,
@@ -274,6 +280,9 @@ def part_interfere(lm, svc: common.EngineService, streams: int, long_prompt: int
         s["max_over_steady_p95"] = s["during_max"] / s["steady_p95"]
         s["ttft_over_idle"] = s["ttft_s"] / idle
         out["summary"][str(b)] = s
+        print(f"  budget {b}, one stream's gaps (ms after submission: gap ms), first rep; the prompt's "
+              f"first token at {rs[0]['ttft_s'] * 1e3:.0f} ms: "
+              + ", ".join(f"{t:.0f}: {g:.1f}" for t, g in rs[0]["timeline_ms"]), flush=True)
         print(f"  budget {b}: steady p50/p95 {s['steady_p50']:.1f}/{s['steady_p95']:.1f} ms; during "
               f"p50/p95/max {s['during_p50']:.1f}/{s['during_p95']:.1f}/{s['during_max']:.1f} ms "
               f"(p95 {s['p95_over_steady']:.2f}x, max {s['max_over_steady_p95']:.2f}x steady p95); "
@@ -300,10 +309,34 @@ def _timed(fn, reps: int) -> float:
     return common.median(out)
 
 
-def part_cache(lm, rows_list: list[int], context: int, reps: int) -> list[dict]:
+def _join_ms(caches, singles: list, joining, reps: int) -> dict:
+    """Median ms of the batch of `singles` taking the merged row `joining`, evaluated (the batch
+    merged afresh and evaluated before each timed join): ours (`caches.extend`, each row copied
+    once) and mlx-lm's `BatchKVCache.extend` per layer, interleaved."""
+    state = lambda cache: [layer.state for layer in cache]  # noqa: E731
+    sides = {"ours": caches.extend,
+             "mlx": lambda batch, rows: [a.extend(b) for a, b in zip(batch, rows)]}
+    runs: dict[str, list[float]] = {side: [] for side in sides}
+    for i in range(reps + 1):
+        for side in (list(sides) if i % 2 == 0 else list(reversed(sides))):
+            batch = caches.merge(singles)
+            mx.eval(state(batch))
+            mx.synchronize()
+            t = time.perf_counter()
+            sides[side](batch, joining)
+            mx.eval(state(batch))
+            if i:  # the first round warms up
+                runs[side].append((time.perf_counter() - t) * 1e3)
+            del batch
+    return {side: common.median(v) for side, v in runs.items()}
+
+
+def part_cache(lm, rows_list: list[int], context: int, reps: int, long_prompt: int = 0) -> list[dict]:
     """What rows joining and leaving cost at `rows` rows of `context` tokens each: mlx-lm's batch
     caches' extend (a row joins), filter (a row leaves), extract (a row's cache handed back),
-    merge of all rows, each evaluated, against one batched decode step at that many rows."""
+    merge of all rows, each evaluated, against one batched decode step at that many rows; and a
+    row of `context` tokens, then one of `long_prompt` tokens, joining them (ours against
+    mlx-lm's extend)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     caches, model, vocab = lm.caches, lm.model, lm.config["vocab_size"]
@@ -332,11 +365,21 @@ def part_cache(lm, rows_list: list[int], context: int, reps: int) -> list[dict]:
                "merge_ms": _timed(lambda: mx.eval(state(caches.merge(singles[:n]))), reps),
                "extend_then_filter_ms": extend_ms,
                "extract_ms": _timed(lambda: mx.eval(state(caches.extract(batch, n // 2))), reps),
-               "decode_step_ms": _timed(step, reps)}
+               "decode_step_ms": _timed(step, reps),
+               "join_ms": _join_ms(caches, singles[:n], caches.merge([singles[n]]), reps)}
+        if long_prompt:
+            long = make_prompt_cache(model)
+            mx.eval(model(mx.array([prompt_ids(long_prompt, vocab, seed=77)]), cache=long))
+            row["long_prompt"] = long_prompt
+            row["join_long_ms"] = _join_ms(caches, singles[:n], caches.merge([long]), reps)
+            del long
         out.append(row)
         print(f"  cache ops at {n} rows of {context}+ tokens: merge {row['merge_ms']:.2f} ms, "
               f"join+leave {row['extend_then_filter_ms']:.2f} ms, extract {row['extract_ms']:.2f} "
-              f"ms; one decode step {row['decode_step_ms']:.2f} ms", flush=True)
+              f"ms; one decode step {row['decode_step_ms']:.2f} ms; a row joining: ours "
+              f"{row['join_ms']['ours']:.2f} ms, mlx-lm's extend {row['join_ms']['mlx']:.2f} ms" + (
+                  f"; a {long_prompt}-token row joining: ours {row['join_long_ms']['ours']:.2f} ms, "
+                  f"mlx-lm's {row['join_long_ms']['mlx']:.2f} ms" if long_prompt else ""), flush=True)
     return out
 
 
@@ -495,7 +538,7 @@ def main_shapes(a) -> None:
         finally:
             svc.close()
         if "cache" in parts:
-            res["cache"] = part_cache(lm, a.cache_rows, a.prompt + a.gen // 2, a.reps)
+            res["cache"] = part_cache(lm, a.cache_rows, a.prompt + a.gen // 2, a.reps, a.long_prompt)
         if "mixcost" in parts:
             res["mixcost"] = part_mixcost(lm, a.streams, a.chunks, a.prompt + a.gen // 2, a.reps)
         results.append(res)

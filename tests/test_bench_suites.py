@@ -126,5 +126,6 @@ def test_concurrency_step_measures_streams_interference_cache_ops_and_mixed_cost
         assert s["ttft_s"] > 0 and s["during_p95"] > 0 and s["steady_p95"] > 0
     [cache] = result["cache"]
     assert cache["rows"] == 2 and cache["extend_then_filter_ms"] > 0 and cache["decode_step_ms"] > 0
+    assert min(cache["join_ms"].values()) > 0 and min(cache["join_long_ms"].values()) > 0
     [mix] = result["mixcost"]
     assert mix["mixed_ms"] > 0 and mix["alternating_ms"] > 0

@@ -194,3 +194,38 @@ def test_rows_leaving_read_the_padding_once_and_leave_the_batch_as_mlx_lm_would(
         assert a.offset.tolist() == b.offset.tolist()
         assert mx.array_equal(a.keys[..., :a._idx, :], b.keys[..., :b._idx, :])
         assert mx.array_equal(a.values[..., :a._idx, :], b.values[..., :b._idx, :])
+
+
+@pytest.mark.parametrize("batch_lengths,joining", [((9, 3), (30,)), ((14, 5, 7), (4, 2)), ((6,), (6,))])
+def test_rows_joining_copy_each_row_once_and_join_the_batch_as_mlx_lm_would(llama, batch_lengths, joining):
+    """`LOCAL.extend` (each row's keys and values written once into the widened batch) leaves the
+    keys, values, offsets and padding of mlx-lm's own `BatchKVCache.extend`: a long prompt joining
+    short rows, short rows joining a longer batch, equal lengths; the next step then gives every
+    row the same logits."""
+    model = llama.model
+
+    def merged(lengths, start):
+        caches = []
+        for i, n in enumerate(lengths):
+            cache = make_prompt_cache(model)
+            mx.eval(model(mx.array([prompt(n, start + 40 * i)]), cache=cache))
+            caches.append(cache)
+        out = LOCAL.merge(caches)
+        mx.eval([layer.state for layer in out])
+        return out
+
+    def joined(extend):
+        batch = merged(batch_lengths, 0)
+        mx.eval(model(mx.array([[3]] * len(batch_lengths)), cache=batch))  # room past the index
+        extend(batch, merged(joining, 500))
+        return batch
+
+    ours = joined(LOCAL.extend)
+    theirs = joined(lambda batch, rows: [a.extend(b) for a, b in zip(batch, rows)])
+    for a, b in zip(ours, theirs):
+        assert a._idx == b._idx and a.left_padding.tolist() == b.left_padding.tolist()
+        assert a.offset.tolist() == b.offset.tolist() and a.keys.shape[:2] == b.keys.shape[:2]
+        assert mx.array_equal(a.keys[..., :a._idx, :], b.keys[..., :b._idx, :])
+        assert mx.array_equal(a.values[..., :a._idx, :], b.values[..., :b._idx, :])
+    step = mx.array([[7]] * (len(batch_lengths) + len(joining)))
+    assert mx.array_equal(model(step, cache=ours), model(step, cache=theirs)).item()

@@ -238,7 +238,10 @@ class LocalCaches:
 
     def extend(self, batch: Cache, rows: Cache) -> None:
         for batch_layer, row_layer in zip(batch, rows):
-            batch_layer.extend(row_layer)
+            if type(batch_layer) is BatchKVCache and type(row_layer) is BatchKVCache:
+                _extend_kv(batch_layer, row_layer)
+            else:
+                batch_layer.extend(row_layer)
 
     def extract(self, batch: Cache, i: int) -> Cache:
         padding = _left_padding(batch)
@@ -264,7 +267,8 @@ class LocalCaches:
 LOCAL = LocalCaches()
 
 
-# A row leaving the batch: mlx-lm's `BatchKVCache.filter` and `.extract` read the rows' left
+# Rows joining and leaving the batch. Joining: mlx-lm's `BatchKVCache.extend` copies every row twice
+# (`_extend_kv` once). Leaving: mlx-lm's `BatchKVCache.filter` and `.extract` read the rows' left
 # padding back from the device in every layer (36 reads for an 8B model, each one waiting behind
 # the step in flight on a GPU): a row joining and leaving cost as much as a decode step on the
 # H200 (bench/results/cuda-h200-2026-issue33-8b-run1.json). Every `BatchKVCache` layer of a batch
@@ -288,6 +292,35 @@ def _filter_kv(layer: BatchKVCache, rows: mx.array, padding: list[int]) -> None:
             layer.keys = layer.keys[..., shift:, :]
             layer.values = layer.values[..., shift:, :]
         layer._idx -= shift
+
+
+def _extend_kv(layer: BatchKVCache, other: BatchKVCache) -> None:
+    """`BatchKVCache.extend(other)` with each row's keys and values copied once. mlx-lm pads the
+    batch's arrays to the new common length (a copy of every row), pads the joining rows', then
+    concatenates both (a second copy of every row); when a long prompt joins short rows, every row
+    is widened to its length twice over. Here each array is one new buffer of zeros into which
+    every row's held tokens are written once, right-aligned at the common index as mlx-lm aligns
+    them (the columns past it, never read before they are written, are zeros)."""
+    if layer.keys is None or other.keys is None:
+        layer.extend(other)
+        return
+    rows, joining = layer.keys.shape[0], other.keys.shape[0]
+    idx = max(layer._idx, other._idx)
+    width = max(layer.keys.shape[2], other.keys.shape[2])
+
+    def joined(mine: mx.array, theirs: mx.array) -> mx.array:
+        _, heads, _, dim = mine.shape
+        out = mx.zeros((rows + joining, heads, width, dim), mine.dtype)
+        out[:rows, :, idx - layer._idx : idx, :] = mine[..., : layer._idx, :]
+        out[rows:, :, idx - other._idx : idx, :] = theirs[..., : other._idx, :]
+        return out
+
+    layer.keys = joined(layer.keys, other.keys)
+    layer.values = joined(layer.values, other.values)
+    layer.offset = mx.concatenate([layer.offset, other.offset])
+    layer.left_padding = mx.concatenate([layer.left_padding + (idx - layer._idx),
+                                         other.left_padding + (idx - other._idx)])
+    layer._idx = idx
 
 
 def _extract_kv(layer: BatchKVCache, i: int, padding: list[int]) -> KVCache:
