@@ -424,7 +424,17 @@ def _smallmm_side():
     if backend() == "cuda":
         return smallmm_cuda.smallmm, True
     f32 = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
-    return (lambda x, w: mx.array(smallmm_cuda.emulate(f32(x), f32(w))).astype(x.dtype)), False
+    return (lambda x, w, kw=None, blocks=None: mx.array(smallmm_cuda.emulate(f32(x), f32(w), kw))
+            .astype(x.dtype)), False
+
+
+def _variants(rows: int) -> list[tuple[int | None, int | None]]:
+    """Other launch shapes than the default (warps per block, 32-blocks loaded at once) that the
+    matmul part also checks and times at `rows` rows."""
+    from engine.kernels import smallmm_cuda
+
+    u = smallmm_cuda.unroll(rows)
+    return [(4, None), (16, None), (None, max(1, u // 2)), (None, 2 * u)]
 
 
 def check_smallmm(shapes: list[tuple[int, int]], rows_list: list[int]) -> list[dict]:
@@ -444,13 +454,21 @@ def check_smallmm(shapes: list[tuple[int, int]], rows_list: list[int]) -> list[d
                 x = mx.random.normal((rows, k)).astype(dtype)
                 exact = x.astype(mx.float32) @ w.astype(mx.float32).T
                 err = lambda y: mx.abs(y.astype(mx.float32) - exact).max().item()  # noqa: E731
-                e_ours, e_mlx, scale = err(ours(x, w)), err(x @ w.T), mx.abs(exact).max().item()
-                row = {"k": k, "n": n, "rows": rows, "dtype": str(dtype), "err_ours": e_ours,
-                       "err_mlx": e_mlx, "scale": scale, "ok": e_ours <= max(2 * e_mlx, 0.01 * scale)}
-                out.append(row)
+                e_mlx, scale = err(x @ w.T), mx.abs(exact).max().item()
+                launches = [(None, None)] + (_variants(rows) if (k, n) == shapes[0] and rows in (8, 32) else [])
+                for kw, blocks in launches:
+                    try:
+                        e_ours = err(ours(x, w, kw, blocks))
+                    except Exception as exc:  # a kernel that does not compile or launch: a wrong one
+                        print(f"  smallmm kernel failed: {exc!r}"[:2000], flush=True)
+                        e_ours = float("inf")
+                    out.append({"k": k, "n": n, "rows": rows, "dtype": str(dtype), "kw": kw,
+                                "blocks": blocks, "err_ours": e_ours, "err_mlx": e_mlx, "scale": scale,
+                                "ok": e_ours <= max(2 * e_mlx, 0.01 * scale)})
             print(f"  check {k}->{n} {dtype}: " + ", ".join(
                 f"{r['rows']} rows {r['err_ours']:.4f}/{r['err_mlx']:.4f}{'' if r['ok'] else ' WRONG'}"
-                for r in out if (r["k"], r["n"], r["dtype"]) == (k, n, str(dtype))), flush=True)
+                for r in out if (r["k"], r["n"], r["dtype"], r["kw"], r["blocks"]) == (k, n, str(dtype), None, None)),
+                flush=True)
             if dtype == mx.bfloat16 and (k, n) != shapes[0]:
                 break  # fp16 on the first shape only
     return out
@@ -467,7 +485,12 @@ def part_matmul(rows_list: list[int], dim: int, layers: int, reps: int) -> dict:
     shapes = [(dim, dim), (dim, 3 * dim // 2 + 7), (3 * dim, dim)]
     check = check_smallmm(shapes, sorted({1, 2, 5, 8, 13, 32} | set(rows_list)))
     ours, timed = _smallmm_side()
-    timed = timed and all(r["ok"] for r in check)
+    default_ok = all(r["ok"] for r in check if r["kw"] is None and r["blocks"] is None)
+    wrong = {(r["kw"], r["blocks"]) for r in check if not r["ok"]}
+    if not default_ok:
+        os.environ[smallmm_cuda.SWITCH] = "0"  # the models built after this run MLX's matmul
+        print(f"  smallmm kernel WRONG: {smallmm_cuda.SWITCH}=0 for the rest of this run", flush=True)
+        timed = False
     ws = [mx.random.normal((dim, dim)).astype(mx.bfloat16) * 0.01 for _ in range(layers)]
     mx.eval(ws)
     nbytes = sum(w.nbytes for w in ws)
@@ -483,6 +506,9 @@ def part_matmul(rows_list: list[int], dim: int, layers: int, reps: int) -> dict:
         sides = {"mlx": lambda: chain(lambda a, w: a @ w.T)}
         if timed and rows <= smallmm_cuda.MAX_ROWS:
             sides["ours"] = lambda: chain(ours)
+            for kw, blocks in (v for v in (_variants(rows) if rows in (8, 32) else []) if v not in wrong):
+                sides[f"ours_kw{kw or smallmm_cuda.warps(dim)}_u{blocks or smallmm_cuda.unroll(rows)}"] = \
+                    lambda kw=kw, blocks=blocks: chain(lambda a, w: ours(a, w, kw, blocks))
         ms = {}
         for side in sides:
             sides[side]()  # untimed: compiled and allocated
@@ -497,13 +523,16 @@ def part_matmul(rows_list: list[int], dim: int, layers: int, reps: int) -> dict:
         row = {"rows": rows, "dim": dim, "layers": layers, "ms": ms["mlx"],
                "weights_gb_per_s": nbytes / ms["mlx"] / 1e6, "runs_ms": runs}
         if "ours" in ms:
-            row.update(ours_ms=ms["ours"], ours_weights_gb_per_s=nbytes / ms["ours"] / 1e6)
+            row.update(ours_ms=ms["ours"], ours_weights_gb_per_s=nbytes / ms["ours"] / 1e6,
+                       variants_gb_per_s={side: nbytes / v / 1e6 for side, v in ms.items()
+                                          if side.startswith("ours_")})
         out.append(row)
         print(f"  matmul chain, {rows} rows: {nbytes / 1e9:.2f} GB of weights, MLX {ms['mlx']:.2f} ms = "
               f"{row['weights_gb_per_s']:.0f} GB/s" + (
                   f"; ours {row['ours_ms']:.2f} ms = {row['ours_weights_gb_per_s']:.0f} GB/s "
-                  f"({ms['mlx'] / ms['ours']:.2f}x)" if "ours" in ms else ""), flush=True)
-    return {"check": check, "check_ok": all(r["ok"] for r in check), "chain": out}
+                  f"({ms['mlx'] / ms['ours']:.2f}x)" if "ours" in ms else "") + "".join(
+                  f"; {side} {gbs:.0f}" for side, gbs in row.get("variants_gb_per_s", {}).items()), flush=True)
+    return {"check": check, "check_ok": default_ok, "variants_wrong": sorted(map(str, wrong)), "chain": out}
 
 
 def main_shapes(a) -> None:

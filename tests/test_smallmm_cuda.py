@@ -39,6 +39,13 @@ def test_the_kernels_arithmetic_gives_x_times_w_transposed(m, k, n):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kw", [1, 4, 16])
+def test_any_count_of_warps_per_block_gives_the_product(kw):
+    rng = np.random.default_rng(kw)
+    x, w = rng.standard_normal((6, 544)).astype(np.float32), rng.standard_normal((20, 544)).astype(np.float32)
+    np.testing.assert_allclose(emulate(x, w, kw), x.astype(np.float64) @ w.astype(np.float64).T, rtol=1e-4, atol=1e-4)
+
+
 def test_every_input_position_counts_once():
     """One-hot rows of x pick single columns of w: each physical k reaches the output exactly once,
     from its own column (a permutation slip would move or drop it)."""
@@ -64,7 +71,7 @@ def launches(monkeypatch):
     """The kernel's launches, each computed by `emulate`, with MLX taken for CUDA."""
     calls = []
 
-    def launch(x, w):
+    def launch(x, w, kw=None, blocks=None):
         x2 = x.reshape(-1, x.shape[-1])  # the kernel reads x as rows x K in memory
         calls.append(x2.shape)
         y = emulate(np.array(x2.astype(mx.float32)), np.array(w.astype(mx.float32)))

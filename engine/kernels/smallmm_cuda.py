@@ -72,7 +72,7 @@ __device__ __forceinline__ uint4 load8(const T* p, bool vec) {
   return u;
 }
 
-template <bool BF16>
+template <int BF16>
 __device__ __forceinline__ void mma16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
   if (BF16) {
@@ -203,21 +203,29 @@ def x_tiles(m: int) -> int:
     return -(-m // 8)
 
 
-def _launch(x: mx.array, w: mx.array) -> mx.array:
-    """The kernel on x (..., K) row-contiguous and w (N, K) of x's dtype: y (..., N)."""
+def unroll(m: int) -> int:
+    """32-blocks whose loads a warp issues before their mma: 4, or 2 for more than two x tiles
+    (whose registers would otherwise cut the blocks an SM holds)."""
+    return 4 if x_tiles(m) <= 2 else 2
+
+
+def _launch(x: mx.array, w: mx.array, kw: int | None = None, blocks: int | None = None) -> mx.array:
+    """The kernel on x (..., K) row-contiguous and w (N, K) of x's dtype: y (..., N); `kw` warps
+    per block (default `warps(K)`), `blocks` 32-blocks loaded at once (default `unroll(M)`)."""
     k, n, m = x.shape[-1], w.shape[0], rows(x)
-    kw, mt = warps(k), x_tiles(m)
+    kw, mt = kw or warps(k), x_tiles(m)
     return _kernel()(
         inputs=[x, w],
-        template=[("T", x.dtype), ("IS_BF16", x.dtype == mx.bfloat16), ("M", m), ("MT", mt), ("K", k),
-                  ("N", n), ("KW", kw), ("U", 4 if mt <= 2 else 2)],
+        template=[("T", x.dtype), ("IS_BF16", int(x.dtype == mx.bfloat16)), ("M", m), ("MT", mt), ("K", k),
+                  ("N", n), ("KW", kw), ("U", blocks or unroll(m))],
         grid=(32, kw * -(-n // TILE), 1), threadgroup=(32, kw, 1),
         output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype])[0]
 
 
-def smallmm(x: mx.array, w: mx.array) -> mx.array:
-    """`x @ w.T` for x of 1 to `MAX_ROWS` rows (any leading shape) through the kernel."""
-    return _launch(x, w)
+def smallmm(x: mx.array, w: mx.array, kw: int | None = None, blocks: int | None = None) -> mx.array:
+    """`x @ w.T` for x of 1 to `MAX_ROWS` rows (any leading shape) through the kernel (`kw`,
+    `blocks`: another shape of launch than the default, for `bench.concurrency_step`'s sweep)."""
+    return _launch(x, w, kw, blocks)
 
 
 class SmallMMLinear(nn.Linear):
@@ -261,9 +269,10 @@ def use_smallmm(model: nn.Module, how: str = "all") -> int:
     return len(swaps)
 
 
-def emulate(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+def emulate(x: np.ndarray, w: np.ndarray, kw: int | None = None) -> np.ndarray:
     """The kernel's arithmetic in numpy, lane by lane: x (M, K), w (N, K) (values already in the
-    dtype the kernel reads, given as floats). Returns y (M, N) in fp32 (the kernel then casts to
+    dtype the kernel reads, given as floats), `kw` warps per block (default `warps(K)`; how many
+    32-blocks a warp loads at once changes no sum). Returns y (M, N) in fp32 (the kernel then casts to
     x's dtype). Each `mma` is restated from the PTX fragment layout of m16n8k16 (A row-major
     16x16, B 16x8, C 16x8 fp32): a lane's registers are placed into A, B and C by that layout,
     D = A @ B + C in fp32, and D is read back into the lanes' registers the same way."""
@@ -271,7 +280,7 @@ def emulate(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     w = np.asarray(w, np.float32)
     m, k = x.shape
     n = w.shape[0]
-    kw, mt = warps(k), x_tiles(m)
+    kw, mt = kw or warps(k), x_tiles(m)
     tiles = -(-n // TILE)
     xp = np.zeros((mt * 8, k), np.float32)
     xp[:m] = x
