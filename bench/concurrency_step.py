@@ -151,6 +151,17 @@ def without_smallmm(model, fn):
             m.min_rows, m.max_rows = least, most
 
 
+def uncompiled_smallmm(fn):
+    """`fn()` with the small-rows kernel launched without `mx.compile`."""
+    from engine.kernels import smallmm_cuda
+
+    saved, smallmm_cuda.COMPILED = smallmm_cuda.COMPILED, False
+    try:
+        return fn()
+    finally:
+        smallmm_cuda.COMPILED = saved
+
+
 def part_streams(lm, svc: common.EngineService, counts: list[int], prompt: int, gen: int,
                  reps: int) -> list[dict]:
     """Aggregate tok/s of N streams (N in `counts`) through the Engine against mlx-lm's
@@ -161,8 +172,10 @@ def part_streams(lm, svc: common.EngineService, counts: list[int], prompt: int, 
     for n in counts:
         prompts = [prompt_ids(prompt, vocab, seed=200 + i) for i in range(n)]
         sides = {"ours": lambda: ours(svc, prompts, gen), "mlx": lambda: mlx_batch(lm, prompts, gen)}
-        if smallmm_layers(lm.model):  # ours again with the small-rows kernel off: MLX's matmul
+        if smallmm_layers(lm.model):  # ours again with the small-rows kernel off: MLX's matmul;
+            # and with the kernel launched without mx.compile
             sides["ours_mlx_matmul"] = lambda: without_smallmm(lm.model, lambda: ours(svc, prompts, gen))
+            sides["ours_uncompiled"] = lambda: uncompiled_smallmm(lambda: ours(svc, prompts, gen))
         runs = common.interleave(sides, reps, warmup=True)
         tps = {k: [r["aggregate_tps"] for r in v] for k, v in runs.items()}
         host = {k: [r["host_us_per_token"] * n / 1e3 for r in v] for k, v in runs.items()}
@@ -177,7 +190,8 @@ def part_streams(lm, svc: common.EngineService, counts: list[int], prompt: int, 
               f"{out[-1]['median_host_ms_per_step']['ours']:.2f}, mlx "
               f"{out[-1]['median_host_ms_per_step']['mlx']:.2f}" + (
                   f"; ours with MLX's matmul {med['ours_mlx_matmul']:.1f} tok/s "
-                  f"({common.spread(tps['ours_mlx_matmul'])})" if "ours_mlx_matmul" in med else ""),
+                  f"({common.spread(tps['ours_mlx_matmul'])}), uncompiled kernel "
+                  f"{med['ours_uncompiled']:.1f}" if "ours_mlx_matmul" in med else ""),
               flush=True)
     return out
 
@@ -414,18 +428,19 @@ def part_mixcost(lm, rows: int, chunks: list[int], context: int, reps: int) -> l
 
 
 def _smallmm_side():
-    """Our small-rows product (engine/kernels/smallmm_cuda.py): the kernel on CUDA, its numpy
-    emulation elsewhere (correct, not timed)."""
+    """Our small-rows product (engine/kernels/smallmm_cuda.py) as `make(kw, blocks, compiled)`
+    giving a function of (x, w): the kernel on CUDA, its numpy emulation elsewhere (correct, not
+    timed); and whether it is the kernel."""
     import numpy as np
 
     from engine.device import backend
     from engine.kernels import smallmm_cuda
 
     if backend() == "cuda":
-        return smallmm_cuda.smallmm, True
+        return smallmm_cuda.launcher, True
     f32 = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
-    return (lambda x, w, kw=None, blocks=None: mx.array(smallmm_cuda.emulate(f32(x), f32(w), kw))
-            .astype(x.dtype)), False
+    return (lambda kw=None, blocks=None, compiled=True: lambda x, w: mx.array(
+        smallmm_cuda.emulate(f32(x), f32(w), kw)).astype(x.dtype)), False
 
 
 def _variants(rows: int) -> list[tuple[int | None, int | None]]:
@@ -438,12 +453,13 @@ def _variants(rows: int) -> list[tuple[int | None, int | None]]:
 
 
 def check_smallmm(shapes: list[tuple[int, int]], rows_list: list[int]) -> list[dict]:
-    """Our product against the fp32 product of the same bf16 (and fp16) values, next to MLX's own
-    matmul's difference from it: ours is correct when within 2x MLX's difference or 1% of the
-    output's scale."""
+    """Our product (compiled, and not) against the fp32 product of the same bf16 (and fp16)
+    values, next to MLX's own matmul's difference from it: ours is correct when within 2x MLX's
+    difference or 1% of the output's scale. Launch shapes other than the default on the first
+    shape at 8 and 32 rows."""
     from engine.kernels import smallmm_cuda
 
-    ours, _ = _smallmm_side()
+    make, _ = _smallmm_side()
     out = []
     for k, n in shapes:
         for dtype in (mx.bfloat16, mx.float16):
@@ -455,84 +471,120 @@ def check_smallmm(shapes: list[tuple[int, int]], rows_list: list[int]) -> list[d
                 exact = x.astype(mx.float32) @ w.astype(mx.float32).T
                 err = lambda y: mx.abs(y.astype(mx.float32) - exact).max().item()  # noqa: E731
                 e_mlx, scale = err(x @ w.T), mx.abs(exact).max().item()
-                launches = [(None, None)] + (_variants(rows) if (k, n) == shapes[0] and rows in (8, 32) else [])
-                for kw, blocks in launches:
+                launches = [(None, None, True), (None, None, False)] + (
+                    [(kw, b, True) for kw, b in _variants(rows)] if (k, n) == shapes[0] and rows in (8, 32) else [])
+                for kw, blocks, compiled in launches:
                     try:
-                        e_ours = err(ours(x, w, kw, blocks))
+                        e_ours = err(make(kw, blocks, compiled)(x, w))
                     except Exception as exc:  # a kernel that does not compile or launch: a wrong one
                         print(f"  smallmm kernel failed: {exc!r}"[:2000], flush=True)
                         e_ours = float("inf")
                     out.append({"k": k, "n": n, "rows": rows, "dtype": str(dtype), "kw": kw,
-                                "blocks": blocks, "err_ours": e_ours, "err_mlx": e_mlx, "scale": scale,
+                                "blocks": blocks, "compiled": compiled, "err_ours": e_ours,
+                                "err_mlx": e_mlx, "scale": scale,
                                 "ok": e_ours <= max(2 * e_mlx, 0.01 * scale)})
             print(f"  check {k}->{n} {dtype}: " + ", ".join(
                 f"{r['rows']} rows {r['err_ours']:.4f}/{r['err_mlx']:.4f}{'' if r['ok'] else ' WRONG'}"
-                for r in out if (r["k"], r["n"], r["dtype"], r["kw"], r["blocks"]) == (k, n, str(dtype), None, None)),
-                flush=True)
+                for r in out if (r["k"], r["n"], r["dtype"], r["kw"], r["blocks"], r["compiled"])
+                == (k, n, str(dtype), None, None, True)), flush=True)
             if dtype == mx.bfloat16 and (k, n) != shapes[0]:
                 break  # fp16 on the first shape only
     return out
 
 
-def part_matmul(rows_list: list[int], dim: int, layers: int, reps: int) -> dict:
-    """What a batched step's matmuls cost by rows: a chain of `layers` bf16 (dim x dim) weights
-    applied to (rows, dim) activations, as the bytes of weights read per second, through MLX's
-    matmul and (on CUDA, once `check_smallmm` found it correct) through our small-rows kernel,
-    interleaved. A decode step reads every weight once whatever its rows, so a rate falling with
-    rows is the matmul kernel's, not the bandwidth's."""
-    from engine.kernels import smallmm_cuda
-
-    shapes = [(dim, dim), (dim, 3 * dim // 2 + 7), (3 * dim, dim)]
-    check = check_smallmm(shapes, sorted({1, 2, 5, 8, 13, 32} | set(rows_list)))
-    ours, timed = _smallmm_side()
-    default_ok = all(r["ok"] for r in check if r["kw"] is None and r["blocks"] is None)
-    wrong = {(r["kw"], r["blocks"]) for r in check if not r["ok"]}
-    if not default_ok:
-        os.environ[smallmm_cuda.SWITCH] = "0"  # the models built after this run MLX's matmul
-        print(f"  smallmm kernel WRONG: {smallmm_cuda.SWITCH}=0 for the rest of this run", flush=True)
-        timed = False
-    ws = [mx.random.normal((dim, dim)).astype(mx.bfloat16) * 0.01 for _ in range(layers)]
-    mx.eval(ws)
+def _chain_rates(ws: list[mx.array], rows_list: list[int], sides_at, reps: int) -> list[dict]:
+    """For each rows of `rows_list`: the ms of one `mx.eval` of `ws` applied in a chain to
+    (rows, K) activations by each product `sides_at(rows)` gives (name -> fn(x, w)), interleaved,
+    the host ms spent building the chain's graph (before the eval) apart, as weight GB/s."""
     nbytes = sum(w.nbytes for w in ws)
     out = []
     for rows in rows_list:
-        x = mx.random.normal((rows, dim)).astype(mx.bfloat16)
+        x = mx.random.normal((rows, ws[0].shape[1])).astype(ws[0].dtype)
 
-        def chain(product):
+        def chain(product) -> float:
+            t = time.perf_counter()
             y = x
             for w in ws:
                 y = product(y, w)
+            built = time.perf_counter() - t
             mx.eval(y)
-        sides = {"mlx": lambda: chain(lambda a, w: a @ w.T)}
-        if timed and rows <= smallmm_cuda.MAX_ROWS:
-            sides["ours"] = lambda: chain(ours)
-            for kw, blocks in (v for v in (_variants(rows) if rows in (8, 32) else []) if v not in wrong):
-                sides[f"ours_kw{kw or smallmm_cuda.warps(dim)}_u{blocks or smallmm_cuda.unroll(rows)}"] = \
-                    lambda kw=kw, blocks=blocks: chain(lambda a, w: ours(a, w, kw, blocks))
-        ms = {}
-        for side in sides:
-            sides[side]()  # untimed: compiled and allocated
+            return built
+        sides = sides_at(rows)
+        for product in sides.values():
+            chain(product)  # untimed: compiled and allocated
         runs: dict[str, list[float]] = {side: [] for side in sides}
+        build: dict[str, list[float]] = {side: [] for side in sides}
         for i in range(reps):
             for side in (list(sides) if i % 2 == 0 else list(reversed(sides))):
                 mx.synchronize()
                 t = time.perf_counter()
-                sides[side]()
+                build[side].append(chain(sides[side]) * 1e3)
                 runs[side].append((time.perf_counter() - t) * 1e3)
         ms = {side: common.median(v) for side, v in runs.items()}
-        row = {"rows": rows, "dim": dim, "layers": layers, "ms": ms["mlx"],
-               "weights_gb_per_s": nbytes / ms["mlx"] / 1e6, "runs_ms": runs}
-        if "ours" in ms:
-            row.update(ours_ms=ms["ours"], ours_weights_gb_per_s=nbytes / ms["ours"] / 1e6,
-                       variants_gb_per_s={side: nbytes / v / 1e6 for side, v in ms.items()
-                                          if side.startswith("ours_")})
+        row = {"rows": rows, "weights": len(ws), "shape": list(ws[0].shape), "bytes": nbytes,
+               "ms": ms, "gb_per_s": {side: nbytes / v / 1e6 for side, v in ms.items()},
+               "host_us_per_product": {side: common.median(v) * 1e3 / len(ws) for side, v in build.items()},
+               "runs_ms": runs}
         out.append(row)
-        print(f"  matmul chain, {rows} rows: {nbytes / 1e9:.2f} GB of weights, MLX {ms['mlx']:.2f} ms = "
-              f"{row['weights_gb_per_s']:.0f} GB/s" + (
-                  f"; ours {row['ours_ms']:.2f} ms = {row['ours_weights_gb_per_s']:.0f} GB/s "
-                  f"({ms['mlx'] / ms['ours']:.2f}x)" if "ours" in ms else "") + "".join(
-                  f"; {side} {gbs:.0f}" for side, gbs in row.get("variants_gb_per_s", {}).items()), flush=True)
-    return {"check": check, "check_ok": default_ok, "variants_wrong": sorted(map(str, wrong)), "chain": out}
+        print(f"  chain of {len(ws)} x {tuple(ws[0].shape)} ({nbytes / 1e9:.2f} GB), {rows} rows: " + "; ".join(
+            f"{side} {row['gb_per_s'][side]:.0f} GB/s (host {row['host_us_per_product'][side]:.0f} us/product)"
+            for side in sides), flush=True)
+    return out
+
+
+def part_matmul(rows_list: list[int], dim: int, layers: int, reps: int, head: int = 0) -> dict:
+    """What a batched step's matmuls cost by rows: a chain of `layers` bf16 (dim x dim) weights
+    applied to (rows, dim) activations, as the bytes of weights read per second, through MLX's
+    matmul and (on CUDA, once `check_smallmm` found it correct) through our small-rows kernel,
+    compiled and not, and other launch shapes at 8 and 32 rows; with `head`, also a chain of two
+    (head x dim) weights (a vocabulary head: few launches, so the device's rate). A decode step
+    reads every weight once whatever its rows, so a rate falling with rows is the matmul
+    kernel's, not the bandwidth's."""
+    from engine.kernels import smallmm_cuda
+
+    shapes = [(dim, dim), (dim, 3 * dim // 2 + 7), (3 * dim, dim)]
+    check = check_smallmm(shapes, sorted({1, 2, 5, 8, 13, 32} | set(rows_list)))
+    make, timed = _smallmm_side()
+    ok = lambda compiled: all(r["ok"] for r in check  # noqa: E731
+                              if r["kw"] is None and r["blocks"] is None and r["compiled"] == compiled)
+    default_ok = ok(True) or ok(False)
+    wrong = {(r["kw"], r["blocks"], r["compiled"]) for r in check if not r["ok"]}
+    if default_ok and not ok(True):
+        smallmm_cuda.COMPILED = False  # the models built after this launch it uncompiled
+        print("  smallmm kernel wrong through mx.compile: uncompiled for the rest of this run", flush=True)
+    if not default_ok:
+        os.environ[smallmm_cuda.SWITCH] = "0"  # the models built after this run MLX's matmul
+        print(f"  smallmm kernel WRONG: {smallmm_cuda.SWITCH}=0 for the rest of this run", flush=True)
+        timed = False
+
+    def sides_at(rows: int, variants: bool = True) -> dict:
+        sides = {"mlx": lambda a, w: a @ w.T}
+        if timed and rows <= smallmm_cuda.MAX_ROWS:
+            if (None, None, True) not in wrong:
+                sides["ours"] = make(None, None, True)
+            if (None, None, False) not in wrong:
+                sides["ours_uncompiled"] = make(None, None, False)
+            for kw, blocks in (_variants(rows) if variants and rows in (8, 32) else []):
+                if (kw, blocks, True) not in wrong:
+                    name = f"ours_kw{kw or smallmm_cuda.warps(dim)}_u{blocks or smallmm_cuda.unroll(rows)}"
+                    sides[name] = make(kw, blocks, True)
+        return sides
+
+    ws = [mx.random.normal((dim, dim)).astype(mx.bfloat16) * 0.01 for _ in range(layers)]
+    mx.eval(ws)
+    chain = _chain_rates(ws, rows_list, sides_at, reps)
+    del ws
+    out = {"check": check, "check_ok": default_ok, "wrong": sorted(map(str, wrong)), "chain": chain}
+    if head:
+        ws = [mx.random.normal((head, dim)).astype(mx.bfloat16) * 0.01 for _ in range(2)]
+        mx.eval(ws)
+        # a chain of heads: each output (rows, head) is cut back to the first dim columns
+        out["head_chain"] = _chain_rates(ws, [r for r in rows_list if r in (1, 8, 32)] or rows_list[:1],
+                                         lambda rows: {k: (lambda f: lambda a, w: f(a, w)[:, :dim])(f)
+                                                       for k, f in sides_at(rows).items()}, reps)
+        del ws
+    mx.clear_cache()
+    return out
 
 
 def main_shapes(a) -> None:
@@ -543,7 +595,8 @@ def main_shapes(a) -> None:
     results = []
     if "matmul" in parts:
         results.append({"shape": f"bf16 {a.matmul_dim}x{a.matmul_dim} chain",
-                        **part_matmul(a.matmul_rows, a.matmul_dim, a.matmul_layers, a.reps)})
+                        **part_matmul(a.matmul_rows, a.matmul_dim, a.matmul_layers, a.reps,
+                                      a.matmul_head)})
         if a.shapes == "none":
             common.write_json(a.out, {**common.run_meta(sys.argv), "load_average": os.getloadavg()},
                               [], results=results)
@@ -602,6 +655,7 @@ def main() -> None:
     parser.add_argument("--matmul-rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 136, 520])
     parser.add_argument("--matmul-dim", type=int, default=4096)
     parser.add_argument("--matmul-layers", type=int, default=96)
+    parser.add_argument("--matmul-head", type=int, default=0, help="also a chain of 2 (N x dim) heads")
     parser.add_argument("--out", type=Path, default=None)
     a = parser.parse_args()
     if a.shapes:

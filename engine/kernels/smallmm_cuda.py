@@ -222,10 +222,30 @@ def _launch(x: mx.array, w: mx.array, kw: int | None = None, blocks: int | None 
         output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype])[0]
 
 
-def smallmm(x: mx.array, w: mx.array, kw: int | None = None, blocks: int | None = None) -> mx.array:
-    """`x @ w.T` for x of 1 to `MAX_ROWS` rows (any leading shape) through the kernel (`kw`,
-    `blocks`: another shape of launch than the default, for `bench.concurrency_step`'s sweep)."""
-    return _launch(x, w, kw, blocks)
+# Each call of an `mx.fast.cuda_kernel` function rebuilds the kernel's source text and converts its
+# template arguments on the host: on the H200 a chain of 96 4096x4096 products took ~34 us a
+# product through the kernel whatever the rows (1 to 16), where MLX's one-row product took 17 us
+# (bench/results/cuda-h200-2026-issue33-8b-run6.log). Through `mx.compile` the launch is traced
+# once per shape of x and w and replayed after, without that work.
+COMPILED = True
+_LAUNCHERS: dict = {}
+
+
+def launcher(kw: int | None = None, blocks: int | None = None, compiled: bool = True):
+    """The kernel as a function of (x, w): `kw` warps per block and `blocks` 32-blocks loaded at
+    once (None: the defaults; others for `bench.concurrency_step`'s sweep), through `mx.compile`
+    when `compiled`."""
+    key = (kw, blocks, compiled)
+    if key not in _LAUNCHERS:
+        def launch(x: mx.array, w: mx.array) -> mx.array:
+            return _launch(x, w, kw, blocks)
+        _LAUNCHERS[key] = mx.compile(launch) if compiled else launch
+    return _LAUNCHERS[key]
+
+
+def smallmm(x: mx.array, w: mx.array) -> mx.array:
+    """`x @ w.T` for x of 1 to `MAX_ROWS` rows (any leading shape) through the kernel."""
+    return launcher(compiled=COMPILED)(x, w)
 
 
 class SmallMMLinear(nn.Linear):
