@@ -89,21 +89,26 @@ def bf16_pair():
 
 
 def test_by_default_batched_decode_steps_run_on_the_kernel_with_mlx_tokens(launches, monkeypatch):
-    """Unset, the switch sends products of 2 to MAX_ROWS rows to the kernel: a prompt longer than
-    that and one-row steps stay on MLX; a batch of four decode rows runs every dense linear (the
-    head included) on it, and eight greedy steps give the tokens of MLX's matmul."""
+    """Unset, the switch sends products of 2 to 16 rows to the kernel, for every dense linear but
+    one of a vocabulary head's width (HEAD_OUTPUTS outputs; the tiny model's head has fewer): a
+    prompt longer than that and one-row steps stay on MLX; a batch of four decode rows runs every
+    dense linear on it, and eight greedy steps give the tokens of MLX's matmul."""
     from mlx_lm.models.cache import make_prompt_cache
 
     monkeypatch.delenv(smallmm_cuda.SWITCH, raising=False)
     plain, ours = bf16_pair()
     swapped = [name for name, m in ours.named_modules() if isinstance(m, SmallMMLinear)]
     assert len(swapped) == LLAMA["num_hidden_layers"] * 4 + 1 and "lm_head" in swapped
-    assert {m.min_rows for _, m in ours.named_modules() if isinstance(m, SmallMMLinear)} == {2}
+    wide = nn.Module()
+    wide.head = nn.Linear(32, 8, bias=False)
+    wide.head.weight = mx.zeros((smallmm_cuda.HEAD_OUTPUTS, 32), mx.bfloat16)
+    assert smallmm_cuda.use_smallmm(wide, "auto") == 0 and smallmm_cuda.use_smallmm(wide, "all") == 1
+    assert {(m.min_rows, m.max_rows) for _, m in ours.named_modules() if isinstance(m, SmallMMLinear)} == {(2, 16)}
 
     caches = [make_prompt_cache(plain), make_prompt_cache(ours)]
-    prompts = mx.array([[5, 17, 300, 42, 9, 100, 77, 3, 12] * 4] * 4)  # 4 x 36 rows: over MAX_ROWS
+    prompts = mx.array([[5, 17, 300, 42, 9, 100, 77, 3, 12] * 2] * 4)  # 4 x 18 rows: over 16
     a, b = plain(prompts, cache=caches[0])[:, -1], ours(prompts, cache=caches[1])[:, -1]
-    assert prompts.size > MAX_ROWS and launches == []
+    assert prompts.size > 16 and launches == []
     tokens_plain, tokens_ours = [mx.argmax(a, -1)], [mx.argmax(b, -1)]
     for _ in range(8):
         a = plain(tokens_plain[-1][:, None], cache=caches[0])[:, -1]
@@ -128,8 +133,11 @@ def test_without_the_switch_or_off_cuda_the_layers_stay_as_loaded(monkeypatch, s
     assert not any(isinstance(m, SmallMMLinear) for _, m in ours.named_modules())
 
 
-def test_with_the_switch_one_row_runs_on_the_kernel_too(launches, monkeypatch):
+def test_with_the_switch_one_row_and_heads_run_on_the_kernel_too(launches, monkeypatch):
     monkeypatch.setenv(smallmm_cuda.SWITCH, "1")
+    _, ours = bf16_pair()
+    heads = [m for name, m in ours.named_modules() if name == "lm_head"]
+    assert isinstance(heads[0], SmallMMLinear) and (heads[0].min_rows, heads[0].max_rows) == (1, MAX_ROWS)
     layer = smallmm_cuda.to_smallmm(nn.Linear(64, 24), *smallmm_cuda.row_range("all"))
     assert not isinstance(layer, SmallMMLinear)  # fp32: MLX's
     base = nn.Linear(64, 24, bias=True)

@@ -37,7 +37,9 @@ may part from MLX's where two logits are within that rounding.
 
 engine/kernels/gpu_layout.py puts `SmallMMLinear` in place of a model's dense linears on CUDA
 (`mode`: `MLXCHAT_CUDA_SMALLMM=0` none, `=1` every product of 1 to `MAX_ROWS` rows; unset, the
-rows where the H200 measured it faster, `AUTO_ROWS`); other products run MLX's matmul.
+rows and layers where the H200 measured it faster: `AUTO_ROWS` rows, not vocabulary heads); other
+products run MLX's matmul. The launch goes through `mx.compile` (`COMPILED`): a call of an
+`mx.fast.cuda_kernel` function costs ~13 us of host time to build, ~3 us replayed.
 """
 
 from __future__ import annotations
@@ -49,10 +51,15 @@ import mlx.nn as nn
 import numpy as np
 
 from .. import device
+from .qmv_cuda import HEAD_OUTPUTS
 
 SWITCH = "MLXCHAT_CUDA_SMALLMM"
 MAX_ROWS = 32  # rows of x one launch serves (4 tiles of 8); more go to MLX's matmul
-AUTO_ROWS = (2, MAX_ROWS)  # the rows the switch unset sends to the kernel (docs/gpu.md)
+# The switch unset: products of 2 to 16 rows of a decoder's layers (fewer outputs than a
+# vocabulary head), where the H200 measured the kernel faster than MLX's matmul (docs/gpu.md:
+# 1.6-1.7x on 4096x4096 at 2-16 rows; 1.08x at 32; 0.5x at one row; 0.89x on a vocabulary head
+# at 8 rows, 0.48x at 32).
+AUTO_ROWS = (2, 16)
 TILE = 16  # output rows per block (the m of mma.m16n8k16)
 KBLOCK = 32  # input width per lane-group step (two mma of k16)
 MAX_WARPS = 8  # warps per block splitting K
@@ -223,10 +230,10 @@ def _launch(x: mx.array, w: mx.array, kw: int | None = None, blocks: int | None 
 
 
 # Each call of an `mx.fast.cuda_kernel` function rebuilds the kernel's source text and converts its
-# template arguments on the host: on the H200 a chain of 96 4096x4096 products took ~34 us a
-# product through the kernel whatever the rows (1 to 16), where MLX's one-row product took 17 us
-# (bench/results/cuda-h200-2026-issue33-8b-run6.log). Through `mx.compile` the launch is traced
-# once per shape of x and w and replayed after, without that work.
+# template arguments on the host: building a chain of 4096x4096 products took 13 us a product
+# that way against 3 us through `mx.compile` (traced once per shape of x and w, replayed after)
+# and 2 us for MLX's matmul; the chain then read the weights at 1,165 GB/s compiled against 852
+# uncompiled at 8 rows (bench/results/cuda-h200-2026-issue33-8b-run7.log).
 COMPILED = True
 _LAUNCHERS: dict = {}
 
@@ -278,12 +285,13 @@ def to_smallmm(layer: nn.Module, least: int, most: int) -> nn.Module:
 
 def use_smallmm(model: nn.Module, how: str = "all") -> int:
     """Put a SmallMMLinear in place of every dense linear of `model` the kernel fits, for the rows
-    mode `how` picks (in place); returns how many."""
+    mode `how` picks (in place; "auto" leaves vocabulary heads, `HEAD_OUTPUTS` outputs or more, to
+    MLX); returns how many."""
     least, most = row_range(how)
     if most < least:
         return 0
     swaps = [(parent, key, child) for _, parent in model.named_modules() for key, child in parent.items()
-             if fits_layer(child)]
+             if fits_layer(child) and (how != "auto" or child.weight.shape[0] < HEAD_OUTPUTS)]
     for parent, key, child in swaps:
         parent[key] = to_smallmm(child, least, most)
     return len(swaps)
