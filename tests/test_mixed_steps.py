@@ -229,3 +229,24 @@ def test_rows_joining_copy_each_row_once_and_join_the_batch_as_mlx_lm_would(llam
         assert mx.array_equal(a.values[..., :a._idx, :], b.values[..., :b._idx, :])
     step = mx.array([[7]] * (len(batch_lengths) + len(joining)))
     assert mx.array_equal(model(step, cache=ours), model(step, cache=theirs)).item()
+
+
+@pytest.mark.parametrize("i", [0, 1])
+def test_a_full_attention_models_tokens_do_not_depend_on_where_its_prompt_is_cut(llama, i):
+    """What a per-tick prefill budget below one chunk would need on the CPU: a llama's request
+    gives the same tokens (greedy and seeded) whether its prompt is prefilled in one call or cut
+    into calls of 8 or 5 tokens. (The Qwen3.5 hybrid does not: its linear attention's chunked
+    prefill and its per-token path round differently, docs/gpu.md "The same row on the CPU".)"""
+    from engine.decoding.generate import Generation
+
+    tokens, sampling = prompt(37, 900), params(i, 12)
+
+    def run(chunk):
+        gen = Generation(llama, build_prompt(llama, prompt_tokens=tokens), sampling, prefill_chunk=chunk)
+        out = []
+        while not gen.done:
+            out += [e.token for e in gen.step() if e.kind == "token"]
+        return out
+
+    whole = run(512)
+    assert len(whole) == 12 and run(8) == whole and run(5) == whole
