@@ -6,7 +6,9 @@ A decode step of R rows reads every weight once whatever R is, so its matmuls sh
 weights at the device's bandwidth. MLX's CUDA matmul does with one row (2,155 GB/s on an H200 over
 a chain of 4096x4096 weights) but not with 8 or 32 (1,208 and 1,173 GB/s: docs/gpu.md), which is
 why an 8-row step of an 8B model costs twice a one-row step. This kernel streams the weights with
-128-bit loads and lets the tensor cores do the few multiplies per weight:
+128-bit loads and lets the tensor cores do the few multiplies per weight (measured: 1.6-1.7x
+MLX's rate on 4096x4096 at 2-16 rows, still far from the bandwidth; slower than MLX on a
+vocabulary head and at one row: docs/gpu.md):
 
 - a block of `KW` warps owns 16 output rows (one m16 tile of `mma.m16n8k16`, the weights being the
   A operand and x the B operand, whose 8 columns are 8 rows of x; `MT` such tiles of x for up to
@@ -29,11 +31,12 @@ of `mma.m16n8k16.row.col`, the order of the accumulation and of the warps' sum) 
 tests/test_smallmm_cuda.py checks it on the CPU against `x @ w.T`. The one thing it cannot restate
 is the rounding inside one `mma` (16 products and the accumulator, summed by the hardware in an
 order PTX leaves open): the emulation adds them in fp32, so the device may differ from it by a few
-fp32 ulps of each 16-product partial, far below the bf16 rounding of the output. Against MLX's
-own bf16 matmul (cuBLAS, fp32 accumulation in another order) the outputs agree to the bf16
-rounding of the output: relative differences of order 2^-8 of the output's scale, which is the
-tolerance `bench.concurrency_step --parts matmul` checks on the device. Greedy tokens of a model
-may part from MLX's where two logits are within that rounding.
+fp32 ulps of each 16-product partial, far below the bf16 rounding of the output. Against the fp32
+product of the same bf16 values, the H200 measured the kernel's largest difference at most 1.007x
+MLX's own matmul's (cuBLAS, fp32 sums in another order): the output's rounding, 0.008-0.016 in
+bf16 for outputs of scale 3.5-5.3 (`bench.concurrency_step --parts matmul` checks this on the
+device before timing: within 2x MLX's difference or 1% of the output's scale). Greedy tokens of a
+model may part from MLX's where two logits are within that rounding.
 
 engine/kernels/gpu_layout.py puts `SmallMMLinear` in place of a model's dense linears on CUDA
 (`mode`: `MLXCHAT_CUDA_SMALLMM=0` none, `=1` every product of 1 to `MAX_ROWS` rows; unset, the
