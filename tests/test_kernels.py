@@ -385,15 +385,52 @@ def test_a_damaged_kernel_module_is_never_loaded(tmp_path):
     assert not (target / module.name).exists()
 
 
-def test_read_bandwidth_reads_every_word_of_every_pass(kern):
-    """The bench's STREAM-style row (bench/decode.py): its checksum is the sum of all 64-bit
-    words, once per pass, and it refuses arrays it cannot read as such."""
+def test_read_bandwidth_reads_every_word_of_every_pass(kern, isa):
+    """The bench's STREAM-style row (bench/decode.py), on each unit's loads: its checksum is the
+    sum of all 64-bit words, once per pass (odd lengths reach the tail loop), and it refuses
+    arrays it cannot read as such."""
     import numpy as np
 
-    a = mx.arange(3 << 18, dtype=mx.uint32) * 7919
-    mx.eval(a)
-    seconds, check = kern.read_bandwidth(a, 3)
-    words = np.array(a).view(np.uint64)
-    assert seconds > 0 and check == (3 * int(words.sum(dtype=np.uint64))) % 2**64
+    for n in (3 << 18, (3 << 18) + 2 * 37):
+        a = mx.arange(n, dtype=mx.uint32) * 7919
+        mx.eval(a)
+        seconds, check = kern.read_bandwidth(a, 3)
+        words = np.array(a).view(np.uint64)
+        assert seconds > 0 and check == (3 * int(words.sum(dtype=np.uint64))) % 2**64
     with pytest.raises(ValueError):
         kern.read_bandwidth(mx.zeros((3,), dtype=mx.uint8))
+
+
+def test_huge_pages_keep_the_contents(kern):
+    """2 MB pages under an array (the bench's read test and weight copies): the values stay, the
+    whole 2 MB pages inside it are reported (0 where the kernel declines), and a product on it
+    gives the same bits."""
+    w, s, b = quantized(2048, 4096, 4, 32)  # 4 MB of codes: at least one whole 2 MB page
+    x = mx.random.normal((1, 4096))
+    before = kern.quantized_matmul(x, w, s, b, 32, 4)
+    copy = mx.array(w)
+    mx.eval(before, copy)
+    done = kern.huge_pages(w)
+    assert done in (0,) or (done % (2 << 20) == 0 and 0 < done <= w.nbytes)
+    assert mx.array_equal(w, copy).item()
+    assert mx.array_equal(kern.quantized_matmul(x, w, s, b, 32, 4), before).item()
+    assert kern.huge_pages(mx.zeros((16,), dtype=mx.uint32)) == 0  # no whole page inside
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_weight_rows_taken_together_give_the_same_bits(kern, isa, rows):
+    """The 4-bit kernels take 2-4 weight rows at a time (independent accumulator chains); each
+    output is summed in the same order as one row at a time, so the bits do not move (output
+    counts that leave a tail of single rows included)."""
+    for n in (203, 64):
+        w, s, b = quantized(n, 512, 4, 32, seed=n + rows)
+        x = mx.random.normal((rows, 512))
+        assert kern.interleave_rows()
+        together = kern.quantized_matmul(x, w, s, b, 32, 4)
+        try:
+            kern.set_interleave_rows(False)
+            alone = kern.quantized_matmul(x, w, s, b, 32, 4)
+            mx.eval(alone)
+        finally:
+            kern.set_interleave_rows(True)
+        assert mx.array_equal(together, alone).item()

@@ -15,6 +15,13 @@
 #include <tuple>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25  // Linux 6.1+; older headers lack the name
+#endif
+#endif
+
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -1033,34 +1040,49 @@ mx::array block_out(const mx::array& h, const mx::array& q, const mx::array& k, 
 
 // ----------------------------------------------- read bandwidth (the bench's STREAM-style row)
 
-// Reads the evaluated array `a` `passes` times over our pool (the threads the kernels use, blocks
-// of 256 KB handed out as the products hand them out), summing its 64-bit words so no read can be
-// skipped; returns (seconds, checksum). Bytes read = passes * a.nbytes().
-std::tuple<double, uint64_t> read_bandwidth(const mx::array& a, int passes) {
+// Reads the array `a` (evaluated first) `passes` times over our pool (the threads the kernels use, blocks
+// of 256 KB handed out as the products hand them out), summing its 64-bit words with the active
+// unit's widest loads (Impl::read_sum) so no read can be skipped; returns (seconds, checksum).
+// Bytes read = passes * a.nbytes().
+std::tuple<double, uint64_t> read_bandwidth(mx::array a, int passes) {
+  a.eval();
   if (!a.flags().row_contiguous || a.nbytes() % 8 || passes < 1)
     throw std::invalid_argument("a row-contiguous array of whole 64-bit words, passes >= 1");
   const auto* words = reinterpret_cast<const uint64_t*>(a.data<uint8_t>());
   const int64_t n = int64_t(a.nbytes() / 8), block = 32768;
   const int64_t nblocks = (n + block - 1) / block;
+  const Impl* I = impl();
   std::vector<uint64_t> sums(size_t(nblocks), 0);
   const auto t0 = std::chrono::steady_clock::now();
   for (int p = 0; p < passes; ++p)
     parallel_for(nblocks, [&](int64_t b) {
-      uint64_t acc[8] = {};
-      const uint64_t* w = words + b * block;
-      const int64_t len = std::min(block, n - b * block);
-      int64_t i = 0;
-      for (; i + 8 <= len; i += 8)
-        for (int j = 0; j < 8; ++j) acc[j] += w[i + j];
-      for (; i < len; ++i) acc[0] += w[i];
-      uint64_t total = 0;
-      for (uint64_t x : acc) total += x;
-      sums[size_t(b)] += total;
+      sums[size_t(b)] += I->read_sum(words + b * block, std::min(block, n - b * block));
     });
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   uint64_t check = 0;
   for (uint64_t x : sums) check += x;
   return {secs, check};
+}
+
+// Asks the kernel to back the array `a`'s memory (evaluated first) with 2 MB pages (madvise
+// MADV_HUGEPAGE, then MADV_COLLAPSE to do it now, Linux 6.1+): a streaming read over 4 KB pages
+// walks a page table entry (and often misses the TLB) every 4 KB. The contents do not change.
+// Returns the bytes now in 2 MB pages (the whole 2 MB pages inside `a`), 0 where the kernel
+// declined (no transparent huge pages, another OS, a file-backed mapping).
+int64_t huge_pages(mx::array a) {
+#if defined(__linux__)
+  a.eval();
+  constexpr uintptr_t H = uintptr_t(2) << 20;
+  const auto p = reinterpret_cast<uintptr_t>(a.data<uint8_t>());
+  const uintptr_t lo = (p + H - 1) & ~(H - 1), hi = (p + a.nbytes()) & ~(H - 1);
+  if (hi <= lo) return 0;
+  void* start = reinterpret_cast<void*>(lo);
+  if (madvise(start, hi - lo, MADV_HUGEPAGE) != 0) return 0;
+  if (madvise(start, hi - lo, MADV_COLLAPSE) != 0) return 0;
+  return int64_t(hi - lo);
+#else
+  return 0;
+#endif
 }
 
 }  // namespace
@@ -1089,10 +1111,13 @@ NB_MODULE(_mlxchat_kernels, m) {
         nb::arg("attn_scale"), nb::arg("wo"), nb::arg("norm"), nb::arg("eps"), nb::arg("wg"),
         nb::arg("wu"), nb::arg("wd"), nb::arg("int8") = false, nb::arg("starts") = nb::none());
   m.def("read_bandwidth", &read_bandwidth, nb::arg("a"), nb::arg("passes") = 1);
+  m.def("huge_pages", &huge_pages, nb::arg("a"));
   m.def("isa", [] { return std::string(impl()->name); });
   m.def("isas", &isas);
   m.def("set_isa", &set_isa, nb::arg("name"));
   m.def("num_threads", &num_threads);
+  m.def("interleave_rows", &interleave_rows);
+  m.def("set_interleave_rows", &set_interleave_rows, nb::arg("on"));
   m.def("set_num_threads", &set_num_threads, nb::arg("n"));
   m.def("mlx_version", [] { return std::string(MLXCHAT_MLX_VERSION); });
 }
