@@ -9,6 +9,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -165,7 +166,7 @@ class CpuPrimitive : public mx::Primitive {
   explicit CpuPrimitive(mx::Stream s) : mx::Primitive(s) {}
 
   void eval_cpu(const Arrays& in, Arrays& outs) final {
-    for (auto& o : outs) alloc(o);
+    for (auto& o : outs) allocate(o);
     auto& enc = mx::cpu::get_command_encoder(stream());
     Arrays ins, os;
     for (auto& a : in) {
@@ -184,6 +185,9 @@ class CpuPrimitive : public mx::Primitive {
   std::vector<mx::Shape> output_shapes(const Arrays& in) override { return {in[0].shape()}; }
 
  protected:
+  // An output's memory: MLX's allocator, unless the op keeps its own (Dequantize).
+  virtual void allocate(mx::array& out) const { alloc(out); }
+
   // The work, on the CPU thread: `in` and `out` as eval_cpu got them (outputs allocated).
   virtual Task task() const = 0;
 };
@@ -624,20 +628,79 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
 
 // ---------------------------------------------------- dequantize (prompt prefill: then BLAS)
 
+// Reused output buffers for large, short-lived results (a prompt chunk's dequantized weights: 64 MB
+// for a 1B model's MLP matrix). MLX's CPU allocator hands memory back to the OS on free, and
+// fresh memory costs a page fault and a zeroed page per 4 KB: ~0.7 ms a MB here, ten times the
+// dequantization itself. Buffers come from MLX's allocator and go back into this cache when
+// their array dies (exact sizes: a model's layers repeat their shapes), up to kHeld bytes
+// kept; never destroyed, so arrays that outlive the module's statics still find it.
+class BufferCache {
+ public:
+  static constexpr size_t kHeld = size_t(512) << 20;
+
+  void give_to(mx::array& out) {
+    const size_t n = out.nbytes();
+    mx::allocator::Buffer buf{nullptr};
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      for (size_t i = 0; i < free_.size(); ++i)
+        if (free_[i].first == n) {
+          buf = free_[i].second;
+          free_.erase(free_.begin() + i);
+          held_ -= n;
+          break;
+        }
+    }
+    if (!buf.ptr()) buf = mx::allocator::allocator().malloc(n);
+    out.set_data(mx::allocator::Data(buf, [this, n](mx::allocator::Buffer b) { take_back(n, b); }));
+  }
+
+  static BufferCache& get() {
+    static BufferCache* cache = new BufferCache();
+    return *cache;
+  }
+
+ private:
+  void take_back(size_t n, mx::allocator::Buffer b) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (held_ + n <= kHeld) {
+        free_.emplace_back(n, b);
+        held_ += n;
+        return;
+      }
+    }
+    mx::allocator::allocator().free(b);
+  }
+
+  std::mutex mu_;
+  std::vector<std::pair<size_t, mx::allocator::Buffer>> free_;
+  size_t held_ = 0;
+};
+
+// W as fp32 rows (prompt chunks then run BLAS on them). From 32 MB of output on (a 1B model's MLP
+// matrices) it is split over the pool in blocks of about 1 MB: at load 8 here, 64 MB took 16 ms
+// on two threads against 19 on one (medians of 10, A/B), while 16 MB took 1.3 against 1.1 ms
+// (the workers' wake-up, and one of them descheduled mid-block, cost more than the split saves).
+void dequantize_rows(const QMat& W, float* out) {
+  const Impl* I = impl();
+  if (W.N * W.K * int64_t(sizeof(float)) < (int64_t(32) << 20)) return I->dequant_rows(W, 0, W.N, out);
+  const int64_t rows = std::max<int64_t>(1, (int64_t(1) << 18) / W.K);  // ~1 MB of fp32 a block
+  const int64_t nblocks = (W.N + rows - 1) / rows;
+  parallel_for(nblocks, [&](int64_t b) { I->dequant_rows(W, b * rows, std::min(W.N, (b + 1) * rows), out); });
+}
+
 class Dequantize : public CpuPrimitive {
  public:
   Dequantize(mx::Stream s, int gs, int bits) : CpuPrimitive(s), gs_(gs), bits_(bits) {}
   Task task() const override {
     return [gs = gs_, bits = bits_](const Arrays& in, Arrays& out) {
-      // One thread: the BLAS product that follows runs on OpenBLAS's threads, and our pool's
-      // workers between them (or one of them descheduled mid-block on a busy machine, with the
-      // caller waiting for it) cost more wall time than the split saves; the dequantization
-      // is a few percent of the product.
       QHold keep;
       const QMat W = qmat(in[0], in[1], in[2], gs, bits, keep);
-      impl()->dequant_rows(W, 0, W.N, out[0].data<float>());
+      dequantize_rows(W, out[0].data<float>());
     };
   }
+  void allocate(mx::array& out) const override { BufferCache::get().give_to(out); }
   const char* name() const override { return "MlxchatDequantize"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const Dequantize&>(other);
