@@ -187,17 +187,20 @@ struct Vec {
 
 constexpr int kBlock4 = 2 * Vec::n;  // 4-bit elements per nibbles() call
 
-// M rows of x times R rows of W at once (weight rows n..n+R-1). Each (x row, weight row) pair
-// keeps its own two accumulators and sums in exactly the order the one-row loop does, so the
-// result is the same bits whatever R; with R > 1 the R independent chains of fused multiply-adds
-// hide each other's latency (one row alone waits ~4 cycles on its accumulator per 32 weights).
+// M rows of x times R rows of W at once (weight rows n, n + step, ..., n + (R - 1) * step). Each
+// (x row, weight row) pair keeps its own two accumulators and sums in exactly the order the
+// one-row loop does, so the result is the same bits whatever R and step; with R > 1 the R
+// independent chains of fused multiply-adds hide each other's latency (one row alone waits ~4
+// cycles on its accumulator per 32 weights), and rows `step` apart are R separate streams for
+// the memory's prefetchers (rows next to each other are one stream).
 template <int M, int R>
-void rows4_at(const QMat& W, const float* xp, int64_t n, float* sc, float* bi, float* y, int64_t ldy) {
+void rows4_at(const QMat& W, const float* xp, int64_t n, int64_t step, float* sc, float* bi,
+              float* y, int64_t ldy) {
   const int64_t K = W.K, G = K / W.gs;
   const uint8_t* wr[R];
   for (int r = 0; r < R; ++r) {
-    wr[r] = reinterpret_cast<const uint8_t*>(W.w) + (n + r) * (K / 2);
-    row_scales(W, n + r, G, sc + r * G, bi + r * G);
+    wr[r] = reinterpret_cast<const uint8_t*>(W.w) + (n + r * step) * (K / 2);
+    row_scales(W, n + r * step, G, sc + r * G, bi + r * G);
   }
   typename Vec::F a0[R][M], a1[R][M];
   for (int r = 0; r < R; ++r)
@@ -217,7 +220,7 @@ void rows4_at(const QMat& W, const float* xp, int64_t n, float* sc, float* bi, f
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) y[m * ldy + n + r] = Vec::sum(Vec::add(a0[r][m], a1[r][m]));
+    for (int m = 0; m < M; ++m) y[m * ldy + n + r * step] = Vec::sum(Vec::add(a0[r][m], a1[r][m]));
 }
 
 // 4-bit weight rows taken at once for M rows of x: enough independent accumulator chains to hide
@@ -233,9 +236,12 @@ void rows4(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int
   const int64_t G = W.K / W.gs;
   float* sc = scratch(2 * R * G);
   int64_t n = n0;
-  if (interleave_rows())
-    for (; n + R <= n1; n += R) rows4_at<M, R>(W, xp, n, sc, sc + R * G, y, ldy);
-  for (; n < n1; ++n) rows4_at<M, 1>(W, xp, n, sc, sc + G, y, ldy);
+  if (interleave_rows() && R > 1) {  // the block as R runs of `step` rows, read side by side
+    const int64_t step = (n1 - n0) / R;
+    for (; n < n0 + step; ++n) rows4_at<M, R>(W, xp, n, step, sc, sc + R * G, y, ldy);
+    n = n0 + R * step;
+  }
+  for (; n < n1; ++n) rows4_at<M, 1>(W, xp, n, 1, sc, sc + G, y, ldy);
 }
 
 // 8-bit weights stay one row at a time: taking several lost 20% here (K = 576).
