@@ -450,6 +450,30 @@ def test_huge_pages_keep_the_contents(kern):
     assert kern.huge_pages(mx.zeros((16,), dtype=mx.uint32)) == 0  # no whole page inside
 
 
+def test_converted_weights_sit_on_huge_pages(kern):
+    """to_kernel_layout backs the quantized weights with 2 MB pages (where the OS has
+    transparent huge pages): the kernel reports them, the process's smaps count them, and the
+    layer's output does not change."""
+    from pathlib import Path
+
+    from engine.kernels import layout
+
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("no transparent huge pages on this machine")
+    model = nn.Sequential(nn.QuantizedLinear.from_linear(nn.Linear(4096, 2048, bias=False), 32, 4))
+    x = mx.random.normal((1, 4096))
+    before = model(x)
+    mx.eval(before)
+    layout.to_kernel_layout(model)
+    assert type(model.layers[0]) is KernelLinear
+    assert layout.huge_pages(model) >= 2 << 20  # the 4 MB of codes hold at least one whole page
+    rollup = Path("/proc/self/smaps_rollup").read_text()
+    huge_kb = int(next(line for line in rollup.splitlines() if line.startswith("AnonHugePages")).split()[1])
+    assert huge_kb >= 2048
+    assert mx.allclose(model(x), before, rtol=1e-4, atol=1e-4).item()
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3])
 def test_weight_rows_taken_together_give_the_same_bits(kern, isa, rows):
     """The 4-bit kernels take 2-4 weight rows at a time (independent accumulator chains); each
