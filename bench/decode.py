@@ -41,9 +41,10 @@ Rows:
                 (x_llama_cpp_avx512); the table's "x llama" is against the AVX2 build.
 Memory: resident set size (VmRSS) after the runs and its peak (VmHWM), in MB, for each row's process.
 The limit: each engine row measures the read bandwidth of our kernels' threads in its own process
-(a STREAM-style sum over as many bytes as a token reads, `read_bandwidth()`) before and after every
-decode run, and the bytes one decode step reads (`bytes_per_token()`: the weights as stored plus the KV cache at the
-run's mean context); "GB/s" is decode tok/s x those bytes, "of read" that over the bandwidth.
+(a STREAM-style sum over as many bytes as a token reads, on 2 MB pages as the engine's weights,
+`read_bandwidth()`) before and after every decode run, and the bytes one decode step reads
+(`bytes_per_token()`: the weights as stored plus the KV cache at the run's mean context); "GB/s"
+is decode tok/s x those bytes, "of read" that over the bandwidth.
 
 The full CPU bench, for a quiet machine (no other process on the cores; see docs/performance.md):
   bash bench/setup-llamacpp && bash bench/setup-llamacpp avx512
@@ -261,11 +262,12 @@ def _engine_worker(model_path, job):
             pre.append(n_prompt / (stamps[0] - t0))
         kv8 = os.environ.get("MLXCHAT_KV_BITS") == "8"
         read = bytes_per_token(model_path, len(job["short"]) + job["gen"] / 2, 1.25 if kv8 else 4)
-        bandwidth = [read_bandwidth(read["total"])]  # the limit, next to each decode run
+        # the limit, next to each decode run: one token's bytes, on 2 MB pages as the weights
+        bandwidth = [read_bandwidth(read["total"], huge=True)]
         for _ in range(job["reps"]):
             _, stamps, toks, _ = run(job["gen"] + 1, prompt_tokens=job["short"])
             decs.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
-            bandwidth.append(read_bandwidth(read["total"]))
+            bandwidth.append(read_bandwidth(read["total"], huge=True))
     finally:
         eng.stop()
     return dict(load_s=load_s, prefill_tps=max(pre), decode_tps=max(decs), prefill_all=pre,
