@@ -41,9 +41,10 @@ Rows:
                 (x_llama_cpp_avx512); the table's "x llama" is against the AVX2 build.
 Memory: resident set size (VmRSS) after the runs and its peak (VmHWM), in MB, for each row's process.
 The limit: each engine row measures the read bandwidth of our kernels' threads in its own process
-(a STREAM-style sum over 512 MB, `read_bandwidth()`) before and after every decode run, and the
-bytes one decode step reads (`bytes_per_token()`: the weights as stored plus the KV cache at the
-run's mean context); "GB/s" is decode tok/s x those bytes, "of read" that over the bandwidth.
+(a STREAM-style sum over as many bytes as a token reads, on 2 MB pages as the engine's weights,
+`read_bandwidth()`) before and after every decode run, and the bytes one decode step reads
+(`bytes_per_token()`: the weights as stored plus the KV cache at the run's mean context); "GB/s"
+is decode tok/s x those bytes, "of read" that over the bandwidth.
 
 The full CPU bench, for a quiet machine (no other process on the cores; see docs/performance.md):
   bash bench/setup-llamacpp && bash bench/setup-llamacpp avx512
@@ -139,7 +140,7 @@ def random_folder(name: str, shape: dict | None = None) -> Path:
 
 
 # ------------------------------------------------------------ bytes a token reads, the limit
-STREAM_BYTES = 512 * 2**20  # the read-bandwidth buffer: far past any cache
+STREAM_BYTES = 512 * 2**20  # the read-bandwidth buffer by default
 
 
 def tensor_bytes(path: str) -> dict[str, int]:
@@ -166,19 +167,26 @@ def bytes_per_token(folder: str, context: float, kv_bytes_per_value: float) -> d
     return dict(weights=weights, kv=kv, total=weights + kv)
 
 
-def read_bandwidth() -> float:
-    """Bytes/s our kernels' threads read from memory now (a STREAM-style sum over STREAM_BYTES,
-    two passes after one to warm up), in this process: the limit a decode step is held to."""
+def read_bandwidth(nbytes: int = STREAM_BYTES, huge: bool = False) -> float:
+    """Bytes/s our kernels' threads read from memory now, in this process: the limit a decode step
+    is held to. A STREAM-style sum over a buffer of `nbytes` (give it the footprint of what it is
+    compared with: one token's bytes, the copies of a matrix; a buffer that fits the last-level
+    cache reads faster than one that does not), on the pool the products run on, each 64-bit word
+    added with the active unit's widest loads (`kernels.read_bandwidth`); two passes after one to
+    warm up. `huge`: back the buffer with 2 MB pages (`kernels.huge_pages`)."""
     import mlx.core as mx
 
     from engine.kernels import native
 
     _PEAK_BEFORE_READS[0] = _memory()["peak_rss_mb"]
-    buf = mx.ones((STREAM_BYTES // 4,), dtype=mx.uint32)
+    buf = mx.ones((max(int(nbytes), 2**20) // 8 * 2,), dtype=mx.uint32)
     mx.eval(buf)
     kernels = native.kernels()
+    if huge:
+        kernels.huge_pages(buf)
     kernels.read_bandwidth(buf, 1)
     seconds, _ = kernels.read_bandwidth(buf, 2)
+    read = 2 * buf.nbytes / seconds
     del buf
     mx.clear_cache()
     try:  # the buffer is not the model's memory: reset the peak (Linux 4.0+), kept above
@@ -186,7 +194,7 @@ def read_bandwidth() -> float:
             f.write("5")
     except OSError:
         pass
-    return 2 * STREAM_BYTES / seconds
+    return read
 
 
 # ----------------------------------------------------------------------------- workers
@@ -252,15 +260,16 @@ def _engine_worker(model_path, job):
             t0, stamps, _, done = run(1, text=job["long_text"])
             n_prompt = done.usage.prompt_tokens
             pre.append(n_prompt / (stamps[0] - t0))
-        bandwidth = [read_bandwidth()]  # the limit, measured next to each decode run
+        kv8 = os.environ.get("MLXCHAT_KV_BITS") == "8"
+        read = bytes_per_token(model_path, len(job["short"]) + job["gen"] / 2, 1.25 if kv8 else 4)
+        # the limit, next to each decode run: one token's bytes, on 2 MB pages as the weights
+        bandwidth = [read_bandwidth(read["total"], huge=True)]
         for _ in range(job["reps"]):
             _, stamps, toks, _ = run(job["gen"] + 1, prompt_tokens=job["short"])
             decs.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
-            bandwidth.append(read_bandwidth())
+            bandwidth.append(read_bandwidth(read["total"], huge=True))
     finally:
         eng.stop()
-    kv8 = os.environ.get("MLXCHAT_KV_BITS") == "8"
-    read = bytes_per_token(model_path, len(job["short"]) + job["gen"] / 2, 1.25 if kv8 else 4)
     return dict(load_s=load_s, prefill_tps=max(pre), decode_tps=max(decs), prefill_all=pre,
                 decode_all=decs, prompt_tokens=n_prompt, tokens=toks[1:], device=describe(),
                 path=active_path(), bytes_per_token=read, read_bandwidth_all=bandwidth,

@@ -59,6 +59,39 @@ def test_dequantize_matches_mlx_exactly(kern, bits, gs):
     assert mx.array_equal(kern.dequantize(w, s, b, gs, bits), ref).item()
 
 
+def test_dequantized_weights_reuse_their_memory(kern):
+    """A prompt chunk dequantizes every layer's matrices: a result of a size seen before takes a
+    kept buffer (no fresh pages from the OS, ~0.7 ms a MB here), while arrays alive at once never
+    share one, and a large matrix split over the pool equals it dequantized on one thread."""
+    import resource
+
+    faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    w1, s1, b1 = quantized(2048, 1024, 4, 32, seed=1)  # 8 MB of fp32 out
+    w2, s2, b2 = quantized(2048, 1024, 4, 32, seed=2)
+    mx.eval(w1, s1, b1, w2, s2, b2)
+    ref1 = mx.dequantize(w1, s1.astype(mx.float32), b1.astype(mx.float32), 32, 4)
+    ref2 = mx.dequantize(w2, s2.astype(mx.float32), b2.astype(mx.float32), 32, 4)
+    mx.eval(ref1, ref2)
+    for _ in range(2):
+        mx.eval(kern.dequantize(w1, s1, b1, 32, 4))
+    before = faults()
+    a = kern.dequantize(w1, s1, b1, 32, 4)
+    mx.eval(a)
+    assert faults() - before < 2048 // 8, faults() - before  # 2,048 pages if taken fresh
+    b = kern.dequantize(w2, s2, b2, 32, 4)  # `a` still alive: another buffer
+    mx.eval(b)
+    assert mx.array_equal(a, ref1).item() and mx.array_equal(b, ref2).item()
+    w, s, b = quantized(8192, 1024, 4, 32, seed=3)  # 32 MB out: split over the pool
+    split = kern.dequantize(w, s, b, 32, 4)
+    mx.eval(split)
+    threads = kern.num_threads()
+    try:
+        kern.set_num_threads(1)
+        assert mx.array_equal(split, kern.dequantize(w, s, b, 32, 4)).item()
+    finally:
+        kern.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("scale_dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_quantized_matmul_scale_dtypes_and_shapes(kern, scale_dtype):
     w, s, b = quantized(96, 256, 4, 64, scale_dtype)
@@ -385,15 +418,76 @@ def test_a_damaged_kernel_module_is_never_loaded(tmp_path):
     assert not (target / module.name).exists()
 
 
-def test_read_bandwidth_reads_every_word_of_every_pass(kern):
-    """The bench's STREAM-style row (bench/decode.py): its checksum is the sum of all 64-bit
-    words, once per pass, and it refuses arrays it cannot read as such."""
+def test_read_bandwidth_reads_every_word_of_every_pass(kern, isa):
+    """The bench's STREAM-style row (bench/decode.py), on each unit's loads: its checksum is the
+    sum of all 64-bit words, once per pass (odd lengths reach the tail loop), and it refuses
+    arrays it cannot read as such."""
     import numpy as np
 
-    a = mx.arange(3 << 18, dtype=mx.uint32) * 7919
-    mx.eval(a)
-    seconds, check = kern.read_bandwidth(a, 3)
-    words = np.array(a).view(np.uint64)
-    assert seconds > 0 and check == (3 * int(words.sum(dtype=np.uint64))) % 2**64
+    for n in (3 << 18, (3 << 18) + 2 * 37):
+        a = mx.arange(n, dtype=mx.uint32) * 7919
+        mx.eval(a)
+        seconds, check = kern.read_bandwidth(a, 3)
+        words = np.array(a).view(np.uint64)
+        assert seconds > 0 and check == (3 * int(words.sum(dtype=np.uint64))) % 2**64
     with pytest.raises(ValueError):
         kern.read_bandwidth(mx.zeros((3,), dtype=mx.uint8))
+
+
+def test_huge_pages_keep_the_contents(kern):
+    """2 MB pages under an array (the bench's read test and weight copies): the values stay, the
+    whole 2 MB pages inside it are reported (0 where the kernel declines), and a product on it
+    gives the same bits."""
+    w, s, b = quantized(2048, 4096, 4, 32)  # 4 MB of codes: at least one whole 2 MB page
+    x = mx.random.normal((1, 4096))
+    before = kern.quantized_matmul(x, w, s, b, 32, 4)
+    copy = mx.array(w)
+    mx.eval(before, copy)
+    done = kern.huge_pages(w)
+    assert done in (0,) or (done % (2 << 20) == 0 and 0 < done <= w.nbytes)
+    assert mx.array_equal(w, copy).item()
+    assert mx.array_equal(kern.quantized_matmul(x, w, s, b, 32, 4), before).item()
+    assert kern.huge_pages(mx.zeros((16,), dtype=mx.uint32)) == 0  # no whole page inside
+
+
+def test_converted_weights_sit_on_huge_pages(kern):
+    """to_kernel_layout backs the quantized weights with 2 MB pages (where the OS has
+    transparent huge pages): the kernel reports them, the process's smaps count them, and the
+    layer's output does not change."""
+    from pathlib import Path
+
+    from engine.kernels import layout
+
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("no transparent huge pages on this machine")
+    model = nn.Sequential(nn.QuantizedLinear.from_linear(nn.Linear(4096, 2048, bias=False), 32, 4))
+    x = mx.random.normal((1, 4096))
+    before = model(x)
+    mx.eval(before)
+    layout.to_kernel_layout(model)
+    assert type(model.layers[0]) is KernelLinear
+    assert layout.huge_pages(model) >= 2 << 20  # the 4 MB of codes hold at least one whole page
+    rollup = Path("/proc/self/smaps_rollup").read_text()
+    huge_kb = int(next(line for line in rollup.splitlines() if line.startswith("AnonHugePages")).split()[1])
+    assert huge_kb >= 2048
+    assert mx.allclose(model(x), before, rtol=1e-4, atol=1e-4).item()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_weight_rows_taken_together_give_the_same_bits(kern, isa, rows):
+    """The 4-bit kernels take 2-4 weight rows at a time (independent accumulator chains); each
+    output is summed in the same order as one row at a time, so the bits do not move (output
+    counts that leave a tail of single rows included)."""
+    for n in (203, 64):
+        w, s, b = quantized(n, 512, 4, 32, seed=n + rows)
+        x = mx.random.normal((rows, 512))
+        assert kern.interleave_rows()
+        together = kern.quantized_matmul(x, w, s, b, 32, 4)
+        try:
+            kern.set_interleave_rows(False)
+            alone = kern.quantized_matmul(x, w, s, b, 32, 4)
+            mx.eval(alone)
+        finally:
+            kern.set_interleave_rows(True)
+        assert mx.array_equal(together, alone).item()

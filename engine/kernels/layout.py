@@ -314,8 +314,22 @@ def to_kernel_layout(model: nn.Module) -> nn.Module:
             module.int8_activations = int8 and _int8_part(name, module)
     dense = swap_matvec(model)  # any dense fp32 layer left: W @ x for one row, as cpu_layout does
     mx.eval(model.parameters())
-    log.info("CPU kernels (%s%s): %s; %d dense layers; prefill on %s", native.status().reason,
-             ", int8 activations for 1-8 rows" if int8 else "",
+    huge = huge_pages(model)
+    log.info("CPU kernels (%s%s): %s; %d dense layers; prefill on %s; %.0f MB of weights on 2 MB "
+             "pages", native.status().reason, ", int8 activations for 1-8 rows" if int8 else "",
              ", ".join(f"{n} {k}" for k, n in sorted(counts.items())), dense,
-             "fp32 BLAS" if _Run.blas else "the quantized kernel")
+             "fp32 BLAS" if _Run.blas else "the quantized kernel", huge / 2**20)
     return model
+
+
+def huge_pages(model: nn.Module) -> int:
+    """Back the kernels' quantized weights with 2 MB pages where the OS allows it
+    (`kernels.huge_pages`; Linux with transparent huge pages): every decode step streams all of
+    them, and from 4 KB pages the read test and most 1B-shape products here ran slower
+    (bench.matvec --pages 4k,2m, docs/performance.md). Returns the bytes now on 2 MB pages."""
+    total = 0
+    for _, module in model.named_modules():
+        if type(module) in (KernelLinear, KernelEmbedding):
+            for key in ("weight", "scales", "biases"):
+                total += _Run.kernels.huge_pages(module[key])
+    return total

@@ -84,12 +84,20 @@ struct Impl {
   // kernel for R and D.
   bool (*attend)(const float* q, int R, const float* k, int64_t ks, const float* v, int64_t vs,
                  int64_t t0, int64_t S, int64_t D, float* sc, float* y, int64_t ldy);
+  // The sum of n 64-bit words (mod 2^64), read with this unit's widest loads into several
+  // independent accumulators: the bench's read-bandwidth test (ops.cpp, read_bandwidth).
+  uint64_t (*read_sum)(const uint64_t* w, int64_t n);
 };
 
 const Impl* impl_generic();
 const Impl* impl_avx2();
 const Impl* impl_avx512();
 const Impl* impl_avx512vnni();
+
+// Whether the exact 4-bit kernels take several weight rows at once (default; the same bits either
+// way): a switch for the tests and the bench's A/B of the two loops.
+bool interleave_rows();
+void set_interleave_rows(bool on);
 
 // A persistent pool: blocks are handed out from one atomic counter, the caller works too.
 int num_threads();

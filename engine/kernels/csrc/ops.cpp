@@ -9,11 +9,19 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25  // Linux 6.1+; older headers lack the name
+#endif
+#endif
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
@@ -158,7 +166,7 @@ class CpuPrimitive : public mx::Primitive {
   explicit CpuPrimitive(mx::Stream s) : mx::Primitive(s) {}
 
   void eval_cpu(const Arrays& in, Arrays& outs) final {
-    for (auto& o : outs) alloc(o);
+    for (auto& o : outs) allocate(o);
     auto& enc = mx::cpu::get_command_encoder(stream());
     Arrays ins, os;
     for (auto& a : in) {
@@ -177,6 +185,9 @@ class CpuPrimitive : public mx::Primitive {
   std::vector<mx::Shape> output_shapes(const Arrays& in) override { return {in[0].shape()}; }
 
  protected:
+  // An output's memory: MLX's allocator, unless the op keeps its own (Dequantize).
+  virtual void allocate(mx::array& out) const { alloc(out); }
+
   // The work, on the CPU thread: `in` and `out` as eval_cpu got them (outputs allocated).
   virtual Task task() const = 0;
 };
@@ -617,20 +628,79 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
 
 // ---------------------------------------------------- dequantize (prompt prefill: then BLAS)
 
+// Reused output buffers for large, short-lived results (a prompt chunk's dequantized weights: 64 MB
+// for a 1B model's MLP matrix). MLX's CPU allocator hands memory back to the OS on free, and
+// fresh memory costs a page fault and a zeroed page per 4 KB: ~0.7 ms a MB here, ten times the
+// dequantization itself. Buffers come from MLX's allocator and go back into this cache when
+// their array dies (exact sizes: a model's layers repeat their shapes), up to kHeld bytes
+// kept; never destroyed, so arrays that outlive the module's statics still find it.
+class BufferCache {
+ public:
+  static constexpr size_t kHeld = size_t(512) << 20;
+
+  void give_to(mx::array& out) {
+    const size_t n = out.nbytes();
+    mx::allocator::Buffer buf{nullptr};
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      for (size_t i = 0; i < free_.size(); ++i)
+        if (free_[i].first == n) {
+          buf = free_[i].second;
+          free_.erase(free_.begin() + i);
+          held_ -= n;
+          break;
+        }
+    }
+    if (!buf.ptr()) buf = mx::allocator::allocator().malloc(n);
+    out.set_data(mx::allocator::Data(buf, [this, n](mx::allocator::Buffer b) { take_back(n, b); }));
+  }
+
+  static BufferCache& get() {
+    static BufferCache* cache = new BufferCache();
+    return *cache;
+  }
+
+ private:
+  void take_back(size_t n, mx::allocator::Buffer b) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (held_ + n <= kHeld) {
+        free_.emplace_back(n, b);
+        held_ += n;
+        return;
+      }
+    }
+    mx::allocator::allocator().free(b);
+  }
+
+  std::mutex mu_;
+  std::vector<std::pair<size_t, mx::allocator::Buffer>> free_;
+  size_t held_ = 0;
+};
+
+// W as fp32 rows (prompt chunks then run BLAS on them). From 32 MB of output on (a 1B model's MLP
+// matrices) it is split over the pool in blocks of about 1 MB: at load 8 here, 64 MB took 16 ms
+// on two threads against 19 on one (medians of 10, A/B), while 16 MB took 1.3 against 1.1 ms
+// (the workers' wake-up, and one of them descheduled mid-block, cost more than the split saves).
+void dequantize_rows(const QMat& W, float* out) {
+  const Impl* I = impl();
+  if (W.N * W.K * int64_t(sizeof(float)) < (int64_t(32) << 20)) return I->dequant_rows(W, 0, W.N, out);
+  const int64_t rows = std::max<int64_t>(1, (int64_t(1) << 18) / W.K);  // ~1 MB of fp32 a block
+  const int64_t nblocks = (W.N + rows - 1) / rows;
+  parallel_for(nblocks, [&](int64_t b) { I->dequant_rows(W, b * rows, std::min(W.N, (b + 1) * rows), out); });
+}
+
 class Dequantize : public CpuPrimitive {
  public:
   Dequantize(mx::Stream s, int gs, int bits) : CpuPrimitive(s), gs_(gs), bits_(bits) {}
   Task task() const override {
     return [gs = gs_, bits = bits_](const Arrays& in, Arrays& out) {
-      // One thread: the BLAS product that follows runs on OpenBLAS's threads, and our pool's
-      // workers between them (or one of them descheduled mid-block on a busy machine, with the
-      // caller waiting for it) cost more wall time than the split saves; the dequantization
-      // is a few percent of the product.
       QHold keep;
       const QMat W = qmat(in[0], in[1], in[2], gs, bits, keep);
-      impl()->dequant_rows(W, 0, W.N, out[0].data<float>());
+      dequantize_rows(W, out[0].data<float>());
     };
   }
+  void allocate(mx::array& out) const override { BufferCache::get().give_to(out); }
   const char* name() const override { return "MlxchatDequantize"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const Dequantize&>(other);
@@ -1033,34 +1103,49 @@ mx::array block_out(const mx::array& h, const mx::array& q, const mx::array& k, 
 
 // ----------------------------------------------- read bandwidth (the bench's STREAM-style row)
 
-// Reads the evaluated array `a` `passes` times over our pool (the threads the kernels use, blocks
-// of 256 KB handed out as the products hand them out), summing its 64-bit words so no read can be
-// skipped; returns (seconds, checksum). Bytes read = passes * a.nbytes().
-std::tuple<double, uint64_t> read_bandwidth(const mx::array& a, int passes) {
+// Reads the array `a` (evaluated first) `passes` times over our pool (the threads the kernels use, blocks
+// of 256 KB handed out as the products hand them out), summing its 64-bit words with the active
+// unit's widest loads (Impl::read_sum) so no read can be skipped; returns (seconds, checksum).
+// Bytes read = passes * a.nbytes().
+std::tuple<double, uint64_t> read_bandwidth(mx::array a, int passes) {
+  a.eval();
   if (!a.flags().row_contiguous || a.nbytes() % 8 || passes < 1)
     throw std::invalid_argument("a row-contiguous array of whole 64-bit words, passes >= 1");
   const auto* words = reinterpret_cast<const uint64_t*>(a.data<uint8_t>());
   const int64_t n = int64_t(a.nbytes() / 8), block = 32768;
   const int64_t nblocks = (n + block - 1) / block;
+  const Impl* I = impl();
   std::vector<uint64_t> sums(size_t(nblocks), 0);
   const auto t0 = std::chrono::steady_clock::now();
   for (int p = 0; p < passes; ++p)
     parallel_for(nblocks, [&](int64_t b) {
-      uint64_t acc[8] = {};
-      const uint64_t* w = words + b * block;
-      const int64_t len = std::min(block, n - b * block);
-      int64_t i = 0;
-      for (; i + 8 <= len; i += 8)
-        for (int j = 0; j < 8; ++j) acc[j] += w[i + j];
-      for (; i < len; ++i) acc[0] += w[i];
-      uint64_t total = 0;
-      for (uint64_t x : acc) total += x;
-      sums[size_t(b)] += total;
+      sums[size_t(b)] += I->read_sum(words + b * block, std::min(block, n - b * block));
     });
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   uint64_t check = 0;
   for (uint64_t x : sums) check += x;
   return {secs, check};
+}
+
+// Asks the kernel to back the array `a`'s memory (evaluated first) with 2 MB pages (madvise
+// MADV_HUGEPAGE, then MADV_COLLAPSE to do it now, Linux 6.1+): a streaming read over 4 KB pages
+// walks a page table entry (and often misses the TLB) every 4 KB. The contents do not change.
+// Returns the bytes now in 2 MB pages (the whole 2 MB pages inside `a`), 0 where the kernel
+// declined (no transparent huge pages, another OS, a file-backed mapping).
+int64_t huge_pages(mx::array a) {
+#if defined(__linux__)
+  a.eval();
+  constexpr uintptr_t H = uintptr_t(2) << 20;
+  const auto p = reinterpret_cast<uintptr_t>(a.data<uint8_t>());
+  const uintptr_t lo = (p + H - 1) & ~(H - 1), hi = (p + a.nbytes()) & ~(H - 1);
+  if (hi <= lo) return 0;
+  void* start = reinterpret_cast<void*>(lo);
+  if (madvise(start, hi - lo, MADV_HUGEPAGE) != 0) return 0;
+  if (madvise(start, hi - lo, MADV_COLLAPSE) != 0) return 0;
+  return int64_t(hi - lo);
+#else
+  return 0;
+#endif
 }
 
 }  // namespace
@@ -1089,10 +1174,13 @@ NB_MODULE(_mlxchat_kernels, m) {
         nb::arg("attn_scale"), nb::arg("wo"), nb::arg("norm"), nb::arg("eps"), nb::arg("wg"),
         nb::arg("wu"), nb::arg("wd"), nb::arg("int8") = false, nb::arg("starts") = nb::none());
   m.def("read_bandwidth", &read_bandwidth, nb::arg("a"), nb::arg("passes") = 1);
+  m.def("huge_pages", &huge_pages, nb::arg("a"));
   m.def("isa", [] { return std::string(impl()->name); });
   m.def("isas", &isas);
   m.def("set_isa", &set_isa, nb::arg("name"));
   m.def("num_threads", &num_threads);
+  m.def("interleave_rows", &interleave_rows);
+  m.def("set_interleave_rows", &set_interleave_rows, nb::arg("on"));
   m.def("set_num_threads", &set_num_threads, nb::arg("n"));
   m.def("mlx_version", [] { return std::string(MLXCHAT_MLX_VERSION); });
 }

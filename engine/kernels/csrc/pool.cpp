@@ -118,7 +118,12 @@ std::mutex g_mu;
 int g_threads = 1;
 Pool* g_pool = nullptr;  // never destroyed: its detached workers live as long as the process
 
+std::atomic<bool> g_interleave{true};
+
 }  // namespace
+
+bool interleave_rows() { return g_interleave.load(std::memory_order_relaxed); }
+void set_interleave_rows(bool on) { g_interleave.store(on, std::memory_order_relaxed); }
 
 int num_threads() {
   std::lock_guard<std::mutex> lk(g_mu);
