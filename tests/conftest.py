@@ -19,6 +19,14 @@ settings.register_profile("nightly", max_examples=300, deadline=None, database=N
 settings.load_profile(os.environ.get("MLXCHAT_HYPOTHESIS", "ci"))
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected
+def pytest_collection_modifyitems(items):
+    """Longest modules first (tests/durations.py), so that xdist's workers end together."""
+    from durations import longest_modules_first
+
+    longest_modules_first(items)
+
+
 @pytest.fixture(scope="session")
 def lm():
     """The real bundled SmolLM2-135M-Instruct model, loaded through our registry."""

@@ -13,7 +13,7 @@ import pytest
 
 from app.folder_lock import FolderLock
 from app.storage import SCHEMA_VERSION, Storage
-from cli_runs import mlxchat, refusal
+from cli_runs import mlxchat, mlxchat_options, refusal
 
 pytestmark = pytest.mark.fast
 REPO = Path(__file__).resolve().parents[1]
@@ -65,13 +65,13 @@ def test_a_second_server_on_one_data_folder_names_the_first(tmp_path):
 @pytest.mark.parametrize("args, name", [(["--port", "0"], "--port"),
                                         (["--port", "65536"], "--port")])
 def test_numeric_options_are_range_checked(tmp_path, args, name):
-    assert name in refusal(mlxchat("serve", "--no-browser", *args, home=tmp_path))
+    assert name in refusal(mlxchat_options("serve", "--no-browser", *args, home=tmp_path))
 
 
 @pytest.mark.parametrize("args, name", [(["--top-p", "1.5"], "--top-p"),
                                         (["-n", "0"], "'-n'"), (["-t", "-1"], "-t")])
 def test_sampling_options_are_range_checked(tmp_path, args, name):
-    assert name in refusal(mlxchat("chat", *args, home=tmp_path))
+    assert name in refusal(mlxchat_options("chat", *args, home=tmp_path))
 
 
 def _open(path: str, barrier) -> int:
@@ -106,15 +106,3 @@ def test_a_damaged_database_is_moved_aside_and_a_fresh_one_created(tmp_path):
         assert storage.get_conversation(conv.id).title == "works"
     finally:
         storage.close()
-
-
-
-def test_a_database_from_a_newer_mlxchat_is_one_error_line(tmp_path):
-    data = tmp_path / "data"
-    data.mkdir(parents=True)
-    db = sqlite3.connect(data / "mlxchat.db")
-    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 5}")
-    db.commit()
-    db.close()
-    line = refusal(mlxchat("serve", "--no-browser", home=tmp_path))
-    assert "newer than this mlxchat" in line

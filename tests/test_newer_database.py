@@ -22,4 +22,4 @@ def test_a_database_from_a_newer_mlxchat_is_one_error_line(tmp_path):
     with sqlite3.connect(path) as db:
         db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
     line = refusal(mlxchat("serve", "--no-browser", "--port", str(free_port()), home=home, timeout=300))
-    assert "newer" in line and str(SCHEMA_VERSION + 1) in line
+    assert "newer than this mlxchat" in line and str(SCHEMA_VERSION + 1) in line
