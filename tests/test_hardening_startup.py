@@ -19,23 +19,27 @@ pytestmark = pytest.mark.fast
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # the real CLI in a child process (~2 s importing mlx-lm): the second tier
 def test_wildcard_host_without_allow_remote(tmp_path):
     line = refusal(mlxchat("serve", "--no-browser", "--host", "0.0.0.0", home=tmp_path))
     assert "--allow-remote" in line
 
 
+@pytest.mark.slow  # the real CLI in a child process (~2 s importing mlx-lm): the second tier
 def test_allow_remote_without_a_key_needs_an_explicit_opt_out(tmp_path):
     line = refusal(mlxchat("serve", "--no-browser", "--host", "0.0.0.0", "--allow-remote",
                            home=tmp_path))
     assert "--api-key" in line and "--no-api-key" in line
 
 
+@pytest.mark.slow  # the real CLI in a child process (~2 s importing mlx-lm): the second tier
 def test_mlxchat_home_that_is_a_file(tmp_path):
     home = tmp_path / "home"
     home.write_text("not a folder")
     assert "check MLXCHAT_HOME" in refusal(mlxchat("serve", "--no-browser", home=home))
 
 
+@pytest.mark.slow  # the real CLI in a child process (~2 s importing mlx-lm): the second tier
 def test_port_in_use(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -45,6 +49,7 @@ def test_port_in_use(tmp_path):
     assert f":{port}" in line and "in use" in line
 
 
+@pytest.mark.slow  # the real CLI in a child process (~2 s importing mlx-lm): the second tier
 def test_a_second_server_on_one_data_folder_names_the_first(tmp_path):
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from pathlib import Path; "

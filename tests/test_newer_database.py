@@ -10,7 +10,8 @@ import pytest
 from app.storage import DB_NAME, SCHEMA_VERSION, Storage
 from cli_runs import mlxchat, refusal
 
-pytestmark = pytest.mark.fast
+# The real CLI in a child process (~2 s importing mlx-lm): a fast test in the second tier.
+pytestmark = [pytest.mark.fast, pytest.mark.slow]
 
 
 def test_a_database_from_a_newer_mlxchat_is_one_error_line(tmp_path):
