@@ -17,11 +17,11 @@ def mlxchat(*args: str, home: Path, timeout: float = 120) -> subprocess.Complete
 
 
 def mlxchat_options(*args: str, home: Path) -> subprocess.CompletedProcess:
-    """`mlxchat ARGS...` in this process, through click's own test runner: for what click refuses
-    while it parses the options (a value out of range), before any code of ours runs, so nothing
-    differs from a child process but the ~2 s a child spends importing mlx-lm and transformers.
-    Refusals our code raises (`SystemExit` turned into an `Error:` line by `app.cli.main`) need
-    `mlxchat` and a child process."""
+    """`mlxchat ARGS...` in this process, through click's own test runner: for what click answers
+    while it parses the options (`--help`, a value out of range), before any code of ours runs,
+    so nothing differs from a child process but the ~2 s a child spends importing mlx-lm and
+    transformers. Refusals our code raises (`SystemExit` turned into an `Error:` line by
+    `app.cli.main`) and the program name `main` gives need `mlxchat` and a child process."""
     from click.testing import CliRunner
 
     from app.cli import cli
