@@ -65,7 +65,6 @@ def test_results_are_capped_with_a_notice():
     assert capped("short", limit=10) == ("short", False)
 
 
-@pytest.mark.slow  # MCP server child processes over stdio and HTTP: the second tier
 def test_servers_over_stdio_and_http_list_call_fail_and_cancel(tmp_path, http_url):
     (tmp_path / "notes.txt").write_text("hello from a file")
     config.save(tmp_path / "mcp.json", config.parse(json.dumps({"mcpServers": {
