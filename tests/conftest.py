@@ -19,6 +19,48 @@ settings.register_profile("nightly", max_examples=300, deadline=None, database=N
 settings.load_profile(os.environ.get("MLXCHAT_HYPOTHESIS", "ci"))
 
 
+def _share_tokenizers() -> None:
+    """Each test process loads a model folder's tokenizer once and shares it.
+
+    A tiny model's weights load in milliseconds, but its tokenizer (the bundled SmolLM2 one, 49,152
+    entries, which mlx-lm wraps and scans for tool and think markers) takes ~0.7 s, and the suite
+    loads the same few folders hundreds of times (each test's own engine, drafts, reloads). The
+    wrapper is read-only after loading (nothing in engine/, app/ or the tests assigns to it), so
+    `mlx_lm.utils.load_tokenizer` is memoised per folder, keyed also by its tokenizer files'
+    sizes and times (a test that rewrites one loads it anew) and by the arguments. Everything
+    else in a load (weights, config, layouts) still runs every time; a folder's first load, and
+    every failure, is mlx-lm's own."""
+    import mlx_lm.utils
+
+    load = mlx_lm.utils.load_tokenizer
+    loaded: dict = {}
+
+    def load_tokenizer(model_path, tokenizer_config_extra=None, eos_token_ids=None):
+        folder = Path(model_path)
+        if not folder.is_dir():
+            return load(model_path, tokenizer_config_extra, eos_token_ids=eos_token_ids)
+        files = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                      for f in sorted(folder.iterdir())
+                      if f.is_file() and f.suffix in (".json", ".jinja", ".txt", ".model", ".tiktoken"))
+        key = (str(folder.resolve()), files, repr(tokenizer_config_extra), repr(eos_token_ids))
+        if key not in loaded:
+            loaded[key] = load(model_path, tokenizer_config_extra, eos_token_ids=eos_token_ids)
+        return loaded[key]
+
+    mlx_lm.utils.load_tokenizer = load_tokenizer
+
+
+_share_tokenizers()
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected
+def pytest_collection_modifyitems(items):
+    """Longest modules first (tests/durations.py), so that xdist's workers end together."""
+    from durations import longest_modules_first
+
+    longest_modules_first(items)
+
+
 @pytest.fixture(scope="session")
 def lm():
     """The real bundled SmolLM2-135M-Instruct model, loaded through our registry."""

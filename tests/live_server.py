@@ -205,6 +205,15 @@ def openai_client(server: ThreadedServer):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+def anthropic_client(server: ThreadedServer, api_key: str = "unused", timeout: float = 120):
+    """The official `anthropic` client pointed at `server` (imported here, not at a test module's
+    top: its import costs every xdist worker a second or two while collecting)."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=server.url, api_key=api_key, max_retries=0,
+                               timeout=timeout)
+
+
 def ws_url(server: "ThreadedServer", cid: int) -> str:
     """The chat socket of conversation `cid` on `server`."""
     return server.url.replace("http://", "ws://") + f"/c/{cid}/ws"

@@ -4,14 +4,12 @@ matter here; the shapes, tool calls, usage, errors and cancellation do)."""
 
 import json
 import threading
-import time
 
-import anthropic
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from live_server import engine_serving, tiny_serving, wait_idle
+from live_server import anthropic_client, engine_serving, tiny_serving, wait_idle
 from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.fast
@@ -39,7 +37,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
+    return anthropic_client(server, KEY)
 
 
 def ask(text: str = "Hello there", **fields) -> dict:
@@ -176,12 +174,13 @@ def test_errors_come_in_anthropic_shape(server, client):
     assert bad.json()["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in bad.json()["error"]["message"]
 
-    with pytest.raises(anthropic.AuthenticationError):
-        anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
-            **ask())
+    from anthropic import AuthenticationError, BadRequestError
+
+    with pytest.raises(AuthenticationError):
+        anthropic_client(server, "wrong").messages.create(**ask())
     image = [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                           "data": "iVBORw0KGgo="}}]
-    with pytest.raises(anthropic.BadRequestError, match="image"):
+    with pytest.raises(BadRequestError, match="image"):
         client.messages.create(**ask(messages=[{"role": "user", "content": image}]))
     big = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": KEY},
                      content=b"x" * (65 * 1024 * 1024))  # over the image routes' 64 MiB
@@ -216,26 +215,31 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(server):
 
 
 def test_overload_surfaces_as_the_sdks_rate_limit_error(tmp_path):
+    from anthropic import RateLimitError
+
     lm = tiny_llama()
     with engine_serving(tmp_path, lm, {"max_running": 1, "max_queued": 0}) as s:
-        sdk = anthropic.Anthropic(base_url=s.url, api_key="unused", max_retries=0, timeout=60)
+        sdk = anthropic_client(s, timeout=60)
         body = {"model": "x", "max_tokens": 4000, "stream": True,
                 "messages": [{"role": "user", "content": "Go on and on."}]}
-        started = threading.Event()
+        started, refused_seen = threading.Event(), threading.Event()
 
-        def hold() -> None:
+        def hold() -> None:  # decodes (holding the one running slot) until the refusal is seen
             with httpx.stream("POST", f"{s.url}/v1/messages", json=body, timeout=60) as r:
                 for line in r.iter_lines():
                     if "text_delta" in line:
                         started.set()
-                        time.sleep(3)
+                        refused_seen.wait(30)
                         return
 
         holder = threading.Thread(target=hold)
         holder.start()
-        assert started.wait(30)
-        with pytest.raises(anthropic.RateLimitError) as refused:
-            sdk.messages.create(model="x", max_tokens=5,
-                                messages=[{"role": "user", "content": "hi"}])
+        try:
+            assert started.wait(30)
+            with pytest.raises(RateLimitError) as refused:
+                sdk.messages.create(model="x", max_tokens=5,
+                                    messages=[{"role": "user", "content": "hi"}])
+        finally:
+            refused_seen.set()
+            holder.join()
         assert refused.value.response.headers.get("retry-after")
-        holder.join()

@@ -120,6 +120,7 @@ def test_citations_show_chunk_text_escaped(http, server):
     assert "<img" not in citations
 
 
+@pytest.mark.slow  # 20 MB to read and index: seconds by design, the second tier
 def test_a_20_mb_document_indexes_with_progress_while_health_answers(http, server):
     cid = new_conversation(http)
     body = "".join(f"Paragraph {i}. The committee reviewed the figures for region {i % 97}.\n\n"

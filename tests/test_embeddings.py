@@ -7,6 +7,7 @@ Tiny random-weight models: a llama as the chat model (mean pooling, as llama.cpp
 """
 
 import base64
+import functools
 import threading
 import time
 
@@ -34,12 +35,18 @@ def _unit(v: np.ndarray) -> np.ndarray:
     return v / np.linalg.norm(v)
 
 
+@functools.cache
+def _mlx_lm(folder: str):
+    """mlx-lm's own load of `folder`, once per folder for the module's references."""
+    return mlx_lm_load(folder)
+
+
 def reference(folder, texts, pooling, prefix="", dimensions=None):
     """mlx-lm's own model, one text at a time (no padding, no batch): the last hidden state
     (`model.model`, after the final norm), pooled as the model cards say: Qwen3-Embedding's
     `last_token_pool` takes the last token's state; llama.cpp's mean pooling averages all of
     them. Then the first `dimensions` components, L2-normalised."""
-    model, tokenizer = mlx_lm_load(str(folder))
+    model, tokenizer = _mlx_lm(str(folder))
     out = []
     for text in texts:
         ids = tokenizer.encode(prefix + text)

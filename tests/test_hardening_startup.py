@@ -13,29 +13,33 @@ import pytest
 
 from app.folder_lock import FolderLock
 from app.storage import SCHEMA_VERSION, Storage
-from cli_runs import mlxchat, refusal
+from cli_runs import mlxchat, mlxchat_options, refusal
 
 pytestmark = pytest.mark.fast
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # the real CLI in a child process (~2 s importing mlx-lm): the second tier
 def test_wildcard_host_without_allow_remote(tmp_path):
     line = refusal(mlxchat("serve", "--no-browser", "--host", "0.0.0.0", home=tmp_path))
     assert "--allow-remote" in line
 
 
+@pytest.mark.slow  # the real CLI in a child process (~2 s importing mlx-lm): the second tier
 def test_allow_remote_without_a_key_needs_an_explicit_opt_out(tmp_path):
     line = refusal(mlxchat("serve", "--no-browser", "--host", "0.0.0.0", "--allow-remote",
                            home=tmp_path))
     assert "--api-key" in line and "--no-api-key" in line
 
 
+@pytest.mark.slow  # the real CLI in a child process (~2 s importing mlx-lm): the second tier
 def test_mlxchat_home_that_is_a_file(tmp_path):
     home = tmp_path / "home"
     home.write_text("not a folder")
     assert "check MLXCHAT_HOME" in refusal(mlxchat("serve", "--no-browser", home=home))
 
 
+@pytest.mark.slow  # the real CLI in a child process (~2 s importing mlx-lm): the second tier
 def test_port_in_use(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -45,6 +49,7 @@ def test_port_in_use(tmp_path):
     assert f":{port}" in line and "in use" in line
 
 
+@pytest.mark.slow  # the real CLI in a child process (~2 s importing mlx-lm): the second tier
 def test_a_second_server_on_one_data_folder_names_the_first(tmp_path):
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from pathlib import Path; "
@@ -65,13 +70,13 @@ def test_a_second_server_on_one_data_folder_names_the_first(tmp_path):
 @pytest.mark.parametrize("args, name", [(["--port", "0"], "--port"),
                                         (["--port", "65536"], "--port")])
 def test_numeric_options_are_range_checked(tmp_path, args, name):
-    assert name in refusal(mlxchat("serve", "--no-browser", *args, home=tmp_path))
+    assert name in refusal(mlxchat_options("serve", "--no-browser", *args, home=tmp_path))
 
 
 @pytest.mark.parametrize("args, name", [(["--top-p", "1.5"], "--top-p"),
                                         (["-n", "0"], "'-n'"), (["-t", "-1"], "-t")])
 def test_sampling_options_are_range_checked(tmp_path, args, name):
-    assert name in refusal(mlxchat("chat", *args, home=tmp_path))
+    assert name in refusal(mlxchat_options("chat", *args, home=tmp_path))
 
 
 def _open(path: str, barrier) -> int:
@@ -106,15 +111,3 @@ def test_a_damaged_database_is_moved_aside_and_a_fresh_one_created(tmp_path):
         assert storage.get_conversation(conv.id).title == "works"
     finally:
         storage.close()
-
-
-
-def test_a_database_from_a_newer_mlxchat_is_one_error_line(tmp_path):
-    data = tmp_path / "data"
-    data.mkdir(parents=True)
-    db = sqlite3.connect(data / "mlxchat.db")
-    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 5}")
-    db.commit()
-    db.close()
-    line = refusal(mlxchat("serve", "--no-browser", home=tmp_path))
-    assert "newer than this mlxchat" in line

@@ -144,6 +144,7 @@ def test_not_enough_disk_is_refused_before_any_byte(hub):
     assert not any("/resolve/" in path for _, path, _ in hub.log)
 
 
+@pytest.mark.slow  # the real CLI in a child process: the second tier
 def test_a_full_disk_mid_transfer_is_a_clear_error(hub, tiny_files):
     """The disk fills up (a file size limit of 1 MB) while `mlxchat pull` writes."""
     def limit():

@@ -10,7 +10,8 @@ import pytest
 from app.storage import DB_NAME, SCHEMA_VERSION, Storage
 from cli_runs import mlxchat, refusal
 
-pytestmark = pytest.mark.fast
+# The real CLI in a child process (~2 s importing mlx-lm): a fast test in the second tier.
+pytestmark = [pytest.mark.fast, pytest.mark.slow]
 
 
 def test_a_database_from_a_newer_mlxchat_is_one_error_line(tmp_path):
@@ -22,4 +23,4 @@ def test_a_database_from_a_newer_mlxchat_is_one_error_line(tmp_path):
     with sqlite3.connect(path) as db:
         db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
     line = refusal(mlxchat("serve", "--no-browser", "--port", str(free_port()), home=home, timeout=300))
-    assert "newer" in line and str(SCHEMA_VERSION + 1) in line
+    assert "newer than this mlxchat" in line and str(SCHEMA_VERSION + 1) in line

@@ -2,11 +2,10 @@
 the same greedy answer, token for token (the adapters translate; they never generate on their
 own), and each protocol reports the second turn's prefix reuse in its own field."""
 
-import anthropic
 import ollama
 import pytest
 
-from live_server import engine_serving, openai_client
+from live_server import anthropic_client, engine_serving, openai_client
 
 SYSTEM = "You are a helpful assistant who answers in one short sentence."
 ASK = "What is the capital of France?"
@@ -25,7 +24,7 @@ def test_every_protocol_gives_the_same_greedy_answer(server):
     expected = chat.choices[0].message.content
     assert "Paris" in expected
 
-    claude = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0).messages.create(
+    claude = anthropic_client(server).messages.create(
         model="claude-sonnet-4-5", max_tokens=24, system=SYSTEM, extra_body={"temperature": 0},
         messages=[{"role": "user", "content": ASK}])
     assert claude.content[0].text == expected
@@ -42,7 +41,7 @@ def test_every_protocol_gives_the_same_greedy_answer(server):
     # The second turn reuses the first from the prefix cache, whichever protocol asks.
     follow = [{"role": "user", "content": ASK}, {"role": "assistant", "content": expected},
               {"role": "user", "content": "And of Italy?"}]
-    again = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0).messages.create(
+    again = anthropic_client(server).messages.create(
         model="claude-x", max_tokens=8, system=SYSTEM, messages=follow,
         extra_body={"temperature": 0})
     assert again.usage.cache_read_input_tokens > 20

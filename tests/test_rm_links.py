@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.fast
+# The real CLI in a child process (~2 s importing mlx-lm): a fast test in the second tier.
+pytestmark = [pytest.mark.fast, pytest.mark.slow]
 
 
 def cache_with_outside_link(tmp_path, second: bool):

@@ -263,6 +263,7 @@ time.sleep(600)
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # a child process loading a tiny model, killed: the second tier
 def test_a_killed_process_keeps_what_write_behind_wrote(dense, tmp_path):
     child = subprocess.Popen([sys.executable, "-c", KILLED_CHILD, str(tmp_path)],
                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)

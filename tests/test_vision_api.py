@@ -12,14 +12,13 @@ import pytest
 
 pytest.importorskip("mlx_vlm")
 
-import anthropic  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from app.api.errors import ApiError  # noqa: E402
 from app.api.images import MAX_IMAGES, decode_image  # noqa: E402
 from engine.decoding.generate import build_prompt  # noqa: E402
 from engine.decoding.vision import ImageInput  # noqa: E402
-from live_server import engine_serving, openai_client  # noqa: E402
+from live_server import anthropic_client, engine_serving, openai_client  # noqa: E402
 from bench.vlm_shapes import random_image, tiny_qwen2_5_vl  # noqa: E402
 
 pytestmark = pytest.mark.fast
@@ -84,7 +83,7 @@ def test_models_list_the_vision_capability(server, lm):
 def test_anthropic_ollama_and_responses_take_images(server, lm):
     raw = png(1)
     b64 = base64.b64encode(raw).decode()
-    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    client = anthropic_client(server, timeout=60)
     answer = client.messages.create(model=lm.name, max_tokens=4, messages=[{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}},
         {"type": "text", "text": "Describe it."}]}])
