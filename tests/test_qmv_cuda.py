@@ -154,6 +154,7 @@ def test_without_the_switch_or_off_cuda_the_layers_stay_as_loaded(monkeypatch, s
     assert not any(isinstance(m, QMVLinear) for _, m in ours.named_modules())
 
 
+@pytest.mark.slow  # a child process running the bench's every part: the second tier
 def test_the_device_harness_runs_without_cuda(tmp_path):
     """`python -m bench.qmv` on the CPU: the kernel part checks the emulation (correct, MLX's rate
     only), and the step part runs bench.gpu_step with the switch on, unset and off, each to its
