@@ -328,26 +328,10 @@ def emulate(x: np.ndarray, w: np.ndarray, kw: int | None = None) -> np.ndarray:
             a_lo = wp[:, g[:, None], cols]  # [block, lane, 8]: row g of the tile
             a_hi = wp[:, g[:, None] + 8, cols]  # row g + 8
             for h in (0, 1):  # the block's two mma: values 0-3, then 4-7 of each word
-                v = 4 * h
-                a = np.zeros((tiles, 16, 16), np.float32)
-                for j in (0, 1):  # PTX: a0,a1 (g, 2t+j); a2,a3 (g+8, 2t+j); a4,a5 (g, 2t+8+j); a6,a7
-                    a[:, g, 2 * t + j] = a_lo[:, :, v + j]
-                    a[:, g + 8, 2 * t + j] = a_hi[:, :, v + j]
-                    a[:, g, 2 * t + 8 + j] = a_lo[:, :, v + 2 + j]
-                    a[:, g + 8, 2 * t + 8 + j] = a_hi[:, :, v + 2 + j]
+                a = _a_fragments(a_lo, a_hi, 4 * h, g, t)
                 for tile in range(mt):
                     words = xp[tile * 8 + g[:, None], cols]  # [lane, 8]: x row g of the tile
-                    bmat = np.zeros((16, 8), np.float32)
-                    cmat = np.zeros((tiles, 16, 8), np.float32)
-                    for j in (0, 1):  # PTX: b0,b1 (k 2t+j, n g); b2,b3 (k 2t+8+j, n g)
-                        bmat[2 * t + j, g] = words[:, v + j]
-                        bmat[2 * t + 8 + j, g] = words[:, v + 2 + j]
-                        cmat[:, g, 2 * t + j] = acc[tile, :, :, j]  # c0,c1 (g, 2t+j); c2,c3 (g+8, 2t+j)
-                        cmat[:, g + 8, 2 * t + j] = acc[tile, :, :, 2 + j]
-                    d = (a @ bmat).astype(np.float32) + cmat
-                    for j in (0, 1):
-                        acc[tile, :, :, j] = d[:, g, 2 * t + j]
-                        acc[tile, :, :, 2 + j] = d[:, g + 8, 2 * t + j]
+                    acc[tile] = _mma(a, words, acc[tile], 4 * h, g, t)
         for tile in range(mt):
             for j in (0, 1):
                 part[warp][:, tile * 8 + 2 * t + j, g] = acc[tile, :, :, j]
@@ -356,3 +340,34 @@ def emulate(x: np.ndarray, w: np.ndarray, kw: int | None = None) -> np.ndarray:
     for v in range(1, kw):  # the warps' sum, in warp order
         s = s + part[v]
     return np.ascontiguousarray(s.transpose(1, 0, 2).reshape(mt * 8, tiles * TILE)[:m, :n])
+
+
+def _a_fragments(a_lo: np.ndarray, a_hi: np.ndarray, v: int, g: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Every block's A (16x16) of one mma from its lanes' words (values v..v+3 of each): PTX
+    m16n8k16 a0,a1 (g, 2t+j); a2,a3 (g+8, 2t+j); a4,a5 (g, 2t+8+j); a6,a7 (g+8, 2t+8+j)."""
+    a = np.zeros((a_lo.shape[0], 16, 16), np.float32)
+    for j in (0, 1):
+        a[:, g, 2 * t + j] = a_lo[:, :, v + j]
+        a[:, g + 8, 2 * t + j] = a_hi[:, :, v + j]
+        a[:, g, 2 * t + 8 + j] = a_lo[:, :, v + 2 + j]
+        a[:, g + 8, 2 * t + 8 + j] = a_hi[:, :, v + 2 + j]
+    return a
+
+
+def _mma(a: np.ndarray, words: np.ndarray, acc: np.ndarray, v: int, g: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """One mma for every block on one tile of x: B from the lanes' x words (b0,b1 (k 2t+j, n g);
+    b2,b3 (k 2t+8+j, n g)), C from the lanes' accumulators `acc` [block, lane, c0..c3] (c0,c1
+    (g, 2t+j); c2,c3 (g+8, 2t+j)), D = A @ B + C in fp32, read back into the lanes' registers."""
+    bmat = np.zeros((16, 8), np.float32)
+    cmat = np.zeros((a.shape[0], 16, 8), np.float32)
+    for j in (0, 1):
+        bmat[2 * t + j, g] = words[:, v + j]
+        bmat[2 * t + 8 + j, g] = words[:, v + 2 + j]
+        cmat[:, g, 2 * t + j] = acc[:, :, j]
+        cmat[:, g + 8, 2 * t + j] = acc[:, :, 2 + j]
+    d = (a @ bmat).astype(np.float32) + cmat
+    out = np.empty_like(acc)
+    for j in (0, 1):
+        out[:, :, j] = d[:, g, 2 * t + j]
+        out[:, :, 2 + j] = d[:, g + 8, 2 * t + j]
+    return out
