@@ -133,9 +133,15 @@ def mode() -> str:
     "all" ("1": every layer that fits, products of up to `MAX_ROWS` rows); else "auto", the layers
     and rows where the H200 measured it faster (docs/gpu.md): one-row products of 4-bit layers and
     of heads (`HEAD_OUTPUTS` outputs or more) at either width."""
+    return switch_mode(SWITCH)
+
+
+def switch_mode(switch: str) -> str:
+    """A CUDA kernel's mode from its environment switch: "off" ("0", or MLX not on CUDA), "all"
+    ("1"), else "auto" (the kernel's measured default)."""
     if device.backend() != "cuda":
         return "off"
-    value = os.environ.get(SWITCH, "").strip().lower()
+    value = os.environ.get(switch, "").strip().lower()
     return {"0": "off", "1": "all"}.get(value, "auto")
 
 

@@ -47,14 +47,11 @@ products run MLX's matmul. The launch goes through `mx.compile` (`COMPILED`): a 
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .. import device
-from .qmv_cuda import HEAD_OUTPUTS
+from .qmv_cuda import HEAD_OUTPUTS, rows, switch_mode
 
 SWITCH = "MLXCHAT_CUDA_SMALLMM"
 MAX_ROWS = 32  # rows of x one launch serves (4 tiles of 8); more go to MLX's matmul
@@ -178,10 +175,7 @@ def _kernel():
 def mode() -> str:
     """Which products take the kernel, from `MLXCHAT_CUDA_SMALLMM`: "off" ("0", or MLX not on
     CUDA); "all" ("1": every product of 1 to `MAX_ROWS` rows); else "auto" (`AUTO_ROWS`)."""
-    if device.backend() != "cuda":
-        return "off"
-    value = os.environ.get(SWITCH, "").strip().lower()
-    return {"0": "off", "1": "all"}.get(value, "auto")
+    return switch_mode(SWITCH)
 
 
 def row_range(how: str) -> tuple[int, int]:
@@ -196,11 +190,6 @@ def fits_layer(layer: nn.Module) -> bool:
         return False
     w = layer.weight
     return w.ndim == 2 and w.dtype in DTYPES and w.shape[1] % KBLOCK == 0 and w.shape[1] > 0
-
-
-def rows(x: mx.array) -> int:
-    """The rows of x one product has (every dimension but the last)."""
-    return x.size // x.shape[-1] if x.shape[-1] else 0
 
 
 def warps(k: int) -> int:
