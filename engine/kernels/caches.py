@@ -16,9 +16,9 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import _merge_caches
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, QuantizedKVCache
 
-from .kv8 import BatchKV8Cache, KV8Cache
+from .kv8 import BITS, GROUP_SIZE, BatchKV8Cache, KV8Cache
 
 Cache = list[Any]  # one mlx-lm cache object per layer
 # one layer's arrays as a snapshot file stores them: its kind's name and the arrays
@@ -117,15 +117,60 @@ class _KV8(_KV):
     cls = KV8Cache
 
 
-KINDS: dict[type, LayerKind] = {KVCache: _KV(), KV8Cache: _KV8(), ArraysCache: _Arrays()}
+class _Quantized:
+    """mlx-lm's `QuantizedKVCache` (the 8-bit cache on the GPU and in half precision, kv8.py):
+    keys and values each a (codes, scales, biases) triple, at kv8's bits and group size, which the
+    snapshot's `kv_format` records."""
+
+    name = "QuantizedKVCache"
+
+    def arrays(self, layer: QuantizedKVCache) -> list[mx.array | None]:
+        if layer.keys is None:
+            return [None] * 6
+        return [*layer.keys, *layer.values]
+
+    def held(self, layer: QuantizedKVCache) -> list[mx.array | None]:
+        return self._cut(self.arrays(layer), layer.offset)
+
+    def copy(self, layer: QuantizedKVCache) -> QuantizedKVCache:
+        held = [None if a is None else mx.contiguous(a) for a in self.held(layer)]
+        return self.from_arrays(held, layer.offset)
+
+    def restore(self, layer: QuantizedKVCache, length: int) -> QuantizedKVCache:
+        return self.from_arrays(self._cut(self.arrays(layer), length), length)
+
+    def from_arrays(self, arrays: list[mx.array | None], length: int) -> QuantizedKVCache:
+        layer = QuantizedKVCache(group_size=GROUP_SIZE, bits=BITS)
+        self.reset(layer, arrays)
+        layer.offset = length
+        return layer
+
+    def length(self, layer: QuantizedKVCache) -> int | None:
+        return layer.offset
+
+    def reset(self, layer: QuantizedKVCache, arrays: list[mx.array | None]) -> None:
+        if arrays[0] is None:
+            layer.keys = layer.values = None
+        else:
+            layer.keys, layer.values = tuple(arrays[:3]), tuple(arrays[3:])
+
+    @staticmethod
+    def _cut(arrays: list[mx.array | None], n: int) -> list[mx.array | None]:
+        return [None if a is None else a[..., :n, :] for a in arrays]
+
+
+KINDS: dict[type, LayerKind] = {KVCache: _KV(), KV8Cache: _KV8(), QuantizedKVCache: _Quantized(),
+                                ArraysCache: _Arrays()}
 # the kinds whose arrays are (batch, heads, tokens, ...): snapshot files check their token axis
-KV_KINDS = frozenset({_KV.name, _KV8.name})
+KV_KINDS = frozenset({_KV.name, _KV8.name, _Quantized.name})
 _BY_NAME = {kind.name: kind for kind in KINDS.values()}
 
 
 def kind_of(layer: Any) -> LayerKind | None:
-    """The snapshot kind of exactly this layer cache's class (subclasses, quantized or rotating
-    caches have none)."""
+    """The snapshot kind of exactly this layer cache's class (subclasses, rotating caches, and
+    quantized ones at other bits or group sizes than kv8's have none)."""
+    if isinstance(layer, QuantizedKVCache) and (layer.bits, layer.group_size) != (BITS, GROUP_SIZE):
+        return None
     return KINDS.get(type(layer))
 
 

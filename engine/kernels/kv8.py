@@ -18,7 +18,8 @@ Each token's keys and values are quantized on their own (per position, per head,
 a row's attention is the same whatever else shares the batch. On the GPU, and on the CPU for a
 model run in half precision, the cache is mlx-lm's `QuantizedKVCache`, whose
 attention mlx-lm's models run themselves (at the same group size: 0.56 of an fp16 cache's bytes);
-it cannot join a decode batch or the prefix cache.
+the prefix cache snapshots it (caches.py's `QuantizedKVCache` kind), but it cannot join a decode
+batch.
 
 The cache's format is part of a snapshot file's identity (engine/cache/snapshot_files.py,
 `kv_format`): a snapshot written under one format is refused, and recomputed, under the other.
