@@ -67,4 +67,41 @@ def test_a_snapshot_file_round_trips_the_quantized_layers(half, tmp_path):
 
 def test_quantized_caches_at_other_bits_are_not_snapshotted():
     assert kind_of(QuantizedKVCache(group_size=GROUP_SIZE, bits=8)) is not None
+    assert kind_of(QuantizedKVCache(group_size=64, bits=8)) is not None
     assert kind_of(QuantizedKVCache(group_size=64, bits=4)) is None
+
+
+def test_a_device_without_the_group_gets_the_next_one_or_the_full_cache(monkeypatch, caplog):
+    """Where MLX cannot run the quantized attention at group 32 (its CUDA backend lacks some
+    quantized products), the cache takes the next group that runs, and snapshots carry it; where
+    none runs, the full cache, with a warning saying why."""
+    import logging
+
+    from engine.kernels import kv8
+
+    assert kv8.quantized_group(32, mx.bfloat16) == (GROUP_SIZE, "")  # MLX's CPU runs them all
+    real = kv8.quantized_scaled_dot_product_attention
+
+    def refusing(*args, group_size, **kw):
+        if group_size in refused:
+            raise RuntimeError(f"[quantized_matmul] No implementation (group size: {group_size})")
+        return real(*args, group_size=group_size, **kw)
+
+    monkeypatch.setattr(kv8, "quantized_scaled_dot_product_attention", refusing)
+    lm = tiny_llama(head_dim=64)
+    model, config = load_model(lm.path)
+    model.set_dtype(mx.bfloat16)
+    refused = {32}
+    assert use_kv_bits(model, config, 8) == "mlx-lm-quantized-8-g64"
+    cache = make_prompt_cache(model)
+    assert all(c.group_size == 64 for c in cache)
+    model(mx.array([[1, 2, 3]]), cache=cache)
+    back = from_layers(held_layers(LOCAL.copy(cache)), 3)
+    assert all(c.group_size == 64 and c.offset == 3 for c in back)
+
+    model, config = load_model(lm.path)
+    model.set_dtype(mx.bfloat16)
+    refused = {32, 64, 128}
+    with caplog.at_level(logging.WARNING, logger="engine.kernels.kv8"):
+        assert use_kv_bits(model, config, 8) == "full"
+    assert "group 64: [quantized_matmul] No implementation" in caplog.text

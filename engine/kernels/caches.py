@@ -119,8 +119,8 @@ class _KV8(_KV):
 
 class _Quantized:
     """mlx-lm's `QuantizedKVCache` (the 8-bit cache on the GPU and in half precision, kv8.py):
-    keys and values each a (codes, scales, biases) triple, at kv8's bits and group size, which the
-    snapshot's `kv_format` records."""
+    keys and values each a (codes, scales, biases) triple at kv8's bits; the group size follows
+    from the arrays' widths, and the snapshot's `kv_format` records it."""
 
     name = "QuantizedKVCache"
 
@@ -140,7 +140,9 @@ class _Quantized:
         return self.from_arrays(self._cut(self.arrays(layer), length), length)
 
     def from_arrays(self, arrays: list[mx.array | None], length: int) -> QuantizedKVCache:
-        layer = QuantizedKVCache(group_size=GROUP_SIZE, bits=BITS)
+        codes, scales = arrays[0], arrays[1]
+        group = GROUP_SIZE if codes is None else codes.shape[-1] * (32 // BITS) // scales.shape[-1]
+        layer = QuantizedKVCache(group_size=group, bits=BITS)
         self.reset(layer, arrays)
         layer.offset = length
         return layer
@@ -168,8 +170,8 @@ _BY_NAME = {kind.name: kind for kind in KINDS.values()}
 
 def kind_of(layer: Any) -> LayerKind | None:
     """The snapshot kind of exactly this layer cache's class (subclasses, rotating caches, and
-    quantized ones at other bits or group sizes than kv8's have none)."""
-    if isinstance(layer, QuantizedKVCache) and (layer.bits, layer.group_size) != (BITS, GROUP_SIZE):
+    quantized ones at other bits than kv8's have none)."""
+    if isinstance(layer, QuantizedKVCache) and layer.bits != BITS:
         return None
     return KINDS.get(type(layer))
 

@@ -17,8 +17,9 @@ steps our kernels do not take) gets dequantized fp32 keys and values from `updat
 Each token's keys and values are quantized on their own (per position, per head, per group), so
 a row's attention is the same whatever else shares the batch. On the GPU, and on the CPU for a
 model run in half precision, the cache is mlx-lm's `QuantizedKVCache`, whose
-attention mlx-lm's models run themselves (at the same group size: 0.56 of an fp16 cache's bytes);
-the prefix cache snapshots it (caches.py's `QuantizedKVCache` kind), but it cannot join a decode
+attention mlx-lm's models run themselves (at the same group size, 0.56 of an fp16 cache's bytes,
+where the device's MLX runs it; else the next larger group that it runs, `quantized_group`, or the
+full cache with a warning); the prefix cache snapshots it (caches.py's `QuantizedKVCache` kind), but it cannot join a decode
 batch.
 
 The cache's format is part of a snapshot file's identity (engine/cache/snapshot_files.py,
@@ -33,6 +34,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
 
 log = logging.getLogger(__name__)
@@ -125,6 +127,36 @@ def _fp32(model: nn.Module) -> bool:
     return mx.default_device().type == mx.DeviceType.cpu and any(p.dtype == mx.float32 for p in floats)
 
 
+def _float_dtype(model: nn.Module) -> mx.Dtype:
+    from mlx.utils import tree_flatten
+
+    return next((p.dtype for _, p in tree_flatten(model.parameters())
+                 if mx.issubdtype(p.dtype, mx.floating)), mx.float16)
+
+
+def quantized_group(dim: int, dtype: mx.Dtype) -> tuple[int | None, str]:
+    """The first group size (GROUP_SIZE, then mlx-lm's default 64, then 128) at which mlx-lm's
+    quantized attention runs on this device for heads of `dim` values in `dtype`, tried as a model
+    runs it (a grouped-query cache: one token, a prompt chunk, one more token); (None, why) when
+    none does. MLX's CUDA backend lacks some of the quantized products this needs."""
+    why = ""
+    for group in (GROUP_SIZE, 64, 128):
+        if dim % group:
+            continue
+        try:
+            cache = QuantizedKVCache(group_size=group, bits=BITS)
+            for n in (1, 7, 1):
+                kv = mx.ones((1, 1, n, dim), dtype)
+                keys, values = cache.update_and_fetch(kv, kv)
+                mx.eval(quantized_scaled_dot_product_attention(
+                    mx.ones((1, 2, n, dim), dtype), keys, values, scale=1.0,
+                    mask="causal" if n > 1 else None, group_size=group, bits=BITS))
+            return group, ""
+        except (RuntimeError, ValueError) as exc:
+            why = f"group {group}: {exc}"
+    return None, why
+
+
 def _head_dim(config: dict[str, Any]) -> int | None:
     text = config.get("text_config", config)
     if text.get("head_dim"):
@@ -141,17 +173,23 @@ def use_kv_bits(model: nn.Module, config: dict[str, Any], bits: int | None) -> s
     if bits is None:
         return FULL
     dim = _head_dim(config)
+    if dim is None or dim % GROUP_SIZE:
+        log.warning("keeping the full KV cache: head dimension %s is not a multiple of %d", dim,
+                    GROUP_SIZE)
+        return FULL
     if _fp32(model):
         factory: Callable[[], Any] = KV8Cache
-        fmt, group = f"kv8-affine-g{GROUP_SIZE}", GROUP_SIZE
+        fmt = f"kv8-affine-g{GROUP_SIZE}"
     else:
-        fmt, group = f"mlx-lm-quantized-{BITS}-g{GROUP_SIZE}", GROUP_SIZE
+        group, why = quantized_group(dim, _float_dtype(model))
+        if group is None:
+            log.warning("keeping the full KV cache: mlx-lm's 8-bit cache does not run on this "
+                        "device (%s)", why)
+            return FULL
+        fmt = f"mlx-lm-quantized-{BITS}-g{group}"
 
         def factory() -> QuantizedKVCache:
-            return QuantizedKVCache(group_size=GROUP_SIZE, bits=BITS)
-    if dim is None or dim % group:
-        log.warning("keeping the full KV cache: head dimension %s is not a multiple of %d", dim, group)
-        return FULL
+            return QuantizedKVCache(group_size=group, bits=BITS)
     own = getattr(model, "make_cache", None)
     layers = len(model.layers)
 
