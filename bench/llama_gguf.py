@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -55,22 +56,32 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def dequantized(folder: Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """The folder's config and its weights as float32 numpy arrays (quantized ones dequantized)."""
+def dequantized(folder: Path) -> tuple[dict, list[tuple[str, tuple[int, ...]]], Iterator[np.ndarray]]:
+    """The folder's config, its weights' names and shapes, and the weights in that order as float32
+    numpy arrays (quantized ones dequantized), made one at a time: an 8B folder's float32 weights
+    do not fit in this machine's memory at once."""
     config = json.loads((folder / "config.json").read_text())
     quant = config.get("quantization") or {}
     weights = mx.load(str(folder / "model.safetensors"))
-    out = {}
-    for name, w in weights.items():
-        if name.endswith((".scales", ".biases")):
-            continue
+    names = [n for n in weights if not n.endswith((".scales", ".biases"))]
+
+    def spec(name: str) -> dict | None:
         stem = name.removesuffix(".weight")
-        if f"{stem}.scales" in weights:
-            spec = quant.get(stem, quant)
-            w = mx.dequantize(w, weights[f"{stem}.scales"], weights[f"{stem}.biases"],
-                              group_size=spec["group_size"], bits=spec["bits"])
-        out[name] = np.asarray(w.astype(mx.float32))
-    return config, out
+        return quant.get(stem, quant) if f"{stem}.scales" in weights else None
+
+    def shape(name: str) -> tuple[int, ...]:
+        w, q = weights[name], spec(name)
+        return tuple(w.shape) if q is None else (*w.shape[:-1], w.shape[-1] * 32 // q["bits"])
+
+    def each() -> Iterator[np.ndarray]:
+        for name in names:
+            w, q, stem = weights[name], spec(name), name.removesuffix(".weight")
+            if q is not None:
+                w = mx.dequantize(w, weights[f"{stem}.scales"], weights[f"{stem}.biases"],
+                                  group_size=q["group_size"], bits=q["bits"])
+            yield np.asarray(w.astype(mx.float32))
+
+    return config, [(n, shape(n)) for n in names], each()
 
 
 def _copy_tokenizer(writer, source: Path) -> None:
@@ -91,7 +102,7 @@ def write_gguf(folder: Path, out: Path, *, f16: bool = False) -> Path:
 
     from engine.loading import bundled
 
-    config, weights = dequantized(Path(folder))
+    config, table, weights = dequantized(Path(folder))
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     arch = config.get("model_type", "llama")
@@ -114,15 +125,20 @@ def write_gguf(folder: Path, out: Path, *, f16: bool = False) -> Path:
     writer.add_vocab_size(config["vocab_size"])
     _copy_tokenizer(writer, bundled.ensure_bundled_gguf())
     hf_rope = arch == "llama" and not config.get("rope_traditional", False)
-    for name, w in weights.items():
+    half = [f16 and len(shape) == 2 for _, shape in table]
+    # the tensors' table first, then each tensor's data as it is made (one in memory at a time)
+    for (name, shape), h in zip(table, half):
+        writer.add_tensor_info(gguf_name(name), shape, np.dtype(np.float16 if h else np.float32),
+                               int(np.prod(shape)) * (2 if h else 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for (name, _), h, w in zip(table, half, weights):
         if hf_rope and name.endswith("self_attn.q_proj.weight"):
             w = permute(w, heads)
         elif hf_rope and name.endswith("self_attn.k_proj.weight"):
             w = permute(w, kv_heads)
-        writer.add_tensor(gguf_name(name), w.astype(np.float16) if f16 and w.ndim == 2 else w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+        writer.write_tensor_data(w.astype(np.float16) if h else w)
     writer.close()
     return Path(out)
 
