@@ -5,6 +5,10 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 namespace mlxchat {
 
@@ -103,5 +107,25 @@ void set_interleave_rows(bool on);
 int num_threads();
 void set_num_threads(int n);
 void parallel_for(int64_t nblocks, const std::function<void(int64_t)>& fn);
+
+// The decode profile (bench.profile_decode --parts): while it is on, each part of our ops adds its
+// wall time on the calling thread (a ScopedPart around it), and the pool counts its dispatches.
+enum class Part : int { Norm, QKV, Rope, Attention, O, GateUp, SwiGLU, Down, Residual, Product,
+                        Dequantize, Count };
+bool profiling();
+void profile_add(Part p, int64_t ns, int64_t cpu_ns);
+
+// Resets the counters and starts counting; profile_stop stops and returns, per part,
+// (name, (calls, wall ns, the calling thread's CPU ns)), then the pool's rows (counts, ns).
+using ProfileRows = std::vector<std::pair<std::string, std::tuple<int64_t, int64_t, int64_t>>>;
+void profile_start();
+ProfileRows profile_stop();
+
+struct ScopedPart {
+  Part p;
+  int64_t t0, c0;
+  explicit ScopedPart(Part part);
+  ~ScopedPart();
+};
 
 }  // namespace mlxchat

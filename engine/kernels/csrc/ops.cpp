@@ -25,6 +25,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -582,6 +583,7 @@ class QMatmul : public CpuPrimitive {
       std::vector<float> tmp;
       QHold keep;
       const float* xd = contiguous_f32(x, tmp);
+      ScopedPart part(Part::Product);
       run_qmm(xd, int64_t(x.size()) / x.shape(-1), qmat(in[1], in[2], in[3], gs, bits, keep),
               out[0].data<float>(), int8);
     };
@@ -697,6 +699,7 @@ class Dequantize : public CpuPrimitive {
     return [gs = gs_, bits = bits_](const Arrays& in, Arrays& out) {
       QHold keep;
       const QMat W = qmat(in[0], in[1], in[2], gs, bits, keep);
+      ScopedPart part(Part::Dequantize);
       dequantize_rows(W, out[0].data<float>());
     };
   }
@@ -732,6 +735,7 @@ class SwiGLU : public CpuPrimitive {
       const auto& g = in[0];
       const float* gd = contiguous_f32(g, tg);
       float* y = out[0].data<float>();
+      ScopedPart part(Part::SwiGLU);
       std::copy(gd, gd + g.size(), y);
       swiglu_rows(y, contiguous_f32(in[1], tu), int64_t(g.size()));
     };
@@ -759,6 +763,7 @@ class RMSNorm : public CpuPrimitive {
       const float* xd = contiguous_f32(x, t0);
       const float* wd = contiguous_f32(in[1], t1);
       const int64_t D = x.shape(-1);
+      ScopedPart part(Part::Norm);
       rms_norm_rows(xd, wd, eps, int64_t(x.size()) / D, D, out[0].data<float>());
     };
   }
@@ -791,6 +796,7 @@ class RoPE : public CpuPrimitive {
       const auto& x = in[0];
       const float* xd = contiguous_f32(x, tmp);
       const int64_t D = x.shape(-1);
+      ScopedPart part(Part::Rope);
       rope_rows(xd, out[0].data<float>(), int64_t(x.size()) / D, x.shape(-2), D, p, offset);
     };
   }
@@ -831,6 +837,7 @@ class DecodeAttention : public CpuPrimitive {
       const float* qd = contiguous_f32(q, tq);
       const int64_t D = q.shape(3);
       const KV kv = kv_view(k, tk, tk8, D), vv = kv_view(v, tv, tv8, D);
+      ScopedPart part(Part::Attention);
       attention(qd, kv, vv, q.shape(0), q.shape(1), k.shape(1), k.shape(2), D, scale,
                 out[0].data<float>(), starts ? contiguous_as<int32_t>(in[3], ts) : nullptr);
     };
@@ -942,13 +949,20 @@ class AttnIn : public CpuPrimitive {
       const auto& h = ins[0];
       const int64_t Dm = h.shape(-1), B = int64_t(h.size()) / Dm;
       std::vector<float> xn(size_t(B * Dm));
-      rms_norm_rows(contiguous_f32(h, th), contiguous_f32(ins[1], tw), eps, B, Dm, xn.data());
+      {
+        ScopedPart part(Part::Norm);
+        rms_norm_rows(contiguous_f32(h, th), contiguous_f32(ins[1], tw), eps, B, Dm, xn.data());
+      }
       QHold keep[3];
       std::vector<QMat> Ws;
       for (int i = 0; i < 3; ++i)
         Ws.push_back(qmat(ins[2 + 3 * i], ins[3 + 3 * i], ins[4 + 3 * i], q[i].gs, q[i].bits, keep[i]));
       std::vector<float> qt(size_t(B * Ws[0].N)), kt(size_t(B * Ws[1].N));
-      run_qmm_multi(xn.data(), B, Ws, {qt.data(), kt.data(), os[2].data<float>()}, q[0].int8);
+      {
+        ScopedPart part(Part::QKV);
+        run_qmm_multi(xn.data(), B, Ws, {qt.data(), kt.data(), os[2].data<float>()}, q[0].int8);
+      }
+      ScopedPart part(Part::Rope);
       const int64_t D = os[0].shape(-1);
       if (offsets) {  // per-row positions: row b's heads at offsets[b]
         std::vector<int32_t> to;
@@ -993,6 +1007,7 @@ class BlockOut : public CpuPrimitive {
       const float* hd = contiguous_f32(h, th);
       std::vector<float> att(size_t(B * H * D));
       std::vector<int32_t> ts;
+      std::optional<ScopedPart> part(std::in_place, Part::Attention);  // the profile's part from here on
       attention(contiguous_f32(qa, tq), kv_view(ka, tk, tk8, D), kv_view(va, tv, tv8, D), B, H,
                 ka.shape(1),
                 ka.shape(2), D, scale, att.data(),
@@ -1003,15 +1018,21 @@ class BlockOut : public CpuPrimitive {
       const QMat Wu = qmat(ins[11], ins[12], ins[13], q[2].gs, q[2].bits, keep[2]);
       const QMat Wd = qmat(ins[14], ins[15], ins[16], q[3].gs, q[3].bits, keep[3]);
       std::vector<float> h1(size_t(B * Dm)), xn(size_t(B * Dm));
+      part.emplace(Part::O);
       run_qmm(att.data(), B, Wo, h1.data(), q[0].int8);
+      part.emplace(Part::Norm);
       for (int64_t i = 0; i < B * Dm; ++i) h1[i] = hd[i] + h1[i];
       rms_norm_rows(h1.data(), contiguous_f32(ins[7], tn), eps, B, Dm, xn.data());
       const int64_t I = Wg.N;
       std::vector<float> g(size_t(B * I)), u(size_t(B * I));
+      part.emplace(Part::GateUp);
       run_qmm_multi(xn.data(), B, {Wg, Wu}, {g.data(), u.data()}, q[1].int8);
+      part.emplace(Part::SwiGLU);
       swiglu_rows(g.data(), u.data(), B * I);
       float* y = outs[0].data<float>();
+      part.emplace(Part::Down);
       run_qmm(g.data(), B, Wd, y, q[3].int8);
+      part.emplace(Part::Residual);
       for (int64_t i = 0; i < B * Dm; ++i) y[i] = h1[i] + y[i];
     };
   }
@@ -1182,5 +1203,7 @@ NB_MODULE(_mlxchat_kernels, m) {
   m.def("interleave_rows", &interleave_rows);
   m.def("set_interleave_rows", &set_interleave_rows, nb::arg("on"));
   m.def("set_num_threads", &set_num_threads, nb::arg("n"));
+  m.def("profile_start", &profile_start);
+  m.def("profile_stop", &profile_stop);
   m.def("mlx_version", [] { return std::string(MLXCHAT_MLX_VERSION); });
 }
