@@ -5,6 +5,7 @@
 // MLX's own CPU ops do, and the kernels there split it over our thread pool. fp32 activations only; the Python side
 // (engine/kernels/ops.py) checks inputs and takes MLX's own ops for anything else.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <functional>
@@ -635,10 +636,32 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
 // fresh memory costs a page fault and a zeroed page per 4 KB: ~0.7 ms a MB here, ten times the
 // dequantization itself. Buffers come from MLX's allocator and go back into this cache when
 // their array dies (exact sizes: a model's layers repeat their shapes), up to kHeld bytes
-// kept; never destroyed, so arrays that outlive the module's statics still find it.
+// kept; never destroyed, so arrays that outlive the module's statics still find it. A decode
+// step (AttnIn, DecodeAttention) hands them all back (`release`): they are a prompt's working
+// memory, up to 512 MB that the resident-memory goal (weights + 0.6 GB) has no room for while
+// tokens are generated; the next prompt's first chunk takes fresh pages again (~56 ms on a 1B
+// model, against seconds for the chunk).
 class BufferCache {
  public:
   static constexpr size_t kHeld = size_t(512) << 20;
+
+  // Frees every kept buffer (cheap when none is kept: one atomic read).
+  void release() {
+    if (!held_any_.load(std::memory_order_relaxed)) return;
+    std::vector<std::pair<size_t, mx::allocator::Buffer>> gone;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      gone.swap(free_);
+      held_ = 0;
+      held_any_.store(false, std::memory_order_relaxed);
+    }
+    for (auto& [n, b] : gone) mx::allocator::allocator().free(b);
+  }
+
+  size_t held() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return held_;
+  }
 
   void give_to(mx::array& out) {
     const size_t n = out.nbytes();
@@ -669,6 +692,7 @@ class BufferCache {
       if (held_ + n <= kHeld) {
         free_.emplace_back(n, b);
         held_ += n;
+        held_any_.store(true, std::memory_order_relaxed);
         return;
       }
     }
@@ -678,6 +702,7 @@ class BufferCache {
   std::mutex mu_;
   std::vector<std::pair<size_t, mx::allocator::Buffer>> free_;
   size_t held_ = 0;
+  std::atomic<bool> held_any_{false};
 };
 
 // W as fp32 rows (prompt chunks then run BLAS on them). From 32 MB of output on (a 1B model's MLP
@@ -837,6 +862,7 @@ class DecodeAttention : public CpuPrimitive {
       const float* qd = contiguous_f32(q, tq);
       const int64_t D = q.shape(3);
       const KV kv = kv_view(k, tk, tk8, D), vv = kv_view(v, tv, tv8, D);
+      BufferCache::get().release();  // a decode step: the prompt's buffers go back
       ScopedPart part(Part::Attention);
       attention(qd, kv, vv, q.shape(0), q.shape(1), k.shape(1), k.shape(2), D, scale,
                 out[0].data<float>(), starts ? contiguous_as<int32_t>(in[3], ts) : nullptr);
@@ -945,6 +971,7 @@ class AttnIn : public CpuPrimitive {
   Task task() const override {
     return [eps = eps_, q = q_, rope = rope_, offset = offset_, offsets = offsets_](
                const Arrays& ins, Arrays& os) {
+      BufferCache::get().release();  // a decode step: the prompt's buffers go back
       std::vector<float> th, tw;
       const auto& h = ins[0];
       const int64_t Dm = h.shape(-1), B = int64_t(h.size()) / Dm;
@@ -1203,6 +1230,7 @@ NB_MODULE(_mlxchat_kernels, m) {
   m.def("interleave_rows", &interleave_rows);
   m.def("set_interleave_rows", &set_interleave_rows, nb::arg("on"));
   m.def("set_num_threads", &set_num_threads, nb::arg("n"));
+  m.def("dequantize_cache_bytes", [] { return int64_t(BufferCache::get().held()); });
   m.def("profile_start", &profile_start);
   m.def("profile_stop", &profile_stop);
   m.def("mlx_version", [] { return std::string(MLXCHAT_MLX_VERSION); });
