@@ -488,17 +488,17 @@ def test_converted_weights_sit_on_huge_pages(kern):
 
 @pytest.mark.parametrize("rows", [1, 2, 3])
 def test_weight_rows_taken_together_give_the_same_bits(kern, isa, rows):
-    """The 4-bit kernels take 2-4 weight rows at a time (independent accumulator chains); each
-    output is summed in the same order as one row at a time, so the bits do not move (output
+    """The 4- and 8-bit kernels take 2-4 weight rows at a time (independent accumulator chains);
+    each output is summed in the same order as one row at a time, so the bits do not move (output
     counts that leave a tail of single rows included)."""
-    for n in (203, 64):
-        w, s, b = quantized(n, 512, 4, 32, seed=n + rows)
+    for n, bits in ((203, 4), (64, 4), (203, 8), (64, 8)):
+        w, s, b = quantized(n, 512, bits, 32, seed=n + rows)
         x = mx.random.normal((rows, 512))
         assert kern.interleave_rows()
-        together = kern.quantized_matmul(x, w, s, b, 32, 4)
+        together = kern.quantized_matmul(x, w, s, b, 32, bits)
         try:
             kern.set_interleave_rows(False)
-            alone = kern.quantized_matmul(x, w, s, b, 32, 4)
+            alone = kern.quantized_matmul(x, w, s, b, 32, bits)
             mx.eval(alone)
         finally:
             kern.set_interleave_rows(True)
