@@ -107,6 +107,9 @@ void set_interleave_rows(bool on);
 int num_threads();
 void set_num_threads(int n);
 void parallel_for(int64_t nblocks, const std::function<void(int64_t)>& fn);
+// How long (microseconds) an idle worker spins for the next dispatch before it sleeps.
+int spin_us();
+void set_spin_us(int us);
 
 // The decode profile (bench.profile_decode --parts): while it is on, each part of our ops adds its
 // wall time on the calling thread (a ScopedPart around it), and the pool counts its dispatches.

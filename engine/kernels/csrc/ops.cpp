@@ -1231,6 +1231,8 @@ NB_MODULE(_mlxchat_kernels, m) {
   m.def("set_interleave_rows", &set_interleave_rows, nb::arg("on"));
   m.def("set_num_threads", &set_num_threads, nb::arg("n"));
   m.def("dequantize_cache_bytes", [] { return int64_t(BufferCache::get().held()); });
+  m.def("spin_us", &spin_us);
+  m.def("set_spin_us", &set_spin_us, nb::arg("us"));
   m.def("profile_start", &profile_start);
   m.def("profile_stop", &profile_stop);
   m.def("mlx_version", [] { return std::string(MLXCHAT_MLX_VERSION); });

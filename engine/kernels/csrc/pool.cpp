@@ -2,6 +2,7 @@
 // one atomic counter (generation << 32 | next block); the caller claims blocks as well, so a
 // worker that the OS has descheduled (a shared, busy machine) delays nothing but its own block.
 // Idle workers spin briefly (decode issues kernels back to back), then sleep on a condvar.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -49,6 +50,9 @@ struct Profile {
   }
 };
 Profile g_prof;
+
+// How long an idle worker spins for the next dispatch before it sleeps (set_spin_us).
+std::atomic<int> g_spin_us{100};
 
 struct Slot {
   std::atomic<int64_t> nblocks{0};
@@ -132,7 +136,8 @@ class Pool {
         seen = g;
         continue;
       }
-      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(100);
+      const auto until = std::chrono::steady_clock::now() +
+                         std::chrono::microseconds(g_spin_us.load(std::memory_order_relaxed));
       bool woke = false;
       for (int i = 0; !woke; ++i) {
         for (int j = 0; j < 64; ++j) MLXCHAT_PAUSE();
@@ -168,6 +173,9 @@ const char* const kPartNames[] = {"norm", "q/k/v", "rope", "attention", "o", "ga
 static_assert(sizeof(kPartNames) / sizeof(kPartNames[0]) == int(Part::Count));
 
 }  // namespace
+
+int spin_us() { return g_spin_us.load(std::memory_order_relaxed); }
+void set_spin_us(int us) { g_spin_us.store(std::max(0, us), std::memory_order_relaxed); }
 
 bool profiling() { return g_prof.on.load(std::memory_order_relaxed); }
 
