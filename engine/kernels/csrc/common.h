@@ -102,6 +102,10 @@ const Impl* impl_avx512vnni();
 // way): a switch for the tests and the bench's A/B of the two loops.
 bool interleave_rows();
 void set_interleave_rows(bool on);
+// How far ahead (bytes; 0 = not at all) the exact 4- and 8-bit kernels prefetch each weight row
+// (default 1024): a switch for the bench's A/B.
+int64_t prefetch_bytes();
+void set_prefetch_bytes(int64_t n);
 
 // A persistent pool: blocks are handed out from one atomic counter, the caller works too.
 int num_threads();

@@ -205,7 +205,11 @@ void rows4_at(const QMat& W, const float* xp, int64_t n, int64_t step, float* sc
   typename Vec::F a0[R][M], a1[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) a0[r][m] = a1[r][m] = Vec::zero();
+  const int64_t pf = prefetch_bytes();
   for (int64_t g = 0; g < G; ++g) {
+    if (pf && ((g * W.gs / 2) & 63) == 0)
+      for (int r = 0; r < R; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(wr[r] + g * W.gs / 2 + pf), _MM_HINT_T0);
     typename Vec::Group4 grp[R];
     for (int r = 0; r < R; ++r) grp[r] = Vec::group4(sc[r * G + g], bi[r * G + g]);
     for (int64_t k = g * W.gs, e = k + W.gs; k < e; k += kBlock4) {
@@ -258,8 +262,11 @@ void rows8_at(const QMat& W, const float* xp, int64_t n, int64_t step, float* sc
   typename Vec::F a0[R][M], a1[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) a0[r][m] = a1[r][m] = Vec::zero();
+  const int64_t pf = prefetch_bytes();
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t k = g * W.gs, e = k + W.gs; k < e; k += 2 * Vec::n) {
+      if (pf && (k & 63) == 0)
+        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(wr[r] + k + pf), _MM_HINT_T0);
       for (int r = 0; r < R; ++r) {
         const auto vs = Vec::set1(sc[r * G + g]), vb = Vec::set1(bi[r * G + g]);
         const auto w0 = Vec::fma(Vec::u8(wr[r] + k), vs, vb);

@@ -1229,6 +1229,8 @@ NB_MODULE(_mlxchat_kernels, m) {
   m.def("num_threads", &num_threads);
   m.def("interleave_rows", &interleave_rows);
   m.def("set_interleave_rows", &set_interleave_rows, nb::arg("on"));
+  m.def("prefetch_bytes", &prefetch_bytes);
+  m.def("set_prefetch_bytes", &set_prefetch_bytes, nb::arg("n"));
   m.def("set_num_threads", &set_num_threads, nb::arg("n"));
   m.def("dequantize_cache_bytes", [] { return int64_t(BufferCache::get().held()); });
   m.def("spin_us", &spin_us);

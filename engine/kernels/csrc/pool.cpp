@@ -167,6 +167,7 @@ int g_threads = 1;
 Pool* g_pool = nullptr;  // never destroyed: its detached workers live as long as the process
 
 std::atomic<bool> g_interleave{true};
+std::atomic<int64_t> g_prefetch{1024};
 
 const char* const kPartNames[] = {"norm", "q/k/v", "rope", "attention", "o", "gate/up", "swiglu",
                                   "down", "residual", "product (other)", "dequantize"};
@@ -214,6 +215,8 @@ ProfileRows profile_stop() {
 
 bool interleave_rows() { return g_interleave.load(std::memory_order_relaxed); }
 void set_interleave_rows(bool on) { g_interleave.store(on, std::memory_order_relaxed); }
+int64_t prefetch_bytes() { return g_prefetch.load(std::memory_order_relaxed); }
+void set_prefetch_bytes(int64_t n) { g_prefetch.store(std::max<int64_t>(0, n), std::memory_order_relaxed); }
 
 int num_threads() {
   std::lock_guard<std::mutex> lk(g_mu);
