@@ -1,7 +1,7 @@
 """Where a decode step's time goes on our CPU kernels (one token, warm KV cache).
 
     python -m bench.profile_decode [--model llama-1b] [--threads N] [--context 200]
-                                   [--batch 1 4] [--prefill 511]
+                                   [--batch 1 4] [--prefill 511] [--ab set_prefetch_bytes=0,1024]
 
 `--model` takes a bench model (bench.decode's random llamas: llama-350m, llama-1b, ...) or a
 model folder; the bundled model by default.
@@ -12,6 +12,10 @@ kernels time it on MLX's CPU thread (norms, the fused q/k/v product, RoPE, atten
 SwiGLU, down, the output head and other single products), the rest being MLX's own work (the
 KV-cache updates, the embedding, scheduling); then the pool's dispatches per token, how many
 woke a sleeping thread, and how long the calling thread waited for the others at their end.
+
+`--ab SETTER=V1,V2,...` instead times whole steps with one of the kernels' switches taking each
+value in turn (`set_prefetch_bytes`, `set_spin_us`, `set_interleave_rows`), --rounds rounds of
+--steps steps, all in one process: a ratio that holds on a busy machine.
 
 CPU time (process_time) per token, so that load from other processes on a shared machine
 counts less: the whole step, the tied output head alone, the fused layer ops alone
@@ -40,6 +44,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, nargs="+", default=[], help="also time steps of these many rows")
     ap.add_argument("--prefill", type=int, default=0, help="profile a prompt chunk of this many tokens")
+    ap.add_argument("--ab", default=None, help="SETTER=V1,V2: whole steps with a kernel switch alternating")
+    ap.add_argument("--rounds", type=int, default=8, help="rounds of --ab")
     a = ap.parse_args(argv)
     os.environ["MLXCHAT_THREADS"] = str(a.threads)
     if a.prefill:
@@ -84,6 +90,8 @@ def main(argv=None):
             c.offset -= 1
         return out
 
+    if a.ab:
+        return alternate(kernels, step, a.ab, a.steps, a.rounds)
     step_parts_wall(model, kernels, token, cache, a.steps)
     emb = inner.embed_tokens
     head = f"output head ({emb.bits}-bit, {emb.weight.shape[0]} x {h.shape[-1]})"
@@ -115,6 +123,34 @@ def model_path(name: str | None) -> str | None:
     from bench.decode import random_folder
 
     return str(random_folder(name))
+
+
+def alternate(kernels, step, spec: str, steps: int, rounds: int) -> None:
+    """Whole steps with the kernels' switch `spec` (SETTER=V1,V2,...) taking each value in turn,
+    `rounds` rounds of `steps` steps; prints wall and process CPU ms per token (median of rounds)."""
+    import statistics
+
+    import mlx.core as mx
+
+    setter, values = spec.split("=")
+    values = [int(v) for v in values.split(",")]
+    runs: dict[int, list[tuple[float, float]]] = {v: [] for v in values}
+    for _ in range(3):
+        mx.eval(step())
+    for _ in range(rounds):
+        for v in values:
+            getattr(kernels, setter)(bool(v) if setter == "set_interleave_rows" else v)
+            w, c = time.perf_counter(), time.process_time()
+            for _ in range(steps):
+                mx.eval(step())
+            runs[v].append(((time.perf_counter() - w) / steps * 1e3, (time.process_time() - c) / steps * 1e3))
+    print(f"{kernels.num_threads()} threads, load average {os.getloadavg()[0]:.1f}, "
+          f"{rounds} rounds of {steps} steps, ms per token (median [min-max]):")
+    for v in values:
+        wall = [r[0] for r in runs[v]]
+        cpu = statistics.median(r[1] for r in runs[v])
+        print(f"  {setter}({v}): wall {statistics.median(wall):7.2f} [{min(wall):.2f}-{max(wall):.2f}]"
+              f"  CPU {cpu:7.2f}")
 
 
 def step_parts_wall(model, kernels, token, cache, steps: int) -> None:
