@@ -7,7 +7,7 @@ plain numpy sum (one thread; numpy backs large arrays with 2 MB pages) beside it
 one moment survives a busy machine better than tok/s do.
 
     python -m bench.matvec [--models llama-1b,llama-3b] [--reps 2] [--rounds 3] [--int8]
-                           [--pages 4k,2m] [--loops rows,row] [--footprint BYTES]
+                           [--pages 4k,2m] [--loops rows,row,rows-nopf] [--footprint BYTES]
 
 Matrices: q, k/v, o, gate/up, down and the tied output head of each model (random 4-bit weights,
 group 32, fp16 scales, as the bench folders; built here, not loaded), each in distinct copies
@@ -15,8 +15,9 @@ totalling --footprint bytes read one after the other, so that every product read
 from memory as a decode step does. --pages: the copies (and the read test's buffer) on the
 kernel's default 4 KB pages, on 2 MB pages (`kernels.huge_pages`, as the engine backs its
 weights), or both; --loops: the 4-bit kernel taking several weight rows at once (`rows`, the
-default) or one at a time (`row`, the loop before it; the same bits), or both. Every variant
-runs in each round, in turn. Results: a table and JSON in bench/results/matvec-cpu.json.
+default), one at a time (`row`, the loop before it; the same bits), or several at once without
+software prefetching (`rows-nopf`, `kernels.set_prefetch_bytes(0)`). Every variant runs in each
+round, in turn. `--models bundled` takes the bundled SmolLM2-135M's shapes (all 4-bit here). Results: a table and JSON in bench/results/matvec-cpu.json.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results" / "matvec-cpu.json"
+
+
+# The bundled SmolLM2-135M's shapes (its weights are Q4_1 with an 8-bit tied head).
+BUNDLED = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536)
 
 
 def _matrices(shape: dict) -> dict[str, tuple[int, int]]:
@@ -62,7 +67,8 @@ def main(argv=None) -> None:
                     help="bytes of distinct copies of each matrix read in turn (a 1B model's size)")
     ap.add_argument("--pages", default="4k", help="4k, 2m or both: the copies' page size")
     ap.add_argument("--loops", default="rows,row",
-                    help="rows (weight rows at once), row (one at a time) or both")
+                    help="rows (weight rows at once), row (one at a time), rows-nopf (rows "
+                         "without software prefetching), comma-separated")
     ap.add_argument("--int8", action="store_true", help="the int8-activation products")
     ap.add_argument("--out", default=str(RESULTS))
     a = ap.parse_args(argv)
@@ -77,12 +83,14 @@ def main(argv=None) -> None:
     if kernels is None:
         raise SystemExit(f"no CPU kernels: {native.status().reason}")
     pages = a.pages.split(",")
+    prefetch = kernels.prefetch_bytes()
     variants = [(p, loop) for p in pages for loop in a.loops.split(",")]
     rows = []
-    print(f"{'model':<10} {'matrix':<8} {'shape':>13} {'MB':>7} {'pages':>5} {'loop':>4} "
+    print(f"{'model':<10} {'matrix':<8} {'shape':>13} {'MB':>7} {'pages':>5} {'loop':>9} "
           f"{'product GB/s':>12} {'read GB/s':>9} {'fraction':>8} {'numpy GB/s':>10}")
     for model in a.models.split(","):
-        for name, (n, k) in _matrices(RANDOM_MODELS[model]).items():
+        shape = BUNDLED if model == "bundled" else RANDOM_MODELS[model]
+        for name, (n, k) in _matrices(shape).items():
             w, s, b = mx.quantize(mx.random.normal((n, k)) * 0.02, group_size=32, bits=4)
             s, b = s.astype(mx.float16), b.astype(mx.float16)
             x = mx.random.normal((1, k))
@@ -100,7 +108,8 @@ def main(argv=None) -> None:
             for i in range(a.rounds):  # each round: per variant, the limit, the products, the limit
                 for v in variants if i % 2 == 0 else variants[::-1]:
                     p, loop = v
-                    kernels.set_interleave_rows(loop == "rows")
+                    kernels.set_interleave_rows(loop != "row")
+                    kernels.set_prefetch_bytes(0 if loop == "rows-nopf" else prefetch)
                     limits[v].append(read_bandwidth(count * nbytes, huge=p == "2m"))
                     mx.eval(kernels.quantized_matmul(x, w, s, b, 32, 4, int8=a.int8))  # warm
                     t0 = time.perf_counter()
@@ -111,6 +120,7 @@ def main(argv=None) -> None:
                     limits[v].append(read_bandwidth(count * nbytes, huge=p == "2m"))
                 numpy_all.append(numpy_read(count * nbytes))
             kernels.set_interleave_rows(True)
+            kernels.set_prefetch_bytes(prefetch)
             del copies
             mx.clear_cache()
             for v in variants:
@@ -120,7 +130,7 @@ def main(argv=None) -> None:
                                  loop=loop, footprint=count * nbytes, product_bandwidth=best[v],
                                  read_bandwidth=limit, read_all=limits[v], fraction=best[v] / limit,
                                  numpy_read=max(numpy_all)))
-                print(f"{model:<10} {name:<8} {f'{n}x{k}':>13} {nbytes / 1e6:>7.1f} {p:>5} {loop:>4} "
+                print(f"{model:<10} {name:<8} {f'{n}x{k}':>13} {nbytes / 1e6:>7.1f} {p:>5} {loop:>9} "
                       f"{best[v] / 1e9:>12.2f} {limit / 1e9:>9.2f} {best[v] / limit:>8.2f} "
                       f"{max(numpy_all) / 1e9:>10.2f}")
     out = Path(a.out)

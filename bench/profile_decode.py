@@ -1,10 +1,25 @@
-"""Where a decode step's time goes on our CPU kernels (bundled model, one token, warm KV cache).
+"""Where a decode step's time goes on our CPU kernels (one token, warm KV cache).
 
-    python -m bench.profile_decode [--threads N] [--context 200] [--batch 1 4] [--prefill 511]
+    python -m bench.profile_decode [--model llama-1b] [--threads N] [--context 200]
+                                   [--batch 1 4] [--prefill 511] [--ab set_prefetch_bytes=0,1024]
+
+`--model` takes a bench model (bench.decode's random llamas: llama-350m, llama-1b, ...) or a
+model folder; the bundled model by default.
+
+First the wall time of whole steps split into parts (`step_parts_wall`): building the graph
+(Python, mlx-lm's modules), evaluating it, and inside the evaluation each part of our ops as the
+kernels time it on MLX's CPU thread (norms, the fused q/k/v product, RoPE, attention, o, gate/up,
+SwiGLU, down, the output head and other single products), the rest being MLX's own work (the
+KV-cache updates, the embedding, scheduling); then the pool's dispatches per token, how many
+woke a sleeping thread, and how long the calling thread waited for the others at their end.
+
+`--ab SETTER=V1,V2,...` instead times whole steps with one of the kernels' switches taking each
+value in turn (`set_prefetch_bytes`, `set_spin_us`, `set_interleave_rows`), --rounds rounds of
+--steps steps, all in one process: a ratio that holds on a busy machine.
 
 CPU time (process_time) per token, so that load from other processes on a shared machine
-counts less: the whole step, the tied 8-bit output head alone, the fused layer ops alone
-(30 x attn_in + block_out on the same input and cache), and the rest (embedding, KV-cache updates, final
+counts less: the whole step, the tied output head alone, the fused layer ops alone
+(attn_in + block_out of every layer on the same input and cache), and the rest (embedding, KV-cache updates, final
 norm, graph building and MLX's scheduling). Also the bytes of weights read per token.
 
 `--batch 1 4` also times whole decode steps of 1 and 4 rows over mlx-lm's BatchKVCache, as the
@@ -23,11 +38,14 @@ import time
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="a bench model name or a folder (default: bundled)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, nargs="+", default=[], help="also time steps of these many rows")
     ap.add_argument("--prefill", type=int, default=0, help="profile a prompt chunk of this many tokens")
+    ap.add_argument("--ab", default=None, help="SETTER=V1,V2: whole steps with a kernel switch alternating")
+    ap.add_argument("--rounds", type=int, default=8, help="rounds of --ab")
     a = ap.parse_args(argv)
     os.environ["MLXCHAT_THREADS"] = str(a.threads)
     if a.prefill:
@@ -41,7 +59,7 @@ def main(argv=None):
     from engine.kernels.layout import quantized_product
     from engine.loading.registry import load_model
 
-    lm = load_model(None)
+    lm = load_model(model_path(a.model))
     model, kernels = lm.model, native.kernels()
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([list(range(100, 100 + a.context))]), cache=cache))
@@ -72,9 +90,13 @@ def main(argv=None):
             c.offset -= 1
         return out
 
-    cases = {"whole step": step,
-             "output head (8-bit, 49152 x 576)": lambda: quantized_product(inner.embed_tokens, h),
-             "30 layers: attn_in + block_out": layers_only}
+    if a.ab:
+        return alternate(kernels, step, a.ab, a.steps, a.rounds)
+    step_parts_wall(model, kernels, token, cache, a.steps)
+    emb = inner.embed_tokens
+    head = f"output head ({emb.bits}-bit, {emb.weight.shape[0]} x {h.shape[-1]})"
+    layers = f"{len(inner.layers)} layers: attn_in + block_out"
+    cases = {"whole step": step, head: lambda: quantized_product(emb, h), layers: layers_only}
     times = {}
     for name, fn in cases.items():
         for _ in range(3):
@@ -84,14 +106,100 @@ def main(argv=None):
             mx.eval(fn())
         times[name] = (time.process_time() - t) / a.steps * 1e3
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    print(f"{active_path()}; context {a.context} tokens; CPU ms per token:")
+    print(f"{active_path()}; context {a.context} tokens; CPU ms per token (all threads):")
     for name, ms in times.items():
         print(f"  {name:<36} {ms:7.2f}")
-    rest = times["whole step"] - times["output head (8-bit, 49152 x 576)"] - times["30 layers: attn_in + block_out"]
+    rest = times["whole step"] - times[head] - times[layers]
     print(f"  {'rest (cache updates, graph, MLX)':<36} {rest:7.2f}")
     print(f"  weights {weights / 1e6:.0f} MB: {weights / times['whole step'] / 1e6:.1f} GB/s of CPU time")
     if a.batch:
         batched_steps(model, a.batch, a.context, a.steps)
+
+
+def model_path(name: str | None) -> str | None:
+    """A bench model's folder (bench.decode's random llamas), a folder as given, or None."""
+    if name is None or os.path.isdir(name):
+        return name
+    from bench.decode import random_folder
+
+    return str(random_folder(name))
+
+
+def alternate(kernels, step, spec: str, steps: int, rounds: int) -> None:
+    """Whole steps with the kernels' switch `spec` (SETTER=V1,V2,...) taking each value in turn,
+    `rounds` rounds of `steps` steps; prints wall and process CPU ms per token (median of rounds)."""
+    import statistics
+
+    import mlx.core as mx
+
+    setter, values = spec.split("=")
+    values = [int(v) for v in values.split(",")]
+    runs: dict[int, list[tuple[float, float]]] = {v: [] for v in values}
+    for _ in range(3):
+        mx.eval(step())
+    for _ in range(rounds):
+        for v in values:
+            getattr(kernels, setter)(bool(v) if setter == "set_interleave_rows" else v)
+            w, c = time.perf_counter(), time.process_time()
+            for _ in range(steps):
+                mx.eval(step())
+            runs[v].append(((time.perf_counter() - w) / steps * 1e3, (time.process_time() - c) / steps * 1e3))
+    print(f"{kernels.num_threads()} threads, load average {os.getloadavg()[0]:.1f}, "
+          f"{rounds} rounds of {steps} steps, ms per token (median [min-max]):")
+    for v in values:
+        wall = [r[0] for r in runs[v]]
+        cpu = statistics.median(r[1] for r in runs[v])
+        print(f"  {setter}({v}): wall {statistics.median(wall):7.2f} [{min(wall):.2f}-{max(wall):.2f}]"
+              f"  CPU {cpu:7.2f}")
+
+
+def step_parts_wall(model, kernels, token, cache, steps: int) -> None:
+    """Prints where the wall time of `steps` one-token steps goes (median step; parts summed
+    over the steps, per token), from the kernels' own profile (kernels.profile_start/stop)."""
+    import statistics
+
+    import mlx.core as mx
+
+    def one():
+        t0 = time.perf_counter()
+        out = model(token, cache=cache)
+        t1 = time.perf_counter()
+        mx.eval(out)
+        t2 = time.perf_counter()
+        for c in cache:  # stay at the same context length
+            c.offset -= 1
+        return t1 - t0, t2 - t1
+
+    for _ in range(3):
+        one()
+    kernels.profile_start()
+    runs = [one() for _ in range(steps)]
+    prof = kernels.profile_stop()
+    build = statistics.median(r[0] for r in runs) * 1e3
+    evaluate = statistics.median(r[1] for r in runs) * 1e3
+    whole = statistics.median(r[0] + r[1] for r in runs) * 1e3
+    raw = dict(prof)
+    parts = {name: (calls / steps, ns / steps / 1e6, cpu / steps / 1e6)
+             for name, (calls, ns, cpu) in prof}
+    ours = sum(ms for name, (_, ms, _) in parts.items() if not name.startswith("pool"))
+    ours_cpu = sum(c for name, (_, _, c) in parts.items() if not name.startswith("pool"))
+    print(f"wall ms per token, median of {steps} steps ({whole:.2f} ms = {1e3 / whole:.1f} tok/s):")
+    print(f"  {'building the graph (Python)':<44} {build:7.2f}")
+    print(f"  {'evaluating it':<44} {evaluate:7.2f}")
+    print(f"  {'  our ops, on MLX CPU thread':<44} {ours:7.2f}  (that thread's CPU time {ours_cpu:.2f})")
+    for name, (calls, ms, cpu) in parts.items():
+        if not name.startswith("pool"):
+            print(f"  {'    ' + name:<44} {ms:7.2f}  ({cpu:5.2f} CPU, {calls:.0f} calls)")
+    print(f"  {'  the rest (MLX ops, scheduling, waits)':<44} {evaluate - ours:7.2f}")
+    disp_calls, disp_ms, _ = parts["pool: dispatches"]
+    tail_ms = parts["pool: caller's wait for the other threads"][1]
+    blocks, mine, _ = (n / steps for n in raw["pool: blocks (all, the caller's)"])
+    woke = parts["pool: dispatches that woke a sleeping thread"][0]
+    serial = parts["pool: serial runs (one block, or the pool busy)"][0]
+    print(f"pool per token: {disp_calls:.0f} dispatches ({disp_ms:.2f} ms in them, "
+          f"{disp_ms * 1e3 / max(disp_calls, 1):.1f} us each), {woke:.0f} woke a sleeping thread, "
+          f"the caller waited {tail_ms:.2f} ms at their ends; blocks {blocks:.0f}, "
+          f"{mine / max(blocks, 1):.0%} by the caller; {serial:.0f} ran serially")
 
 
 def batched_steps(model, sizes: list[int], context: int, steps: int, rounds: int = 5) -> None:

@@ -92,6 +92,19 @@ def test_dequantized_weights_reuse_their_memory(kern):
         kern.set_num_threads(threads)
 
 
+def test_a_decode_step_hands_the_prompt_buffers_back(kern):
+    """The buffers kept for a prompt's dequantized weights are freed when a decode step runs, so
+    they do not stay resident while tokens are generated (resident memory <= weights + 0.6 GB)."""
+    w, s, b = quantized(512, 1024, 4, 32)  # 2 MB of fp32 out
+    q, k = mx.random.normal((1, 4, 1, 64)), mx.random.normal((1, 2, 10, 64))
+    mx.eval(w, s, b, q, k)
+    mx.eval(kern.decode_attention(q, k, k, 0.125))  # from an empty cache, whatever ran before
+    mx.eval(kern.dequantize(w, s, b, 32, 4))  # the result dies: its buffer is kept
+    assert kern.dequantize_cache_bytes() >= 512 * 1024 * 4
+    mx.eval(kern.decode_attention(q, k, k, 0.125))
+    assert kern.dequantize_cache_bytes() == 0
+
+
 @pytest.mark.parametrize("scale_dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_quantized_matmul_scale_dtypes_and_shapes(kern, scale_dtype):
     w, s, b = quantized(96, 256, 4, 64, scale_dtype)
@@ -476,17 +489,17 @@ def test_converted_weights_sit_on_huge_pages(kern):
 
 @pytest.mark.parametrize("rows", [1, 2, 3])
 def test_weight_rows_taken_together_give_the_same_bits(kern, isa, rows):
-    """The 4-bit kernels take 2-4 weight rows at a time (independent accumulator chains); each
-    output is summed in the same order as one row at a time, so the bits do not move (output
+    """The 4- and 8-bit kernels take 2-4 weight rows at a time (independent accumulator chains);
+    each output is summed in the same order as one row at a time, so the bits do not move (output
     counts that leave a tail of single rows included)."""
-    for n in (203, 64):
-        w, s, b = quantized(n, 512, 4, 32, seed=n + rows)
+    for n, bits in ((203, 4), (64, 4), (203, 8), (64, 8)):
+        w, s, b = quantized(n, 512, bits, 32, seed=n + rows)
         x = mx.random.normal((rows, 512))
         assert kern.interleave_rows()
-        together = kern.quantized_matmul(x, w, s, b, 32, 4)
+        together = kern.quantized_matmul(x, w, s, b, 32, bits)
         try:
             kern.set_interleave_rows(False)
-            alone = kern.quantized_matmul(x, w, s, b, 32, 4)
+            alone = kern.quantized_matmul(x, w, s, b, 32, bits)
             mx.eval(alone)
         finally:
             kern.set_interleave_rows(True)

@@ -5,6 +5,10 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 namespace mlxchat {
 
@@ -98,10 +102,37 @@ const Impl* impl_avx512vnni();
 // way): a switch for the tests and the bench's A/B of the two loops.
 bool interleave_rows();
 void set_interleave_rows(bool on);
+// How far ahead (bytes; 0 = not at all) the exact 4- and 8-bit kernels prefetch each weight row
+// (default 1024): a switch for the bench's A/B.
+int64_t prefetch_bytes();
+void set_prefetch_bytes(int64_t n);
 
 // A persistent pool: blocks are handed out from one atomic counter, the caller works too.
 int num_threads();
 void set_num_threads(int n);
 void parallel_for(int64_t nblocks, const std::function<void(int64_t)>& fn);
+// How long (microseconds) an idle worker spins for the next dispatch before it sleeps.
+int spin_us();
+void set_spin_us(int us);
+
+// The decode profile (bench.profile_decode --parts): while it is on, each part of our ops adds its
+// wall time on the calling thread (a ScopedPart around it), and the pool counts its dispatches.
+enum class Part : int { Norm, QKV, Rope, Attention, O, GateUp, SwiGLU, Down, Residual, Product,
+                        Dequantize, Count };
+bool profiling();
+void profile_add(Part p, int64_t ns, int64_t cpu_ns);
+
+// Resets the counters and starts counting; profile_stop stops and returns, per part,
+// (name, (calls, wall ns, the calling thread's CPU ns)), then the pool's rows (counts, ns).
+using ProfileRows = std::vector<std::pair<std::string, std::tuple<int64_t, int64_t, int64_t>>>;
+void profile_start();
+ProfileRows profile_stop();
+
+struct ScopedPart {
+  Part p;
+  int64_t t0, c0;
+  explicit ScopedPart(Part part);
+  ~ScopedPart();
+};
 
 }  // namespace mlxchat

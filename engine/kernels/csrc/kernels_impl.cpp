@@ -187,34 +187,55 @@ struct Vec {
 
 constexpr int kBlock4 = 2 * Vec::n;  // 4-bit elements per nibbles() call
 
-// M rows of x times R rows of W at once (weight rows n, n + step, ..., n + (R - 1) * step). Each
-// (x row, weight row) pair keeps its own two accumulators and sums in exactly the order the
-// one-row loop does, so the result is the same bits whatever R and step; with R > 1 the R
-// independent chains of fused multiply-adds hide each other's latency (one row alone waits ~4
+// M rows of x times R rows of W at once (weight rows n, n + step, ..., n + (R - 1) * step), BITS
+// 4 or 8. Each (x row, weight row) pair keeps its own two accumulators and sums in exactly the
+// order the one-row loop does, so the result is the same bits whatever R and step; with R > 1 the
+// R independent chains of fused multiply-adds hide each other's latency (one row alone waits ~4
 // cycles on its accumulator per 32 weights), and rows `step` apart are R separate streams for
-// the memory's prefetchers (rows next to each other are one stream).
-template <int M, int R>
-void rows4_at(const QMat& W, const float* xp, int64_t n, int64_t step, float* sc, float* bi,
-              float* y, int64_t ldy) {
+// the memory's prefetchers (rows next to each other are one stream), each also prefetched
+// prefetch_bytes() ahead in software, once per 64 bytes. A step takes 2 * Vec::n weights: 4-bit
+// codes through the group's 16-entry table (even elements, then odd: prep_x's order), 8-bit ones
+// widened and multiplied-added with the group's scale and bias.
+template <int M, int R, int BITS>
+void rows_at(const QMat& W, const float* xp, int64_t n, int64_t step, float* sc, float* bi,
+             float* y, int64_t ldy) {
   const int64_t K = W.K, G = K / W.gs;
   const uint8_t* wr[R];
   for (int r = 0; r < R; ++r) {
-    wr[r] = reinterpret_cast<const uint8_t*>(W.w) + (n + r * step) * (K / 2);
+    wr[r] = reinterpret_cast<const uint8_t*>(W.w) + (n + r * step) * (K * BITS / 8);
     row_scales(W, n + r * step, G, sc + r * G, bi + r * G);
   }
   typename Vec::F a0[R][M], a1[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) a0[r][m] = a1[r][m] = Vec::zero();
+  const int64_t pf = prefetch_bytes(), gb = W.gs * BITS / 8;  // gb: a group's bytes in a row
   for (int64_t g = 0; g < G; ++g) {
+    if (pf)  // the 64-byte lines that start in this group
+      for (int64_t at = (g * gb + 63) & ~int64_t(63); at < (g + 1) * gb; at += 64)
+        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(wr[r] + at + pf), _MM_HINT_T0);
     typename Vec::Group4 grp[R];
-    for (int r = 0; r < R; ++r) grp[r] = Vec::group4(sc[r * G + g], bi[r * G + g]);
-    for (int64_t k = g * W.gs, e = k + W.gs; k < e; k += kBlock4) {
+    typename Vec::F vs[R], vb[R];
+    for (int r = 0; r < R; ++r) {
+      if constexpr (BITS == 4) {
+        grp[r] = Vec::group4(sc[r * G + g], bi[r * G + g]);
+      } else {
+        vs[r] = Vec::set1(sc[r * G + g]);
+        vb[r] = Vec::set1(bi[r * G + g]);
+      }
+    }
+    for (int64_t k = g * W.gs, e = k + W.gs; k < e; k += 2 * Vec::n) {
+      const int64_t at = k * BITS / 8;  // the step's first byte in each row
       for (int r = 0; r < R; ++r) {
-        typename Vec::F wl, wh;
-        Vec::nibbles(grp[r], wr[r] + k / 2, wl, wh);
+        typename Vec::F w0, w1;
+        if constexpr (BITS == 4) {
+          Vec::nibbles(grp[r], wr[r] + at, w0, w1);
+        } else {
+          w0 = Vec::fma(Vec::u8(wr[r] + at), vs[r], vb[r]);
+          w1 = Vec::fma(Vec::u8(wr[r] + at + Vec::n), vs[r], vb[r]);
+        }
         for (int m = 0; m < M; ++m) {
-          a0[r][m] = Vec::fma(wl, Vec::load(xp + m * K + k), a0[r][m]);
-          a1[r][m] = Vec::fma(wh, Vec::load(xp + m * K + k + Vec::n), a1[r][m]);
+          a0[r][m] = Vec::fma(w0, Vec::load(xp + m * K + k), a0[r][m]);
+          a1[r][m] = Vec::fma(w1, Vec::load(xp + m * K + k + Vec::n), a1[r][m]);
         }
       }
     }
@@ -223,51 +244,38 @@ void rows4_at(const QMat& W, const float* xp, int64_t n, int64_t step, float* sc
     for (int m = 0; m < M; ++m) y[m * ldy + n + r * step] = Vec::sum(Vec::add(a0[r][m], a1[r][m]));
 }
 
-// 4-bit weight rows taken at once for M rows of x: enough independent accumulator chains to hide
-// the multiply-add latency, within the registers (32 with AVX-512, 16 with AVX2).
+// Weight rows taken at once for M rows of x: enough independent accumulator chains to hide the
+// multiply-add latency, within the registers (32 with AVX-512, 16 with AVX2).
 template <int M>
 constexpr int weight_rows() {
   return M >= 3 ? 1 : Vec::n == 16 ? (M == 1 ? 4 : 2) : 2 / M;
 }
 
-template <int M>
-void rows4(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+// Rows n0..n1 of a 4- or 8-bit W: the block as R runs of `step` rows read side by side (R
+// streams a quarter-block apart; rows next to each other lost 20% on the 8-bit head, K = 576),
+// then the rest one row at a time; interleave_rows() off: all one row at a time (the same bits).
+template <int M, int BITS>
+void rows_bits(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   constexpr int R = weight_rows<M>();
   const int64_t G = W.K / W.gs;
   float* sc = scratch(2 * R * G);
   int64_t n = n0;
-  if (interleave_rows() && R > 1) {  // the block as R runs of `step` rows, read side by side
+  if (interleave_rows() && R > 1) {
     const int64_t step = (n1 - n0) / R;
-    for (; n < n0 + step; ++n) rows4_at<M, R>(W, xp, n, step, sc, sc + R * G, y, ldy);
+    for (; n < n0 + step; ++n) rows_at<M, R, BITS>(W, xp, n, step, sc, sc + R * G, y, ldy);
     n = n0 + R * step;
   }
-  for (; n < n1; ++n) rows4_at<M, 1>(W, xp, n, 1, sc, sc + G, y, ldy);
+  for (; n < n1; ++n) rows_at<M, 1, BITS>(W, xp, n, 1, sc, sc + G, y, ldy);
 }
 
-// 8-bit weights stay one row at a time: taking several lost 20% here (K = 576).
+template <int M>
+void rows4(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  rows_bits<M, 4>(W, xp, n0, n1, y, ldy);
+}
+
 template <int M>
 void rows8(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  const int64_t K = W.K, G = K / W.gs;
-  float* sc = scratch(2 * G);
-  float* bi = sc + G;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wr = reinterpret_cast<const uint8_t*>(W.w) + n * K;
-    row_scales(W, n, G, sc, bi);
-    typename Vec::F a0[M], a1[M];
-    for (int m = 0; m < M; ++m) a0[m] = a1[m] = Vec::zero();
-    for (int64_t g = 0; g < G; ++g) {
-      const auto vs = Vec::set1(sc[g]), vb = Vec::set1(bi[g]);
-      for (int64_t k = g * W.gs, e = k + W.gs; k < e; k += 2 * Vec::n) {
-        const auto w0 = Vec::fma(Vec::u8(wr + k), vs, vb);
-        const auto w1 = Vec::fma(Vec::u8(wr + k + Vec::n), vs, vb);
-        for (int m = 0; m < M; ++m) {
-          a0[m] = Vec::fma(w0, Vec::load(xp + m * K + k), a0[m]);
-          a1[m] = Vec::fma(w1, Vec::load(xp + m * K + k + Vec::n), a1[m]);
-        }
-      }
-    }
-    for (int m = 0; m < M; ++m) y[m * ldy + n] = Vec::sum(Vec::add(a0[m], a1[m]));
-  }
+  rows_bits<M, 8>(W, xp, n0, n1, y, ldy);
 }
 
 float dot(const float* a, const float* b, int64_t n) {

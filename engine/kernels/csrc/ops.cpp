@@ -5,6 +5,7 @@
 // MLX's own CPU ops do, and the kernels there split it over our thread pool. fp32 activations only; the Python side
 // (engine/kernels/ops.py) checks inputs and takes MLX's own ops for anything else.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <functional>
@@ -25,6 +26,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -582,6 +584,7 @@ class QMatmul : public CpuPrimitive {
       std::vector<float> tmp;
       QHold keep;
       const float* xd = contiguous_f32(x, tmp);
+      ScopedPart part(Part::Product);
       run_qmm(xd, int64_t(x.size()) / x.shape(-1), qmat(in[1], in[2], in[3], gs, bits, keep),
               out[0].data<float>(), int8);
     };
@@ -633,10 +636,32 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
 // fresh memory costs a page fault and a zeroed page per 4 KB: ~0.7 ms a MB here, ten times the
 // dequantization itself. Buffers come from MLX's allocator and go back into this cache when
 // their array dies (exact sizes: a model's layers repeat their shapes), up to kHeld bytes
-// kept; never destroyed, so arrays that outlive the module's statics still find it.
+// kept; never destroyed, so arrays that outlive the module's statics still find it. A decode
+// step (AttnIn, DecodeAttention) hands them all back (`release`): they are a prompt's working
+// memory, up to 512 MB that the resident-memory goal (weights + 0.6 GB) has no room for while
+// tokens are generated; the next prompt's first chunk takes fresh pages again (~56 ms on a 1B
+// model, against seconds for the chunk).
 class BufferCache {
  public:
   static constexpr size_t kHeld = size_t(512) << 20;
+
+  // Frees every kept buffer (cheap when none is kept: one atomic read).
+  void release() {
+    if (!held_any_.load(std::memory_order_relaxed)) return;
+    std::vector<std::pair<size_t, mx::allocator::Buffer>> gone;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      gone.swap(free_);
+      held_ = 0;
+      held_any_.store(false, std::memory_order_relaxed);
+    }
+    for (auto& [n, b] : gone) mx::allocator::allocator().free(b);
+  }
+
+  size_t held() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return held_;
+  }
 
   void give_to(mx::array& out) {
     const size_t n = out.nbytes();
@@ -667,6 +692,7 @@ class BufferCache {
       if (held_ + n <= kHeld) {
         free_.emplace_back(n, b);
         held_ += n;
+        held_any_.store(true, std::memory_order_relaxed);
         return;
       }
     }
@@ -676,6 +702,7 @@ class BufferCache {
   std::mutex mu_;
   std::vector<std::pair<size_t, mx::allocator::Buffer>> free_;
   size_t held_ = 0;
+  std::atomic<bool> held_any_{false};
 };
 
 // W as fp32 rows (prompt chunks then run BLAS on them). From 32 MB of output on (a 1B model's MLP
@@ -697,6 +724,7 @@ class Dequantize : public CpuPrimitive {
     return [gs = gs_, bits = bits_](const Arrays& in, Arrays& out) {
       QHold keep;
       const QMat W = qmat(in[0], in[1], in[2], gs, bits, keep);
+      ScopedPart part(Part::Dequantize);
       dequantize_rows(W, out[0].data<float>());
     };
   }
@@ -732,6 +760,7 @@ class SwiGLU : public CpuPrimitive {
       const auto& g = in[0];
       const float* gd = contiguous_f32(g, tg);
       float* y = out[0].data<float>();
+      ScopedPart part(Part::SwiGLU);
       std::copy(gd, gd + g.size(), y);
       swiglu_rows(y, contiguous_f32(in[1], tu), int64_t(g.size()));
     };
@@ -759,6 +788,7 @@ class RMSNorm : public CpuPrimitive {
       const float* xd = contiguous_f32(x, t0);
       const float* wd = contiguous_f32(in[1], t1);
       const int64_t D = x.shape(-1);
+      ScopedPart part(Part::Norm);
       rms_norm_rows(xd, wd, eps, int64_t(x.size()) / D, D, out[0].data<float>());
     };
   }
@@ -791,6 +821,7 @@ class RoPE : public CpuPrimitive {
       const auto& x = in[0];
       const float* xd = contiguous_f32(x, tmp);
       const int64_t D = x.shape(-1);
+      ScopedPart part(Part::Rope);
       rope_rows(xd, out[0].data<float>(), int64_t(x.size()) / D, x.shape(-2), D, p, offset);
     };
   }
@@ -831,6 +862,8 @@ class DecodeAttention : public CpuPrimitive {
       const float* qd = contiguous_f32(q, tq);
       const int64_t D = q.shape(3);
       const KV kv = kv_view(k, tk, tk8, D), vv = kv_view(v, tv, tv8, D);
+      BufferCache::get().release();  // a decode step: the prompt's buffers go back
+      ScopedPart part(Part::Attention);
       attention(qd, kv, vv, q.shape(0), q.shape(1), k.shape(1), k.shape(2), D, scale,
                 out[0].data<float>(), starts ? contiguous_as<int32_t>(in[3], ts) : nullptr);
     };
@@ -938,17 +971,25 @@ class AttnIn : public CpuPrimitive {
   Task task() const override {
     return [eps = eps_, q = q_, rope = rope_, offset = offset_, offsets = offsets_](
                const Arrays& ins, Arrays& os) {
+      BufferCache::get().release();  // a decode step: the prompt's buffers go back
       std::vector<float> th, tw;
       const auto& h = ins[0];
       const int64_t Dm = h.shape(-1), B = int64_t(h.size()) / Dm;
       std::vector<float> xn(size_t(B * Dm));
-      rms_norm_rows(contiguous_f32(h, th), contiguous_f32(ins[1], tw), eps, B, Dm, xn.data());
+      {
+        ScopedPart part(Part::Norm);
+        rms_norm_rows(contiguous_f32(h, th), contiguous_f32(ins[1], tw), eps, B, Dm, xn.data());
+      }
       QHold keep[3];
       std::vector<QMat> Ws;
       for (int i = 0; i < 3; ++i)
         Ws.push_back(qmat(ins[2 + 3 * i], ins[3 + 3 * i], ins[4 + 3 * i], q[i].gs, q[i].bits, keep[i]));
       std::vector<float> qt(size_t(B * Ws[0].N)), kt(size_t(B * Ws[1].N));
-      run_qmm_multi(xn.data(), B, Ws, {qt.data(), kt.data(), os[2].data<float>()}, q[0].int8);
+      {
+        ScopedPart part(Part::QKV);
+        run_qmm_multi(xn.data(), B, Ws, {qt.data(), kt.data(), os[2].data<float>()}, q[0].int8);
+      }
+      ScopedPart part(Part::Rope);
       const int64_t D = os[0].shape(-1);
       if (offsets) {  // per-row positions: row b's heads at offsets[b]
         std::vector<int32_t> to;
@@ -993,6 +1034,7 @@ class BlockOut : public CpuPrimitive {
       const float* hd = contiguous_f32(h, th);
       std::vector<float> att(size_t(B * H * D));
       std::vector<int32_t> ts;
+      std::optional<ScopedPart> part(std::in_place, Part::Attention);  // the profile's part from here on
       attention(contiguous_f32(qa, tq), kv_view(ka, tk, tk8, D), kv_view(va, tv, tv8, D), B, H,
                 ka.shape(1),
                 ka.shape(2), D, scale, att.data(),
@@ -1003,15 +1045,21 @@ class BlockOut : public CpuPrimitive {
       const QMat Wu = qmat(ins[11], ins[12], ins[13], q[2].gs, q[2].bits, keep[2]);
       const QMat Wd = qmat(ins[14], ins[15], ins[16], q[3].gs, q[3].bits, keep[3]);
       std::vector<float> h1(size_t(B * Dm)), xn(size_t(B * Dm));
+      part.emplace(Part::O);
       run_qmm(att.data(), B, Wo, h1.data(), q[0].int8);
+      part.emplace(Part::Norm);
       for (int64_t i = 0; i < B * Dm; ++i) h1[i] = hd[i] + h1[i];
       rms_norm_rows(h1.data(), contiguous_f32(ins[7], tn), eps, B, Dm, xn.data());
       const int64_t I = Wg.N;
       std::vector<float> g(size_t(B * I)), u(size_t(B * I));
+      part.emplace(Part::GateUp);
       run_qmm_multi(xn.data(), B, {Wg, Wu}, {g.data(), u.data()}, q[1].int8);
+      part.emplace(Part::SwiGLU);
       swiglu_rows(g.data(), u.data(), B * I);
       float* y = outs[0].data<float>();
+      part.emplace(Part::Down);
       run_qmm(g.data(), B, Wd, y, q[3].int8);
+      part.emplace(Part::Residual);
       for (int64_t i = 0; i < B * Dm; ++i) y[i] = h1[i] + y[i];
     };
   }
@@ -1181,6 +1229,13 @@ NB_MODULE(_mlxchat_kernels, m) {
   m.def("num_threads", &num_threads);
   m.def("interleave_rows", &interleave_rows);
   m.def("set_interleave_rows", &set_interleave_rows, nb::arg("on"));
+  m.def("prefetch_bytes", &prefetch_bytes);
+  m.def("set_prefetch_bytes", &set_prefetch_bytes, nb::arg("n"));
   m.def("set_num_threads", &set_num_threads, nb::arg("n"));
+  m.def("dequantize_cache_bytes", [] { return int64_t(BufferCache::get().held()); });
+  m.def("spin_us", &spin_us);
+  m.def("set_spin_us", &set_spin_us, nb::arg("us"));
+  m.def("profile_start", &profile_start);
+  m.def("profile_stop", &profile_stop);
   m.def("mlx_version", [] { return std::string(MLXCHAT_MLX_VERSION); });
 }
