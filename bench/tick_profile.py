@@ -8,17 +8,21 @@ the scheduler thread's own CPU time, `time.thread_time`):
 
   next_work    admission and the lock, once per tick (`Engine._next_work`)
   regroup      moving requests into and out of the batch (`Engine._regroup`)
-  solo_step    a lone stream's step (`Engine._step`); inside it `forward` (building the model
-               graph: the step less `Generation.decode_output`), `sample` (building the sampling
-               graph) and `emit` (`Generation.accept`: detokenizing, stop strings, events)
+  solo_step    a lone stream's decode step (`Generation._plain_step`); inside it `forward`
+               (building the model graph: the step less `Generation.decode_output`), `sample`
+               (building the sampling graph), `launch`, `emit` (`Generation.accept`:
+               detokenizing, stop strings, events)
   batch_step   the batched step (`DecodeBatch.step`); inside it `forward` (building the model
-               graph), `sample` (`sample_rows`), `sample_next` (per-row bookkeeping), `emit`
-  launch       `mx.async_eval`: MLX walks the step's graph and queues it on its CPU stream
-  wait         what is left of the step: mostly the host read of the tokens fed, i.e. waiting
-               for the step before it (the kernels)
+               graph), `sample` (`sample_rows`), `sample_next` (per-row bookkeeping), `launch`,
+               `emit`
+  launch       `mx.async_eval`: MLX walks the step's graph and queues it on its CPU stream; it
+               blocks while more than ~100 operations are queued (MLX's back-pressure), i.e.
+               through most of the step before it: the kernels' time shows here
+  wait         what is left of the step: the host read of the tokens fed
   publish      handing each row's events to its reader (`Engine._advance`)
 
-Each part: ms per tick of wall time, and of the scheduler thread's CPU time (wall above CPU is time
+Also the scheduler thread's context switches per tick (voluntary: it blocked; involuntary:
+preempted). Each part: ms per tick of wall time, and of the scheduler thread's CPU time (wall above CPU is time
 off the CPU: blocked on the GIL, preempted, or waiting for the kernels). Per thread, the CPU
 seconds of the run (from /proc/self/task/*/schedstat): the scheduler, the reader threads, and the
 rest (MLX's CPU stream thread and the kernels' pool). The rates are bench.concurrency's
@@ -76,7 +80,7 @@ def patched(timers: Timers) -> Iterator[None]:
     targets = [
         (service.Engine, "_next_work", "next_work"),
         (service.Engine, "_regroup", "regroup"),
-        (service.Engine, "_step", "solo_step"),
+        (generate.Generation, "_plain_step", "solo_step"),
         (service.Engine, "_advance", "publish"),
         (batch.DecodeBatch, "step", "batch_step"),
         (batch.DecodeBatch, "_forward", "forward"),
@@ -131,6 +135,17 @@ def thread_cpu() -> dict[int, float]:
     return out
 
 
+def switches(tid: int) -> tuple[int, int]:
+    """The voluntary (blocked: the GIL, a lock, MLX's back-pressure) and involuntary (preempted)
+    context switches of thread `tid` so far."""
+    counts = {}
+    with open(f"/proc/self/task/{tid}/status") as f:
+        for line in f:
+            if "ctxt_switches" in line:
+                counts[line.split(":")[0]] = int(line.split()[-1])
+    return counts.get("voluntary_ctxt_switches", 0), counts.get("nonvoluntary_ctxt_switches", 0)
+
+
 def run(engine: Any, n: int, max_tokens: int, consume: str = "stream") -> dict:
     """N streams once, instrumented: the rates, the parts per tick and the threads' CPU.
     `consume`: "stream" reads each event as it comes (a reader woken per token), "end" only once
@@ -145,6 +160,7 @@ def run(engine: Any, n: int, max_tokens: int, consume: str = "stream") -> dict:
     published: dict[str, threading.Event] = defaultdict(threading.Event)
     publish_times: dict[str, list[float]] = defaultdict(list)
     before = thread_cpu()
+    switched = switches(engine._thread.native_id)
     with patched(timers), recorded(published, publish_times):
         started = time.perf_counter()
         handles = [engine.submit(chat, params) for chat in requests_for(n)]
@@ -167,6 +183,7 @@ def run(engine: Any, n: int, max_tokens: int, consume: str = "stream") -> dict:
             t.join()
         wall = time.perf_counter() - started
     after = thread_cpu()
+    switched = tuple(b - a for a, b in zip(switched, switches(engine._thread.native_id)))
     if consume == "end":
         streams = [publish_times[h.id] for h in handles]
     cpu = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
@@ -192,6 +209,8 @@ def run(engine: Any, n: int, max_tokens: int, consume: str = "stream") -> dict:
         "ticks": ticks,
         "tick_ms": round(1e3 * wall / ticks, 3),
         "parts_per_tick": parts,
+        "scheduler_switches_per_tick": {"voluntary": round(switched[0] / ticks, 1),
+                                        "involuntary": round(switched[1] / ticks, 1)},
         "cpu_s": {"scheduler": round(cpu.get(scheduler, 0.0), 3),
                   "readers": round(sum(readers_cpu), 3),
                   "mlx_and_kernel_threads": round(others, 3),
@@ -246,7 +265,8 @@ def main() -> None:
               f"tick {best['tick_ms']} ms")
         for name, part in best["parts_per_tick"].items():
             print(f"  {name:<12} wall {part['wall_ms']:>7.3f} ms  cpu {part['cpu_ms']:>7.3f} ms")
-        print(f"  threads' CPU s: {best['cpu_s']}")
+        print(f"  threads' CPU s: {best['cpu_s']}; the scheduler's context switches per tick: "
+              f"{best['scheduler_switches_per_tick']}")
     load = os.getloadavg()
     result = {"command": "python -m bench.tick_profile " + " ".join(sys.argv[1:]),
               "load_avg_1m": round(load[0], 2), "max_tokens": args.max_tokens,
