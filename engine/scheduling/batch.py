@@ -183,14 +183,7 @@ class DecodeBatch:
         rows = list(self.rows)
         if rider is None and all(gen.feeds_last for gen in rows):
             return self._last_tokens(rows)
-        if self._pipelined(rows):
-            inputs = self._sampled
-            for gen in rows:  # no op per row unless its history (logits processors) reads the token
-                if gen.history is not None:
-                    gen.decode_input()
-        else:  # rows joined or left since the last step: its tokens were not one array
-            inputs = mx.concatenate([g.decode_input() for g in rows])
-            mx.async_eval(inputs)
+        inputs = self._inputs(rows)
         logits, chunk_logits = self._forward(inputs, rider)
         tokens, logprobs, failures = sample_rows([g.sampler for g in rows],
                                                  [g.history for g in rows], logits)
@@ -215,6 +208,18 @@ class DecodeBatch:
         if rider is not None:
             results.append(_prefilled(*rider, chunk_logits))
         return results
+
+    def _inputs(self, rows: list[Generation]) -> mx.array:
+        """The tokens `rows` feed this step (each added to its history where one is kept)."""
+        if self._pipelined(rows):
+            for gen in rows:  # no op per row unless its history (logits processors) reads the token
+                if gen.history is not None:
+                    gen.decode_input()
+            return self._sampled
+        # rows joined or left since the last step: its tokens were not one array
+        inputs = mx.concatenate([g.decode_input() for g in rows])
+        mx.async_eval(inputs)
+        return inputs
 
     def _pipelined(self, rows: list[Generation]) -> bool:
         """Whether the last step's sampled tokens are one array for exactly these rows."""
