@@ -80,3 +80,19 @@ def test_top_p_keeps_exactly_the_tokens_mlx_lm_keeps():
             ours, theirs = apply_top_p(rows, top_p), mlx_lm_top_p(rows, top_p)
             assert mx.array_equal(ours, theirs, equal_nan=True).item(), top_p
             assert 0 < (ours > -float("inf")).sum().item() < rows.size
+
+
+def test_top_logprobs_are_the_first_of_a_stable_sort_of_the_vocabulary():
+    """The alternatives a token reports (engine/decoding/logprobs.py `most_likely`, a partial
+    selection) are what a full stable argsort gives: most likely first, equal values by id, with
+    ties across the cut, banned tokens and a flat row."""
+    import numpy as np
+
+    from engine.decoding.logprobs import most_likely
+
+    rows = rows_of(3, seed=9)
+    rows[1] = mx.round(rows[1])  # many ties, across the cut of every `top`
+    rows[2, :990] = -float("inf")
+    for row in list(rows) + [mx.zeros((VOCAB,))]:
+        for top in (1, 2, 5, 20):
+            assert most_likely(np.array(row), top).tolist() == mx.argsort(-row)[:top].tolist()
