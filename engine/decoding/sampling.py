@@ -222,7 +222,7 @@ def apply_top_p(logprobs: mx.array, top_p: float) -> mx.array:
     runs."""
     if mx.default_device() != mx.cpu or logprobs.dtype != mx.float32:
         return mlx_lm_top_p(logprobs, top_p)
-    sorted_logprobs = mx.array(np.sort(np.array(logprobs, copy=False), axis=-1))
+    sorted_logprobs = mx.array(np.sort(np.asarray(logprobs), axis=-1))
     sorted_probs = mx.exp(sorted_logprobs.astype(mx.float32))
     mass_above = mx.cumsum(sorted_probs, axis=-1, reverse=True, inclusive=False)
     total_mass = mass_above[..., :1] + sorted_probs[..., :1]
