@@ -1,8 +1,10 @@
 """Concurrent decoding: our engine (batched decode) vs `mlx_lm.server`, same model and requests.
 
     python -m bench.concurrency [--streams 1 2 4 8] [--max-tokens 32] [--port 8765]
+                                [--sampling greedy|app]
 
-For each concurrency N, N greedy chat requests (distinct questions, the same N for both sides)
+For each concurrency N, N chat requests (greedy; `--sampling app`: the app's default sampling,
+temperature 0.7 and top_p 0.9, each request seeded) (distinct questions, the same N for both sides)
 start together and stream `--max-tokens` tokens each. Per side and N:
   aggregate_decode_tok_s  tokens after each stream's first one, divided by the window from the
                           first stream's first token to the last stream's last token
@@ -59,18 +61,25 @@ def summarize(streams: list[list[float]], started: float) -> dict:
 
 
 # -- our engine ------------------------------------------------------------------------------------
-def run_ours(concurrency: list[int], max_tokens: int) -> list[dict]:
+SAMPLING = {"greedy": {"temperature": 0.0}, "app": {"temperature": 0.7, "top_p": 0.9}}
+
+
+def run_ours(concurrency: list[int], max_tokens: int, sampling: str = "greedy") -> list[dict]:
     from engine.decoding.sampling import SamplingParams
     from engine.scheduling.service import Engine
 
     engine = Engine(None, max_running=max(concurrency), max_queued=0, prefix_cache=False).start()
-    params = SamplingParams(max_tokens=max_tokens)
+
+    def params(i: int) -> SamplingParams:
+        seed = {"seed": i} if sampling != "greedy" else {}
+        return SamplingParams(max_tokens=max_tokens, **SAMPLING[sampling], **seed)
+
     try:
         list(engine.submit(requests_for(1)[0], SamplingParams(max_tokens=4)).events())  # warm up
         rows = []
         for n in concurrency:
             started = time.perf_counter()
-            handles = [engine.submit(chat, params) for chat in requests_for(n)]
+            handles = [engine.submit(chat, params(i)) for i, chat in enumerate(requests_for(n))]
             streams: list[list[float]] = [[] for _ in handles]
 
             def read(i: int) -> None:
@@ -113,8 +122,9 @@ def start_server(folder: str, port: int, concurrency: int) -> subprocess.Popen:
     raise RuntimeError("mlx_lm.server did not start within 120 s")
 
 
-def stream_server(port: int, chat: list[dict], max_tokens: int, arrivals: list[float]) -> None:
-    body = json.dumps({"messages": chat, "max_tokens": max_tokens, "temperature": 0.0,
+def stream_server(port: int, chat: list[dict], max_tokens: int, arrivals: list[float],
+                  sampling: str = "greedy") -> None:
+    body = json.dumps({"messages": chat, "max_tokens": max_tokens, **SAMPLING[sampling],
                        "stream": True})
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
@@ -129,7 +139,8 @@ def stream_server(port: int, chat: list[dict], max_tokens: int, arrivals: list[f
             arrivals.append(time.perf_counter())
 
 
-def run_server(folder: str, port: int, concurrency: list[int], max_tokens: int) -> list[dict]:
+def run_server(folder: str, port: int, concurrency: list[int], max_tokens: int,
+               sampling: str = "greedy") -> list[dict]:
     rows = []
     for n in concurrency:
         proc = start_server(folder, port, n)
@@ -138,7 +149,7 @@ def run_server(folder: str, port: int, concurrency: list[int], max_tokens: int) 
             started = time.perf_counter()
             streams: list[list[float]] = [[] for _ in range(n)]
             threads = [threading.Thread(target=stream_server,
-                                        args=(port, chat, max_tokens, streams[i]))
+                                        args=(port, chat, max_tokens, streams[i], sampling))
                        for i, chat in enumerate(requests_for(n))]
             for t in threads:
                 t.start()
@@ -158,19 +169,21 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--skip-server", action="store_true")
+    parser.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy")
     args = parser.parse_args()
 
     from engine.loading.registry import load_model
 
     folder = str(load_model(None).path)
-    ours = run_ours(args.streams, args.max_tokens)
+    ours = run_ours(args.streams, args.max_tokens, args.sampling)
     theirs = [] if args.skip_server else run_server(folder, args.port, args.streams,
-                                                    args.max_tokens)
+                                                    args.max_tokens, args.sampling)
     load = os.getloadavg()
     result = {
         "model": "bundled SmolLM2-135M-Instruct (Q4_1, 8-bit embedding)",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, load avg {load[0]:.1f}",
         "max_tokens": args.max_tokens,
+        "sampling": SAMPLING[args.sampling],
         "command": "python -m bench.concurrency " + " ".join(sys.argv[1:]),
         "ours": ours,
         "mlx_lm_server": theirs,

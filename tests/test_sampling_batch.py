@@ -61,3 +61,38 @@ def test_a_row_whose_sampling_raises_fails_alone():
     alone = [TokenSampler(p) for p in KINDS[:4]]
     for i in (0, 1, 3):
         assert tokens[i].item() == alone[i](logits[i:i + 1], histories[i])[0].item()
+
+
+def test_top_p_keeps_exactly_the_tokens_mlx_lm_keeps():
+    """Our top-p (the vocabulary sorted by NumPy, engine/decoding/sampling.py `apply_top_p`) gives
+    mlx-lm's array bit for bit: flat and peaked rows, rows with banned (-inf) tokens and ties at the
+    threshold, one row or several."""
+    from mlx_lm.sample_utils import apply_top_p as mlx_lm_top_p
+
+    from engine.decoding.sampling import apply_top_p
+
+    logits = mx.concatenate([rows_of(3, seed=5) * scale for scale in (0.1, 1.0, 8.0)])
+    logits[1, :300] = -float("inf")
+    logits[4, :] = mx.round(logits[4, :])  # many equal values
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    for top_p in (0.05, 0.5, 0.9, 0.999):
+        for rows in (logprobs, logprobs[2:3]):
+            ours, theirs = apply_top_p(rows, top_p), mlx_lm_top_p(rows, top_p)
+            assert mx.array_equal(ours, theirs, equal_nan=True).item(), top_p
+            assert 0 < (ours > -float("inf")).sum().item() < rows.size
+
+
+def test_top_logprobs_are_the_first_of_a_stable_sort_of_the_vocabulary():
+    """The alternatives a token reports (engine/decoding/logprobs.py `most_likely`, a partial
+    selection) are what a full stable argsort gives: most likely first, equal values by id, with
+    ties across the cut, banned tokens and a flat row."""
+    import numpy as np
+
+    from engine.decoding.logprobs import most_likely
+
+    rows = rows_of(3, seed=9)
+    rows[1] = mx.round(rows[1])  # many ties, across the cut of every `top`
+    rows[2, :990] = -float("inf")
+    for row in list(rows) + [mx.zeros((VOCAB,))]:
+        for top in (1, 2, 5, 20):
+            assert most_likely(np.array(row), top).tolist() == mx.argsort(-row)[:top].tolist()

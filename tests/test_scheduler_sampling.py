@@ -105,3 +105,22 @@ def test_rows_leaving_and_joining_mid_pipeline_leave_the_others_exact(base, serv
     assert len(set(rows)) >= 3  # the batch changed size between steps
     status = engine.status()
     assert (status.running, status.queued, status.batch_rows, status.reserved_bytes) == (0, 0, 0, 0)
+
+
+def test_rows_reaching_max_tokens_together_read_their_last_tokens_without_a_model_call(base, serve):
+    """Rows that reach `max_tokens` in the same step end as a lone stream does: their last
+    tokens (sampled by the step before) are read and emitted, with no model call whose logits
+    nothing would read; tokens and logprobs stay each row's solo ones."""
+    engine, model, first, release = start_busy(base, serve, max_running=5)
+    kinds = [dataclasses.replace(k, max_tokens=6) for k in KINDS[:4]]
+    handles = [engine.submit(prompt_tokens=p, params=k) for p, k in zip(PROMPTS, kinds)]
+    release.set()
+
+    for handle, prompt, params in zip(handles, PROMPTS, kinds):
+        events = [e for e in handle.events(timeout=120) if e.kind == "token"]
+        assert handle.state == "finished" and handle.finish_reason == "length"
+        assert_same_tokens(events, run_alone(base, prompt, params))
+    tokens_of(first)
+    # their first tokens come from the call that fed their prompts' last tokens, tokens 2-6 from
+    # the five steps feeding tokens 1-5; the sixth is read without a call
+    assert sum(1 for rows, width in model.shapes if rows >= 4 and width == 1) == 6

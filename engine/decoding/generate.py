@@ -421,11 +421,8 @@ class Generation:
         return events
 
     def _plain_step(self) -> list[Event]:
-        y, _ = self._next
-        if len(self.generated) + 1 >= self.params.max_tokens:  # the last token: nothing to feed
-            self._pending_logprobs = self._next[1]
-            self._next = None
-            return self._emit([y.item()])
+        if self.feeds_last:
+            return self.accept_last(self._next[0].item())
         inputs = self.decode_input()
         if self.vision is not None:
             logits = self.vision.forward(self.lm.model, inputs, len(self.fed), self.cache)
@@ -455,9 +452,14 @@ class Generation:
         return (self.vision is None and (self.speculator is None or self._plain_left is None)
                 and self.finish_reason is None and not self._cancel and self._next is not None)
 
+    @property
+    def next_token(self) -> mx.array:
+        """The sampled token not yet fed, shape (1,) (possibly not evaluated yet)."""
+        return self._next[0].reshape(1)
+
     def decode_input(self) -> mx.array:
         """The sampled token not yet fed, as model input of shape (1,), added to the history."""
-        inputs = self._next[0].reshape(1).astype(mx.uint32)
+        inputs = self.next_token.astype(mx.uint32)
         if self._history is not None:
             self._history = mx.concatenate([self._history, inputs])
         return inputs
@@ -487,6 +489,19 @@ class Generation:
     def accept(self, token: int) -> list[Event]:
         """`token` (fed to the model by the last step) is read: record and emit it."""
         self.fed.append(token)
+        return self._emit([token])
+
+    @property
+    def feeds_last(self) -> bool:
+        """The sampled token not yet fed is the last one `max_tokens` allows: it is read and
+        emitted without a model call (`accept_last`); nothing would read that call's logits."""
+        return self._next is not None and len(self.generated) + 1 >= self.params.max_tokens
+
+    def accept_last(self, token: int) -> list[Event]:
+        """`token`, the sampled token not yet fed (`feeds_last`), is read: emit it and finish,
+        leaving it out of `fed` (the cache never holds it)."""
+        self._pending_logprobs = self._next[1]
+        self._next = None
         return self._emit([token])
 
     def _speculative_step(self) -> list[Event]:

@@ -12,7 +12,9 @@ from dataclasses import asdict, dataclass, field, make_dataclass, replace
 from typing import Any, Callable, Sequence
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+import numpy as np
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, make_logits_processors
+from mlx_lm.sample_utils import apply_top_p as mlx_lm_top_p
 
 from ..errors import InvalidRequest
 from .stops import check_stops
@@ -207,6 +209,26 @@ def preset(name: str, family: str | None = None, **overrides: Any) -> SamplingPa
                              field="preset", code="invalid_value")
     base.update(overrides)
     return SamplingParams(**base)
+
+
+def apply_top_p(logprobs: mx.array, top_p: float) -> mx.array:
+    """mlx-lm's `apply_top_p` (keep the most likely tokens up to `top_p` of the mass; the others
+    get -inf), with the vocabulary sorted by NumPy on the CPU device. The filter needs the sorted
+    values, and those are the same whatever sorts them, so the rest of mlx-lm's formula, repeated
+    here op for op, gives the same array and every token stays mlx-lm's. MLX's CPU sort of a
+    49,152-token vocabulary took ~4.3 ms a row here, NumPy's (x86-simd-sort) ~0.12 ms; a decode
+    step of the bundled model is ~12 ms. The price is a host sync (`logprobs` is evaluated here)
+    in a step that would otherwise be queued whole: on a GPU, or for other dtypes, mlx-lm's own
+    runs."""
+    if mx.default_device() != mx.cpu or logprobs.dtype != mx.float32:
+        return mlx_lm_top_p(logprobs, top_p)
+    sorted_logprobs = mx.array(np.sort(np.asarray(logprobs), axis=-1))
+    sorted_probs = mx.exp(sorted_logprobs.astype(mx.float32))
+    mass_above = mx.cumsum(sorted_probs, axis=-1, reverse=True, inclusive=False)
+    total_mass = mass_above[..., :1] + sorted_probs[..., :1]
+    num_dropped = (mass_above >= top_p * total_mass).sum(axis=-1, keepdims=True)
+    threshold = mx.take_along_axis(sorted_logprobs, num_dropped, axis=-1)
+    return mx.where(logprobs < threshold, -float("inf"), logprobs)
 
 
 def filter_logprobs(logprobs: mx.array, params: SamplingParams) -> mx.array:

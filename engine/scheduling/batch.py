@@ -174,17 +174,16 @@ class DecodeBatch:
         whose evaluation was queued before this step (the last step's own array while the rows
         stay the same), so reading it does not wait for this step, and the host builds the next
         step while the device runs this one. A row whose sampling or emitting raises gets its
-        exception back; the other rows are unaffected."""
+        exception back; the other rows are unaffected.
+
+        When every row's token to feed is its last (`Generation.feeds_last`: they reach
+        `max_tokens` together) and no rider waits, there is no model call: the tokens are read and
+        emitted at once, as a lone stream's last step does, rather than after a step whose logits
+        nothing reads."""
         rows = list(self.rows)
-        if self._sampled is not None and len(self._sampled_rows) == len(rows) and \
-                all(a is b for a, b in zip(self._sampled_rows, rows)):
-            inputs = self._sampled
-            for gen in rows:  # no op per row unless its history (logits processors) reads the token
-                if gen.history is not None:
-                    gen.decode_input()
-        else:  # rows joined or left since the last step: its tokens were not one array
-            inputs = mx.concatenate([g.decode_input() for g in rows])
-            mx.async_eval(inputs)
+        if rider is None and all(gen.feeds_last for gen in rows):
+            return self._last_tokens(rows)
+        inputs = self._inputs(rows)
         logits, chunk_logits = self._forward(inputs, rider)
         tokens, logprobs, failures = sample_rows([g.sampler for g in rows],
                                                  [g.history for g in rows], logits)
@@ -208,6 +207,39 @@ class DecodeBatch:
                 results.append((gen, exc))
         if rider is not None:
             results.append(_prefilled(*rider, chunk_logits))
+        return results
+
+    def _inputs(self, rows: list[Generation]) -> mx.array:
+        """The tokens `rows` feed this step (each added to its history where one is kept)."""
+        if self._pipelined(rows):
+            for gen in rows:  # no op per row unless its history (logits processors) reads the token
+                if gen.history is not None:
+                    gen.decode_input()
+            return self._sampled
+        # rows joined or left since the last step: its tokens were not one array
+        inputs = mx.concatenate([g.decode_input() for g in rows])
+        mx.async_eval(inputs)
+        return inputs
+
+    def _pipelined(self, rows: list[Generation]) -> bool:
+        """Whether the last step's sampled tokens are one array for exactly these rows."""
+        return self._sampled is not None and len(self._sampled_rows) == len(rows) and \
+            all(a is b for a, b in zip(self._sampled_rows, rows))
+
+    def _last_tokens(self, rows: list[Generation]) -> list[tuple[Generation, list[Event] | Exception]]:
+        """Read every row's last token (the last step's array while the rows stay the same) and
+        emit it (`Generation.accept_last`); each row then finishes."""
+        if self._pipelined(rows):
+            values = self._sampled.tolist()
+        else:
+            values = mx.concatenate([gen.next_token for gen in rows]).tolist()
+        self._sampled, self._sampled_rows = None, []
+        results: list[tuple[Generation, list[Event] | Exception]] = []
+        for gen, token in zip(rows, values):
+            try:
+                results.append((gen, gen.accept_last(token)))
+            except Exception as exc:
+                results.append((gen, exc))
         return results
 
     def _forward(self, inputs: mx.array, rider: tuple[Generation, list[int]] | None
