@@ -81,6 +81,31 @@ def _share_tokenizers() -> None:
     mlx_lm.utils.load_tokenizer = load_tokenizer
 
 
+def _share_ssl_context() -> None:
+    """Every httpx client of a test process gets one default SSL context.
+
+    httpx builds a new `ssl.create_default_context(cafile=certifi.where())` for each client, and
+    `httpx.get(...)` makes a client per call: reading certifi's bundle is ~20 ms of CPU, 25 times
+    the request itself on 127.0.0.1, and the suite makes thousands (the key-guessing and protocol
+    fuzzers, the SDK clients, the app's own clients). No test speaks TLS (every server is
+    http://127.0.0.1), so the default context (verify on, no client certificate, no SSL_CERT_*
+    override) is built once and shared; any other argument is httpx's own path."""
+    import httpx._transports.default as transport
+
+    create = transport.create_ssl_context
+    shared: list = []
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is not True or cert or (trust_env and (os.environ.get("SSL_CERT_FILE")
+                                                          or os.environ.get("SSL_CERT_DIR"))):
+            return create(verify=verify, cert=cert, trust_env=trust_env)
+        if not shared:
+            shared.append(create(verify=verify, cert=cert, trust_env=trust_env))
+        return shared[0]
+
+    transport.create_ssl_context = create_ssl_context
+
+
 def pytest_configure(config):
     """What a process that runs tests needs; xdist's controller process runs none, so it skips
     these imports (mlx-lm with transformers, hypothesis: ~2 s before the workers start)."""
@@ -88,6 +113,7 @@ def pytest_configure(config):
         return
     _hypothesis_profiles()
     _share_tokenizers()
+    _share_ssl_context()
 
 
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected
