@@ -1,48 +1,79 @@
 """Shared fixtures: one model cache for the whole session, the real bundled model loaded once."""
 
+import hashlib
 import os
 from pathlib import Path
 
 import pytest
-from hypothesis import settings
 
 REPO = Path(__file__).resolve().parent.parent
 # The bundled model is fetched once per machine into this (git-ignored) folder and reused.
 MODEL_HOME = Path(os.environ.get("MLXCHAT_TEST_HOME", REPO / ".mlxchat-home"))
 os.environ["MLXCHAT_HOME"] = str(MODEL_HOME)
 
-# Hypothesis examples per property: few in CI, where each example of a server fuzzer is a real
-# HTTP request; MLXCHAT_HYPOTHESIS=nightly runs many more. A test that names its own
-# `max_examples` (a cheap pure function) keeps it. No example database: CI starts from nothing.
-settings.register_profile("ci", max_examples=10, deadline=None, database=None)
-settings.register_profile("nightly", max_examples=300, deadline=None, database=None)
-settings.load_profile(os.environ.get("MLXCHAT_HYPOTHESIS", "ci"))
+
+def _hypothesis_profiles() -> None:
+    """Hypothesis examples per property: few in CI, where each example of a server fuzzer is a
+    real HTTP request; MLXCHAT_HYPOTHESIS=nightly runs many more. A test that names its own
+    `max_examples` (a cheap pure function) keeps it. No example database: CI starts from nothing."""
+    from hypothesis import settings
+
+    settings.register_profile("ci", max_examples=10, deadline=None, database=None)
+    settings.register_profile("nightly", max_examples=300, deadline=None, database=None)
+    settings.load_profile(os.environ.get("MLXCHAT_HYPOTHESIS", "ci"))
+
+
+# What of a model folder's `config.json` decides its tokenizer: transformers' AutoTokenizer class
+# (`tokenizer_class`, `auto_map`, else by `model_type`) and mlx-lm's TOKENIZER_DEFAULTS (by the
+# model class its `model_type` names).
+TOKENIZER_KEYS = ("model_type", "tokenizer_class", "auto_map", "architectures")
 
 
 def _share_tokenizers() -> None:
-    """Each test process loads a model folder's tokenizer once and shares it.
+    """Each test process loads a tokenizer once and shares it.
 
     A tiny model's weights load in milliseconds, but its tokenizer (the bundled SmolLM2 one, 49,152
     entries, which mlx-lm wraps and scans for tool and think markers) takes ~0.7 s, and the suite
-    loads the same few folders hundreds of times (each test's own engine, drafts, reloads). The
-    wrapper is read-only after loading (nothing in engine/, app/ or the tests assigns to it), so
-    `mlx_lm.utils.load_tokenizer` is memoised per folder, keyed also by its tokenizer files'
-    sizes and times (a test that rewrites one loads it anew) and by the arguments. Everything
-    else in a load (weights, config, layouts) still runs every time; a folder's first load, and
-    every failure, is mlx-lm's own."""
+    loads the same few tokenizers hundreds of times (each test's own engine, drafts, reloads; tiny
+    models of other seeds, or built in a test's own folder, with the same files). The wrapper is
+    read-only after loading (nothing in engine/, app/ or the tests assigns to it), so
+    `mlx_lm.utils.load_tokenizer` is memoised per content of the files it reads (the folder's
+    JSON, Jinja, text and tokenizer-model files) and per arguments: a test that rewrites one loads
+    it anew. Of `config.json` only what picks the tokenizer counts (`TOKENIZER_KEYS`: mlx-lm's
+    defaults and transformers' class follow the model type), so the tiny models of one type share
+    one tokenizer whatever their sizes. Everything else in a load (weights, config, layouts) still
+    runs every time; a tokenizer's first load, and every failure, is mlx-lm's own."""
+    import json
+
     import mlx_lm.utils
 
     load = mlx_lm.utils.load_tokenizer
     loaded: dict = {}
+    digests: dict = {}  # (folder, its files' names, sizes and times) -> digest of what they hold
+
+    def content(f: Path) -> bytes:
+        if f.name != "config.json":
+            return f.read_bytes()
+        try:
+            config = json.loads(f.read_bytes())
+        except ValueError:
+            return f.read_bytes()
+        return json.dumps({k: config.get(k) for k in TOKENIZER_KEYS}, sort_keys=True).encode()
 
     def load_tokenizer(model_path, tokenizer_config_extra=None, eos_token_ids=None):
         folder = Path(model_path)
         if not folder.is_dir():
             return load(model_path, tokenizer_config_extra, eos_token_ids=eos_token_ids)
-        files = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns)
-                      for f in sorted(folder.iterdir())
-                      if f.is_file() and f.suffix in (".json", ".jinja", ".txt", ".model", ".tiktoken"))
-        key = (str(folder.resolve()), files, repr(tokenizer_config_extra), repr(eos_token_ids))
+        files = [f for f in sorted(folder.iterdir())
+                 if f.is_file() and f.suffix in (".json", ".jinja", ".txt", ".model", ".tiktoken")]
+        stats = (str(folder.resolve()), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+        if stats not in digests:
+            digest = hashlib.sha256()
+            for f in files:
+                data = content(f)
+                digest.update(f"{f.name}\0{len(data)}\0".encode() + data)
+            digests[stats] = digest.hexdigest()
+        key = (digests[stats], repr(tokenizer_config_extra), repr(eos_token_ids))
         if key not in loaded:
             loaded[key] = load(model_path, tokenizer_config_extra, eos_token_ids=eos_token_ids)
         return loaded[key]
@@ -50,7 +81,39 @@ def _share_tokenizers() -> None:
     mlx_lm.utils.load_tokenizer = load_tokenizer
 
 
-_share_tokenizers()
+def _share_ssl_context() -> None:
+    """Every httpx client of a test process gets one default SSL context.
+
+    httpx builds a new `ssl.create_default_context(cafile=certifi.where())` for each client, and
+    `httpx.get(...)` makes a client per call: reading certifi's bundle is ~20 ms of CPU, 25 times
+    the request itself on 127.0.0.1, and the suite makes thousands (the key-guessing and protocol
+    fuzzers, the SDK clients, the app's own clients). No test speaks TLS (every server is
+    http://127.0.0.1), so the default context (verify on, no client certificate, no SSL_CERT_*
+    override) is built once and shared; any other argument is httpx's own path."""
+    import httpx._transports.default as transport
+
+    create = transport.create_ssl_context
+    shared: list = []
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is not True or cert or (trust_env and (os.environ.get("SSL_CERT_FILE")
+                                                          or os.environ.get("SSL_CERT_DIR"))):
+            return create(verify=verify, cert=cert, trust_env=trust_env)
+        if not shared:
+            shared.append(create(verify=verify, cert=cert, trust_env=trust_env))
+        return shared[0]
+
+    transport.create_ssl_context = create_ssl_context
+
+
+def pytest_configure(config):
+    """What a process that runs tests needs; xdist's controller process runs none, so it skips
+    these imports (mlx-lm with transformers, hypothesis: ~2 s before the workers start)."""
+    if getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput"):
+        return
+    _hypothesis_profiles()
+    _share_tokenizers()
+    _share_ssl_context()
 
 
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected

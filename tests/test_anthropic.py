@@ -128,6 +128,7 @@ def test_a_second_turn_reports_its_prefix_reuse(client):
     assert two.usage.cache_read_input_tokens > 100
 
 
+@pytest.mark.slow  # decodes to the end of a 384-token context: seconds by design, the second tier
 def test_claude_code_request_shape_is_answered(server):
     """Claude Code's request as the facts in shared/README.md describe it: a query string on the
     path, `Authorization: Bearer`, beta headers, system blocks with cache_control, a system-role

@@ -101,6 +101,7 @@ def test_a_mixed_call_equals_the_rows_step_and_the_chunk_call_apart(llama):
     assert mx.allclose(model(chunk[None, :3], cache=own_a), model(chunk[None, :3], cache=own_b), atol=1e-5)
 
 
+@pytest.mark.slow  # five streams and their runs alone: seconds by design, the second tier
 def test_prompts_riding_in_the_decode_steps_give_every_row_the_tokens_it_gets_alone(llama, serve, rides):
     """Three streams decode (greedy and seeded, leaving at different steps); two long prompts
     arrive and prefill in mixed steps of at most the tick budget while rows leave and the new ones
@@ -146,6 +147,7 @@ def test_cancelling_the_riding_prompt_and_a_decoding_row_mid_interleave(llama, s
     assert engine.status().reserved_bytes == 0 and engine.status().running == 0
 
 
+@pytest.mark.slow  # streams decoding to 80 tokens and their runs alone: seconds by design, the second tier
 def test_without_mixed_steps_the_tick_budget_still_bounds_each_prefill_call(llama, serve, rides):
     """On a model the mixed step does not run (here a wrapped one), a prompt arriving while others
     decode prefills in calls of its own of at most the budget, and the tokens stay those alone."""

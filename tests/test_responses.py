@@ -95,6 +95,7 @@ def test_json_schema_format(client):
     assert set(json.loads(r.output_text)) == {"n"}
 
 
+@pytest.mark.slow  # decodes to the end of a 384-token context: seconds by design, the second tier
 def test_codex_request_shape_is_answered(server):
     """Codex CLI's request as shared/README.md describes it: streamed, a developer item as the
     system prompt, items with ids, function tools plus a namespace tool and a hosted web_search,

@@ -42,6 +42,7 @@ def finish(handle, timeout=120):
     return [e.token for e in events if e.kind == "token"], events[-1]
 
 
+@pytest.mark.slow  # six concurrent streams and their runs alone: seconds by design, the second tier
 def test_concurrent_speculative_and_plain_requests_match_running_alone(llama, serve):
     """Four speculative requests (four kinds of draft, one sampled) and two plain ones at once: every
     greedy one gives exactly its tokens alone, the plain ones still batch together, and each
