@@ -19,8 +19,8 @@ a row's attention is the same whatever else shares the batch. On the GPU, and on
 model run in half precision, the cache is mlx-lm's `QuantizedKVCache`, whose
 attention mlx-lm's models run themselves (at the same group size, 0.56 of an fp16 cache's bytes,
 where the device's MLX runs it; else the next larger group that it runs, `quantized_group`, or the
-full cache with a warning); the prefix cache snapshots it (caches.py's `QuantizedKVCache` kind), but it cannot join a decode
-batch.
+full cache with a warning); the prefix cache snapshots it (caches.py's `QuantizedKVCache` kind),
+but it cannot join a decode batch.
 
 The cache's format is part of a snapshot file's identity (engine/cache/snapshot_files.py,
 `kv_format`): a snapshot written under one format is refused, and recomputed, under the other.
@@ -119,19 +119,15 @@ def packed_kv(layer: Any) -> bool:
     return type(layer) in (KV8Cache, BatchKV8Cache)
 
 
+def _float_dtypes(model: nn.Module) -> list[mx.Dtype]:
+    from mlx.utils import tree_flatten
+
+    return [p.dtype for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)]
+
+
 def _fp32(model: nn.Module) -> bool:
-    from mlx.utils import tree_flatten
-
-    floats = [p for _, p in tree_flatten(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)]
     # our kernel layout keeps quantized layers' scales in their own dtype: count the rest
-    return mx.default_device().type == mx.DeviceType.cpu and any(p.dtype == mx.float32 for p in floats)
-
-
-def _float_dtype(model: nn.Module) -> mx.Dtype:
-    from mlx.utils import tree_flatten
-
-    return next((p.dtype for _, p in tree_flatten(model.parameters())
-                 if mx.issubdtype(p.dtype, mx.floating)), mx.float16)
+    return mx.default_device().type == mx.DeviceType.cpu and mx.float32 in _float_dtypes(model)
 
 
 def quantized_group(dim: int, dtype: mx.Dtype) -> tuple[int | None, str]:
@@ -181,7 +177,7 @@ def use_kv_bits(model: nn.Module, config: dict[str, Any], bits: int | None) -> s
         factory: Callable[[], Any] = KV8Cache
         fmt = f"kv8-affine-g{GROUP_SIZE}"
     else:
-        group, why = quantized_group(dim, _float_dtype(model))
+        group, why = quantized_group(dim, next(iter(_float_dtypes(model)), mx.float16))
         if group is None:
             log.warning("keeping the full KV cache: mlx-lm's 8-bit cache does not run on this "
                         "device (%s)", why)

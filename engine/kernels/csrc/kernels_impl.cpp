@@ -268,16 +268,6 @@ void rows_bits(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y,
   for (; n < n1; ++n) rows_at<M, 1, BITS>(W, xp, n, 1, sc, sc + G, y, ldy);
 }
 
-template <int M>
-void rows4(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  rows_bits<M, 4>(W, xp, n0, n1, y, ldy);
-}
-
-template <int M>
-void rows8(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  rows_bits<M, 8>(W, xp, n0, n1, y, ldy);
-}
-
 float dot(const float* a, const float* b, int64_t n) {
   auto acc = Vec::zero();
   int64_t i = 0;
@@ -478,7 +468,7 @@ constexpr int kBlock4 = 0;  // natural order
 constexpr bool kSplit4 = false;
 
 template <int M, int BITS>
-void rows_generic(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+void rows_bits(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   constexpr int per_word = 32 / BITS;
   constexpr uint32_t mask = (1u << BITS) - 1;
   const int64_t K = W.K, G = K / W.gs, words = K / per_word;
@@ -504,14 +494,6 @@ void rows_generic(const QMat& W, const float* xp, int64_t n0, int64_t n1, float*
       y[m * ldy + n] = r;
     }
   }
-}
-template <int M>
-void rows4(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  rows_generic<M, 4>(W, xp, n0, n1, y, ldy);
-}
-template <int M>
-void rows8(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  rows_generic<M, 8>(W, xp, n0, n1, y, ldy);
 }
 
 template <int M, int BITS>
@@ -652,9 +634,9 @@ void dequant_rows(const QMat& W, int64_t n0, int64_t n1, float* out) {
 template <int M>
 void rows(const QMat& W, const float* xp, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   if (W.bits == 4)
-    rows4<M>(W, xp, n0, n1, y, ldy);
+    rows_bits<M, 4>(W, xp, n0, n1, y, ldy);
   else
-    rows8<M>(W, xp, n0, n1, y, ldy);
+    rows_bits<M, 8>(W, xp, n0, n1, y, ldy);
 }
 
 template <int M>
