@@ -17,6 +17,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, make_logits_processors
 from mlx_lm.sample_utils import apply_top_p as mlx_lm_top_p
 
 from ..errors import InvalidRequest
+from . import nucleus
 from .stops import check_stops
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -213,22 +214,25 @@ def preset(name: str, family: str | None = None, **overrides: Any) -> SamplingPa
 
 def apply_top_p(logprobs: mx.array, top_p: float) -> mx.array:
     """mlx-lm's `apply_top_p` (keep the most likely tokens up to `top_p` of the mass; the others
-    get -inf), with the vocabulary sorted by NumPy on the CPU device. The filter needs the sorted
-    values, and those are the same whatever sorts them, so the rest of mlx-lm's formula, repeated
-    here op for op, gives the same array and every token stays mlx-lm's. MLX's CPU sort of a
-    49,152-token vocabulary took ~4.3 ms a row here, NumPy's (x86-simd-sort) ~0.12 ms; a decode
-    step of the bundled model is ~12 ms. The price is a host sync (`logprobs` is evaluated here)
-    in a step that would otherwise be queued whole: on a GPU, or for other dtypes, mlx-lm's own
-    runs."""
+    get -inf), the same array, with each row's threshold found on the host on the CPU device
+    (engine/decoding/nucleus.py `top_p_threshold`: the vocabulary sorted by NumPy, ~0.12 ms a row
+    where MLX's CPU sort took ~4.3 ms, and only the probabilities that can change the sum
+    exponentiated). The price is a host sync (`logprobs` is evaluated here) in a step that would
+    otherwise be queued whole: on a GPU, for other dtypes or for rows holding NaN or +inf,
+    mlx-lm's own runs."""
     if mx.default_device() != mx.cpu or logprobs.dtype != mx.float32:
         return mlx_lm_top_p(logprobs, top_p)
-    sorted_logprobs = mx.array(np.sort(np.asarray(logprobs), axis=-1))
-    sorted_probs = mx.exp(sorted_logprobs.astype(mx.float32))
-    mass_above = mx.cumsum(sorted_probs, axis=-1, reverse=True, inclusive=False)
-    total_mass = mass_above[..., :1] + sorted_probs[..., :1]
-    num_dropped = (mass_above >= top_p * total_mass).sum(axis=-1, keepdims=True)
-    threshold = mx.take_along_axis(sorted_logprobs, num_dropped, axis=-1)
+    rows = np.asarray(logprobs).reshape(-1, logprobs.shape[-1])
+    if not all(nucleus.plain(row) for row in rows):
+        return mlx_lm_top_p(logprobs, top_p)
+    thresholds = [nucleus.top_p_threshold(np.sort(row), top_p) for row in rows]
+    threshold = mx.array(np.array(thresholds, dtype=np.float32)).reshape(*logprobs.shape[:-1], 1)
     return mx.where(logprobs < threshold, -float("inf"), logprobs)
+
+
+def only_top_p(params: SamplingParams, vocab: int) -> bool:
+    """Whether top-p is the only filter `filter_logprobs` applies for `params`."""
+    return 0 < params.top_p < 1.0 and params.min_p == 0.0 and not 0 < params.top_k < vocab
 
 
 def filter_logprobs(logprobs: mx.array, params: SamplingParams) -> mx.array:
@@ -281,6 +285,10 @@ class TokenSampler:
         if p.greedy:
             return mx.argmax(logprobs, axis=-1)
         self.key, sub = mx.random.split(self.key)
+        if only_top_p(p, logprobs.shape[-1]) and nucleus.usable(logprobs):
+            token = nucleus.draw(logprobs, p.top_p, p.temperature, sub)
+            if token is not None:
+                return token
         filtered = filter_logprobs(logprobs, p)
         return mx.random.categorical(filtered * (1.0 / p.temperature), key=sub)
 
