@@ -99,3 +99,28 @@ def test_a_sampled_batch_gives_each_row_its_alone_and_mlx_lm_tokens():
             keys[i], sub = mx.random.split(keys[i])
             expected = mlx_lm_draw(log_softmax(logits[i:i + 1]), 0.9, 0.7, sub)
             assert tokens[i].item() == alone[i](logits[i:i + 1], None)[0].item() == expected
+
+
+def test_the_batch_log_softmax_is_each_rows_on_two_streams_from_any_thread():
+    """`log_softmax_rows` splits the rows over a second CPU stream of the calling thread (MLX's
+    streams are per thread: a scheduler thread makes its own); every row's values are the ones
+    that row gets alone."""
+    import threading
+
+    from engine.decoding.sampling import log_softmax_rows, side_stream
+
+    logits = mx.concatenate(rows()[:5]) * 3
+    mx.eval(logits)  # made before the threads, as the model's logits are made on the sampling thread
+    results: dict[int, mx.array] = {}
+
+    def run(n: int) -> None:
+        assert side_stream() is not None and side_stream() != mx.default_stream(mx.cpu)
+        results[n] = log_softmax_rows(logits[:n])
+        mx.eval(results[n])
+
+    for n in (1, 2, 3, 5):
+        thread = threading.Thread(target=run, args=(n,))
+        thread.start()
+        thread.join()
+        for i in range(n):
+            assert mx.array_equal(results[n][i:i + 1], log_softmax(logits[i:i + 1])).item(), (n, i)
