@@ -10,6 +10,8 @@ bundled model's rows sit between 3 and 8 by the share of the vocabulary near the
 (min and median of --reps, the ways taking turns) of
   top_p      mlx-lm's `apply_top_p` (MLX sorts the vocabulary) vs ours (NumPy sorts it, only the
              probabilities that can change the sum are exponentiated)
+  greedy     one token per row from the logits, greedy: mlx-lm's log-softmax and argmax vs
+             `sample_rows` (its log-softmax split over two CPU streams from two rows up)
   draw       one token per row from the logits with the app's default sampling (top_p 0.9,
              temperature 0.7): mlx-lm's log-softmax, `apply_top_p` and `mx.random.categorical`
              vs `sample_rows` (our path)
@@ -89,15 +91,20 @@ def main() -> None:
                        "ours": lambda: apply_top_p(logprobs, 0.9)}, args.reps)
         draw = timed({"mlx_lm": lambda: mlx_lm_draw(logits), "ours": lambda: our_draw(logits)},
                      args.reps)
+        greedy = [TokenSampler(SamplingParams()) for _ in range(rows)]
+        argmax = timed({"mlx_lm": lambda: mx.argmax(logits - mx.logsumexp(logits, axis=-1,
+                                                                          keepdims=True), axis=-1),
+                        "ours": lambda: sample_rows(greedy, [None] * rows, logits)[0]}, args.reps)
         top_ids = timed({"mx_argsort": lambda: [mx.argsort(-logprobs[i])[:20].tolist()
                                                 for i in range(rows)],
                          "ours": lambda: [most_likely(np.array(logprobs[i]), 20).tolist()
                                           for i in range(rows)]}, args.reps)
-        rows_out.append({"rows": rows, "scale": scale, "top_p": top_p, "draw_app": draw,
+        rows_out.append({"rows": rows, "scale": scale, "top_p": top_p, "draw_app": draw, "greedy": argmax,
                          "top_logprobs_20": top_ids})
         print(f"{rows} row(s), scale {scale}: top_p mlx-lm {top_p['mlx_lm']['median_ms']} ms, ours "
               f"{top_p['ours']['median_ms']} ms; app draw mlx-lm {draw['mlx_lm']['median_ms']} ms, "
-              f"ours {draw['ours']['median_ms']} ms; top 20 ids mx.argsort "
+              f"ours {draw['ours']['median_ms']} ms; greedy mlx-lm {argmax['mlx_lm']['median_ms']} ms, "
+              f"ours {argmax['ours']['median_ms']} ms; top 20 ids mx.argsort "
               f"{top_ids['mx_argsort']['median_ms']} ms, ours {top_ids['ours']['median_ms']} ms",
               flush=True)
     result = {"command": "python -m bench.sampling_cost " + " ".join(sys.argv[1:]),
