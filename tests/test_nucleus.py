@@ -65,8 +65,11 @@ def test_rows_it_cannot_draw_fall_back():
     row = rows()[1]
     nan = mx.where(mx.arange(VOCAB) == 5, float("nan"), row)
     inf = mx.where(mx.arange(VOCAB) == 5, float("inf"), row)
-    for bad in (nan, inf):
+    far = row - 200.0  # not a log-softmax: its largest value is far below 0
+    for bad in (nan, inf, far):
         assert nucleus.draw(bad, 0.9, 0.7, mx.random.key(0)) is None
+        assert mx.array_equal(apply_top_p(bad, 0.9), mlx_lm_top_p(bad, 0.9), equal_nan=True).item()
+    assert nucleus.draw(row, 1e-46, 0.7, mx.random.key(0)) is None  # top_p * mass rounds to 0
     assert nucleus.draw(row, 0.9, 1e-38, mx.random.key(0)) is None  # tempered max overflows
     assert not nucleus.usable(mx.concatenate([row, row]))
     assert not nucleus.usable(row.astype(mx.bfloat16))

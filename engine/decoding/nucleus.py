@@ -52,31 +52,40 @@ def cut_below(largest: float) -> float:
     return (math.floor(math.log2(low)) - 24) * math.log(2) - MARGIN
 
 
+# the largest value of a row `top_p_threshold` takes: a log-softmax's lies in [-log(vocab), 0]
+LARGEST = 80.0
+
+
 def plain(row: np.ndarray) -> bool:
-    """Whether a float32 row holds no NaN and no +inf (what `top_p_threshold` and `draw` need)."""
-    return bool(np.isfinite(row.max())) and not np.isnan(row).any()
+    """Whether a float32 row holds no NaN and its largest value lies within +-`LARGEST` (what
+    `top_p_threshold` and `draw` need; a row of log-probabilities always does)."""
+    return bool(abs(row.max()) < LARGEST) and not np.isnan(row).any()
 
 
-def top_p_threshold(sorted_row: np.ndarray, top_p: float) -> np.float32:
+def top_p_threshold(sorted_row: np.ndarray, top_p: float) -> np.float32 | None:
     """mlx-lm's top-p threshold (the smallest kept value) for one `plain` row of log-probabilities
-    sorted ascending (float32)."""
+    sorted ascending (float32), or None where mlx-lm's would drop every token (its threshold is
+    then read past the end of the row: `top_p` times the mass rounds to 0)."""
     low = int(np.searchsorted(sorted_row, cut_below(float(sorted_row[-1])), side="left"))
     probs = mx.exp(mx.array(sorted_row[low:]))
     mass_above = mx.cumsum(probs, reverse=True, inclusive=False)
     total = mass_above[:1] + probs[:1]  # the sum of the whole row: the values below add nothing
     dropped = low + (mass_above >= top_p * total).sum().item()
-    return sorted_row[dropped]
+    return sorted_row[dropped] if dropped < len(sorted_row) else None
 
 
 def draw(logprobs: mx.array, top_p: float, temperature: float, key: mx.array) -> mx.array | None:
     """The token (shape (1,), uint32) that `mx.random.categorical(apply_top_p(logprobs, top_p)
-    * (1 / temperature), key=key)` gives, or None when this row needs the usual ops (NaN or +inf
-    in it, or the tempered logits overflow). `usable(logprobs)` must hold."""
+    * (1 / temperature), key=key)` gives, or None when this row needs the usual ops (it is not
+    `plain`, top-p drops every token, or the tempered logits overflow). `usable(logprobs)` must
+    hold."""
     row = np.asarray(logprobs)[0]
     if not plain(row):
         return None
     largest = row.max()
     threshold = top_p_threshold(np.sort(row), top_p)
+    if threshold is None:
+        return None
     kept = np.flatnonzero(row >= threshold)  # mlx-lm sets the others (row < threshold) to -inf
     scale = 1.0 / temperature
     with np.errstate(over="ignore"):

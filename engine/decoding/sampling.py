@@ -219,14 +219,15 @@ def apply_top_p(logprobs: mx.array, top_p: float) -> mx.array:
     (engine/decoding/nucleus.py `top_p_threshold`: the vocabulary sorted by NumPy, ~0.12 ms a row
     where MLX's CPU sort took ~4.3 ms, and only the probabilities that can change the sum
     exponentiated). The price is a host sync (`logprobs` is evaluated here) in a step that would
-    otherwise be queued whole: on a GPU, for other dtypes or for rows holding NaN or +inf,
-    mlx-lm's own runs."""
+    otherwise be queued whole: on a GPU, for other dtypes or for rows that are not
+    `nucleus.plain`, mlx-lm's own runs."""
     if mx.default_device() != mx.cpu or logprobs.dtype != mx.float32:
         return mlx_lm_top_p(logprobs, top_p)
     rows = np.asarray(logprobs).reshape(-1, logprobs.shape[-1])
-    if not all(nucleus.plain(row) for row in rows):
+    thresholds = [nucleus.top_p_threshold(np.sort(row), top_p) if nucleus.plain(row) else None
+                  for row in rows]
+    if any(t is None for t in thresholds):
         return mlx_lm_top_p(logprobs, top_p)
-    thresholds = [nucleus.top_p_threshold(np.sort(row), top_p) for row in rows]
     threshold = mx.array(np.array(thresholds, dtype=np.float32)).reshape(*logprobs.shape[:-1], 1)
     return mx.where(logprobs < threshold, -float("inf"), logprobs)
 
