@@ -12,10 +12,13 @@ start together and stream `--max-tokens` tokens each. Per side and N:
   p95_inter_token_ms      95th percentile of the gaps between consecutive tokens of a stream
   ttft_mean_s             mean time to first token
   first_token_s           each stream's time to first token, sorted (how admission spreads them)
+  cpu_ms_per_token        (ours only) this process's CPU time over the run (all its threads) per
+                          token: the work a token costs, which other load on the machine moves far
+                          less than the rates
 Ours runs in-process (`engine.scheduling.service.Engine`, prefix cache off so every prompt is prefilled);
 mlx_lm.server runs as a real server (subprocess) on the bundled model's mlx-lm folder, with
 `--decode-concurrency` and `--prompt-concurrency` set to N, read over HTTP with SSE streaming.
-JSON goes to bench/results/concurrency-cpu.json.
+JSON goes to bench/results/concurrency-cpu.json (`--out` elsewhere).
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ def run_ours(concurrency: list[int], max_tokens: int, sampling: str = "greedy") 
         list(engine.submit(requests_for(1)[0], SamplingParams(max_tokens=4)).events())  # warm up
         rows = []
         for n in concurrency:
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             handles = [engine.submit(chat, params(i)) for i, chat in enumerate(requests_for(n))]
             streams: list[list[float]] = [[] for _ in handles]
 
@@ -92,7 +95,9 @@ def run_ours(concurrency: list[int], max_tokens: int, sampling: str = "greedy") 
                 t.start()
             for t in threads:
                 t.join()
+            cpu = time.process_time() - cpu
             rows.append(summarize(streams, started))
+            rows[-1]["cpu_ms_per_token"] = round(1000 * cpu / max(sum(map(len, streams)), 1), 3)
             print("ours     ", rows[-1], flush=True)
         return rows
     finally:
@@ -170,6 +175,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--skip-server", action="store_true")
     parser.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
     args = parser.parse_args()
 
     from engine.loading.registry import load_model
@@ -195,9 +201,9 @@ def main() -> None:
         print(f"{row['streams']:>2}  {row['aggregate_decode_tok_s']!s:>10} "
               f"{other.get('aggregate_decode_tok_s')!s:>12}  {row['p95_inter_token_ms']!s:>11} "
               f"{other.get('p95_inter_token_ms')!s:>13}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,20 @@
-"""What sampling costs per token on the CPU beside the model step: top-p and top logprobs over a
-real vocabulary, mlx-lm's way against ours (engine/decoding/sampling.py `apply_top_p`,
-engine/decoding/logprobs.py `most_likely`), each result checked equal to mlx-lm's.
+"""What sampling costs per token on the CPU beside the model step: top-p, the app's draw and top
+logprobs over a real vocabulary, mlx-lm's way against ours (engine/decoding/sampling.py
+`apply_top_p`, engine/decoding/nucleus.py `draw`, engine/decoding/logprobs.py `most_likely`), each
+result checked equal to mlx-lm's.
 
-    python -m bench.sampling_cost [--vocab 49152] [--rows 1 4] [--reps 15]
+    python -m bench.sampling_cost [--vocab 49152] [--rows 1 4] [--reps 15] [--scale 3 8]
 
-Per row count: wall ms (min and median of --reps, the two ways taking turns) of
-  top_p      mlx-lm's `apply_top_p` (MLX sorts the vocabulary) vs ours (NumPy sorts it)
+Per row count and logit scale (logits ~ N(0, scale^2): the larger, the more peaked the rows; the
+bundled model's rows sit between 3 and 8 by the share of the vocabulary near the top): wall ms
+(min and median of --reps, the ways taking turns) of
+  top_p      mlx-lm's `apply_top_p` (MLX sorts the vocabulary) vs ours (NumPy sorts it, only the
+             probabilities that can change the sum are exponentiated)
+  greedy     one token per row from the logits, greedy: mlx-lm's log-softmax and argmax vs
+             `sample_rows` (its log-softmax split over two CPU streams from two rows up)
+  draw       one token per row from the logits with the app's default sampling (top_p 0.9,
+             temperature 0.7): mlx-lm's log-softmax, `apply_top_p` and `mx.random.categorical`
+             vs `sample_rows` (our path)
   logprobs   the 20 most likely ids: `mx.argsort(-row)[:20]` (one row) vs `most_likely`
 The bundled model (vocabulary 49,152) decodes one token in ~12 ms on this CPU.
 JSON goes to bench/results/sampling-cost-cpu.json.
@@ -46,6 +55,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--scale", type=float, nargs="+", default=[3.0, 8.0])
     args = parser.parse_args()
 
     import mlx.core as mx
@@ -53,25 +63,48 @@ def main() -> None:
     from mlx_lm.sample_utils import apply_top_p as mlx_lm_top_p
 
     from engine.decoding.logprobs import most_likely
-    from engine.decoding.sampling import apply_top_p
+    from engine.decoding.sampling import SamplingParams, TokenSampler, apply_top_p, sample_rows
+
+    app = SamplingParams(temperature=0.7, top_p=0.9, seed=0)
+
+    def mlx_lm_draw(logits: mx.array) -> mx.array:
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        key = mx.random.key(0)
+        return mx.concatenate([mx.random.categorical(
+            mlx_lm_top_p(logprobs[i:i + 1], 0.9) * (1 / 0.7), key=mx.random.split(key)[1])
+            for i in range(len(logprobs))])
+
+    def our_draw(logits: mx.array) -> mx.array:
+        return sample_rows([TokenSampler(app) for _ in range(len(logits))], [None] * len(logits),
+                           logits)[0]
 
     rows_out = []
-    for rows in args.rows:
-        logits = mx.random.normal((rows, args.vocab), key=mx.random.key(rows)) * 3
+    for rows, scale in [(r, s) for s in args.scale for r in args.rows]:
+        logits = mx.random.normal((rows, args.vocab), key=mx.random.key(rows)) * scale
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         mx.eval(logprobs)
         assert mx.array_equal(apply_top_p(logprobs, 0.9), mlx_lm_top_p(logprobs, 0.9)).item()
         row = logprobs[0]
         assert most_likely(np.array(row), 20).tolist() == mx.argsort(-row)[:20].tolist()
+        assert mx.array_equal(mlx_lm_draw(logits), our_draw(logits)).item()
         top_p = timed({"mlx_lm": lambda: mlx_lm_top_p(logprobs, 0.9),
                        "ours": lambda: apply_top_p(logprobs, 0.9)}, args.reps)
+        draw = timed({"mlx_lm": lambda: mlx_lm_draw(logits), "ours": lambda: our_draw(logits)},
+                     args.reps)
+        greedy = [TokenSampler(SamplingParams()) for _ in range(rows)]
+        argmax = timed({"mlx_lm": lambda: mx.argmax(logits - mx.logsumexp(logits, axis=-1,
+                                                                          keepdims=True), axis=-1),
+                        "ours": lambda: sample_rows(greedy, [None] * rows, logits)[0]}, args.reps)
         top_ids = timed({"mx_argsort": lambda: [mx.argsort(-logprobs[i])[:20].tolist()
                                                 for i in range(rows)],
                          "ours": lambda: [most_likely(np.array(logprobs[i]), 20).tolist()
                                           for i in range(rows)]}, args.reps)
-        rows_out.append({"rows": rows, "top_p": top_p, "top_logprobs_20": top_ids})
-        print(f"{rows} row(s): top_p mlx-lm {top_p['mlx_lm']['median_ms']} ms, ours "
-              f"{top_p['ours']['median_ms']} ms; top 20 ids mx.argsort "
+        rows_out.append({"rows": rows, "scale": scale, "top_p": top_p, "draw_app": draw, "greedy": argmax,
+                         "top_logprobs_20": top_ids})
+        print(f"{rows} row(s), scale {scale}: top_p mlx-lm {top_p['mlx_lm']['median_ms']} ms, ours "
+              f"{top_p['ours']['median_ms']} ms; app draw mlx-lm {draw['mlx_lm']['median_ms']} ms, "
+              f"ours {draw['ours']['median_ms']} ms; greedy mlx-lm {argmax['mlx_lm']['median_ms']} ms, "
+              f"ours {argmax['ours']['median_ms']} ms; top 20 ids mx.argsort "
               f"{top_ids['mx_argsort']['median_ms']} ms, ours {top_ids['ours']['median_ms']} ms",
               flush=True)
     result = {"command": "python -m bench.sampling_cost " + " ".join(sys.argv[1:]),

@@ -1,9 +1,10 @@
 """Where a scheduler tick's wall time goes with 1 and with N concurrent streams (bundled model).
 
     python -m bench.tick_profile [--streams 1 4] [--max-tokens 32] [--rounds 3] [--out FILE]
+                                 [--sampling greedy|app]
 
-Runs the engine in-process as bench.concurrency does (N greedy chats submitted together, one
-reader thread per stream), with the scheduler's parts wrapped in timers (each call's wall time and
+Runs the engine in-process as bench.concurrency does (N chats submitted together, greedy or with
+the app's sampling as there, each request seeded; one reader thread per stream), with the scheduler's parts wrapped in timers (each call's wall time and
 the scheduler thread's own CPU time, `time.thread_time`):
 
   next_work    admission and the lock, once per tick (`Engine._next_work`)
@@ -43,7 +44,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .concurrency import requests_for, summarize
+from .concurrency import SAMPLING, requests_for, summarize
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tick-profile-cpu.json"
 
@@ -146,14 +147,15 @@ def switches(tid: int) -> tuple[int, int]:
     return counts.get("voluntary_ctxt_switches", 0), counts.get("nonvoluntary_ctxt_switches", 0)
 
 
-def run(engine: Any, n: int, max_tokens: int, consume: str = "stream") -> dict:
+def run(engine: Any, n: int, max_tokens: int, consume: str = "stream",
+        sampling: str = "greedy") -> dict:
     """N streams once, instrumented: the rates, the parts per tick and the threads' CPU.
     `consume`: "stream" reads each event as it comes (a reader woken per token), "end" only once
     the request has finished (no reader runs while decoding: the hand-off's cost, by difference;
     the tokens' times are then when the scheduler published them)."""
     from engine.decoding.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens)
+    seeded = {"seed": 0} if sampling != "greedy" else {}
     timers = Timers()
     readers: list[threading.Thread] = []
     readers_cpu: list[float] = []
@@ -163,7 +165,9 @@ def run(engine: Any, n: int, max_tokens: int, consume: str = "stream") -> dict:
     switched = switches(engine._thread.native_id)
     with patched(timers), recorded(published, publish_times):
         started = time.perf_counter()
-        handles = [engine.submit(chat, params) for chat in requests_for(n)]
+        handles = [engine.submit(chat, SamplingParams(max_tokens=max_tokens, **SAMPLING[sampling],
+                                                      **{k: v + i for k, v in seeded.items()}))
+                   for i, chat in enumerate(requests_for(n))]
         streams: list[list[float]] = [[] for _ in handles]
 
         def read(i: int) -> None:
@@ -229,6 +233,7 @@ def main() -> None:
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="sys.setswitchinterval after the engine starts (seconds)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy")
     args = parser.parse_args()
 
     from engine.decoding.sampling import SamplingParams
@@ -243,7 +248,7 @@ def main() -> None:
         list(engine.submit(requests_for(1)[0], SamplingParams(max_tokens=4)).events())  # warm up
         for _ in range(args.rounds):  # the sizes and modes take turns: load changes hit each alike
             for mode, n in keys:
-                runs[mode, n].append(run(engine, n, args.max_tokens, mode))
+                runs[mode, n].append(run(engine, n, args.max_tokens, mode, args.sampling))
                 row = runs[mode, n][-1]
                 print(f"{mode} {n} streams: {row['aggregate_decode_tok_s']} tok/s, tick "
                       f"{row['tick_ms']} ms, cpu {row['cpu_s']}", flush=True)

@@ -8,6 +8,7 @@ would produce (`key, sub = split(key)` per draw), so our tokens equal `mlx_lm.ge
 
 import math
 import random
+import threading
 from dataclasses import asdict, dataclass, field, make_dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -17,6 +18,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, make_logits_processors
 from mlx_lm.sample_utils import apply_top_p as mlx_lm_top_p
 
 from ..errors import InvalidRequest
+from . import nucleus
 from .stops import check_stops
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -213,22 +215,26 @@ def preset(name: str, family: str | None = None, **overrides: Any) -> SamplingPa
 
 def apply_top_p(logprobs: mx.array, top_p: float) -> mx.array:
     """mlx-lm's `apply_top_p` (keep the most likely tokens up to `top_p` of the mass; the others
-    get -inf), with the vocabulary sorted by NumPy on the CPU device. The filter needs the sorted
-    values, and those are the same whatever sorts them, so the rest of mlx-lm's formula, repeated
-    here op for op, gives the same array and every token stays mlx-lm's. MLX's CPU sort of a
-    49,152-token vocabulary took ~4.3 ms a row here, NumPy's (x86-simd-sort) ~0.12 ms; a decode
-    step of the bundled model is ~12 ms. The price is a host sync (`logprobs` is evaluated here)
-    in a step that would otherwise be queued whole: on a GPU, or for other dtypes, mlx-lm's own
-    runs."""
+    get -inf), the same array, with each row's threshold found on the host on the CPU device
+    (engine/decoding/nucleus.py `top_p_threshold`: the vocabulary sorted by NumPy, ~0.12 ms a row
+    where MLX's CPU sort took ~4.3 ms, and only the probabilities that can change the sum
+    exponentiated). The price is a host sync (`logprobs` is evaluated here) in a step that would
+    otherwise be queued whole: on a GPU, for other dtypes or for rows that are not
+    `nucleus.plain`, mlx-lm's own runs."""
     if mx.default_device() != mx.cpu or logprobs.dtype != mx.float32:
         return mlx_lm_top_p(logprobs, top_p)
-    sorted_logprobs = mx.array(np.sort(np.asarray(logprobs), axis=-1))
-    sorted_probs = mx.exp(sorted_logprobs.astype(mx.float32))
-    mass_above = mx.cumsum(sorted_probs, axis=-1, reverse=True, inclusive=False)
-    total_mass = mass_above[..., :1] + sorted_probs[..., :1]
-    num_dropped = (mass_above >= top_p * total_mass).sum(axis=-1, keepdims=True)
-    threshold = mx.take_along_axis(sorted_logprobs, num_dropped, axis=-1)
+    rows = np.asarray(logprobs).reshape(-1, logprobs.shape[-1])
+    thresholds = [nucleus.top_p_threshold(np.sort(row), top_p) if nucleus.plain(row) else None
+                  for row in rows]
+    if any(t is None for t in thresholds):
+        return mlx_lm_top_p(logprobs, top_p)
+    threshold = mx.array(np.array(thresholds, dtype=np.float32)).reshape(*logprobs.shape[:-1], 1)
     return mx.where(logprobs < threshold, -float("inf"), logprobs)
+
+
+def only_top_p(params: SamplingParams, vocab: int) -> bool:
+    """Whether top-p is the only filter `filter_logprobs` applies for `params`."""
+    return 0 < params.top_p < 1.0 and params.min_p == 0.0 and not 0 < params.top_k < vocab
 
 
 def filter_logprobs(logprobs: mx.array, params: SamplingParams) -> mx.array:
@@ -281,8 +287,43 @@ class TokenSampler:
         if p.greedy:
             return mx.argmax(logprobs, axis=-1)
         self.key, sub = mx.random.split(self.key)
+        if only_top_p(p, logprobs.shape[-1]) and nucleus.usable(logprobs):
+            token = nucleus.draw(logprobs, p.top_p, p.temperature, sub)
+            if token is not None:
+                return token
         filtered = filter_logprobs(logprobs, p)
         return mx.random.categorical(filtered * (1.0 / p.temperature), key=sub)
+
+
+_thread_streams = threading.local()
+
+
+def side_stream() -> mx.Stream | None:
+    """A second CPU stream of this thread (made on first use: MLX's streams belong to the thread
+    that made them), or None off the CPU. MLX runs each CPU stream's operations on a thread of its
+    own, so work split over this stream and the default one runs on two cores."""
+    if mx.default_device() != mx.cpu:
+        return None
+    stream = getattr(_thread_streams, "cpu", None)
+    if stream is None:
+        stream = _thread_streams.cpu = mx.new_stream(mx.cpu)
+    return stream
+
+
+def log_softmax_rows(logits: mx.array) -> mx.array:
+    """`logits - logsumexp(logits)` over the last axis of (rows, vocab) `logits`. On the CPU with
+    two rows or more, the first half of the rows is computed on `side_stream()`, the rest on the
+    default stream: MLX's CPU `exp` is scalar code (~0.65 ms for a 49,152-token row here) and
+    runs on one thread per stream, so a 4-row batch's log-softmax takes about half the time on
+    two cores. Each row's values are the same either way (a row's reduction never reads another)."""
+    side = side_stream() if len(logits) > 1 else None
+    if side is None:
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    half = len(logits) // 2
+    with mx.stream(side):
+        first = logits[:half] - mx.logsumexp(logits[:half], axis=-1, keepdims=True)
+    rest = logits[half:] - mx.logsumexp(logits[half:], axis=-1, keepdims=True)
+    return mx.concatenate([first, rest])
 
 
 def sample_rows(samplers: Sequence[TokenSampler], histories: Sequence[mx.array | None],
@@ -292,10 +333,11 @@ def sample_rows(samplers: Sequence[TokenSampler], histories: Sequence[mx.array |
     (rows, vocab) and the rows whose sampling raised (e.g. a grammar's processor), by index: their
     token is a placeholder, the other rows are unaffected.
 
-    The log-softmax is one op for all rows, and so is the argmax of every plain greedy row; only
+    The log-softmax is computed for all rows at once (`log_softmax_rows`: on two cores), and the
+    argmax of every plain greedy row is one op; only
     rows with logits processors or a temperature run ops of their own (each draws from its own
     key: MLX's categorical sampling takes one key per call, so seeded rows cannot share one)."""
-    model_logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    model_logprobs = log_softmax_rows(logits)
     picks: dict[int, mx.array] = {}
     failures: dict[int, Exception] = {}
     for i, sampler in enumerate(samplers):
