@@ -8,9 +8,9 @@ model folder; the bundled model by default.
 
 First the wall time of whole steps split into parts (`step_parts_wall`): building the graph
 (Python, mlx-lm's modules), evaluating it, and inside the evaluation each part of our ops as the
-kernels time it on MLX's CPU thread (norms, the fused q/k/v product, RoPE, attention, o, gate/up,
-SwiGLU, down, the output head and other single products), the rest being MLX's own work (the
-KV-cache updates, the embedding, scheduling); then the pool's dispatches per token, how many
+kernels time it on MLX's CPU thread (norms, the fused q/k/v product, RoPE, the KV-cache write,
+attention, o, gate/up, SwiGLU, down, the output head and other single products), the rest being
+MLX's own work (the embedding, the final norm, scheduling); then the pool's dispatches per token, how many
 woke a sleeping thread, and how long the calling thread waited for the others at their end.
 
 `--ab SETTER=V1,V2,...` instead times whole steps with one of the kernels' switches taking each
@@ -19,8 +19,8 @@ value in turn (`set_prefetch_bytes`, `set_spin_us`, `set_interleave_rows`), --ro
 
 CPU time (process_time) per token, so that load from other processes on a shared machine
 counts less: the whole step, the tied output head alone, the fused layer ops alone
-(attn_in + block_out of every layer on the same input and cache), and the rest (embedding, KV-cache updates, final
-norm, graph building and MLX's scheduling). Also the bytes of weights read per token.
+(every layer's one op, kernels.FusedLayer, on the same input, writing the same cache position),
+and the rest (embedding, final norm, graph building and MLX's scheduling). Also the bytes of weights read per token.
 
 `--batch 1 4` also times whole decode steps of 1 and 4 rows over mlx-lm's BatchKVCache, as the
 scheduler batches concurrent streams: the sizes take turns, five rounds, wall and CPU ms per step
@@ -68,21 +68,10 @@ def main(argv=None):
     h = inner.embed_tokens(token)
     mx.eval(h)
 
-    def layers_only():
-        out = []
-        for layer, c in zip(inner.layers, cache):
-            attn, mlp = layer.self_attn, layer.mlp
-            qw = lambda m: (m["weight"], m["scales"], m["biases"], m.group_size, m.bits)  # noqa: E731
-            q, k, v = kernels.attn_in(h, layer.input_layernorm.weight, layer.input_layernorm.eps,
-                                      qw(attn.q_proj), qw(attn.k_proj), qw(attn.v_proj), attn.n_heads,
-                                      attn.n_kv_heads, attn.rope.dims, attn.rope.traditional,
-                                      attn.rope.base, attn.rope.scale, c.offset)
-            k, v = c.keys[..., :c.offset, :], c.values[..., :c.offset, :]  # the cache as it is
-            out.append(kernels.block_out(h, q, k, v, attn.scale, qw(attn.o_proj),
-                                         layer.post_attention_layernorm.weight,
-                                         layer.post_attention_layernorm.eps, qw(mlp.gate_proj),
-                                         qw(mlp.up_proj), qw(mlp.down_proj)))
-        return out
+    fused = [layer._fused or layer._fuse() for layer in inner.layers]
+
+    def layers_only():  # each layer's one op (attn_in, the cache write, block_out) at the same position
+        return [f(h, c.keys, c.values, c.offset) for f, c in zip(fused, cache)]
 
     def step():
         out = model(token, cache=cache)
@@ -95,7 +84,7 @@ def main(argv=None):
     step_parts_wall(model, kernels, token, cache, a.steps)
     emb = inner.embed_tokens
     head = f"output head ({emb.bits}-bit, {emb.weight.shape[0]} x {h.shape[-1]})"
-    layers = f"{len(inner.layers)} layers: attn_in + block_out"
+    layers = f"{len(inner.layers)} layers: one op each"
     cases = {"whole step": step, head: lambda: quantized_product(emb, h), layers: layers_only}
     times = {}
     for name, fn in cases.items():

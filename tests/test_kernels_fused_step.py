@@ -1,0 +1,100 @@
+"""A llama layer's one-token step over a plain KVCache as one op (engine/kernels/layout.py,
+KernelLlamaBlock; ops.cpp, DecodeLayer): it writes the new keys and values into the cache's
+buffers itself, so the cache must end exactly as mlx-lm's own update leaves it, the logits
+must equal the two-op path's (attn_in, mlx-lm's update, block_out) bit for bit, and a buffer
+another array still holds (a snapshot) must never be written into."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine.kernels.layout import _qw
+from tiny_models import tiny_llama_pair
+
+pytestmark = pytest.mark.fast
+
+
+def two_op_step(kern, model, tokens, cache):
+    """The model's one-token step as the two fused ops around mlx-lm's KVCache.update_and_fetch
+    (what every step took before the one-op layer)."""
+    inner = model.model
+    h = inner.embed_tokens(tokens)
+    for layer, c in zip(inner.layers, cache):
+        attn, mlp = layer.self_attn, layer.mlp
+        n1, n2, rope = layer.input_layernorm, layer.post_attention_layernorm, attn.rope
+        q, k, v = kern.attn_in(h, n1.weight, n1.eps, _qw(attn.q_proj), _qw(attn.k_proj),
+                               _qw(attn.v_proj), attn.n_heads, attn.n_kv_heads, rope.dims,
+                               rope.traditional, rope.base, rope.scale, c.offset)
+        k, v = c.update_and_fetch(k, v)
+        h = kern.block_out(h, q, k, v, attn.scale, _qw(attn.o_proj), n2.weight, n2.eps,
+                           _qw(mlp.gate_proj), _qw(mlp.up_proj), _qw(mlp.down_proj))
+    return inner.embed_tokens.as_linear(inner.norm(h))
+
+
+def address(a: mx.array) -> int:
+    """Where `a`'s data lives (the view is gone when this returns, so it holds nothing)."""
+    return np.asarray(memoryview(a)).__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_one_op_steps_leave_the_cache_as_mlx_lms_update_across_a_buffer_growth(kern, batch):
+    """A 250-token prompt, then 10 one-token steps (the cache's buffer grows from 256 to 512
+    positions on the 7th): every step's logits equal the two-op path's bit for bit, and each
+    layer's keys, values (whole buffers) and offset equal what mlx-lm's update leaves; each
+    layer is one graph node."""
+    ours, _ = tiny_llama_pair(4, 32, True)
+    prompt = mx.array([[(7 * i + r) % 300 + 1 for i in range(250)] for r in range(batch)])
+    fused, reference = make_prompt_cache(ours), make_prompt_cache(ours)
+    mx.eval(ours(prompt, cache=fused), ours(prompt, cache=reference))
+    tokens = mx.array([[5]] * batch)
+    for step in range(10):
+        a = ours(tokens, cache=fused)
+        if fused[0].offset != 257:  # not the growth step (mlx-lm's update grows the buffer)
+            ops = graph_primitives(a)
+            assert ops.count("MlxchatDecodeLayer") == len(ours.model.layers), ops
+            assert "SliceUpdate" not in ops and "MlxchatAttnIn" not in ops, ops
+        b = two_op_step(kern, ours, tokens, reference)
+        mx.eval(a, b)
+        assert mx.array_equal(a, b).item(), step
+        for x, y in zip(fused, reference):
+            assert x.offset == y.offset == 251 + step
+            assert x.keys.shape == y.keys.shape and x.values.shape == y.values.shape
+            assert mx.array_equal(x.keys, y.keys).item() and mx.array_equal(x.values, y.values).item()
+        tokens = mx.argmax(a[:, -1:], axis=-1)
+    assert fused[0].keys.shape[2] == 512
+
+
+def graph_primitives(a: mx.array) -> list[str]:
+    """The primitives' names in `a`'s (unevaluated) graph, from mx.export_to_dot."""
+    import io
+
+    out = io.StringIO()
+    mx.export_to_dot(out, a)
+    return [line.split('label ="')[1].split('"')[0] for line in out.getvalue().splitlines()
+            if 'label ="' in line and "shape=rectangle" in line]
+
+
+def test_a_step_writes_in_place_but_never_into_memory_a_view_holds(kern):
+    """As with mlx-lm's update: with nothing else holding the cache's buffers a step writes the
+    new position into them (no copy), the `keys`/`values` array objects themselves are updated
+    (a holder of them sees the new position), and memory a view still holds (a snapshot's
+    slice) keeps its contents, the cache moving to a written copy."""
+    ours, _ = tiny_llama_pair(4, 32, True)
+    cache = make_prompt_cache(ours)
+    mx.eval(ours(mx.array([[3, 1, 4, 1, 5, 9, 2, 6]]), cache=cache))
+    token = mx.array([[7]])
+    where = [address(c.keys) for c in cache]
+    objects = [(c.keys, c.values) for c in cache]
+    mx.eval(ours(token, cache=cache))
+    assert [address(c.keys) for c in cache] == where
+    assert all(c.keys is k and c.values is v for c, (k, v) in zip(cache, objects))
+    views = [(c.keys[..., :16, :], c.values[..., :16, :]) for c in cache]
+    mx.eval(views)
+    before = [(np.array(k), np.array(v)) for k, v in views]
+    mx.eval(ours(token, cache=cache))
+    for (k, v), (k0, v0), c in zip(views, before, cache):
+        assert np.array_equal(np.array(k), k0) and np.array_equal(np.array(v), v0)
+        assert c.offset == 10 and not np.array_equal(np.array(c.keys)[..., 9, :], k0[..., 9, :])
+        assert np.array_equal(np.array(c.keys)[..., :9, :], k0[..., :9, :])
+        assert address(c.keys) != address(k)
