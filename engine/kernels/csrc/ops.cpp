@@ -755,6 +755,79 @@ mx::array dequantize(const mx::array& w, const mx::array& s, const mx::array& b,
                    std::make_shared<Dequantize>(cpu_stream(), gs, bits), {w, s, b});
 }
 
+// -------------------------------------------- embedding lookup (rows of a quantized table)
+
+// Row `id` of W (N, K) as fp32 into out (K floats): code * scale, then + bias, two roundings as
+// mx.dequantize does (no fused multiply-add: this file is built without FMA). A negative id
+// counts from the end (as MLX's indexing does); one outside the table gives zeros.
+void embedding_row(const QMat& W, int64_t id, float* out) {
+  if (id < 0) id += W.N;
+  if (id < 0 || id >= W.N) return std::fill(out, out + W.K, 0.0f);
+  const int64_t groups = W.K / W.gs, per_word = 32 / W.bits;
+  const uint32_t mask = (1u << W.bits) - 1;
+  const uint32_t* w = W.w + id * (W.K / per_word);
+  for (int64_t g = 0; g < groups; ++g) {
+    const float sc = load_scalar(W.scales, W.st, id * groups + g);
+    const float bi = load_scalar(W.biases, W.st, id * groups + g);
+    for (int64_t k = g * W.gs, e = k + W.gs; k < e; ++k) {
+      const float scaled = float((w[k / per_word] >> (W.bits * (k % per_word))) & mask) * sc;
+      out[k] = scaled + bi;
+    }
+  }
+}
+
+template <class T>
+void embedding_rows(const mx::array& ids, const QMat& W, float* out) {
+  std::vector<T> tmp;
+  const T* p = contiguous_as<T>(ids, tmp);
+  for (size_t i = 0; i < ids.size(); ++i) embedding_row(W, int64_t(p[i]), out + int64_t(i) * W.K);
+}
+
+class EmbeddingRows : public CpuPrimitive {
+ public:
+  EmbeddingRows(mx::Stream s, int gs, int bits) : CpuPrimitive(s), gs_(gs), bits_(bits) {}
+  Task task() const override {
+    return [gs = gs_, bits = bits_](const Arrays& in, Arrays& out) {
+      QHold keep;
+      const QMat W = qmat(in[1], in[2], in[3], gs, bits, keep);
+      float* y = out[0].data<float>();
+      const auto& ids = in[0];
+      if (ids.dtype() == mx::int32) embedding_rows<int32_t>(ids, W, y);
+      else if (ids.dtype() == mx::uint32) embedding_rows<uint32_t>(ids, W, y);
+      else if (ids.dtype() == mx::int64) embedding_rows<int64_t>(ids, W, y);
+      else embedding_rows<uint64_t>(ids, W, y);
+    };
+  }
+  const char* name() const override { return "MlxchatEmbedding"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const EmbeddingRows&>(other);
+    return gs_ == o.gs_ && bits_ == o.bits_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    auto shape = in[0].shape();
+    shape.push_back(in[1].shape(1) * (32 / bits_));
+    return {shape};
+  }
+
+ private:
+  int gs_, bits_;
+};
+
+// The rows `ids` (any shape, 32- or 64-bit integers) of the quantized table (w, scales, biases)
+// as float32: ids.shape + (K,). One op for what gathering and mx.dequantize take ~35 graph nodes.
+mx::array embedding(const mx::array& ids, const mx::array& w, const mx::array& s,
+                    const mx::array& b, int gs, int bits) {
+  const auto t = ids.dtype();
+  if (t != mx::int32 && t != mx::uint32 && t != mx::int64 && t != mx::uint64)
+    throw std::invalid_argument("ids must be 32- or 64-bit integers");
+  if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8");
+  check_quantized(int64_t(w.ndim() == 2 ? w.shape(1) : 0) * (32 / bits), w, s, b, gs, bits);
+  auto shape = ids.shape();
+  shape.push_back(w.shape(1) * (32 / bits));
+  return mx::array(shape, mx::float32, std::make_shared<EmbeddingRows>(cpu_stream(), gs, bits),
+                   {ids, w, s, b});
+}
+
 // ------------------------------------------------------- SwiGLU (a llama MLP's activation)
 
 class SwiGLU : public CpuPrimitive {
@@ -1411,6 +1484,8 @@ NB_MODULE(_mlxchat_kernels, m) {
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"), nb::arg("int8") = false);
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"));
+  m.def("embedding", &embedding, nb::arg("ids"), nb::arg("w"), nb::arg("scales"),
+        nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"));
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("up"));
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
   m.def("rope", &rope, nb::arg("x"), nb::arg("dims"), nb::arg("traditional"), nb::arg("base"),
