@@ -9,27 +9,10 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.kernels.layout import _qw
+from bench.profile_decode import two_op_step
 from tiny_models import tiny_llama_pair
 
 pytestmark = pytest.mark.fast
-
-
-def two_op_step(kern, model, tokens, cache):
-    """The model's one-token step as the two fused ops around mlx-lm's KVCache.update_and_fetch
-    (what every step took before the one-op layer)."""
-    inner = model.model
-    h = inner.embed_tokens(tokens)
-    for layer, c in zip(inner.layers, cache):
-        attn, mlp = layer.self_attn, layer.mlp
-        n1, n2, rope = layer.input_layernorm, layer.post_attention_layernorm, attn.rope
-        q, k, v = kern.attn_in(h, n1.weight, n1.eps, _qw(attn.q_proj), _qw(attn.k_proj),
-                               _qw(attn.v_proj), attn.n_heads, attn.n_kv_heads, rope.dims,
-                               rope.traditional, rope.base, rope.scale, c.offset)
-        k, v = c.update_and_fetch(k, v)
-        h = kern.block_out(h, q, k, v, attn.scale, _qw(attn.o_proj), n2.weight, n2.eps,
-                           _qw(mlp.gate_proj), _qw(mlp.up_proj), _qw(mlp.down_proj))
-    return inner.embed_tokens.as_linear(inner.norm(h))
 
 
 def address(a: mx.array) -> int:
