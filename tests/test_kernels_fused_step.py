@@ -100,3 +100,22 @@ def test_embedding_rows_equal_gathering_and_mx_dequantize(kern, bits, gs, scales
         ours = kern.embedding(ids, w, s, b, gs, bits)
         assert ours.shape == ref.shape and ours.dtype == mx.float32
         assert mx.array_equal(ours, ref).item()
+
+
+def test_pipelined_steps_write_in_place(kern):
+    """The engine builds and evaluates the next step's graph while the previous one still runs
+    (mx.async_eval): MLX holds the previous step's buffers until its stream has run that step,
+    and the one-op layer must still write into the same buffers (no copy of every layer's cache
+    each step), as mlx-lm's update does."""
+    ours, _ = tiny_llama_pair(4, 32, True)
+    cache = make_prompt_cache(ours)
+    mx.eval(ours(mx.array([[3, 1, 4, 1, 5, 9, 2, 6]]), cache=cache))
+    where = [address(c.keys) for c in cache] + [address(c.values) for c in cache]
+    logits = ours(mx.array([[7]]), cache=cache)
+    mx.async_eval(logits)
+    for _ in range(6):
+        logits = ours(mx.argmax(logits[:, -1:], axis=-1), cache=cache)
+        mx.async_eval(logits)
+    mx.eval(logits)
+    assert cache[0].offset == 15
+    assert [address(c.keys) for c in cache] + [address(c.values) for c in cache] == where

@@ -1318,10 +1318,20 @@ class DecodeLayer : public CpuPrimitive {
     if (owned && !tracing)
       for (auto& o : outs)
         if (&o.inputs() != &in) o.inputs().clear();
+    // MLX also keeps every input's and every other output's memory alive until the stream has run
+    // the op (a task queued after it), so while the previous step is still running (the engine
+    // evaluates the next step's graph asynchronously) that memory looks held. A buffer that looks
+    // held waits for the stream to finish what it was given, then is taken if nothing holds it
+    // still (once a step: the previous step's holds all end together).
     alloc(outs[0]);
     for (int i = 0; i < 2; ++i) {
       const mx::array& buf = in[kKeys + i];
-      if (buf.is_donatable() && buf.flags().row_contiguous)
+      if (!buf.flags().row_contiguous) {
+        alloc(outs[1 + i]);
+        continue;
+      }
+      if (!buf.is_donatable()) mx::synchronize(const_cast<DecodeLayer*>(this)->stream());
+      if (buf.is_donatable())
         outs[1 + i].copy_shared_buffer(buf);
       else
         alloc(outs[1 + i]);
