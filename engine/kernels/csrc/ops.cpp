@@ -222,6 +222,7 @@ struct RopeParams {
   int dims;
   bool trad;
   float base, scale;
+  bool operator==(const RopeParams&) const = default;
 };
 
 // cos and sin of positions offset + t (t < L) at each of the dims / 2 frequencies: cs and sn
@@ -1128,8 +1129,7 @@ class AttnIn : public CpuPrimitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const AttnIn&>(other);
     return eps_ == o.eps_ && q_ == o.q_ && heads_ == o.heads_ && kv_heads_ == o.kv_heads_ &&
-           rope_.dims == o.rope_.dims && rope_.trad == o.rope_.trad && rope_.base == o.rope_.base &&
-           rope_.scale == o.rope_.scale && offset_ == o.offset_ && offsets_ == o.offsets_;
+           rope_ == o.rope_ && offset_ == o.offset_ && offsets_ == o.offsets_;
   }
 
  private:
@@ -1344,8 +1344,7 @@ class DecodeLayer : public CpuPrimitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const DecodeLayer&>(other);
     return eps1_ == o.eps1_ && eps2_ == o.eps2_ && q_ == o.q_ && heads_ == o.heads_ &&
-           rope_.dims == o.rope_.dims && rope_.trad == o.rope_.trad && rope_.base == o.rope_.base &&
-           rope_.scale == o.rope_.scale && offset_ == o.offset_ && scale_ == o.scale_;
+           rope_ == o.rope_ && offset_ == o.offset_ && scale_ == o.scale_;
   }
 
  private:
