@@ -1253,24 +1253,27 @@ mx::array block_out(const mx::array& h, const mx::array& q, const mx::array& k, 
 // above and mlx-lm's cache update between them (KVCache.update_and_fetch: a SliceUpdate and a
 // Slice for each of keys and values), so a layer's step is one graph node instead of six.
 //
-// Inputs: h (B, 1, Dm), norm1, the q, k and v products (weight, scales, biases each), the cache's
-// keys and values buffers (B, Hk, capacity, D float32; the new position `offset` < capacity),
-// o's three arrays, norm2, gate's, up's and down's three each. Outputs: the layer's output, then
+// Inputs: h (B, 1, Dm) and the cache's keys and values buffers (B, Hk, capacity, D float32; the
+// new position `offset` < capacity). The layer's weights (FusedLayer's, evaluated once) the op
+// holds itself: norm1, the q, k and v products (weight, scales, biases each), o's three arrays,
+// norm2, gate's, up's and down's three each. Outputs: the layer's output, then
 // the keys and values buffers with position `offset` written. Like MLX's SliceUpdate, an output
 // buffer is its input's own memory when MLX may reuse it (the input is donatable: no other array
 // or view holds that memory) and a copy otherwise, so a snapshot holding the old buffer keeps it.
 class DecodeLayer : public CpuPrimitive {
  public:
-  static constexpr int kKeys = 11, kValues = 12, kOut = 13;  // input positions
+  static constexpr int kKeys = 1, kValues = 2;  // input positions (h is the first)
+  using Weights = std::shared_ptr<const std::vector<mx::array>>;
 
-  DecodeLayer(mx::Stream s, float eps1, float eps2, std::vector<QSpec> q, int heads, RopeParams rope,
-              int offset, float scale)
-      : CpuPrimitive(s), eps1_(eps1), eps2_(eps2), q_(std::move(q)), heads_(heads), rope_(rope),
-        offset_(offset), scale_(scale) {}
+  DecodeLayer(mx::Stream s, Weights weights, float eps1, float eps2, std::vector<QSpec> q,
+              int heads, RopeParams rope, int offset, float scale)
+      : CpuPrimitive(s), weights_(std::move(weights)), eps1_(eps1), eps2_(eps2), q_(std::move(q)),
+        heads_(heads), rope_(rope), offset_(offset), scale_(scale) {}
 
   Task task() const override {
-    return [eps1 = eps1_, eps2 = eps2_, q = q_, heads = heads_, rope = rope_, offset = offset_,
-            scale = scale_](const Arrays& ins, Arrays& outs) {
+    return [weights = weights_, eps1 = eps1_, eps2 = eps2_, q = q_, heads = heads_, rope = rope_,
+            offset = offset_, scale = scale_](const Arrays& ins, Arrays& outs) {
+      const mx::array* w = weights->data();
       BufferCache::get().release();  // a decode step: the prompt's buffers go back
       std::vector<float> th, tw;
       const auto& h = ins[0];
@@ -1278,7 +1281,7 @@ class DecodeLayer : public CpuPrimitive {
       const int64_t Hk = ins[kKeys].shape(1), D = ins[kKeys].shape(3), H = heads;
       std::vector<float> qo(size_t(B * H * D)), kv(size_t(2 * B * Hk * D));
       const float* hd = contiguous_f32(h, th);
-      attn_in_rows(hd, B, Dm, contiguous_f32(ins[1], tw), eps1, &ins[2], {q[0], q[1], q[2]}, rope,
+      attn_in_rows(hd, B, Dm, contiguous_f32(w[0], tw), eps1, w + 1, {q[0], q[1], q[2]}, rope,
                    offset, nullptr, H, Hk, D, qo.data(), kv.data(), kv.data() + B * Hk * D);
       KV views[2];
       {
@@ -1305,7 +1308,7 @@ class DecodeLayer : public CpuPrimitive {
         }
       }
       block_out_rows(hd, B, Dm, qo.data(), views[0], views[1], H, Hk, offset + 1, D, scale, eps2,
-                     &ins[kOut], {q[3], q[4], q[5], q[6]}, nullptr, outs[0].data<float>());
+                     w + 10, {q[3], q[4], q[5], q[6]}, nullptr, outs[0].data<float>());
     };
   }
   void allocate_outputs(const Arrays& in, Arrays& outs) const override {
@@ -1343,11 +1346,12 @@ class DecodeLayer : public CpuPrimitive {
   const char* name() const override { return "MlxchatDecodeLayer"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const DecodeLayer&>(other);
-    return eps1_ == o.eps1_ && eps2_ == o.eps2_ && q_ == o.q_ && heads_ == o.heads_ &&
-           rope_ == o.rope_ && offset_ == o.offset_ && scale_ == o.scale_;
+    return weights_ == o.weights_ && eps1_ == o.eps1_ && eps2_ == o.eps2_ && q_ == o.q_ &&
+           heads_ == o.heads_ && rope_ == o.rope_ && offset_ == o.offset_ && scale_ == o.scale_;
   }
 
  private:
+  Weights weights_;
   float eps1_, eps2_;
   std::vector<QSpec> q_;  // q, k, v, o, gate, up, down
   int heads_;
@@ -1391,13 +1395,14 @@ class FusedLayer {
     // int8 activations for q/k/v and o only: the MLP stays exact (see layout.py)
     const bool i8[] = {int8, int8, int8, int8, false, false, false};
     int n = 0;
-    weights_.push_back(norm1);
+    std::vector<mx::array> weights{norm1};
     for (auto* W : {&wq, &wk, &wv, &wo, &wg, &wu, &wd}) {
-      if (W == &wo) weights_.insert(weights_.end(), {mx::array(0.0f), mx::array(0.0f)});  // keys, values
-      weights_.insert(weights_.end(), {std::get<0>(*W), std::get<1>(*W), std::get<2>(*W)});
-      if (W == &wo) weights_.push_back(norm2);
+      weights.insert(weights.end(), {std::get<0>(*W), std::get<1>(*W), std::get<2>(*W)});
+      if (W == &wo) weights.push_back(norm2);
       q_.push_back({std::get<3>(*W), std::get<4>(*W), i8[n++]});
     }
+    mx::eval(weights);
+    weights_ = std::make_shared<const std::vector<mx::array>>(std::move(weights));
   }
 
   // The step's output; `keys` and `values` become the written buffers, in place (the arrays
@@ -1411,16 +1416,11 @@ class FusedLayer {
         throw std::invalid_argument("keys and values must be (B, kv heads, capacity, head dim) float32");
     if (keys.shape() != values.shape() || offset < 0 || offset >= keys.shape(2))
       throw std::invalid_argument("the new position must lie inside the cache's buffers");
-    std::vector<mx::array> inputs;
-    inputs.reserve(weights_.size() + 1);
-    inputs.push_back(h);
-    inputs.insert(inputs.end(), weights_.begin(), weights_.end());
-    inputs[DecodeLayer::kKeys] = keys;
-    inputs[DecodeLayer::kValues] = values;
     auto outs = mx::array::make_arrays(
         {h.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
-        std::make_shared<DecodeLayer>(cpu_stream(), eps1_, eps2_, q_, heads_, rope_, offset, scale_),
-        inputs);
+        std::make_shared<DecodeLayer>(cpu_stream(), weights_, eps1_, eps2_, q_, heads_, rope_,
+                                      offset, scale_),
+        {h, keys, values});
     keys.overwrite_descriptor(outs[1]);
     values.overwrite_descriptor(outs[2]);
     return outs[0];
@@ -1433,7 +1433,9 @@ class FusedLayer {
   RopeParams rope_;
   float scale_;
   std::vector<QSpec> q_;
-  std::vector<mx::array> weights_;  // the op's inputs after h, keys and values as placeholders
+  // norm1, q's, k's, v's and o's three arrays each, norm2, gate's, up's and down's: evaluated
+  // once, read by every step's op (not its graph inputs: fewer arrays for MLX to track each step)
+  DecodeLayer::Weights weights_;
 };
 
 // ----------------------------------------------- read bandwidth (the bench's STREAM-style row)
