@@ -119,3 +119,20 @@ def test_pipelined_steps_write_in_place(kern):
     mx.eval(logits)
     assert cache[0].offset == 15
     assert [address(c.keys) for c in cache] + [address(c.values) for c in cache] == where
+
+
+def test_the_one_op_refuses_buffers_it_cannot_write(kern):
+    """A position outside the buffers, buffers of another shape or dtype: a ValueError before
+    any graph is built, never a write out of bounds."""
+    ours, _ = tiny_llama_pair(4, 32, True)
+    layer = ours.model.layers[0]
+    fused = layer._fused or layer._fuse()
+    h = mx.zeros((1, 1, 128))
+    keys, values = mx.zeros((1, 2, 8, 32)), mx.zeros((1, 2, 8, 32))
+    mx.eval(fused(h, keys, values, 7))  # the last position: fine
+    for bad in [(h, keys, values, 8), (h, keys, values, -1),
+                (h, mx.zeros((1, 2, 8, 16)), mx.zeros((1, 2, 8, 16)), 0),
+                (h, keys.astype(mx.float16), values.astype(mx.float16), 0),
+                (h, keys, mx.zeros((1, 2, 9, 32)), 0), (mx.zeros((1, 1, 64)), keys, values, 0)]:
+        with pytest.raises(ValueError):
+            fused(*bad)
