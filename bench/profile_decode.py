@@ -8,10 +8,14 @@ model folder; the bundled model by default.
 
 First the wall time of whole steps split into parts (`step_parts_wall`): building the graph
 (Python, mlx-lm's modules), evaluating it, and inside the evaluation each part of our ops as the
-kernels time it on MLX's CPU thread (norms, the fused q/k/v product, RoPE, attention, o, gate/up,
-SwiGLU, down, the output head and other single products), the rest being MLX's own work (the
-KV-cache updates, the embedding, scheduling); then the pool's dispatches per token, how many
+kernels time it on MLX's CPU thread (norms, the fused q/k/v product, RoPE, the KV-cache write,
+attention, o, gate/up, SwiGLU, down, the output head and other single products), the rest being
+MLX's own work (the embedding, the final norm, scheduling); then the pool's dispatches per token, how many
 woke a sleeping thread, and how long the calling thread waited for the others at their end.
+
+`--ab one-op` times whole steps of the model (each layer one op, the embedding one op) against
+the same steps as they ran before (`two_op_step`: attn_in, mlx-lm's KV-cache update, block_out;
+MLX's gather and dequantize for the embedding), alternating in one process.
 
 `--ab SETTER=V1,V2,...` instead times whole steps with one of the kernels' switches taking each
 value in turn (`set_prefetch_bytes`, `set_spin_us`, `set_interleave_rows`), --rounds rounds of
@@ -19,8 +23,8 @@ value in turn (`set_prefetch_bytes`, `set_spin_us`, `set_interleave_rows`), --ro
 
 CPU time (process_time) per token, so that load from other processes on a shared machine
 counts less: the whole step, the tied output head alone, the fused layer ops alone
-(attn_in + block_out of every layer on the same input and cache), and the rest (embedding, KV-cache updates, final
-norm, graph building and MLX's scheduling). Also the bytes of weights read per token.
+(every layer's one op, kernels.FusedLayer, on the same input, writing the same cache position),
+and the rest (embedding, final norm, graph building and MLX's scheduling). Also the bytes of weights read per token.
 
 `--batch 1 4` also times whole decode steps of 1 and 4 rows over mlx-lm's BatchKVCache, as the
 scheduler batches concurrent streams: the sizes take turns, five rounds, wall and CPU ms per step
@@ -68,21 +72,10 @@ def main(argv=None):
     h = inner.embed_tokens(token)
     mx.eval(h)
 
-    def layers_only():
-        out = []
-        for layer, c in zip(inner.layers, cache):
-            attn, mlp = layer.self_attn, layer.mlp
-            qw = lambda m: (m["weight"], m["scales"], m["biases"], m.group_size, m.bits)  # noqa: E731
-            q, k, v = kernels.attn_in(h, layer.input_layernorm.weight, layer.input_layernorm.eps,
-                                      qw(attn.q_proj), qw(attn.k_proj), qw(attn.v_proj), attn.n_heads,
-                                      attn.n_kv_heads, attn.rope.dims, attn.rope.traditional,
-                                      attn.rope.base, attn.rope.scale, c.offset)
-            k, v = c.keys[..., :c.offset, :], c.values[..., :c.offset, :]  # the cache as it is
-            out.append(kernels.block_out(h, q, k, v, attn.scale, qw(attn.o_proj),
-                                         layer.post_attention_layernorm.weight,
-                                         layer.post_attention_layernorm.eps, qw(mlp.gate_proj),
-                                         qw(mlp.up_proj), qw(mlp.down_proj)))
-        return out
+    fused = [layer._fused or layer._fuse() for layer in inner.layers]
+
+    def layers_only():  # each layer's one op (attn_in, the cache write, block_out) at the same position
+        return [f(h, c.keys, c.values, c.offset) for f, c in zip(fused, cache)]
 
     def step():
         out = model(token, cache=cache)
@@ -90,12 +83,21 @@ def main(argv=None):
             c.offset -= 1
         return out
 
+    if a.ab == "one-op":
+        def before():  # the step as it ran before the one-op layer, at the same context
+            out = two_op_step(kernels, model, token, cache)
+            for c in cache:
+                c.offset -= 1
+            return out
+
+        return alternate_steps({"one-op layer": step, "two ops around mlx-lm's update": before},
+                               kernels, a.steps, a.rounds)
     if a.ab:
         return alternate(kernels, step, a.ab, a.steps, a.rounds)
     step_parts_wall(model, kernels, token, cache, a.steps)
     emb = inner.embed_tokens
     head = f"output head ({emb.bits}-bit, {emb.weight.shape[0]} x {h.shape[-1]})"
-    layers = f"{len(inner.layers)} layers: attn_in + block_out"
+    layers = f"{len(inner.layers)} layers: one op each"
     cases = {"whole step": step, head: lambda: quantized_product(emb, h), layers: layers_only}
     times = {}
     for name, fn in cases.items():
@@ -123,6 +125,57 @@ def model_path(name: str | None) -> str | None:
     from bench.decode import random_folder
 
     return str(random_folder(name))
+
+
+def two_op_step(kernels, model, tokens, cache):
+    """A llama model's one-token step as it ran before each layer became one op: the embedding
+    through MLX's gather and mx.dequantize, and per layer our attn_in, mlx-lm's
+    KVCache.update_and_fetch, our block_out; then the final norm and the head."""
+    import mlx.core as mx
+
+    from engine.kernels.layout import _qw
+
+    inner = model.model
+    e = inner.embed_tokens
+    h = mx.dequantize(e["weight"][tokens], e["scales"][tokens].astype(mx.float32),
+                      e["biases"][tokens].astype(mx.float32), e.group_size, e.bits)
+    for layer, c in zip(inner.layers, cache):
+        attn, mlp = layer.self_attn, layer.mlp
+        n1, n2, rope = layer.input_layernorm, layer.post_attention_layernorm, attn.rope
+        q, k, v = kernels.attn_in(h, n1.weight, n1.eps, _qw(attn.q_proj), _qw(attn.k_proj),
+                                  _qw(attn.v_proj), attn.n_heads, attn.n_kv_heads, rope.dims,
+                                  rope.traditional, rope.base, rope.scale, c.offset)
+        k, v = c.update_and_fetch(k, v)
+        h = kernels.block_out(h, q, k, v, attn.scale, _qw(attn.o_proj), n2.weight, n2.eps,
+                              _qw(mlp.gate_proj), _qw(mlp.up_proj), _qw(mlp.down_proj))
+    h = inner.norm(h)
+    return e.as_linear(h) if model.args.tie_word_embeddings else model.lm_head(h)
+
+
+def alternate_steps(steps_by_name, kernels, steps: int, rounds: int) -> None:
+    """Whole steps of each function in turn, `rounds` rounds of `steps` steps in one process;
+    prints wall and process CPU ms per token (median of rounds)."""
+    import statistics
+
+    import mlx.core as mx
+
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in steps_by_name}
+    for fn in steps_by_name.values():
+        for _ in range(3):
+            mx.eval(fn())
+    for _ in range(rounds):
+        for name, fn in steps_by_name.items():
+            w, c = time.perf_counter(), time.process_time()
+            for _ in range(steps):
+                mx.eval(fn())
+            runs[name].append(((time.perf_counter() - w) / steps * 1e3,
+                               (time.process_time() - c) / steps * 1e3))
+    print(f"{kernels.num_threads()} threads, load average {os.getloadavg()[0]:.1f}, "
+          f"{rounds} rounds of {steps} steps, ms per token (median [min-max]):")
+    for name, r in runs.items():
+        wall, cpu = [x[0] for x in r], [x[1] for x in r]
+        print(f"  {name:<32} wall {statistics.median(wall):7.2f} [{min(wall):.2f}-{max(wall):.2f}]"
+              f"  CPU {statistics.median(cpu):7.2f} [{min(cpu):.2f}-{max(cpu):.2f}]")
 
 
 def alternate(kernels, step, spec: str, steps: int, rounds: int) -> None:

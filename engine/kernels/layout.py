@@ -15,7 +15,8 @@ arrays), as engine/kernels/cpu_layout.py does for its fp32 layout:
   runs mlx-lm's own code;
 - mlx-lm's llama `MLP` -> `KernelMLP`: our SwiGLU between its products;
 - mlx-lm's llama `TransformerBlock` -> `KernelLlamaBlock`: where every part of the layer took the
-  kernels, a one-token step is two fused ops around mlx-lm's own KV-cache update.
+  kernels, a one-token step over a plain `KVCache` is one op that also writes the cache (else two
+  fused ops around the cache's own update).
 
 A one-token step over mlx-lm's `BatchKVCache` (the scheduler's batched decoding) gives each row
 its own RoPE position (the cache's per-row `offset`) and hides the keys before each row's
@@ -39,6 +40,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
 from mlx_lm.models.activations import swiglu
+from mlx_lm.models.cache import KVCache
 
 from . import native
 from .caches import batch_kv, plain_kv
@@ -96,10 +98,18 @@ class KernelLinear(nn.QuantizedLinear):
         return y + self["bias"] if "bias" in self else y
 
 
+_IDS = (mx.int32, mx.uint32, mx.int64, mx.uint64)
+
+
 class KernelEmbedding(nn.QuantizedEmbedding):
     int8_activations = False  # set per layer by to_kernel_layout
 
     def __call__(self, x: mx.array) -> mx.array:
+        """The rows `x` as fp32: one op of ours (kernels.embedding) for 32- and 64-bit ids, the
+        same values as gathering them and mx.dequantize, whose ~35 graph nodes it replaces."""
+        if x.dtype in _IDS:
+            return _Run.kernels.embedding(x, self["weight"], self["scales"], self["biases"],
+                                          self.group_size, self.bits)
         return mx.dequantize(self["weight"][x], self["scales"][x].astype(mx.float32),
                              self["biases"][x].astype(mx.float32), self.group_size, self.bits)
 
@@ -200,16 +210,39 @@ def _qw(layer: nn.Module) -> tuple:
 
 
 class KernelLlamaBlock(llama.TransformerBlock):
-    """mlx-lm's llama layer whose one-token step over a KVCache or BatchKVCache is two of our ops
-    around the cache update: attn_in (norm, q/k/v, RoPE) and block_out (attention, o_proj,
-    residual, norm, MLP, residual), each the same kernels as the single ops; other steps run
-    mlx-lm's code."""
+    """mlx-lm's llama layer whose one-token steps take our fused ops where every part of the layer
+    took the kernels (`fused_decode`):
+
+    - over a plain `KVCache` with room for the new position, one op (`kernels.FusedLayer`, built on
+      the layer's first such step): norm, q/k/v, RoPE, the new keys and values written into the
+      cache's buffers, attention, o_proj, residual, norm, MLP, residual. As in mlx-lm's update
+      (`KVCache.update_and_fetch`), the `keys` and `values` arrays are updated in place, their
+      memory reused unless another array (a view, a snapshot's slice) still holds it, and the
+      cache's `keys`, `values` and `offset` are then what mlx-lm's update leaves;
+      a step that needs a larger buffer (every 256 tokens) takes the path below, mlx-lm's update
+      growing it;
+    - otherwise (the 8-bit cache, a `BatchKVCache`, that growth step) two ops around the cache's own
+      update: attn_in (norm, q/k/v, RoPE) and block_out (attention, o_proj, residual, norm, MLP,
+      residual).
+
+    Each is the same kernels as the single ops; other steps run mlx-lm's code. The fused op holds
+    the weights the layer had at its first step (the model's weights do not change once converted)."""
 
     fused_decode = False  # set per layer by to_kernel_layout when every part can take the kernels
     int8_activations = False  # likewise, for its products
+    _fused: Any = None  # the layer's kernels.FusedLayer, made on its first one-op step
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        ours, starts = _one_token_step(x, mask, cache) if self.fused_decode else (False, None)
+        if not self.fused_decode:
+            return super().__call__(x, mask, cache)
+        if type(cache) is KVCache and mask is None and x.shape[1] == 1 and x.dtype == mx.float32:
+            keys, offset = cache.keys, cache.offset
+            if keys is not None and offset < keys.shape[2] and keys.dtype == mx.float32:
+                fused = self._fused or self._fuse()
+                y = fused(x, keys, cache.values, offset)  # updates keys and values in place
+                cache.offset = offset + 1
+                return y
+        ours, starts = _one_token_step(x, mask, cache)
         if not ours:
             return super().__call__(x, mask, cache)
         offsets = _row_offsets(cache)
@@ -224,6 +257,16 @@ class KernelLlamaBlock(llama.TransformerBlock):
         return kernels.block_out(x, q, k, v, attn.scale, _qw(attn.o_proj), norm2.weight, norm2.eps,
                                  _qw(mlp.gate_proj), _qw(mlp.up_proj), _qw(mlp.down_proj),
                                  int8=self.int8_activations, starts=starts)
+
+    def _fuse(self) -> Any:
+        attn, mlp = self.self_attn, self.mlp
+        norm1, norm2, rope = self.input_layernorm, self.post_attention_layernorm, attn.rope
+        self._fused = _Run.kernels.FusedLayer(
+            norm1.weight, norm1.eps, _qw(attn.q_proj), _qw(attn.k_proj), _qw(attn.v_proj),
+            attn.n_heads, attn.n_kv_heads, rope.dims, rope.traditional, rope.base, rope.scale,
+            attn.scale, _qw(attn.o_proj), norm2.weight, norm2.eps, _qw(mlp.gate_proj),
+            _qw(mlp.up_proj), _qw(mlp.down_proj), int8=self.int8_activations)
+        return self._fused
 
 
 def _fusable(block: nn.Module) -> bool:
@@ -310,6 +353,7 @@ def to_kernel_layout(model: nn.Module) -> nn.Module:
     for name, module in model.named_modules():
         if type(module) is KernelLlamaBlock:
             module.fused_decode = _fusable(module)
+            module._fused = None
         if type(module) in (KernelLinear, KernelEmbedding, KernelLlamaBlock):
             module.int8_activations = int8 and _int8_part(name, module)
     dense = swap_matvec(model)  # any dense fp32 layer left: W @ x for one row, as cpu_layout does

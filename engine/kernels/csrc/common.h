@@ -118,7 +118,7 @@ void set_spin_us(int us);
 // The decode profile (bench.profile_decode --parts): while it is on, each part of our ops adds its
 // wall time on the calling thread (a ScopedPart around it), and the pool counts its dispatches.
 enum class Part : int { Norm, QKV, Rope, Attention, O, GateUp, SwiGLU, Down, Residual, Product,
-                        Dequantize, Count };
+                        Dequantize, KVWrite, Count };
 bool profiling();
 void profile_add(Part p, int64_t ns, int64_t cpu_ns);
 

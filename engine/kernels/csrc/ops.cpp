@@ -168,7 +168,7 @@ class CpuPrimitive : public mx::Primitive {
   explicit CpuPrimitive(mx::Stream s) : mx::Primitive(s) {}
 
   void eval_cpu(const Arrays& in, Arrays& outs) final {
-    for (auto& o : outs) allocate(o);
+    allocate_outputs(in, outs);
     auto& enc = mx::cpu::get_command_encoder(stream());
     Arrays ins, os;
     for (auto& a : in) {
@@ -189,6 +189,12 @@ class CpuPrimitive : public mx::Primitive {
  protected:
   // An output's memory: MLX's allocator, unless the op keeps its own (Dequantize).
   virtual void allocate(mx::array& out) const { alloc(out); }
+  // Every output's memory (before the task is dispatched): by default each one `allocate`s; an
+  // op that writes into an input's buffer takes it over here (DecodeLayer).
+  virtual void allocate_outputs(const Arrays& in, Arrays& outs) const {
+    (void)in;
+    for (auto& o : outs) allocate(o);
+  }
 
   // The work, on the CPU thread: `in` and `out` as eval_cpu got them (outputs allocated).
   virtual Task task() const = 0;
@@ -216,6 +222,7 @@ struct RopeParams {
   int dims;
   bool trad;
   float base, scale;
+  bool operator==(const RopeParams&) const = default;
 };
 
 // cos and sin of positions offset + t (t < L) at each of the dims / 2 frequencies: cs and sn
@@ -749,6 +756,79 @@ mx::array dequantize(const mx::array& w, const mx::array& s, const mx::array& b,
                    std::make_shared<Dequantize>(cpu_stream(), gs, bits), {w, s, b});
 }
 
+// -------------------------------------------- embedding lookup (rows of a quantized table)
+
+// Row `id` of W (N, K) as fp32 into out (K floats): code * scale, then + bias, two roundings as
+// mx.dequantize does (no fused multiply-add: this file is built without FMA). A negative id
+// counts from the end (as MLX's indexing does); one outside the table gives zeros.
+void embedding_row(const QMat& W, int64_t id, float* out) {
+  if (id < 0) id += W.N;
+  if (id < 0 || id >= W.N) return std::fill(out, out + W.K, 0.0f);
+  const int64_t groups = W.K / W.gs, per_word = 32 / W.bits;
+  const uint32_t mask = (1u << W.bits) - 1;
+  const uint32_t* w = W.w + id * (W.K / per_word);
+  for (int64_t g = 0; g < groups; ++g) {
+    const float sc = load_scalar(W.scales, W.st, id * groups + g);
+    const float bi = load_scalar(W.biases, W.st, id * groups + g);
+    for (int64_t k = g * W.gs, e = k + W.gs; k < e; ++k) {
+      const float scaled = float((w[k / per_word] >> (W.bits * (k % per_word))) & mask) * sc;
+      out[k] = scaled + bi;
+    }
+  }
+}
+
+template <class T>
+void embedding_rows(const mx::array& ids, const QMat& W, float* out) {
+  std::vector<T> tmp;
+  const T* p = contiguous_as<T>(ids, tmp);
+  for (size_t i = 0; i < ids.size(); ++i) embedding_row(W, int64_t(p[i]), out + int64_t(i) * W.K);
+}
+
+class EmbeddingRows : public CpuPrimitive {
+ public:
+  EmbeddingRows(mx::Stream s, int gs, int bits) : CpuPrimitive(s), gs_(gs), bits_(bits) {}
+  Task task() const override {
+    return [gs = gs_, bits = bits_](const Arrays& in, Arrays& out) {
+      QHold keep;
+      const QMat W = qmat(in[1], in[2], in[3], gs, bits, keep);
+      float* y = out[0].data<float>();
+      const auto& ids = in[0];
+      if (ids.dtype() == mx::int32) embedding_rows<int32_t>(ids, W, y);
+      else if (ids.dtype() == mx::uint32) embedding_rows<uint32_t>(ids, W, y);
+      else if (ids.dtype() == mx::int64) embedding_rows<int64_t>(ids, W, y);
+      else embedding_rows<uint64_t>(ids, W, y);
+    };
+  }
+  const char* name() const override { return "MlxchatEmbedding"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const EmbeddingRows&>(other);
+    return gs_ == o.gs_ && bits_ == o.bits_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    auto shape = in[0].shape();
+    shape.push_back(in[1].shape(1) * (32 / bits_));
+    return {shape};
+  }
+
+ private:
+  int gs_, bits_;
+};
+
+// The rows `ids` (any shape, 32- or 64-bit integers) of the quantized table (w, scales, biases)
+// as float32: ids.shape + (K,). One op for what gathering and mx.dequantize take ~35 graph nodes.
+mx::array embedding(const mx::array& ids, const mx::array& w, const mx::array& s,
+                    const mx::array& b, int gs, int bits) {
+  const auto t = ids.dtype();
+  if (t != mx::int32 && t != mx::uint32 && t != mx::int64 && t != mx::uint64)
+    throw std::invalid_argument("ids must be 32- or 64-bit integers");
+  if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8");
+  check_quantized(int64_t(w.ndim() == 2 ? w.shape(1) : 0) * (32 / bits), w, s, b, gs, bits);
+  auto shape = ids.shape();
+  shape.push_back(w.shape(1) * (32 / bits));
+  return mx::array(shape, mx::float32, std::make_shared<EmbeddingRows>(cpu_stream(), gs, bits),
+                   {ids, w, s, b});
+}
+
 // ------------------------------------------------------- SwiGLU (a llama MLP's activation)
 
 class SwiGLU : public CpuPrimitive {
@@ -961,6 +1041,69 @@ struct QSpec {
   bool operator==(const QSpec& o) const { return gs == o.gs && bits == o.bits && int8 == o.int8; }
 };
 
+// attn_in's work on B rows h (Dm floats each): qo (B, H, D) and ko (B, Hk, D) after RoPE (row b
+// at position offset, or offsets[b] where given), vo (B, Hk, D). `w` holds the nine arrays of the
+// q, k and v products (weight, scales, biases each).
+void attn_in_rows(const float* h, int64_t B, int64_t Dm, const float* norm, float eps,
+                  const mx::array* w, const std::vector<QSpec>& q, const RopeParams& rope,
+                  int offset, const int32_t* offsets, int64_t H, int64_t Hk, int64_t D, float* qo,
+                  float* ko, float* vo) {
+  std::vector<float> xn(size_t(B * Dm));
+  {
+    ScopedPart part(Part::Norm);
+    rms_norm_rows(h, norm, eps, B, Dm, xn.data());
+  }
+  QHold keep[3];
+  std::vector<QMat> Ws;
+  for (int i = 0; i < 3; ++i)
+    Ws.push_back(qmat(w[3 * i], w[3 * i + 1], w[3 * i + 2], q[i].gs, q[i].bits, keep[i]));
+  std::vector<float> qt(size_t(B * Ws[0].N)), kt(size_t(B * Ws[1].N));
+  {
+    ScopedPart part(Part::QKV);
+    run_qmm_multi(xn.data(), B, Ws, {qt.data(), kt.data(), vo}, q[0].int8);
+  }
+  ScopedPart part(Part::Rope);
+  if (offsets) {  // per-row positions: row b's heads at offsets[b]
+    rope_qk_at(qt.data(), qo, H, kt.data(), ko, Hk, B, D, rope, offsets);
+  } else {
+    rope_rows(qt.data(), qo, B * H, 1, D, rope, offset);
+    rope_rows(kt.data(), ko, B * Hk, 1, D, rope, offset);
+  }
+}
+
+// block_out's work on B rows: y = h1 + mlp(norm2(h1)) with h1 = h + attention(q, K, V) @ Wo.T
+// over keys 0..S-1 (from starts[b] on where given). `w` holds wo's three arrays, norm2, then
+// gate's, up's and down's three each (13 arrays).
+void block_out_rows(const float* h, int64_t B, int64_t Dm, const float* q, const KV& k, const KV& v,
+                    int64_t H, int64_t Hk, int64_t S, int64_t D, float scale, float eps,
+                    const mx::array* w, const std::vector<QSpec>& qs, const int32_t* starts,
+                    float* y) {
+  std::vector<float> tn, att(size_t(B * H * D));
+  std::optional<ScopedPart> part(std::in_place, Part::Attention);  // the profile's part from here on
+  attention(q, k, v, B, H, Hk, S, D, scale, att.data(), starts);
+  QHold keep[4];
+  const QMat Wo = qmat(w[0], w[1], w[2], qs[0].gs, qs[0].bits, keep[0]);
+  const QMat Wg = qmat(w[4], w[5], w[6], qs[1].gs, qs[1].bits, keep[1]);
+  const QMat Wu = qmat(w[7], w[8], w[9], qs[2].gs, qs[2].bits, keep[2]);
+  const QMat Wd = qmat(w[10], w[11], w[12], qs[3].gs, qs[3].bits, keep[3]);
+  std::vector<float> h1(size_t(B * Dm)), xn(size_t(B * Dm));
+  part.emplace(Part::O);
+  run_qmm(att.data(), B, Wo, h1.data(), qs[0].int8);
+  part.emplace(Part::Norm);
+  for (int64_t i = 0; i < B * Dm; ++i) h1[i] = h[i] + h1[i];
+  rms_norm_rows(h1.data(), contiguous_f32(w[3], tn), eps, B, Dm, xn.data());
+  const int64_t I = Wg.N;
+  std::vector<float> g(size_t(B * I)), u(size_t(B * I));
+  part.emplace(Part::GateUp);
+  run_qmm_multi(xn.data(), B, {Wg, Wu}, {g.data(), u.data()}, qs[1].int8);
+  part.emplace(Part::SwiGLU);
+  swiglu_rows(g.data(), u.data(), B * I);
+  part.emplace(Part::Down);
+  run_qmm(g.data(), B, Wd, y, qs[3].int8);
+  part.emplace(Part::Residual);
+  for (int64_t i = 0; i < B * Dm; ++i) y[i] = h1[i] + y[i];
+}
+
 class AttnIn : public CpuPrimitive {
  public:
   AttnIn(mx::Stream s, float eps, std::vector<QSpec> q, int heads, int kv_heads, RopeParams rope,
@@ -973,41 +1116,20 @@ class AttnIn : public CpuPrimitive {
                const Arrays& ins, Arrays& os) {
       BufferCache::get().release();  // a decode step: the prompt's buffers go back
       std::vector<float> th, tw;
+      std::vector<int32_t> to;
       const auto& h = ins[0];
       const int64_t Dm = h.shape(-1), B = int64_t(h.size()) / Dm;
-      std::vector<float> xn(size_t(B * Dm));
-      {
-        ScopedPart part(Part::Norm);
-        rms_norm_rows(contiguous_f32(h, th), contiguous_f32(ins[1], tw), eps, B, Dm, xn.data());
-      }
-      QHold keep[3];
-      std::vector<QMat> Ws;
-      for (int i = 0; i < 3; ++i)
-        Ws.push_back(qmat(ins[2 + 3 * i], ins[3 + 3 * i], ins[4 + 3 * i], q[i].gs, q[i].bits, keep[i]));
-      std::vector<float> qt(size_t(B * Ws[0].N)), kt(size_t(B * Ws[1].N));
-      {
-        ScopedPart part(Part::QKV);
-        run_qmm_multi(xn.data(), B, Ws, {qt.data(), kt.data(), os[2].data<float>()}, q[0].int8);
-      }
-      ScopedPart part(Part::Rope);
-      const int64_t D = os[0].shape(-1);
-      if (offsets) {  // per-row positions: row b's heads at offsets[b]
-        std::vector<int32_t> to;
-        const int32_t* offs = contiguous_as<int32_t>(ins[11], to);
-        rope_qk_at(qt.data(), os[0].data<float>(), os[0].shape(1), kt.data(), os[1].data<float>(),
-                   os[1].shape(1), B, D, rope, offs);
-      } else {
-        rope_rows(qt.data(), os[0].data<float>(), int64_t(qt.size()) / D, 1, D, rope, offset);
-        rope_rows(kt.data(), os[1].data<float>(), int64_t(kt.size()) / D, 1, D, rope, offset);
-      }
+      attn_in_rows(contiguous_f32(h, th), B, Dm, contiguous_f32(ins[1], tw), eps, &ins[2], q, rope,
+                   offset, offsets ? contiguous_as<int32_t>(ins[11], to) : nullptr,
+                   os[0].shape(1), os[1].shape(1), os[0].shape(-1), os[0].data<float>(),
+                   os[1].data<float>(), os[2].data<float>());
     };
   }
   const char* name() const override { return "MlxchatAttnIn"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const AttnIn&>(other);
     return eps_ == o.eps_ && q_ == o.q_ && heads_ == o.heads_ && kv_heads_ == o.kv_heads_ &&
-           rope_.dims == o.rope_.dims && rope_.trad == o.rope_.trad && rope_.base == o.rope_.base &&
-           rope_.scale == o.rope_.scale && offset_ == o.offset_ && offsets_ == o.offsets_;
+           rope_ == o.rope_ && offset_ == o.offset_ && offsets_ == o.offsets_;
   }
 
  private:
@@ -1026,41 +1148,16 @@ class BlockOut : public CpuPrimitive {
 
   Task task() const override {
     return [scale = scale_, eps = eps_, q = q_, starts = starts_](const Arrays& ins, Arrays& outs) {
-      std::vector<float> th, tq, tk, tv, tn;
+      std::vector<float> th, tq, tk, tv;
       std::vector<uint32_t> tk8, tv8;
+      std::vector<int32_t> ts;
       const auto &h = ins[0], &qa = ins[1], &ka = ins[2], &va = ins[3];
       const int64_t Dm = h.shape(-1), B = int64_t(h.size()) / Dm;
-      const int64_t H = qa.shape(1), D = qa.shape(3);
-      const float* hd = contiguous_f32(h, th);
-      std::vector<float> att(size_t(B * H * D));
-      std::vector<int32_t> ts;
-      std::optional<ScopedPart> part(std::in_place, Part::Attention);  // the profile's part from here on
-      attention(contiguous_f32(qa, tq), kv_view(ka, tk, tk8, D), kv_view(va, tv, tv8, D), B, H,
-                ka.shape(1),
-                ka.shape(2), D, scale, att.data(),
-                starts ? contiguous_as<int32_t>(ins[17], ts) : nullptr);
-      QHold keep[4];
-      const QMat Wo = qmat(ins[4], ins[5], ins[6], q[0].gs, q[0].bits, keep[0]);
-      const QMat Wg = qmat(ins[8], ins[9], ins[10], q[1].gs, q[1].bits, keep[1]);
-      const QMat Wu = qmat(ins[11], ins[12], ins[13], q[2].gs, q[2].bits, keep[2]);
-      const QMat Wd = qmat(ins[14], ins[15], ins[16], q[3].gs, q[3].bits, keep[3]);
-      std::vector<float> h1(size_t(B * Dm)), xn(size_t(B * Dm));
-      part.emplace(Part::O);
-      run_qmm(att.data(), B, Wo, h1.data(), q[0].int8);
-      part.emplace(Part::Norm);
-      for (int64_t i = 0; i < B * Dm; ++i) h1[i] = hd[i] + h1[i];
-      rms_norm_rows(h1.data(), contiguous_f32(ins[7], tn), eps, B, Dm, xn.data());
-      const int64_t I = Wg.N;
-      std::vector<float> g(size_t(B * I)), u(size_t(B * I));
-      part.emplace(Part::GateUp);
-      run_qmm_multi(xn.data(), B, {Wg, Wu}, {g.data(), u.data()}, q[1].int8);
-      part.emplace(Part::SwiGLU);
-      swiglu_rows(g.data(), u.data(), B * I);
-      float* y = outs[0].data<float>();
-      part.emplace(Part::Down);
-      run_qmm(g.data(), B, Wd, y, q[3].int8);
-      part.emplace(Part::Residual);
-      for (int64_t i = 0; i < B * Dm; ++i) y[i] = h1[i] + y[i];
+      const int64_t D = qa.shape(3);
+      block_out_rows(contiguous_f32(h, th), B, Dm, contiguous_f32(qa, tq), kv_view(ka, tk, tk8, D),
+                     kv_view(va, tv, tv8, D), qa.shape(1), ka.shape(1), ka.shape(2), D, scale, eps,
+                     &ins[4], q, starts ? contiguous_as<int32_t>(ins[17], ts) : nullptr,
+                     outs[0].data<float>());
     };
   }
   const char* name() const override { return "MlxchatBlockOut"; }
@@ -1149,6 +1246,198 @@ mx::array block_out(const mx::array& h, const mx::array& q, const mx::array& k, 
                    inputs);
 }
 
+// ---------------------------- a llama decoder layer's one-token step over a KV cache, in one op
+//
+// DecodeLayer is attn_in, the new position's keys and values written into the cache's buffers,
+// and block_out over every position up to it: the same kernels in the same order as the two ops
+// above and mlx-lm's cache update between them (KVCache.update_and_fetch: a SliceUpdate and a
+// Slice for each of keys and values), so a layer's step is one graph node instead of six.
+//
+// Inputs: h (B, 1, Dm) and the cache's keys and values buffers (B, Hk, capacity, D float32; the
+// new position `offset` < capacity). The layer's weights (FusedLayer's, evaluated once) the op
+// holds itself: norm1, the q, k and v products (weight, scales, biases each), o's three arrays,
+// norm2, gate's, up's and down's three each. Outputs: the layer's output, then
+// the keys and values buffers with position `offset` written. Like MLX's SliceUpdate, an output
+// buffer is its input's own memory when MLX may reuse it (the input is donatable: no other array
+// or view holds that memory) and a copy otherwise, so a snapshot holding the old buffer keeps it.
+class DecodeLayer : public CpuPrimitive {
+ public:
+  static constexpr int kKeys = 1, kValues = 2;  // input positions (h is the first)
+  using Weights = std::shared_ptr<const std::vector<mx::array>>;
+
+  DecodeLayer(mx::Stream s, Weights weights, float eps1, float eps2, std::vector<QSpec> q,
+              int heads, RopeParams rope, int offset, float scale)
+      : CpuPrimitive(s), weights_(std::move(weights)), eps1_(eps1), eps2_(eps2), q_(std::move(q)),
+        heads_(heads), rope_(rope), offset_(offset), scale_(scale) {}
+
+  Task task() const override {
+    return [weights = weights_, eps1 = eps1_, eps2 = eps2_, q = q_, heads = heads_, rope = rope_,
+            offset = offset_, scale = scale_](const Arrays& ins, Arrays& outs) {
+      const mx::array* w = weights->data();
+      BufferCache::get().release();  // a decode step: the prompt's buffers go back
+      std::vector<float> th, tw;
+      const auto& h = ins[0];
+      const int64_t Dm = h.shape(-1), B = int64_t(h.size()) / Dm;
+      const int64_t Hk = ins[kKeys].shape(1), D = ins[kKeys].shape(3), H = heads;
+      std::vector<float> qo(size_t(B * H * D)), kv(size_t(2 * B * Hk * D));
+      const float* hd = contiguous_f32(h, th);
+      attn_in_rows(hd, B, Dm, contiguous_f32(w[0], tw), eps1, w + 1, {q[0], q[1], q[2]}, rope,
+                   offset, nullptr, H, Hk, D, qo.data(), kv.data(), kv.data() + B * Hk * D);
+      KV views[2];
+      {
+        ScopedPart part(Part::KVWrite);
+        for (int i = 0; i < 2; ++i) {
+          const mx::array& in = ins[kKeys + i];
+          mx::array& out = outs[1 + i];
+          float* dst = out.data<float>();
+          if (dst != in.data<float>()) {  // not donated: a fresh row-contiguous buffer
+            std::vector<float> tmp;
+            const float* src = contiguous_f32(in, tmp);
+            std::memcpy(dst, src, out.nbytes());
+          }
+          const int64_t s0 = out.strides(0), s1 = out.strides(1), s2 = out.strides(2);
+          const float* src = kv.data() + i * B * Hk * D;
+          for (int64_t b = 0; b < B; ++b)
+            for (int64_t j = 0; j < Hk; ++j)
+              std::memcpy(dst + b * s0 + j * s1 + offset * s2, src + (b * Hk + j) * D,
+                          sizeof(float) * size_t(D));
+          views[i].p = dst;
+          views[i].st[0] = s0;
+          views[i].st[1] = s1;
+          views[i].st[2] = s2;
+        }
+      }
+      block_out_rows(hd, B, Dm, qo.data(), views[0], views[1], H, Hk, offset + 1, D, scale, eps2,
+                     w + 10, {q[3], q[4], q[5], q[6]}, nullptr, outs[0].data<float>());
+    };
+  }
+  void allocate_outputs(const Arrays& in, Arrays& outs) const override {
+    // MLX gives each output of an op its own copy of the inputs, so while the three outputs exist
+    // the cache's buffers are held three times and never donatable. The output being evaluated
+    // owns `in`; the other two's copies are dropped here, as MLX drops them all once the op has
+    // run (not while tracing, nor where the inputs are no output's own, as in mx.compile's eval).
+    const bool owned = std::any_of(outs.begin(), outs.end(), [&](auto& o) { return &o.inputs() == &in; });
+    const bool tracing = std::any_of(outs.begin(), outs.end(), [](auto& o) { return o.is_tracer(); });
+    if (owned && !tracing)
+      for (auto& o : outs)
+        if (&o.inputs() != &in) o.inputs().clear();
+    // MLX also keeps every input's and every other output's memory alive until the stream has run
+    // the op (a task queued after it), so while the previous step is still running (the engine
+    // evaluates the next step's graph asynchronously) that memory looks held. A buffer that looks
+    // held waits for the stream to finish what it was given, then is taken if nothing holds it
+    // still (once a step: the previous step's holds all end together).
+    alloc(outs[0]);
+    for (int i = 0; i < 2; ++i) {
+      const mx::array& buf = in[kKeys + i];
+      if (!buf.flags().row_contiguous) {
+        alloc(outs[1 + i]);
+        continue;
+      }
+      if (!buf.is_donatable()) mx::synchronize(const_cast<DecodeLayer*>(this)->stream());
+      if (buf.is_donatable())
+        outs[1 + i].copy_shared_buffer(buf);
+      else
+        alloc(outs[1 + i]);
+    }
+  }
+  std::vector<mx::Shape> output_shapes(const Arrays& in) override {
+    return {in[0].shape(), in[kKeys].shape(), in[kValues].shape()};
+  }
+  const char* name() const override { return "MlxchatDecodeLayer"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const DecodeLayer&>(other);
+    return weights_ == o.weights_ && eps1_ == o.eps1_ && eps2_ == o.eps2_ && q_ == o.q_ &&
+           heads_ == o.heads_ && rope_ == o.rope_ && offset_ == o.offset_ && scale_ == o.scale_;
+  }
+
+ private:
+  Weights weights_;
+  float eps1_, eps2_;
+  std::vector<QSpec> q_;  // q, k, v, o, gate, up, down
+  int heads_;
+  RopeParams rope_;
+  int offset_;
+  float scale_;
+};
+
+// One llama layer's weights and settings, checked once, for its one-token steps over a plain KV
+// cache (engine/kernels/layout.py builds one per layer on its first such step): calling it with
+// the step's h, the cache's keys and values buffers and the new position gives the layer's output
+// and updates the two buffer arrays to DecodeLayer's others. It holds the weights it was made with: a later change of the layer's arrays is
+// not seen.
+class FusedLayer {
+ public:
+  FusedLayer(const mx::array& norm1, float eps1, const QW& wq, const QW& wk, const QW& wv,
+             int heads, int kv_heads, int rope_dims, bool traditional, float base, float rope_scale,
+             float attn_scale, const QW& wo, const mx::array& norm2, float eps2, const QW& wg,
+             const QW& wu, const QW& wd, bool int8)
+      : eps1_(eps1), eps2_(eps2), heads_(heads), kv_heads_(kv_heads),
+        rope_{rope_dims, traditional, base, rope_scale}, scale_(attn_scale) {
+    dm_ = norm1.ndim() == 1 ? norm1.shape(0) : 0;
+    if (norm1.dtype() != mx::float32 || norm2.dtype() != mx::float32 || norm1.shape() != norm2.shape() || !dm_)
+      throw std::invalid_argument("the norms' weights must be (D,) float32");
+    const int64_t nq = std::get<0>(wq).shape(0), nk = std::get<0>(wk).shape(0);
+    if (heads <= 0 || kv_heads <= 0 || nq % heads || nk % kv_heads || nq / heads != nk / kv_heads ||
+        std::get<0>(wv).shape(0) != nk || heads % kv_heads)
+      throw std::invalid_argument("head shapes do not match the weights");
+    d_ = int(nq / heads);
+    if (rope_dims <= 0 || rope_dims % 2 || rope_dims > d_) throw std::invalid_argument("bad rope dims");
+    for (auto* W : {&wq, &wk, &wv}) check_q(*W, dm_);
+    if (std::get<4>(wk) != std::get<4>(wq) || std::get<4>(wv) != std::get<4>(wq))
+      throw std::invalid_argument("mixed bits");
+    check_q(wo, nq);
+    check_q(wg, dm_);
+    check_q(wu, dm_);
+    check_q(wd, std::get<0>(wg).shape(0));
+    if (std::get<0>(wo).shape(0) != dm_ || std::get<0>(wd).shape(0) != dm_ ||
+        std::get<0>(wu).shape(0) != std::get<0>(wg).shape(0) || std::get<4>(wg) != std::get<4>(wu))
+      throw std::invalid_argument("layer weights do not match");
+    // int8 activations for q/k/v and o only: the MLP stays exact (see layout.py)
+    const bool i8[] = {int8, int8, int8, int8, false, false, false};
+    int n = 0;
+    std::vector<mx::array> weights{norm1};
+    for (auto* W : {&wq, &wk, &wv, &wo, &wg, &wu, &wd}) {
+      weights.insert(weights.end(), {std::get<0>(*W), std::get<1>(*W), std::get<2>(*W)});
+      if (W == &wo) weights.push_back(norm2);
+      q_.push_back({std::get<3>(*W), std::get<4>(*W), i8[n++]});
+    }
+    mx::eval(weights);
+    weights_ = std::make_shared<const std::vector<mx::array>>(std::move(weights));
+  }
+
+  // The step's output; `keys` and `values` become the written buffers, in place (the arrays
+  // themselves are updated, as mlx-lm's `cache.keys[..., i, :] = k` updates them).
+  mx::array operator()(const mx::array& h, mx::array& keys, mx::array& values, int offset) const {
+    if (h.dtype() != mx::float32 || h.ndim() != 3 || h.shape(1) != 1 || h.shape(2) != dm_)
+      throw std::invalid_argument("h must be (B, 1, D) float32");
+    for (auto* a : {&keys, &values})
+      if (a->dtype() != mx::float32 || a->ndim() != 4 || a->shape(0) != h.shape(0) ||
+          a->shape(1) != kv_heads_ || a->shape(3) != d_)
+        throw std::invalid_argument("keys and values must be (B, kv heads, capacity, head dim) float32");
+    if (keys.shape() != values.shape() || offset < 0 || offset >= keys.shape(2))
+      throw std::invalid_argument("the new position must lie inside the cache's buffers");
+    auto outs = mx::array::make_arrays(
+        {h.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
+        std::make_shared<DecodeLayer>(cpu_stream(), weights_, eps1_, eps2_, q_, heads_, rope_,
+                                      offset, scale_),
+        {h, keys, values});
+    keys.overwrite_descriptor(outs[1]);
+    values.overwrite_descriptor(outs[2]);
+    return outs[0];
+  }
+
+ private:
+  float eps1_, eps2_;
+  int heads_, kv_heads_, d_ = 0;
+  int64_t dm_ = 0;
+  RopeParams rope_;
+  float scale_;
+  std::vector<QSpec> q_;
+  // norm1, q's, k's, v's and o's three arrays each, norm2, gate's, up's and down's: evaluated
+  // once, read by every step's op (not its graph inputs: fewer arrays for MLX to track each step)
+  DecodeLayer::Weights weights_;
+};
+
 // ----------------------------------------------- read bandwidth (the bench's STREAM-style row)
 
 // Reads the array `a` (evaluated first) `passes` times over our pool (the threads the kernels use, blocks
@@ -1206,6 +1495,8 @@ NB_MODULE(_mlxchat_kernels, m) {
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"), nb::arg("int8") = false);
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"));
+  m.def("embedding", &embedding, nb::arg("ids"), nb::arg("w"), nb::arg("scales"),
+        nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"));
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("up"));
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
   m.def("rope", &rope, nb::arg("x"), nb::arg("dims"), nb::arg("traditional"), nb::arg("base"),
@@ -1221,6 +1512,17 @@ NB_MODULE(_mlxchat_kernels, m) {
   m.def("block_out", &block_out, nb::arg("h"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("attn_scale"), nb::arg("wo"), nb::arg("norm"), nb::arg("eps"), nb::arg("wg"),
         nb::arg("wu"), nb::arg("wd"), nb::arg("int8") = false, nb::arg("starts") = nb::none());
+  nb::class_<FusedLayer>(m, "FusedLayer")
+      .def(nb::init<const mx::array&, float, const QW&, const QW&, const QW&, int, int, int, bool,
+                    float, float, float, const QW&, const mx::array&, float, const QW&, const QW&,
+                    const QW&, bool>(),
+           nb::arg("norm1"), nb::arg("eps1"), nb::arg("wq"), nb::arg("wk"), nb::arg("wv"),
+           nb::arg("heads"), nb::arg("kv_heads"), nb::arg("rope_dims"), nb::arg("traditional"),
+           nb::arg("base"), nb::arg("rope_scale"), nb::arg("attn_scale"), nb::arg("wo"),
+           nb::arg("norm2"), nb::arg("eps2"), nb::arg("wg"), nb::arg("wu"), nb::arg("wd"),
+           nb::arg("int8") = false)
+      .def("__call__", &FusedLayer::operator(), nb::arg("h"), nb::arg("keys"), nb::arg("values"),
+           nb::arg("offset"));
   m.def("read_bandwidth", &read_bandwidth, nb::arg("a"), nb::arg("passes") = 1);
   m.def("huge_pages", &huge_pages, nb::arg("a"));
   m.def("isa", [] { return std::string(impl()->name); });

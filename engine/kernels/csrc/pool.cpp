@@ -170,7 +170,8 @@ std::atomic<bool> g_interleave{true};
 std::atomic<int64_t> g_prefetch{1024};
 
 const char* const kPartNames[] = {"norm", "q/k/v", "rope", "attention", "o", "gate/up", "swiglu",
-                                  "down", "residual", "product (other)", "dequantize"};
+                                  "down", "residual", "product (other)", "dequantize",
+                                  "kv-cache write"};
 static_assert(sizeof(kPartNames) / sizeof(kPartNames[0]) == int(Part::Count));
 
 }  // namespace
