@@ -1,13 +1,14 @@
 // The log-softmax of fp32 rows, bit for bit MLX's `x - logsumexp(x, axis=-1, keepdims=True)`.
 //
 // MLX 0.32's CPU LogSumExp (mlx/backend/cpu/logsumexp.cpp) takes, per row: the maximum (the
-// row's last NaN where it holds one), then the sum of exp(x - max) added one element at a time in index
-// order, then log(sum) + max (the max itself where it is infinite). Its `exp` is the Cephes
-// polynomial of mlx/backend/cpu/simd/math.h, run one element at a time on x86 Linux (its SIMD width
-// there is 1), about 13 ns an element. Here the same operations per element run on every lane of
-// the vectors of the kernels' unit (one copy of the row's code per instruction set, auto-vectorized),
-// and only the sum stays a chain of single adds in MLX's order: the result is identical, and the
-// exps cost ~1 ns an element.
+// row's last NaN where it holds one), then the sum of exp(x - max) added one element at a time in
+// index order, then log(sum) + max (the max itself where it is infinite). Its `exp` is the Cephes
+// polynomial of mlx/backend/cpu/simd/math.h, run one element at a time on x86 Linux (its SIMD
+// width there is 1): ~0.65 ms for a 49,152-token row. Here the same operations per element run on
+// the vectors of the kernels' unit (one copy of the code per instruction set, auto-vectorized),
+// and only the sum stays a chain of single adds in MLX's order, so the result is identical: a
+// row takes ~0.06 ms, mostly that chain, and a group of 4 rows, whose chains the core overlaps,
+// ~0.14 ms (one AVX-512 core; bench/sampling_cost.py times it against MLX's ops).
 //
 // Identity hinges on the exact operations, so this file is compiled with -ffp-contract=off (no
 // multiply-add fused where MLX rounds twice). MLX's `floor(x + 0.5)` adds the double 0.5, so its
@@ -24,7 +25,7 @@
 namespace mlxchat {
 namespace {
 
-constexpr int64_t kBlock = 256;  // exps computed per vector pass before their in-order adds
+constexpr int64_t kBlock = 1024;  // exps computed per vector pass before their in-order adds
 
 // e[i] = MLX's exp(x[i] - m) for i < n, the operations of math.h's `exp` on each element.
 [[gnu::always_inline]] inline void exp_shifted(const float* __restrict x, float m,
@@ -53,20 +54,23 @@ constexpr int64_t kBlock = 256;  // exps computed per vector pass before their i
 }
 
 // The largest of n floats (`a > m ? a : m` over 16 lanes: MLX's value, but for the sign of a
-// zero) and whether any is a NaN.
+// zero) and whether any is a NaN. GCC vector types: the scalar loop does not vectorize (its order
+// decides which NaN or zero wins).
+using F16 = float __attribute__((vector_size(64)));
+using I16 = int32_t __attribute__((vector_size(64)));
 [[gnu::always_inline]] inline float lane_max(const float* __restrict x, int64_t n, bool* nan) {
   constexpr int W = 16;
-  float acc[W];
-  int32_t bad[W] = {};
-  for (int j = 0; j < W; ++j) acc[j] = -std::numeric_limits<float>::infinity();
+  constexpr float lo = -std::numeric_limits<float>::infinity();
+  F16 acc = {lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo, lo};
+  I16 bad = {};
   int64_t i = 0;
-  for (; i + W <= n; i += W)
-    for (int j = 0; j < W; ++j) {
-      const float v = x[i + j];
-      acc[j] = v > acc[j] ? v : acc[j];
-      bad[j] |= v != v;
-    }
-  float m = -std::numeric_limits<float>::infinity();
+  for (; i + W <= n; i += W) {
+    F16 v;
+    std::memcpy(&v, x + i, sizeof v);
+    acc = v > acc ? v : acc;
+    bad |= v != v;
+  }
+  float m = lo;
   int32_t any = 0;
   for (int j = 0; j < W; ++j) {
     m = acc[j] > m ? acc[j] : m;
@@ -92,49 +96,80 @@ constexpr int64_t kBlock = 256;  // exps computed per vector pass before their i
   return m;
 }
 
-// y = x - logsumexp(x) for one row of n floats: MLX's max, its exps added in index order, then
-// log(sum) + max (the max where it is infinite), subtracted from every element.
-[[gnu::always_inline]] inline void row(const float* __restrict x, float* __restrict y, int64_t n) {
-  const float m = row_max(x, n);
-  float e[kBlock];
-  float sum = 0.0f;
+// y = x - logsumexp(x) for R rows of n floats (a group): per row MLX's max, its exps added in
+// index order, then log(sum) + max (the max where it is infinite), subtracted from every element.
+// Each row's sum is a chain of dependent adds (~4 cycles each: most of a row's time); a group's R
+// chains are independent, so the core overlaps them and R rows take about the time of one.
+template <int R>
+[[gnu::always_inline]] inline void group(const float* __restrict x, float* __restrict y, int64_t n) {
+  float m[R], sum[R];
+  for (int r = 0; r < R; ++r) {
+    m[r] = row_max(x + r * n, n);
+    sum[r] = 0.0f;
+  }
+  float e[R][kBlock];
   for (int64_t i = 0; i < n; i += kBlock) {
     const int64_t k = std::min(kBlock, n - i);
-    exp_shifted(x + i, m, e, k);
-    for (int64_t j = 0; j < k; ++j) sum += e[j];
+    for (int r = 0; r < R; ++r) exp_shifted(x + r * n + i, m[r], e[r], k);
+    for (int64_t j = 0; j < k; ++j)
+      for (int r = 0; r < R; ++r) sum[r] += e[r][j];
   }
-  const float lse = std::isinf(m) ? m : std::log(sum) + m;
-  for (int64_t i = 0; i < n; ++i) y[i] = x[i] - lse;
+  for (int r = 0; r < R; ++r) {
+    const float lse = std::isinf(m[r]) ? m[r] : std::log(sum[r]) + m[r];
+    const float* xr = x + r * n;
+    float* yr = y + r * n;
+    for (int64_t i = 0; i < n; ++i) yr[i] = xr[i] - lse;
+  }
 }
 
-// The row's code once per instruction set (a vector `fma` needs FMA).
-using RowFn = void (*)(const float*, float*, int64_t);
-void row_generic(const float* x, float* y, int64_t n) { row(x, y, n); }
-#if defined(__x86_64__)
-[[gnu::target("avx512f,avx2,fma")]] void row_avx512(const float* x, float* y, int64_t n) {
-  row(x, y, n);
+constexpr int kGroup = 4;  // rows whose sums one core overlaps (8 measured slower per row)
+
+// `rows` (1..kGroup) rows.
+[[gnu::always_inline]] inline void rows_group(const float* x, float* y, int64_t rows, int64_t n) {
+  static_assert(kGroup == 4);
+  switch (rows) {
+    case 1: return group<1>(x, y, n);
+    case 2: return group<2>(x, y, n);
+    case 3: return group<3>(x, y, n);
+    default: return group<4>(x, y, n);
+  }
 }
-[[gnu::target("avx2,fma")]] void row_avx2(const float* x, float* y, int64_t n) { row(x, y, n); }
+
+// The group's code once per instruction set (a vector `fma` needs FMA).
+using GroupFn = void (*)(const float*, float*, int64_t, int64_t);
+void group_generic(const float* x, float* y, int64_t rows, int64_t n) { rows_group(x, y, rows, n); }
+#if defined(__x86_64__)
+[[gnu::target("avx512f,avx2,fma")]] void group_avx512(const float* x, float* y, int64_t rows,
+                                                     int64_t n) {
+  rows_group(x, y, rows, n);
+}
+[[gnu::target("avx2,fma")]] void group_avx2(const float* x, float* y, int64_t rows, int64_t n) {
+  rows_group(x, y, rows, n);
+}
 #endif
 
 // The copy for the kernels' active unit (ops.cpp's Impl::name), so tests reach every copy this
 // CPU can run.
-RowFn row_for(const char* isa) {
+GroupFn group_for(const char* isa) {
 #if defined(__x86_64__)
-  if (std::strncmp(isa, "avx512", 6) == 0) return &row_avx512;
-  if (std::strcmp(isa, "avx2") == 0) return &row_avx2;
+  if (std::strncmp(isa, "avx512", 6) == 0) return &group_avx512;
+  if (std::strcmp(isa, "avx2") == 0) return &group_avx2;
 #endif
-  return &row_generic;
+  return &group_generic;
 }
 
 }  // namespace
 
 void log_softmax_rows(const float* x, float* y, int64_t rows, int64_t n, const char* isa) {
-  const RowFn fn = row_for(isa);
-  if (rows == 1)
-    fn(x, y, n);
+  const GroupFn fn = group_for(isa);
+  const int64_t groups = (rows + kGroup - 1) / kGroup;
+  auto run = [&](int64_t g) {
+    fn(x + g * kGroup * n, y + g * kGroup * n, std::min<int64_t>(kGroup, rows - g * kGroup), n);
+  };
+  if (groups == 1)
+    run(0);
   else
-    parallel_for(rows, [&](int64_t r) { fn(x + r * n, y + r * n, n); });
+    parallel_for(groups, run);
 }
 
 }  // namespace mlxchat
