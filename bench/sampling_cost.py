@@ -123,9 +123,11 @@ def main() -> None:
                                                 for i in range(rows)],
                          "ours": lambda: [most_likely(np.array(logprobs[i]), 20).tolist()
                                           for i in range(rows)]}, args.reps)
+        want = np.array(logprobs).view(np.uint32)
         for fn in softmaxes.values():  # bit for bit
-            assert np.array_equal(np.array(fn(logits)).view(np.uint32), np.array(logprobs).view(np.uint32))
-        softmax = timed({name: (lambda f=fn: f(logits)) for name, fn in softmaxes.items()}, args.reps)
+            assert np.array_equal(np.array(fn(logits)).view(np.uint32), want)
+        softmax = timed({name: (lambda f=fn: f(logits)) for name, fn in softmaxes.items()},
+                        args.reps)
         rows_out.append({"rows": rows, "scale": scale, "top_p": top_p, "draw_app": draw, "greedy": argmax,
                          "top_logprobs_20": top_ids, "log_softmax": softmax})
         print(f"{rows} row(s), scale {scale}: top_p mlx-lm {top_p['mlx_lm']['median_ms']} ms, ours "
@@ -133,7 +135,8 @@ def main() -> None:
               f"ours {draw['ours']['median_ms']} ms; greedy mlx-lm {argmax['mlx_lm']['median_ms']} ms, "
               f"ours {argmax['ours']['median_ms']} ms; top 20 ids mx.argsort "
               f"{top_ids['mx_argsort']['median_ms']} ms, ours {top_ids['ours']['median_ms']} ms; "
-              "log-softmax " + ", ".join(f"{name} {t['median_ms']} ms" for name, t in softmax.items()),
+              "log-softmax " + ", ".join(f"{name} {t['median_ms']} ms"
+                                         for name, t in softmax.items()),
               flush=True)
     result = {"command": "python -m bench.sampling_cost " + " ".join(sys.argv[1:]),
               "load_avg_1m": round(os.getloadavg()[0], 2), "vocab": args.vocab, "rows": rows_out}

@@ -101,7 +101,8 @@ using I16 = int32_t __attribute__((vector_size(64)));
 // Each row's sum is a chain of dependent adds (~4 cycles each: most of a row's time); a group's R
 // chains are independent, so the core overlaps them and R rows take about the time of one.
 template <int R>
-[[gnu::always_inline]] inline void group(const float* __restrict x, float* __restrict y, int64_t n) {
+[[gnu::always_inline]] inline void group(const float* __restrict x, float* __restrict y,
+                                         int64_t n) {
   float m[R], sum[R];
   for (int r = 0; r < R; ++r) {
     m[r] = row_max(x + r * n, n);
