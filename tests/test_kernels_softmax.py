@@ -42,10 +42,15 @@ def test_random_rows_equal_mlx(kern, isa, width):
 
 
 def test_every_exp_input_equals_mlx(kern, isa):
-    """A dense sweep of exp's inputs (x - max from -95 to 0, 0.5M steps: each rounding of
-    exp's `floor(t + 0.5)`), and random bit patterns: every float, NaNs of any payload, infs."""
+    """A dense sweep of exp's inputs (x - max from -95 to 0, 0.5M steps), rows [0, v] for v from
+    -0.75 to 0 (whose log-softmax shows all but the last bit of exp(v): an exp rounded once
+    differently, e.g. a multiply-add fused, fails here), and random bit patterns: every float,
+    NaNs of any payload, infs."""
     sweep = mx.array(np.linspace(-95, 0, 500_001, dtype=np.float32)[None])
     assert_bits_equal(kern.log_softmax(sweep), mlx_log_softmax(sweep))
+    pairs = np.zeros((100_000, 2), dtype=np.float32)
+    pairs[:, 1] = np.linspace(-0.75, 0, len(pairs), dtype=np.float32)
+    assert_bits_equal(kern.log_softmax(mx.array(pairs)), mlx_log_softmax(mx.array(pairs)))
     bits = np.random.default_rng(1).integers(0, 2**32, 200_000, dtype=np.uint64)
     values = bits.astype(np.uint32).view(np.float32)
     values = np.where(np.isfinite(values), np.clip(values, -150, 30), values).astype(np.float32)
