@@ -16,6 +16,11 @@ bundled model's rows sit between 3 and 8 by the share of the vocabulary near the
              temperature 0.7): mlx-lm's log-softmax, `apply_top_p` and `mx.random.categorical`
              vs `sample_rows` (our path)
   logprobs   the 20 most likely ids: `mx.argsort(-row)[:20]` (one row) vs `most_likely`
+  log_softmax  the rows' `logits - logsumexp(logits)`: MLX's ops (`mlx`; `mlx_2streams`: half
+             the rows on a second CPU stream, the app's way before the kernel) vs the kernels'
+             `log_softmax` (`kernel`: rows over the kernels' threads, what `log_softmax_rows`
+             takes; `kernel_2streams`: half the rows on a second stream), each checked bit for
+             bit equal to MLX's
 The bundled model (vocabulary 49,152) decodes one token in ~12 ms on this CPU.
 JSON goes to bench/results/sampling-cost-cpu.json.
 """
@@ -63,7 +68,11 @@ def main() -> None:
     from mlx_lm.sample_utils import apply_top_p as mlx_lm_top_p
 
     from engine.decoding.logprobs import most_likely
-    from engine.decoding.sampling import SamplingParams, TokenSampler, apply_top_p, sample_rows
+    from engine.decoding.sampling import (SamplingParams, TokenSampler, apply_top_p,
+                                          log_softmax_rows, sample_rows, side_stream)
+    from engine.kernels import native
+
+    kernels = native.kernels()
 
     app = SamplingParams(temperature=0.7, top_p=0.9, seed=0)
 
@@ -77,6 +86,21 @@ def main() -> None:
     def our_draw(logits: mx.array) -> mx.array:
         return sample_rows([TokenSampler(app) for _ in range(len(logits))], [None] * len(logits),
                            logits)[0]
+
+    def mlx_log_softmax(logits: mx.array) -> mx.array:
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def two_streams(fn: Callable[[mx.array], mx.array]) -> Callable[[mx.array], mx.array]:
+        def run(logits: mx.array) -> mx.array:
+            half = max(1, len(logits) // 2)
+            with mx.stream(side_stream()):
+                first = fn(logits[:half])
+            return mx.concatenate([first, fn(logits[half:])]) if half < len(logits) else first
+        return run
+
+    softmaxes = {"mlx": mlx_log_softmax, "mlx_2streams": two_streams(mlx_log_softmax)}
+    if kernels is not None:
+        softmaxes |= {"kernel": log_softmax_rows, "kernel_2streams": two_streams(kernels.log_softmax)}
 
     rows_out = []
     for rows, scale in [(r, s) for s in args.scale for r in args.rows]:
@@ -99,13 +123,20 @@ def main() -> None:
                                                 for i in range(rows)],
                          "ours": lambda: [most_likely(np.array(logprobs[i]), 20).tolist()
                                           for i in range(rows)]}, args.reps)
+        want = np.array(logprobs).view(np.uint32)
+        for fn in softmaxes.values():  # bit for bit
+            assert np.array_equal(np.array(fn(logits)).view(np.uint32), want)
+        softmax = timed({name: (lambda f=fn: f(logits)) for name, fn in softmaxes.items()},
+                        args.reps)
         rows_out.append({"rows": rows, "scale": scale, "top_p": top_p, "draw_app": draw, "greedy": argmax,
-                         "top_logprobs_20": top_ids})
+                         "top_logprobs_20": top_ids, "log_softmax": softmax})
         print(f"{rows} row(s), scale {scale}: top_p mlx-lm {top_p['mlx_lm']['median_ms']} ms, ours "
               f"{top_p['ours']['median_ms']} ms; app draw mlx-lm {draw['mlx_lm']['median_ms']} ms, "
               f"ours {draw['ours']['median_ms']} ms; greedy mlx-lm {argmax['mlx_lm']['median_ms']} ms, "
               f"ours {argmax['ours']['median_ms']} ms; top 20 ids mx.argsort "
-              f"{top_ids['mx_argsort']['median_ms']} ms, ours {top_ids['ours']['median_ms']} ms",
+              f"{top_ids['mx_argsort']['median_ms']} ms, ours {top_ids['ours']['median_ms']} ms; "
+              "log-softmax " + ", ".join(f"{name} {t['median_ms']} ms"
+                                         for name, t in softmax.items()),
               flush=True)
     result = {"command": "python -m bench.sampling_cost " + " ".join(sys.argv[1:]),
               "load_avg_1m": round(os.getloadavg()[0], 2), "vocab": args.vocab, "rows": rows_out}

@@ -18,6 +18,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, make_logits_processors
 from mlx_lm.sample_utils import apply_top_p as mlx_lm_top_p
 
 from ..errors import InvalidRequest
+from ..kernels import native
 from . import nucleus
 from .stops import check_stops
 
@@ -266,7 +267,7 @@ class TokenSampler:
     def __call__(self, logits: mx.array, history: mx.array | None) -> tuple[mx.array, mx.array]:
         """`logits` has shape (1, vocab); `history` holds the tokens so far (prompt + output).
         Returns the token and the model's own log-softmax (before any processor or transform)."""
-        model_logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        model_logprobs = log_softmax(logits)
         return self.pick(logits, model_logprobs, history), model_logprobs
 
     def plain_greedy(self, history: mx.array | None) -> bool:
@@ -280,7 +281,7 @@ class TokenSampler:
         if processed:
             for processor in self.processors:
                 logits = processor(history, logits)
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            logprobs = log_softmax(logits)
         else:
             logprobs = model_logprobs
         p = self.params
@@ -310,20 +311,39 @@ def side_stream() -> mx.Stream | None:
     return stream
 
 
+def log_softmax(logits: mx.array) -> mx.array:
+    """`logits - logsumexp(logits, axis=-1, keepdims=True)`, the same values bit for bit either
+    way: on the CPU with fp32 logits and the kernels loaded, the kernels' `log_softmax`
+    (engine/kernels/csrc/softmax.cpp: MLX's exp on SIMD lanes and its sums in MLX's order, ~0.07 ms
+    for a 49,152-token row and ~0.21 ms for 4 rows where MLX's scalar exp takes ~0.6 and ~2.4 ms);
+    MLX's ops otherwise."""
+    kernels = _softmax_kernels(logits)
+    if kernels is not None:
+        return kernels.log_softmax(logits)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _softmax_kernels(logits: mx.array) -> Any:
+    """The kernels' module where `log_softmax` can take `logits` (fp32, on the CPU), else None."""
+    if logits.dtype == mx.float32 and logits.size and mx.default_device() == mx.cpu:
+        return native.kernels()
+    return None
+
+
 def log_softmax_rows(logits: mx.array) -> mx.array:
-    """`logits - logsumexp(logits)` over the last axis of (rows, vocab) `logits`. On the CPU with
-    two rows or more, the first half of the rows is computed on `side_stream()`, the rest on the
-    default stream: MLX's CPU `exp` is scalar code (~0.65 ms for a 49,152-token row here) and
-    runs on one thread per stream, so a 4-row batch's log-softmax takes about half the time on
-    two cores. Each row's values are the same either way (a row's reduction never reads another)."""
+    """`log_softmax` of (rows, vocab) `logits`. The kernels overlap a batch's rows on one core
+    (4 rows ~0.21 ms: a second stream only added its cost, bench/sampling_cost.py). Without them,
+    on the CPU with two rows or more, the first half of the rows is computed on `side_stream()`,
+    the rest on the default stream: MLX's CPU `exp` is scalar code and runs on one thread per
+    stream, so a 4-row batch's log-softmax takes about half the time on two free cores. Each
+    row's values are the same either way (a row's reduction never reads another)."""
     side = side_stream() if len(logits) > 1 else None
-    if side is None:
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if side is None or _softmax_kernels(logits) is not None:
+        return log_softmax(logits)
     half = len(logits) // 2
     with mx.stream(side):
-        first = logits[:half] - mx.logsumexp(logits[:half], axis=-1, keepdims=True)
-    rest = logits[half:] - mx.logsumexp(logits[half:], axis=-1, keepdims=True)
-    return mx.concatenate([first, rest])
+        first = log_softmax(logits[:half])
+    return mx.concatenate([first, log_softmax(logits[half:])])
 
 
 def sample_rows(samplers: Sequence[TokenSampler], histories: Sequence[mx.array | None],
@@ -333,7 +353,7 @@ def sample_rows(samplers: Sequence[TokenSampler], histories: Sequence[mx.array |
     (rows, vocab) and the rows whose sampling raised (e.g. a grammar's processor), by index: their
     token is a placeholder, the other rows are unaffected.
 
-    The log-softmax is computed for all rows at once (`log_softmax_rows`: on two cores), and the
+    The log-softmax is computed for all rows at once (`log_softmax_rows`), and the
     argmax of every plain greedy row is one op; only
     rows with logits processors or a temperature run ops of their own (each draws from its own
     key: MLX's categorical sampling takes one key per call, so seeded rows cannot share one)."""

@@ -27,7 +27,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..errors import InvalidRequest
 from ..kernels.caches import can_roll_back, roll_back, rollback_mark
 from ..loading.registry import LoadedModel
-from .sampling import SamplingParams, TokenSampler, filter_logprobs
+from .sampling import SamplingParams, TokenSampler, filter_logprobs, log_softmax
 
 # logits row (V,) -> (token, the distribution it was drawn from or None when greedy)
 Pick = Callable[[mx.array], tuple[mx.array, mx.array | None]]
@@ -351,7 +351,7 @@ class Speculator:
         keys = iter(mx.random.split(key, self.config.k_max))
 
         def pick(logits: mx.array) -> tuple[mx.array, mx.array]:
-            q = sampling_probs((logits - mx.logsumexp(logits))[None], params)[0]
+            q = sampling_probs(log_softmax(logits[None]), params)[0]
             return mx.random.categorical(mx.log(q), key=next(keys)), q
 
         return pick
@@ -369,7 +369,7 @@ class Speculator:
                     row = processor(history[:len(seq) + i], row)
                 processed.append(row)
             rows = mx.concatenate(processed)
-        return rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+        return log_softmax(rows)
 
     def step(self, seq: list[int], cache: list[Any], length: int, budget: int,
              sampler: TokenSampler, eos: set[int]) -> tuple[list[int], int]:

@@ -32,6 +32,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "common.h"
+#include "softmax.h"
 #include "mlx/backend/common/utils.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
@@ -887,6 +888,29 @@ mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
   return mx::array(x.shape(), mx::float32, std::make_shared<RMSNorm>(cpu_stream(), eps), {x, w});
 }
 
+// ------------------------------------------------ log-softmax (softmax.cpp: MLX's, bit for bit)
+
+// x - logsumexp(x, axis=-1, keepdims=True) of fp32 rows, identical to MLX's ops.
+class LogSoftmax : public CpuPrimitive {
+ public:
+  explicit LogSoftmax(mx::Stream s) : CpuPrimitive(s) {}
+  Task task() const override {
+    return [isa = impl()->name](const Arrays& in, Arrays& out) {
+      std::vector<float> t;
+      const int64_t n = in[0].shape(-1);
+      log_softmax_rows(contiguous_f32(in[0], t), out[0].data<float>(), int64_t(in[0].size()) / n, n,
+                       isa);
+    };
+  }
+  const char* name() const override { return "MlxchatLogSoftmax"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  static mx::array of(const mx::array& x) {
+    if (x.dtype() != mx::float32 || x.ndim() == 0 || x.size() == 0)
+      throw std::invalid_argument("x must be a non-empty float32 array of at least one axis");
+    return mx::array(x.shape(), mx::float32, std::make_shared<LogSoftmax>(cpu_stream()), {x});
+  }
+};
+
 // ---------------------------------------------------------------------------------- RoPE
 
 class RoPE : public CpuPrimitive {
@@ -1499,6 +1523,7 @@ NB_MODULE(_mlxchat_kernels, m) {
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"));
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("up"));
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
+  m.def("log_softmax", &LogSoftmax::of, nb::arg("x"));
   m.def("rope", &rope, nb::arg("x"), nb::arg("dims"), nb::arg("traditional"), nb::arg("base"),
         nb::arg("scale"), nb::arg("offset"));
   m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
