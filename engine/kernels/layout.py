@@ -83,7 +83,7 @@ def quantized_product(module: "KernelLinear | KernelEmbedding", x: mx.array) -> 
     w, scales, biases = module["weight"], module["scales"], module["biases"]
     rows = x.size // x.shape[-1]
     if rows >= BLAS_ROWS and _Run.blas:
-        return x @ kernels.dequantize(w, scales, biases, module.group_size, module.bits).T
+        return kernels.prefill_matmul(x, w, scales, biases, module.group_size, module.bits)
     return kernels.quantized_matmul(x, w, scales, biases, module.group_size, module.bits,
                                     int8=module.int8_activations and rows <= MAX_ROWS)
 
@@ -293,7 +293,7 @@ def to_kernel_layout(model: nn.Module) -> nn.Module:
     from ..device import fast_blas_loaded
 
     _Run.kernels = native.kernels()
-    _Run.blas = fast_blas_loaded()
+    _Run.blas = fast_blas_loaded() and _Run.kernels.has_sgemm()
     int8 = native.int8_activations()
     counts: dict[str, int] = {}
     for name, module in model.named_modules():

@@ -17,6 +17,8 @@
 #include <tuple>
 #include <vector>
 
+#include <dlfcn.h>
+
 #if defined(__linux__)
 #include <sys/mman.h>
 #ifndef MADV_COLLAPSE
@@ -749,6 +751,107 @@ mx::array dequantize(const mx::array& w, const mx::array& s, const mx::array& b,
                    std::make_shared<Dequantize>(cpu_stream(), gs, bits), {w, s, b});
 }
 
+// ------------------------------------ prompt products: a tile of W dequantized at a time, then BLAS
+
+// cblas_sgemm of the BLAS this process has loaded (the preloaded OpenBLAS; looked up once, by
+// name, so the extension links no BLAS of its own), or null.
+using Sgemm = void (*)(int order, int ta, int tb, int M, int N, int K, float alpha, const float* A,
+                       int lda, const float* B, int ldb, float beta, float* C, int ldc);
+Sgemm sgemm() {
+  static const Sgemm f = reinterpret_cast<Sgemm>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
+  return f;
+}
+
+// The fp32 bytes of W one prompt product dequantizes at a time (set_prefill_tile_bytes).
+std::atomic<int64_t> g_tile_bytes{int64_t(8) << 20};
+
+// Rows of W in one tile: about g_tile_bytes of fp32, at least 64 (BLAS's products stay wide
+// enough to run at full rate), a multiple of 16, at most N.
+int64_t tile_rows(int64_t N, int64_t K) {
+  const int64_t t = std::max<int64_t>(64, g_tile_bytes.load() / (K * int64_t(sizeof(float))) / 16 * 16);
+  return std::min(N, t);
+}
+
+// W's rows n0..n1-1 as a matrix of their own.
+QMat row_slice(const QMat& W, int64_t n0, int64_t n1) {
+  const int64_t groups = W.K / W.gs, sbytes = W.st == SType::F32 ? 4 : 2;
+  QMat S = W;
+  S.w = W.w + n0 * (W.K * W.bits / 32);
+  S.scales = static_cast<const char*>(W.scales) + n0 * groups * sbytes;
+  S.biases = static_cast<const char*>(W.biases) + n0 * groups * sbytes;
+  S.N = n1 - n0;
+  return S;
+}
+
+// y (M, N) = x (M, K) @ W.T for a prompt chunk, W never whole in fp32: tile after tile of W's
+// rows is dequantized over the pool into one reused buffer (the calling thread's, tile_rows x K
+// floats: 8 MB by default, whatever the model) and multiplied with BLAS (its own threads) into
+// y's columns of that tile. The dequantization is the exact q * scale + bias of `dequantize`.
+void prefill_product(const float* x, int64_t M, const QMat& W, float* y) {
+  const Impl* I = impl();
+  const int64_t K = W.K, N = W.N, T = tile_rows(N, K);
+  thread_local std::vector<float> tile;
+  if (tile.size() < size_t(T * K)) {
+    tile.clear();
+    tile.shrink_to_fit();  // a smaller model's buffer goes before a larger one is taken
+    tile.resize(size_t(T * K));
+  }
+  float* buf = tile.data();  // the pool's threads write here (`tile` names each thread's own)
+  const int64_t block = std::max<int64_t>(1, (int64_t(1) << 18) / K);  // ~1 MB of fp32 a block
+  for (int64_t n0 = 0; n0 < N; n0 += T) {
+    const int64_t rows = std::min(T, N - n0);
+    const QMat part_of_w = row_slice(W, n0, n0 + rows);
+    {
+      ScopedPart part(Part::Dequantize);
+      parallel_for((rows + block - 1) / block, [&](int64_t b) {
+        I->dequant_rows(part_of_w, b * block, std::min(rows, (b + 1) * block), buf);
+      });
+    }
+    ScopedPart part(Part::Product);
+    sgemm()(101 /* row major */, 111 /* x as is */, 112 /* the tile transposed */, int(M),
+            int(rows), int(K), 1.0f, x, int(K), buf, int(K), 0.0f, y + n0, int(N));
+  }
+}
+
+class PrefillMatmul : public CpuPrimitive {
+ public:
+  PrefillMatmul(mx::Stream s, int gs, int bits) : CpuPrimitive(s), gs_(gs), bits_(bits) {}
+
+  Task task() const override {
+    return [gs = gs_, bits = bits_](const Arrays& in, Arrays& out) {
+      const auto& x = in[0];
+      std::vector<float> tmp;
+      QHold keep;
+      prefill_product(contiguous_f32(x, tmp), int64_t(x.size()) / x.shape(-1),
+                      qmat(in[1], in[2], in[3], gs, bits, keep), out[0].data<float>());
+    };
+  }
+  const char* name() const override { return "MlxchatPrefillMatmul"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const PrefillMatmul&>(other);
+    return gs_ == o.gs_ && bits_ == o.bits_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    auto shape = in[0].shape();
+    shape.back() = in[1].shape(0);
+    return {shape};
+  }
+
+ private:
+  int gs_, bits_;
+};
+
+mx::array prefill_matmul(const mx::array& x, const mx::array& w, const mx::array& s,
+                         const mx::array& b, int gs, int bits) {
+  if (!sgemm()) throw std::runtime_error("no cblas_sgemm is loaded in this process");
+  if (x.dtype() != mx::float32) throw std::invalid_argument("x must be float32");
+  check_quantized(x.shape(-1), w, s, b, gs, bits);
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  return mx::array(shape, mx::float32, std::make_shared<PrefillMatmul>(cpu_stream(), gs, bits),
+                   {x, w, s, b});
+}
+
 // ------------------------------------------------------- SwiGLU (a llama MLP's activation)
 
 class SwiGLU : public CpuPrimitive {
@@ -1206,6 +1309,12 @@ NB_MODULE(_mlxchat_kernels, m) {
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"), nb::arg("int8") = false);
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"));
+  m.def("prefill_matmul", &prefill_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
+        nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"));
+  m.def("has_sgemm", [] { return sgemm() != nullptr; });
+  m.def("prefill_tile_bytes", [] { return g_tile_bytes.load(); });
+  m.def("set_prefill_tile_bytes", [](int64_t n) { g_tile_bytes = std::max<int64_t>(n, 1); },
+        nb::arg("n"));
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("up"));
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
   m.def("rope", &rope, nb::arg("x"), nb::arg("dims"), nb::arg("traditional"), nb::arg("base"),
