@@ -783,6 +783,25 @@ QMat row_slice(const QMat& W, int64_t n0, int64_t n1) {
   return S;
 }
 
+// The bytes every thread's TileBuffer holds (prefill_buffer_bytes).
+std::atomic<int64_t> g_tile_held{0};
+
+// A thread's reused tile of n fp32 values: kept while it is large enough and no larger than
+// `bound` (the tile size) or n, else given back and taken again at n.
+struct TileBuffer {
+  std::vector<float> v;
+  float* take(int64_t n, int64_t bound) {
+    if (int64_t(v.size()) < n || int64_t(v.size()) > std::max(n, bound)) {
+      g_tile_held -= int64_t(v.capacity() * sizeof(float));
+      std::vector<float>().swap(v);
+      v.resize(size_t(n));
+      g_tile_held += int64_t(v.capacity() * sizeof(float));
+    }
+    return v.data();
+  }
+  ~TileBuffer() { g_tile_held -= int64_t(v.capacity() * sizeof(float)); }
+};
+
 // y (M, N) = x (M, K) @ W.T for a prompt chunk, W never whole in fp32: tile after tile of W's
 // rows is dequantized over the pool into one reused buffer (the calling thread's, tile_rows x K
 // floats: 8 MB by default, whatever the model) and multiplied with BLAS (its own threads) into
@@ -790,13 +809,9 @@ QMat row_slice(const QMat& W, int64_t n0, int64_t n1) {
 void prefill_product(const float* x, int64_t M, const QMat& W, float* y) {
   const Impl* I = impl();
   const int64_t K = W.K, N = W.N, T = tile_rows(N, K);
-  thread_local std::vector<float> tile;
-  if (tile.size() < size_t(T * K)) {
-    tile.clear();
-    tile.shrink_to_fit();  // a smaller model's buffer goes before a larger one is taken
-    tile.resize(size_t(T * K));
-  }
-  float* buf = tile.data();  // the pool's threads write here (`tile` names each thread's own)
+  thread_local TileBuffer tile;
+  // the pool's threads write to buf (`tile` names each thread's own)
+  float* buf = tile.take(T * K, g_tile_bytes.load() / int64_t(sizeof(float)));
   const int64_t block = std::max<int64_t>(1, (int64_t(1) << 18) / K);  // ~1 MB of fp32 a block
   for (int64_t n0 = 0; n0 < N; n0 += T) {
     const int64_t rows = std::min(T, N - n0);
@@ -1313,6 +1328,7 @@ NB_MODULE(_mlxchat_kernels, m) {
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"));
   m.def("has_sgemm", [] { return sgemm() != nullptr; });
   m.def("prefill_tile_bytes", [] { return g_tile_bytes.load(); });
+  m.def("prefill_buffer_bytes", [] { return g_tile_held.load(); });
   m.def("set_prefill_tile_bytes", [](int64_t n) { g_tile_bytes = std::max<int64_t>(n, 1); },
         nb::arg("n"));
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("up"));
