@@ -3,8 +3,8 @@
 multiplies it with the loaded BLAS, so no layer's weight is ever whole in fp32.
 
 - against `x @ mx.dequantize(...).T` within fp32 tolerance (BLAS sums in its own order): 4 and 8
-  bits, group sizes 32/64/128, scales in fp32/fp16/bf16, weight rows not a multiple of the tile,
-  batched and non-contiguous x;
+  bits, group sizes 32/64/128, scales in fp32/fp16/bf16, weight rows not a multiple of the tile's,
+  K split into column blocks, batched and non-contiguous x;
 - the buffer it keeps is bounded by the tile size, not the weight's;
 - a tiny model's prompt chunk through it gives MLX's own logits and greedy tokens, and leaves no
   dequantized weight behind (`dequantize_cache_bytes`, the old path's kept fp32 weights).
@@ -43,9 +43,11 @@ def reference(x, w, s, b, gs, bits):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("gs", [32, 64, 128])
 def test_prefill_matmul_matches_the_dequantized_product(blas, bits, gs):
-    blas.set_prefill_tile_bytes(64 * 384 * 4)  # 64 rows a tile: 200 rows = 3 tiles and 8 rows
+    # tiles of at most 1,024 weight rows by (here) 1-2 groups of columns: 1,100 rows are a whole
+    # tile and 76 rows, every K several column blocks summed
+    blas.set_prefill_tile_bytes(1100 * 2 * gs * 4 - 1)
     for scale_dtype, (rows, n, k) in zip([mx.float32, mx.float16, mx.bfloat16],
-                                         [(64, 200, 384), (67, 130, 3 * gs), (100, 64, 2 * gs)]):
+                                         [(64, 200, 384), (67, 1100, 3 * gs), (100, 64, 5 * gs)]):
         w, s, b = quantized(n, k, bits, gs, scale_dtype, seed=bits + gs)
         x = mx.random.normal((rows, k))
         ours, ref = blas.prefill_matmul(x, w, s, b, gs, bits), reference(x, w, s, b, gs, bits)
@@ -62,7 +64,8 @@ def test_batched_and_transposed_rows(blas):
 
 
 def test_the_kept_buffer_is_bounded_by_the_tile(blas):
-    """A 16 MB fp32 weight through 1 MB tiles: the op keeps 1 MB, not the weight."""
+    """A 16 MB fp32 weight through 1 MB tiles (1,024 rows by 256 columns): the op keeps 1 MB,
+    not the weight."""
     blas.set_prefill_tile_bytes(1 << 20)
     w, s, b = quantized(4096, 1024, 4, 64, mx.float16)
     x = mx.random.normal((64, 1024))
@@ -77,14 +80,14 @@ def test_a_prompt_chunk_matches_mlx_and_keeps_no_fp32_weight(blas):
     dequantized weight stays in memory."""
     ours, ref = tiny_llama_pair(4, 32, False)
     assert layout._Run.blas, "the prefill product needs an optimised BLAS loaded"
-    blas.set_prefill_tile_bytes(64 * 128 * 4)  # 64 rows a tile: the 320-row head takes 5
+    blas.set_prefill_tile_bytes(64 * 128 * 4)  # tiles of one group of columns: K in 4 blocks
     prompt = mx.array([[(7 * i + 3) % 320 for i in range(96)]])
     assert prompt.shape[1] >= layout.BLAS_ROWS
     caches = [make_prompt_cache(m) for m in (ours, ref)]
     logits = [m(prompt, cache=c) for m, c in zip((ours, ref), caches)]
     mx.eval(logits)
     assert blas.dequantize_cache_bytes() == 0  # the old path kept every weight's fp32 copy here
-    assert 0 < blas.prefill_buffer_bytes() <= 64 * 320 * 4
+    assert 0 < blas.prefill_buffer_bytes() <= 320 * 32 * 4  # the head's 320 rows, one group
     assert mx.allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4).item()
     assert mx.array_equal(logits[0].argmax(-1), logits[1].argmax(-1)).item()
     tokens = [[], []]

@@ -762,24 +762,31 @@ Sgemm sgemm() {
   return f;
 }
 
-// The fp32 bytes of W one prompt product dequantizes at a time (set_prefill_tile_bytes).
-std::atomic<int64_t> g_tile_bytes{int64_t(8) << 20};
+// A prompt product's tile: kTileRows rows of W (or all N when fewer) by as many columns as
+// g_tile_bytes of fp32 holds (a multiple of the group size, at most K). Each BLAS call packs its
+// share of x (M x the tile's columns) anew, once per tile of rows: at 144-256 rows a tile (8 MB
+// of a K = 8192-14336 weight) that repacking cost 10-25% of the product here, at 1,024 rows ~2%.
+constexpr int64_t kTileRows = 1024;
+std::atomic<int64_t> g_tile_bytes{int64_t(8) << 20};  // set_prefill_tile_bytes
 
-// Rows of W in one tile: about g_tile_bytes of fp32, at least 64 (BLAS's products stay wide
-// enough to run at full rate), a multiple of 16, at most N.
-int64_t tile_rows(int64_t N, int64_t K) {
-  const int64_t t = std::max<int64_t>(64, g_tile_bytes.load() / (K * int64_t(sizeof(float))) / 16 * 16);
-  return std::min(N, t);
+std::pair<int64_t, int64_t> tile_shape(int64_t N, int64_t K, int gs) {
+  const int64_t rows = std::min(N, kTileRows);
+  const int64_t cols = g_tile_bytes.load() / (rows * int64_t(sizeof(float))) / gs * gs;
+  return {rows, std::clamp<int64_t>(cols, gs, K)};
 }
 
-// W's rows n0..n1-1 as a matrix of their own.
-QMat row_slice(const QMat& W, int64_t n0, int64_t n1) {
+// W's rows n0..n1-1 and columns k0..k0+cols-1 as a matrix of their own (cols a multiple of the
+// group size), for dequant_rows one row at a time: its w, scales and biases start at row n0,
+// column k0, and a one-row view's row stride is never read.
+QMat slice(const QMat& W, int64_t n0, int64_t n1, int64_t k0, int64_t cols) {
   const int64_t groups = W.K / W.gs, sbytes = W.st == SType::F32 ? 4 : 2;
+  const int64_t at = n0 * groups + k0 / W.gs;
   QMat S = W;
-  S.w = W.w + n0 * (W.K * W.bits / 32);
-  S.scales = static_cast<const char*>(W.scales) + n0 * groups * sbytes;
-  S.biases = static_cast<const char*>(W.biases) + n0 * groups * sbytes;
+  S.w = W.w + n0 * (W.K * W.bits / 32) + k0 * W.bits / 32;
+  S.scales = static_cast<const char*>(W.scales) + at * sbytes;
+  S.biases = static_cast<const char*>(W.biases) + at * sbytes;
   S.N = n1 - n0;
+  S.K = cols;
   return S;
 }
 
@@ -802,29 +809,35 @@ struct TileBuffer {
   ~TileBuffer() { g_tile_held -= int64_t(v.capacity() * sizeof(float)); }
 };
 
-// y (M, N) = x (M, K) @ W.T for a prompt chunk, W never whole in fp32: tile after tile of W's
-// rows is dequantized over the pool into one reused buffer (the calling thread's, tile_rows x K
-// floats: 8 MB by default, whatever the model) and multiplied with BLAS (its own threads) into
-// y's columns of that tile. The dequantization is the exact q * scale + bias of `dequantize`.
+// y (M, N) = x (M, K) @ W.T for a prompt chunk, W never whole in fp32: tile after tile of W
+// (tile_shape) is dequantized over the pool into one reused buffer (the calling thread's:
+// 8 MB by default, whatever the model) and multiplied with BLAS (its own threads) into y's
+// columns of that tile, the column blocks of one tile of rows summed into them. The
+// dequantization is the exact q * scale + bias of `dequantize`.
 void prefill_product(const float* x, int64_t M, const QMat& W, float* y) {
   const Impl* I = impl();
-  const int64_t K = W.K, N = W.N, T = tile_rows(N, K);
+  const int64_t K = W.K, N = W.N;
+  const auto [T, C] = tile_shape(N, K, W.gs);
   thread_local TileBuffer tile;
   // the pool's threads write to buf (`tile` names each thread's own)
-  float* buf = tile.take(T * K, g_tile_bytes.load() / int64_t(sizeof(float)));
-  const int64_t block = std::max<int64_t>(1, (int64_t(1) << 18) / K);  // ~1 MB of fp32 a block
+  float* buf = tile.take(T * C, g_tile_bytes.load() / int64_t(sizeof(float)));
+  const int64_t block = std::max<int64_t>(1, (int64_t(1) << 18) / C);  // ~1 MB of fp32 a block
   for (int64_t n0 = 0; n0 < N; n0 += T) {
     const int64_t rows = std::min(T, N - n0);
-    const QMat part_of_w = row_slice(W, n0, n0 + rows);
-    {
-      ScopedPart part(Part::Dequantize);
-      parallel_for((rows + block - 1) / block, [&](int64_t b) {
-        I->dequant_rows(part_of_w, b * block, std::min(rows, (b + 1) * block), buf);
-      });
+    for (int64_t k0 = 0; k0 < K; k0 += C) {
+      const int64_t cols = std::min(C, K - k0);
+      {
+        ScopedPart part(Part::Dequantize);
+        parallel_for((rows + block - 1) / block, [&](int64_t b) {
+          for (int64_t r = b * block, e = std::min(rows, r + block); r < e; ++r)
+            I->dequant_rows(slice(W, n0 + r, n0 + r + 1, k0, cols), 0, 1, buf + r * cols);
+        });
+      }
+      ScopedPart part(Part::Product);
+      sgemm()(101 /* row major */, 111 /* x as is */, 112 /* the tile transposed */, int(M),
+              int(rows), int(cols), 1.0f, x + k0, int(K), buf, int(cols), k0 ? 1.0f : 0.0f,
+              y + n0, int(N));
     }
-    ScopedPart part(Part::Product);
-    sgemm()(101 /* row major */, 111 /* x as is */, 112 /* the tile transposed */, int(M),
-            int(rows), int(K), 1.0f, x, int(K), buf, int(K), 0.0f, y + n0, int(N));
   }
 }
 
