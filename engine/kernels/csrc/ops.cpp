@@ -631,8 +631,11 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
                    {x, w, s, b});
 }
 
-// ---------------------------------------------------- dequantize (prompt prefill: then BLAS)
+// ------------------------------------------ dequantize (a whole weight to fp32: bench and tests)
 
+// Prompt products ran `x @ dequantize(W).T` until issue 32; they now run prefill_matmul (below),
+// which never holds a whole fp32 weight. `dequantize` stays for bench.profile_decode and
+// bench.prefill_memory's `old` product.
 // Reused output buffers for large, short-lived results (a prompt chunk's dequantized weights: 64 MB
 // for a 1B model's MLP matrix). MLX's CPU allocator hands memory back to the OS on free, and
 // fresh memory costs a page fault and a zeroed page per 4 KB: ~0.7 ms a MB here, ten times the
