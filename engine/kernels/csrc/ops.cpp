@@ -575,6 +575,13 @@ void run_qmm_multi(const float* x, int64_t rows, const std::vector<QMat>& Ws,
   }
 }
 
+// The shape of x @ W.T: x's, its last axis W's rows.
+mx::Shape product_shape(const mx::array& x, const mx::array& w) {
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  return shape;
+}
+
 class QMatmul : public CpuPrimitive {
  public:
   QMatmul(mx::Stream s, int gs, int bits, bool int8)
@@ -597,9 +604,7 @@ class QMatmul : public CpuPrimitive {
     return gs_ == o.gs_ && bits_ == o.bits_ && int8_ == o.int8_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
-    auto shape = in[0].shape();
-    shape.back() = in[1].shape(0);
-    return {shape};
+    return {product_shape(in[0], in[1])};
   }
 
  private:
@@ -625,10 +630,8 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
                            const mx::array& b, int gs, int bits, bool int8) {
   if (x.dtype() != mx::float32) throw std::invalid_argument("x must be float32");
   check_quantized(x.shape(-1), w, s, b, gs, bits);
-  auto shape = x.shape();
-  shape.back() = w.shape(0);
-  return mx::array(shape, mx::float32, std::make_shared<QMatmul>(cpu_stream(), gs, bits, int8),
-                   {x, w, s, b});
+  return mx::array(product_shape(x, w), mx::float32,
+                   std::make_shared<QMatmul>(cpu_stream(), gs, bits, int8), {x, w, s, b});
 }
 
 // ------------------------------------------ dequantize (a whole weight to fp32: bench and tests)
@@ -863,9 +866,7 @@ class PrefillMatmul : public CpuPrimitive {
     return gs_ == o.gs_ && bits_ == o.bits_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
-    auto shape = in[0].shape();
-    shape.back() = in[1].shape(0);
-    return {shape};
+    return {product_shape(in[0], in[1])};
   }
 
  private:
@@ -877,10 +878,8 @@ mx::array prefill_matmul(const mx::array& x, const mx::array& w, const mx::array
   if (!sgemm()) throw std::runtime_error("no cblas_sgemm is loaded in this process");
   if (x.dtype() != mx::float32) throw std::invalid_argument("x must be float32");
   check_quantized(x.shape(-1), w, s, b, gs, bits);
-  auto shape = x.shape();
-  shape.back() = w.shape(0);
-  return mx::array(shape, mx::float32, std::make_shared<PrefillMatmul>(cpu_stream(), gs, bits),
-                   {x, w, s, b});
+  return mx::array(product_shape(x, w), mx::float32,
+                   std::make_shared<PrefillMatmul>(cpu_stream(), gs, bits), {x, w, s, b});
 }
 
 // ------------------------------------------------------- SwiGLU (a llama MLP's activation)
