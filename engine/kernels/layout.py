@@ -6,7 +6,8 @@ arrays), as engine/kernels/cpu_layout.py does for its fp32 layout:
 - `nn.QuantizedLinear` -> `KernelLinear` and `nn.QuantizedEmbedding` -> `KernelEmbedding` (whose
   `as_linear` is a tied output head): 1-8 rows run our quantized matmul straight on MLX's affine
   layout, short prompts the same kernel 8 rows at a time; long prompts (BLAS_ROWS rows or more) run
-  the weight dequantized to fp32 through BLAS when an optimised BLAS is loaded;
+  `prefill_matmul` when an optimised BLAS is loaded: a tile of the weight (8 MB of fp32) dequantized
+  at a time, then multiplied through BLAS, so no weight is ever whole in fp32;
 - `nn.RMSNorm` -> `KernelRMSNorm`, `nn.RoPE` -> `KernelRoPE`;
 - mlx-lm's llama `Attention` -> `KernelLlamaAttention`: one-token steps over a plain `KVCache`
   or a `BatchKVCache` (or their 8-bit forms, kv8.py, whose packed rows the kernels read) take our
@@ -50,8 +51,8 @@ from .cpu_layout import swap_matvec
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 8
-# From this many rows on (prompt prefill), dequantizing a layer's weight to fp32 for one BLAS
-# product beats our kernel 8 rows at a time; below it the dequantization costs more than it saves.
+# From this many rows on (prompt prefill), dequantizing the weight to fp32 (a tile at a time) for
+# BLAS beats our kernel 8 rows at a time; below it the dequantization costs more than it saves.
 BLAS_ROWS = 64
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -73,7 +74,8 @@ def unsupported(module: nn.Module) -> str | None:
 
 class _Run:
     """Set when a model is converted: the loaded extension, and whether products of BLAS_ROWS
-    rows or more run dequantized through BLAS (an optimised BLAS is loaded) or on the kernel."""
+    rows or more run dequantized through BLAS (an optimised BLAS is loaded and the extension
+    finds its cblas_sgemm) or on the kernel."""
 
     kernels: Any = None
     blas = False
@@ -85,7 +87,7 @@ def quantized_product(module: "KernelLinear | KernelEmbedding", x: mx.array) -> 
     w, scales, biases = module["weight"], module["scales"], module["biases"]
     rows = x.size // x.shape[-1]
     if rows >= BLAS_ROWS and _Run.blas:
-        return x @ kernels.dequantize(w, scales, biases, module.group_size, module.bits).T
+        return kernels.prefill_matmul(x, w, scales, biases, module.group_size, module.bits)
     return kernels.quantized_matmul(x, w, scales, biases, module.group_size, module.bits,
                                     int8=module.int8_activations and rows <= MAX_ROWS)
 
@@ -336,7 +338,7 @@ def to_kernel_layout(model: nn.Module) -> nn.Module:
     from ..device import fast_blas_loaded
 
     _Run.kernels = native.kernels()
-    _Run.blas = fast_blas_loaded()
+    _Run.blas = fast_blas_loaded() and _Run.kernels.has_sgemm()
     int8 = native.int8_activations()
     counts: dict[str, int] = {}
     for name, module in model.named_modules():

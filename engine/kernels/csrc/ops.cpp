@@ -17,6 +17,8 @@
 #include <tuple>
 #include <vector>
 
+#include <dlfcn.h>
+
 #if defined(__linux__)
 #include <sys/mman.h>
 #ifndef MADV_COLLAPSE
@@ -581,6 +583,13 @@ void run_qmm_multi(const float* x, int64_t rows, const std::vector<QMat>& Ws,
   }
 }
 
+// The shape of x @ W.T: x's, its last axis W's rows.
+mx::Shape product_shape(const mx::array& x, const mx::array& w) {
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  return shape;
+}
+
 class QMatmul : public CpuPrimitive {
  public:
   QMatmul(mx::Stream s, int gs, int bits, bool int8)
@@ -603,9 +612,7 @@ class QMatmul : public CpuPrimitive {
     return gs_ == o.gs_ && bits_ == o.bits_ && int8_ == o.int8_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
-    auto shape = in[0].shape();
-    shape.back() = in[1].shape(0);
-    return {shape};
+    return {product_shape(in[0], in[1])};
   }
 
  private:
@@ -631,14 +638,15 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
                            const mx::array& b, int gs, int bits, bool int8) {
   if (x.dtype() != mx::float32) throw std::invalid_argument("x must be float32");
   check_quantized(x.shape(-1), w, s, b, gs, bits);
-  auto shape = x.shape();
-  shape.back() = w.shape(0);
-  return mx::array(shape, mx::float32, std::make_shared<QMatmul>(cpu_stream(), gs, bits, int8),
-                   {x, w, s, b});
+  return mx::array(product_shape(x, w), mx::float32,
+                   std::make_shared<QMatmul>(cpu_stream(), gs, bits, int8), {x, w, s, b});
 }
 
-// ---------------------------------------------------- dequantize (prompt prefill: then BLAS)
+// ------------------------------------------ dequantize (a whole weight to fp32: bench and tests)
 
+// Prompt products ran `x @ dequantize(W).T` until issue 32; they now run prefill_matmul (below),
+// which never holds a whole fp32 weight. `dequantize` stays for bench.profile_decode and
+// bench.prefill_memory's `old` product.
 // Reused output buffers for large, short-lived results (a prompt chunk's dequantized weights: 64 MB
 // for a 1B model's MLP matrix). MLX's CPU allocator hands memory back to the OS on free, and
 // fresh memory costs a page fault and a zeroed page per 4 KB: ~0.7 ms a MB here, ten times the
@@ -828,6 +836,131 @@ mx::array embedding(const mx::array& ids, const mx::array& w, const mx::array& s
   shape.push_back(w.shape(1) * (32 / bits));
   return mx::array(shape, mx::float32, std::make_shared<EmbeddingRows>(cpu_stream(), gs, bits),
                    {ids, w, s, b});
+}
+
+// ------------------------------------ prompt products: a tile of W dequantized at a time, then BLAS
+
+// cblas_sgemm of the BLAS this process has loaded (the preloaded OpenBLAS; looked up once, by
+// name, so the extension links no BLAS of its own), or null.
+using Sgemm = void (*)(int order, int ta, int tb, int M, int N, int K, float alpha, const float* A,
+                       int lda, const float* B, int ldb, float beta, float* C, int ldc);
+Sgemm sgemm() {
+  static const Sgemm f = reinterpret_cast<Sgemm>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
+  return f;
+}
+
+// A prompt product's tile: kTileRows rows of W (or all N when fewer) by as many columns as
+// g_tile_bytes of fp32 holds (a multiple of the group size, at most K). Each BLAS call packs its
+// share of x (M x the tile's columns) anew, once per tile of rows: at 144-256 rows a tile (8 MB
+// of a K = 8192-14336 weight) that repacking cost 10-25% of the product here, at 1,024 rows ~2%.
+constexpr int64_t kTileRows = 1024;
+std::atomic<int64_t> g_tile_bytes{int64_t(8) << 20};  // set_prefill_tile_bytes
+
+std::pair<int64_t, int64_t> tile_shape(int64_t N, int64_t K, int gs) {
+  const int64_t rows = std::min(N, kTileRows);
+  const int64_t cols = g_tile_bytes.load() / (rows * int64_t(sizeof(float))) / gs * gs;
+  return {rows, std::clamp<int64_t>(cols, gs, K)};
+}
+
+// W's rows n0..n1-1 and columns k0..k0+cols-1 as a matrix of their own (cols a multiple of the
+// group size), for dequant_rows one row at a time: its w, scales and biases start at row n0,
+// column k0, and a one-row view's row stride is never read.
+QMat slice(const QMat& W, int64_t n0, int64_t n1, int64_t k0, int64_t cols) {
+  const int64_t groups = W.K / W.gs, sbytes = W.st == SType::F32 ? 4 : 2;
+  const int64_t at = n0 * groups + k0 / W.gs;
+  QMat S = W;
+  S.w = W.w + n0 * (W.K * W.bits / 32) + k0 * W.bits / 32;
+  S.scales = static_cast<const char*>(W.scales) + at * sbytes;
+  S.biases = static_cast<const char*>(W.biases) + at * sbytes;
+  S.N = n1 - n0;
+  S.K = cols;
+  return S;
+}
+
+// The bytes every thread's TileBuffer holds (prefill_buffer_bytes).
+std::atomic<int64_t> g_tile_held{0};
+
+// A thread's reused tile of n fp32 values: kept while it is large enough and no larger than
+// `bound` (the tile size) or n, else given back and taken again at n.
+struct TileBuffer {
+  std::vector<float> v;
+  float* take(int64_t n, int64_t bound) {
+    if (int64_t(v.size()) < n || int64_t(v.size()) > std::max(n, bound)) {
+      g_tile_held -= int64_t(v.capacity() * sizeof(float));
+      std::vector<float>().swap(v);
+      v.resize(size_t(n));
+      g_tile_held += int64_t(v.capacity() * sizeof(float));
+    }
+    return v.data();
+  }
+  ~TileBuffer() { g_tile_held -= int64_t(v.capacity() * sizeof(float)); }
+};
+
+// y (M, N) = x (M, K) @ W.T for a prompt chunk, W never whole in fp32: tile after tile of W
+// (tile_shape) is dequantized over the pool into one reused buffer (the calling thread's:
+// 8 MB by default, whatever the model) and multiplied with BLAS (its own threads) into y's
+// columns of that tile, the column blocks of one tile of rows summed into them. The
+// dequantization is the exact q * scale + bias of `dequantize`.
+void prefill_product(const float* x, int64_t M, const QMat& W, float* y) {
+  const Impl* I = impl();
+  const int64_t K = W.K, N = W.N;
+  const auto [T, C] = tile_shape(N, K, W.gs);
+  thread_local TileBuffer tile;
+  // the pool's threads write to buf (`tile` names each thread's own)
+  float* buf = tile.take(T * C, g_tile_bytes.load() / int64_t(sizeof(float)));
+  const int64_t block = std::max<int64_t>(1, (int64_t(1) << 18) / C);  // ~1 MB of fp32 a block
+  for (int64_t n0 = 0; n0 < N; n0 += T) {
+    const int64_t rows = std::min(T, N - n0);
+    for (int64_t k0 = 0; k0 < K; k0 += C) {
+      const int64_t cols = std::min(C, K - k0);
+      {
+        ScopedPart part(Part::Dequantize);
+        parallel_for((rows + block - 1) / block, [&](int64_t b) {
+          for (int64_t r = b * block, e = std::min(rows, r + block); r < e; ++r)
+            I->dequant_rows(slice(W, n0 + r, n0 + r + 1, k0, cols), 0, 1, buf + r * cols);
+        });
+      }
+      ScopedPart part(Part::Product);
+      sgemm()(101 /* row major */, 111 /* x as is */, 112 /* the tile transposed */, int(M),
+              int(rows), int(cols), 1.0f, x + k0, int(K), buf, int(cols), k0 ? 1.0f : 0.0f,
+              y + n0, int(N));
+    }
+  }
+}
+
+class PrefillMatmul : public CpuPrimitive {
+ public:
+  PrefillMatmul(mx::Stream s, int gs, int bits) : CpuPrimitive(s), gs_(gs), bits_(bits) {}
+
+  Task task() const override {
+    return [gs = gs_, bits = bits_](const Arrays& in, Arrays& out) {
+      const auto& x = in[0];
+      std::vector<float> tmp;
+      QHold keep;
+      prefill_product(contiguous_f32(x, tmp), int64_t(x.size()) / x.shape(-1),
+                      qmat(in[1], in[2], in[3], gs, bits, keep), out[0].data<float>());
+    };
+  }
+  const char* name() const override { return "MlxchatPrefillMatmul"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const PrefillMatmul&>(other);
+    return gs_ == o.gs_ && bits_ == o.bits_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {product_shape(in[0], in[1])};
+  }
+
+ private:
+  int gs_, bits_;
+};
+
+mx::array prefill_matmul(const mx::array& x, const mx::array& w, const mx::array& s,
+                         const mx::array& b, int gs, int bits) {
+  if (!sgemm()) throw std::runtime_error("no cblas_sgemm is loaded in this process");
+  if (x.dtype() != mx::float32) throw std::invalid_argument("x must be float32");
+  check_quantized(x.shape(-1), w, s, b, gs, bits);
+  return mx::array(product_shape(x, w), mx::float32,
+                   std::make_shared<PrefillMatmul>(cpu_stream(), gs, bits), {x, w, s, b});
 }
 
 // ------------------------------------------------------- SwiGLU (a llama MLP's activation)
@@ -1521,6 +1654,13 @@ NB_MODULE(_mlxchat_kernels, m) {
         nb::arg("group_size"), nb::arg("bits"));
   m.def("embedding", &embedding, nb::arg("ids"), nb::arg("w"), nb::arg("scales"),
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"));
+  m.def("prefill_matmul", &prefill_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
+        nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"));
+  m.def("has_sgemm", [] { return sgemm() != nullptr; });
+  m.def("prefill_tile_bytes", [] { return g_tile_bytes.load(); });
+  m.def("prefill_buffer_bytes", [] { return g_tile_held.load(); });
+  m.def("set_prefill_tile_bytes", [](int64_t n) { g_tile_bytes = std::max<int64_t>(n, 1); },
+        nb::arg("n"));
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("up"));
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
   m.def("log_softmax", &LogSoftmax::of, nb::arg("x"));
