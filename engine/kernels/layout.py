@@ -199,12 +199,21 @@ class KernelLlamaAttention(llama.Attention):
 
 class KernelMLP(llama.MLP):
     """mlx-lm's llama MLP with our SwiGLU (multithreaded; MLX's CPU runs its compiled one on one
-    thread, a large part of a prompt chunk)."""
+    thread, a large part of a prompt chunk).
+
+    A prompt chunk (BLAS_ROWS rows or more) evaluates each layer's MLP output before the next layer
+    is built: MLX allocates an op's output when it queues it, ahead of its CPU thread, so an
+    unevaluated chunk had several layers' activations (an 8B MLP's are 512 x 14,336 x 4 bytes
+    twice) held at once. One sync a layer costs nothing next to a layer's prompt products; the
+    chunk's peak memory no longer grows with the model's depth (tests/test_kernels_prefill.py)."""
 
     def __call__(self, x: mx.array) -> mx.array:
         g, u = self.gate_proj(x), self.up_proj(x)
         ours = g.dtype == mx.float32 and u.dtype == mx.float32
-        return self.down_proj(_Run.kernels.swiglu(g, u) if ours else swiglu(g, u))
+        y = self.down_proj(_Run.kernels.swiglu(g, u) if ours else swiglu(g, u))
+        if x.size // x.shape[-1] >= BLAS_ROWS:
+            mx.eval(y)
+        return y
 
 
 def _qw(layer: nn.Module) -> tuple:
