@@ -17,6 +17,9 @@ woke a sleeping thread, and how long the calling thread waited for the others at
 the same steps as they ran before (`two_op_step`: attn_in, mlx-lm's KV-cache update, block_out;
 MLX's gather and dequantize for the embedding), alternating in one process.
 
+`--ab one-op --batch 1 4` does the same for steps of 1 and 4 rows over mlx-lm's BatchKVCache
+(the scheduler's batch; the rows left-padded differently).
+
 `--ab SETTER=V1,V2,...` instead times whole steps with one of the kernels' switches taking each
 value in turn (`set_prefetch_bytes`, `set_spin_us`, `set_interleave_rows`), --rounds rounds of
 --steps steps, all in one process: a ratio that holds on a busy machine.
@@ -83,6 +86,8 @@ def main(argv=None):
             c.offset -= 1
         return out
 
+    if a.ab == "one-op" and a.batch:
+        return alternate_batched_steps(model, kernels, a.batch, a.context, a.steps, a.rounds)
     if a.ab == "one-op":
         def before():  # the step as it ran before the one-op layer, at the same context
             out = two_op_step(kernels, model, token, cache)
@@ -130,8 +135,10 @@ def model_path(name: str | None) -> str | None:
 def two_op_step(kernels, model, tokens, cache):
     """A llama model's one-token step as it ran before each layer became one op: the embedding
     through MLX's gather and mx.dequantize, and per layer our attn_in, mlx-lm's
-    KVCache.update_and_fetch, our block_out; then the final norm and the head."""
+    update_and_fetch, our block_out; then the final norm and the head. Over a `BatchKVCache` each
+    row takes RoPE at its own offset and attends from its left padding on."""
     import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
 
     from engine.kernels.layout import _qw
 
@@ -142,12 +149,15 @@ def two_op_step(kernels, model, tokens, cache):
     for layer, c in zip(inner.layers, cache):
         attn, mlp = layer.self_attn, layer.mlp
         n1, n2, rope = layer.input_layernorm, layer.post_attention_layernorm, attn.rope
+        rows = type(c) is BatchKVCache
         q, k, v = kernels.attn_in(h, n1.weight, n1.eps, _qw(attn.q_proj), _qw(attn.k_proj),
                                   _qw(attn.v_proj), attn.n_heads, attn.n_kv_heads, rope.dims,
-                                  rope.traditional, rope.base, rope.scale, c.offset)
+                                  rope.traditional, rope.base, rope.scale, 0 if rows else c.offset,
+                                  offsets=c.offset if rows else None)
         k, v = c.update_and_fetch(k, v)
         h = kernels.block_out(h, q, k, v, attn.scale, _qw(attn.o_proj), n2.weight, n2.eps,
-                              _qw(mlp.gate_proj), _qw(mlp.up_proj), _qw(mlp.down_proj))
+                              _qw(mlp.gate_proj), _qw(mlp.up_proj), _qw(mlp.down_proj),
+                              starts=c.left_padding if rows else None)
     h = inner.norm(h)
     return e.as_linear(h) if model.args.tie_word_embeddings else model.lm_head(h)
 
@@ -176,6 +186,34 @@ def alternate_steps(steps_by_name, kernels, steps: int, rounds: int) -> None:
         wall, cpu = [x[0] for x in r], [x[1] for x in r]
         print(f"  {name:<32} wall {statistics.median(wall):7.2f} [{min(wall):.2f}-{max(wall):.2f}]"
               f"  CPU {statistics.median(cpu):7.2f} [{min(cpu):.2f}-{max(cpu):.2f}]")
+
+
+def alternate_batched_steps(model, kernels, sizes: list[int], context: int, steps: int,
+                            rounds: int) -> None:
+    """`--ab one-op --batch B...`: whole steps of B rows over mlx-lm's BatchKVCache (rows left-
+    padded by 0, 3, 6...), each layer one op against `two_op_step`, alternating in one process at
+    the same context (each step trimmed off again)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    cases = {}
+    for b in sizes:
+        padding = [3 * r for r in range(b)]
+        cache = [BatchKVCache(padding) for _ in model.layers]
+        prompt = [[0] * p + list(range(100, 100 + context - p)) for p in padding]
+        mx.eval(model(mx.array(prompt), cache=cache))
+        token = mx.array([[42]] * b)
+
+        def trimmed(step, cache=cache):
+            out = step()
+            for c in cache:
+                c.trim(1)
+            return out
+
+        cases[f"b={b} one op per layer"] = lambda c=cache, t=token: trimmed(lambda: model(t, cache=c), c)
+        cases[f"b={b} two ops + mlx-lm's update"] = (
+            lambda c=cache, t=token: trimmed(lambda: two_op_step(kernels, model, t, c), c))
+    alternate_steps(cases, kernels, steps, rounds)
 
 
 def alternate(kernels, step, spec: str, steps: int, rounds: int) -> None:

@@ -1,4 +1,4 @@
-"""A llama layer's one-token step over a plain KVCache as one op (engine/kernels/layout.py,
+"""A llama layer's one-token step over a plain KVCache or mlx-lm's BatchKVCache as one op (engine/kernels/layout.py,
 KernelLlamaBlock; ops.cpp, DecodeLayer): it writes the new keys and values into the cache's
 buffers itself, so the cache must end exactly as mlx-lm's own update leaves it, the logits
 must equal the two-op path's (attn_in, mlx-lm's update, block_out) bit for bit, and a buffer
@@ -7,7 +7,7 @@ another array still holds (a snapshot) must never be written into."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from bench.profile_decode import two_op_step
 from tiny_models import tiny_llama_pair
@@ -46,6 +46,45 @@ def test_one_op_steps_leave_the_cache_as_mlx_lms_update_across_a_buffer_growth(k
         assert mx.array_equal(a, b).item(), step
         for x, y in zip(fused, reference):
             assert x.offset == y.offset == 251 + step
+            assert x.keys.shape == y.keys.shape and x.values.shape == y.values.shape
+            assert mx.array_equal(x.keys, y.keys).item() and mx.array_equal(x.values, y.values).item()
+        tokens = mx.argmax(a[:, -1:], axis=-1)
+    assert fused[0].keys.shape[2] == 512
+
+
+@pytest.mark.parametrize("padding", [[3, 0], [0, 5, 2, 9]])
+def test_batched_one_op_steps_leave_the_cache_as_mlx_lms_update_across_a_buffer_growth(kern, padding):
+    """The scheduler's batch (mlx-lm's BatchKVCache) of 2 and 4 rows, each left-padded
+    differently: a 250-position prompt, then 10 one-token steps (the buffers grow from 256 to 512
+    positions on the 7th). Every step's logits equal the two-op path's bit for bit (each row's
+    RoPE at its own offset, its keys from its padding on), and each layer's whole keys and values
+    buffers, per-row offsets and write index equal what mlx-lm's update leaves; each layer is one
+    graph node (its offsets + 1 that op's fourth output)."""
+    ours, _ = tiny_llama_pair(4, 32, True)
+    B = len(padding)
+    prompt = mx.array([[0] * p + [(7 * i + r) % 300 + 1 for i in range(250 - p)]
+                       for r, p in enumerate(padding)])
+    fused = [BatchKVCache(padding) for _ in ours.layers]
+    reference = [BatchKVCache(padding) for _ in ours.layers]
+    mx.eval(ours(prompt, cache=fused), ours(prompt, cache=reference))
+    tokens = mx.array([[5 + r] for r in range(B)])
+    for step in range(10):
+        mx.eval(tokens)
+        a = ours(tokens, cache=fused)
+        # not the first step nor the growth step or the one after it (mlx-lm's update, which
+        # grows the buffer, leaves an unevaluated `offset + n` for the next step)
+        if fused[0]._idx not in (251, 257, 258):
+            ops = graph_primitives(a)
+            assert ops.count("MlxchatDecodeLayer") == len(ours.model.layers), ops
+            assert set(ops) == {"MlxchatEmbedding", "MlxchatDecodeLayer", "MlxchatRMSNorm",
+                                "MlxchatQuantizedMatmul"}, ops
+            assert len(ops) == len(ours.model.layers) + 3, ops
+        b = two_op_step(kern, ours, tokens, reference)
+        mx.eval(a, b)
+        assert mx.array_equal(a, b).item(), step
+        for x, y in zip(fused, reference):
+            assert x._idx == y._idx == 251 + step
+            assert x.offset.tolist() == y.offset.tolist() == [251 + step - p for p in padding]
             assert x.keys.shape == y.keys.shape and x.values.shape == y.values.shape
             assert mx.array_equal(x.keys, y.keys).item() and mx.array_equal(x.values, y.values).item()
         tokens = mx.argmax(a[:, -1:], axis=-1)
@@ -122,8 +161,9 @@ def test_pipelined_steps_write_in_place(kern):
 
 
 def test_the_one_op_refuses_buffers_it_cannot_write(kern):
-    """A position outside the buffers, buffers of another shape or dtype: a ValueError before
-    any graph is built, never a write out of bounds."""
+    """A position outside the buffers, buffers of another shape or dtype, a batched step's
+    per-row offsets or starts not (batch,) int32: a ValueError before any graph is built, never
+    a write out of bounds."""
     ours, _ = tiny_llama_pair(4, 32, True)
     layer = ours.model.layers[0]
     fused = layer._fused or layer._fuse()
@@ -136,3 +176,11 @@ def test_the_one_op_refuses_buffers_it_cannot_write(kern):
                 (h, keys, mx.zeros((1, 2, 9, 32)), 0), (mx.zeros((1, 1, 64)), keys, values, 0)]:
         with pytest.raises(ValueError):
             fused(*bad)
+    rows, ok = mx.array([4], dtype=mx.int32), mx.array([0], dtype=mx.int32)
+    mx.eval(fused.batch(h, keys, values, 7, rows, ok))
+    for offsets, starts in [(rows.astype(mx.int64), ok), (rows, mx.array([0, 0], dtype=mx.int32)),
+                            (rows, ok.reshape(1, 1))]:
+        with pytest.raises(ValueError):
+            fused.batch(h, keys, values, 7, offsets, starts)
+    with pytest.raises(ValueError):
+        fused.batch(h, keys, values, 8, rows, ok)

@@ -16,8 +16,8 @@ arrays), as engine/kernels/cpu_layout.py does for its fp32 layout:
   runs mlx-lm's own code;
 - mlx-lm's llama `MLP` -> `KernelMLP`: our SwiGLU between its products;
 - mlx-lm's llama `TransformerBlock` -> `KernelLlamaBlock`: where every part of the layer took the
-  kernels, a one-token step over a plain `KVCache` is one op that also writes the cache (else two
-  fused ops around the cache's own update).
+  kernels, a one-token step over a plain `KVCache` or a `BatchKVCache` is one op that also writes
+  the cache (else two fused ops around the cache's own update).
 
 A one-token step over mlx-lm's `BatchKVCache` (the scheduler's batched decoding) gives each row
 its own RoPE position (the cache's per-row `offset`) and hides the keys before each row's
@@ -41,7 +41,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
 from mlx_lm.models.activations import swiglu
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from . import native
 from .caches import batch_kv, plain_kv
@@ -224,16 +224,18 @@ class KernelLlamaBlock(llama.TransformerBlock):
     """mlx-lm's llama layer whose one-token steps take our fused ops where every part of the layer
     took the kernels (`fused_decode`):
 
-    - over a plain `KVCache` with room for the new position, one op (`kernels.FusedLayer`, built on
-      the layer's first such step): norm, q/k/v, RoPE, the new keys and values written into the
-      cache's buffers, attention, o_proj, residual, norm, MLP, residual. As in mlx-lm's update
-      (`KVCache.update_and_fetch`), the `keys` and `values` arrays are updated in place, their
-      memory reused unless another array (a view, a snapshot's slice) still holds it, and the
-      cache's `keys`, `values` and `offset` are then what mlx-lm's update leaves;
-      a step that needs a larger buffer (every 256 tokens) takes the path below, mlx-lm's update
-      growing it;
-    - otherwise (the 8-bit cache, a `BatchKVCache`, that growth step) two ops around the cache's own
-      update: attn_in (norm, q/k/v, RoPE) and block_out (attention, o_proj, residual, norm, MLP,
+    - over a plain `KVCache` or a `BatchKVCache` (fp32) with room for the new position, one op
+      (`kernels.FusedLayer`, built on the layer's first such step): norm, q/k/v, RoPE, the new
+      keys and values written into the cache's buffers, attention, o_proj, residual, norm, MLP,
+      residual. As in mlx-lm's update (`update_and_fetch`), the `keys` and `values` arrays are
+      updated in place, their memory reused unless another array (a view, a snapshot's slice)
+      still holds it, and the cache's `keys`, `values` and `offset` (and a batched cache's
+      `_idx`) are then what mlx-lm's update leaves. A `BatchKVCache` writes every row at its
+      shared `_idx`, each row's RoPE at its own `offset` and its keys from its `left_padding` on
+      (`_batch_step`); a step that needs a larger buffer (every 256 tokens) takes the path below,
+      mlx-lm's update growing it;
+    - otherwise (the 8-bit caches, that growth step) two ops around the cache's own update:
+      attn_in (norm, q/k/v, RoPE) and block_out (attention, o_proj, residual, norm, MLP,
       residual).
 
     Each is the same kernels as the single ops; other steps run mlx-lm's code. The fused op holds
@@ -253,6 +255,10 @@ class KernelLlamaBlock(llama.TransformerBlock):
                 y = fused(x, keys, cache.values, offset)  # updates keys and values in place
                 cache.offset = offset + 1
                 return y
+        if type(cache) is BatchKVCache and x.shape[1] == 1 and x.dtype == mx.float32:
+            y = self._batch_step(x, mask, cache)
+            if y is not None:
+                return y
         ours, starts = _one_token_step(x, mask, cache)
         if not ours:
             return super().__call__(x, mask, cache)
@@ -268,6 +274,20 @@ class KernelLlamaBlock(llama.TransformerBlock):
         return kernels.block_out(x, q, k, v, attn.scale, _qw(attn.o_proj), norm2.weight, norm2.eps,
                                  _qw(mlp.gate_proj), _qw(mlp.up_proj), _qw(mlp.down_proj),
                                  int8=self.int8_activations, starts=starts)
+
+    def _batch_step(self, x: mx.array, mask: Any, cache: BatchKVCache) -> mx.array | None:
+        """The one op over a `BatchKVCache` with room at its `_idx` (else None): the cache then
+        holds what mlx-lm's `update_and_fetch` leaves (`offset` + 1 per row, `_idx` + 1)."""
+        keys, idx = cache.keys, cache._idx
+        if (keys is None or idx >= keys.shape[2] or keys.dtype != mx.float32
+                or not (mask is None or isinstance(mask, mx.array))):
+            return None
+        fused = self._fused or self._fuse()
+        # updates keys and values in place; the offsets + 1 come out of the same op
+        y, cache.offset = fused.batch(x, keys, cache.values, idx, _int32(cache.offset),
+                                      _int32(cache.left_padding))
+        cache._idx = idx + 1
+        return y
 
     def _fuse(self) -> Any:
         attn, mlp = self.self_attn, self.mlp

@@ -1411,7 +1411,10 @@ mx::array block_out(const mx::array& h, const mx::array& q, const mx::array& k, 
 // Slice for each of keys and values), so a layer's step is one graph node instead of six.
 //
 // Inputs: h (B, 1, Dm) and the cache's keys and values buffers (B, Hk, capacity, D float32; the
-// new position `offset` < capacity). The layer's weights (FusedLayer's, evaluated once) the op
+// new position `offset` < capacity); for a batched cache (mlx-lm's BatchKVCache: every row
+// written at the shared `offset`, its `_idx`) also each row's RoPE position and first visible
+// key, (B,) int32 each (`rows`: the cache's per-row offset and left padding), and then a fourth
+// output, the offsets + 1 (what mlx-lm's update leaves in the cache's `offset`). The layer's weights (FusedLayer's, evaluated once) the op
 // holds itself: norm1, the q, k and v products (weight, scales, biases each), o's three arrays,
 // norm2, gate's, up's and down's three each. Outputs: the layer's output, then
 // the keys and values buffers with position `offset` written. Like MLX's SliceUpdate, an output
@@ -1419,27 +1422,30 @@ mx::array block_out(const mx::array& h, const mx::array& q, const mx::array& k, 
 // or view holds that memory) and a copy otherwise, so a snapshot holding the old buffer keeps it.
 class DecodeLayer : public CpuPrimitive {
  public:
-  static constexpr int kKeys = 1, kValues = 2;  // input positions (h is the first)
+  static constexpr int kKeys = 1, kValues = 2, kRows = 3;  // input positions (h is the first)
   using Weights = std::shared_ptr<const std::vector<mx::array>>;
 
   DecodeLayer(mx::Stream s, Weights weights, float eps1, float eps2, std::vector<QSpec> q,
-              int heads, RopeParams rope, int offset, float scale)
+              int heads, RopeParams rope, int offset, float scale, bool rows)
       : CpuPrimitive(s), weights_(std::move(weights)), eps1_(eps1), eps2_(eps2), q_(std::move(q)),
-        heads_(heads), rope_(rope), offset_(offset), scale_(scale) {}
+        heads_(heads), rope_(rope), offset_(offset), scale_(scale), rows_(rows) {}
 
   Task task() const override {
     return [weights = weights_, eps1 = eps1_, eps2 = eps2_, q = q_, heads = heads_, rope = rope_,
-            offset = offset_, scale = scale_](const Arrays& ins, Arrays& outs) {
+            offset = offset_, scale = scale_, rows = rows_](const Arrays& ins, Arrays& outs) {
       const mx::array* w = weights->data();
       BufferCache::get().release();  // a decode step: the prompt's buffers go back
       std::vector<float> th, tw;
+      std::vector<int32_t> to, ts;
+      const int32_t* offsets = rows ? contiguous_as<int32_t>(ins[kRows], to) : nullptr;
+      const int32_t* starts = rows ? contiguous_as<int32_t>(ins[kRows + 1], ts) : nullptr;
       const auto& h = ins[0];
       const int64_t Dm = h.shape(-1), B = int64_t(h.size()) / Dm;
       const int64_t Hk = ins[kKeys].shape(1), D = ins[kKeys].shape(3), H = heads;
       std::vector<float> qo(size_t(B * H * D)), kv(size_t(2 * B * Hk * D));
       const float* hd = contiguous_f32(h, th);
       attn_in_rows(hd, B, Dm, contiguous_f32(w[0], tw), eps1, w + 1, {q[0], q[1], q[2]}, rope,
-                   offset, nullptr, H, Hk, D, qo.data(), kv.data(), kv.data() + B * Hk * D);
+                   offset, offsets, H, Hk, D, qo.data(), kv.data(), kv.data() + B * Hk * D);
       KV views[2];
       {
         ScopedPart part(Part::KVWrite);
@@ -1465,7 +1471,9 @@ class DecodeLayer : public CpuPrimitive {
         }
       }
       block_out_rows(hd, B, Dm, qo.data(), views[0], views[1], H, Hk, offset + 1, D, scale, eps2,
-                     w + 10, {q[3], q[4], q[5], q[6]}, nullptr, outs[0].data<float>());
+                     w + 10, {q[3], q[4], q[5], q[6]}, starts, outs[0].data<float>());
+      if (rows)
+        for (int64_t b = 0; b < B; ++b) outs[3].data<int32_t>()[b] = offsets[b] + 1;
     };
   }
   void allocate_outputs(const Arrays& in, Arrays& outs) const override {
@@ -1484,6 +1492,7 @@ class DecodeLayer : public CpuPrimitive {
     // held waits for the stream to finish what it was given, then is taken if nothing holds it
     // still (once a step: the previous step's holds all end together).
     alloc(outs[0]);
+    if (rows_) alloc(outs[3]);
     for (int i = 0; i < 2; ++i) {
       const mx::array& buf = in[kKeys + i];
       if (!buf.flags().row_contiguous) {
@@ -1498,13 +1507,15 @@ class DecodeLayer : public CpuPrimitive {
     }
   }
   std::vector<mx::Shape> output_shapes(const Arrays& in) override {
+    if (rows_) return {in[0].shape(), in[kKeys].shape(), in[kValues].shape(), in[kRows].shape()};
     return {in[0].shape(), in[kKeys].shape(), in[kValues].shape()};
   }
   const char* name() const override { return "MlxchatDecodeLayer"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const DecodeLayer&>(other);
     return weights_ == o.weights_ && eps1_ == o.eps1_ && eps2_ == o.eps2_ && q_ == o.q_ &&
-           heads_ == o.heads_ && rope_ == o.rope_ && offset_ == o.offset_ && scale_ == o.scale_;
+           heads_ == o.heads_ && rope_ == o.rope_ && offset_ == o.offset_ && scale_ == o.scale_ &&
+           rows_ == o.rows_;
   }
 
  private:
@@ -1515,13 +1526,15 @@ class DecodeLayer : public CpuPrimitive {
   RopeParams rope_;
   int offset_;
   float scale_;
+  bool rows_;  // a batched cache's per-row offsets and starts are inputs kRows, kRows + 1
 };
 
-// One llama layer's weights and settings, checked once, for its one-token steps over a plain KV
-// cache (engine/kernels/layout.py builds one per layer on its first such step): calling it with
-// the step's h, the cache's keys and values buffers and the new position gives the layer's output
-// and updates the two buffer arrays to DecodeLayer's others. It holds the weights it was made with: a later change of the layer's arrays is
-// not seen.
+// One llama layer's weights and settings, checked once, for its one-token steps over a plain or
+// batched KV cache (engine/kernels/layout.py builds one per layer on its first such step):
+// calling it with the step's h, the cache's keys and values buffers and the new position (and a
+// batched cache's per-row offsets and starts) gives the layer's output and updates the two
+// buffer arrays to DecodeLayer's others. It holds the weights it was made with: a later change
+// of the layer's arrays is not seen.
 class FusedLayer {
  public:
   FusedLayer(const mx::array& norm1, float eps1, const QW& wq, const QW& wk, const QW& wv,
@@ -1565,6 +1578,23 @@ class FusedLayer {
   // The step's output; `keys` and `values` become the written buffers, in place (the arrays
   // themselves are updated, as mlx-lm's `cache.keys[..., i, :] = k` updates them).
   mx::array operator()(const mx::array& h, mx::array& keys, mx::array& values, int offset) const {
+    return step(h, keys, values, offset, std::nullopt, std::nullopt)[0];
+  }
+
+  // A batched cache's step (mlx-lm's BatchKVCache): every row written at the shared index `idx`
+  // (its `_idx`), row b's RoPE at offsets[b] and its keys from starts[b] on (its `offset` and
+  // `left_padding`). Returns the output and the offsets + 1 (the cache's next `offset`).
+  std::tuple<mx::array, mx::array> batch(const mx::array& h, mx::array& keys, mx::array& values,
+                                         int idx, const mx::array& offsets,
+                                         const mx::array& starts) const {
+    auto outs = step(h, keys, values, idx, offsets, starts);
+    return {outs[0], outs[3]};
+  }
+
+ private:
+  std::vector<mx::array> step(const mx::array& h, mx::array& keys, mx::array& values, int offset,
+                              const std::optional<mx::array>& offsets,
+                              const std::optional<mx::array>& starts) const {
     if (h.dtype() != mx::float32 || h.ndim() != 3 || h.shape(1) != 1 || h.shape(2) != dm_)
       throw std::invalid_argument("h must be (B, 1, D) float32");
     for (auto* a : {&keys, &values})
@@ -1573,17 +1603,26 @@ class FusedLayer {
         throw std::invalid_argument("keys and values must be (B, kv heads, capacity, head dim) float32");
     if (keys.shape() != values.shape() || offset < 0 || offset >= keys.shape(2))
       throw std::invalid_argument("the new position must lie inside the cache's buffers");
+    check_rows(offsets, h.shape(0), "offsets");
+    check_rows(starts, h.shape(0), "starts");
+    std::vector<mx::array> inputs{h, keys, values};
+    if (offsets) inputs.insert(inputs.end(), {*offsets, *starts});
+    std::vector<mx::Shape> shapes{h.shape(), keys.shape(), values.shape()};
+    std::vector<mx::Dtype> dtypes{mx::float32, mx::float32, mx::float32};
+    if (offsets) {
+      shapes.push_back(offsets->shape());
+      dtypes.push_back(mx::int32);
+    }
     auto outs = mx::array::make_arrays(
-        {h.shape(), keys.shape(), values.shape()}, {mx::float32, mx::float32, mx::float32},
+        std::move(shapes), dtypes,
         std::make_shared<DecodeLayer>(cpu_stream(), weights_, eps1_, eps2_, q_, heads_, rope_,
-                                      offset, scale_),
-        {h, keys, values});
+                                      offset, scale_, bool(offsets)),
+        inputs);
     keys.overwrite_descriptor(outs[1]);
     values.overwrite_descriptor(outs[2]);
-    return outs[0];
+    return outs;
   }
 
- private:
   float eps1_, eps2_;
   int heads_, kv_heads_, d_ = 0;
   int64_t dm_ = 0;
@@ -1687,7 +1726,9 @@ NB_MODULE(_mlxchat_kernels, m) {
            nb::arg("norm2"), nb::arg("eps2"), nb::arg("wg"), nb::arg("wu"), nb::arg("wd"),
            nb::arg("int8") = false)
       .def("__call__", &FusedLayer::operator(), nb::arg("h"), nb::arg("keys"), nb::arg("values"),
-           nb::arg("offset"));
+           nb::arg("offset"))
+      .def("batch", &FusedLayer::batch, nb::arg("h"), nb::arg("keys"), nb::arg("values"),
+           nb::arg("idx"), nb::arg("offsets"), nb::arg("starts"));
   m.def("read_bandwidth", &read_bandwidth, nb::arg("a"), nb::arg("passes") = 1);
   m.def("huge_pages", &huge_pages, nb::arg("a"));
   m.def("isa", [] { return std::string(impl()->name); });
