@@ -81,6 +81,25 @@ def _git_commit() -> str | None:
         return None
 
 
+def cpu_model() -> str:
+    """The CPU the figures came from, as /proc/cpuinfo names it (vendor model, family/model, the
+    wide units): hosts of one VM type differ between runs (an AMD EPYC Zen 4 without AMX, an Intel
+    Xeon with it), and so do the ratios against llama.cpp. `platform.processor()` elsewhere."""
+    try:
+        fields: dict[str, str] = {}
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+        units = [u for u in ("avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if u in fields.get("flags", "").split()]
+        return (f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')} model "
+                f"{fields.get('model', '?')}; {' '.join(units) or 'no AVX-512'})")
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
 def run_meta(argv: Sequence[str]) -> dict[str, Any]:
     import mlx.core as mx
     import mlx_lm
@@ -100,7 +119,7 @@ def run_meta(argv: Sequence[str]) -> dict[str, Any]:
         pass
     return {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "argv": list(argv), "device": device.report(), "versions": versions,
-            "platform": platform.platform(), "git_commit": _git_commit()}
+            "platform": platform.platform(), "cpu": cpu_model(), "git_commit": _git_commit()}
 
 
 def fmt(x: float | None, digits: int = 3) -> str:

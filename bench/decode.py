@@ -445,10 +445,13 @@ def main(argv=None):
         _table(model, rows)
         results[model] = dict(folder=folder, rows=rows)
 
+    from bench.common import cpu_model
+
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(prompt_tokens=a.prompt_tokens, gen_tokens=a.gen_tokens, reps=a.reps, rounds=a.rounds,
-                threads=a.threads, llama_python=llama_py, cpus=os.cpu_count(), load_avg=os.getloadavg(),
+                threads=a.threads, llama_python=llama_py, cpus=os.cpu_count(), cpu=cpu_model(),
+                load_avg=os.getloadavg(),
                 time=time.time(),
                 command="python -m bench.decode " + " ".join(argv if argv is not None else sys.argv[1:]))
     out.write_text(json.dumps(dict(meta=meta, models=results), indent=1))

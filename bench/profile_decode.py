@@ -20,7 +20,7 @@ MLX's gather and dequantize for the embedding), alternating in one process.
 `--ab one-op --batch 1 4` does the same for steps of 1 and 4 rows over mlx-lm's BatchKVCache
 (the scheduler's batch; the rows left-padded differently).
 
-`--ab SETTER=V1,V2,...` instead times whole steps with one of the kernels' switches taking each
+`--ab SETTER=V1,V2,...` (numbers, or names: `set_isa=avx512-vnni,avx2`) instead times whole steps with one of the kernels' switches taking each
 value in turn (`set_prefetch_bytes`, `set_spin_us`, `set_interleave_rows`), --rounds rounds of
 --steps steps, all in one process: a ratio that holds on a busy machine.
 
@@ -224,8 +224,8 @@ def alternate(kernels, step, spec: str, steps: int, rounds: int) -> None:
     import mlx.core as mx
 
     setter, values = spec.split("=")
-    values = [int(v) for v in values.split(",")]
-    runs: dict[int, list[tuple[float, float]]] = {v: [] for v in values}
+    values = [int(v) if v.lstrip("-").isdigit() else v for v in values.split(",")]  # set_isa: names
+    runs: dict[int | str, list[tuple[float, float]]] = {v: [] for v in values}
     for _ in range(3):
         mx.eval(step())
     for _ in range(rounds):
