@@ -20,6 +20,16 @@ def address(a: mx.array) -> int:
     return np.asarray(memoryview(a)).__array_interface__["data"][0]
 
 
+def assert_one_op_step(logits, model):
+    """The step's graph is the embedding, one op per layer, the final norm and the tied head:
+    nothing else (no cache update, no offset add, no gather)."""
+    ops = graph_primitives(logits)
+    assert ops.count("MlxchatDecodeLayer") == len(model.model.layers), ops
+    assert set(ops) == {"MlxchatEmbedding", "MlxchatDecodeLayer", "MlxchatRMSNorm",
+                        "MlxchatQuantizedMatmul"}, ops
+    assert len(ops) == len(model.model.layers) + 3, ops
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_one_op_steps_leave_the_cache_as_mlx_lms_update_across_a_buffer_growth(kern, batch):
     """A 250-token prompt, then 10 one-token steps (the cache's buffer grows from 256 to 512
@@ -35,12 +45,7 @@ def test_one_op_steps_leave_the_cache_as_mlx_lms_update_across_a_buffer_growth(k
         mx.eval(tokens)
         a = ours(tokens, cache=fused)
         if fused[0].offset != 257:  # not the growth step (mlx-lm's update grows the buffer)
-            ops = graph_primitives(a)
-            assert ops.count("MlxchatDecodeLayer") == len(ours.model.layers), ops
-            # embedding, layers, final norm, tied head: nothing else (no cache update, no gather)
-            assert set(ops) == {"MlxchatEmbedding", "MlxchatDecodeLayer", "MlxchatRMSNorm",
-                                "MlxchatQuantizedMatmul"}, ops
-            assert len(ops) == len(ours.model.layers) + 3, ops
+            assert_one_op_step(a, ours)
         b = two_op_step(kern, ours, tokens, reference)
         mx.eval(a, b)
         assert mx.array_equal(a, b).item(), step
@@ -74,11 +79,7 @@ def test_batched_one_op_steps_leave_the_cache_as_mlx_lms_update_across_a_buffer_
         # not the first step nor the growth step or the one after it (mlx-lm's update, which
         # grows the buffer, leaves an unevaluated `offset + n` for the next step)
         if fused[0]._idx not in (251, 257, 258):
-            ops = graph_primitives(a)
-            assert ops.count("MlxchatDecodeLayer") == len(ours.model.layers), ops
-            assert set(ops) == {"MlxchatEmbedding", "MlxchatDecodeLayer", "MlxchatRMSNorm",
-                                "MlxchatQuantizedMatmul"}, ops
-            assert len(ops) == len(ours.model.layers) + 3, ops
+            assert_one_op_step(a, ours)
         b = two_op_step(kern, ours, tokens, reference)
         mx.eval(a, b)
         assert mx.array_equal(a, b).item(), step
