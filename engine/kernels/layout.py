@@ -350,17 +350,6 @@ def _to_fp32(module: nn.Module) -> None:
         module.update(cast)
 
 
-def _int8_part(name: str, module: nn.Module) -> bool:
-    """Where the int8 path applies: the output head (a tied embedding) and the attention
-    projections (a fused layer passes it to o_proj and q/k/v only). The MLP stays exact: on the
-    bundled model its int8 products alone moved perplexity by about 1%, past the 0.5% gate
-    (tests/test_kernels_quality.py), while the head and attention together moved it by 0.02%."""
-    if type(module) is not KernelLinear:
-        return True
-    parent = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
-    return "attn" in parent or "attention" in parent
-
-
 def to_kernel_layout(model: nn.Module) -> nn.Module:
     """Swap in the kernel-backed modules; returns the model. Call where kernel_layout_wanted(), on
     the model as it will run: a later change of its layers (e.g. dequantizing them) is not seen."""
@@ -386,7 +375,7 @@ def to_kernel_layout(model: nn.Module) -> nn.Module:
             module.fused_decode = _fusable(module)
             module._fused = None
         if type(module) in (KernelLinear, KernelEmbedding, KernelLlamaBlock):
-            module.int8_activations = int8 and _int8_part(name, module)
+            module.int8_activations = int8
     dense = swap_matvec(model)  # any dense fp32 layer left: W @ x for one row, as cpu_layout does
     mx.eval(model.parameters())
     huge = huge_pages(model)

@@ -55,13 +55,24 @@ struct QMat {
   int bits, gs;
 };
 
-// M rows of x quantized per 32-element block for the int8 path: q (M * K int8 values; with
-// 4-bit weights the SIMD units store each block's even elements, then its odd ones), d (the
-// blocks' scales, x ~= d * q) and s (each block's exact fp32 sum), M * K / 32 floats each.
-struct Q8Rows {
-  const int8_t* q;
-  const float* d;
-  const float* s;
+// M rows of x quantized per 32-element block for the int8 path, as two int8 limbs: within a
+// block, d = max|x| / kQ8Levels and v = round(x / d) = hi * 128 + lo (hi in [-127, 127], lo in
+// [-64, 63]), so x ~= d * v to 15 bits of the block's largest value, and each limb's dot product
+// with the weights' integer codes is exact in int32. hi and lo: ld int8 values a row (K rounded
+// up to kQ8Chunk, zeros past K; with 4-bit weights the SIMD units store each block's even
+// elements, then its odd ones, the AVX-512 VNNI unit per 128-element chunk); d (the blocks'
+// scales) and s (each block's exact fp32 sum, for the weights' biases): ld / 32 floats a row;
+// dl (the VNNI unit only, else null): d per 32-bit lane of its 64-byte steps, ld / 4 floats a row.
+constexpr int64_t kQ8Chunk = 128;
+constexpr float kQ8Levels = 16192.0f;  // 127 * 128 - 64: v's largest magnitude
+inline int64_t q8_ld(int64_t K) { return (K + kQ8Chunk - 1) / kQ8Chunk * kQ8Chunk; }
+struct Q8Rows {  // prep_x8 writes the buffers, qmv_rows_q8 reads them
+  int8_t* hi;
+  int8_t* lo;
+  float* d;
+  float* s;
+  float* dl;
+  int64_t ld;
 };
 
 struct Impl {
@@ -71,8 +82,8 @@ struct Impl {
   // y[m * ldy + n] = sum_k x[m, k] * W[n, k] for n in [n0, n1), m < M (M <= 8).
   void (*qmv_rows)(const QMat&, const float* xp, int M, int64_t n0, int64_t n1, float* y,
                    int64_t ldy);
-  // Quantizes M rows of x (K floats each) into q, d, s as Q8Rows describes.
-  void (*prep_x8)(const QMat&, const float* x, int M, int8_t* q, float* d, float* s);
+  // Quantizes M rows of x (K floats each) into X's buffers as Q8Rows describes.
+  void (*prep_x8)(const QMat&, const float* x, int M, const Q8Rows& X);
   // As qmv_rows, from int8 activations: integer dot products per block, fp32 scales.
   void (*qmv_rows_q8)(const QMat&, const Q8Rows& x, int M, int64_t n0, int64_t n1, float* y,
                       int64_t ldy);

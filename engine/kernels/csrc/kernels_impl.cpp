@@ -9,10 +9,11 @@
 // no shuffling. One body serves AVX-512 and AVX2: `Vec` below names the register width and the
 // few operations that differ.
 //
-// int8 path (lossy, opt-in): x arrives quantized per 32-element block (int8 values, one fp32
-// scale and the block's exact fp32 sum; see Q8Rows). A block's dot product with the weights'
-// integer codes is exact in int32 (AVX2 maddubs/madd, or AVX-512 VNNI dpbusd), then scaled in
-// fp32: sum_k x_k w_k = s_g * sum_blocks d_j * (sum_k qx_k q_k) + b_g * sum_k x_k.
+// int8 path (lossy, opt-in): x arrives quantized per 32-element block as two int8 limbs, x ~= d *
+// (128 * hi + lo) to 15 bits of the block's largest value (one fp32 scale and the block's exact
+// fp32 sum; see Q8Rows). Each limb's dot product with the weights' integer codes is exact in
+// int32 (AVX2 maddubs/madd, or AVX-512 VNNI dpbusd), then scaled in fp32:
+// sum_k x_k w_k = s_g * sum_blocks d_j * (sum_k v_k q_k) + b_g * sum_k x_k.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -27,6 +28,7 @@
 #ifndef MLXCHAT_ISA
 #define MLXCHAT_ISA generic
 #endif
+
 #define MLXCHAT_CAT2(a, b) a##b
 #define MLXCHAT_CAT(a, b) MLXCHAT_CAT2(a, b)
 
@@ -35,6 +37,7 @@ namespace {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define MLXCHAT_SIMD 512
+#define MLXCHAT_Q8_512 1  // the int8 path's 64-byte VNNI kernel (rows_q8 below)
 constexpr const char* kName = "avx512-vnni";
 #elif defined(__AVX512F__) && defined(__AVX512BW__)
 #define MLXCHAT_SIMD 512
@@ -45,6 +48,9 @@ constexpr const char* kName = "avx2";
 #else
 #define MLXCHAT_SIMD 0
 constexpr const char* kName = "generic";
+#endif
+#ifndef MLXCHAT_Q8_512
+#define MLXCHAT_Q8_512 0
 #endif
 
 inline void scale_bias(const QMat& W, int64_t i, float& s, float& b) {
@@ -418,10 +424,131 @@ inline __m256i dot_block(__m256i w, __m256i x) {
 }
 constexpr bool kSplit4 = true;  // 4-bit blocks of x: even elements, then odd (prep_x8)
 
+#if MLXCHAT_Q8_512
+// The VNNI unit's int8 path: 64 bytes of a weight row a step (4-bit: 128 weights, the low
+// nibbles being the even ones, the high the odd ones; 8-bit: 64), u8 codes times the s8 limbs of
+// x with vpdpbusd, each 32-bit lane summing its 8 (4) weights' products for each limb exactly;
+// v = hi * 128 + lo in int32, then per lane times the lane's weight scale and x block scale
+// (dl), in fp32; the biases times x's exact group sums once a row. R weight rows `step` apart
+// share each step's x loads (as rows_at); the same arithmetic, in the same order, for every
+// (x row, weight row) whatever M and R.
+template <int BITS>
+constexpr int64_t q8_step() {  // weights a 64-byte step
+  return BITS == 4 ? 128 : 64;
+}
+
+// sc: R runs of G + 16 floats whose last 16 are zeros (a step's masked load may pass G).
+template <int M, int R, int BITS>
+void rows_q8_at(const QMat& W, const Q8Rows& X, int64_t n, int64_t step, const float* gsum,
+                __m512i gidx, float* sc, float* bi, float* y, int64_t ldy) {
+  constexpr int64_t E = q8_step<BITS>();
+  const int64_t K = W.K, G = K / W.gs, steps = (K + E - 1) / E;
+  const int64_t gps = std::max<int64_t>(1, E / W.gs);  // groups a step
+  const __mmask16 gmask = __mmask16((1u << gps) - 1);
+  const uint8_t* wr[R];
+  for (int r = 0; r < R; ++r) {
+    wr[r] = reinterpret_cast<const uint8_t*>(W.w) + (n + r * step) * (K * BITS / 8);
+    row_scales(W, n + r * step, G, sc + r * (G + 16), bi + r * G);
+  }
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const int64_t pf = prefetch_bytes(), row_bytes = K * BITS / 8;
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < steps; ++c) {
+    const int64_t at = c * 64, left = row_bytes - at;
+    const __mmask64 bmask = left >= 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
+    // x's limbs and lane scales of this step: kept in registers across the R weight rows when
+    // they fit (M <= 2), else loaded per row (5 registers a row of x would spill at M = 4)
+    constexpr bool keep = M <= 2;
+    constexpr int MK = keep ? M : 1;
+    __m512i xh[MK][2], xl[MK][2];
+    __m512 dl[MK];
+    auto load_x = [&](int m, int slot) {
+      const int8_t* h = X.hi + m * X.ld + c * E;
+      const int8_t* l = X.lo + m * X.ld + c * E;
+      xh[slot][0] = _mm512_loadu_si512(h);
+      xl[slot][0] = _mm512_loadu_si512(l);
+      if constexpr (BITS == 4) {
+        xh[slot][1] = _mm512_loadu_si512(h + 64);
+        xl[slot][1] = _mm512_loadu_si512(l + 64);
+      }
+      dl[slot] = _mm512_loadu_ps(X.dl + m * (X.ld / 4) + c * 16);
+    };
+    if constexpr (keep)
+      for (int m = 0; m < M; ++m) load_x(m, m);
+    const int64_t g0 = c * E / W.gs;
+    for (int r = 0; r < R; ++r) {
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(wr[r] + at + pf), _MM_HINT_T0);
+      const __m512i raw = _mm512_maskz_loadu_epi8(bmask, wr[r] + at);
+      const __m512 sv = _mm512_permutexvar_ps(gidx, _mm512_maskz_loadu_ps(gmask, sc + r * (G + 16) + g0));
+      __m512i wlo = raw, whi = raw;
+      if constexpr (BITS == 4) {
+        wlo = _mm512_and_si512(raw, m4);
+        whi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+      }
+      for (int m = 0; m < M; ++m) {
+        const int x = keep ? m : 0;
+        if constexpr (!keep) load_x(m, 0);
+        __m512i vh, vl;
+        if constexpr (BITS == 4) {
+          vh = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo, xh[x][0]), whi, xh[x][1]);
+          vl = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo, xl[x][0]), whi, xl[x][1]);
+        } else {
+          vh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), raw, xh[x][0]);
+          vl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), raw, xl[x][0]);
+        }
+        const __m512i v = _mm512_add_epi32(_mm512_slli_epi32(vh, 7), vl);
+        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(sv, dl[x]), acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {  // + the biases times x's group sums, then one reduction
+    const float* b = bi + r * G;
+    for (int m = 0; m < M; ++m) {
+      const float* gs = gsum + m * G;
+      __m512 a = acc[r][m];
+      for (int64_t g = 0; g < G; g += 16) {
+        const __mmask16 k = G - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (G - g)) - 1);
+        a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, b + g), _mm512_maskz_loadu_ps(k, gs + g), a);
+      }
+      y[m * ldy + n + r * step] = _mm512_reduce_add_ps(a);
+    }
+  }
+}
+
+template <int M, int BITS>
+void rows_q8(const QMat& W, const Q8Rows& X, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  constexpr int R = M == 1 ? 4 : M == 2 ? 2 : 1;
+  constexpr int64_t E = q8_step<BITS>();
+  const int64_t G = W.K / W.gs, nb = X.ld / 32, bpg = W.gs / 32;
+  float* sc = scratch(R * (G + 16) + R * G + M * G);
+  float* bi = sc + R * (G + 16);
+  float* gsum = bi + R * G;  // x's exact sum over each weight group
+  for (int r = 0; r < R; ++r) std::fill(sc + r * (G + 16) + G, sc + r * (G + 16) + G + 16, 0.0f);
+  alignas(64) int32_t idx[16];  // each lane's weight group within a step (lanes of E / 16 weights)
+  for (int j = 0; j < 16; ++j) idx[j] = W.gs < E ? int32_t(j * (E / 16) / W.gs) : 0;
+  const __m512i gidx = _mm512_load_si512(idx);
+  for (int m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0;
+      for (int64_t j = 0; j < bpg; ++j) s += X.s[m * nb + g * bpg + j];
+      gsum[m * G + g] = s;
+    }
+  int64_t n = n0;
+  if (interleave_rows() && R > 1) {
+    const int64_t step = (n1 - n0) / R;
+    for (; n < n0 + step; ++n) rows_q8_at<M, R, BITS>(W, X, n, step, gsum, gidx, sc, bi, y, ldy);
+    n = n0 + R * step;
+  }
+  for (; n < n1; ++n) rows_q8_at<M, 1, BITS>(W, X, n, 1, gsum, gidx, sc, bi, y, ldy);
+}
+
+#else
 template <int M, int BITS>
 void rows_q8(const QMat& W, const Q8Rows& X, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   constexpr float centre = BITS == 4 ? 8.0f : 128.0f;
-  const int64_t K = W.K, G = K / W.gs, bpg = W.gs / 32, nb = K / 32;
+  const int64_t K = W.K, G = K / W.gs, bpg = W.gs / 32, nb = X.ld / 32;
   float* sc = scratch(2 * G + M * G);
   float* bi = sc + G;
   float* gsum = bi + G;  // x's exact sum over each weight group
@@ -451,9 +578,11 @@ void rows_q8(const QMat& W, const Q8Rows& X, int64_t n0, int64_t n1, float* y, i
           w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + j * 32)), flip);
         }
         for (int m = 0; m < M; ++m) {
-          const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(X.q + m * K + j * 32));
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_block(w, xq)),
-                                   _mm256_set1_ps(X.d[m * nb + j] * s), acc[m]);
+          const auto* h = reinterpret_cast<const __m256i*>(X.hi + m * X.ld + j * 32);
+          const auto* l = reinterpret_cast<const __m256i*>(X.lo + m * X.ld + j * 32);
+          const __m256i v = _mm256_add_epi32(_mm256_slli_epi32(dot_block(w, _mm256_loadu_si256(h)), 7),
+                                             dot_block(w, _mm256_loadu_si256(l)));
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(X.d[m * nb + j] * s), acc[m]);
         }
       }
       for (int m = 0; m < M; ++m) bsum[m] += b * gsum[m * G + g];
@@ -461,6 +590,7 @@ void rows_q8(const QMat& W, const Q8Rows& X, int64_t n0, int64_t n1, float* y, i
     for (int m = 0; m < M; ++m) y[m * ldy + n] = hsum256(acc[m]) + bsum[m];
   }
 }
+#endif  // MLXCHAT_Q8_512
 
 #else  // portable C++
 
@@ -501,7 +631,7 @@ void rows_q8(const QMat& W, const Q8Rows& X, int64_t n0, int64_t n1, float* y, i
   constexpr int per_word = 32 / BITS;
   constexpr uint32_t mask = (1u << BITS) - 1;
   constexpr int32_t centre = 1 << (BITS - 1);  // as the SIMD units: see rows_q8 there
-  const int64_t K = W.K, G = K / W.gs, bpg = W.gs / 32, nb = K / 32, words = K / per_word;
+  const int64_t K = W.K, G = K / W.gs, bpg = W.gs / 32, nb = X.ld / 32, words = K / per_word;
   for (int64_t n = n0; n < n1; ++n) {
     const uint32_t* wr = W.w + n * words;
     float acc[M] = {};
@@ -517,7 +647,8 @@ void rows_q8(const QMat& W, const Q8Rows& X, int64_t n0, int64_t n1, float* y, i
         }
         for (int m = 0; m < M; ++m) {
           int32_t isum = 0;
-          for (int k = 0; k < 32; ++k) isum += q[k] * int32_t(X.q[m * K + j * 32 + k]);
+          const int64_t at = m * X.ld + j * 32;
+          for (int k = 0; k < 32; ++k) isum += q[k] * (128 * int32_t(X.hi[at + k]) + int32_t(X.lo[at + k]));
           acc[m] += float(isum) * (X.d[m * nb + j] * s) + b * X.s[m * nb + j];
         }
       }
@@ -563,25 +694,52 @@ void prep_x(const QMat& W, const float* x, int M, float* xp) {
   }
 }
 
-// x (M rows of K) -> int8 per 32-element block: d = max|x| / 127, q = round(x / d), and the
-// block's exact fp32 sum (it multiplies the weights' biases).
-void prep_x8(const QMat& W, const float* x, int M, int8_t* q, float* d, float* s) {
-  const bool split = kSplit4 && W.bits == 4;
-  for (int64_t j = 0; j < int64_t(M) * W.K / 32; ++j) {
-    const float* xb = x + j * 32;
-    float amax = 0, sum = 0;
-    for (int k = 0; k < 32; ++k) {
-      amax = std::max(amax, std::fabs(xb[k]));
-      sum += xb[k];
+// x (M rows of K) -> two int8 limbs per value, per 32-element block (Q8Rows): d = max|x| /
+// kQ8Levels, v = round(x / d), hi = floor((v + 64) / 128), lo = v - 128 * hi; the block's exact
+// fp32 sum. Positions past K (up to X.ld) get zeros. Where each value goes within a row: see
+// q8_slot.
+inline int64_t q8_slot(int bits, int64_t k) {
+#if MLXCHAT_Q8_512
+  // 64-byte steps of the VNNI kernel: 4-bit, per 128 values the even ones, then the odd ones
+  // (the low and the high nibbles of 64 weight bytes); 8-bit, natural order
+  return bits == 4 ? (k & ~int64_t(127)) + (k & 1) * 64 + (k & 127) / 2 : k;
+#else
+  return kSplit4 && bits == 4 ? (k & ~int64_t(31)) + (k & 1) * 16 + (k & 31) / 2 : k;
+#endif
+}
+
+void prep_x8(const QMat& W, const float* x, int M, const Q8Rows& X) {
+  const int64_t K = W.K, ld = X.ld, nb = ld / 32;
+  for (int m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    int8_t* hi = X.hi + m * ld;
+    int8_t* lo = X.lo + m * ld;
+    std::fill(hi, hi + ld, int8_t(0));
+    std::fill(lo, lo + ld, int8_t(0));
+    for (int64_t j = 0; j < nb; ++j) {
+      float amax = 0, sum = 0;
+      for (int64_t k = j * 32; k < std::min(K, (j + 1) * 32); ++k) {
+        amax = std::max(amax, std::fabs(xr[k]));
+        sum += xr[k];
+      }
+      const float inv = amax > 0 ? kQ8Levels / amax : 0.0f;
+      X.d[m * nb + j] = amax / kQ8Levels;
+      X.s[m * nb + j] = sum;
+      for (int64_t k = j * 32; k < std::min(K, (j + 1) * 32); ++k) {
+        const int32_t v = int32_t(std::nearbyint(std::clamp(xr[k] * inv, -kQ8Levels, kQ8Levels)));
+        const int32_t h = (v + 64) >> 7;  // floor((v + 64) / 128)
+        hi[q8_slot(W.bits, k)] = int8_t(h);
+        lo[q8_slot(W.bits, k)] = int8_t(v - 128 * h);
+      }
     }
-    const float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
-    d[j] = scale;
-    s[j] = sum;
-    int8_t* qb = q + j * 32;
-    for (int k = 0; k < 32; ++k) {
-      const int8_t v = int8_t(std::nearbyint(xb[k] * inv));
-      qb[split ? (k & 1) * 16 + k / 2 : k] = v;
-    }
+#if MLXCHAT_Q8_512
+    // d per 32-bit lane of each 64-byte step: 4-bit, lane j of step c holds values
+    // 128c + 8j .. + 7 (block 4c + j / 4); 8-bit, values 64c + 4j .. + 3 (block 2c + j / 8)
+    float* dl = X.dl + m * (ld / 4);
+    for (int64_t c = 0; c < ld / (W.bits == 4 ? 128 : 64); ++c)
+      for (int j = 0; j < 16; ++j)
+        dl[c * 16 + j] = X.d[m * nb + (W.bits == 4 ? 4 * c + j / 4 : 2 * c + j / 8)];
+#endif
   }
 }
 

@@ -505,31 +505,36 @@ QMat qmat(const mx::array& w, const mx::array& s, const mx::array& b, int gs, in
 }
 
 // x's rows (at most 8) as the kernels read them: fp32 (reordered by prep_x) or, on the int8
-// path, quantized per 32-element block by prep_x8.
+// path, two int8 limbs per value, per 32-element block, by prep_x8 (Q8Rows).
 struct XRows {
   bool int8;
   std::vector<float> xp;
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
+  std::vector<int8_t> hi, lo;
+  std::vector<float> d, s, dl;
+  int64_t ld = 0;
 
   XRows(bool int8, int64_t K) : int8(int8) {
     if (int8) {
-      q.resize(size_t(8 * K));
-      d.resize(size_t(8 * K / 32));
-      s.resize(size_t(8 * K / 32));
+      ld = q8_ld(K);
+      hi.resize(size_t(8 * ld));
+      lo.resize(size_t(8 * ld));
+      d.resize(size_t(8 * ld / 32));
+      s.resize(size_t(8 * ld / 32));
+      dl.resize(size_t(8 * ld / 4));
     } else {
       xp.resize(size_t(8 * K));
     }
   }
+  Q8Rows q8() { return Q8Rows{hi.data(), lo.data(), d.data(), s.data(), dl.data(), ld}; }
   void prep(const Impl* I, const QMat& W, const float* x, int M) {
     if (int8)
-      I->prep_x8(W, x, M, q.data(), d.data(), s.data());
+      I->prep_x8(W, x, M, q8());
     else
       I->prep_x(W, x, M, xp.data());
   }
-  void rows(const Impl* I, const QMat& W, int M, int64_t n0, int64_t n1, float* y, int64_t ldy) const {
+  void rows(const Impl* I, const QMat& W, int M, int64_t n0, int64_t n1, float* y, int64_t ldy) {
     if (int8)
-      I->qmv_rows_q8(W, Q8Rows{q.data(), d.data(), s.data()}, M, n0, n1, y, ldy);
+      I->qmv_rows_q8(W, q8(), M, n0, n1, y, ldy);
     else
       I->qmv_rows(W, xp.data(), M, n0, n1, y, ldy);
   }
@@ -1391,11 +1396,11 @@ mx::array block_out(const mx::array& h, const mx::array& q, const mx::array& k, 
     inputs.insert(inputs.end(), {std::get<0>(W), std::get<1>(W), std::get<2>(W)});
     specs.push_back({std::get<3>(W), std::get<4>(W), i8});
   };
-  add(wo, int8);  // int8 activations for o_proj only: the MLP stays exact (see layout.py)
+  add(wo, int8);
   inputs.push_back(norm);
-  add(wg, false);
-  add(wu, false);
-  add(wd, false);
+  add(wg, int8);
+  add(wu, int8);
+  add(wd, int8);
   check_rows(starts, h.shape(0), "starts");
   if (starts) inputs.push_back(*starts);
   return mx::array(h.shape(), mx::float32,
@@ -1562,14 +1567,11 @@ class FusedLayer {
     if (std::get<0>(wo).shape(0) != dm_ || std::get<0>(wd).shape(0) != dm_ ||
         std::get<0>(wu).shape(0) != std::get<0>(wg).shape(0) || std::get<4>(wg) != std::get<4>(wu))
       throw std::invalid_argument("layer weights do not match");
-    // int8 activations for q/k/v and o only: the MLP stays exact (see layout.py)
-    const bool i8[] = {int8, int8, int8, int8, false, false, false};
-    int n = 0;
     std::vector<mx::array> weights{norm1};
     for (auto* W : {&wq, &wk, &wv, &wo, &wg, &wu, &wd}) {
       weights.insert(weights.end(), {std::get<0>(*W), std::get<1>(*W), std::get<2>(*W)});
       if (W == &wo) weights.push_back(norm2);
-      q_.push_back({std::get<3>(*W), std::get<4>(*W), i8[n++]});
+      q_.push_back({std::get<3>(*W), std::get<4>(*W), int8});
     }
     mx::eval(weights);
     weights_ = std::make_shared<const std::vector<mx::array>>(std::move(weights));
