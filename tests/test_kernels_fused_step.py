@@ -30,6 +30,16 @@ def assert_one_op_step(logits, model):
     assert len(ops) == len(model.model.layers) + 3, ops
 
 
+def assert_same_step(a, b, fused, reference, step):
+    """The one-op step's logits equal the two-op path's bit for bit, and every layer's whole keys
+    and values buffers equal what mlx-lm's update left."""
+    mx.eval(a, b)
+    assert mx.array_equal(a, b).item(), step
+    for x, y in zip(fused, reference):
+        assert x.keys.shape == y.keys.shape and x.values.shape == y.values.shape
+        assert mx.array_equal(x.keys, y.keys).item() and mx.array_equal(x.values, y.values).item()
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_one_op_steps_leave_the_cache_as_mlx_lms_update_across_a_buffer_growth(kern, batch):
     """A 250-token prompt, then 10 one-token steps (the cache's buffer grows from 256 to 512
@@ -46,13 +56,9 @@ def test_one_op_steps_leave_the_cache_as_mlx_lms_update_across_a_buffer_growth(k
         a = ours(tokens, cache=fused)
         if fused[0].offset != 257:  # not the growth step (mlx-lm's update grows the buffer)
             assert_one_op_step(a, ours)
-        b = two_op_step(kern, ours, tokens, reference)
-        mx.eval(a, b)
-        assert mx.array_equal(a, b).item(), step
+        assert_same_step(a, two_op_step(kern, ours, tokens, reference), fused, reference, step)
         for x, y in zip(fused, reference):
             assert x.offset == y.offset == 251 + step
-            assert x.keys.shape == y.keys.shape and x.values.shape == y.values.shape
-            assert mx.array_equal(x.keys, y.keys).item() and mx.array_equal(x.values, y.values).item()
         tokens = mx.argmax(a[:, -1:], axis=-1)
     assert fused[0].keys.shape[2] == 512
 
@@ -80,14 +86,10 @@ def test_batched_one_op_steps_leave_the_cache_as_mlx_lms_update_across_a_buffer_
         # grows the buffer, leaves an unevaluated `offset + n` for the next step)
         if fused[0]._idx not in (251, 257, 258):
             assert_one_op_step(a, ours)
-        b = two_op_step(kern, ours, tokens, reference)
-        mx.eval(a, b)
-        assert mx.array_equal(a, b).item(), step
+        assert_same_step(a, two_op_step(kern, ours, tokens, reference), fused, reference, step)
         for x, y in zip(fused, reference):
             assert x._idx == y._idx == 251 + step
             assert x.offset.tolist() == y.offset.tolist() == [251 + step - p for p in padding]
-            assert x.keys.shape == y.keys.shape and x.values.shape == y.values.shape
-            assert mx.array_equal(x.keys, y.keys).item() and mx.array_equal(x.values, y.values).item()
         tokens = mx.argmax(a[:, -1:], axis=-1)
     assert fused[0].keys.shape[2] == 512
 
