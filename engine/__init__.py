@@ -14,6 +14,7 @@ from .distributed.cluster import Cluster
 from .device import DEVICES, restart_with_blas, select_device
 from .kernels import describe_device, device_report
 from .kernels.kv8 import ENV as KV_BITS_ENV
+from .kernels.native import ENV as KERNELS_ENV
 from .errors import (DownloadCancelled, DownloadError, EngineError, InvalidRequest, ModelLoadError,
                      Overloaded, UnsupportedArchitecture)
 from .decoding.thinking import EFFORT_BUDGETS, effort_budget
@@ -34,7 +35,8 @@ from .decoding.generate import build_prompt as _build_prompt
 from .decoding.vision import ImageInput
 
 __all__ = [
-    "Cluster", "DEFAULTABLE", "DEFAULT_KEEP_ALIVE_S", "DEFAULT_SOURCES", "DEVICES", "KV_BITS_ENV", "PRESETS",
+    "Cluster", "DEFAULTABLE", "DEFAULT_KEEP_ALIVE_S", "DEFAULT_SOURCES", "DEVICES", "KERNELS_ENV",
+    "KV_BITS_ENV", "PRESETS",
     "SAMPLING_OPTIONS",
     "EMBEDDING_MAX_INPUTS", "EmbeddingHandle", "Embeddings",
     "Channel", "Default", "DownloadCancelled", "DownloadError", "DownloadProgress", "DraftChoice",

@@ -132,3 +132,16 @@ def test_the_tokenizers_other_warnings_still_show():
     finally:
         logger.removeHandler(handler)
     assert seen == ["Special tokens have been added in the vocabulary"]
+
+
+def test_int8_activations_option_converts_the_model_to_the_int8_path(lm):
+    """`mlxchat -v generate --int8-activations` on the bundled model: the loading line names the
+    path, the kernel conversion logs it (every product then takes the two-limb integer kernels)
+    and the answer still comes; without the option, neither line."""
+    for option, expected in ((["--int8-activations"], True), ([], False)):
+        result = run("-v", "generate", "What is the capital of France?", *option, "-n", "12",
+                     env={"MLXCHAT_KERNELS": ""})
+        assert result.returncode == 0, result.stderr
+        assert ("int8 activations)" in result.stderr) is expected, result.stderr[-2000:]
+        assert ("int8 activations for 1-8 rows" in result.stderr) is expected, result.stderr[-2000:]
+        assert "Paris" in result.stdout, (option, result.stdout)

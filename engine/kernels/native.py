@@ -173,8 +173,11 @@ def thread_count() -> int:
     return physical_cores()
 
 
+ENV = "MLXCHAT_KERNELS"  # 0 turns the kernels off; int8 takes int8_activations(); `--int8-activations`
+
+
 def _setting() -> str:
-    return os.environ.get("MLXCHAT_KERNELS", "1").strip().lower()
+    return os.environ.get(ENV, "1").strip().lower()
 
 
 def _turned_off() -> bool:
