@@ -595,10 +595,24 @@ mx::Shape product_shape(const mx::array& x, const mx::array& w) {
   return shape;
 }
 
-class QMatmul : public CpuPrimitive {
+// An op on one quantized matrix (w, scales, biases) of a group size and bit width: equivalent to
+// another of its kind with the same two.
+class QuantizedPrimitive : public CpuPrimitive {
  public:
-  QMatmul(mx::Stream s, int gs, int bits, bool int8)
-      : CpuPrimitive(s), gs_(gs), bits_(bits), int8_(int8) {}
+  QuantizedPrimitive(mx::Stream s, int gs, int bits) : CpuPrimitive(s), gs_(gs), bits_(bits) {}
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const QuantizedPrimitive&>(other);
+    return gs_ == o.gs_ && bits_ == o.bits_;
+  }
+
+ protected:
+  int64_t unpacked(const mx::array& w) const { return w.shape(1) * (32 / bits_); }  // W's columns
+  int gs_, bits_;
+};
+
+class QMatmul : public QuantizedPrimitive {
+ public:
+  QMatmul(mx::Stream s, int gs, int bits, bool int8) : QuantizedPrimitive(s, gs, bits), int8_(int8) {}
 
   Task task() const override {
     return [gs = gs_, bits = bits_, int8 = int8_](const Arrays& in, Arrays& out) {
@@ -613,15 +627,13 @@ class QMatmul : public CpuPrimitive {
   }
   const char* name() const override { return int8_ ? "MlxchatQuantizedMatmulInt8" : "MlxchatQuantizedMatmul"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const QMatmul&>(other);
-    return gs_ == o.gs_ && bits_ == o.bits_ && int8_ == o.int8_;
+    return QuantizedPrimitive::is_equivalent(other) && int8_ == static_cast<const QMatmul&>(other).int8_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     return {product_shape(in[0], in[1])};
   }
 
  private:
-  int gs_, bits_;
   bool int8_;
 };
 
@@ -658,10 +670,9 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
 // dequantization itself. Buffers come from MLX's allocator and go back into this cache when
 // their array dies (exact sizes: a model's layers repeat their shapes), up to kHeld bytes
 // kept; never destroyed, so arrays that outlive the module's statics still find it. A decode
-// step (AttnIn, DecodeAttention) hands them all back (`release`): they are a prompt's working
-// memory, up to 512 MB that the resident-memory goal (weights + 0.6 GB) has no room for while
-// tokens are generated; the next prompt's first chunk takes fresh pages again (~56 ms on a 1B
-// model, against seconds for the chunk).
+// step (AttnIn, DecodeAttention, DecodeLayer) hands them all back (`release`, one atomic read
+// when none is kept, as in the engine, whose prompts no longer call `dequantize`): up to 512 MB
+// that the resident-memory goal (weights + 0.6 GB) has no room for while tokens are generated.
 class BufferCache {
  public:
   static constexpr size_t kHeld = size_t(512) << 20;
@@ -738,9 +749,9 @@ void dequantize_rows(const QMat& W, float* out) {
   parallel_for(nblocks, [&](int64_t b) { I->dequant_rows(W, b * rows, std::min(W.N, (b + 1) * rows), out); });
 }
 
-class Dequantize : public CpuPrimitive {
+class Dequantize : public QuantizedPrimitive {
  public:
-  Dequantize(mx::Stream s, int gs, int bits) : CpuPrimitive(s), gs_(gs), bits_(bits) {}
+  using QuantizedPrimitive::QuantizedPrimitive;
   Task task() const override {
     return [gs = gs_, bits = bits_](const Arrays& in, Arrays& out) {
       QHold keep;
@@ -751,22 +762,21 @@ class Dequantize : public CpuPrimitive {
   }
   void allocate(mx::array& out) const override { BufferCache::get().give_to(out); }
   const char* name() const override { return "MlxchatDequantize"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const Dequantize&>(other);
-    return gs_ == o.gs_ && bits_ == o.bits_;
-  }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
-    return {{in[0].shape(0), in[0].shape(1) * (32 / bits_)}};
+    return {{in[0].shape(0), int(unpacked(in[0]))}};
   }
-
- private:
-  int gs_, bits_;
 };
 
-mx::array dequantize(const mx::array& w, const mx::array& s, const mx::array& b, int gs, int bits) {
+// A quantized table's columns (w's unpacked), after check_quantized on them.
+int check_table(const mx::array& w, const mx::array& s, const mx::array& b, int gs, int bits) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8");
-  check_quantized(int64_t(w.ndim() == 2 ? w.shape(1) : 0) * (32 / bits), w, s, b, gs, bits);
-  return mx::array({w.shape(0), w.shape(1) * (32 / bits)}, mx::float32,
+  const int64_t K = int64_t(w.ndim() == 2 ? w.shape(1) : 0) * (32 / bits);
+  check_quantized(K, w, s, b, gs, bits);
+  return int(K);
+}
+
+mx::array dequantize(const mx::array& w, const mx::array& s, const mx::array& b, int gs, int bits) {
+  return mx::array({w.shape(0), check_table(w, s, b, gs, bits)}, mx::float32,
                    std::make_shared<Dequantize>(cpu_stream(), gs, bits), {w, s, b});
 }
 
@@ -798,9 +808,9 @@ void embedding_rows(const mx::array& ids, const QMat& W, float* out) {
   for (size_t i = 0; i < ids.size(); ++i) embedding_row(W, int64_t(p[i]), out + int64_t(i) * W.K);
 }
 
-class EmbeddingRows : public CpuPrimitive {
+class EmbeddingRows : public QuantizedPrimitive {
  public:
-  EmbeddingRows(mx::Stream s, int gs, int bits) : CpuPrimitive(s), gs_(gs), bits_(bits) {}
+  using QuantizedPrimitive::QuantizedPrimitive;
   Task task() const override {
     return [gs = gs_, bits = bits_](const Arrays& in, Arrays& out) {
       QHold keep;
@@ -814,18 +824,16 @@ class EmbeddingRows : public CpuPrimitive {
     };
   }
   const char* name() const override { return "MlxchatEmbedding"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const EmbeddingRows&>(other);
-    return gs_ == o.gs_ && bits_ == o.bits_;
-  }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
-    auto shape = in[0].shape();
-    shape.push_back(in[1].shape(1) * (32 / bits_));
-    return {shape};
+    return {rows_shape(in[0], int(unpacked(in[1])))};
   }
 
- private:
-  int gs_, bits_;
+  // ids.shape + (K,)
+  static mx::Shape rows_shape(const mx::array& ids, int K) {
+    auto shape = ids.shape();
+    shape.push_back(K);
+    return shape;
+  }
 };
 
 // The rows `ids` (any shape, 32- or 64-bit integers) of the quantized table (w, scales, biases)
@@ -835,12 +843,8 @@ mx::array embedding(const mx::array& ids, const mx::array& w, const mx::array& s
   const auto t = ids.dtype();
   if (t != mx::int32 && t != mx::uint32 && t != mx::int64 && t != mx::uint64)
     throw std::invalid_argument("ids must be 32- or 64-bit integers");
-  if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8");
-  check_quantized(int64_t(w.ndim() == 2 ? w.shape(1) : 0) * (32 / bits), w, s, b, gs, bits);
-  auto shape = ids.shape();
-  shape.push_back(w.shape(1) * (32 / bits));
-  return mx::array(shape, mx::float32, std::make_shared<EmbeddingRows>(cpu_stream(), gs, bits),
-                   {ids, w, s, b});
+  return mx::array(EmbeddingRows::rows_shape(ids, check_table(w, s, b, gs, bits)), mx::float32,
+                   std::make_shared<EmbeddingRows>(cpu_stream(), gs, bits), {ids, w, s, b});
 }
 
 // ------------------------------------ prompt products: a tile of W dequantized at a time, then BLAS
@@ -933,9 +937,9 @@ void prefill_product(const float* x, int64_t M, const QMat& W, float* y) {
   }
 }
 
-class PrefillMatmul : public CpuPrimitive {
+class PrefillMatmul : public QuantizedPrimitive {
  public:
-  PrefillMatmul(mx::Stream s, int gs, int bits) : CpuPrimitive(s), gs_(gs), bits_(bits) {}
+  using QuantizedPrimitive::QuantizedPrimitive;
 
   Task task() const override {
     return [gs = gs_, bits = bits_](const Arrays& in, Arrays& out) {
@@ -947,16 +951,9 @@ class PrefillMatmul : public CpuPrimitive {
     };
   }
   const char* name() const override { return "MlxchatPrefillMatmul"; }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const PrefillMatmul&>(other);
-    return gs_ == o.gs_ && bits_ == o.bits_;
-  }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     return {product_shape(in[0], in[1])};
   }
-
- private:
-  int gs_, bits_;
 };
 
 mx::array prefill_matmul(const mx::array& x, const mx::array& w, const mx::array& s,
@@ -1104,7 +1101,7 @@ class DecodeAttention : public CpuPrimitive {
       const float* qd = contiguous_f32(q, tq);
       const int64_t D = q.shape(3);
       const KV kv = kv_view(k, tk, tk8, D), vv = kv_view(v, tv, tv8, D);
-      BufferCache::get().release();  // a decode step: the prompt's buffers go back
+      BufferCache::get().release();  // a decode step: what `dequantize` kept goes back
       ScopedPart part(Part::Attention);
       attention(qd, kv, vv, q.shape(0), q.shape(1), k.shape(1), k.shape(2), D, scale,
                 out[0].data<float>(), starts ? contiguous_as<int32_t>(in[3], ts) : nullptr);
@@ -1276,7 +1273,7 @@ class AttnIn : public CpuPrimitive {
   Task task() const override {
     return [eps = eps_, q = q_, rope = rope_, offset = offset_, offsets = offsets_](
                const Arrays& ins, Arrays& os) {
-      BufferCache::get().release();  // a decode step: the prompt's buffers go back
+      BufferCache::get().release();  // a decode step: what `dequantize` kept goes back
       std::vector<float> th, tw;
       std::vector<int32_t> to;
       const auto& h = ins[0];
@@ -1341,6 +1338,33 @@ void check_q(const QW& W, int64_t K) {
   check_quantized(K, w, s, b, gs, bits);
 }
 
+// A llama layer's q, k and v weights over Dm-wide rows: `heads` and `kv_heads` (a divisor) of one
+// head size, which it returns, one bit width, RoPE over an even number of dims up to it.
+int check_qkv(const QW& wq, const QW& wk, const QW& wv, int64_t Dm, int heads, int kv_heads,
+              int rope_dims) {
+  for (auto* W : {&wq, &wk, &wv}) check_q(*W, Dm);
+  if (std::get<4>(wk) != std::get<4>(wq) || std::get<4>(wv) != std::get<4>(wq))
+    throw std::invalid_argument("mixed bits");
+  const int64_t nq = std::get<0>(wq).shape(0), nk = std::get<0>(wk).shape(0);
+  if (heads <= 0 || kv_heads <= 0 || nq % heads || nk % kv_heads || nq / heads != nk / kv_heads ||
+      std::get<0>(wv).shape(0) != nk || heads % kv_heads)
+    throw std::invalid_argument("head shapes do not match the weights");
+  const int D = int(nq / heads);
+  if (rope_dims <= 0 || rope_dims % 2 || rope_dims > D) throw std::invalid_argument("bad rope dims");
+  return D;
+}
+
+// A llama layer's o_proj (from the attention's nq columns) and MLP weights over Dm-wide rows.
+void check_out_mlp(const QW& wo, const QW& wg, const QW& wu, const QW& wd, int64_t nq, int64_t Dm) {
+  check_q(wo, nq);
+  check_q(wg, Dm);
+  check_q(wu, Dm);
+  check_q(wd, std::get<0>(wg).shape(0));
+  if (std::get<0>(wo).shape(0) != Dm || std::get<0>(wd).shape(0) != Dm ||
+      std::get<0>(wu).shape(0) != std::get<0>(wg).shape(0) || std::get<4>(wg) != std::get<4>(wu))
+    throw std::invalid_argument("layer weights do not match");
+}
+
 std::vector<mx::array> attn_in(const mx::array& h, const mx::array& norm, float eps, const QW& wq,
                                const QW& wk, const QW& wv, int heads, int kv_heads, int rope_dims,
                                bool traditional, float base, float scale, int offset, bool int8,
@@ -1348,20 +1372,14 @@ std::vector<mx::array> attn_in(const mx::array& h, const mx::array& norm, float 
   const int64_t Dm = h.shape(-1);
   if (h.dtype() != mx::float32 || norm.dtype() != mx::float32 || h.ndim() != 3 || h.shape(1) != 1)
     throw std::invalid_argument("h must be (B, 1, D) float32");
+  const int D = check_qkv(wq, wk, wv, Dm, heads, kv_heads, rope_dims);
   std::vector<mx::array> inputs{h, norm};
   std::vector<QSpec> q;
   for (auto* W : {&wq, &wk, &wv}) {
-    check_q(*W, Dm);
     inputs.insert(inputs.end(), {std::get<0>(*W), std::get<1>(*W), std::get<2>(*W)});
     q.push_back({std::get<3>(*W), std::get<4>(*W), int8});
   }
-  if (q[1].bits != q[0].bits || q[2].bits != q[0].bits) throw std::invalid_argument("mixed bits");
   const int B = h.shape(0);
-  const int64_t nq = std::get<0>(wq).shape(0), nk = std::get<0>(wk).shape(0);
-  if (nq % heads || nk % kv_heads || nq / heads != nk / kv_heads || std::get<0>(wv).shape(0) != nk)
-    throw std::invalid_argument("head shapes do not match the weights");
-  const int D = int(nq / heads);
-  if (rope_dims <= 0 || rope_dims % 2 || rope_dims > D) throw std::invalid_argument("bad rope dims");
   check_rows(offsets, B, "offsets");
   if (offsets) inputs.push_back(*offsets);
   return mx::array::make_arrays(
@@ -1383,24 +1401,14 @@ mx::array block_out(const mx::array& h, const mx::array& q, const mx::array& k, 
   check_attention(q, k, v);
   if (q.shape(2) != 1 || q.shape(0) != h.shape(0))
     throw std::invalid_argument("q, k, v shapes do not match");
-  check_q(wo, q.shape(1) * q.shape(3));
-  check_q(wg, Dm);
-  check_q(wu, Dm);
-  check_q(wd, std::get<0>(wg).shape(0));
-  if (std::get<0>(wo).shape(0) != Dm || std::get<0>(wd).shape(0) != Dm ||
-      std::get<0>(wu).shape(0) != std::get<0>(wg).shape(0) || std::get<4>(wg) != std::get<4>(wu))
-    throw std::invalid_argument("layer weights do not match");
+  check_out_mlp(wo, wg, wu, wd, q.shape(1) * q.shape(3), Dm);
   std::vector<mx::array> inputs{h, q, k, v};
   std::vector<QSpec> specs;
-  auto add = [&](const QW& W, bool i8) {
-    inputs.insert(inputs.end(), {std::get<0>(W), std::get<1>(W), std::get<2>(W)});
-    specs.push_back({std::get<3>(W), std::get<4>(W), i8});
-  };
-  add(wo, int8);
-  inputs.push_back(norm);
-  add(wg, int8);
-  add(wu, int8);
-  add(wd, int8);
+  for (auto* W : {&wo, &wg, &wu, &wd}) {
+    inputs.insert(inputs.end(), {std::get<0>(*W), std::get<1>(*W), std::get<2>(*W)});
+    if (W == &wo) inputs.push_back(norm);
+    specs.push_back({std::get<3>(*W), std::get<4>(*W), int8});
+  }
   check_rows(starts, h.shape(0), "starts");
   if (starts) inputs.push_back(*starts);
   return mx::array(h.shape(), mx::float32,
@@ -1439,7 +1447,7 @@ class DecodeLayer : public CpuPrimitive {
     return [weights = weights_, eps1 = eps1_, eps2 = eps2_, q = q_, heads = heads_, rope = rope_,
             offset = offset_, scale = scale_, rows = rows_](const Arrays& ins, Arrays& outs) {
       const mx::array* w = weights->data();
-      BufferCache::get().release();  // a decode step: the prompt's buffers go back
+      BufferCache::get().release();  // a decode step: what `dequantize` kept goes back
       std::vector<float> th, tw;
       std::vector<int32_t> to, ts;
       const int32_t* offsets = rows ? contiguous_as<int32_t>(ins[kRows], to) : nullptr;
@@ -1551,22 +1559,8 @@ class FusedLayer {
     dm_ = norm1.ndim() == 1 ? norm1.shape(0) : 0;
     if (norm1.dtype() != mx::float32 || norm2.dtype() != mx::float32 || norm1.shape() != norm2.shape() || !dm_)
       throw std::invalid_argument("the norms' weights must be (D,) float32");
-    const int64_t nq = std::get<0>(wq).shape(0), nk = std::get<0>(wk).shape(0);
-    if (heads <= 0 || kv_heads <= 0 || nq % heads || nk % kv_heads || nq / heads != nk / kv_heads ||
-        std::get<0>(wv).shape(0) != nk || heads % kv_heads)
-      throw std::invalid_argument("head shapes do not match the weights");
-    d_ = int(nq / heads);
-    if (rope_dims <= 0 || rope_dims % 2 || rope_dims > d_) throw std::invalid_argument("bad rope dims");
-    for (auto* W : {&wq, &wk, &wv}) check_q(*W, dm_);
-    if (std::get<4>(wk) != std::get<4>(wq) || std::get<4>(wv) != std::get<4>(wq))
-      throw std::invalid_argument("mixed bits");
-    check_q(wo, nq);
-    check_q(wg, dm_);
-    check_q(wu, dm_);
-    check_q(wd, std::get<0>(wg).shape(0));
-    if (std::get<0>(wo).shape(0) != dm_ || std::get<0>(wd).shape(0) != dm_ ||
-        std::get<0>(wu).shape(0) != std::get<0>(wg).shape(0) || std::get<4>(wg) != std::get<4>(wu))
-      throw std::invalid_argument("layer weights do not match");
+    d_ = check_qkv(wq, wk, wv, dm_, heads, kv_heads, rope_dims);
+    check_out_mlp(wo, wg, wu, wd, std::get<0>(wq).shape(0), dm_);
     std::vector<mx::array> weights{norm1};
     for (auto* W : {&wq, &wk, &wv, &wo, &wg, &wu, &wd}) {
       weights.insert(weights.end(), {std::get<0>(*W), std::get<1>(*W), std::get<2>(*W)});
