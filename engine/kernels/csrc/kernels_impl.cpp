@@ -409,20 +409,18 @@ bool attend(const float* q, int R, const float* k, int64_t ks, const float* v, i
   }
 }
 
-// ---- int8 activations: one 32-element block per 256-bit integer dot product. The weights'
-// codes enter centred (q - 8 for 4 bits, q - 128 for 8), which halves the error the int8
-// rounding of x brings; the centre moves into the bias (b + 8s or b + 128s), which multiplies
-// x's exact sum. u8 x s8 instructions take |q - c| and the sign moves onto x: products stay
-// within 128 * 127, so maddubs's int16 pairs cannot saturate.
-inline __m256i dot_block(__m256i w, __m256i x) {
-  const __m256i wabs = _mm256_sign_epi8(w, w), xs = _mm256_sign_epi8(x, w);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), wabs, xs);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), _mm256_set1_epi16(1));
-#endif
-}
 constexpr bool kSplit4 = true;  // 4-bit blocks of x: even elements, then odd (prep_x8)
+
+// x's exact sum over each weight group, gsum[m * G + g], from its 32-element blocks' sums.
+inline void group_sums(const QMat& W, const Q8Rows& X, int M, float* gsum) {
+  const int64_t G = W.K / W.gs, nb = X.ld / 32, bpg = W.gs / 32;
+  for (int m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0;
+      for (int64_t j = 0; j < bpg; ++j) s += X.s[m * nb + g * bpg + j];
+      gsum[m * G + g] = s;
+    }
+}
 
 #if MLXCHAT_Q8_512
 // The VNNI unit's int8 path: 64 bytes of a weight row a step (4-bit: 128 weights, the low
@@ -521,20 +519,15 @@ template <int M, int BITS>
 void rows_q8(const QMat& W, const Q8Rows& X, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   constexpr int R = M == 1 ? 4 : M == 2 ? 2 : 1;
   constexpr int64_t E = q8_step<BITS>();
-  const int64_t G = W.K / W.gs, nb = X.ld / 32, bpg = W.gs / 32;
+  const int64_t G = W.K / W.gs;
   float* sc = scratch(R * (G + 16) + R * G + M * G);
   float* bi = sc + R * (G + 16);
-  float* gsum = bi + R * G;  // x's exact sum over each weight group
+  float* gsum = bi + R * G;
   for (int r = 0; r < R; ++r) std::fill(sc + r * (G + 16) + G, sc + r * (G + 16) + G + 16, 0.0f);
   alignas(64) int32_t idx[16];  // each lane's weight group within a step (lanes of E / 16 weights)
   for (int j = 0; j < 16; ++j) idx[j] = W.gs < E ? int32_t(j * (E / 16) / W.gs) : 0;
   const __m512i gidx = _mm512_load_si512(idx);
-  for (int m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      float s = 0;
-      for (int64_t j = 0; j < bpg; ++j) s += X.s[m * nb + g * bpg + j];
-      gsum[m * G + g] = s;
-    }
+  group_sums(W, X, M, gsum);
   int64_t n = n0;
   if (interleave_rows() && R > 1) {
     const int64_t step = (n1 - n0) / R;
@@ -545,19 +538,24 @@ void rows_q8(const QMat& W, const Q8Rows& X, int64_t n0, int64_t n1, float* y, i
 }
 
 #else
+// ---- int8 activations: one 32-element block per 256-bit integer dot product. The weights'
+// codes enter centred (q - 8 for 4 bits, q - 128 for 8), which halves the error the int8
+// rounding of x brings; the centre moves into the bias (b + 8s or b + 128s), which multiplies
+// x's exact sum. u8 x s8 instructions take |q - c| and the sign moves onto x: products stay
+// within 128 * 127, so maddubs's int16 pairs cannot saturate.
+inline __m256i dot_block(__m256i w, __m256i x) {
+  const __m256i wabs = _mm256_sign_epi8(w, w), xs = _mm256_sign_epi8(x, w);
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), _mm256_set1_epi16(1));
+}
+
 template <int M, int BITS>
 void rows_q8(const QMat& W, const Q8Rows& X, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   constexpr float centre = BITS == 4 ? 8.0f : 128.0f;
   const int64_t K = W.K, G = K / W.gs, bpg = W.gs / 32, nb = X.ld / 32;
   float* sc = scratch(2 * G + M * G);
   float* bi = sc + G;
-  float* gsum = bi + G;  // x's exact sum over each weight group
-  for (int m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      float s = 0;
-      for (int64_t j = 0; j < bpg; ++j) s += X.s[m * nb + g * bpg + j];
-      gsum[m * G + g] = s;
-    }
+  float* gsum = bi + G;
+  group_sums(W, X, M, gsum);
   const __m128i m4 = _mm_set1_epi8(0x0F), c4 = _mm_set1_epi8(8);
   const __m256i flip = _mm256_set1_epi8(char(0x80));
   for (int64_t n = n0; n < n1; ++n) {
