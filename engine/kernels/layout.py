@@ -41,7 +41,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
 from mlx_lm.models.activations import swiglu
-from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from . import native
 from .caches import batch_kv, plain_kv
@@ -232,7 +231,7 @@ class KernelLlamaBlock(llama.TransformerBlock):
       still holds it, and the cache's `keys`, `values` and `offset` (and a batched cache's
       `_idx`) are then what mlx-lm's update leaves. A `BatchKVCache` writes every row at its
       shared `_idx`, each row's RoPE at its own `offset` and its keys from its `left_padding` on
-      (`_batch_step`); a step that needs a larger buffer (every 256 tokens) takes the path below,
+      (`_one_op_step`); a step that needs a larger buffer (every 256 tokens) takes the path below,
       mlx-lm's update growing it;
     - otherwise (the 8-bit caches, that growth step) two ops around the cache's own update:
       attn_in (norm, q/k/v, RoPE) and block_out (attention, o_proj, residual, norm, MLP,
@@ -246,22 +245,12 @@ class KernelLlamaBlock(llama.TransformerBlock):
     _fused: Any = None  # the layer's kernels.FusedLayer, made on its first one-op step
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        if not self.fused_decode:
-            return super().__call__(x, mask, cache)
-        if type(cache) is KVCache and mask is None and x.shape[1] == 1 and x.dtype == mx.float32:
-            keys, offset = cache.keys, cache.offset
-            if keys is not None and offset < keys.shape[2] and keys.dtype == mx.float32:
-                fused = self._fused or self._fuse()
-                y = fused(x, keys, cache.values, offset)  # updates keys and values in place
-                cache.offset = offset + 1
-                return y
-        if type(cache) is BatchKVCache and x.shape[1] == 1 and x.dtype == mx.float32:
-            y = self._batch_step(x, mask, cache)
-            if y is not None:
-                return y
-        ours, starts = _one_token_step(x, mask, cache)
+        ours, starts = _one_token_step(x, mask, cache) if self.fused_decode else (False, None)
         if not ours:
             return super().__call__(x, mask, cache)
+        y = self._one_op_step(x, cache, starts)
+        if y is not None:
+            return y
         offsets = _row_offsets(cache)
         kernels, attn, mlp = _Run.kernels, self.self_attn, self.mlp
         norm1, norm2, rope = self.input_layernorm, self.post_attention_layernorm, attn.rope
@@ -275,18 +264,25 @@ class KernelLlamaBlock(llama.TransformerBlock):
                                  _qw(mlp.gate_proj), _qw(mlp.up_proj), _qw(mlp.down_proj),
                                  int8=self.int8_activations, starts=starts)
 
-    def _batch_step(self, x: mx.array, mask: Any, cache: BatchKVCache) -> mx.array | None:
-        """The one op over a `BatchKVCache` with room at its `_idx` (else None): the cache then
-        holds what mlx-lm's `update_and_fetch` leaves (`offset` + 1 per row, `_idx` + 1)."""
-        keys, idx = cache.keys, cache._idx
-        if (keys is None or idx >= keys.shape[2] or keys.dtype != mx.float32
-                or not (mask is None or isinstance(mask, mx.array))):
+    def _one_op_step(self, x: mx.array, cache: Any, starts: mx.array | None) -> mx.array | None:
+        """The one op over a full-precision cache with room at the new position (else None: the
+        8-bit caches, a step that grows the buffer). The cache then holds what mlx-lm's
+        `update_and_fetch` leaves: `offset` + 1 (per row for a `BatchKVCache`, `starts` its left
+        padding, whose rows are all written at its shared `_idx`, then `_idx` + 1)."""
+        if packed_kv(cache):
+            return None
+        keys, batched = cache.keys, starts is not None
+        at = cache._idx if batched else cache.offset
+        if keys is None or at >= keys.shape[2] or keys.dtype != mx.float32:
             return None
         fused = self._fused or self._fuse()
+        if not batched:
+            y = fused(x, keys, cache.values, at)  # updates keys and values in place
+            cache.offset = at + 1
+            return y
         # updates keys and values in place; the offsets + 1 come out of the same op
-        y, cache.offset = fused.batch(x, keys, cache.values, idx, _int32(cache.offset),
-                                      _int32(cache.left_padding))
-        cache._idx = idx + 1
+        y, cache.offset = fused.batch(x, keys, cache.values, at, _int32(cache.offset), starts)
+        cache._idx = at + 1
         return y
 
     def _fuse(self) -> Any:
