@@ -81,6 +81,17 @@ def _git_commit() -> str | None:
         return None
 
 
+def process_memory() -> dict[str, float]:
+    """This process's resident set now (`rss_mb`) and its peak (`peak_rss_mb`: VmHWM, which only
+    grows), in MB, from /proc/self/status (Linux)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                out["rss_mb" if line.startswith("VmRSS") else "peak_rss_mb"] = int(line.split()[1]) / 1024
+    return out
+
+
 def cpu_model() -> str:
     """The CPU the figures came from, as /proc/cpuinfo names it (vendor model, family/model, the
     wide units): hosts of one VM type differ between runs (an AMD EPYC Zen 4 without AMX, an Intel

@@ -103,11 +103,9 @@ _PEAK_BEFORE_READS = [0.0]  # the peak RSS (MB) before read_bandwidth's buffers 
 
 
 def _memory() -> dict[str, float]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                out["rss_mb" if line.startswith("VmRSS") else "peak_rss_mb"] = int(line.split()[1]) / 1024
+    from bench.common import process_memory
+
+    out = process_memory()
     out["peak_rss_mb"] = max(out["peak_rss_mb"], _PEAK_BEFORE_READS[0])
     return out
 

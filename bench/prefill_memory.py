@@ -29,15 +29,6 @@ import time
 CHUNK = 512
 
 
-def _status() -> dict[str, float]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS", "VmHWM")):
-                out[line.split(":")[0]] = int(line.split()[1]) / 1024
-    return out
-
-
 def _load(name: str):
     from mlx_lm.utils import load_model
 
@@ -88,20 +79,21 @@ def memory_row(name: str, product: str, reps: int) -> dict:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
+    from bench.common import process_memory
     from engine.kernels import native
 
     model = _load(name)
     _use(product)
     weights = sum(p.nbytes for _, p in tree_flatten(model.parameters())) / 2**20
-    loaded = _status()["VmRSS"]
+    loaded = process_memory()["rss_mb"]
     for _ in range(reps):
         mx.reset_peak_memory()
         seconds, _cpu = _chunk(model)
-    k, s = native.kernels(), _status()
+    k, s = native.kernels(), process_memory()
     return {"model": name, "product": product, "weights_mb": round(weights),
             "loaded_over_weights_mb": round(loaded - weights),
-            "peak_rss_over_weights_mb": round(s["VmHWM"] - weights),
-            "rss_after_over_weights_mb": round(s["VmRSS"] - weights),
+            "peak_rss_over_weights_mb": round(s["peak_rss_mb"] - weights),
+            "rss_after_over_weights_mb": round(s["rss_mb"] - weights),
             "mlx_peak_over_weights_mb": round(mx.get_peak_memory() / 2**20 - weights),
             "mlx_cache_mb": round(mx.get_cache_memory() / 2**20),
             "dequantize_cache_mb": round(k.dequantize_cache_bytes() / 2**20),

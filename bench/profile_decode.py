@@ -162,19 +162,24 @@ def two_op_step(kernels, model, tokens, cache):
     return e.as_linear(h) if model.args.tie_word_embeddings else model.lm_head(h)
 
 
-def alternate_steps(steps_by_name, kernels, steps: int, rounds: int) -> None:
-    """Whole steps of each function in turn, `rounds` rounds of `steps` steps in one process;
-    prints wall and process CPU ms per token (median of rounds)."""
+def alternate_steps(steps_by_name, kernels, steps: int, rounds: int, setup=None) -> None:
+    """Whole steps of each function in turn, `rounds` rounds of `steps` steps in one process
+    (`setup(name)`, where given, runs before each name's steps); prints wall and process CPU ms
+    per token (median of rounds)."""
     import statistics
 
     import mlx.core as mx
 
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in steps_by_name}
-    for fn in steps_by_name.values():
+    for name, fn in steps_by_name.items():
+        if setup:
+            setup(name)
         for _ in range(3):
             mx.eval(fn())
     for _ in range(rounds):
         for name, fn in steps_by_name.items():
+            if setup:
+                setup(name)
             w, c = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 mx.eval(fn())
@@ -217,31 +222,16 @@ def alternate_batched_steps(model, kernels, sizes: list[int], context: int, step
 
 
 def alternate(kernels, step, spec: str, steps: int, rounds: int) -> None:
-    """Whole steps with the kernels' switch `spec` (SETTER=V1,V2,...) taking each value in turn,
-    `rounds` rounds of `steps` steps; prints wall and process CPU ms per token (median of rounds)."""
-    import statistics
-
-    import mlx.core as mx
-
+    """Whole steps with the kernels' switch `spec` (SETTER=V1,V2,...; numbers, or names as
+    set_isa's) taking each value in turn (`alternate_steps`)."""
     setter, values = spec.split("=")
-    values = [int(v) if v.lstrip("-").isdigit() else v for v in values.split(",")]  # set_isa: names
-    runs: dict[int | str, list[tuple[float, float]]] = {v: [] for v in values}
-    for _ in range(3):
-        mx.eval(step())
-    for _ in range(rounds):
-        for v in values:
-            getattr(kernels, setter)(bool(v) if setter == "set_interleave_rows" else v)
-            w, c = time.perf_counter(), time.process_time()
-            for _ in range(steps):
-                mx.eval(step())
-            runs[v].append(((time.perf_counter() - w) / steps * 1e3, (time.process_time() - c) / steps * 1e3))
-    print(f"{kernels.num_threads()} threads, load average {os.getloadavg()[0]:.1f}, "
-          f"{rounds} rounds of {steps} steps, ms per token (median [min-max]):")
-    for v in values:
-        wall = [r[0] for r in runs[v]]
-        cpu = statistics.median(r[1] for r in runs[v])
-        print(f"  {setter}({v}): wall {statistics.median(wall):7.2f} [{min(wall):.2f}-{max(wall):.2f}]"
-              f"  CPU {cpu:7.2f}")
+    named = {f"{setter}({v})": int(v) if v.lstrip("-").isdigit() else v for v in values.split(",")}
+
+    def setup(name: str) -> None:
+        v = named[name]
+        getattr(kernels, setter)(bool(v) if setter == "set_interleave_rows" else v)
+
+    alternate_steps({name: step for name in named}, kernels, steps, rounds, setup)
 
 
 def step_parts_wall(model, kernels, token, cache, steps: int) -> None:

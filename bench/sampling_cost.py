@@ -76,8 +76,11 @@ def main() -> None:
 
     app = SamplingParams(temperature=0.7, top_p=0.9, seed=0)
 
+    def mlx_log_softmax(logits: mx.array) -> mx.array:
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
     def mlx_lm_draw(logits: mx.array) -> mx.array:
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        logprobs = mlx_log_softmax(logits)
         key = mx.random.key(0)
         return mx.concatenate([mx.random.categorical(
             mlx_lm_top_p(logprobs[i:i + 1], 0.9) * (1 / 0.7), key=mx.random.split(key)[1])
@@ -86,9 +89,6 @@ def main() -> None:
     def our_draw(logits: mx.array) -> mx.array:
         return sample_rows([TokenSampler(app) for _ in range(len(logits))], [None] * len(logits),
                            logits)[0]
-
-    def mlx_log_softmax(logits: mx.array) -> mx.array:
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
     def two_streams(fn: Callable[[mx.array], mx.array]) -> Callable[[mx.array], mx.array]:
         def run(logits: mx.array) -> mx.array:
@@ -105,7 +105,7 @@ def main() -> None:
     rows_out = []
     for rows, scale in [(r, s) for s in args.scale for r in args.rows]:
         logits = mx.random.normal((rows, args.vocab), key=mx.random.key(rows)) * scale
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        logprobs = mlx_log_softmax(logits)
         mx.eval(logprobs)
         assert mx.array_equal(apply_top_p(logprobs, 0.9), mlx_lm_top_p(logprobs, 0.9)).item()
         row = logprobs[0]
@@ -116,8 +116,7 @@ def main() -> None:
         draw = timed({"mlx_lm": lambda: mlx_lm_draw(logits), "ours": lambda: our_draw(logits)},
                      args.reps)
         greedy = [TokenSampler(SamplingParams()) for _ in range(rows)]
-        argmax = timed({"mlx_lm": lambda: mx.argmax(logits - mx.logsumexp(logits, axis=-1,
-                                                                          keepdims=True), axis=-1),
+        argmax = timed({"mlx_lm": lambda: mx.argmax(mlx_log_softmax(logits), axis=-1),
                         "ours": lambda: sample_rows(greedy, [None] * rows, logits)[0]}, args.reps)
         top_ids = timed({"mx_argsort": lambda: [mx.argsort(-logprobs[i])[:20].tolist()
                                                 for i in range(rows)],
