@@ -1,7 +1,7 @@
 """The 8-bit KV cache (`--kv-bits 8`, engine/kernels/kv8.py) against the full cache, one process,
 the same model folder loaded twice:
 
-    python -m bench.kv8 [--model bundled|llama-350m|llama-1b|...] [--contexts 512,2048] [--reps 3]
+    python -m bench.kv8 [--model bundled|llama-350m|llama-1b|...|FOLDER] [--contexts 512,2048] [--reps 3]
 
 Rows:
   quality   perplexity of bench/quality.py's text (all of it, 8 tokens a step) with each cache,
@@ -13,7 +13,14 @@ Rows:
   decode    greedy one-token steps (our fused layer ops) after each context, tok/s with each
             cache, runs interleaved, best of --reps; the ratio says what dequantizing the 8-bit
             rows costs or saves at that length. Speed is load-sensitive: run it on a quiet machine.
-Results: a table on stdout and JSON in bench/results/kv8-cpu.json.
+  edit      with each cache, a conversation and then the same one with its last user turn edited,
+            through the prefix cache (snapshots written to files and read back by a fresh one):
+            prompt tokens the edited turn reused, and whether every answer's tokens equal those of
+            a run without the prefix cache; then two requests at once through the Engine service
+            (scheduler, prefix cache), and whether each answer equals the one it gets alone.
+On the GPU (and for a model in half precision) the 8-bit cache is mlx-lm's `QuantizedKVCache`;
+`meta.kv_format` says which group size this device runs. Results: a table on stdout and JSON in
+bench/results/kv8-cpu.json (or --out).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ def _load(model: str, kv_bits: str | None):
 
     from .decode import random_folder
 
-    folder = None if model == "bundled" else str(random_folder(model))
+    folder = None if model == "bundled" else model if Path(model).is_dir() else str(random_folder(model))
     if kv_bits:
         os.environ[ENV] = kv_bits
     try:
@@ -74,6 +81,68 @@ def _decode_tps(lm, ids: list[int], steps: int) -> float:
     return steps / (time.perf_counter() - t0)
 
 
+def _ask(lm, messages: list[dict], cache=None) -> tuple[list[int], int]:
+    from engine.decoding.generate import build_prompt, generate
+    from engine.decoding.sampling import SamplingParams
+
+    events = list(generate(lm, build_prompt(lm, messages=messages), SamplingParams(max_tokens=16),
+                           prefix_cache=cache))
+    return [e.token for e in events if e.kind == "token"], events[-1].usage.cached_tokens
+
+
+def edited_turn(lm) -> dict:
+    """A conversation, then its last user turn edited, through a prefix cache persisting to files,
+    then the edited one again through a fresh cache reading those files: the prompt tokens each
+    reused and whether each answer's tokens equal a run without the prefix cache."""
+    import tempfile
+
+    from engine.cache.prefix_cache import PrefixCache
+
+    def turn(topic: str) -> dict:
+        return {"role": "user", "content": f"And {topic}, in one sentence?"}
+
+    chat = [{"role": "system", "content": "You are a terse assistant."},
+            {"role": "user", "content": "Tell me about rivers and the towns on them. " * 6},
+            {"role": "assistant", "content": "Rivers carry water, trade and stories. " * 6}]
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = PrefixCache(lm, persist_dir=Path(tmp), write_delay=None)
+        for name, messages, store in (("first", chat + [turn("bridges")], cache),
+                                      ("edited", chat + [turn("owls")], cache),
+                                      ("from files", chat + [turn("owls")], None)):
+            if store is None:
+                cache.persist()
+                store = PrefixCache(lm, persist_dir=Path(tmp), write_delay=None)
+            on, cached = _ask(lm, messages, store)
+            off, _ = _ask(lm, messages)
+            out[name] = dict(cached=cached, same_as_without_cache=on == off, tokens=len(on))
+    return out
+
+
+def two_at_once(lm) -> dict:
+    """Two requests submitted together to an Engine (two may run at once), then each alone: do
+    the answers agree, and did the one asked again reuse its snapshot?"""
+    from engine.decoding.sampling import SamplingParams
+    from engine.scheduling.service import Engine
+
+    engine = Engine(lm.name, load=lambda name, **_: lm, max_running=2).start()
+    try:
+        params = SamplingParams(max_tokens=16)
+        asks = [[{"role": "user", "content": "Tell me about the sea."}],
+                [{"role": "user", "content": "And the mountains, in a few words?"}]]
+
+        def tokens(handles) -> list[list[int]]:
+            return [[e.token for e in h.events(timeout=300) if e.kind == "token"] for h in handles]
+
+        together = tokens([engine.submit(messages=m, params=params) for m in asks])
+        again = engine.submit(messages=asks[0], params=params)
+        alone = tokens([again]) + tokens([engine.submit(messages=asks[1], params=params)])
+        return dict(same_as_alone=together == alone, tokens=[len(t) for t in together],
+                    reused=again.usage.cached_tokens)
+    finally:
+        engine.stop()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="bundled")
@@ -87,6 +156,7 @@ def main(argv=None) -> None:
     from engine.kernels.caches import LOCAL
     from engine.kernels.kv8 import kv_format
 
+    from .common import cpu_model
     from .quality import compare, logprobs, text_tokens
 
     full, kv8 = _load(a.model, None), _load(a.model, "8")
@@ -113,12 +183,23 @@ def main(argv=None) -> None:
                          decode_ratio=best["kv8"] / best["full"]))
         print(f"{n:>8} {sizes[0]:>12} {sizes[1]:>12} {sizes[1] / sizes[0]:>6.3f} "
               f"{best['full']:>10.2f} {best['kv8']:>11.2f} {best['kv8'] / best['full']:>6.2f}")
+    edits = {name: {**edited_turn(lm), "engine": two_at_once(lm)} for name, lm in (("full", full), ("kv8", kv8))}
+    for name, rows_ in edits.items():
+        print(f"two requests at once, {name} cache: {rows_['engine']}")
+        rows_ = {k: v for k, v in rows_.items() if k != "engine"}
+        print(f"edited turn, {name} cache: " + "; ".join(
+            f"{k}: reused {v['cached']} tokens, same as without the prefix cache: {v['same_as_without_cache']}"
+            for k, v in rows_.items()))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    import mlx.core as mx
+
     meta = dict(model=a.model, path=active_path(), kv_format=kv_format(kv8.model), steps=a.steps,
+                device=str(mx.default_device()), cpu=cpu_model(),
                 reps=a.reps, cpus=os.cpu_count(), load_avg=os.getloadavg(), time=time.time(),
                 command="python -m bench.kv8 " + " ".join(argv if argv is not None else sys.argv[1:]))
-    out.write_text(json.dumps(dict(meta=meta, quality=quality, contexts=rows), indent=1))
+    out.write_text(json.dumps(dict(meta=meta, quality=quality, contexts=rows, edited_turn=edits),
+                              indent=1))
     print(f"wrote {out}")
 
 
