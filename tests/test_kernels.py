@@ -294,6 +294,20 @@ def test_each_row_of_a_multi_row_product_equals_that_row_alone(kern, isa, bits, 
 
 
 @pytest.mark.parametrize("bits", [4, 8])
+def test_an_int8_prompt_chunk_gives_each_row_what_it_gets_alone(kern, isa, bits):
+    """A prompt chunk on the int8 path (x quantized once, W's rows in blocks that stay in cache,
+    every 8 rows of x over each block) computes each row as a decode step does: bit for bit,
+    with several weight blocks and a last group of fewer than 8 rows."""
+    w, s, b = quantized(300, 4096, bits, 64, seed=5)
+    x = mx.random.normal((70, 4096))
+    alone = mx.concatenate([kern.quantized_matmul(x[i:i + 1], w, s, b, 64, bits, int8=True)
+                            for i in range(70)])
+    for rows in (19, 70):
+        chunk = kern.quantized_matmul(x[:rows], w, s, b, 64, bits, int8=True)
+        assert mx.array_equal(chunk, alone[:rows]).item(), (rows, mx.abs(chunk - alone[:rows]).max().item())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("gs", [32, 64, 128])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_int8_activation_matmul_matches_its_reference(kern, bits, gs, rows):

@@ -186,8 +186,9 @@ def _turned_off() -> bool:
 
 def int8_activations() -> bool:
     """Whether models converted now take the lossy int8-activation path (`MLXCHAT_KERNELS=int8`):
-    every 1-8 row product rounds x per 32-element block to 15 bits, held as two int8 limbs, and
-    sums integer products against the weights' codes (common.h, Q8Rows). Off by default: the exact
+    every product of fewer than layout.INT8_BLAS_ROWS rows (decode steps, short prompt chunks)
+    rounds x per 32-element block to 15 bits, held as two int8 limbs, and sums integer products
+    against the weights' codes (common.h, Q8Rows); longer chunks take the exact BLAS product. Off by default: the exact
     path gives mlx-lm's greedy tokens; this one passes the perplexity gate
     (tests/test_kernels_quality.py: +0.011% on the bundled model) but not token identity."""
     return _setting() == "int8"

@@ -540,7 +540,35 @@ struct XRows {
   }
 };
 
+// A prompt chunk's product on the int8 path: x's rows quantized once (8 at a time over the pool),
+// then each block of W's rows (kQ8WeightBlock bytes, so it stays in L2) meets every 8 rows of x
+// in turn, so W is read from memory once, not once per 8 rows. Each (x row, weight row) is the
+// same arithmetic as in a decode step's product (qmv_rows_q8), whatever the chunk.
+constexpr int64_t kQ8WeightBlock = int64_t(192) << 10;
+
+void run_qmm_q8_chunk(const float* x, int64_t rows, const QMat& W, float* y) {
+  const Impl* I = impl();
+  const int64_t N = W.N, K = W.K, ld = q8_ld(K);
+  std::vector<int8_t> hi(size_t(rows * ld)), lo(size_t(rows * ld));
+  std::vector<float> d(size_t(rows * ld / 32)), s(size_t(rows * ld / 32)), dl(size_t(rows * ld / 4));
+  auto view = [&](int64_t r0) {
+    return Q8Rows{hi.data() + r0 * ld, lo.data() + r0 * ld, d.data() + r0 * (ld / 32),
+                  s.data() + r0 * (ld / 32), dl.data() + r0 * (ld / 4), ld};
+  };
+  const int64_t groups = (rows + 7) / 8;
+  parallel_for(groups, [&](int64_t g) {
+    I->prep_x8(W, x + g * 8 * K, int(std::min<int64_t>(8, rows - g * 8)), view(g * 8));
+  });
+  const int64_t per = std::max<int64_t>(16, kQ8WeightBlock / (K * W.bits / 8) / 16 * 16);
+  parallel_for((N + per - 1) / per, [&](int64_t b) {
+    const int64_t n0 = b * per, n1 = std::min(N, n0 + per);
+    for (int64_t r0 = 0; r0 < rows; r0 += 8)
+      I->qmv_rows_q8(W, view(r0), int(std::min<int64_t>(8, rows - r0)), n0, n1, y + r0 * N, N);
+  });
+}
+
 void run_qmm(const float* x, int64_t rows, const QMat& W, float* y, bool int8) {
+  if (int8 && rows > 8) return run_qmm_q8_chunk(x, rows, W, y);
   const Impl* I = impl();
   const int64_t N = W.N, K = W.K;
   const int threads = num_threads();
