@@ -2,6 +2,7 @@
 the same model folder loaded twice:
 
     python -m bench.kv8 [--model bundled|llama-350m|llama-1b|...|FOLDER] [--contexts 512,2048] [--reps 3]
+    python -m bench.kv8 --probe     # which shapes this device's MLX runs mlx-lm's 8-bit attention at
 
 Rows:
   quality   perplexity of bench/quality.py's text (all of it, 8 tokens a step) with each cache,
@@ -143,6 +144,29 @@ def two_at_once(lm) -> dict:
         engine.stop()
 
 
+def probe() -> None:
+    """mlx-lm's quantized attention (8 bits, fp16) at each head size and group, for 1, 64 and 300
+    keys and 1 or 7 queries: ok, or MLX's refusal (on the GPU each new shape compiles first)."""
+    import mlx.core as mx
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    t0 = time.time()
+    for dim, group in ((128, 128), (128, 64), (128, 32), (64, 64), (64, 32)):
+        for keys in (1, 64, 300):
+            for queries in (1, 7):
+                kv = mx.quantize(mx.random.normal((1, 2, keys, dim)).astype(mx.float16),
+                                 group_size=group, bits=8)
+                q = mx.random.normal((1, 4, queries, dim)).astype(mx.float16)
+                try:
+                    mx.eval(quantized_scaled_dot_product_attention(
+                        q, kv, kv, scale=1.0, mask=None, group_size=group, bits=8))
+                    said = "ok"
+                except (RuntimeError, ValueError) as exc:
+                    said = f"no: {str(exc)[:100]}"
+                print(f"head {dim} group {group} keys {keys} queries {queries}: {said} "
+                      f"({time.time() - t0:.0f} s)", flush=True)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="bundled")
@@ -150,7 +174,10 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed per run")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--probe", action="store_true", help="only the shapes table (see probe)")
     a = ap.parse_args(argv)
+    if a.probe:
+        return probe()
 
     from engine.kernels import active_path
     from engine.kernels.caches import LOCAL
