@@ -27,9 +27,11 @@ class ModelSwitch:
         return f"{self.stage.capitalize() or 'Loading'} {self.name}… {time.time() - self.started:.0f} s"
 
 
-def begin_switch(switch: ModelSwitch, engine: Engine, name: str) -> asyncio.Task:
-    """Start loading `name` as the picker's one model load; the task's result is the
-    EngineError that stopped it (also kept in `switch.error`), or None once loaded."""
+def begin_switch(switch: ModelSwitch, engine: Engine, name: str, *,
+                 int8_activations: bool | None = None) -> asyncio.Task:
+    """Start loading `name` as the picker's one model load (`int8_activations`: on the CPU
+    kernels, with int8 activations from now on or not; None: as the current model); the task's
+    result is the EngineError that stopped it (also kept in `switch.error`), or None once loaded."""
     switch.name, switch.stage, switch.started, switch.error = name, "", time.time(), None
 
     def progress(stage: str) -> None:
@@ -37,7 +39,8 @@ def begin_switch(switch: ModelSwitch, engine: Engine, name: str) -> asyncio.Task
 
     async def load() -> EngineError | None:
         try:
-            await asyncio.to_thread(engine.switch_model, name, progress=progress)
+            await asyncio.to_thread(engine.switch_model, name, progress=progress,
+                                    int8_activations=int8_activations)
         except EngineError as exc:
             switch.error = f"Could not load {name}: {exc}"
             return exc

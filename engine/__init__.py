@@ -12,7 +12,7 @@ from .decoding.drafts import DraftChoice, SpeculativeOptions
 from .decoding.sampling import PRESETS, SAMPLING_OPTIONS, SamplingOption, SamplingParams, preset
 from .distributed.cluster import Cluster
 from .device import DEVICES, restart_with_blas, select_device
-from .kernels import describe_device, device_report
+from .kernels import active_path as compute_path, describe_device, device_report
 from .kernels.kv8 import ENV as KV_BITS_ENV
 from .kernels.native import ENV as KERNELS_ENV
 from .errors import (DownloadCancelled, DownloadError, EngineError, InvalidRequest, ModelLoadError,
@@ -45,7 +45,8 @@ __all__ = [
     "RequestHandle", "RequestState", "SamplingOption", "SamplingParams", "SpeculativeOptions",
     "Timings", "TokenLogprob", "ToolCall", "ToolRequest", "TopLogprob", "UnsupportedArchitecture",
     "Usage",
-    "EFFORT_BUDGETS", "cache_dir", "data_dir", "describe_device", "device_report", "effort_budget",
+    "EFFORT_BUDGETS", "cache_dir", "compute_path", "data_dir", "describe_device", "device_report",
+    "effort_budget",
     "count_tokens", "import_bundled_wheel", "keep_alive_seconds", "list_models", "parse_pull_spec",
     "preset", "pull_model", "remove_model", "restart_with_blas", "select_device", "tool_request",
 ]

@@ -2,6 +2,7 @@
 
     reply = ask(lm, long_chat(2), SamplingParams(max_tokens=4), prefix_cache)
     reply = same_without_cache(lm, messages, params, prefix_cache)  # also checks cache on == off
+    written, other = persisted_apart(writer, reader, folder, messages, params)
 """
 
 from dataclasses import dataclass
@@ -64,3 +65,20 @@ def same_without_cache(lm, messages, params, cache) -> Reply:
     assert on.tokens == off.tokens, f"cache on {on.tokens} != cache off {off.tokens}"
     assert off.cached == 0
     return on
+
+
+def persisted_apart(writer, reader, folder, messages, params):
+    """`writer`'s prefix cache persists `messages` under `folder`; `reader` (the same weights in
+    another variant: KV format, int8 activations) finds none of those files, recomputes and
+    answers as without a cache; a new cache of `writer` finds them all. Returns the files written
+    and `reader`'s prefix cache."""
+    from engine.cache.prefix_cache import PrefixCache
+
+    first = PrefixCache(writer, persist_dir=folder)
+    ask(writer, messages, params, first)
+    written = first.persist()
+    other = PrefixCache(reader, persist_dir=folder)
+    assert written and other.stats().disk_entries == 0
+    assert same_without_cache(reader, messages, params, other).cached == 0
+    assert PrefixCache(writer, persist_dir=folder).stats().disk_entries == len(written)
+    return written, other

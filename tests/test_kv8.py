@@ -281,19 +281,13 @@ def test_the_prefix_cache_recomputes_what_the_other_format_persisted(lm8, tmp_pa
     import logging
     import shutil
 
-    from chats import ask, long_chat, same_without_cache
+    from chats import long_chat, persisted_apart
 
     full = tiny_llama(**KV8)
     chat, params = long_chat(2), SamplingParams(max_tokens=4)
     for writer, reader in ((full, lm8), (lm8, full)):
         folder = tmp_path / kv_format(writer.model)
-        first = PrefixCache(writer, persist_dir=folder)
-        ask(writer, chat, params, first)
-        written = first.persist()
-        other = PrefixCache(reader, persist_dir=folder)
-        assert written and other.stats().disk_entries == 0
-        assert same_without_cache(reader, chat, params, other).cached == 0
-        assert PrefixCache(writer, persist_dir=folder).stats().disk_entries == len(written)
+        written, other = persisted_apart(writer, reader, folder, chat, params)
         if other.dir is not None:  # a stray file of the other format in the reader's own folder
             other.dir.mkdir(parents=True, exist_ok=True)
             shutil.copy(written[0], other.dir / written[0].name)

@@ -12,6 +12,7 @@ folder is built once per cache directory and reused.
     lm = tiny_qwen3_5()        # hybrid: ArraysCache (linear attention) + KVCache every 4th layer
     lm = tiny_qwen3_next()     # hybrid, Qwen3-Next layout
     folder = tiny_qwen3_embedding_folder()   # a Qwen3-Embedding-shaped folder (last-token pooling)
+    folder = tiny_quantized_llama_folder()   # the tiny llama in 4 bits: it runs on our CPU kernels
 """
 
 import hashlib
@@ -23,7 +24,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from bench.shapes import TINY_QWEN3, build_folder, embedding_folder, publish, scratch_for
+from bench.shapes import (TINY_QWEN3, build_folder, embedding_folder, folder_to_build, publish,
+                          scratch_for)
 from engine.decoding.mtp import build_mtp_head
 from engine.loading.registry import LoadedModel, load_model
 
@@ -101,6 +103,23 @@ def tiny_qwen3_5(seed: int = 0, root: Path | None = None, **overrides: Any) -> L
 
 def tiny_qwen3_next(seed: int = 0, root: Path | None = None, **overrides: Any) -> LoadedModel:
     return tiny_model({**QWEN3_NEXT, **overrides}, seed, root)
+
+
+def tiny_quantized_llama_folder(seed: int = 0, root: Path | None = None, bits: int = 4,
+                                group_size: int = 32) -> Path:
+    """The tiny llama's folder quantized by mlx-lm's own `convert`, as a user quantizes a model:
+    loaded on the CPU, it runs on our kernels (engine/kernels/layout.py). Built once, like the
+    others."""
+    from mlx_lm.convert import convert
+
+    source = build_folder(LLAMA, seed, root)
+    folder, tmp = folder_to_build("llama", [LLAMA, seed, {"bits": bits, "group_size": group_size}],
+                                  root)
+    if tmp is None:
+        return folder
+    tmp.rmdir()  # convert makes the folder itself
+    convert(str(source), str(tmp), quantize=True, q_group_size=group_size, q_bits=bits)
+    return publish(tmp, folder)
 
 
 QWEN3 = TINY_QWEN3  # a short context (512), so that a test can go past it

@@ -13,7 +13,8 @@ async def health(request: Request) -> JSONResponse:
     status = "failed" if engine.halted else "ok" if engine.model_name else "loading"
     cluster = getattr(request.app.state, "cluster", None)  # a sharded model (engine/distributed/)
     return JSONResponse({"status": status, "model": engine.model_name,
-                         "generating": len(request.app.state.runs), "device": device_report(),
+                         "generating": len(request.app.state.runs),
+                         "device": device_report(int8=engine.int8_activations),
                          **({"error": engine.halted} if engine.halted else {}),
                          **({"distributed": cluster.health()} if cluster else {})},
                         status_code=503 if engine.halted else 200)

@@ -1,5 +1,6 @@
-"""The model picker: switch the loaded model, download one from a hub and delete a downloaded
-one, with progress sent as server-sent events."""
+"""The model picker: switch the loaded model, reload it with other load-time options (int8
+activations on the CPU kernels), download one from a hub and delete a downloaded one, with
+progress sent as server-sent events."""
 
 import asyncio
 import copy
@@ -11,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine import (DownloadCancelled, DownloadProgress, EngineError, list_models,
+from engine import (DownloadCancelled, DownloadProgress, EngineError, compute_path, list_models,
                     pull_model, remove_model)
 
 from ..model_switch import ModelSwitch, begin_switch
@@ -27,6 +28,19 @@ async def switch_model(request: Request) -> Response:
             switch.error = f"Unknown model {name!r}."
         else:
             begin_switch(switch, engine, name)
+    return HTMLResponse(render("_models.html", **models_context(request)))
+
+
+async def load_options(request: Request) -> Response:
+    """The picker's load-time options: "int8_activations" ("on" or absent) reloads the current
+    model on the CPU kernels' int8-activation path or the exact one, through the one model
+    switch; nothing happens where the model does not run on the kernels or nothing changes."""
+    engine = request.app.state.engine
+    switch: ModelSwitch = request.app.state.switch
+    wanted = (await read_form(request)).get("int8_activations") == "on"
+    current = engine.int8_activations
+    if not switch.loading and current is not None and wanted != current:
+        begin_switch(switch, engine, engine.model_name, int8_activations=wanted)
     return HTMLResponse(render("_models.html", **models_context(request)))
 
 
@@ -150,11 +164,15 @@ def models_context(request: Request) -> dict[str, Any]:
     return {"models": engine.list_models(), "current_model": engine.model_name,
             "switch": request.app.state.switch, "download": _shown_once(download_state(request)),
             "resident": engine.status().resident,
+            # None where the model does not run on the CPU kernels: the option is not shown
+            "int8_activations": engine.int8_activations,
+            "compute_path": compute_path(engine.int8_activations),
             "sharded_over": cluster.health()["world_size"] if cluster else None}
 
 
 routes = [
     Route("/models/switch", switch_model, methods=["POST"]),
+    Route("/models/options", load_options, methods=["POST"]),
     Route("/models/progress", model_progress),
     Route("/models/download", start_download, methods=["POST"]),
     Route("/models/download/cancel", cancel_download, methods=["POST"]),

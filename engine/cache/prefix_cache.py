@@ -44,7 +44,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..device import memory_budget
 from ..kernels.caches import CacheOps, cache_length, from_layers, snapshot_layers
-from ..kernels.kv8 import FULL as FULL_KV, kv_format
+from ..kernels import cache_variant
 from ..paths import cache_dir
 from ..loading.registry import LoadedModel
 from . import snapshot_files as files
@@ -60,10 +60,11 @@ WRITE_DELAY_S = 1.0  # write-behind: how long after a snapshot is made it is wri
 
 def model_key(lm: LoadedModel) -> str:
     """Identity of a model's weights for cache purposes: its name and resolved folder, and its KV
-    cache's format where not the full one (engine/kernels/kv8.py): each format keeps its own
-    snapshot folder, so switching `--kv-bits` neither reads nor deletes the other's files."""
-    fmt = kv_format(lm.model)
-    ident = f"{lm.name}|{Path(lm.path).resolve()}" + ("" if fmt == FULL_KV else f"|{fmt}")
+    cache's format and int8 activations where not the default (engine/kernels: cache_variant):
+    each variant keeps its own snapshot folder, so switching `--kv-bits` or int8 activations
+    neither reads nor deletes the other's files."""
+    variant = "".join(f"|{v}" for v in cache_variant(lm.model).values())
+    ident = f"{lm.name}|{Path(lm.path).resolve()}{variant}"
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 

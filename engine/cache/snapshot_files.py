@@ -4,8 +4,9 @@ The header's metadata holds:
 - `format`: this module's format name;
 - `identity`: what produced the arrays (the weights' content digest, the compute path, the weights'
   dtypes, the device, the distributed rank, the mlx and mlx-lm versions, and the KV cache's format
-  where it is not the full one), see `identity()`: a snapshot of the full KV cache is refused
-  under the 8-bit one and the other way round (engine/kernels/kv8.py);
+  and int8 activations where not the default), see `identity()`: a snapshot of the full KV cache
+  is refused under the 8-bit one and the other way round (engine/kernels/kv8.py), one made with
+  exact activations under int8 ones and the other way round (engine/kernels/layout.py);
 - `tokens`: the token ids the snapshot holds (the file name is a digest of them);
 - `layers`: each layer's cache type and number of array slots;
 - `sha256`: of every tensor's bytes, in tensor order.
@@ -41,7 +42,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..kernels.caches import KV_KINDS, Layer, held_layers
-from ..kernels.kv8 import FULL as FULL_KV, kv_format
+from ..kernels import cache_variant
 from ..loading.registry import LoadedModel
 
 FORMAT = "mlxchat-snapshot-2"
@@ -88,8 +89,9 @@ def identity(lm: LoadedModel) -> dict[str, str]:
         "rank": os.environ.get("MLX_RANK", "0"),
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
-        # only where not the full cache: snapshots written before the 8-bit cache existed stay good
-        **({} if kv_format(model) == FULL_KV else {"kv_format": kv_format(model)}),
+        # only where not the default: snapshots written before the 8-bit cache or int8 activations
+        # existed stay good
+        **cache_variant(model),
     }
 
 

@@ -184,7 +184,8 @@ class ShardedModel:
 def sharded_loader(world: World, coordinator: Coordinator) -> Callable[..., LoadedModel]:
     """`Engine(load=...)` for rank 0: every rank loads the same folder and shards it."""
 
-    def load(name: str | None, *, fallback_to_default: bool = False) -> LoadedModel:
+    def load(name: str | None, *, fallback_to_default: bool = False,
+             int8_activations: bool | None = None) -> LoadedModel:  # shards take no CPU layout
         display, folder = resolve(name)  # a bad name fails here, before any follower loads
         coordinator.use_files(None)  # the file work queued so far rides along with the LOAD
         coordinator.send(Plan(Op.LOAD, name=str(folder)))

@@ -12,7 +12,8 @@ from .. import device
 log = logging.getLogger(__name__)
 
 
-def fastest_layout(model: nn.Module, config: dict[str, Any]) -> nn.Module:
+def fastest_layout(model: nn.Module, config: dict[str, Any], *,
+                   int8_activations: bool | None = None) -> nn.Module:
     """On a GPU, stack each layer's q/k/v and gate/up projections (gpu_layout.py). On the CPU, run
     a quantized model on our kernels (layout.py); where they cannot load, or for a dense model,
     with an optimised BLAS, in cpu_layout.py's layout: fp32 weights (dequantized where quantized)
@@ -21,7 +22,8 @@ def fastest_layout(model: nn.Module, config: dict[str, Any]) -> nn.Module:
     MLX's CPU kernels for quantized and half-precision matmuls are single-threaded and slow; fp32
     matmuls go to BLAS. Without a fast BLAS fp32 is slower. A model whose fp32 weights would take
     more than half of the free RAM also stays as loaded. `config` is the model's config.json (its
-    "quantization" entry says it is quantized).
+    "quantization" entry says it is quantized). `int8_activations`: on our kernels, take the lossy
+    int8-activation path (None: the process's default, `--int8-activations`).
     """
     from .cpu_layout import cpu_layout_wanted, fp32_bytes, to_cpu_layout
     from .gpu_layout import to_gpu_layout
@@ -31,7 +33,7 @@ def fastest_layout(model: nn.Module, config: dict[str, Any]) -> nn.Module:
         return to_gpu_layout(model)
     wanted, why = kernel_layout_wanted(model)  # our CPU kernels, weights kept quantized
     if wanted:
-        return to_kernel_layout(model)
+        return to_kernel_layout(model, int8=int8_activations)
     wanted, why = cpu_layout_wanted()
     if not wanted:
         if "quantization" in config:

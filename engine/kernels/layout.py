@@ -28,10 +28,11 @@ itself is not read.
 Activations are fp32 (the non-quantized parameters are cast to fp32; scales and biases keep their
 dtype), and every weight is dequantized exactly (q * scale + bias in fp32) and accumulated in
 fp32. A layer the kernels cannot take (other bits, group sizes or modes) keeps MLX's own
-quantized op, with the reason logged. With `MLXCHAT_KERNELS=int8` at conversion
-(native.int8_activations), products of fewer than INT8_BLAS_ROWS rows take the lossy int8-activation
-kernels instead (a prompt chunk's x quantized once, each block of W's rows kept in cache while
-every 8 rows of x pass over it).
+quantized op, with the reason logged. With int8 activations chosen at conversion
+(`to_kernel_layout(model, int8=True)`; by default the process's choice, native.int8_activations),
+products of fewer than INT8_BLAS_ROWS rows take the lossy int8-activation kernels instead (a
+prompt chunk's x quantized once, each block of W's rows kept in cache while every 8 rows of x
+pass over it); `int8_activations_of` says which a converted model took.
 """
 
 from __future__ import annotations
@@ -350,14 +351,16 @@ def _to_fp32(module: nn.Module) -> None:
         module.update(cast)
 
 
-def to_kernel_layout(model: nn.Module) -> nn.Module:
+def to_kernel_layout(model: nn.Module, *, int8: bool | None = None) -> nn.Module:
     """Swap in the kernel-backed modules; returns the model. Call where kernel_layout_wanted(), on
-    the model as it will run: a later change of its layers (e.g. dequantizing them) is not seen."""
+    the model as it will run: a later change of its layers (e.g. dequantizing them) is not seen.
+    `int8`: take the lossy int8-activation kernels (None: the process's default,
+    native.int8_activations)."""
     from ..device import fast_blas_loaded
 
     _Run.kernels = native.kernels()
     _Run.blas = fast_blas_loaded() and _Run.kernels.has_sgemm()
-    int8 = native.int8_activations()
+    int8 = native.int8_activations() if int8 is None else int8
     counts: dict[str, int] = {}
     for name, module in model.named_modules():
         _to_fp32(module)
@@ -384,6 +387,14 @@ def to_kernel_layout(model: nn.Module) -> nn.Module:
              ", ".join(f"{n} {k}" for k, n in sorted(counts.items())), dense,
              "fp32 BLAS" if _Run.blas else "the quantized kernel", huge / 2**20)
     return model
+
+
+def int8_activations_of(model: nn.Module | None) -> bool | None:
+    """Whether `model`'s layers take int8 activations; None when none runs on our kernels (the
+    choice does not apply to it: the GPU, the fp32 layout, a model with no quantized layer)."""
+    found = [m.int8_activations for _, m in model.named_modules()
+             if type(m) in (KernelLinear, KernelEmbedding)] if model is not None else []
+    return any(found) if found else None
 
 
 def huge_pages(model: nn.Module) -> int:

@@ -10,8 +10,8 @@ unit at run time. Any failure (no compiler, no CMake or nanobind, a build for an
 one warning naming the fix, and the models keep today's fp32 layout (engine/kernels/cpu_layout.py).
 
 `MLXCHAT_KERNELS=0` turns the kernels off; `MLXCHAT_KERNELS=int8` runs them with int8
-activations (`int8_activations()`); `MLXCHAT_THREADS` sets their thread count (default: the
-physical cores this process may run on).
+activations by default (`int8_activations()`); `MLXCHAT_THREADS` sets their thread count
+(default: the physical cores this process may run on).
 """
 
 from __future__ import annotations
@@ -185,11 +185,13 @@ def _turned_off() -> bool:
 
 
 def int8_activations() -> bool:
-    """Whether models converted now take the lossy int8-activation path (`MLXCHAT_KERNELS=int8`):
-    every product of fewer than layout.INT8_BLAS_ROWS rows (decode steps, short prompt chunks)
-    rounds x per 32-element block to 15 bits, held as two int8 limbs, and sums integer products
-    against the weights' codes (common.h, Q8Rows); longer chunks take the exact BLAS product. Off by default: the exact
-    path gives mlx-lm's greedy tokens; this one passes the perplexity gate
+    """The process's default for the lossy int8-activation path (`MLXCHAT_KERNELS=int8`, which
+    `--int8-activations` sets); a load may choose otherwise (`load_model(int8_activations=...)`,
+    `Engine.switch_model`, the model picker's checkbox). On that path every product of fewer than
+    layout.INT8_BLAS_ROWS rows (decode steps, short prompt chunks) rounds x per 32-element block
+    to 15 bits, held as two int8 limbs, and sums integer products against the weights' codes
+    (common.h, Q8Rows); longer chunks take the exact BLAS product. Off by default: the exact path
+    gives mlx-lm's greedy tokens; this one passes the perplexity gate
     (tests/test_kernels_quality.py: +0.011% on the bundled model) but not token identity."""
     return _setting() == "int8"
 

@@ -224,11 +224,14 @@ def _kv_bits() -> int | None:
 
 def load_model(name: str | None = None, *, fallback_to_default: bool = False,
                transform: Transform | None = None,
-               group: mx.distributed.Group | None = None) -> LoadedModel:
+               group: mx.distributed.Group | None = None,
+               int8_activations: bool | None = None) -> LoadedModel:
     """Load a model by name or path. With `fallback_to_default`, a model that cannot load is
     logged with its reason and the bundled model is loaded instead; otherwise the error is raised.
     With a distributed `group`, keep only this rank's tensor-parallel shard (engine/distributed/);
-    the shard stays in mlx-lm's own sharded layers, without the CPU layout."""
+    the shard stays in mlx-lm's own sharded layers, without the CPU layout. `int8_activations`:
+    on our CPU kernels, take the lossy int8-activation path (None: the process's default,
+    `--int8-activations`); a model that does not run on them ignores it."""
     from mlx_lm.utils import load_model as mlx_lm_load_model, load_tokenizer
 
     from .gemma2_window import model_classes
@@ -250,7 +253,7 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
     except ModelLoadError as exc:
         if fallback_to_default and name not in (None, DEFAULT_MODEL):
             log.warning("model %r failed to load (%s); falling back to %s", name, exc, DEFAULT_MODEL)
-            return load_model(None, transform=transform)
+            return load_model(None, transform=transform, int8_activations=int8_activations)
         raise
     if group is not None:
         check_shardable(display, config, group.size())
@@ -260,7 +263,7 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
     if transform is not None:  # first: the layout below takes the layers the transform leaves
         model = transform(model)
     if group is None:
-        model = fastest_layout(model, config)
+        model = fastest_layout(model, config, int8_activations=int8_activations)
         use_kv_bits(model, config, _kv_bits())  # the 8-bit KV cache where asked for
     use_chunked_prefill(model)  # Qwen3.5 / Qwen3-Next: chunked linear-attention prefill
     # Materialise the weights here: lazy arrays belong to this thread's MLX stream, and the

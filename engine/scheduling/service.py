@@ -88,14 +88,17 @@ class Engine:
                  persist_prefix_cache: bool = False,
                  load: Callable[..., LoadedModel] = load_model, batching: bool = True,
                  memory_budget: int | None = None,
-                 keep_alive: float | str | None = DEFAULT_KEEP_ALIVE_S, speculation: bool = True):
+                 keep_alive: float | str | None = DEFAULT_KEEP_ALIVE_S, speculation: bool = True,
+                 int8_activations: bool | None = None):
         """`max_running`: None admits requests by memory: they run together (one batched step)
         as long as the model-cache bytes each may grow to fit `memory_budget`, up to
         MAX_RUNNING_ROWS; a number caps the requests running at once (`mlxchat serve
         --max-running`). `max_queued`: requests waiting beyond those. `keep_alive`: unload the
         model's weights after it has been idle this long (seconds or a duration such as "30m";
         None or negative: never); the next request reloads them. `speculation=False` refuses
-        speculative requests (a sharded model)."""
+        speculative requests (a sharded model). `int8_activations`: on our CPU kernels, models
+        load on the lossy int8-activation path (None: the process's default,
+        `--int8-activations`); `switch_model` may change it."""
         self.requested_model = model
         self.keep_alive = keep_alive_seconds(keep_alive)
         self.max_running = max_running if max_running is not None else MAX_RUNNING_ROWS
@@ -110,7 +113,7 @@ class Engine:
         self.slot = ModelSlot(load, fallback_to_default=fallback_to_default,
                               prefix_cache=prefix_cache, persist_prefix_cache=persist_prefix_cache,
                               cache_budget=lambda: self.memory_budget - self._reserved,
-                              on_release=self.drafts.clear)
+                              on_release=self.drafts.clear, int8_activations=int8_activations)
         self.slot.touch(self.keep_alive)
         self._queued: deque[RequestHandle] = deque()
         self._running: list[RequestHandle] = []
@@ -195,6 +198,13 @@ class Engine:
         return self.slot.described if self.lm is not None else None
 
     @property
+    def int8_activations(self) -> bool | None:
+        """Whether the current model takes int8 activations on our CPU kernels; None where it
+        does not run on them, or while no model is loaded (`switch_model` changes it)."""
+        model = self.model
+        return model.int8_activations if model is not None else None
+
+    @property
     def defaults(self) -> ModelDefaults | None:
         """The current model's sampling defaults, each with its source."""
         model = self.model
@@ -233,16 +243,18 @@ class Engine:
             return self._preparing + list(self._queued) + self._running
 
     def switch_model(self, name: str, progress: Callable[[str], None] | None = None,
-                     cancel_running: bool = False) -> None:
-        """Load another model (a name `list_models` gives, or a path) once running and queued
-        requests end (or are cancelled, if asked); meanwhile new requests are refused with
-        Overloaded. A model that cannot load raises ModelLoadError with the previous model
-        loaded again."""
+                     cancel_running: bool = False, *, int8_activations: bool | None = None) -> None:
+        """Load another model (a name `list_models` gives, or a path; the current one's name
+        reloads it) once running and queued requests end (or are cancelled, if asked); meanwhile
+        new requests are refused with Overloaded. A model that cannot load raises ModelLoadError
+        with the previous model loaded again. `int8_activations`: on our CPU kernels, take the
+        lossy int8-activation path from now on, or the exact one (None: as the current model;
+        `model.int8_activations` says which the loaded model took)."""
         name = self.slot.path_of(name)
         if cancel_running:
             for h in self._admitted():  # outside the lock: cancelling a queued request takes it
                 h.cancel()
-        self._call(lambda: self.slot.install(name, progress, self.keep_alive))
+        self._call(lambda: self.slot.install(name, progress, self.keep_alive, int8_activations))
 
     # -- idle unload -----------------------------------------------------------------------------
     def _until_unload(self) -> float | None:

@@ -18,6 +18,7 @@ import mlx.core as mx
 from ..decoding.defaults import ModelDefaults, resolve_defaults
 from ..decoding.drafts import DraftChoice, draft_choices
 from ..errors import EngineError
+from ..kernels.layout import int8_activations_of
 from ..loading.memory import weight_files_bytes
 from ..loading.registry import LoadedModel, ModelInfo, capabilities, list_models
 from .batch import DecodeBatch, KVFootprint, kv_footprint
@@ -39,6 +40,9 @@ class ModelDescription:
     drafts: tuple[DraftChoice, ...]
     defaults: ModelDefaults  # each sampling option's default for this model, with its source
     capabilities: tuple[str, ...] = ("completion",)  # engine.loading.registry.CAPABILITIES
+    # On our CPU kernels, whether it takes int8 activations; None where it does not run on them
+    # (the GPU, the fp32 layout, a sharded or vision model): the choice does not apply to it.
+    int8_activations: bool | None = None
 
 
 class ModelSlot:
@@ -47,10 +51,14 @@ class ModelSlot:
 
     def __init__(self, load: Callable[..., LoadedModel], *, fallback_to_default: bool,
                  prefix_cache: bool, persist_prefix_cache: bool,
-                 cache_budget: Callable[[], int], on_release: Callable[[], None]):
+                 cache_budget: Callable[[], int], on_release: Callable[[], None],
+                 int8_activations: bool | None = None):
         """`cache_budget()`: the bytes the prefix cache may hold now; `on_release()`: called when
-        the weights go (a switch or an unload), e.g. to drop the drafts kept for them."""
+        the weights go (a switch or an unload), e.g. to drop the drafts kept for them.
+        `int8_activations`: the choice every load takes until `install` changes it (None: the
+        process's default, `--int8-activations`)."""
         self._load = load
+        self.int8_activations = int8_activations
         self.fallback_to_default = fallback_to_default
         self.use_prefix_cache = prefix_cache
         self.persist_prefix_cache = persist_prefix_cache
@@ -85,10 +93,14 @@ class ModelSlot:
 
     # -- loading and switching -------------------------------------------------------------------
     def install(self, name: str | None, progress: Callable[[str], None] | None,
-                keep_alive: float | None) -> None:
-        """Replace the model by `name`; a model that cannot load raises its EngineError with the
-        previous model loaded again."""
+                keep_alive: float | None, int8_activations: bool | None = None) -> None:
+        """Replace the model by `name`, with int8 activations on or off from now on where given
+        (None: as before); a model that cannot load raises its EngineError with the previous
+        model loaded again, as it was."""
         report = progress or (lambda stage: None)
+        choice = self.int8_activations
+        if int8_activations is not None:
+            self.int8_activations = int8_activations
         report("loading")
         previous = self._loaded_name if self.lm is not None else _NONE
         old, self.lm, self.prefix_cache, self.batch = self.lm, None, None, None
@@ -97,8 +109,10 @@ class ModelSlot:
         mx.clear_cache()
         self.described, self.resident = None, False
         try:
-            loaded = self._load(name, fallback_to_default=self.fallback_to_default)
+            loaded = self._load(name, fallback_to_default=self.fallback_to_default,
+                                int8_activations=self.int8_activations)
         except EngineError:
+            self.int8_activations = choice
             if previous is not _NONE:  # keep serving the model that was loaded, then say why
                 log.warning("could not load %s; reloading %s", name, previous)
                 self.install(previous, None, keep_alive)  # type: ignore[arg-type]
@@ -117,7 +131,7 @@ class ModelSlot:
         self.described = ModelDescription(
             name=lm.name, family=lm.family, context_length=lm.context_length,
             drafts=draft_choices(lm), defaults=resolve_defaults(lm.name, lm.path, lm.family),
-            capabilities=capabilities(lm))
+            capabilities=capabilities(lm), int8_activations=int8_activations_of(lm.model))
         self.touch(keep_alive)
         report("ready")
 
@@ -172,7 +186,8 @@ class ModelSlot:
         if self.resident or self.lm is None:
             return False
         log.info("reloading %s", self.lm.name)
-        fresh = self._load(self._loaded_name, fallback_to_default=False)
+        fresh = self._load(self._loaded_name, fallback_to_default=False,
+                           int8_activations=self.int8_activations)
         self.lm.model, self.lm.caches = fresh.model, fresh.caches
         del fresh
         self._make_resident_parts()
