@@ -89,6 +89,11 @@ struct Impl {
                       int64_t ldy);
   // out[n * K + k] = W[n, k] (fp32) for n in [n0, n1).
   void (*dequant_rows)(const QMat&, int64_t n0, int64_t n1, float* out);
+  // Positions t0..S-1 of one head's packed 8-bit KV rows (engine/kernels/kv8.py: D codes, then
+  // D / gs fp32 scales, then the biases; row t at src + t * stride words) as fp32 rows of D
+  // floats at out + t * D: code * scale, rounded, then + bias, rounded (MLX's dequantization).
+  void (*dequant_kv)(const uint32_t* src, int64_t stride, int64_t t0, int64_t S, int64_t D, int gs,
+                     float* out);
   float (*dot)(const float* a, const float* b, int64_t n);
   void (*axpy)(float a, const float* x, float* y, int64_t n);  // y += a * x
   // Single-query attention of R heads (1-4) sharing one KV head over keys t0..S-1 (t0 < S):

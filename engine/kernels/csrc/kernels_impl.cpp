@@ -780,6 +780,33 @@ void dequant(const QMat& W, int64_t n0, int64_t n1, float* out) {
   }
 }
 
+// Two roundings, as MLX's dequantization: the multiply and the add must not fuse into an FMA
+// (this file is built with the compiler's default contraction).
+__attribute__((optimize("fp-contract=off")))
+void dequant_kv(const uint32_t* src, int64_t stride, int64_t t0, int64_t S, int64_t D, int gs,
+                float* out) {
+  const int64_t groups = D / gs;
+  for (int64_t t = t0; t < S; ++t) {
+    const uint32_t* row = src + t * stride;
+    const uint8_t* code = reinterpret_cast<const uint8_t*>(row);
+    const float* sc = reinterpret_cast<const float*>(row + D / 4);
+    const float* bi = sc + groups;
+    float* o = out + t * D;
+    for (int64_t g = 0; g < groups; ++g) {
+      int64_t i = g * gs;
+      const int64_t e = i + gs;
+#if MLXCHAT_SIMD
+      const auto vs = Vec::set1(sc[g]), vb = Vec::set1(bi[g]);
+      for (; i + Vec::n <= e; i += Vec::n) Vec::store(o + i, Vec::add(Vec::mul(Vec::u8(code + i), vs), vb));
+#endif
+      for (; i < e; ++i) {
+        const float scaled = float(code[i]) * sc[g];
+        o[i] = scaled + bi[g];
+      }
+    }
+  }
+}
+
 void dequant_rows(const QMat& W, int64_t n0, int64_t n1, float* out) {
   if (W.bits == 4)
     dequant<4>(W, n0, n1, out);
@@ -864,8 +891,8 @@ uint64_t read_sum(const uint64_t* w, int64_t n) {
   return total;
 }
 
-const Impl kImpl{kName, prep_x, qmv_rows, prep_x8, qmv_rows_q8, dequant_rows, dot, axpy, attend,
-                read_sum};
+const Impl kImpl{kName, prep_x, qmv_rows, prep_x8, qmv_rows_q8, dequant_rows, dequant_kv, dot, axpy,
+                attend, read_sum};
 
 }  // namespace
 

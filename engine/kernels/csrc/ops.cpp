@@ -335,35 +335,13 @@ KV kv_view(const mx::array& a, std::vector<float>& tmp, std::vector<uint32_t>& t
   return v;
 }
 
-// Positions t0..S-1 of one head's packed rows (row t at src + t * stride words) as fp32 rows of D
-// floats: out + t * D. The same two roundings (q * scale, then + bias) as the reference
-// dequantization the tests compare with.
-void dequant_kv(const uint32_t* src, int64_t stride, int64_t t0, int64_t S, int64_t D, int gs,
-                float* out) {
-  const int64_t groups = D / gs;
-  for (int64_t t = t0; t < S; ++t) {
-    const uint32_t* row = src + t * stride;
-    const uint8_t* code = reinterpret_cast<const uint8_t*>(row);
-    const float* sc = reinterpret_cast<const float*>(row + D / 4);
-    const float* bi = sc + groups;
-    float* o = out + t * D;
-    for (int64_t g = 0; g < groups; ++g) {
-      const float s = sc[g], b = bi[g];
-      for (int64_t i = g * gs, e = i + gs; i < e; ++i) {
-        const float scaled = float(code[i]) * s;
-        o[i] = scaled + b;
-      }
-    }
-  }
-}
-
 // Head (b, hk)'s keys or values from t0 on, as fp32 rows (pointer to position 0, stride): its own
 // rows, or packed ones dequantized into `buf`.
 std::pair<const float*, int64_t> kv_rows(const KV& a, int64_t b, int64_t hk, int64_t t0, int64_t S,
                                          int64_t D, std::vector<float>& buf) {
   if (!a.q8) return {a.p + b * a.st[0] + hk * a.st[1], a.st[2]};
   if (int64_t(buf.size()) < S * D) buf.resize(size_t(S * D));
-  dequant_kv(a.q8 + b * a.st[0] + hk * a.st[1], a.st[2], t0, S, D, a.gs, buf.data());
+  impl()->dequant_kv(a.q8 + b * a.st[0] + hk * a.st[1], a.st[2], t0, S, D, a.gs, buf.data());
   return {buf.data(), D};
 }
 
@@ -372,7 +350,7 @@ KV dense(const KV& a, int64_t B, int64_t Hk, int64_t S, int64_t D, std::vector<f
   if (!a.q8) return a;
   buf.resize(size_t(B * Hk * S * D));
   parallel_for(B * Hk, [&](int64_t r) {
-    dequant_kv(a.q8 + (r / Hk) * a.st[0] + (r % Hk) * a.st[1], a.st[2], 0, S, D, a.gs,
+    impl()->dequant_kv(a.q8 + (r / Hk) * a.st[0] + (r % Hk) * a.st[1], a.st[2], 0, S, D, a.gs,
                buf.data() + r * S * D);
   });
   KV v;
