@@ -135,12 +135,13 @@ def model_path(name: str | None) -> str | None:
 def two_op_step(kernels, model, tokens, cache):
     """A llama model's one-token step as it ran before each layer became one op: the embedding
     through MLX's gather and mx.dequantize, and per layer our attn_in, mlx-lm's
-    update_and_fetch, our block_out; then the final norm and the head. Over a `BatchKVCache` each
-    row takes RoPE at its own offset and attends from its left padding on."""
+    update_and_fetch (an 8-bit cache's `store`), our block_out; then the final norm and the head.
+    Over a `BatchKVCache` each row takes RoPE at its own offset and attends from its left padding
+    on."""
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
-    from engine.kernels.layout import _qw
+    from engine.kernels.layout import _append, _qw
 
     inner = model.model
     e = inner.embed_tokens
@@ -149,12 +150,12 @@ def two_op_step(kernels, model, tokens, cache):
     for layer, c in zip(inner.layers, cache):
         attn, mlp = layer.self_attn, layer.mlp
         n1, n2, rope = layer.input_layernorm, layer.post_attention_layernorm, attn.rope
-        rows = type(c) is BatchKVCache
+        rows = isinstance(c, BatchKVCache)  # or the 8-bit one (kv8.py)
         q, k, v = kernels.attn_in(h, n1.weight, n1.eps, _qw(attn.q_proj), _qw(attn.k_proj),
                                   _qw(attn.v_proj), attn.n_heads, attn.n_kv_heads, rope.dims,
                                   rope.traditional, rope.base, rope.scale, 0 if rows else c.offset,
                                   offsets=c.offset if rows else None)
-        k, v = c.update_and_fetch(k, v)
+        k, v = _append(c, k, v)
         h = kernels.block_out(h, q, k, v, attn.scale, _qw(attn.o_proj), n2.weight, n2.eps,
                               _qw(mlp.gate_proj), _qw(mlp.up_proj), _qw(mlp.down_proj),
                               starts=c.left_padding if rows else None)

@@ -10,6 +10,7 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from bench.profile_decode import two_op_step
+from engine.kernels.kv8 import BatchKV8Cache, KV8Cache
 from tiny_models import tiny_llama_pair
 
 pytestmark = pytest.mark.fast
@@ -41,14 +42,17 @@ def assert_same_step(a, b, fused, reference, step):
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_one_op_steps_leave_the_cache_as_mlx_lms_update_across_a_buffer_growth(kern, batch):
+@pytest.mark.parametrize("kv8", [False, True])
+def test_one_op_steps_leave_the_cache_as_mlx_lms_update_across_a_buffer_growth(kern, batch, kv8):
     """A 250-token prompt, then 10 one-token steps (the cache's buffer grows from 256 to 512
     positions on the 7th): every step's logits equal the two-op path's bit for bit, and each
     layer's keys, values (whole buffers) and offset equal what mlx-lm's update leaves; each
-    layer is one graph node, and the step's graph holds nothing but our ops."""
+    layer is one graph node, and the step's graph holds nothing but our ops. With the 8-bit
+    cache (kv8.py) the op packs the new rows as `kv8.pack` (mx.quantize) does."""
     ours, _ = tiny_llama_pair(4, 32, True)
     prompt = mx.array([[(7 * i + r) % 300 + 1 for i in range(250)] for r in range(batch)])
-    fused, reference = make_prompt_cache(ours), make_prompt_cache(ours)
+    fused, reference = ([KV8Cache() for _ in ours.layers] for _ in range(2)) if kv8 else (
+        make_prompt_cache(ours), make_prompt_cache(ours))
     mx.eval(ours(prompt, cache=fused), ours(prompt, cache=reference))
     tokens = mx.array([[5]] * batch)
     for step in range(10):
@@ -64,7 +68,8 @@ def test_one_op_steps_leave_the_cache_as_mlx_lms_update_across_a_buffer_growth(k
 
 
 @pytest.mark.parametrize("padding", [[3, 0], [0, 5, 2, 9]])
-def test_batched_one_op_steps_leave_the_cache_as_mlx_lms_update_across_a_buffer_growth(kern, padding):
+@pytest.mark.parametrize("kv8", [False, True])
+def test_batched_one_op_steps_leave_the_cache_as_mlx_lms_update_across_a_buffer_growth(kern, padding, kv8):
     """The scheduler's batch (mlx-lm's BatchKVCache) of 2 and 4 rows, each left-padded
     differently: a 250-position prompt, then 10 one-token steps (the buffers grow from 256 to 512
     positions on the 7th). Every step's logits equal the two-op path's bit for bit (each row's
@@ -75,8 +80,9 @@ def test_batched_one_op_steps_leave_the_cache_as_mlx_lms_update_across_a_buffer_
     B = len(padding)
     prompt = mx.array([[0] * p + [(7 * i + r) % 300 + 1 for i in range(250 - p)]
                        for r, p in enumerate(padding)])
-    fused = [BatchKVCache(padding) for _ in ours.layers]
-    reference = [BatchKVCache(padding) for _ in ours.layers]
+    kind = BatchKV8Cache if kv8 else BatchKVCache
+    fused = [kind(padding) for _ in ours.layers]
+    reference = [kind(padding) for _ in ours.layers]
     mx.eval(ours(prompt, cache=fused), ours(prompt, cache=reference))
     tokens = mx.array([[5 + r] for r in range(B)])
     for step in range(10):

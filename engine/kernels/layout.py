@@ -228,9 +228,10 @@ class KernelLlamaBlock(llama.TransformerBlock):
     """mlx-lm's llama layer whose one-token steps take our fused ops where every part of the layer
     took the kernels (`fused_decode`):
 
-    - over a plain `KVCache` or a `BatchKVCache` (fp32) with room for the new position, one op
-      (`kernels.FusedLayer`, built on the layer's first such step): norm, q/k/v, RoPE, the new
-      keys and values written into the cache's buffers, attention, o_proj, residual, norm, MLP,
+    - over a plain `KVCache` or a `BatchKVCache` (fp32, or their 8-bit forms' packed rows, kv8.py)
+      with room for the new position, one op (`kernels.FusedLayer`, built on the layer's first such
+      step): norm, q/k/v, RoPE, the new keys and values written into the cache's buffers (packed
+      as `kv8.pack` packs them, for an 8-bit cache), attention, o_proj, residual, norm, MLP,
       residual. As in mlx-lm's update (`update_and_fetch`), the `keys` and `values` arrays are
       updated in place, their memory reused unless another array (a view, a snapshot's slice)
       still holds it, and the cache's `keys`, `values` and `offset` (and a batched cache's
@@ -238,7 +239,7 @@ class KernelLlamaBlock(llama.TransformerBlock):
       shared `_idx`, each row's RoPE at its own `offset` and its keys from its `left_padding` on
       (`_one_op_step`); a step that needs a larger buffer (every 256 tokens) takes the path below,
       mlx-lm's update growing it;
-    - otherwise (the 8-bit caches, that growth step) two ops around the cache's own update:
+    - otherwise (that growth step) two ops around the cache's own update:
       attn_in (norm, q/k/v, RoPE) and block_out (attention, o_proj, residual, norm, MLP,
       residual).
 
@@ -270,15 +271,15 @@ class KernelLlamaBlock(llama.TransformerBlock):
                                  int8=self.int8_activations, starts=starts)
 
     def _one_op_step(self, x: mx.array, cache: Any, starts: mx.array | None) -> mx.array | None:
-        """The one op over a full-precision cache with room at the new position (else None: the
-        8-bit caches, a step that grows the buffer). The cache then holds what mlx-lm's
+        """The one op over a cache with room at the new position (else None: a step that grows
+        the buffer). The cache then holds what mlx-lm's
         `update_and_fetch` leaves: `offset` + 1 (per row for a `BatchKVCache`, `starts` its left
         padding, whose rows are all written at its shared `_idx`, then `_idx` + 1)."""
-        if packed_kv(cache):
-            return None
         keys, batched = cache.keys, starts is not None
         at = cache._idx if batched else cache.offset
-        if keys is None or at >= keys.shape[2] or keys.dtype != mx.float32:
+        if keys is None or at >= keys.shape[2]:
+            return None
+        if keys.dtype != (mx.uint32 if packed_kv(cache) else mx.float32):
             return None
         fused = self._fused or self._fuse()
         if not batched:

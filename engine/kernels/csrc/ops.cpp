@@ -305,6 +305,41 @@ int packed_group(int64_t width, int64_t D) {
   return 0;
 }
 
+// One position's D fp32 values of one head as a packed 8-bit row (the KV8 cache's, kv8.py:
+// D / 4 words of codes, then D / gs fp32 scales, then the biases), by MLX's affine quantization
+// as its CPU `quantize` computes it, step for step (tests/test_kv8.py compares with mx.quantize):
+// per group, the edge of larger magnitude maps to a whole code, scale and bias in fp32.
+void pack_kv_row(const float* x, int64_t D, int gs, uint32_t* out) {
+  constexpr float n_bins = 255.0f, eps = 1e-7f;
+  uint8_t* codes = reinterpret_cast<uint8_t*>(out);
+  float* scales = reinterpret_cast<float*>(out + D / 4);
+  float* biases = scales + D / gs;
+  for (int64_t g = 0; g < D / gs; ++g) {
+    const float* w = x + g * gs;
+    float w_min = std::numeric_limits<float>::infinity(), w_max = -w_min;
+    for (int j = 0; j < gs; ++j) {
+      w_max = std::max(w_max, w[j]);
+      w_min = std::min(w_min, w[j]);
+    }
+    const bool mask = std::abs(w_min) > std::abs(w_max);
+    float scale = std::max((w_max - w_min) / n_bins, eps);
+    scale = mask ? scale : -scale;
+    const float edge = mask ? w_min : w_max;
+    const float q0 = std::rint(edge / scale);
+    float bias = 0;
+    if (q0 != 0) {
+      scale = edge / q0;
+      bias = edge;
+    }
+    for (int j = 0; j < gs; ++j) {
+      const float q = std::rint((w[j] - bias) / scale);
+      codes[g * gs + j] = uint8_t(std::min(std::max(q, 0.0f), n_bins));
+    }
+    scales[g] = scale;
+    biases[g] = bias;
+  }
+}
+
 template <class T>
 KV strided_view(const mx::array& a, std::vector<T>& tmp, const T*& base) {
   KV v;
@@ -1460,7 +1495,8 @@ class DecodeLayer : public CpuPrimitive {
       const int32_t* starts = rows ? contiguous_as<int32_t>(ins[kRows + 1], ts) : nullptr;
       const auto& h = ins[0];
       const int64_t Dm = h.shape(-1), B = int64_t(h.size()) / Dm;
-      const int64_t Hk = ins[kKeys].shape(1), D = ins[kKeys].shape(3), H = heads;
+      // the head dim from k's rows (the buffers' last axis is D, or a packed row's width)
+      const int64_t Hk = ins[kKeys].shape(1), D = w[4].shape(0) / Hk, H = heads;
       std::vector<float> qo(size_t(B * H * D)), kv(size_t(2 * B * Hk * D));
       const float* hd = contiguous_f32(h, th);
       attn_in_rows(hd, B, Dm, contiguous_f32(w[0], tw), eps1, w + 1, {q[0], q[1], q[2]}, rope,
@@ -1471,19 +1507,30 @@ class DecodeLayer : public CpuPrimitive {
         for (int i = 0; i < 2; ++i) {
           const mx::array& in = ins[kKeys + i];
           mx::array& out = outs[1 + i];
-          float* dst = out.data<float>();
-          if (dst != in.data<float>()) {  // not donated: a fresh row-contiguous buffer
-            std::vector<float> tmp;
-            const float* src = contiguous_f32(in, tmp);
-            std::memcpy(dst, src, out.nbytes());
+          const bool packed = out.dtype() == mx::uint32;  // the 8-bit cache's rows (kv8.py)
+          // fp32 values or uint32 words: 4 bytes an element either way
+          uint32_t* dst = out.data<uint32_t>();
+          if (dst != in.data<uint32_t>()) {  // not donated: a fresh row-contiguous buffer
+            std::vector<uint32_t> tmp;
+            std::memcpy(dst, contiguous_as<uint32_t>(in, tmp), out.nbytes());
           }
           const int64_t s0 = out.strides(0), s1 = out.strides(1), s2 = out.strides(2);
           const float* src = kv.data() + i * B * Hk * D;
+          const int gs = packed ? packed_group(out.shape(3), D) : 0;
           for (int64_t b = 0; b < B; ++b)
-            for (int64_t j = 0; j < Hk; ++j)
-              std::memcpy(dst + b * s0 + j * s1 + offset * s2, src + (b * Hk + j) * D,
-                          sizeof(float) * size_t(D));
-          views[i].p = dst;
+            for (int64_t j = 0; j < Hk; ++j) {
+              uint32_t* row = dst + b * s0 + j * s1 + offset * s2;
+              if (packed)
+                pack_kv_row(src + (b * Hk + j) * D, D, gs, row);
+              else
+                std::memcpy(row, src + (b * Hk + j) * D, sizeof(float) * size_t(D));
+            }
+          if (packed) {
+            views[i].q8 = dst;
+            views[i].gs = gs;
+          } else {
+            views[i].p = reinterpret_cast<const float*>(dst);
+          }
           views[i].st[0] = s0;
           views[i].st[1] = s1;
           views[i].st[2] = s2;
@@ -1599,18 +1646,22 @@ class FusedLayer {
                               const std::optional<mx::array>& starts) const {
     if (h.dtype() != mx::float32 || h.ndim() != 3 || h.shape(1) != 1 || h.shape(2) != dm_)
       throw std::invalid_argument("h must be (B, 1, D) float32");
-    for (auto* a : {&keys, &values})
-      if (a->dtype() != mx::float32 || a->ndim() != 4 || a->shape(0) != h.shape(0) ||
-          a->shape(1) != kv_heads_ || a->shape(3) != d_)
-        throw std::invalid_argument("keys and values must be (B, kv heads, capacity, head dim) float32");
-    if (keys.shape() != values.shape() || offset < 0 || offset >= keys.shape(2))
+    for (auto* a : {&keys, &values}) {
+      const bool packed = a->dtype() == mx::uint32 && a->ndim() == 4 && packed_group(a->shape(3), d_);
+      if ((a->dtype() != mx::float32 && !packed) || a->ndim() != 4 || a->shape(0) != h.shape(0) ||
+          a->shape(1) != kv_heads_ || (!packed && a->shape(3) != d_))
+        throw std::invalid_argument("keys and values must be (B, kv heads, capacity, head dim) "
+                                    "float32, or the 8-bit cache's packed rows");
+    }
+    if (keys.shape() != values.shape() || keys.dtype() != values.dtype() || offset < 0 ||
+        offset >= keys.shape(2))
       throw std::invalid_argument("the new position must lie inside the cache's buffers");
     check_rows(offsets, h.shape(0), "offsets");
     check_rows(starts, h.shape(0), "starts");
     std::vector<mx::array> inputs{h, keys, values};
     if (offsets) inputs.insert(inputs.end(), {*offsets, *starts});
     std::vector<mx::Shape> shapes{h.shape(), keys.shape(), values.shape()};
-    std::vector<mx::Dtype> dtypes{mx::float32, mx::float32, mx::float32};
+    std::vector<mx::Dtype> dtypes{mx::float32, keys.dtype(), values.dtype()};
     if (offsets) {
       shapes.push_back(offsets->shape());
       dtypes.push_back(mx::int32);
@@ -1695,6 +1746,18 @@ NB_MODULE(_mlxchat_kernels, m) {
         nb::arg("group_size"), nb::arg("bits"));
   m.def("embedding", &embedding, nb::arg("ids"), nb::arg("w"), nb::arg("scales"),
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"));
+  m.def("pack_kv", [](const mx::array& x, int gs) {
+          // (..., D) fp32 -> (..., D / 4 + 2 * D / gs) uint32: what a fused step writes (tests)
+          mx::array c = mx::contiguous(x);
+          c.eval();
+          const int64_t D = c.shape(-1), rows = int64_t(c.size()) / D, W = D / 4 + 2 * D / gs;
+          if (c.dtype() != mx::float32 || D % gs) throw std::invalid_argument("(..., D) float32, D % gs == 0");
+          auto shape = c.shape();
+          shape.back() = int(W);
+          std::vector<uint32_t> out(size_t(rows * W));
+          for (int64_t r = 0; r < rows; ++r) pack_kv_row(c.data<float>() + r * D, D, gs, out.data() + r * W);
+          return mx::array(out.begin(), shape, mx::uint32);
+        }, nb::arg("x"), nb::arg("group_size"));
   m.def("prefill_matmul", &prefill_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"));
   m.def("has_sgemm", [] { return sgemm() != nullptr; });
