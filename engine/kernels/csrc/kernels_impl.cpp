@@ -456,8 +456,8 @@ void rows_q8_at(const QMat& W, const Q8Rows& X, int64_t n, int64_t step, const f
   for (int64_t c = 0; c < steps; ++c) {
     const int64_t at = c * 64, left = row_bytes - at;
     const __mmask64 bmask = left >= 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
-    // x's limbs and lane scales of this step: kept in registers across the R weight rows when
-    // they fit (M <= 2), else loaded per row (5 registers a row of x would spill at M = 4)
+    // x's limbs and lane scales of this step: all M rows kept in registers when they fit
+    // (M <= 2), else each row loaded once, used for the R weight rows, then the next
     constexpr bool keep = M <= 2;
     constexpr int MK = keep ? M : 1;
     __m512i xh[MK][2], xl[MK][2];
@@ -476,28 +476,32 @@ void rows_q8_at(const QMat& W, const Q8Rows& X, int64_t n, int64_t step, const f
     if constexpr (keep)
       for (int m = 0; m < M; ++m) load_x(m, m);
     const int64_t g0 = c * E / W.gs;
-    for (int r = 0; r < R; ++r) {
+    __m512i wlo[R], whi[R];
+    __m512 sv[R];
+    for (int r = 0; r < R; ++r) {  // the R weight rows' codes and lane scales of this step
       if (pf) _mm_prefetch(reinterpret_cast<const char*>(wr[r] + at + pf), _MM_HINT_T0);
       const __m512i raw = _mm512_maskz_loadu_epi8(bmask, wr[r] + at);
-      const __m512 sv = _mm512_permutexvar_ps(gidx, _mm512_maskz_loadu_ps(gmask, sc + r * (G + 16) + g0));
-      __m512i wlo = raw, whi = raw;
+      sv[r] = _mm512_permutexvar_ps(gidx, _mm512_maskz_loadu_ps(gmask, sc + r * (G + 16) + g0));
+      wlo[r] = whi[r] = raw;
       if constexpr (BITS == 4) {
-        wlo = _mm512_and_si512(raw, m4);
-        whi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+        wlo[r] = _mm512_and_si512(raw, m4);
+        whi[r] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
       }
-      for (int m = 0; m < M; ++m) {
-        const int x = keep ? m : 0;
-        if constexpr (!keep) load_x(m, 0);
+    }
+    for (int m = 0; m < M; ++m) {  // each row of x loaded once a step, for all R weight rows
+      const int x = keep ? m : 0;
+      if constexpr (!keep) load_x(m, 0);
+      for (int r = 0; r < R; ++r) {
         __m512i vh, vl;
         if constexpr (BITS == 4) {
-          vh = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo, xh[x][0]), whi, xh[x][1]);
-          vl = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo, xl[x][0]), whi, xl[x][1]);
+          vh = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo[r], xh[x][0]), whi[r], xh[x][1]);
+          vl = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo[r], xl[x][0]), whi[r], xl[x][1]);
         } else {
-          vh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), raw, xh[x][0]);
-          vl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), raw, xl[x][0]);
+          vh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo[r], xh[x][0]);
+          vl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo[r], xl[x][0]);
         }
         const __m512i v = _mm512_add_epi32(_mm512_slli_epi32(vh, 7), vl);
-        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(sv, dl[x]), acc[r][m]);
+        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(sv[r], dl[x]), acc[r][m]);
       }
     }
   }
@@ -517,7 +521,7 @@ void rows_q8_at(const QMat& W, const Q8Rows& X, int64_t n, int64_t step, const f
 
 template <int M, int BITS>
 void rows_q8(const QMat& W, const Q8Rows& X, int64_t n0, int64_t n1, float* y, int64_t ldy) {
-  constexpr int R = M == 1 ? 4 : M == 2 ? 2 : 1;
+  constexpr int R = M == 1 ? 4 : M <= 4 ? 2 : 1;  // weight rows a pass (registers: R * M sums)
   constexpr int64_t E = q8_step<BITS>();
   const int64_t G = W.K / W.gs;
   float* sc = scratch(R * (G + 16) + R * G + M * G);
