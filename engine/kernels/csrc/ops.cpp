@@ -307,7 +307,8 @@ int packed_group(int64_t width, int64_t D) {
 
 // One position's D fp32 values of one head as a packed 8-bit row (the KV8 cache's, kv8.py:
 // D / 4 words of codes, then D / gs fp32 scales, then the biases), by MLX's affine quantization
-// as its CPU `quantize` computes it, step for step (tests/test_kv8.py compares with mx.quantize):
+// as its CPU `quantize` computes it, step for step (tests/test_kernels_fused_step.py: the whole
+// buffers a fused step writes equal kv8.pack's, mx.quantize's, bit for bit):
 // per group, the edge of larger magnitude maps to a whole code, scale and bias in fp32.
 void pack_kv_row(const float* x, int64_t D, int gs, uint32_t* out) {
   constexpr float n_bins = 255.0f, eps = 1e-7f;
@@ -517,8 +518,9 @@ QMat qmat(const mx::array& w, const mx::array& s, const mx::array& b, int gs, in
               int64_t(w.shape(1)) * (32 / bits), bits, gs};
 }
 
-// x's rows (at most 8) as the kernels read them: fp32 (reordered by prep_x) or, on the int8
-// path, two int8 limbs per value, per 32-element block, by prep_x8 (Q8Rows).
+// x's rows (8 by default, the most a kernel call takes) as the kernels read them: fp32
+// (reordered by prep_x) or, on the int8 path, two int8 limbs per value, per 32-element block, by
+// prep_x8 (Q8Rows; q8(r) views them from row r on).
 struct XRows {
   bool int8;
   std::vector<float> xp;
@@ -526,19 +528,22 @@ struct XRows {
   std::vector<float> d, s, dl;
   int64_t ld = 0;
 
-  XRows(bool int8, int64_t K) : int8(int8) {
+  XRows(bool int8, int64_t K, int64_t rows = 8) : int8(int8) {
     if (int8) {
       ld = q8_ld(K);
-      hi.resize(size_t(8 * ld));
-      lo.resize(size_t(8 * ld));
-      d.resize(size_t(8 * ld / 32));
-      s.resize(size_t(8 * ld / 32));
-      dl.resize(size_t(8 * ld / 4));
+      hi.resize(size_t(rows * ld));
+      lo.resize(size_t(rows * ld));
+      d.resize(size_t(rows * ld / 32));
+      s.resize(size_t(rows * ld / 32));
+      dl.resize(size_t(rows * ld / 4));
     } else {
-      xp.resize(size_t(8 * K));
+      xp.resize(size_t(rows * K));
     }
   }
-  Q8Rows q8() { return Q8Rows{hi.data(), lo.data(), d.data(), s.data(), dl.data(), ld}; }
+  Q8Rows q8(int64_t r = 0) {
+    return Q8Rows{hi.data() + r * ld, lo.data() + r * ld, d.data() + r * (ld / 32),
+                  s.data() + r * (ld / 32), dl.data() + r * (ld / 4), ld};
+  }
   void prep(const Impl* I, const QMat& W, const float* x, int M) {
     if (int8)
       I->prep_x8(W, x, M, q8());
@@ -561,22 +566,16 @@ constexpr int64_t kQ8WeightBlock = int64_t(192) << 10;
 
 void run_qmm_q8_chunk(const float* x, int64_t rows, const QMat& W, float* y) {
   const Impl* I = impl();
-  const int64_t N = W.N, K = W.K, ld = q8_ld(K);
-  std::vector<int8_t> hi(size_t(rows * ld)), lo(size_t(rows * ld));
-  std::vector<float> d(size_t(rows * ld / 32)), s(size_t(rows * ld / 32)), dl(size_t(rows * ld / 4));
-  auto view = [&](int64_t r0) {
-    return Q8Rows{hi.data() + r0 * ld, lo.data() + r0 * ld, d.data() + r0 * (ld / 32),
-                  s.data() + r0 * (ld / 32), dl.data() + r0 * (ld / 4), ld};
-  };
-  const int64_t groups = (rows + 7) / 8;
-  parallel_for(groups, [&](int64_t g) {
-    I->prep_x8(W, x + g * 8 * K, int(std::min<int64_t>(8, rows - g * 8)), view(g * 8));
+  const int64_t N = W.N, K = W.K;
+  XRows xr(true, K, rows);
+  parallel_for((rows + 7) / 8, [&](int64_t g) {
+    I->prep_x8(W, x + g * 8 * K, int(std::min<int64_t>(8, rows - g * 8)), xr.q8(g * 8));
   });
   const int64_t per = std::max<int64_t>(16, kQ8WeightBlock / (K * W.bits / 8) / 16 * 16);
   parallel_for((N + per - 1) / per, [&](int64_t b) {
     const int64_t n0 = b * per, n1 = std::min(N, n0 + per);
     for (int64_t r0 = 0; r0 < rows; r0 += 8)
-      I->qmv_rows_q8(W, view(r0), int(std::min<int64_t>(8, rows - r0)), n0, n1, y + r0 * N, N);
+      I->qmv_rows_q8(W, xr.q8(r0), int(std::min<int64_t>(8, rows - r0)), n0, n1, y + r0 * N, N);
   });
 }
 
@@ -1746,18 +1745,6 @@ NB_MODULE(_mlxchat_kernels, m) {
         nb::arg("group_size"), nb::arg("bits"));
   m.def("embedding", &embedding, nb::arg("ids"), nb::arg("w"), nb::arg("scales"),
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"));
-  m.def("pack_kv", [](const mx::array& x, int gs) {
-          // (..., D) fp32 -> (..., D / 4 + 2 * D / gs) uint32: what a fused step writes (tests)
-          mx::array c = mx::contiguous(x);
-          c.eval();
-          const int64_t D = c.shape(-1), rows = int64_t(c.size()) / D, W = D / 4 + 2 * D / gs;
-          if (c.dtype() != mx::float32 || D % gs) throw std::invalid_argument("(..., D) float32, D % gs == 0");
-          auto shape = c.shape();
-          shape.back() = int(W);
-          std::vector<uint32_t> out(size_t(rows * W));
-          for (int64_t r = 0; r < rows; ++r) pack_kv_row(c.data<float>() + r * D, D, gs, out.data() + r * W);
-          return mx::array(out.begin(), shape, mx::uint32);
-        }, nb::arg("x"), nb::arg("group_size"));
   m.def("prefill_matmul", &prefill_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"));
   m.def("has_sgemm", [] { return sgemm() != nullptr; });
