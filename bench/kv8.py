@@ -179,6 +179,8 @@ def main(argv=None) -> None:
     if a.probe:
         return probe()
 
+    import mlx.core as mx
+
     from engine.kernels import active_path
     from engine.kernels.caches import LOCAL
     from engine.kernels.kv8 import kv_format
@@ -210,17 +212,16 @@ def main(argv=None) -> None:
                          decode_ratio=best["kv8"] / best["full"]))
         print(f"{n:>8} {sizes[0]:>12} {sizes[1]:>12} {sizes[1] / sizes[0]:>6.3f} "
               f"{best['full']:>10.2f} {best['kv8']:>11.2f} {best['kv8'] / best['full']:>6.2f}")
-    edits = {name: {**edited_turn(lm), "engine": two_at_once(lm)} for name, lm in (("full", full), ("kv8", kv8))}
-    for name, rows_ in edits.items():
-        print(f"two requests at once, {name} cache: {rows_['engine']}")
-        rows_ = {k: v for k, v in rows_.items() if k != "engine"}
+    edits = {}
+    for name, lm in (("full", full), ("kv8", kv8)):
+        turns, together = edited_turn(lm), two_at_once(lm)
+        print(f"two requests at once, {name} cache: {together}")
         print(f"edited turn, {name} cache: " + "; ".join(
             f"{k}: reused {v['cached']} tokens, same as without the prefix cache: {v['same_as_without_cache']}"
-            for k, v in rows_.items()))
+            for k, v in turns.items()))
+        edits[name] = {**turns, "engine": together}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    import mlx.core as mx
-
     meta = dict(model=a.model, path=active_path(), kv_format=kv_format(kv8.model), steps=a.steps,
                 device=str(mx.default_device()), cpu=cpu_model(),
                 reps=a.reps, cpus=os.cpu_count(), load_avg=os.getloadavg(), time=time.time(),
