@@ -20,7 +20,7 @@ any vocabulary), so a follow-up about the same image reuses its prefill and anot
 nothing past the text before it. Snapshot files record the same keys.
 
 One image request runs at a time in its own model calls (not batched): its decode positions and
-cache keys are its own (engine/scheduling/service.py steps it alone).
+cache keys are its own (engine/scheduling/ticks.py steps it alone).
 """
 
 from __future__ import annotations

@@ -2,15 +2,15 @@
 
 `Engine.embed` (service.py) hands a request to `EmbeddingQueue.submit`, which validates it at
 once in the caller's thread (InvalidRequest for bad input, Overloaded past MAX_PENDING requests)
-and queues it. The scheduler thread then runs one chunk (at most CHUNK_TOKENS padded tokens, one
-model call) between two of its ticks, so a running chat stream waits at most one chunk for its
-next token; requests run in arrival order.
+and queues it. The scheduler thread (ticks.py, `Scheduler.soon`) then runs one chunk (at most
+CHUNK_TOKENS padded tokens, one model call) between two of its ticks, so a running chat stream
+waits at most one chunk for its next token; requests run in arrival order.
 
 The model: the loaded chat model (mean pooling, engine/decoding/embeddings.py) when the request
 names it or no model, or a dedicated embedding model (Qwen3-Embedding) named by the request. A
 dedicated model loads on a loader thread when the queue reaches its first request, its weight
-files count in the engine's one memory budget while it is loaded (at most one at a time), and it
-is unloaded after its keep-alive like a chat model.
+files are reserved in the engine's one memory budget (budget.py) while it is loaded (at most one
+at a time), and it is unloaded after its keep-alive like a chat model.
 """
 
 import asyncio
@@ -22,7 +22,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence, Union
+from typing import Any, Sequence, Union
 
 import numpy as np
 
@@ -31,10 +31,9 @@ from ..loading.embedding_recipe import EmbeddingRecipe, embedding_recipe
 from ..errors import EngineError, InvalidRequest, ModelLoadError, Overloaded
 from ..loading.memory import weight_files_bytes
 from ..loading.registry import LoadedModel, context_length, load_model, resolve
+from .budget import MemoryBudget
 from .keep_alive import keep_alive_seconds
-
-if TYPE_CHECKING:
-    from .service import Engine
+from .ticks import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +108,13 @@ def _text_config(config: dict) -> dict:
 class EmbeddingQueue:
     """The engine's embedding requests and dedicated embedding models (see the module's doc)."""
 
-    def __init__(self, engine: "Engine"):
-        self._engine = engine
+    def __init__(self, scheduler: Scheduler, budget: MemoryBudget, keep_alive: float | None):
+        """Chunks run on `scheduler`'s thread, on the chat model of its slot or on a dedicated
+        model whose weights `budget` holds; `keep_alive`: the default for requests that give none
+        (seconds; None: no unload)."""
+        self._scheduler = scheduler
+        self._budget = budget
+        self._keep_alive = keep_alive
         self._lock = threading.Lock()
         self._jobs: deque[_Job] = deque()
         self._dedicated: dict[Path, _Model] = {}  # by folder, once named by a request
@@ -142,10 +146,10 @@ class EmbeddingQueue:
                 raise InvalidRequest(f"dimensions {dimensions} is not available for "
                                      f"{target.name}: {allowed}", field="dimensions",
                                      code="invalid_value")
-        keep = keep_alive_seconds(keep_alive, self._engine.keep_alive)
+        keep = keep_alive_seconds(keep_alive, self._keep_alive)
         with self._lock:
-            if self._engine.halted is not None:
-                raise EngineError(self._engine.halted)
+            if self._scheduler.halted is not None:
+                raise EngineError(self._scheduler.halted)
             if len(self._jobs) >= MAX_PENDING:
                 raise Overloaded(f"server busy: {len(self._jobs)} embedding requests queued "
                                  f"(limit {MAX_PENDING})", retry_after=1.0)
@@ -174,8 +178,7 @@ class EmbeddingQueue:
             return len(self._jobs)
 
     def _target(self, name: str | None) -> _Model:
-        engine = self._engine
-        lm = engine.lm
+        lm = self._scheduler.slot.lm
         if lm is not None and name in (None, "", "default", lm.name):
             return self._chat_model(lm)
         if name in (None, "", "default"):
@@ -193,7 +196,7 @@ class EmbeddingQueue:
         if not recipe.dedicated:
             raise InvalidRequest(f"{display} is not an embedding model (it has no "
                                  f"sentence-transformers pooling); name an embedding model or the "
-                                 f"loaded chat model {engine.model_name!r}, which embeds by mean "
+                                 f"loaded chat model {lm.name if lm else None!r}, which embeds by mean "
                                  f"pooling", field="model", code="model_not_embedding")
         from mlx_lm.utils import load_tokenizer
 
@@ -261,7 +264,7 @@ class EmbeddingQueue:
             if self._posted or not self._jobs:
                 return
             self._posted = True
-        self._engine._later(self._run_chunk)
+        self._scheduler.soon(self._run_chunk)
 
     # -- the scheduler thread -------------------------------------------------------------------
     def _run_chunk(self) -> None:
@@ -299,15 +302,14 @@ class EmbeddingQueue:
             self._jobs.remove(job)
         target = job.model
         if target.chat is not None:
-            with self._engine._lock:
-                self._engine.slot.touch(job.keep_alive)
+            self._scheduler.touch(job.keep_alive)
         else:
             target.idle_since, target.keep_alive = time.monotonic(), job.keep_alive
             if job.keep_alive is not None:
                 if self._timer is not None:
                     self._timer.cancel()
                 self._timer = threading.Timer(job.keep_alive + 0.05,
-                                              lambda: self._engine._later(self._expire))
+                                              lambda: self._scheduler.soon(self._expire))
                 self._timer.daemon = True
                 self._timer.start()
         if failure is not None:
@@ -319,26 +321,19 @@ class EmbeddingQueue:
 
     def _resident(self, target: _Model) -> Any:
         """The module to run `target` on now, or None while its weights load."""
-        engine = self._engine
         if target.chat is not None:
-            if engine.lm is not target.chat:
+            slot = self._scheduler.slot
+            if slot.lm is not target.chat:
                 raise Overloaded(f"switching models: {target.name} was replaced", retry_after=5.0)
-            engine._ensure_resident()
-            return engine.lm.model
+            self._scheduler.ensure_resident()
+            return slot.lm.model
         if target.loaded is not None:
             return target.loaded.model
         if self._loading is None:
             for other in list(self._dedicated.values()):  # one dedicated model at a time
                 if other.loaded is not None:
                     self._unload(other)
-            need = target.weight_bytes
-            with engine._lock:
-                if engine._reserved + need > engine.memory_budget:
-                    raise Overloaded(f"server busy: loading {target.name} needs {need >> 20} MiB "
-                                     f"of the memory budget, {engine._reserved >> 20} of "
-                                     f"{engine.memory_budget >> 20} MiB are in use",
-                                     retry_after=2.0)
-                engine._reserved += need
+            self._budget.reserve(target.weight_bytes, f"loading {target.name}")
             self._loading = target
             self._loader.submit(self._load, target)
         return None
@@ -349,13 +344,12 @@ class EmbeddingQueue:
             loaded: LoadedModel | Exception = load_model(str(target.folder))
         except Exception as exc:  # every request waiting for it fails
             loaded = exc
-        self._engine._later(lambda: self._loaded(target, loaded))
+        self._scheduler.soon(lambda: self._loaded(target, loaded))
 
     def _loaded(self, target: _Model, loaded: "LoadedModel | Exception") -> None:
         self._loading = None
         if isinstance(loaded, Exception):
-            with self._engine._lock:
-                self._engine._reserved -= target.weight_bytes
+            self._budget.release(target.weight_bytes)
             failure = loaded if isinstance(loaded, EngineError) else ModelLoadError(
                 f"cannot load {target.name}: {loaded}")
             with self._lock:
@@ -381,8 +375,7 @@ class EmbeddingQueue:
     def _unload(self, target: _Model) -> None:
         log.info("unloading embedding model %s", target.name)
         target.loaded = None
-        with self._engine._lock:
-            self._engine._reserved -= target.weight_bytes
+        self._budget.release(target.weight_bytes)
         import gc
 
         import mlx.core as mx
