@@ -7,9 +7,10 @@ This is the engine's whole public face; the app imports nothing else from it (a 
     async for event in handle.stream(): ...      # or `for event in handle.events()` in a thread
 """
 
-from .decoding.defaults import DEFAULTABLE, SOURCES as DEFAULT_SOURCES, Default, ModelDefaults
+from .decoding.defaults import (DEFAULTABLE, PRESETS, SOURCES as DEFAULT_SOURCES, Default,
+                                ModelDefaults, preset)
 from .decoding.drafts import DraftChoice, SpeculativeOptions
-from .decoding.sampling import PRESETS, SAMPLING_OPTIONS, SamplingOption, SamplingParams, preset
+from .decoding.sampling import SAMPLING_OPTIONS, SamplingOption, SamplingParams
 from .distributed.cluster import Cluster
 from .device import DEVICES, restart_with_blas, select_device
 from .kernels import active_path as compute_path, describe_device, device_report

@@ -1,6 +1,7 @@
 """The import rules, read from the source: the engine's layers never import upward, the engine
 never imports the app, and the app imports nothing from the engine but its public names; no
-import circles inside app/ or engine/; and few functions over ruff's complexity limit."""
+import circles inside app/ or engine/, counting the imports inside functions; and few functions
+over ruff's complexity limit."""
 
 import ast
 import graphlib
@@ -120,26 +121,33 @@ def test_the_checks_catch_what_they_look_for(tmp_path, monkeypatch):
                              "app/ui.py:2 imports engine.lm, not public"]
 
 
-# --- no import circles ----------------------------------------------------------------------------
+# --- no import circles ---------------------------------------------------------------------------
 
-def _module_level(tree: ast.Module) -> list[ast.stmt]:
-    """The statements that run on import: the module's body, into `if`/`try` blocks (not
-    `if TYPE_CHECKING:`), never into functions or classes."""
+def _running_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import that runs: at the module's import or when a function or method of it runs
+    (an import inside a function only hides a circle until that function is called). The
+    `if TYPE_CHECKING:` blocks are left out: they never run."""
     out, pending = [], list(tree.body)
     while pending:
         node = pending.pop(0)
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            pending += node.orelse
             continue
-        if isinstance(node, (ast.If, ast.Try)):
-            pending += node.body + node.orelse + getattr(node, "finalbody", []) + [
-                s for h in getattr(node, "handlers", []) for s in h.body]
-        out.append(node)
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.append(node)
+        pending += [child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)]
     return out
 
 
+# Circles another branch opens (drop each entry once that branch is merged): app/storage.py and
+# app/import_schema.py import each other until app/storage/ lands (the house-app helper, issue 52).
+KNOWN_EDGES = {("app.storage", "app.import_schema")}
+
+
 def import_graph(top: str) -> dict[str, set[str]]:
-    """Each module of package `top` (`app`, `engine`) and the modules of `top` it imports when it
-    is imported (`from pkg import name` counts as importing `pkg.name` when that is a module)."""
+    """Each module of package `top` (`app`, `engine`) and the modules of `top` it imports, at its
+    own import or inside its functions (`from pkg import name` counts as importing `pkg.name` when
+    that is a module)."""
     files = {}
     for path in sorted((ROOT / top).rglob("*.py")):
         parts = [top, *path.relative_to(ROOT / top).with_suffix("").parts]
@@ -149,7 +157,7 @@ def import_graph(top: str) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for module, (path, package) in files.items():
         edges = graph.setdefault(module, set())
-        for node in _module_level(ast.parse(path.read_text(), str(path))):
+        for node in _running_imports(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 edges |= {a.name for a in node.names if a.name in files}
             elif isinstance(node, ast.ImportFrom):
@@ -161,6 +169,7 @@ def import_graph(top: str) -> dict[str, set[str]]:
                     target = f"{base}.{alias.name}"
                     edges.add(target if target in files else base)
         edges &= set(files) - {module}
+        edges -= {b for a, b in KNOWN_EDGES if a == module}
     return graph
 
 
@@ -179,13 +188,19 @@ def test_no_import_circles(top):
 
 
 def test_the_circle_check_finds_a_circle(tmp_path, monkeypatch):
+    """A circle closed by an import inside a function (or a method) is a circle; one that only
+    type annotations close (`if TYPE_CHECKING:`) is not."""
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     (tmp_path / "app" / "ui").mkdir(parents=True)
     (tmp_path / "app" / "__init__.py").write_text("")
     (tmp_path / "app" / "ui" / "__init__.py").write_text("from . import views\n")
-    (tmp_path / "app" / "ui" / "views.py").write_text("def f():\n    from .picker import x\n")
     (tmp_path / "app" / "ui" / "picker.py").write_text("import json\nfrom .views import f\n")
-    assert import_circle("app") is None  # an import inside a function runs later
+    (tmp_path / "app" / "ui" / "views.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .picker import x\n")
+    assert import_circle("app") is None
+    (tmp_path / "app" / "ui" / "views.py").write_text(
+        "class V:\n    def f(self):\n        if self:\n            from .picker import x\n")
+    assert sorted(set(import_circle("app"))) == ["app.ui.picker", "app.ui.views"]
     (tmp_path / "app" / "ui" / "views.py").write_text("from app.ui import picker\n")
     assert sorted(set(import_circle("app"))) == ["app.ui.picker", "app.ui.views"]
 

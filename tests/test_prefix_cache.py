@@ -13,7 +13,8 @@ import pytest
 from engine.decoding.generate import build_prompt
 from mlx_lm.models.cache import KVCache
 from engine.cache.prefix_cache import PrefixCache
-from engine.decoding.sampling import SamplingParams, preset
+from engine.decoding.defaults import preset
+from engine.decoding.sampling import SamplingParams
 from chats import SYSTEM, ask, assistant, long_chat, same_without_cache, user
 from tiny_models import tiny_llama, tiny_qwen3_5
 

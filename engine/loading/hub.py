@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import DownloadCancelled, DownloadError
+from .folders import converted_folder, hub_cache_dir
 from .memory import shortfall
 
 # owner/name as the hub allows them: letters, digits, '-', '_', '.'; no '--' or '..'.
@@ -103,14 +104,6 @@ def parse_spec(text: str) -> PullSpec:
         raise DownloadError(f"{file!r} is not a GGUF file name in the repository: write "
                             "owner/name:FILE.gguf")
     return PullSpec(repo, file or None)
-
-
-def hub_cache_dir() -> Path:
-    """huggingface_hub's standard cache, as its environment variables choose it."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"
-    return Path(home).expanduser() / "hub"
 
 
 def _endpoint() -> str | None:
@@ -384,8 +377,6 @@ def remove(name: str) -> list[Path]:
     """Delete a downloaded model (`owner/name` or `owner/name:FILE.gguf`) from the hub cache, with
     its converted copy; returns what was deleted. Only models in the hub cache can be removed, and
     only files inside it: a link pointing out of the cache is deleted, never its target."""
-    from .registry import converted_folder
-
     spec = parse_spec(name)
     repo = _repo_dir(spec.repo)
     if not repo.is_dir():

@@ -17,8 +17,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import bundled
 from ..errors import ModelLoadError
-from .gguf import convert_gguf
-from .hub import hub_cache_dir
+from .folders import gguf_to_folder, hub_cache_dir
 from .memory import shortfall, weight_files_bytes
 from .vision import is_vision_folder
 from ..kernels.caches import LOCAL, CacheOps
@@ -163,19 +162,9 @@ def list_models() -> list[ModelInfo]:
     return models + _hf_cache_models()
 
 
-def converted_folder(gguf: Path) -> Path:
-    """Each GGUF converts once into the cache, keyed by its path, size and mtime."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir() / "converted" / f"{gguf.stem}-{key}"
-
-
-def gguf_to_folder(gguf: Path) -> Path:
-    folder = converted_folder(gguf)
-    if not (folder / "config.json").exists():
-        log.info("converting %s to an mlx-lm folder at %s", gguf, folder)
-        convert_gguf(gguf, folder)
-    return folder
+def known_vision_models() -> list[str]:
+    """The names of the local models that are vision models (engine/loading/vision.py)."""
+    return [m.name for m in list_models() if m.vision]
 
 
 def _starts_with_gguf_magic(path: Path) -> bool:
