@@ -96,7 +96,7 @@ def test_engine_on_a_stacked_model_answers_with_mlx_lm_tokens(serve):
 def test_snapshot_files_tell_the_gpu_layout_apart():
     """A snapshot saved by a model in the GPU layout is not read back by one as loaded (their
     bf16 K/V differ), as CPU-layout snapshots are kept apart already."""
-    from engine.cache.snapshot_files import identity
+    from engine.prefix_cache.snapshot_files import identity
 
     base = tiny_llama()
     plain, stacked = (dataclasses.replace(base, model=m) for m in pair("llama"))

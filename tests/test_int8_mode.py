@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from engine import Engine, ModelLoadError, SamplingParams, compute_path
-from engine.cache import snapshot_files
-from engine.cache.prefix_cache import model_key
+from engine.prefix_cache import snapshot_files
+from engine.prefix_cache.store import model_key
 from engine.kernels.layout import KernelEmbedding, KernelLinear, KernelLlamaBlock
 from engine.loading.registry import load_model
 from chats import long_chat, persisted_apart

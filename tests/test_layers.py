@@ -18,8 +18,8 @@ pytestmark = pytest.mark.fast
 
 ROOT = Path(__file__).resolve().parent.parent
 # Lowest first; a module may import its own layer or lower ones.
-LAYERS = [("errors", "events", "paths", "device"), ("kernels",), ("loading",), ("decoding",),
-          ("cache",), ("scheduling",), ("distributed",),
+LAYERS = [("errors", "events", "paths", "device"), ("kernels", "model_cache"), ("loading",),
+          ("decoding",), ("prefix_cache",), ("scheduling",), ("distributed",),
           ("__init__",)]
 
 

@@ -103,7 +103,7 @@ def last_with_chunk_default() -> bool:
 
 
 class PrefixStore(Protocol):
-    """What generation needs from a prefix cache (see engine/cache/prefix_cache.py)."""
+    """What generation needs from a prefix cache (see engine/prefix_cache/store.py)."""
 
     def fetch(self, tokens: Sequence[int]) -> tuple[list[Any], int]:
         """A private, mutable model cache holding the longest reusable prefix of `tokens`

@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import InvalidRequest
-from ..kernels.caches import can_roll_back, roll_back, rollback_mark
+from ..model_cache import can_roll_back, roll_back, rollback_mark
 from ..loading.registry import LoadedModel
 from .sampling import SamplingParams, TokenSampler, filter_logprobs, log_softmax
 

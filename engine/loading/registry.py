@@ -20,7 +20,7 @@ from ..errors import ModelLoadError
 from .folders import gguf_to_folder, hub_cache_dir
 from .memory import shortfall, weight_files_bytes
 from .vision import is_vision_folder
-from ..kernels.caches import LOCAL, CacheOps
+from ..model_cache import LOCAL, CacheOps
 from ..kernels.fastest import fastest_layout
 from ..kernels.gated_delta import use_chunked_prefill
 from ..kernels.kv8 import kv_bits, use_kv_bits
@@ -47,7 +47,7 @@ CAPABILITIES = ("completion", "tools", "thinking", "vision", "embedding")
 
 def capabilities(lm: "LoadedModel") -> tuple[str, ...]:
     """The model's CAPABILITIES: a dedicated embedding model (sentence-transformers pooling,
-    engine/decoding/embeddings.py) only embeds; every other model completes and embeds (mean
+    engine/decoding/pooling.py) only embeds; every other model completes and embeds (mean
     pooling of its last hidden state); tools when its tokenizer knows its family's tool-call
     markers or its chat template takes `tools`; thinking when it knows think markers; vision when
     it is a vision-language model loaded through mlx-vlm (engine/loading/vision.py)."""

@@ -2,9 +2,9 @@
 
 Whatever must stay in memory while it is used reserves its bytes here and releases them when done:
 an admitted request reserves the model cache it may grow to (engine/scheduling/service.py), a
-dedicated embedding model its weight files while loaded (engine/scheduling/embeddings.py). The
+dedicated embedding model its weight files while loaded (engine/scheduling/embedding_queue.py). The
 prefix cache holds snapshots in what is left (`room`): it is handed `room` as its byte budget and
-evicts down to it (engine/cache/prefix_cache.py).
+evicts down to it (engine/prefix_cache/store.py).
 
 One budget is meant to be shared: several model slots (each with its own requests and prefix
 cache) reserve from the same instance, so that one machine's memory is counted once. Thread-safe;

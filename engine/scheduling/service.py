@@ -28,14 +28,14 @@ from ..decoding.sampling import SamplingParams
 from ..decoding.tools import ToolRequest
 from .budget import MemoryBudget, mib
 from .draft_loader import DraftLoader
-from .embeddings import EmbeddingHandle, EmbeddingInput, EmbeddingQueue
+from .embedding_queue import EmbeddingHandle, EmbeddingInput, EmbeddingQueue
 from .keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
 from .requests import RequestHandle
 from .slot import ModelDescription, ModelSlot
 from .ticks import Load, Scheduler
 
 if TYPE_CHECKING:
-    from ..cache.prefix_cache import PrefixCache
+    from ..prefix_cache.store import PrefixCache
 
 SWITCH_INTERVAL_S = 2e-4
 # Admitted by memory (no `max_running`), at most this many requests run at once: a batched step's
@@ -65,7 +65,7 @@ class Engine:
     (engine/scheduling/ticks.py), the `ModelSlot` with the model (engine/scheduling/slot.py), the
     `MemoryBudget` they share with the prefix cache and the embedding queue
     (engine/scheduling/budget.py), the loader of drafts for speculative requests
-    (engine/scheduling/draft_loader.py) and the `EmbeddingQueue` (engine/scheduling/embeddings.py).
+    (engine/scheduling/draft_loader.py) and the `EmbeddingQueue` (engine/scheduling/embedding_queue.py).
     """
 
     def __init__(self, model: str | None = None, *, max_running: int | None = None, max_queued: int = 8,
@@ -324,7 +324,7 @@ class Engine:
     def embed(self, inputs: EmbeddingInput | Sequence[EmbeddingInput], *, model: str | None = None,
               dimensions: int | None = None, truncate: bool = False, query: bool = False,
               keep_alive: float | str | None = None) -> EmbeddingHandle:
-        """Queue an embedding request without waiting (engine/scheduling/embeddings.py): on the
+        """Queue an embedding request without waiting (engine/scheduling/embedding_queue.py): on the
         loaded chat model (`model` None or its name) or a dedicated embedding model; raises
         InvalidRequest or Overloaded at once. Its chunks run between scheduler ticks."""
         return self.embeddings.submit(inputs, model=model, dimensions=dimensions,

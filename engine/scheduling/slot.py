@@ -139,7 +139,7 @@ class ModelSlot:
         """The decode batch and prefix cache of the model whose weights are in `self.lm`."""
         self.batch = DecodeBatch(self.lm.model, self.lm.caches)
         if self.use_prefix_cache:
-            from ..cache.prefix_cache import PrefixCache, default_persist_dir
+            from ..prefix_cache.store import PrefixCache, default_persist_dir
 
             persist_dir = default_persist_dir() if self.persist_prefix_cache else None
             self.prefix_cache = PrefixCache(self.lm, persist_dir=persist_dir,

@@ -41,7 +41,7 @@ import mlx_lm
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..kernels.caches import KV_KINDS, Layer, held_layers
+from ..model_cache import KV_KINDS, Layer, held_layers
 from ..kernels import cache_variant
 from ..loading.registry import LoadedModel
 

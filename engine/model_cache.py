@@ -1,7 +1,7 @@
 """One protocol for what the engine does with a model's cache (a list of mlx-lm layer caches, one per
 layer), and its implementation over mlx-lm's caches on one process.
 
-`CacheOps` is everything the prefix cache (engine/cache/prefix_cache.py), the decode batch
+`CacheOps` is everything the prefix cache (engine/prefix_cache/store.py), the decode batch
 (engine/scheduling/batch.py) and speculative decoding ask of a cache: compact snapshot copies and
 restores from them, the batch edits (merge, extend, extract, filter), whether it can be trimmed,
 and its size. A model's `LoadedModel.caches` says which implementation serves it: `LOCAL` here, or
@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, QuantizedKVCache
 
-from .kv8 import BITS, GROUP_SIZE, BatchKV8Cache, KV8Cache
+from .kernels.kv8 import BITS, GROUP_SIZE, BatchKV8Cache, KV8Cache
 
 Cache = list[Any]  # one mlx-lm cache object per layer
 # one layer's arrays as a snapshot file stores them: its kind's name and the arrays

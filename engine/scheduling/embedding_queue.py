@@ -6,7 +6,7 @@ and queues it. The scheduler thread (ticks.py, `Scheduler.soon`) then runs one c
 CHUNK_TOKENS padded tokens, one model call) between two of its ticks, so a running chat stream
 waits at most one chunk for its next token; requests run in arrival order.
 
-The model: the loaded chat model (mean pooling, engine/decoding/embeddings.py) when the request
+The model: the loaded chat model (mean pooling, engine/decoding/pooling.py) when the request
 names it or no model, or a dedicated embedding model (Qwen3-Embedding) named by the request. A
 dedicated model loads on a loader thread when the queue reaches its first request, its weight
 files are reserved in the engine's one memory budget (budget.py) while it is loaded (at most one
@@ -26,7 +26,7 @@ from typing import Any, Sequence, Union
 
 import numpy as np
 
-from ..decoding.embeddings import embed_batch
+from ..decoding.pooling import embed_batch
 from ..loading.embedding_recipe import EmbeddingRecipe, embedding_recipe
 from ..errors import EngineError, InvalidRequest, ModelLoadError, Overloaded
 from ..loading.memory import weight_files_bytes
