@@ -18,7 +18,8 @@ pytestmark = pytest.mark.fast
 
 ROOT = Path(__file__).resolve().parent.parent
 # Lowest first; a module may import its own layer or lower ones.
-LAYERS = [("errors", "events", "paths", "device"), ("kernels", "model_cache"), ("loading",),
+LAYERS = [("errors", "events", "paths", "device", "mlx_lm_adapter"), ("kernels", "model_cache"),
+          ("loading",),
           ("decoding",), ("prefix_cache",), ("scheduling",), ("distributed",),
           ("__init__",)]
 
@@ -91,6 +92,30 @@ def app_imports() -> list[str]:
                     problems.append(f"{where}: `import engine` (import its public names)")
                 problems += [f"{where} imports engine.{n}, not public" for n in names if n not in public]
     return problems
+
+
+def mlx_lm_private_imports() -> list[str]:
+    """Imports of mlx-lm's private names (`_name`) outside engine/mlx_lm_adapter.py."""
+    problems = []
+    for path, package, module in engine_modules():
+        if module == "mlx_lm_adapter":
+            continue
+        for target, names, line in imports(path, package):
+            if target.split(".")[0] == "mlx_lm" and any(
+                    n.startswith("_") for n in target.split(".")[1:] + names):
+                problems.append(f"{path.relative_to(ROOT)}:{line} imports {target} {names}")
+    return problems
+
+
+def test_mlx_lm_private_names_come_through_one_adapter(tmp_path, monkeypatch):
+    assert mlx_lm_private_imports() == []
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    (tmp_path / "engine" / "decoding").mkdir(parents=True)
+    (tmp_path / "engine" / "mlx_lm_adapter.py").write_text("from mlx_lm.utils import _get_classes\n")
+    (tmp_path / "engine" / "decoding" / "x.py").write_text(
+        "from mlx_lm.utils import load\ndef f():\n    from mlx_lm.generate import _merge_caches\n")
+    assert mlx_lm_private_imports() == [
+        "engine/decoding/x.py:3 imports mlx_lm.generate ['_merge_caches']"]
 
 
 def test_engine_layers_never_import_upward_nor_the_app():
