@@ -53,9 +53,10 @@ def tiny_lm(vocab: int, layers: int = 2, hidden: int = 64):
 
     config = {**CONFIG, "vocab_size": vocab, "num_hidden_layers": layers, "hidden_size": hidden,
               "intermediate_size": 2 * hidden}
-    model, extras = ours_and_mlx_lm(Shape("tiny-vocab", config), mx.float32)
+    model, extras, compute = ours_and_mlx_lm(Shape("tiny-vocab", config), mx.float32)
     return LoadedModel(name=f"random:tiny-vocab-{vocab}", model=model, tokenizer=IdTokenizer(vocab),
-                       config=config, path=Path("/nonexistent/tiny-vocab"), extras=extras)
+                       config=config, path=Path("/nonexistent/tiny-vocab"), extras=extras,
+                       compute=compute)
 
 
 def mlx_batch(lm, prompts: list[list[int]], gen: int) -> dict:

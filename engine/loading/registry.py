@@ -21,7 +21,7 @@ from .folders import gguf_to_folder, hub_cache_dir
 from .memory import shortfall, weight_files_bytes
 from .vision import is_vision_folder
 from ..model_cache import LOCAL, CacheOps
-from ..kernels.fastest import fastest_layout
+from ..kernels.fastest import AS_LOADED, fastest_layout
 from ..kernels.gated_delta import use_chunked_prefill
 from ..kernels.kv8 import kv_bits, use_kv_bits
 from ..paths import cache_dir
@@ -79,6 +79,7 @@ class LoadedModel:
     path: Path
     extras: dict[str, Any] = field(default_factory=dict)
     caches: CacheOps = LOCAL  # how the engine copies, restores and batches its caches
+    compute: str = AS_LOADED  # the compute path `load_model` gave it (engine/kernels/fastest.py)
 
     @functools.cached_property
     def weights_digest(self) -> str:
@@ -251,14 +252,16 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
         model.shard(group)
     if transform is not None:  # first: the layout below takes the layers the transform leaves
         model = transform(model)
+    compute = AS_LOADED
     if group is None:
-        model = fastest_layout(model, config, int8_activations=int8_activations)
+        model, compute = fastest_layout(model, config, int8_activations=int8_activations)
         use_kv_bits(model, config, _kv_bits())  # the 8-bit KV cache where asked for
     use_chunked_prefill(model)  # Qwen3.5 / Qwen3-Next: chunked linear-attention prefill
     # Materialise the weights here: lazy arrays belong to this thread's MLX stream, and the
     # scheduler thread that runs the model cannot evaluate them.
     mx.eval(model.parameters())
-    return LoadedModel(name=display, model=model, tokenizer=tokenizer, config=config, path=folder)
+    return LoadedModel(name=display, model=model, tokenizer=tokenizer, config=config, path=folder,
+                       compute=compute)
 
 
 def _load_vision_model(display: str, folder: Path,

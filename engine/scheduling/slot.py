@@ -188,7 +188,7 @@ class ModelSlot:
         log.info("reloading %s", self.lm.name)
         fresh = self._load(self._loaded_name, fallback_to_default=False,
                            int8_activations=self.int8_activations)
-        self.lm.model, self.lm.caches = fresh.model, fresh.caches
+        self.lm.model, self.lm.caches, self.lm.compute = fresh.model, fresh.caches, fresh.compute
         del fresh
         self._make_resident_parts()
         return True
