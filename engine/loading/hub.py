@@ -381,25 +381,13 @@ def remove(name: str) -> list[Path]:
     repo = _repo_dir(spec.repo)
     if not repo.is_dir():
         raise DownloadError(f"{name} is not a downloaded model")
-    removed: list[Path] = []
     links = [link for link in (repo / "snapshots").glob(f"*/{spec.file}")] if spec.file else \
         [link for link in (repo / "snapshots").rglob("*.gguf")]
-    for link in links:
-        if link.exists():
-            folder = converted_folder(link)
-            if folder.exists():
-                shutil.rmtree(folder)
-                removed.append(folder)
+    if spec.file and not links:
+        raise DownloadError(f"{name} is not a downloaded model")
+    removed = _remove_converted(links)
     if spec.file:
-        if not links:
-            raise DownloadError(f"{name} is not a downloaded model")
-        blobs = (repo / "blobs").resolve()
-        for link in links:
-            blob = link.resolve()
-            link.unlink()
-            if blob.is_relative_to(blobs):  # a link out of the cache: its target is not ours
-                blob.unlink(missing_ok=True)
-            removed.append(link)
+        removed += _remove_links(repo, links)
         if any(p.is_file() for p in (repo / "snapshots").rglob("*")):
             return removed
     if repo.is_symlink():  # the repository folder itself links elsewhere: drop only the link
@@ -408,3 +396,25 @@ def remove(name: str) -> list[Path]:
         shutil.rmtree(repo)  # removes links inside, never what they point at
     removed.append(repo)
     return removed
+
+
+def _remove_converted(ggufs: list[Path]) -> list[Path]:
+    """Delete the mlx-lm folders converted from these GGUF files; returns those deleted."""
+    removed = []
+    for gguf in ggufs:
+        folder = converted_folder(gguf) if gguf.exists() else None
+        if folder is not None and folder.exists():
+            shutil.rmtree(folder)
+            removed.append(folder)
+    return removed
+
+
+def _remove_links(repo: Path, links: list[Path]) -> list[Path]:
+    """Delete snapshot links and the blobs they point at inside the repository's cache."""
+    blobs = (repo / "blobs").resolve()
+    for link in links:
+        blob = link.resolve()
+        link.unlink()
+        if blob.is_relative_to(blobs):  # a link out of the cache: its target is not ours
+            blob.unlink(missing_ok=True)
+    return list(links)

@@ -177,29 +177,31 @@ def resolve(name: str | None) -> tuple[str, Path]:
     """Map a model name or path to (display name, mlx-lm folder); raises ModelLoadError."""
     if name in (None, "", DEFAULT_MODEL, "default"):
         return DEFAULT_MODEL, gguf_to_folder(bundled.ensure_bundled_gguf())
-    if ":" in name and not Path(name).expanduser().exists():  # a downloaded GGUF, owner/name:FILE
-        for info in _hf_cache_models():
-            if info.name == name:
-                return info.name, gguf_to_folder(Path(info.path))
     path = Path(name).expanduser()
-    if path.is_file():  # a GGUF file, by its name or (under another name) by its magic
-        if path.suffix == ".gguf" or _starts_with_gguf_magic(path):
-            return path.stem, gguf_to_folder(path)
-        raise ModelLoadError(f"{path} is not a model: give a GGUF file or an mlx-lm model folder "
-                             "(one with config.json)")
+    if path.is_file() or path.is_dir():
+        return _local(path)
+    cached = next((info for info in _hf_cache_models() if info.name == name), None)
+    if cached is not None:  # owner/name (a folder), or owner/name:FILE.gguf (converted once)
+        found = Path(cached.path)
+        return cached.name, gguf_to_folder(found) if found.is_file() else found
     if path.suffix == ".gguf":
         raise ModelLoadError(f"GGUF file not found: {path}")
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ModelLoadError(f"{path} is not an mlx-lm model folder (no config.json)")
-        return path.name, path
-    for info in _hf_cache_models():
-        if info.name == name:
-            return info.name, Path(info.path)
     known = ", ".join(m.name for m in list_models())
     raise ModelLoadError(f"unknown model {name!r}: not a file or folder, not in the local cache "
                          f"(available: {known}); `mlxchat pull {name}` downloads a hub model",
                          code="model_not_found")
+
+
+def _local(path: Path) -> tuple[str, Path]:
+    """A GGUF file (by its name or, under another name, by its magic) or an mlx-lm folder."""
+    if path.is_file():
+        if path.suffix == ".gguf" or _starts_with_gguf_magic(path):
+            return path.stem, gguf_to_folder(path)
+        raise ModelLoadError(f"{path} is not a model: give a GGUF file or an mlx-lm model folder "
+                             "(one with config.json)")
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"{path} is not an mlx-lm model folder (no config.json)")
+    return path.name, path
 
 
 Transform = Callable[[nn.Module], nn.Module]

@@ -215,48 +215,10 @@ class EmbeddingQueue:
                       int(text["vocab_size"]), lm.context_length, int(text["hidden_size"]), chat=lm)
 
     def _tokenize(self, target: _Model, inputs: Any, truncate: bool, query: bool) -> list[list[int]]:
-        if isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and inputs
-                                       and all(_is_id(t) for t in inputs)):
-            items = [inputs]
-        elif isinstance(inputs, (list, tuple)):
-            items = list(inputs)
-        else:
-            raise InvalidRequest("input must be a string, a list of strings, token ids or a list "
-                                 "of token-id lists", field="input", code="invalid_type")
-        if not items:
-            raise InvalidRequest("input is empty: give at least one text", field="input",
-                                 code="empty_input")
-        if len(items) > MAX_INPUTS:
-            raise InvalidRequest(f"{len(items)} inputs in one request; the maximum is {MAX_INPUTS}",
-                                 field="input", code="too_many_inputs")
+        items = _items(inputs)
         prompt = target.recipe.prompt(query)
-        rows = []
-        for i, item in enumerate(items):
-            where = "input" if len(items) == 1 else f"input[{i}]"
-            if isinstance(item, str):
-                if not item:
-                    raise InvalidRequest(f"{where} is an empty string", field="input",
-                                         code="empty_input")
-                ids = list(target.tokenizer.encode(prompt + item))
-            elif isinstance(item, (list, tuple)) and item and all(_is_id(t) for t in item):
-                ids = list(item)
-                bad = next((t for t in ids if not 0 <= t < target.vocab_size), None)
-                if bad is not None:
-                    raise InvalidRequest(f"{where} has token id {bad}, outside {target.name}'s "
-                                         f"vocabulary of {target.vocab_size}", field="input",
-                                         code="invalid_token")
-            else:
-                raise InvalidRequest(f"{where} must be a non-empty string or a non-empty list of "
-                                     f"token ids", field="input", code="invalid_type")
-            if len(ids) > target.context_length:
-                if not truncate:
-                    raise InvalidRequest(f"{where} is {len(ids)} tokens, over {target.name}'s "
-                                         f"context of {target.context_length}; shorten it or ask "
-                                         f"for truncation", field="input",
-                                         code="context_length_exceeded")
-                ids = ids[:target.context_length]
-            rows.append(ids)
-        return rows
+        return [_row(target, item, "input" if len(items) == 1 else f"input[{i}]", prompt, truncate)
+                for i, item in enumerate(items)]
 
     def _kick(self) -> None:
         """Have the scheduler thread run the next chunk between two ticks (once posted)."""
@@ -386,6 +348,52 @@ class EmbeddingQueue:
     def resident_models(self) -> list[str]:
         """The dedicated embedding models whose weights are loaded now."""
         return [t.name for t in list(self._dedicated.values()) if t.loaded is not None]
+
+
+def _items(inputs: Any) -> list[EmbeddingInput]:
+    """A request's `input` as its list of inputs (a string or token ids alone is one)."""
+    if isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and inputs
+                                   and all(_is_id(t) for t in inputs)):
+        items = [inputs]
+    elif isinstance(inputs, (list, tuple)):
+        items = list(inputs)
+    else:
+        raise InvalidRequest("input must be a string, a list of strings, token ids or a list "
+                             "of token-id lists", field="input", code="invalid_type")
+    if not items:
+        raise InvalidRequest("input is empty: give at least one text", field="input",
+                             code="empty_input")
+    if len(items) > MAX_INPUTS:
+        raise InvalidRequest(f"{len(items)} inputs in one request; the maximum is {MAX_INPUTS}",
+                             field="input", code="too_many_inputs")
+    return items
+
+
+def _row(target: _Model, item: Any, where: str, prompt: str, truncate: bool) -> list[int]:
+    """One input's token ids on `target` (`where` names it in a refusal): a text with the model's
+    `prompt` before it, or token ids within its vocabulary; cut to its context if `truncate`."""
+    if isinstance(item, str):
+        if not item:
+            raise InvalidRequest(f"{where} is an empty string", field="input", code="empty_input")
+        ids = list(target.tokenizer.encode(prompt + item))
+    elif isinstance(item, (list, tuple)) and item and all(_is_id(t) for t in item):
+        ids = list(item)
+        bad = next((t for t in ids if not 0 <= t < target.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"{where} has token id {bad}, outside {target.name}'s "
+                                 f"vocabulary of {target.vocab_size}", field="input",
+                                 code="invalid_token")
+    else:
+        raise InvalidRequest(f"{where} must be a non-empty string or a non-empty list of "
+                             f"token ids", field="input", code="invalid_type")
+    if len(ids) > target.context_length:
+        if not truncate:
+            raise InvalidRequest(f"{where} is {len(ids)} tokens, over {target.name}'s "
+                                 f"context of {target.context_length}; shorten it or ask "
+                                 f"for truncation", field="input",
+                                 code="context_length_exceeded")
+        ids = ids[:target.context_length]
+    return ids
 
 
 def next_chunk(rows: Sequence[Sequence[int]], order: Sequence[int]) -> list[int]:
