@@ -27,6 +27,7 @@ from ..decoding.drafts import SpeculativeOptions, SpeculatorFactory, check_draft
 from ..device import memory_budget as device_memory_budget
 from ..errors import EngineError, InvalidRequest, Overloaded
 from ..events import FINAL_STATES, Event, FinishReason, RequestState, Timings
+from ..decoding.fim import Infill
 from ..decoding.generate import Generation, build_prompt
 from ..loading.registry import LoadedModel, ModelInfo, load_model
 from ..decoding.defaults import ModelDefaults
@@ -35,6 +36,7 @@ from ..decoding.tools import ToolRequest
 from .draft_loader import DraftLoader
 from .embeddings import EmbeddingHandle, EmbeddingInput, EmbeddingQueue
 from .keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
+from .rerank import RerankHandle, submit_rerank
 from .requests import RequestHandle
 from .slot import ModelDescription, ModelSlot
 
@@ -304,7 +306,7 @@ class Engine:
                *, prompt_tokens: Sequence[int] | None = None, text: str | None = None,
                speculative: SpeculativeOptions | None = None, tools: ToolRequest | None = None,
                split_reasoning: bool = False, keep_alive: float | str | None = None,
-               fit_max_tokens: bool = False) -> RequestHandle:
+               fit_max_tokens: bool = False, infill: Infill | None = None) -> RequestHandle:
         """Validate and enqueue a request without waiting; raises InvalidRequest or Overloaded at
         once. `speculative` opts in to speculative decoding (engine/decoding/drafts.py; the default
         is plain): a draft not loaded yet loads on the loader thread while the request is in
@@ -313,11 +315,12 @@ class Engine:
         A model unloaded after an idle time is reloaded before the request runs; `keep_alive`
         (like Ollama's) sets how long it stays loaded after this request. `fit_max_tokens`:
         lower `max_tokens` to the context the prompt leaves instead of refusing (clients such as
-        Claude Code always ask for 32,000; the prompt is tokenised once, here)."""
+        Claude Code always ask for 32,000; the prompt is tokenised once, here). `infill`: a
+        fill-in-the-middle prompt instead of messages or text (engine/decoding/fim.py)."""
         lm = self._serving()
         params = params or SamplingParams()
         prompt = build_prompt(lm, messages=messages, prompt_tokens=prompt_tokens, text=text,
-                              tools=tools)
+                              tools=tools, infill=infill)
         if fit_max_tokens and len(prompt.tokens) < lm.context_length:
             params = params.with_(max_tokens=min(params.max_tokens,
                                                  lm.context_length - len(prompt.tokens)))
@@ -419,6 +422,15 @@ class Engine:
         InvalidRequest or Overloaded at once. Its chunks run between scheduler ticks."""
         return self._embeddings.submit(inputs, model=model, dimensions=dimensions,
                                        truncate=truncate, query=query, keep_alive=keep_alive)
+
+    def rerank(self, query: str, documents: Sequence[str], *, model: str | None = None,
+               instruction: str | None = None, truncate: bool = True,
+               keep_alive: float | str | None = None) -> RerankHandle:
+        """Queue a rerank request without waiting (engine/scheduling/rerank.py): `documents`
+        scored against `query` by a reranker or an embedding model (`model`; None: the loaded
+        one), on the embedding queue; raises InvalidRequest or Overloaded at once."""
+        return submit_rerank(self._embeddings, query, documents, model=model,
+                             instruction=instruction, truncate=truncate, keep_alive=keep_alive)
 
     def _later(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the scheduler thread between ticks; safe from any thread."""
