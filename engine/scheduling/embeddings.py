@@ -408,6 +408,11 @@ class EmbeddingQueue:
         gc.collect()
         mx.clear_cache()
 
+    def resident_weights(self) -> list[tuple[str, int]]:
+        """(name, weight-file bytes) of each dedicated model whose weights are loaded now."""
+        return [(t.name, t.weight_bytes) for t in list(self._dedicated.values())
+                if t.loaded is not None]
+
     def resident_models(self) -> list[str]:
         """The dedicated embedding models whose weights are loaded now."""
         return [t.name for t in list(self._dedicated.values()) if t.loaded is not None]

@@ -37,6 +37,7 @@ from .draft_loader import DraftLoader
 from .embeddings import EmbeddingHandle, EmbeddingInput, EmbeddingQueue
 from .keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
 from .rerank import RerankHandle, submit_rerank
+from .stats import EngineStats, MemoryUse, PrefixCacheUse, StatsRecorder
 from .requests import RequestHandle
 from .slot import ModelDescription, ModelSlot
 
@@ -112,7 +113,8 @@ class Engine:
         self.memory_budget = memory_budget if memory_budget is not None else device_memory_budget()
         self._reserved = 0  # bytes reserved by admitted requests (changed under the lock)
         self.drafts = DraftLoader(current=lambda: self.lm)
-        self.slot = ModelSlot(load, fallback_to_default=fallback_to_default,
+        self._stats = StatsRecorder()  # running totals for monitoring (`stats`)
+        self.slot = ModelSlot(self._stats.counted(load), fallback_to_default=fallback_to_default,
                               prefix_cache=prefix_cache, persist_prefix_cache=persist_prefix_cache,
                               cache_budget=lambda: self.memory_budget - self._reserved,
                               on_release=self.drafts.clear, int8_activations=int8_activations)
@@ -235,6 +237,29 @@ class Engine:
                 drafts=self.drafts.identities(), memory_budget=self.memory_budget,
                 reserved_bytes=self._reserved, resident=self.slot.resident,
                 embedding_models=tuple(self._embeddings.resident_models()))
+
+    def stats(self) -> EngineStats:
+        """A reading for monitoring (engine/scheduling/stats.py): the load now, the running
+        totals, memory by model and the prefix cache's counters. Safe from any thread; it takes
+        the scheduler's lock only to copy a few numbers."""
+        status = self.status()
+        weights = dict(self._embeddings.resident_weights())
+        lm = self.lm
+        if lm is not None and self.slot.resident:
+            weights[lm.name] = _weight_bytes(lm)
+        cache = self.prefix_cache
+        use = None
+        if cache is not None and lm is not None:
+            c = cache.stats()
+            use = PrefixCacheUse(lm.name, c.entries, c.bytes, c.disk_entries, c.hits, c.misses,
+                                 c.saves, c.evictions, c.file_reads, c.file_writes,
+                                 c.reused_tokens)
+        return EngineStats(at=time.time(), model=status.model, running=status.running,
+                           queued=status.queued + status.loading_drafts,
+                           embedding_queue=self._embeddings.pending(),
+                           totals=self._stats.snapshot(),
+                           memory=MemoryUse(weights, status.reserved_bytes, status.memory_budget),
+                           prefix_cache=use)
 
     def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         """The model-cache memory a plain request of this size reserves while admitted."""
@@ -757,11 +782,21 @@ class Engine:
         handle.error = events[-1].error if events else None
         handle.finish_reason = events[-1].finish_reason if events else state
         handle._enter(state)
+        self._stats.record(state, events[-1].usage if events else handle.usage, handle.times)
         for event in events:
             handle._publish(event)
 
 
 _STOP, _UNLOAD = object(), object()  # the scheduler loop's work besides tasks and ticks
+
+
+def _weight_bytes(lm: LoadedModel) -> int:
+    """The bytes of a loaded model's weights (counted once per load, kept in `lm.extras`)."""
+    if "weight_bytes" not in lm.extras:
+        from mlx.utils import tree_flatten
+
+        lm.extras["weight_bytes"] = sum(p.nbytes for _, p in tree_flatten(lm.model.parameters()))
+    return lm.extras["weight_bytes"]
 
 
 def _mib(n: int) -> str:
