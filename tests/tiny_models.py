@@ -164,7 +164,8 @@ def tiny_marker_llama(template: str, seed: int = 0, root: Path | None = None) ->
     return load_model(str(target))
 
 
-def tiny_fim_llama(family: str, seed: int = 0, root: Path | None = None) -> LoadedModel:
+def tiny_fim_llama(family: str, seed: int = 0, root: Path | None = None,
+                   **overrides: Any) -> LoadedModel:
     """A tiny llama whose tokenizer also has a FIM family's special tokens (engine/loading/
     fim_tokens.py `FAMILIES`: "qwen2.5-coder", "starcoder", "codellama", "deepseek-coder",
     "codestral"), as added special tokens with ids from VOCAB on: a code model's FIM tokens as
@@ -174,7 +175,7 @@ def tiny_fim_llama(family: str, seed: int = 0, root: Path | None = None) -> Load
     spec = next(f for f in FAMILIES if f.name == family)
     tokens = [t for t in (spec.prefix, spec.suffix, spec.middle, spec.repo, spec.file_sep,
                           spec.end) if t is not None]
-    config = {**LLAMA, "vocab_size": VOCAB + len(tokens)}
+    config = {**LLAMA, **overrides, "vocab_size": VOCAB + len(tokens)}
     folder = build_folder(config, seed, root)
     target = folder.with_name(f"{folder.name}-fim-{family}")
     if not (target / "model.safetensors").exists():
