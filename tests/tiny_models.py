@@ -26,8 +26,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from bench.shapes import (TINY_QWEN3, build_folder, embedding_folder, folder_to_build, publish,
-                          scratch_for)
+from bench.shapes import (TINY_QWEN3, build_folder, embedding_folder, fim_folder, folder_to_build,
+                          publish, scratch_for)
 from engine.decoding.mtp import build_mtp_head
 from engine.loading.registry import LoadedModel, load_model
 
@@ -168,31 +168,8 @@ def tiny_fim_llama(family: str, seed: int = 0, root: Path | None = None,
                    **overrides: Any) -> LoadedModel:
     """A tiny llama whose tokenizer also has a FIM family's special tokens (engine/loading/
     fim_tokens.py `FAMILIES`: "qwen2.5-coder", "starcoder", "codellama", "deepseek-coder",
-    "codestral"), as added special tokens with ids from VOCAB on: a code model's FIM tokens as
-    the engine finds them in a real tokenizer."""
-    from engine.loading.fim_tokens import FAMILIES
-
-    spec = next(f for f in FAMILIES if f.name == family)
-    tokens = [t for t in (spec.prefix, spec.suffix, spec.middle, spec.repo, spec.file_sep,
-                          spec.end) if t is not None]
-    config = {**LLAMA, **overrides, "vocab_size": VOCAB + len(tokens)}
-    folder = build_folder(config, seed, root)
-    target = folder.with_name(f"{folder.name}-fim-{family}")
-    if not (target / "model.safetensors").exists():
-        tmp = scratch_for(target)
-        shutil.copytree(folder, tmp, dirs_exist_ok=True)
-        entry = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-                 "special": True}
-        tok = json.loads((tmp / "tokenizer.json").read_text())
-        tok["added_tokens"] += [{"id": VOCAB + i, "content": t, **entry}
-                                for i, t in enumerate(tokens)]
-        (tmp / "tokenizer.json").write_text(json.dumps(tok))
-        cfg = json.loads((tmp / "tokenizer_config.json").read_text())
-        cfg.get("added_tokens_decoder", {}).update(
-            {str(VOCAB + i): {"content": t, **entry} for i, t in enumerate(tokens)})
-        (tmp / "tokenizer_config.json").write_text(json.dumps(cfg))
-        publish(tmp, target)
-    return load_model(str(target))
+    "codestral"; bench/shapes.py `fim_folder`)."""
+    return load_model(str(fim_folder({**LLAMA, **overrides}, family, seed, root)))
 
 
 def tiny_reranker_folder(seed: int = 0, root: Path | None = None) -> Path:
