@@ -87,14 +87,16 @@ def main(argv: list[str] | None = None) -> list[Row]:
             prompt_tokens = final["tokens_evaluated"]
     rows = [Row("fim", Path(name).name, "TTFT, 2nd completion in a file", "ms",
                 median(times["warm"]) * 1e3, median(times["cold"]) * 1e3, "prefix cache off",
-                goal="< 1.0", notes=f"{prompt_tokens} prompt tokens, {median(shares):.1%} from the cache; "
-                      f"warm {spread(times['warm'], 1e3)} ms, cold {spread(times['cold'], 1e3)} ms",
+                goal="< 1.0",
+                notes=f"{prompt_tokens} prompt tokens, {median(shares):.1%} from the cache; warm "
+                      f"{spread(times['warm'], 1e3)} ms, cold {spread(times['cold'], 1e3)} ms",
                 extra={"reps": args.reps, "seconds": times, "cached_share": shares,
                        "prompt_tokens": prompt_tokens}),
             Row("fim", Path(name).name, "its prompt read from the cache", "share", median(shares),
                 1.0, "the whole prompt", goal=">= 0.9", notes=f"min {min(shares):.1%}")]
     print_table(rows, "fim: /infill TTFT of the next completion in the same file vs no cache")
-    out = args.out or RESULTS_DIR / f"fim-cpu-{'tiny' if args.model is None else Path(name).name}.json"
+    label = "tiny" if args.model is None else Path(name).name
+    out = args.out or RESULTS_DIR / f"fim-cpu-{label}.json"
     write_json(out, run_meta(sys.argv if argv is None else argv), rows)
     return rows
 

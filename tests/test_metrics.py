@@ -7,9 +7,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import Engine
 from live_server import app_serving, openai_client
-from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.fast
 
@@ -30,11 +28,8 @@ def value(samples, name, **labels) -> float:
 
 
 @pytest.fixture(scope="module")
-def engine():
-    lm = tiny_llama()
-    e = Engine(lm.name, load=lambda name, **_: lm).start()
-    yield e
-    e.stop()
+def engine(tiny_engine):
+    return tiny_engine
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +40,8 @@ def server(engine, tmp_path_factory):
 
 def test_counters_move_with_traffic(server, engine):
     before = scrape(server)
-    assert value(before, "mlxchat_model_loads_total", model=engine.model_name, outcome="loaded") == 1
+    loads = value(before, "mlxchat_model_loads_total", model=engine.model_name, outcome="loaded")
+    assert loads == 1
     assert value(before, "mlxchat_model_weights_bytes", model=engine.model_name) > 0
     client = openai_client(server)
     client.api_key = KEY

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from mlx_lm import load as mlx_lm_load
 
-from engine import Engine, InvalidRequest
+from engine import InvalidRequest
 from engine.loading.hub import hub_cache_dir
 from engine.loading.registry import capabilities, load_model
 from engine.loading.rerank_recipe import QWEN3_RERANKER
@@ -73,11 +73,8 @@ def reranker():
 
 
 @pytest.fixture(scope="module")
-def engine():
-    lm = tiny_llama()
-    e = Engine(lm.name, load=lambda name, **_: lm).start()
-    yield e
-    e.stop()
+def engine(tiny_engine):
+    return tiny_engine
 
 
 def test_yes_no_scores_equal_the_model_cards(engine, reranker):
@@ -182,8 +179,8 @@ def test_a_real_reranker_orders_llama_cpps_documents(engine):
     assert int(np.argmax(scores)) == 2 and int(np.argmin(scores)) == 3
 
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(allow_nan=False),
-                    st.text(max_size=12))
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40),
+                    st.floats(allow_nan=False), st.text(max_size=12))
 values = st.recursive(scalars, lambda inner: st.one_of(
     st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
     max_leaves=8)

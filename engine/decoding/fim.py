@@ -52,7 +52,7 @@ def render_infill(lm: LoadedModel, infill: Infill) -> Prompt:
                              "suffix", field="suffix", code="fim_not_supported")
     tok = lm.tokenizer
     encode = _encoder(tok)
-    head = [tok.bos_token_id] if _adds_bos(tok) else []
+    head = [tok.bos_token_id] if _adds_bos(lm) else []
     context = _extra(fim, infill.files, encode) if infill.files else []
     prefix = [fim.prefix, *encode(infill.prefix)]
     suffix = [fim.suffix, *encode(infill.suffix)]
@@ -87,10 +87,11 @@ def _encoder(tokenizer: Any) -> Any:
     return encode
 
 
-def _adds_bos(tokenizer: Any) -> bool:
-    """Whether the tokenizer starts every encoding with its BOS token (CodeLlama's does)."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None:
-        return False
-    ids = list(tokenizer.encode("a"))
-    return bool(ids) and ids[0] == bos
+def _adds_bos(lm: LoadedModel) -> bool:
+    """Whether the tokenizer starts every encoding with its BOS token (CodeLlama's does); asked
+    once per loaded model."""
+    if "fim_bos" not in lm.extras:
+        bos = getattr(lm.tokenizer, "bos_token_id", None)
+        ids = list(lm.tokenizer.encode("a")) if bos is not None else []
+        lm.extras["fim_bos"] = bool(ids) and ids[0] == bos
+    return lm.extras["fim_bos"]
