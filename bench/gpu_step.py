@@ -207,10 +207,18 @@ def decode_gate(model, prompt, steps: int = 8) -> dict[str, Any]:
     tokens from `prompt` (each side its own cache, fed the same tokens): the largest difference
     over the largest logit, and the greedy tokens they agree on. Turns the step off (for this
     process) when they part by more than the model's dtype explains (5%)."""
+    program = model.decode_program
+    try:
+        return _gate(model, program, prompt, steps)
+    except Exception as exc:  # a kernel that does not compile or run: the model's own forward
+        program.enabled = False
+        return {"program": True, "error": f"{type(exc).__name__}: {exc}"[:2000], "kept": False}
+
+
+def _gate(model, program, prompt, steps: int) -> dict[str, Any]:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    program = model.decode_program
     caches = make_prompt_cache(model), make_prompt_cache(model)
     x = mx.array([list(prompt)], dtype=mx.uint32)
     model(x, cache=caches[0])
@@ -252,14 +260,24 @@ def _timed(fn, reps: int = 10) -> float:
 
 def part_kernels(lm, shape: str, a) -> list[common.Row]:
     """Each fused CUDA kernel against its MLX reference on this shape's own weights."""
+    program = getattr(lm.model, "decode_program", None)
+    if program is None:
+        return [common.failed("kernels", shape, "the model has no decode program")]
+    try:
+        return _kernels(program, shape)
+    except Exception as exc:
+        import traceback
+
+        traceback.print_exc()
+        return [common.failed("kernels", shape, f"{type(exc).__name__}: {exc}"[:3000])]
+
+
+def _kernels(program, shape: str) -> list[common.Row]:
     import mlx.core as mx
 
     from engine.kernels import fused_cuda as C
     from engine.kernels import fused_ref as R
 
-    program = getattr(lm.model, "decode_program", None)
-    if program is None:
-        return [common.failed("kernels", shape, "the model has no decode program")]
     layers, layer = program.layers, program.layers[0]
     dt = layer.norm_in.dtype
     mx.random.seed(7)
