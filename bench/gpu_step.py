@@ -167,7 +167,10 @@ def part_step(lm, shape: str, a, bw: float | None) -> list[common.Row]:
         for side, model in (("ours", lm.model), ("mlx", base_model)):
             cache = make_prompt_cache(model)
             mx.eval(model(mx.array([prompt], dtype=mx.uint32), cache=cache))
-            ops[side] = graph_ops(model, cache, prompt[-1])
+            try:
+                ops[side] = graph_ops(model, cache, prompt[-1])
+            except Exception as exc:  # a figure to read, not to fail the part on
+                ops[side] = {"total": -1, "error": f"{type(exc).__name__}: {exc}"}
         per_token = bytes_per_token(base_model, len(prompt) + n // 2)
     tps = {k: [r["tps"] for r in runs[k]] for k in ("service", "direct", "mlx", "service_off") if k in runs}
     ms = {k: [r["ms"] for r in runs[k]] for k in ("ours_step", "mlx_step", "off_step") if k in runs}
