@@ -29,7 +29,7 @@ from starlette.staticfiles import StaticFiles
 import static
 from engine import DEFAULT_KEEP_ALIVE_S, Cluster, Engine, data_dir, describe_device
 
-from . import api, attachments, exports, image_uploads, login, ui, uploads
+from . import api, attachments, exports, image_uploads, login, metrics, ui, uploads
 from .api import images
 from .api.errors import http_error
 from .connections import HeaderTimeoutProtocol
@@ -71,8 +71,9 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     mcp = McpServers(storage.path.parent / MCP_FILE)
     storage.interrupt_streaming()  # answers cut off by a crash: keep their text, mark them
     access = KeyAccess(api_key)
+    counts = metrics.Metrics(engine)  # this app's Prometheus registry (GET /metrics)
     app = Starlette(
-        routes=[*api.routes, *login.routes, *ui.routes, *exports.routes, *attachments.routes,
+        routes=[*api.routes, *metrics.routes, *login.routes, *ui.routes, *exports.routes, *attachments.routes,
                 *uploads.routes, *image_uploads.routes,
                 Mount("/static", StaticFiles(directory=STATIC_DIR))],
         lifespan=mcp.lifespan,
@@ -81,6 +82,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
         middleware=[
             Middleware(HostGuard, allowed_hosts=allowed_hosts),  # DNS rebinding: 400
             Middleware(OriginGuard, allowed_origins=allowed_origins),  # cross-site writes: 403
+            Middleware(metrics.CountRequests, metrics=counts),  # API requests by protocol, outcome
             Middleware(ApiKeyGuard, access=access),  # with --api-key, all but /health: 401
             # oversized bodies 413, slow ones 408, before the app reads (uploads bound their own)
             Middleware(BodyLimit, streamed=uploads.is_upload_path, larger=images.body_limit),
@@ -88,6 +90,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
         ],
     )
     app.state.engine = engine
+    app.state.metrics = counts
     app.state.storage = storage
     app.state.api_key = api_key
     app.state.aliases = dict(aliases or {})

@@ -18,11 +18,13 @@ AS_LOADED = "as-loaded"  # mlx-lm's (or mlx-vlm's) own modules, as loaded
 CPU_KERNELS = "cpu-kernels"  # our CPU kernels on the quantized weights (layout.py)
 CPU_LAYOUT = "cpu-layout"  # fp32 weights, one-token products as W @ x (cpu_layout.py)
 GPU_LAYOUT = "gpu-layout"  # stacked projections and our GPU kernels (gpu_layout.py)
+GPU_COMPILED_STEP = "gpu-compiled-step"  # and one-token steps as one compiled program (decode_step.py)
 
 
 def fastest_layout(model: nn.Module, config: dict[str, Any], *,
                    int8_activations: bool | None = None) -> tuple[nn.Module, str]:
-    """On a GPU, stack each layer's q/k/v and gate/up projections (gpu_layout.py). On the CPU, run
+    """On a GPU, stack each layer's q/k/v and gate/up projections (gpu_layout.py) and, on CUDA,
+    give a dense llama-family model its compiled one-token step (decode_step.py). On the CPU, run
     a quantized model on our kernels (layout.py); where they cannot load, or for a dense model,
     with an optimised BLAS, in cpu_layout.py's layout: fp32 weights (dequantized where quantized)
     with one-token matmuls written as W @ x.
@@ -32,14 +34,19 @@ def fastest_layout(model: nn.Module, config: dict[str, Any], *,
     more than half of the free RAM also stays as loaded. `config` is the model's config.json (its
     "quantization" entry says it is quantized). `int8_activations`: on our kernels, take the lossy
     int8-activation path (None: the process's default, `--int8-activations`).
-    Returns the model and its compute path (AS_LOADED, CPU_KERNELS, CPU_LAYOUT or GPU_LAYOUT).
+    Returns the model and its compute path (one of the names above).
     """
     from .cpu_layout import cpu_layout_wanted, fp32_bytes, to_cpu_layout
+    from .decode_step import attach
     from .gpu_layout import to_gpu_layout
     from .layout import kernel_layout_wanted, to_kernel_layout
 
     if device.backend() != "cpu":
-        return to_gpu_layout(model), GPU_LAYOUT
+        model = to_gpu_layout(model)
+        if attach(model):
+            log.info("one-token steps run as one compiled program (%s to turn off)", "MLXCHAT_CUDA_DECODE=0")
+            return model, GPU_COMPILED_STEP
+        return model, GPU_LAYOUT
     wanted, why = kernel_layout_wanted(model)  # our CPU kernels, weights kept quantized
     if wanted:
         return to_kernel_layout(model, int8=int8_activations), CPU_KERNELS

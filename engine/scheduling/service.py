@@ -15,12 +15,14 @@ cap); requests that decode at the same time share one model call per step
 
 import itertools
 import sys
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..decoding.drafts import SpeculativeOptions, SpeculatorFactory, check_draft
 from ..device import memory_budget as device_memory_budget
 from ..errors import EngineError, InvalidRequest, Overloaded
+from ..decoding.fim import Infill
 from ..decoding.generate import Generation, build_prompt
 from ..loading.registry import LoadedModel, ModelInfo, load_model
 from ..decoding.defaults import ModelDefaults
@@ -30,6 +32,8 @@ from .budget import MemoryBudget, mib
 from .draft_loader import DraftLoader
 from .embedding_queue import EmbeddingHandle, EmbeddingInput, EmbeddingQueue
 from .keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
+from .rerank import RerankHandle, submit_rerank
+from .stats import EngineStats, MemoryUse, PrefixCacheUse, StatsRecorder
 from .requests import RequestHandle
 from .slot import ModelDescription, ModelSlot
 from .ticks import Load, Scheduler
@@ -93,14 +97,15 @@ class Engine:
         self.budget = MemoryBudget(memory_budget if memory_budget is not None
                                    else device_memory_budget())
         self.drafts = DraftLoader(current=lambda: self.lm)
-        self.slot = ModelSlot(load, fallback_to_default=fallback_to_default,
+        self._stats = StatsRecorder()  # running totals for monitoring (`stats`)
+        self.slot = ModelSlot(self._stats.counted(load), fallback_to_default=fallback_to_default,
                               prefix_cache=prefix_cache, persist_prefix_cache=persist_prefix_cache,
                               cache_budget=self.budget.room,
                               on_release=self.drafts.clear, int8_activations=int8_activations)
         self.slot.touch(self.keep_alive)
         self.scheduler = Scheduler(self.slot, self.budget, batching=batching,
                                    max_running=max_running if max_running is not None
-                                   else MAX_RUNNING_ROWS,
+                                   else MAX_RUNNING_ROWS, stats=self._stats,
                                    on_halt=lambda reason: self.embeddings.fail(reason))
         self.embeddings = EmbeddingQueue(self.scheduler, self.budget, self.keep_alive)
         self._ids = itertools.count(1)
@@ -202,6 +207,29 @@ class Engine:
             reserved_bytes=load.reserved_bytes, resident=self.slot.resident,
             embedding_models=tuple(self.embeddings.resident_models()))
 
+    def stats(self) -> EngineStats:
+        """A reading for monitoring (engine/scheduling/stats.py): the load now, the running
+        totals, memory by model and the prefix cache's counters. Safe from any thread; it takes
+        the scheduler's lock only to copy a few numbers."""
+        status = self.status()
+        weights = dict(self.embeddings.resident_weights())
+        lm = self.lm
+        if lm is not None and self.slot.resident:
+            weights[lm.name] = _weight_bytes(lm)
+        cache = self.prefix_cache
+        use = None
+        if cache is not None and lm is not None:
+            c = cache.stats()
+            use = PrefixCacheUse(lm.name, c.entries, c.bytes, c.disk_entries, c.hits, c.misses,
+                                 c.saves, c.evictions, c.file_reads, c.file_writes,
+                                 c.reused_tokens)
+        return EngineStats(at=time.time(), model=status.model, running=status.running,
+                           queued=status.queued + status.loading_drafts,
+                           embedding_queue=self.embeddings.pending(),
+                           totals=self._stats.snapshot(),
+                           memory=MemoryUse(weights, status.reserved_bytes, status.memory_budget),
+                           prefix_cache=use)
+
     def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         """The model-cache memory a plain request of this size reserves while admitted."""
         return self.slot.footprint.bytes_for(prompt_tokens + max_tokens)
@@ -231,7 +259,7 @@ class Engine:
                *, prompt_tokens: Sequence[int] | None = None, text: str | None = None,
                speculative: SpeculativeOptions | None = None, tools: ToolRequest | None = None,
                split_reasoning: bool = False, keep_alive: float | str | None = None,
-               fit_max_tokens: bool = False) -> RequestHandle:
+               fit_max_tokens: bool = False, infill: Infill | None = None) -> RequestHandle:
         """Validate and enqueue a request without waiting; raises InvalidRequest or Overloaded at
         once. `speculative` opts in to speculative decoding (engine/decoding/drafts.py; the default
         is plain): a draft not loaded yet loads on the loader thread while the request is in
@@ -240,11 +268,12 @@ class Engine:
         A model unloaded after an idle time is reloaded before the request runs; `keep_alive`
         (like Ollama's) sets how long it stays loaded after this request. `fit_max_tokens`:
         lower `max_tokens` to the context the prompt leaves instead of refusing (clients such as
-        Claude Code always ask for 32,000; the prompt is tokenised once, here)."""
+        Claude Code always ask for 32,000; the prompt is tokenised once, here). `infill`: a
+        fill-in-the-middle prompt instead of messages or text (engine/decoding/fim.py)."""
         lm = self._serving()
         params = params or SamplingParams()
         prompt = build_prompt(lm, messages=messages, prompt_tokens=prompt_tokens, text=text,
-                              tools=tools)
+                              tools=tools, infill=infill)
         if fit_max_tokens and len(prompt.tokens) < lm.context_length:
             params = params.with_(max_tokens=min(params.max_tokens,
                                                  lm.context_length - len(prompt.tokens)))
@@ -330,6 +359,15 @@ class Engine:
         return self.embeddings.submit(inputs, model=model, dimensions=dimensions,
                                       truncate=truncate, query=query, keep_alive=keep_alive)
 
+    def rerank(self, query: str, documents: Sequence[str], *, model: str | None = None,
+               instruction: str | None = None, truncate: bool = True,
+               keep_alive: float | str | None = None) -> RerankHandle:
+        """Queue a rerank request without waiting (engine/scheduling/rerank.py): `documents`
+        scored against `query` by a reranker or an embedding model (`model`; None: the loaded
+        one), on the embedding queue; raises InvalidRequest or Overloaded at once."""
+        return submit_rerank(self.embeddings, query, documents, model=model,
+                             instruction=instruction, truncate=truncate, keep_alive=keep_alive)
+
     def _draft_ready(self, handle: RequestHandle, lm: LoadedModel,
                      factory: SpeculatorFactory | None, failure: Exception | None,
                      generation: Callable[[SpeculatorFactory], Generation]) -> None:
@@ -346,3 +384,12 @@ class Engine:
             failure = exc if isinstance(exc, EngineError) else EngineError(
                 f"{type(exc).__name__}: {exc}")
         self.scheduler.prepared(handle, gen, failure)
+
+
+def _weight_bytes(lm: LoadedModel) -> int:
+    """The bytes of a loaded model's weights (counted once per load, kept in `lm.extras`)."""
+    if "weight_bytes" not in lm.extras:
+        from mlx.utils import tree_flatten
+
+        lm.extras["weight_bytes"] = sum(p.nbytes for _, p in tree_flatten(lm.model.parameters()))
+    return lm.extras["weight_bytes"]

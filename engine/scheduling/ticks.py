@@ -28,6 +28,7 @@ from .budget import MemoryBudget
 from .prefill_policy import tick_budget
 from .requests import RequestHandle
 from .slot import ModelSlot
+from .stats import StatsRecorder
 from ..decoding.generate import Generation
 from ..errors import EngineError
 from ..events import FINAL_STATES, Event, FinishReason, RequestState, Timings
@@ -65,11 +66,14 @@ class Scheduler:
     """The admitted requests of the model `slot` holds and the thread that serves them."""
 
     def __init__(self, slot: ModelSlot, budget: MemoryBudget, *, max_running: int,
-                 batching: bool = True, on_halt: Callable[[str], None] = lambda reason: None):
+                 batching: bool = True, stats: StatsRecorder | None = None,
+                 on_halt: Callable[[str], None] = lambda reason: None):
         """`max_running`: at most this many requests run (and share a batched step) at once, the
-        others wait queued. `on_halt(reason)`: called once if the engine halts (see `halt`)."""
+        others wait queued. `stats`: records each request as it ends (engine/scheduling/stats.py).
+        `on_halt(reason)`: called once if the engine halts (see `halt`)."""
         self.slot = slot
         self.budget = budget
+        self.stats = stats if stats is not None else StatsRecorder()
         self.max_running = max_running
         self.batching = batching
         self._on_halt = on_halt
@@ -531,6 +535,7 @@ class Scheduler:
         handle.error = events[-1].error if events else None
         handle.finish_reason = events[-1].finish_reason if events else state
         handle._enter(state)
+        self.stats.record(state, events[-1].usage if events else handle.usage, handle.times)
         for event in events:
             handle._publish(event)
 
