@@ -27,7 +27,8 @@ from .loading.hub import DownloadProgress, parse_spec as parse_pull_spec, pull a
 from .loading.hub import remove as remove_model
 from .loading.registry import ModelInfo, list_models
 from .paths import cache_dir, data_dir
-from .scheduling.embedding_queue import MAX_INPUTS as EMBEDDING_MAX_INPUTS, EmbeddingHandle, Embeddings
+from .scheduling.embedding_queue import (MAX_INPUTS as EMBEDDING_MAX_INPUTS, EmbeddingHandle,
+                                         Embeddings)
 from .scheduling.keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
 from .scheduling.requests import RequestHandle
 from .scheduling.rerank import Ranking, RerankHandle

@@ -18,7 +18,8 @@ AS_LOADED = "as-loaded"  # mlx-lm's (or mlx-vlm's) own modules, as loaded
 CPU_KERNELS = "cpu-kernels"  # our CPU kernels on the quantized weights (layout.py)
 CPU_LAYOUT = "cpu-layout"  # fp32 weights, one-token products as W @ x (cpu_layout.py)
 GPU_LAYOUT = "gpu-layout"  # stacked projections and our GPU kernels (gpu_layout.py)
-GPU_COMPILED_STEP = "gpu-compiled-step"  # and one-token steps as one compiled program (decode_step.py)
+# and its one-token steps as one compiled program (decode_step.py)
+GPU_COMPILED_STEP = "gpu-compiled-step"
 
 
 def fastest_layout(model: nn.Module, config: dict[str, Any], *,

@@ -7,8 +7,10 @@ prefix cache holds snapshots in what is left (`room`): it is handed `room` as it
 evicts down to it (engine/prefix_cache/store.py).
 
 One budget is meant to be shared: several model slots (each with its own requests and prefix
-cache) reserve from the same instance, so that one machine's memory is counted once. Thread-safe;
-its lock is the innermost one (taken under the scheduler's, never around another).
+cache) reserve from the same instance, so that one machine's memory is counted once; a caller that
+needs room another holds (e.g. a model pool evicting an idle model) releases it there and tries
+again (`try_reserve`). Thread-safe; its lock is the innermost one (taken under the scheduler's,
+never around another).
 """
 
 import threading

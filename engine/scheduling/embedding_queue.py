@@ -210,9 +210,10 @@ class EmbeddingQueue:
             return known
         recipe = embedding_recipe(folder)
         if not recipe.dedicated and not (reranker and rerank_recipe(folder) is not None):
+            chat = lm.name if lm else None
             raise InvalidRequest(f"{display} is not an embedding model (it has no "
                                  f"sentence-transformers pooling); name an embedding model or the "
-                                 f"loaded chat model {lm.name if lm else None!r}, which embeds by mean "
+                                 f"loaded chat model {chat!r}, which embeds by mean "
                                  f"pooling", field="model", code="model_not_embedding")
         from mlx_lm.utils import load_tokenizer
 
