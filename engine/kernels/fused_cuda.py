@@ -17,16 +17,17 @@ kernels that step needs besides MLX's RMSNorm, each doing what several MLX ops d
   integer-to-float conversion, which runs at a quarter of the FMA rate); a word's weights share
   one group, so its share of a row is `s * sum(q x) + b * sum(x)` with `sum(x)` computed once for
   the warp's rows. fp32 sums, the warp's lanes added by butterfly shuffles.
-- `rope_write`: from the stacked q/k/v row, Qwen3's per-head RMSNorm of q and k (when the model
-  has it), RoPE on q and k at the step's position, and the new key and value written into the
-  KV cache's buffers at that position, in place: one kernel for what mlx-lm does in ~10 ops (split,
-  reshapes, transposes, two norms, two RoPEs, two slice updates). The position comes from an
-  array, so the step's graph has the same shapes at every position (engine/kernels/decode_step.py
-  compiles it once per buffer size).
-- `attend`: single-query attention over the cache's first `pos + 1` keys (the position read from
-  the array), grouped-query heads sharing each key and value load; the keys are cut into splits
-  of `CH` that run as separate blocks (online softmax in each, flash-decoding), and a second
-  kernel combines the splits.
+  With `norm`, the RMSNorm before the product is fused in: each block stages x in shared memory,
+  normalised as MLX's rms_norm rounds it.
+- `attention`: one kernel for a step's attention, from the stacked q/k/v row: Qwen3's per-head
+  RMSNorm of q and k (when the model has it), RoPE at the step's position, the new key and value
+  written into the KV cache's buffers at that position, in place, and single-query attention over
+  the first `pos + 1` positions (grouped-query heads sharing each key and value load): what
+  mlx-lm does in ~15 ops. The keys are cut into splits of `CH` positions, one block each (online
+  softmax, flash-decoding); the last block of a head group to finish adds the splits up (a
+  counter per kv head, reset by that block). The position comes from an array, so the step's
+  graph has the same shapes at every position (engine/kernels/decode_step.py compiles it once
+  per buffer size).
 
 Numerics: products and attention sum in fp32 in another order than MLX's kernels; every value MLX
 rounds to the model's dtype between ops (a product before its residual add, a norm before RoPE,
@@ -45,8 +46,8 @@ WARPS = 4  # warps per block of matvec and attend
 UNROLL = 4  # 128-bit words of a row a lane loads before it computes
 MAX_SPLITS = 64  # blocks a head's keys are cut into, at most
 MIN_SPLIT = 256  # keys per split, at least
-MAX_GROUP_DIMS = 2048  # query heads per kv head x head dim: attend's shared memory
-IN_PLACE = True  # rope_write writes the cache buffers it is given
+MAX_GROUP_DIMS = 2048  # query heads per kv head x head dim: the attention's shared memory
+IN_PLACE = True  # `attention` writes the cache buffers it is given
 
 _HEADER = """
 template <typename T> __device__ __forceinline__ float2 pair_f(uint32_t u);
@@ -99,17 +100,54 @@ __device__ __forceinline__ float dot_word(const uint4 w, const float* x) {
 """
 
 _MATVEC_IMPL = """
-template <typename T, typename ST, int BITS, int GS, int K, int N, int R, int E, int UNROLL>
+template <typename T, int K, int XN>
+__device__ __forceinline__ void stage_x(const T* x, const T* nw, const float* ne, float* xsh) {
+  // x (K values) into shared memory as floats, the whole block; XN 2: RMS-normalised as MLX's
+  // rms_norm rounds it: T(w * T(x * rsqrt(mean(x^2) + eps)))
+  constexpr int PER = (K + 127) / 128;
+  __shared__ float red[32];
+  float v[PER], ss = 0.f;
+  #pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int k = threadIdx.x + 128 * i;
+    v[i] = k < K ? static_cast<float>(x[k]) : 0.f;
+    ss += v[i] * v[i];
+  }
+  float rn = 1.f;
+  if constexpr (XN == 2) {
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    ss = 0.f;
+    #pragma unroll
+    for (int w = 0; w < 4; ++w) ss += red[w];
+    rn = rsqrtf(ss / K + ne[0]);
+  }
+  #pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int k = threadIdx.x + 128 * i;
+    if (k < K) xsh[k] = XN == 2 ? static_cast<float>(nw[k] * static_cast<T>(v[i] * rn)) : v[i];
+  }
+  __syncthreads();
+}
+
+template <typename T, typename ST, int BITS, int GS, int K, int N, int R, int E, int XN, int UNROLL>
 __device__ __forceinline__ void matvec_impl(const T* x, const uint32_t* w, const ST* scales,
-                                            const ST* biases, const T* a, T* y) {
+                                            const ST* biases, const T* a, const T* nw,
+                                            const float* ne, T* y) {
   // BITS 4/8: W packed (MLX's affine layout, `scales`/`biases` per group of GS); 16: W dense of
   // T. R output units per warp; E 0: y = Wx; 1: y = Wx + a; 2: y = swiglu(W[:N/2] x, W[N/2:] x).
+  // XN 0: x read from global memory; 1: staged in shared memory; 2: staged and RMS-normalised
+  // with the weight `nw` and eps `ne[0]` (the norm before the product, fused).
   constexpr int VALS = 128 / BITS;
   constexpr int VECS = K / VALS;
   constexpr int PER_LANE = (VECS + 31) / 32;
   constexpr int OUT = (E == 2) ? N / 2 : N;
   constexpr int RR = (E == 2) ? 2 * R : R;
   constexpr int GROUPS = (BITS == 16) ? 1 : K / GS;
+  __shared__ __align__(16) float xsh[XN ? K : 4];
+  if constexpr (XN != 0) stage_x<T, K, XN>(x, nw, ne, xsh);
   const int lane = threadIdx.x & 31;
   const int unit0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
   if (unit0 >= OUT) return;  // the whole warp: its lanes share the units
@@ -139,7 +177,15 @@ __device__ __forceinline__ void matvec_impl(const T* x, const uint32_t* w, const
       const int v = (v0 + u) * 32 + lane;
       if (v < VECS) {
         float xs[VALS];
-        load_f<T, VALS>(x + v * VALS, xs);
+        if constexpr (XN != 0) {
+          #pragma unroll
+          for (int j = 0; j < VALS / 4; ++j) {
+            const float4 f = reinterpret_cast<const float4*>(xsh + v * VALS)[j];
+            xs[4 * j] = f.x; xs[4 * j + 1] = f.y; xs[4 * j + 2] = f.z; xs[4 * j + 3] = f.w;
+          }
+        } else {
+          load_f<T, VALS>(x + v * VALS, xs);
+        }
         if constexpr (BITS == 16) {
           #pragma unroll
           for (int r = 0; r < RR; ++r) acc[r] += dot_word<BITS, T>(wv[u][r], xs);
@@ -183,111 +229,130 @@ __device__ __forceinline__ void matvec_impl(const T* x, const uint32_t* w, const
 }
 """
 
-# The kernels' bodies: template T (x's dtype), ST (scales'), BITS, GS, K, N (W's rows), R, E.
-_MATVEC = {
-    "q": "matvec_impl<T, ST, BITS, GS, K, N, R, E, UNROLL>(x, w, scales, biases, (const T*)nullptr, y);",
-    "q_add": "matvec_impl<T, ST, BITS, GS, K, N, R, 1, UNROLL>(x, w, scales, biases, a, y);",
-    "d": "matvec_impl<T, T, 16, 8, K, N, R, E, UNROLL>(x, reinterpret_cast<const uint32_t*>(w), "
-         "(const T*)nullptr, (const T*)nullptr, (const T*)nullptr, y);",
-    "d_add": "matvec_impl<T, T, 16, 8, K, N, R, 1, UNROLL>(x, reinterpret_cast<const uint32_t*>(w), "
-             "(const T*)nullptr, (const T*)nullptr, a, y);",
-}
+MAX_STAGED = 8192  # inputs staged in shared memory (fp32): at most 32 KB a block
 
-# Template: T, D (head dim), HQ, HKV, ROT (rotated dims), TRAD, NORM, CAP (cache buffer length).
-# Inputs: qkv, qn, kn (norm weights, unused without NORM), invf (ROT/2 inverse frequencies),
-# fp (eps, rope position scale), pos, kc, vc (the cache buffers, written in place).
-_ROPE_WRITE = """
-  constexpr int HALF = D / 2;
-  __shared__ float sh[D];
-  __shared__ float red[(HALF + 31) / 32];
-  const int b = blockIdx.x, t = threadIdx.x;
-  const bool is_q = b < HQ;
-  const int head = is_q ? b : b - HQ;
-  const T* src = qkv + (size_t)(is_q ? b : HQ + head) * D;
-  const float x0 = static_cast<float>(src[t]), x1 = static_cast<float>(src[t + HALF]);
+
+def _matvec_source(quantized: bool, add: bool, norm: bool) -> str:
+    """The kernel body calling matvec_impl with the inputs this variant has (nullptr for others)."""
+    w = "w" if quantized else "reinterpret_cast<const uint32_t*>(w)"
+    scales = "scales, biases" if quantized else "(const T*)nullptr, (const T*)nullptr"
+    return (f"matvec_impl<T, {'ST' if quantized else 'T'}, BITS, GS, K, N, R, E, XN, UNROLL>(x, {w}, {scales}, "
+            f"{'a' if add else '(const T*)nullptr'}, {'nw' if norm else '(const T*)nullptr'}, "
+            f"{'ne' if norm else '(const float*)nullptr'}, y);")
+
+
+_ATTENTION_HEADER = """
+template <typename T, int D, int ROT, bool TRAD, bool NORM>
+__device__ __forceinline__ void head_rope(const T* src, const T* wn, float eps, float at,
+                                          const float* invf, float* dst, T* gout, int lane) {
+  // one head (a warp): Qwen3's RMSNorm when NORM, then RoPE at position `at` (already scaled),
+  // each rounded to T as MLX rounds them; the result as floats in `dst` (shared) and, when
+  // `gout`, in T there (the cache row). Lane l holds elements l, l + 32, ...
+  constexpr int C = D / 32;
+  float v[C], o[C];
+  float ss = 0.f;
+  #pragma unroll
+  for (int c = 0; c < C; ++c) { v[c] = static_cast<float>(src[lane + 32 * c]); ss += v[c] * v[c]; }
   if constexpr (NORM) {
-    float ss = x0 * x0 + x1 * x1;
     #pragma unroll
     for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    if ((t & 31) == 0) red[t >> 5] = ss;
-    __syncthreads();
-    float total = 0.f;
+    const float rn = rsqrtf(ss / D + eps);
     #pragma unroll
-    for (int i = 0; i < (HALF + 31) / 32; ++i) total += red[i];
-    const float rn = rsqrtf(total / D + fp[0]);
-    const T* wn = is_q ? qn : kn;
-    sh[t] = static_cast<float>(wn[t] * static_cast<T>(x0 * rn));
-    sh[t + HALF] = static_cast<float>(wn[t + HALF] * static_cast<T>(x1 * rn));
-  } else {
-    sh[t] = x0;
-    sh[t + HALF] = x1;
+    for (int c = 0; c < C; ++c) v[c] = static_cast<float>(wn[lane + 32 * c] * static_cast<T>(v[c] * rn));
   }
-  __syncthreads();
-  const int p = pos[0];
-  T* out = is_q ? y + (size_t)b * D : const_cast<T*>(kc) + ((size_t)head * CAP + p) * D;
-  for (int e = t; e < D; e += HALF) {  // this thread's elements t and t + HALF
-    if (e >= ROT) {  // past the rotated dims: as normalised
-      out[e] = static_cast<T>(sh[e]);
-      continue;
+  #pragma unroll
+  for (int c = 0; c < C; ++c) dst[lane + 32 * c] = v[c];
+  __syncwarp();
+  #pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const int e = lane + 32 * c;
+    o[c] = v[c];
+    if (e < ROT) {  // rotated with its partner: (2i, 2i+1) traditional, else (i, i + ROT/2)
+      const bool first = TRAD ? (e & 1) == 0 : e < ROT / 2;
+      const int i = TRAD ? e >> 1 : (first ? e : e - ROT / 2);
+      const int partner = TRAD ? (first ? e + 1 : e - 1) : (first ? e + ROT / 2 : e - ROT / 2);
+      const float th = at * invf[i];
+      const float cs = cosf(th), sn = sinf(th);
+      const float a = dst[partner];
+      o[c] = first ? v[c] * cs - a * sn : a * sn + v[c] * cs;
     }
-    int e2 = -1, i = 0;  // e's partner in its rotated pair, when e is the pair's first element
-    if (TRAD) {
-      if ((e & 1) == 0) { e2 = e + 1; i = e / 2; }
-    } else if (e < ROT / 2) {
-      e2 = e + ROT / 2;
-      i = e;
-    }
-    if (e2 < 0) continue;  // the pair's second element: its first element's thread writes it
-    const float th = (fp[1] * static_cast<float>(p)) * invf[i];
-    const float c = cosf(th), s = sinf(th);
-    const float a1 = sh[e], a2 = sh[e2];
-    out[e] = static_cast<T>(a1 * c - a2 * s);
-    out[e2] = static_cast<T>(a1 * s + a2 * c);
   }
-  if (!is_q) {
-    const T* vs = qkv + (size_t)(HQ + HKV + head) * D;
-    T* vo = const_cast<T*>(vc) + ((size_t)head * CAP + p) * D;
-    vo[t] = vs[t];
-    vo[t + HALF] = vs[t + HALF];
+  __syncwarp();
+  #pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const T r = static_cast<T>(o[c]);
+    dst[lane + 32 * c] = static_cast<float>(r);
+    if (gout != nullptr) gout[lane + 32 * c] = r;
   }
+  __syncwarp();
+}
 """
 
-# Template: T, D, G (query heads per kv head), CAP, CH (keys per split), S (splits).
-# Inputs: q (HQ * D), kc, vc (HKV * CAP * D), pos, sc (scale). Outputs per (head, split): the
-# largest score pm, the sum of exp(score - pm) pl, and the values' sum weighted by it pa (D).
-_ATTEND = """
+# Template: T, D (head dim), G (query heads per kv head), HKV, ROT (rotated dims), TRAD, NORM,
+# CAP (cache buffer length), CH (keys per split), S (splits). Inputs: qkv (one row of the
+# stacked product), qn, kn (q/k norm weights; unread without NORM), invf (ROT/2 inverse
+# frequencies), fp (q/k norm eps, RoPE position scale, attention scale), pos (1,), kc, vc (the
+# cache buffers: the new key and value written in place), cnt (HKV int32 counters, zero between
+# launches). Outputs: per (head, split) the largest score pm, the sum of exp(score - pm) pl and
+# the values weighted by it pa; y (HQ * D), the attention's output.
+_ATTENTION = """
+  constexpr int HQ = HKV * G;
   constexpr int DPL = D / 32;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int split = blockIdx.x, j = blockIdx.y;
-  const int L = pos[0] + 1;
-  const int start = split * CH, end = min(start + CH, L);
+  const int p = pos[0];
+  const int start = split * CH, end = min(start + CH, p + 1);
+  const bool has_new = start <= p && p < end;
+  __shared__ float qs[G][D];
+  __shared__ float nk[2][D];
   __shared__ float sm_m[WARPS][G], sm_l[WARPS][G], sm_a[WARPS][G][D];
-  const float scale = sc[0];
+  __shared__ int last;
+  const float at = fp[1] * static_cast<float>(p);
+  // the block's queries (and, in the split holding p, the new key) normed and rotated; warp w
+  // takes heads w, w + WARPS, ...; the new key is also written into the cache at p
+  for (int hh = warp; hh < G + (has_new ? 1 : 0); hh += WARPS) {
+    const bool is_k = hh == G;
+    const T* src = qkv + (size_t)(is_k ? HQ + j : j * G + hh) * D;
+    T* gout = is_k ? const_cast<T*>(kc) + ((size_t)j * CAP + p) * D : nullptr;
+    head_rope<T, D, ROT, TRAD, NORM>(src, is_k ? kn : qn, fp[0], at, invf, is_k ? nk[0] : qs[hh], gout, lane);
+  }
+  if (has_new) {  // the new value, as it is, into the cache at p
+    const T* vs = qkv + (size_t)(HQ + HKV + j) * D;
+    T* vo = const_cast<T*>(vc) + ((size_t)j * CAP + p) * D;
+    for (int e = threadIdx.x; e < D; e += WARPS * 32) { vo[e] = vs[e]; nk[1][e] = static_cast<float>(vs[e]); }
+  }
+  __syncthreads();
+  const float scale = fp[2];
   float qf[G][DPL], m[G], l[G], acc[G][DPL];
   #pragma unroll
   for (int g = 0; g < G; ++g) {
     #pragma unroll
-    for (int d = 0; d < DPL; ++d) { qf[g][d] = static_cast<float>(q[(j * G + g) * D + lane * DPL + d]) * scale; acc[g][d] = 0.f; }
+    for (int d = 0; d < DPL; ++d) { qf[g][d] = qs[g][lane * DPL + d] * scale; acc[g][d] = 0.f; }
     m[g] = -INFINITY;
     l[g] = 0.f;
   }
   for (int t = start + warp; t < end; t += WARPS) {
-    const size_t at = ((size_t)j * CAP + t) * D + lane * DPL;
     float kf[DPL], vf[DPL];
-    #pragma unroll
-    for (int d = 0; d < DPL; ++d) { kf[d] = static_cast<float>(kc[at + d]); vf[d] = static_cast<float>(vc[at + d]); }
+    if (t == p) {
+      #pragma unroll
+      for (int d = 0; d < DPL; ++d) { kf[d] = nk[0][lane * DPL + d]; vf[d] = nk[1][lane * DPL + d]; }
+    } else {
+      const size_t o = ((size_t)j * CAP + t) * D + lane * DPL;
+      #pragma unroll
+      for (int d = 0; d < DPL; ++d) { kf[d] = static_cast<float>(kc[o + d]); vf[d] = static_cast<float>(vc[o + d]); }
+    }
     #pragma unroll
     for (int g = 0; g < G; ++g) {
-      float s = 0.f;
+      float sc = 0.f;
       #pragma unroll
-      for (int d = 0; d < DPL; ++d) s = fmaf(qf[g][d], kf[d], s);
+      for (int d = 0; d < DPL; ++d) sc = fmaf(qf[g][d], kf[d], sc);
       #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-      const float mn = fmaxf(m[g], s);
-      const float corr = expf(m[g] - mn), p = expf(s - mn);
-      l[g] = l[g] * corr + p;
+      for (int off = 16; off > 0; off >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, off);
+      const float mn = fmaxf(m[g], sc);
+      const float corr = expf(m[g] - mn), e = expf(sc - mn);
+      l[g] = l[g] * corr + e;
       #pragma unroll
-      for (int d = 0; d < DPL; ++d) acc[g][d] = fmaf(p, vf[d], acc[g][d] * corr);
+      for (int d = 0; d < DPL; ++d) acc[g][d] = fmaf(e, vf[d], acc[g][d] * corr);
       m[g] = mn;
     }
   }
@@ -298,7 +363,7 @@ _ATTEND = """
     for (int d = 0; d < DPL; ++d) sm_a[warp][g][lane * DPL + d] = acc[g][d];
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
+  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {  // the block's warps, one split's part
     const int g = i / D, d = i % D;
     float M = -INFINITY;
     #pragma unroll
@@ -312,33 +377,39 @@ _ATTEND = """
     pa[((size_t)h * S + split) * D + d] = a;
     if (d == 0) { pm[h * S + split] = M; pl[h * S + split] = ls; }
   }
-"""
-
-# Template: T, D, S. One block of D threads per query head.
-_COMBINE = """
-  const int h = blockIdx.y, d = threadIdx.x;
-  float M = -INFINITY;
-  for (int s = 0; s < S; ++s) M = fmaxf(M, pm[h * S + s]);
-  float ls = 0.f, a = 0.f;
-  for (int s = 0; s < S; ++s) {
-    const float ms = pm[h * S + s];
-    if (ms == -INFINITY) continue;
-    const float e = expf(ms - M);
-    ls += pl[h * S + s] * e;
-    a += pa[((size_t)h * S + s) * D + d] * e;
+  // the last of the S blocks of this kv head to finish adds the splits up (then resets the count)
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(const_cast<int*>(cnt) + j, 1) == S - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
+    const int g = i / D, d = i % D, h = j * G + g;
+    float M = -INFINITY;
+    for (int s = 0; s < S; ++s) M = fmaxf(M, __ldcg(pm + h * S + s));
+    float ls = 0.f, a = 0.f;
+    for (int s = 0; s < S; ++s) {
+      const float ms = __ldcg(pm + h * S + s);
+      if (ms == -INFINITY) continue;
+      const float e = expf(ms - M);
+      ls += __ldcg(pl + h * S + s) * e;
+      a += __ldcg(pa + ((size_t)h * S + s) * D + d) * e;
+    }
+    y[h * D + d] = static_cast<T>(a / ls);
   }
-  y[h * D + d] = static_cast<T>(a / ls);
+  if (threadIdx.x == 0) const_cast<int*>(cnt)[j] = 0;
 """
 
 _KERNELS: dict[str, Any] = {}
 
 
-def _kernel(name: str, inputs: list[str], outputs: list[str], source: str) -> Any:
+def _kernel(name: str, inputs: list[str], outputs: list[str], source: str, extra: str = "") -> Any:
     """The MLX kernel object `name`, made once (its source is compiled per template on first use).
     Sources stay short: MLX hashes a kernel's whole source at every launch."""
     if name not in _KERNELS:
         consts = f"  constexpr int WARPS = {WARPS};\n  constexpr int UNROLL = {UNROLL};\n"
-        header = _HEADER + (_MATVEC_IMPL if name.startswith("matvec") else "")
+        header = _HEADER + (_MATVEC_IMPL if name.startswith("matvec") else extra)
         _KERNELS[name] = mx.fast.cuda_kernel(name=f"mlxchat_{name}", input_names=inputs,
                                              output_names=outputs, source=consts + source,
                                              header=header)
@@ -351,48 +422,33 @@ def rows_per_warp(n: int) -> int:
 
 
 def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array | None,
-           bits: int, group_size: int, epilogue: int = 0, a: mx.array | None = None) -> mx.array:
+           bits: int, group_size: int, epilogue: int = 0, a: mx.array | None = None,
+           norm: tuple[mx.array, mx.array] | None = None) -> mx.array:
     """y = x @ W.T for one row x (any leading shape of size 1, last dim K), W (N, K) dense
     (`bits` 16) or (N, K * bits / 32) packed (4, 8: MLX's affine layout); `epilogue` 1 adds `a`
-    (N,), 2 takes SwiGLU of W's halves (N / 2 outputs). Output: x's leading shape, the outputs."""
+    (N,), 2 takes SwiGLU of W's halves (N / 2 outputs); `norm` (weight, eps): x RMS-normalised
+    first, as mx.fast.rms_norm(x, weight, eps) would. Output: x's leading shape, the outputs."""
     k, n = x.shape[-1], w.shape[0]
     out = n // 2 if epilogue == 2 else n
     r = rows_per_warp(out) if epilogue != 2 else min(2, rows_per_warp(out))
     quantized = bits in (4, 8)
-    kind = ("q" if quantized else "d") + ("_add" if epilogue == 1 else "")
-    names = ["x", "w"] + (["scales", "biases"] if quantized else []) + (["a"] if epilogue == 1 else [])
-    arrays = [x, w] + ([scales, biases] if quantized else []) + ([a] if epilogue == 1 else [])
-    kernel = _kernel(f"matvec_{kind}", names, ["y"], _MATVEC[kind])
+    xn = 2 if norm is not None else (1 if k <= MAX_STAGED else 0)
+    names = ["x", "w"] + (["scales", "biases"] if quantized else []) + (["nw", "ne"] if norm else []) \
+        + (["a"] if epilogue == 1 else [])
+    norm_arrays = [norm[0], mx.array([norm[1]], dtype=mx.float32)] if norm else []
+    arrays = [x, w] + ([scales, biases] if quantized else []) + norm_arrays \
+        + ([a] if epilogue == 1 else [])
+    kind = f"matvec_{'q' if quantized else 'd'}{'_add' if epilogue == 1 else ''}{'_norm' if norm else ''}"
+    kernel = _kernel(kind, names, ["y"], _matvec_source(quantized, epilogue == 1, norm is not None))
     block = WARPS * 32
     threads = -(-out // r) * 32
     return kernel(
         inputs=arrays,
         template=[("T", x.dtype), ("ST", scales.dtype if quantized else x.dtype),
                   ("BITS", bits if quantized else 16), ("GS", group_size if quantized else 8),
-                  ("K", k), ("N", n), ("R", r), ("E", epilogue)],
+                  ("K", k), ("N", n), ("R", r), ("E", epilogue), ("XN", xn)],
         grid=(-(-threads // block) * block, 1, 1), threadgroup=(block, 1, 1),
         output_shapes=[(*x.shape[:-1], out)], output_dtypes=[x.dtype])[0]
-
-
-def rope_write(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: mx.array
-               ) -> tuple[mx.array, mx.array, mx.array]:
-    """q (1, 1, heads * head_dim) after the layer's q norm and RoPE at `pos` (1,) int32; the new
-    key (norm, RoPE) and value written into `keys`/`values` (1, kv_heads, cap, head_dim) at `pos`,
-    in place: returns (q, keys, values), the buffers themselves. `layer`: engine/kernels/
-    decode_step.py's Layer (shapes, norm weights, `inv_freq`, `params` = (eps, position scale))."""
-    norm = layer.q_norm is not None
-    kernel = _kernel("rope_write", ["qkv", "qn", "kn", "invf", "fp", "pos", "kc", "vc"], ["y"], _ROPE_WRITE)
-    half = layer.head_dim // 2
-    qn = layer.q_norm.weight if norm else layer.inv_freq  # not read without NORM
-    kn = layer.k_norm.weight if norm else layer.inv_freq
-    y = kernel(
-        inputs=[qkv, qn, kn, layer.inv_freq, layer.params, pos, keys, values],
-        template=[("T", qkv.dtype), ("D", layer.head_dim), ("HQ", layer.heads), ("HKV", layer.kv_heads),
-                  ("ROT", layer.rotated), ("TRAD", layer.traditional), ("NORM", norm),
-                  ("CAP", keys.shape[2])],
-        grid=((layer.heads + layer.kv_heads) * half, 1, 1), threadgroup=(half, 1, 1),
-        output_shapes=[(1, 1, layer.heads * layer.head_dim)], output_dtypes=[qkv.dtype])[0]
-    return y, keys, values
 
 
 def splits(cap: int) -> tuple[int, int]:
@@ -401,21 +457,27 @@ def splits(cap: int) -> tuple[int, int]:
     return s, -(-cap // s)
 
 
-def attend(layer: Any, q: mx.array, keys: mx.array, values: mx.array, pos: mx.array) -> mx.array:
-    """Attention of the one query row q (1, 1, heads * head_dim) over the first `pos + 1` rows of
-    `keys`/`values` (1, kv_heads, cap, head_dim): (1, 1, heads * head_dim)."""
-    heads, dim = layer.heads, layer.head_dim
+def attention(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: mx.array
+              ) -> tuple[mx.array, mx.array, mx.array]:
+    """One kernel for a decode step's attention from the stacked q/k/v row `qkv` (1, 1, ...):
+    the layer's q/k norms and RoPE at `pos` (1,) int32, the new key and value written into
+    `keys`/`values` (1, kv_heads, cap, head_dim) at `pos` in place, attention over the first
+    `pos + 1` positions. Returns (out (1, 1, heads * head_dim), keys, values), the buffers
+    themselves. `layer`: engine/kernels/decode_step.py's Layer (shapes, norm weights, `inv_freq`,
+    `params` = (q/k norm eps, RoPE position scale, attention scale), `counters`)."""
+    heads, kv, dim = layer.heads, layer.kv_heads, layer.head_dim
     cap = keys.shape[2]
     s, ch = splits(cap)
-    part = _kernel("attend", ["q", "kc", "vc", "pos", "sc"], ["pm", "pl", "pa"], _ATTEND)
-    pm, pl, pa = part(
-        inputs=[q, keys, values, pos, layer.scale_array],
-        template=[("T", q.dtype), ("D", dim), ("G", heads // layer.kv_heads), ("CAP", cap),
-                  ("CH", ch), ("S", s)],
-        grid=(s * WARPS * 32, layer.kv_heads, 1), threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(heads * s,), (heads * s,), (heads * s * dim,)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32])
-    combine = _kernel("attend_combine", ["pm", "pl", "pa"], ["y"], _COMBINE)
-    return combine(inputs=[pm, pl, pa], template=[("T", q.dtype), ("D", dim), ("S", s)],
-                   grid=(dim, heads, 1), threadgroup=(dim, 1, 1),
-                   output_shapes=[(1, 1, heads * dim)], output_dtypes=[q.dtype])[0]
+    norm = layer.q_norm is not None
+    qn = layer.q_norm.weight if norm else layer.inv_freq  # unread without NORM
+    kn = layer.k_norm.weight if norm else layer.inv_freq
+    kernel = _kernel("attention", ["qkv", "qn", "kn", "invf", "fp", "pos", "kc", "vc", "cnt"],
+                     ["pm", "pl", "pa", "y"], _ATTENTION, _ATTENTION_HEADER)
+    out = kernel(
+        inputs=[qkv, qn, kn, layer.inv_freq, layer.params, pos, keys, values, layer.counters],
+        template=[("T", qkv.dtype), ("D", dim), ("G", heads // kv), ("HKV", kv), ("ROT", layer.rotated),
+                  ("TRAD", layer.traditional), ("NORM", norm), ("CAP", cap), ("CH", ch), ("S", s)],
+        grid=(s * WARPS * 32, kv, 1), threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(heads * s,), (heads * s,), (heads * s * dim,), (1, 1, heads * dim)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32, qkv.dtype])
+    return out[3], keys, values
