@@ -29,23 +29,25 @@ from starlette.staticfiles import StaticFiles
 import static
 from engine import DEFAULT_KEEP_ALIVE_S, Cluster, Engine, data_dir, describe_device
 
-from . import api, attachments, exports, image_uploads, login, ui, uploads
+from . import api, ui
 from .api import images
 from .api.errors import http_error
-from .connections import HeaderTimeoutProtocol
+from .security.header_timeout import HeaderTimeoutProtocol
 from .doc_index.store import ChunkStore
-from .folder_lock import FolderBusy, FolderLock
+from .storage.folder_lock import FolderBusy, FolderLock
 from .model_switch import ModelSwitch
-from .key_access import KeyAccess
+from .security.key_access import KeyAccess
 from .mcp.config import FILE_NAME as MCP_FILE
 from .mcp.servers import McpServers
 from .runs import Runs
-from .security import (LOOPBACK_NAMES, ApiKeyGuard, BodyLimit, HostGuard, OriginGuard,
+from .security.guards import (LOOPBACK_NAMES, ApiKeyGuard, BodyLimit, HostGuard, OriginGuard,
                        SecurityHeaders, is_loopback)
-from .socket_limits import WS_MAX_BYTES
+from .security.socket_limits import WS_MAX_BYTES
 from .storage import Storage
-from .upload_store import UploadStore
+from .uploads.store import UploadStore
+from .ui import attachments, exports, login, uploads
 from .ui.conversation_pages import Conversations
+from .uploads import images as image_uploads
 
 STATIC_DIR = Path(static.__file__).parent
 WILDCARD_HOSTS = ("0.0.0.0", "::")

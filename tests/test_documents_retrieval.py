@@ -14,7 +14,7 @@ import time
 import pytest
 
 from app.doc_index import answering
-from app.pdf_text import pdf_pages
+from app.uploads.pdf_text import pdf_pages
 from app.ui.prompt import prompt_with_documents
 from engine import count_tokens
 from live_server import engine_serving, new_conversation, turn

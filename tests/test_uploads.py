@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from app import uploads
+from app.ui import uploads
 from live_server import engine_serving, new_conversation, turn
 from tiny_models import tiny_llama
 

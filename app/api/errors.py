@@ -9,7 +9,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from ..error_shapes import api_error, is_api_path
+from .error_shapes import api_error, is_api_path
 
 
 class ApiError(Exception):

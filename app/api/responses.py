@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from engine import Event, InvalidRequest, effort_budget, tool_request
 
-from ..error_shapes import api_error
+from .error_shapes import api_error
 from ..sse import sse
 from .choices import Choice
 from .errors import ApiError

@@ -15,7 +15,7 @@ from engine import Engine, EngineError, count_tokens
 
 from ..context import overflow
 from ..storage import Message, Storage
-from ..upload_store import UploadStore
+from ..uploads.store import UploadStore
 from .indexing import DOCUMENT_KIND_NAMES
 from .store import ChunkStore, StoredChunk
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from engine import EngineError, Event, RequestHandle, SamplingParams, SpeculativeOptions, ToolRequest
 
-from ..markdown import render_markdown
+from .markdown import render_markdown
 from ..mcp import rounds as mcp_rounds
 from ..storage import Conversation, Message, Storage
 from ..submission import start

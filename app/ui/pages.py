@@ -10,7 +10,7 @@ from starlette.routing import Route
 from engine import DEFAULTABLE, PRESETS, Engine
 
 from ..storage import Conversation, Storage
-from ..upload_store import draft_uploads
+from ..uploads.store import draft_uploads
 from .picker import models_context
 from .settings import SAMPLING_FIELDS, parse_settings_form, preset_settings, speculative_form
 from .views import (conversation_of, current_id, message_views, not_found, parts, read_form,

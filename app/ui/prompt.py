@@ -8,8 +8,8 @@ from engine import Engine
 
 from ..context import TRUNCATE_MODES, drop_oldest
 from ..doc_index.answering import DocumentPrompt
-from ..documents import with_documents
-from ..image_uploads import resolve_images, with_images
+from ..uploads.documents import with_documents
+from ..uploads.images import resolve_images, with_images
 from ..storage import Message
 
 

@@ -31,11 +31,11 @@ from starlette.routing import Route
 
 from engine import ImageInput
 
-from .api.errors import ApiError
-from .api.images import decode_image, decode_url, image_part, to_data_url
-from .storage import Message, Storage
-from .upload_kinds import FileKind, NotAttachable, Processed, Processing, register_kind
-from .upload_store import UploadStore
+from ..api.errors import ApiError
+from ..api.images import decode_image, decode_url, image_part, to_data_url
+from ..storage import Message, Storage
+from .kinds import FileKind, NotAttachable, Processed, Processing, register_kind
+from .store import UploadStore
 
 THUMB_PX = 256
 _MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a")

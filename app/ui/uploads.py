@@ -31,10 +31,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from .documents import NotAttachable
-from .upload_kinds import HEAD_BYTES, Processing, kind_named, kind_of
-from .upload_store import PART_PREFIX, Upload, UploadStore
-from .ui.views import conversation_of, render, templates
+from ..uploads.documents import NotAttachable
+from ..uploads.kinds import HEAD_BYTES, Processing, kind_named, kind_of
+from ..uploads.store import PART_PREFIX, Upload, UploadStore
+from .views import conversation_of, render, templates
 
 log = logging.getLogger(__name__)
 

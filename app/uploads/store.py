@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .storage import Conversation, Storage, valid_id
+from ..storage import Conversation, Storage, valid_id
 
 UPLOADS_DIR = "uploads"
 PART_PREFIX = ".part-"  # a file still arriving; removed when the upload fails

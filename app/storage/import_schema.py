@@ -10,7 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from engine import SamplingParams, SpeculativeOptions
 
-from .storage import MESSAGE_STATES
+from .store import MESSAGE_STATES
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_MESSAGES = 100_000

@@ -17,14 +17,14 @@ from starlette.routing import Route
 
 from engine import Engine
 
-from .doc_index.answering import DocumentPrompt, citations
-from .doc_index.exporting import self_contained
-from .doc_index.store import ChunkStore
-from .image_uploads import export_images, import_images
-from .ui.settings import preset_settings
-from .ui.user_turn import chat_title
-from .storage import EXPORT_FORMAT, Storage, export_conversation, import_conversation
-from .ui.views import conversation_of, not_found, parts, render
+from ..doc_index.answering import DocumentPrompt, citations
+from ..doc_index.exporting import self_contained
+from ..doc_index.store import ChunkStore
+from ..uploads.images import export_images, import_images
+from .settings import preset_settings
+from .user_turn import chat_title
+from ..storage import EXPORT_FORMAT, Storage, export_conversation, import_conversation
+from .views import conversation_of, not_found, parts, render
 
 def _filename(title: str, suffix: str) -> str:
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", title).strip("-.")[:60] or "conversation"

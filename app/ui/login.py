@@ -9,8 +9,8 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from .security import LOGIN_PATH, LOGOUT_PATH, SESSION_COOKIE, _cookie, client_address
-from .ui.views import read_form, render
+from ..security.guards import LOGIN_PATH, LOGOUT_PATH, SESSION_COOKIE, _cookie, client_address
+from .views import read_form, render
 
 FAILED_LOGIN_DELAY_S = 1.0  # slows down guessing
 

@@ -23,7 +23,7 @@ from starlette.datastructures import Headers
 from starlette.responses import PlainTextResponse, RedirectResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .error_shapes import api_error, is_api_path
+from ..api.error_shapes import api_error, is_api_path
 from .key_access import KeyAccess
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")

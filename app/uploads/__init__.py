@@ -1,0 +1,3 @@
+"""The files a conversation holds: stored once by content (store.py), told apart by their content
+(kinds.py), read as documents (documents.py; a PDF's text in a child process, pdf_text.py and
+pdf_worker.py) or as images (images.py). The composer's upload endpoint is app/ui/uploads.py."""
