@@ -8,7 +8,7 @@ docstring is the contract an adapter follows):
   `/v1/responses`; `ollama.py`: Ollama's `/api/*`.
 - `embeddings.py`: OpenAI `/v1/embeddings` (and the `embed` Ollama's `/api/embed` shares).
 - `models.py`: `/v1/models` and the model a request runs on; `health.py`: `/health`.
-- `errors.py`: `ApiError` (written in each protocol's shape, app/error_shapes.py).
+- `errors.py`: `ApiError` (written in each protocol's shape, app/api/error_shapes.py).
 """
 
 from . import anthropic, chat, completions, embeddings, health, models, ollama, responses

@@ -1,5 +1,5 @@
 """The API's refusals: an HTTP status with an error, written in the shape of the protocol whose
-path was asked (app/error_shapes.py; OpenAI's by default), and the OpenAI fields an endpoint
+path was asked (app/api/error_shapes.py; OpenAI's by default), and the OpenAI fields an endpoint
 accepts only with their neutral values."""
 
 from collections.abc import Callable

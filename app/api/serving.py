@@ -21,7 +21,7 @@ embeddings.py):
    failed generation raises `ApiError` 500) or streamed (`stream`: the engine's events handed to
    the adapter's `StreamEncoder`, whose lines go out as server-sent events, or NDJSON).
 6. Turn every `ApiError` into the protocol's error shape: `ApiError.response(path)` picks the shape
-   of the path's protocol from app/error_shapes.py, so an adapter declares its shape once there.
+   of the path's protocol from app/api/error_shapes.py, so an adapter declares its shape once there.
 
 The core never writes a protocol's wire format; the encoders never touch the engine's requests.
 """

@@ -8,7 +8,7 @@
 - The optional API key guards every route but `/health`, the static assets and the login page:
   programs send `Authorization: Bearer <key>` (or `x-api-key`), the browser a session cookie that
   the login page sets (HttpOnly, SameSite=Strict): a random token kept server-side, revoked at
-  logout. Failed attempts are limited per client address and in all (app/key_access.py).
+  logout. Failed attempts are limited per client address and in all (app/security/key_access.py).
 - Oversized or slowly trickled request bodies are refused before the app reads them.
 """
 
@@ -174,7 +174,7 @@ _OPEN_PREFIXES = ("/static/",)
 
 class ApiKeyGuard(_Guard):
     """With a key set, every route but `_OPEN_PATHS` needs the key (`Authorization: Bearer <key>`
-    or `x-api-key: <key>`) or a session cookie from the login page (`access`: app/key_access.py,
+    or `x-api-key: <key>`) or a session cookie from the login page (`access`: app/security/key_access.py,
     which also limits failed attempts: 429 with Retry-After). A browser navigating to a page is
     sent to the login page; htmx is told to go there (`HX-Redirect`); anything else gets 401 in
     the OpenAI format; a WebSocket handshake is refused (403)."""

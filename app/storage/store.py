@@ -143,7 +143,7 @@ _V7 = """
         ALTER TABLE messages ADD COLUMN tool_meta TEXT;
 """
 
-# Uploaded files (app/uploads.py) and their document index (app/doc_index/): `files` holds each
+# Uploaded files (app/ui/uploads.py) and their document index (app/doc_index/): `files` holds each
 # distinct file once (content-addressed by sha256; the bytes live in the data folder's uploads/),
 # `uploads` ties a file to the conversation it was attached in (deleting the conversation deletes
 # them, and a file no upload refers to any more goes with its chunks), `chunks` are a document's

@@ -56,5 +56,5 @@ def prompt_with_documents(app: Any, settings: Mapping[str, Any], path: list[Mess
     retrieved (and stored) when it has documents too large to go in whole. CPU-bound."""
     docs = document_prompt(app)
     path = docs.retrieve(settings, path, max_tokens, engine_messages)
-    path = resolve_images(app.state.uploads, path)  # app/image_uploads.py
+    path = resolve_images(app.state.uploads, path)  # app/uploads/images.py
     return answer_messages(app.state.engine, settings, docs.resolve(path), max_tokens)

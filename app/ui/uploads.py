@@ -1,5 +1,5 @@
 """The one upload endpoint for the composer's files (documents, and any kind registered in
-app/upload_kinds.py such as images):
+app/uploads/kinds.py such as images):
 
 - `POST /c/{cid}/uploads?name=<file name>`: the request body is the file itself (any
   Content-Type; `curl --data-binary @report.pdf`). It is streamed to the data folder while its

@@ -1,10 +1,10 @@
-"""Images as uploads of a conversation (the upload endpoint of app/uploads.py): the `image` kind,
+"""Images as uploads of a conversation (the upload endpoint of app/ui/uploads.py): the `image` kind,
 the route that shows them, and how a user turn's images enter the prompt.
 
 - Kind: PNG, JPEG, WebP and GIF, told by their first bytes; reading one decodes it with the limits
   of app/api/images.py (a corrupt file, a decompression bomb, more than 20 MB: the chip says why and
   the bytes are removed). The file stays content-addressed in the data folder
-  (`uploads/<sha256>`) and goes when no conversation uses it (app/upload_store.py).
+  (`uploads/<sha256>`) and goes when no conversation uses it (app/uploads/store.py).
 - `GET /c/{cid}/uploads/{id}/image` (`?thumb=1`: at most THUMB_PX on its longest side): the image
   re-encoded as PNG from its pixels, orientation applied, so no EXIF (GPS included) ever leaves
   the data folder.
