@@ -1,7 +1,7 @@
 """What an imported conversation may hold, as pydantic models: every field of an upload is
 validated into our own types before anything is stored, so a wrong type, a non-finite number or a
 far-future time is a clear error naming the field (the import answers 400), never a stored row
-that breaks a page later. `export_conversation` (app/storage/store.py) writes this shape."""
+that breaks a page later. `export_conversation` (export_import.py) writes this shape."""
 
 import time
 from typing import Annotated, Any, Literal
@@ -10,7 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from engine import SamplingParams, SpeculativeOptions
 
-from .store import MESSAGE_STATES
+from .records import MESSAGE_STATES
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_MESSAGES = 100_000
