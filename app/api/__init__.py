@@ -3,7 +3,7 @@ docstring is the contract an adapter follows):
 
 - `chat.py`: OpenAI `/v1/chat/completions`; `completions.py`: legacy `/v1/completions`;
   `openai_request.py`, `response_format.py`, `tool_messages.py`: the OpenAI request parts they
-  share; `choices.py`: `n` choices and OpenAI's message/delta shapes.
+  share; `choices.py`: OpenAI's message/delta shapes of the choices.
 - `anthropic.py`: Anthropic Messages `/v1/messages`; `responses.py`: OpenAI Responses
   `/v1/responses`; `ollama.py`: Ollama's `/api/*`.
 - `embeddings.py`: OpenAI `/v1/embeddings` (and the `embed` Ollama's `/api/embed` shares).

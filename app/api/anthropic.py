@@ -31,10 +31,9 @@ from starlette.routing import Route
 from engine import EngineError, Event, InvalidRequest, Usage, count_tokens, tool_request
 
 from ..sse import sse
-from .choices import Choice
 from .errors import ApiError
 from .openai_request import parse_messages
-from .serving import (finished, public_error, read_body, stream, submit,
+from .serving import (Choice, finished, public_error, read_body, stream, submit,
                       use_named_model)
 
 PATH = "/v1/messages"

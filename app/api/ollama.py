@@ -30,12 +30,11 @@ from starlette.routing import Route
 from engine import (DownloadError, EngineError, Event, InvalidRequest, ModelInfo, effort_budget,
                     parse_pull_spec, pull_model, remove_model, tool_request)
 
-from .choices import Choice
 from .embeddings import embed as embed_vectors
 from .errors import ApiError
 from .models import local_models
 from .openai_request import parse_messages
-from .serving import (aliased, finished, public_error, read_body, stream, submit,
+from .serving import (Choice, aliased, finished, public_error, read_body, stream, submit,
                       use_named_model)
 
 # The Ollama version we answer as: clients check it (codex --oss needs >= 0.13.4).

@@ -29,12 +29,11 @@ from engine import Event, InvalidRequest, effort_budget, tool_request
 
 from .error_shapes import api_error
 from ..sse import sse
-from .choices import Choice
 from .errors import ApiError
 from .images import storable
 from .openai_request import parse_messages
 from .response_format import json_schema
-from .serving import (finished, public_error, read_body, stream, submit,
+from .serving import (Choice, finished, public_error, read_body, stream, submit,
                       use_named_model)
 
 _SKIPPED_ITEMS = {"reasoning", "item_reference", "web_search_call"}

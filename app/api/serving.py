@@ -31,15 +31,17 @@ import contextlib
 import fnmatch
 import json
 import math
+import random
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterable, Protocol, Sequence
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from engine import (EngineError, Event, InvalidRequest, ModelLoadError, Overloaded, RequestHandle,
-                    SamplingParams, SpeculativeOptions)
+                    SamplingParams, SpeculativeOptions, TokenLogprob)
 
-from .choices import Choice, collect_choices, merged, start_choices, tracked
+from ..submission import start
 from .errors import ApiError
 from .models import use_model
 
@@ -156,6 +158,73 @@ async def use_named_model(request: Request, name: Any) -> str:
     return engine.model_name
 
 
+# --- the choices ---------------------------------------------------------------------------------
+# Choice i of `n` runs as its own engine request seeded with `seed + i` (a random base when the
+# request has no seed), so choices differ under sampling and repeat with the same seed; the
+# requests decode as rows of one batch and later ones reuse the first one's prompt from the prefix
+# cache.
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    if n == 1:
+        return [params]
+    base = params.seed if params.seed is not None else random.getrandbits(62)
+    return [params.with_(seed=(base + i) % 2**63) for i in range(n)]  # seeds stay in range
+
+
+async def merged(handles: Sequence[RequestHandle]) -> AsyncIterator[tuple[int, Event]]:
+    """Every choice's events as they come, tagged with the choice's index."""
+    if len(handles) == 1:
+        async for event in handles[0].stream():
+            yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
+
+    async def pump(i: int, handle: RequestHandle) -> None:
+        try:
+            async for event in handle.stream():
+                await queue.put((i, event))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        open_ = len(tasks)
+        while open_:
+            i, event = await queue.get()
+            if event is None:
+                open_ -= 1
+            else:
+                yield i, event
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+@dataclass
+class Choice:
+    """One choice collected whole."""
+
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    final: Event | None = None
+
+    def add(self, event: Event) -> None:
+        if event.kind == "done":
+            self.final = event
+            return
+        (self.reasoning if event.channel == "reasoning" else self.content).append(event.text)
+        if event.logprobs is not None:
+            self.logprobs.append(event.logprobs)
+
+
+async def collect_choices(handles: Sequence[RequestHandle]) -> list[Choice]:
+    choices = [Choice() for _ in handles]
+    async for i, event in merged(handles):
+        choices[i].add(event)
+    return choices
+
+
 # --- the engine requests ------------------------------------------------------------------------
 
 def public_error(message: str | None) -> str:
@@ -174,13 +243,18 @@ def engine_param(exc: EngineError) -> str | None:
 async def submit(engine: Any, messages: list[dict[str, Any]] | None, params: SamplingParams,
                  n: int = 1, speculative: SpeculativeOptions | None = None,
                  **options: Any) -> list[RequestHandle]:
-    """The accepted engine requests of `n` choices (`options`: `tools`, `split_reasoning`,
-    `keep_alive`, or a raw `text`/`prompt_tokens` instead of `messages`); the engine's refusals
-    become ApiErrors (400 invalid, 429 overloaded, 503 no model)."""
+    """The accepted engine requests of `n` choices, all or none (`options`: `tools`,
+    `split_reasoning`, `keep_alive`, or a raw `text`/`prompt_tokens` instead of `messages`); the
+    engine's refusals become ApiErrors (400 invalid, 429 overloaded, 503 no model)."""
+    handles: list[RequestHandle] = []
     try:
-        return await start_choices(engine, messages, params, n, speculative, **options)
+        for p in choice_params(params, n):
+            handles.append(await start(engine, messages, p, speculative, **options))
     except EngineError as exc:
+        for h in handles:  # those already started
+            h.cancel()
         raise engine_refusal(exc) from None
+    return handles
 
 
 def engine_refusal(exc: EngineError) -> ApiError:
@@ -210,7 +284,9 @@ async def cancel_on_disconnect(request: Request, handles: Sequence[RequestHandle
 async def watched(request: Request, handles: Sequence[RequestHandle]) -> AsyncIterator[None]:
     """While the block runs: the requests count in `/health`, and a client that leaves cancels
     them (as does leaving the block early)."""
-    with tracked(request.app.state.runs, handles):
+    with contextlib.ExitStack() as stack:
+        for handle in handles:
+            stack.enter_context(request.app.state.runs.track(handle))
         watcher = asyncio.create_task(cancel_on_disconnect(request, handles))
         try:
             yield
