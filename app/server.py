@@ -35,7 +35,7 @@ from .api.errors import http_error
 from .security.header_timeout import HeaderTimeoutProtocol
 from .doc_index.store import ChunkStore
 from .storage.folder_lock import FolderBusy, FolderLock
-from .model_switch import ModelSwitch
+from .model_jobs import ModelSwitch
 from .security.key_access import KeyAccess
 from .mcp.config import FILE_NAME as MCP_FILE
 from .mcp.servers import McpServers

@@ -14,7 +14,7 @@ from starlette.routing import Route
 
 from engine import Engine, ModelInfo
 
-from ..model_switch import ModelSwitch, begin_switch
+from ..model_jobs import ModelSwitch, begin_switch
 from .errors import ApiError
 
 # When this server started: the `created` of a model whose files are not on disk.

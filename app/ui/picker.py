@@ -15,7 +15,7 @@ from starlette.routing import Route
 from engine import (DownloadCancelled, DownloadProgress, EngineError, compute_path, list_models,
                     pull_model, remove_model)
 
-from ..model_switch import ModelSwitch, begin_switch
+from ..model_jobs import ModelSwitch, begin_switch
 from ..sse import sse
 from .views import read_form, render
 
