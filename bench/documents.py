@@ -67,7 +67,7 @@ def indexing(engine, folder: Path, pages: int, reps: int) -> dict:
         cid = app.state.storage.create_conversation().id
         up = _attach(app, cid, "report.pdf", raw)
         t = time.perf_counter()
-        read_file(app, up)
+        read_file(app.state, up)
         times.append(time.perf_counter() - t)
         assert app.state.uploads.get(up.id).status == "ready"
         app.state.storage.close()
@@ -136,7 +136,7 @@ def ttft(engine, folder: Path, reps: int) -> dict:
     storage = app.state.storage
     cid = storage.create_conversation().id
     up = _attach(app, cid, "report.pdf", report_pdf(300))
-    read_file(app, up)
+    read_file(app.state, up)
     ref = app.state.uploads.get(up.id).reference()
     with_docs, without, prompt_tokens = [], [], {}
     for i in range(reps):

@@ -7,13 +7,15 @@ from starlette.routing import Route
 
 from engine import device_report
 
+from ..state import app_state
+
 
 async def health(request: Request) -> JSONResponse:
-    engine = request.app.state.engine
+    engine = app_state(request).engine
     status = "failed" if engine.halted else "ok" if engine.model_name else "loading"
-    cluster = getattr(request.app.state, "cluster", None)  # a sharded model (engine/distributed/)
+    cluster = app_state(request).cluster  # a sharded model (engine/distributed/)
     return JSONResponse({"status": status, "model": engine.model_name,
-                         "generating": len(request.app.state.runs),
+                         "generating": len(app_state(request).runs),
                          "device": device_report(int8=engine.int8_activations),
                          **({"error": engine.halted} if engine.halted else {}),
                          **({"distributed": cluster.health()} if cluster else {})},

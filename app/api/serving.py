@@ -9,7 +9,7 @@ embeddings.py):
 2. Choose the model: `require_model` (strict, OpenAI: a name no local model has is a 404, and the
    request is parsed before anything loads) or `use_named_model` (lenient, for clients that send
    their own vendor's names, with `--model-alias`). Both switch the loaded model through the shared
-   model-switch service (app/model_switch.py) and answer 503 while none is loaded.
+   model-switch service (app/model_jobs.py) and answer 503 while none is loaded.
 3. Parse the request into engine messages (or a raw prompt) + `SamplingParams` + `ToolRequest`;
    refuse bad input by raising `ApiError` (status, message, field, code).
 4. `submit` the engine requests (`n` choices; `fit_max_tokens=True` for clients that ask for more
@@ -38,9 +38,10 @@ from typing import Any, AsyncIterator, Iterable, Protocol, Sequence
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from engine import (EngineError, Event, InvalidRequest, ModelLoadError, Overloaded, RequestHandle,
+from engine import (Engine, EngineError, Event, InvalidRequest, ModelLoadError, Overloaded, RequestHandle,
                     SamplingParams, SpeculativeOptions, TokenLogprob)
 
+from ..state import app_state
 from ..submission import start
 from .errors import ApiError
 from .models import use_model
@@ -113,7 +114,7 @@ async def require_model(request: Request, body: Any, check: Any = None) -> str:
     names a local model (loaded first) or is absent (the loaded one). `check(body, name)` parses
     the request against the named model before anything loads, so a bad request loads nothing.
     Raises ApiError: 503 while no model is loaded, 404 for a name no local model has."""
-    engine = request.app.state.engine
+    engine = app_state(request).engine
     if engine.model_name is None:
         raise model_loading()
     wanted = body.get("model") if isinstance(body, dict) else None
@@ -148,9 +149,9 @@ async def use_named_model(request: Request, name: Any) -> str:
     (`--model-alias`), or a local model's own name, loads that model; any other name (Claude Code's
     `claude-*`, Codex's `gpt-*`) runs on the loaded model. Raises ApiError (503) while none is
     loaded."""
-    engine = request.app.state.engine
+    engine = app_state(request).engine
     if isinstance(name, str):
-        target = aliased(getattr(request.app.state, "aliases", {}), name)
+        target = aliased(app_state(request).aliases, name)
         if target != engine.model_name and target in {m.name for m in engine.list_models()}:
             await use_model(request, target)
     if engine.model_name is None:
@@ -240,7 +241,7 @@ def engine_param(exc: EngineError) -> str | None:
                                                                               exc.field)
 
 
-async def submit(engine: Any, messages: list[dict[str, Any]] | None, params: SamplingParams,
+async def submit(engine: Engine, messages: list[dict[str, Any]] | None, params: SamplingParams,
                  n: int = 1, speculative: SpeculativeOptions | None = None,
                  **options: Any) -> list[RequestHandle]:
     """The accepted engine requests of `n` choices, all or none (`options`: `tools`,
@@ -286,7 +287,7 @@ async def watched(request: Request, handles: Sequence[RequestHandle]) -> AsyncIt
     them (as does leaving the block early)."""
     with contextlib.ExitStack() as stack:
         for handle in handles:
-            stack.enter_context(request.app.state.runs.track(handle))
+            stack.enter_context(app_state(request).runs.track(handle))
         watcher = asyncio.create_task(cancel_on_disconnect(request, handles))
         try:
             yield

@@ -25,7 +25,7 @@ from typing import Any, Awaitable, Callable
 
 from engine import InvalidRequest, ToolCall, ToolRequest, tool_request
 
-from ..storage import McpChoice, Storage
+from ..storage import Conversation, McpChoice, Storage
 from ..ui.views import message_views, render
 from .approval import Approvals, key, standing
 from .servers import McpServers, ToolInfo, ToolResult
@@ -148,7 +148,7 @@ def _arguments(call: ToolCall) -> dict[str, Any] | None:
     return args if isinstance(args, dict) else None
 
 
-async def run_calls(tools: TurnTools, storage: Storage, conv: Any, answer_id: int,
+async def run_calls(tools: TurnTools, storage: Storage, conv: Conversation, answer_id: int,
                     calls: tuple[ToolCall, ...], send: Send, stopped: Callable[[], bool]) -> int:
     """Ask for, run and store each call of the answer `answer_id`; returns the id of the last
     result (where the next answer goes)."""
@@ -173,7 +173,7 @@ async def run_calls(tools: TurnTools, storage: Storage, conv: Any, answer_id: in
     return parent
 
 
-async def _one_call(tools: TurnTools, storage: Storage, conv: Any, call: ToolCall,
+async def _one_call(tools: TurnTools, storage: Storage, conv: Conversation, call: ToolCall,
                     tool: ToolInfo | None, send: Send,
                     stopped: Callable[[], bool]) -> tuple[ToolResult, str]:
     """One call: checked, approved (or not), run; its result and how it ended."""
@@ -194,7 +194,7 @@ async def _one_call(tools: TurnTools, storage: Storage, conv: Any, call: ToolCal
     return await _run(tools, tool, args, send, stopped)
 
 
-async def _ask(tools: TurnTools, storage: Storage, conv: Any, call: ToolCall, tool: ToolInfo,
+async def _ask(tools: TurnTools, storage: Storage, conv: Conversation, call: ToolCall, tool: ToolInfo,
                args: dict[str, Any], send: Send) -> str:
     """The user's decision on the call, asked on the page; "always" is kept for the
     conversation's later calls and turns."""

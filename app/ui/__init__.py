@@ -3,9 +3,4 @@ a WebSocket per open conversation (chat_socket.py) whose turns run in chat_turn.
 for conversations longer than the context (context_notice.py), the MCP tools panel
 (tools_panel.py), export and import (exports.py), the composer's uploads (uploads.py) and
 attachments (attachments.py), the login page (login.py); model text becomes safe HTML in
-markdown.py."""
-
-from . import chat_socket, context_notice, pages, picker, tools_panel
-
-routes = [*pages.routes, *context_notice.routes, *picker.routes, *chat_socket.routes,
-          *tools_panel.routes]
+markdown.py. routes.py gathers their routes."""

@@ -12,8 +12,8 @@ from typing import Any
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from ..state import AppState, app_state
 from .chat_turn import Generation, respond
-from .conversation_pages import Conversations
 from .views import message_views, parts, render
 
 RECONNECT_GRACE_S = 5.0  # an answer nobody watches goes on this long for a reload to come back
@@ -26,10 +26,10 @@ async def chat_socket(ws: WebSocket) -> None:
         await ws.close(code=4404)
         return
     await ws.accept()
-    pages: Conversations = ws.app.state.conversations
+    pages = app_state(ws).conversations
     pages.join(conv.id, id(ws), ws.send_text)
     try:
-        await ws.send_text(_current_state(ws.app, conv.id))
+        await ws.send_text(_current_state(app_state(ws), conv.id))
         while True:
             message = await ws.receive()
             if message["type"] == "websocket.disconnect":
@@ -53,7 +53,7 @@ async def chat_socket(ws: WebSocket) -> None:
 
 async def _act(ws: WebSocket, cid: int, data: dict[str, Any]) -> None:
     """Stop the running turn, or start one (one at a time per conversation, whichever page)."""
-    pages: Conversations = ws.app.state.conversations
+    pages = app_state(ws).conversations
     action = data.get("action")
     running = pages.running(cid)
     if action == "stop":
@@ -70,7 +70,7 @@ async def _act(ws: WebSocket, cid: int, data: dict[str, Any]) -> None:
     else:
         gen = Generation()
         pages.claim(cid, gen)
-        gen.task = asyncio.create_task(respond(ws.app, cid, action, data, gen))
+        gen.task = asyncio.create_task(respond(app_state(ws), cid, action, data, gen))
 
 
 def _decode(message: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
@@ -89,14 +89,14 @@ def _decode(message: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     return data, None
 
 
-def _current_state(app: Any, cid: int) -> str:
+def _current_state(state: AppState, cid: int) -> str:
     """The conversation as the database has it, and whether a turn is running in it: sent to
     each page when its socket (re)connects, so that a page left behind by a restart or a lost
     connection shows no answer as still being written."""
-    storage = app.state.storage
+    storage = state.storage
     conv = storage.get_conversation(cid)
     views = message_views(storage, storage.active_path(cid))
-    running = app.state.conversations.running(cid)
+    running = state.conversations.running(cid)
     tools = running.tools if isinstance(running, Generation) else None
     return (render("_messages.html", conv=conv, views=views, oob=True)
             + render("_composer_actions.html", generating=running is not None, oob=True)

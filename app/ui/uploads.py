@@ -25,12 +25,12 @@ import time
 import unicodedata
 import uuid
 from pathlib import Path
-from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from ..state import AppState, app_state
 from ..uploads.documents import NotAttachable
 from ..uploads.kinds import HEAD_BYTES, Processing, kind_named, kind_of
 from ..uploads.store import PART_PREFIX, Upload, UploadStore
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 UPLOAD_MAX_BYTES = 64 * 1024 * 1024
 IDLE_TIMEOUT_S = 30.0  # the most a body may pause
 UPLOAD_TIMEOUT_S = 600.0  # the most a whole upload may take (64 MiB at ~110 KB/s)
-READERS = 2  # files read at once (app.state.readers)
+READERS = 2  # files read at once (AppState.readers)
 NAME_LENGTH = 200
 POLL_S = 1  # how often a reading chip asks again
 UPLOAD_PATH = re.compile(r"^/c/\d+/uploads$")
@@ -65,7 +65,7 @@ def clean_name(raw: str | None) -> str:
 
 
 def store_of(request: Request) -> UploadStore:
-    return request.app.state.uploads
+    return app_state(request).uploads
 
 
 templates.globals["upload_poll_s"] = POLL_S
@@ -149,7 +149,7 @@ async def create(request: Request) -> Response:
     os.replace(part, store.blob(sha256))  # the same bytes again: one copy
     up, fresh = await asyncio.to_thread(store.add, conv.id, name, sha256, kind.name, size)
     if fresh:
-        start_reading(request.app, up)
+        start_reading(app_state(request), up)
     return _answer(request, up, 201)
 
 
@@ -163,22 +163,22 @@ async def show(request: Request) -> Response:
     return _answer(request, up)
 
 
-def start_reading(app: Any, up: Upload) -> None:
+def start_reading(state: AppState, up: Upload) -> None:
     """Read the stored file (its kind's `process`) on the app's own reader threads, keeping the
     task: uploads queue there, never taking the threads chat turns prepare their prompts on."""
-    task = asyncio.wrap_future(app.state.readers.submit(read_file, app, up))
-    app.state.reading.add(task)
-    task.add_done_callback(app.state.reading.discard)
+    task = asyncio.wrap_future(state.readers.submit(read_file, state, up))
+    state.reading.add(task)
+    task.add_done_callback(state.reading.discard)
 
 
-def read_file(app: Any, up: Upload) -> None:
+def read_file(state: AppState, up: Upload) -> None:
     """Run the kind's `process` on the stored file; record what it gave, or why it failed."""
-    store: UploadStore = app.state.uploads
+    store = state.uploads
     kind = kind_named(up.kind)
-    job = Processing(engine=app.state.engine, path=store.blob(up.sha256), sha256=up.sha256,
+    job = Processing(engine=state.engine, path=store.blob(up.sha256), sha256=up.sha256,
                      name=up.name, kind=up.kind,
                      progress=lambda stage, fraction: store.progress(up.sha256, stage, fraction),
-                     index=app.state.chunks, embedding_model=app.state.document_embeddings)
+                     index=state.chunks, embedding_model=state.document_embeddings)
     try:
         if kind is None:
             raise NotAttachable(f"no reader for {up.kind} files")

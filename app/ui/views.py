@@ -17,6 +17,7 @@ from web import __file__ as _web_init
 from ..doc_index.answering import Citation, citations
 from .markdown import render_markdown, render_plain, render_tool_calls, render_tool_result
 from ..security.socket_limits import WS_MAX_BYTES
+from ..state import app_state
 from ..storage import Conversation, Message, Storage
 from .settings import SAMPLING_FIELDS, default_sources, preset_settings
 
@@ -90,7 +91,7 @@ def render(template: str, **context: Any) -> str:
 
 
 def parts(conn: Request | WebSocket) -> tuple[Storage, Engine]:
-    return conn.app.state.storage, conn.app.state.engine
+    return app_state(conn).storage, app_state(conn).engine
 
 
 def settings_context(conv: Conversation, errors: dict[str, str] | None = None,
@@ -127,7 +128,7 @@ async def read_form(request: Request) -> dict[str, str]:
 
 
 def conversation_of(request: Request) -> Conversation | None:
-    return request.app.state.storage.get_conversation(int(request.path_params["cid"]))
+    return app_state(request).storage.get_conversation(int(request.path_params["cid"]))
 
 
 def not_found() -> HTMLResponse:

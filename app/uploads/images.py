@@ -33,6 +33,7 @@ from engine import ImageInput
 
 from ..api.errors import ApiError
 from ..api.images import decode_image, decode_url, image_part, to_data_url
+from ..state import app_state
 from ..storage import Message, Storage
 from .kinds import FileKind, NotAttachable, Processed, Processing, register_kind
 from .store import UploadStore
@@ -80,7 +81,7 @@ async def show_image(request: Request) -> Response:
     """`GET /c/{cid}/uploads/{id}/image`: the image as PNG (pixels only)."""
     from starlette.concurrency import run_in_threadpool
 
-    store: UploadStore = request.app.state.uploads
+    store = app_state(request).uploads
     up = store.get(int(request.path_params["uid"]), int(request.path_params["cid"]))
     if up is None or up.kind != "image" or up.status != "ready":
         return Response("no such image in this conversation", status_code=404,
