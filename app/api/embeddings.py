@@ -61,7 +61,8 @@ def _encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
 
 
 async def embeddings(request: Request) -> Response:
-    engine = app_state(request).engine
+    state = app_state(request)
+    engine = state.engine
     try:
         body = check_fields(await read_body(request), _FIELDS)
         if body.get("input") is None:
@@ -76,7 +77,7 @@ async def embeddings(request: Request) -> Response:
                            "input_type", "invalid_value")
         model = typed(body, "model", str)
         if model is not None:  # `--model-alias text-embedding-*=...` for clients' own names
-            model = aliased(app_state(request).aliases, model)
+            model = aliased(state.aliases, model)
         result = await embed(engine, body["input"], model=model,
                              dimensions=typed(body, "dimensions", int),
                              truncate=bool(typed(body, "truncate", bool)),

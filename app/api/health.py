@@ -11,11 +11,12 @@ from ..state import app_state
 
 
 async def health(request: Request) -> JSONResponse:
-    engine = app_state(request).engine
+    state = app_state(request)
+    engine = state.engine
     status = "failed" if engine.halted else "ok" if engine.model_name else "loading"
-    cluster = app_state(request).cluster  # a sharded model (engine/distributed/)
+    cluster = state.cluster  # a sharded model (engine/distributed/)
     return JSONResponse({"status": status, "model": engine.model_name,
-                         "generating": len(app_state(request).runs),
+                         "generating": len(state.runs),
                          "device": device_report(int8=engine.int8_activations),
                          **({"error": engine.halted} if engine.halted else {}),
                          **({"distributed": cluster.health()} if cluster else {})},

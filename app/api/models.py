@@ -55,8 +55,9 @@ def find_model(engine: Engine, name: str) -> ModelInfo:
 async def use_model(request: Request, name: Any) -> None:
     """Make `name` the loaded model (None: whichever is loaded); raises ApiError when no local
     model has that name or it cannot load. A name that is not a string is left to the parser."""
-    engine = app_state(request).engine
-    switch = app_state(request).switch
+    state = app_state(request)
+    engine = state.engine
+    switch = state.switch
     if not isinstance(name, str):
         return
     for _ in range(MAX_SWITCHES):
@@ -94,11 +95,12 @@ async def list_models(request: Request) -> JSONResponse:
 
 async def retrieve_model(request: Request) -> JSONResponse:
     """One local model, as OpenAI's `models.retrieve` asks for it."""
+    engine = app_state(request).engine
     try:
-        model = find_model(app_state(request).engine, request.path_params["model"])
+        model = find_model(engine, request.path_params["model"])
     except ApiError as exc:
         return exc.response(request.url.path)
-    return JSONResponse(model_object(model, app_state(request).engine))
+    return JSONResponse(model_object(model, engine))
 
 
 routes = [

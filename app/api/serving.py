@@ -149,9 +149,10 @@ async def use_named_model(request: Request, name: Any) -> str:
     (`--model-alias`), or a local model's own name, loads that model; any other name (Claude Code's
     `claude-*`, Codex's `gpt-*`) runs on the loaded model. Raises ApiError (503) while none is
     loaded."""
-    engine = app_state(request).engine
+    state = app_state(request)
+    engine = state.engine
     if isinstance(name, str):
-        target = aliased(app_state(request).aliases, name)
+        target = aliased(state.aliases, name)
         if target != engine.model_name and target in {m.name for m in engine.list_models()}:
             await use_model(request, target)
     if engine.model_name is None:

@@ -20,16 +20,17 @@ RECONNECT_GRACE_S = 5.0  # an answer nobody watches goes on this long for a relo
 
 
 async def chat_socket(ws: WebSocket) -> None:
+    state = app_state(ws)
     storage, _ = parts(ws)
     conv = storage.get_conversation(int(ws.path_params["cid"]))
     if conv is None:
         await ws.close(code=4404)
         return
     await ws.accept()
-    pages = app_state(ws).conversations
+    pages = state.conversations
     pages.join(conv.id, id(ws), ws.send_text)
     try:
-        await ws.send_text(_current_state(app_state(ws), conv.id))
+        await ws.send_text(_current_state(state, conv.id))
         while True:
             message = await ws.receive()
             if message["type"] == "websocket.disconnect":
@@ -53,7 +54,8 @@ async def chat_socket(ws: WebSocket) -> None:
 
 async def _act(ws: WebSocket, cid: int, data: dict[str, Any]) -> None:
     """Stop the running turn, or start one (one at a time per conversation, whichever page)."""
-    pages = app_state(ws).conversations
+    state = app_state(ws)
+    pages = state.conversations
     action = data.get("action")
     running = pages.running(cid)
     if action == "stop":
@@ -70,7 +72,7 @@ async def _act(ws: WebSocket, cid: int, data: dict[str, Any]) -> None:
     else:
         gen = Generation()
         pages.claim(cid, gen)
-        gen.task = asyncio.create_task(respond(app_state(ws), cid, action, data, gen))
+        gen.task = asyncio.create_task(respond(state, cid, action, data, gen))
 
 
 def _decode(message: dict[str, Any]) -> tuple[dict[str, Any], str | None]:

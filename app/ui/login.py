@@ -57,8 +57,9 @@ async def login(request: Request) -> Response:
 
 async def logout(request: Request) -> Response:
     """Revokes this browser's session token and clears its cookie."""
-    app_state(request).access.revoke(_cookie(request.headers, SESSION_COOKIE))
-    response = RedirectResponse(LOGIN_PATH if app_state(request).api_key else "/", status_code=303)
+    state = app_state(request)
+    state.access.revoke(_cookie(request.headers, SESSION_COOKIE))
+    response = RedirectResponse(LOGIN_PATH if state.api_key else "/", status_code=303)
     response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
     return response
 

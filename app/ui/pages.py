@@ -36,6 +36,7 @@ def _new_conversation(request: Request, copy_from: Conversation | None) -> Conve
 
 
 async def conversation_page(request: Request) -> Response:
+    state = app_state(request)
     storage, _ = parts(request)
     conv = conversation_of(request)
     if conv is None:
@@ -43,8 +44,8 @@ async def conversation_page(request: Request) -> Response:
     html = await asyncio.to_thread(lambda: render(  # a long conversation renders off the loop
         "chat.html", conversations=storage.list_conversations(), current_id=conv.id,
         q="", views=message_views(storage, storage.active_path(conv.id)), generating=False,
-        logout=bool(app_state(request).api_key), draft_uploads=draft_uploads(storage, conv),
-        **settings_context(conv, engine=app_state(request).engine), **models_context(request),
+        logout=bool(state.api_key), draft_uploads=draft_uploads(storage, conv),
+        **settings_context(conv, engine=state.engine), **models_context(request),
     ))
     # Boosted navigation: make the address bar show the conversation (also after a redirect).
     return HTMLResponse(html, headers={"HX-Push-Url": f"/c/{conv.id}"} if

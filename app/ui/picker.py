@@ -18,9 +18,11 @@ from ..sse import sse
 from ..state import app_state
 from .views import read_form, render
 
+
 async def switch_model(request: Request) -> Response:
-    engine = app_state(request).engine
-    switch = app_state(request).switch
+    state = app_state(request)
+    engine = state.engine
+    switch = state.switch
     name = str((await read_form(request)).get("name", ""))
     if not switch.loading and name != engine.model_name:
         if name not in {m.name for m in engine.list_models()}:
@@ -34,8 +36,9 @@ async def load_options(request: Request) -> Response:
     """The picker's load-time options: "int8_activations" ("on" or absent) reloads the current
     model on the CPU kernels' int8-activation path or the exact one, through the one model
     switch; nothing happens where the model does not run on the kernels or nothing changes."""
-    engine = app_state(request).engine
-    switch = app_state(request).switch
+    state = app_state(request)
+    engine = state.engine
+    switch = state.switch
     wanted = (await read_form(request)).get("int8_activations") == "on"
     current = engine.int8_activations
     if not switch.loading and current is not None and wanted != current:
@@ -63,11 +66,12 @@ def _progress(request: Request, busy: Callable[[], bool], describe: Callable[[],
 
 
 async def start_download(request: Request) -> Response:
-    download = app_state(request).download
+    state = app_state(request)
+    download = state.download
     spec = str((await read_form(request)).get("spec", "")).strip()
     if not download.active and spec:
         fresh = ModelDownload(spec=spec)
-        app_state(request).download = fresh
+        state.download = fresh
 
         def progress(p: DownloadProgress) -> None:
             fresh.progress = p
@@ -101,8 +105,9 @@ async def download_progress(request: Request) -> Response:
 
 async def delete_model(request: Request) -> Response:
     """Delete a downloaded model (the page asked for confirmation); never the loaded one."""
-    engine = app_state(request).engine
-    download = app_state(request).download
+    state = app_state(request)
+    engine = state.engine
+    download = state.download
     name = str((await read_form(request)).get("name", ""))
     found = next((m for m in list_models() if m.name == name), None)
     download.finished = None
@@ -130,10 +135,11 @@ def _shown_once(download: ModelDownload) -> ModelDownload:
 
 
 def models_context(request: Request) -> dict[str, Any]:
-    engine = app_state(request).engine
-    cluster = app_state(request).cluster  # a sharded model (engine/distributed/)
+    state = app_state(request)
+    engine = state.engine
+    cluster = state.cluster  # a sharded model (engine/distributed/)
     return {"models": engine.list_models(), "current_model": engine.model_name,
-            "switch": app_state(request).switch, "download": _shown_once(app_state(request).download),
+            "switch": state.switch, "download": _shown_once(state.download),
             "resident": engine.status().resident,
             # None where the model does not run on the CPU kernels: the option is not shown
             "int8_activations": engine.int8_activations,

@@ -23,13 +23,13 @@ MAX_ROUNDS_LIMIT = 64
 
 def _panel(request: Request, conv: Conversation, *, error: str = "", saved: str = "",
            status: int = 200) -> HTMLResponse:
-    servers = app_state(request).mcp
+    app = app_state(request)
+    servers = app.mcp
     servers.ensure_started()
-    storage = app_state(request).storage
     shown = [{**s.config.public(), "state": s.state, "reason": s.reason, "tools": s.tools}
              for s in servers.servers.values()]
     return HTMLResponse(render("_tools_panel.html", conv=conv, servers=shown,
-                               choice=storage.mcp_choice(conv.id), edit=app_state(request).mcp_edit,
+                               choice=app.storage.mcp_choice(conv.id), edit=app.mcp_edit,
                                path=str(servers.path), file_error=servers.error, error=error,
                                saved=saved, max_rounds_limit=MAX_ROUNDS_LIMIT), status_code=status)
 
@@ -57,13 +57,14 @@ def choice_form(form: dict[str, str], known: set[str], always: tuple[str, ...]) 
 
 
 async def save_choice(request: Request) -> Response:
+    state = app_state(request)
     conv = conversation_of(request)
     if conv is None:
         return not_found()
-    storage = app_state(request).storage
-    app_state(request).mcp.ensure_started()
+    storage = state.storage
+    state.mcp.ensure_started()
     try:
-        choice = choice_form(await read_form(request), set(app_state(request).mcp.servers),
+        choice = choice_form(await read_form(request), set(state.mcp.servers),
                              storage.mcp_choice(conv.id).always)
     except ValueError as exc:
         return _panel(request, conv, error=str(exc), status=400)
@@ -82,6 +83,7 @@ def _edited(request: Request, change: Any) -> dict[str, config.ServerConfig]:
 
 async def add_servers(request: Request) -> Response:
     """Add (or replace, by name) the servers of a pasted mcp.json."""
+    state = app_state(request)
     conv = conversation_of(request)
     if conv is None:
         return not_found()
@@ -90,33 +92,34 @@ async def add_servers(request: Request) -> Response:
         pasted = config.parse(form.get("config") or "")
         if not pasted:
             raise ConfigError("paste an mcp.json, or the entries of its mcpServers")
-        if not app_state(request).mcp_edit and any(s.command for s in pasted.values()):
+        if not state.mcp_edit and any(s.command for s in pasted.values()):
             return _panel(request, conv, status=403, error=(
                 "Adding a command from the page is allowed only when mlxchat listens on "
-                f"127.0.0.1 without --allow-remote: edit {app_state(request).mcp.path} instead."))
+                f"127.0.0.1 without --allow-remote: edit {state.mcp.path} instead."))
         _edited(request, lambda servers: servers.update(pasted))
     except ConfigError as exc:
         return _panel(request, conv, error=f"Not added: {exc}", status=400)
-    await app_state(request).mcp.restart()
+    await state.mcp.restart()
     return _panel(request, conv, saved=f"Added {', '.join(pasted)}.")
 
 
 async def _server_edit(request: Request, what: str, change: Any) -> Response:
     """A change to one server of mcp.json from the panel (`change(servers, name, form)`: the
     message to show); only where the page may edit the file."""
+    state = app_state(request)
     conv = conversation_of(request)
     if conv is None:
         return not_found()
     form = await read_form(request)
     name = form.get("name", "")
-    if not app_state(request).mcp_edit:
+    if not state.mcp_edit:
         return _panel(request, conv, status=403, error=f"Edit mcp.json to {what}.")
     done: list[str] = []
     try:
         _edited(request, lambda servers: done.append(change(servers, name, form)))
     except ConfigError as exc:
         return _panel(request, conv, error=str(exc), status=400)
-    await app_state(request).mcp.restart()
+    await state.mcp.restart()
     return _panel(request, conv, saved=done[0])
 
 

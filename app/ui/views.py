@@ -91,7 +91,8 @@ def render(template: str, **context: Any) -> str:
 
 
 def parts(conn: Request | WebSocket) -> tuple[Storage, Engine]:
-    return app_state(conn).storage, app_state(conn).engine
+    state = app_state(conn)
+    return state.storage, state.engine
 
 
 def settings_context(conv: Conversation, errors: dict[str, str] | None = None,
