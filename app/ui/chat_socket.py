@@ -14,6 +14,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..state import AppState, app_state
 from .chat_turn import Generation, respond
+from .tool_rounds import question_html
 from .views import message_views, parts, render
 
 RECONNECT_GRACE_S = 5.0  # an answer nobody watches goes on this long for a reload to come back
@@ -102,7 +103,7 @@ def _current_state(state: AppState, cid: int) -> str:
     tools = running.tools if isinstance(running, Generation) else None
     return (render("_messages.html", conv=conv, views=views, oob=True)
             + render("_composer_actions.html", generating=running is not None, oob=True)
-            + (tools.approvals.shown if tools else ""))
+            + (question_html(tools.approvals.asking) if tools and tools.approvals.asking else ""))
 
 
 async def _notice(ws: WebSocket, text: str) -> None:

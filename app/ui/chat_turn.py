@@ -24,6 +24,7 @@ from ..submission import start
 from .context_notice import prepare_send
 from .prompt import document_prompt, prompt_with_documents
 from .settings import sampling_params, speculative_options
+from .tool_rounds import RoundsPages
 from .user_turn import record_user_turn
 from .views import message_views, render
 
@@ -96,7 +97,7 @@ async def respond(state: AppState, cid: int, action: str, data: dict[str, Any], 
             return
         await pages.send(cid, turn.opening)
         gen.tools = await mcp_rounds.turn_tools(state.mcp, state.storage, cid,
-                                                lambda html: pages.send(cid, html))
+                                                RoundsPages(pages, state.storage, cid))
         if gen.tools is not None:  # tools run with plain decoding (the engine refuses both)
             turn.tools = gen.tools.request_after(state.storage.active_path(cid)[:-1])
             turn.speculative = None
@@ -196,7 +197,7 @@ async def tool_rounds(state: AppState, turn: Recorded, streamed: Streamed,
            and not gen.stop_requested):
         parent = await mcp_rounds.run_calls(
             gen.tools, storage, turn.conv, turn.answer.id, streamed.final.tool_calls,
-            lambda html: state.conversations.send(cid, html), lambda: gen.stop_requested)
+            RoundsPages(state.conversations, storage, cid), lambda: gen.stop_requested)
         if gen.stop_requested:
             break
         answer = storage.add_message(cid, parent, "assistant", "", state="streaming",
