@@ -36,8 +36,9 @@ from .doc_index.store import ChunkStore
 from .mcp.config import FILE_NAME as MCP_FILE
 from .mcp.servers import McpServers
 from .runs import Runs
-from .security.guards import (LOOPBACK_NAMES, ApiKeyGuard, BodyLimit, HostGuard, OriginGuard,
-                              SecurityHeaders, is_loopback)
+from .security.api_key import ApiKeyGuard
+from .security.guards import (LOOPBACK_NAMES, BodyLimit, HostGuard, OriginGuard, SecurityHeaders,
+                              is_loopback)
 from .security.header_timeout import HeaderTimeoutProtocol
 from .security.key_access import KeyAccess
 from .security.socket_limits import WS_MAX_BYTES

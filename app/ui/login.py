@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from ..security.guards import LOGIN_PATH, LOGOUT_PATH, SESSION_COOKIE, _cookie, client_address
+from ..security.api_key import LOGIN_PATH, LOGOUT_PATH, SESSION_COOKIE, client_address, session_cookie
 from ..state import app_state
 from .views import read_form, render
 
@@ -58,7 +58,7 @@ async def login(request: Request) -> Response:
 async def logout(request: Request) -> Response:
     """Revokes this browser's session token and clears its cookie."""
     state = app_state(request)
-    state.access.revoke(_cookie(request.headers, SESSION_COOKIE))
+    state.access.revoke(session_cookie(request.headers))
     response = RedirectResponse(LOGIN_PATH if state.api_key else "/", status_code=303)
     response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
     return response
