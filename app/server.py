@@ -48,6 +48,7 @@ from .storage.folder_lock import FolderBusy, FolderLock
 from .ui import routes as ui_routes
 from .ui import uploads
 from .uploads import images as image_uploads
+from .uploads.reading import READERS
 from .uploads.store import UploadStore
 
 STATIC_DIR = Path(static.__file__).parent
@@ -97,7 +98,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     app.state = AppState(
         engine=engine, storage=storage, access=access, mcp=mcp, uploads=upload_store,
         chunks=ChunkStore(storage),
-        readers=ThreadPoolExecutor(uploads.READERS, thread_name_prefix="upload-reader"),
+        readers=ThreadPoolExecutor(READERS, thread_name_prefix="upload-reader"),
         aliases=dict(aliases or {}), mcp_edit=mcp_edit, document_embeddings=document_embeddings,
         cluster=cluster)
     return app

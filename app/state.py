@@ -33,7 +33,7 @@ class AppState:
     mcp: McpServers  # the MCP servers of mcp.json, beside the database
     uploads: UploadStore
     chunks: ChunkStore  # uploaded documents' index
-    readers: ThreadPoolExecutor  # the threads uploads are read on (app/ui/uploads.py)
+    readers: ThreadPoolExecutor  # the threads uploads are read on (app/uploads/reading.py)
     aliases: dict[str, str] = field(default_factory=dict)  # `--model-alias`: a name -> a local model
     mcp_edit: bool = True  # whether the page may add MCP servers (run commands)
     document_embeddings: str | None = None  # the model that embeds uploaded documents besides BM25

@@ -59,7 +59,7 @@ def _attach(app: SimpleNamespace, cid: int, name: str, raw: bytes):
 
 def indexing(engine, folder: Path, pages: int, reps: int) -> dict:
     """Pages per second through `read_file` (a fresh database each run)."""
-    from app.ui.uploads import read_file
+    from app.uploads.reading import read_file
 
     raw, times = report_pdf(pages), []
     for i in range(reps):
@@ -129,7 +129,7 @@ async def _first_token(engine, messages) -> None:
 def ttft(engine, folder: Path, reps: int) -> dict:
     """TTFT of QUESTION over the 300-page PDF against without documents."""
     from app.ui.prompt import engine_messages, prompt_with_documents
-    from app.ui.uploads import read_file
+    from app.uploads.reading import read_file
     from engine import count_tokens
 
     app = _app(engine, folder / "ttft")

@@ -2,7 +2,7 @@
 read: its text extracted (a PDF page by page in a child process with limits: app/uploads/pdf_text.py),
 counted with the loaded model's tokenizer, cut into chunks (app/doc_index/chunking.py) and stored
 in the index with progress; with an embedding model chosen (`Processing.embedding_model`), each
-chunk's vector too. Runs in a worker thread (app/ui/uploads.py)."""
+chunk's vector too. Runs in a worker thread (app/uploads/reading.py)."""
 
 import codecs
 import logging
