@@ -47,7 +47,6 @@ from .storage import Storage
 from .storage.folder_lock import FolderBusy, FolderLock
 from .ui import routes as ui_routes
 from .ui import uploads
-from .uploads import images as image_uploads
 from .uploads.reading import READERS
 from .uploads.store import UploadStore
 
@@ -78,7 +77,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     storage.interrupt_streaming()  # answers cut off by a crash: keep their text, mark them
     access = KeyAccess(api_key)
     app = Starlette(
-        routes=[*api.routes, *ui_routes.routes, *image_uploads.routes,
+        routes=[*api.routes, *ui_routes.routes,
                 Mount("/static", StaticFiles(directory=STATIC_DIR))],
         lifespan=mcp.lifespan,
         exception_handlers={HTTPException: http_error},

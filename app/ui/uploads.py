@@ -12,6 +12,8 @@ app/uploads/kinds.py such as images):
   (app/uploads/reading.py).
 - `GET /c/{cid}/uploads/{id}`: the same JSON, or the chip, which polls this route while the file
   is being read (its stage and progress) and then shows its size and tokens, or why it was refused.
+- `GET /c/{cid}/uploads/{id}/image` (`?thumb=1`: a thumbnail): an image upload re-encoded as PNG
+  from its pixels (app/uploads/images.py), so no EXIF ever leaves the data folder.
 
 Messages refer to uploads by id (app/ui/user_turn.py); the file's text never travels in a form.
 Every route is guarded like the rest (Host, Origin, the API key); the JSON body limit
@@ -22,12 +24,15 @@ import os
 import re
 import uuid
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from ..state import app_state
 from ..uploads import receiving
+from ..uploads.documents import NotAttachable
+from ..uploads.images import load as load_image, png_bytes
 from ..uploads.kinds import HEAD_BYTES, kind_of
 from ..uploads.reading import start_reading
 from ..uploads.store import PART_PREFIX, Upload
@@ -118,5 +123,23 @@ async def show(request: Request) -> Response:
     return _answer(request, up)
 
 
+async def show_image(request: Request) -> Response:
+    """`GET /c/{cid}/uploads/{id}/image`: the image as PNG (pixels only)."""
+    store = app_state(request).uploads
+    up = store.get(int(request.path_params["uid"]), int(request.path_params["cid"]))
+    if up is None or up.kind != "image" or up.status != "ready":
+        return Response("no such image in this conversation", status_code=404,
+                        media_type="text/plain")
+    thumb = request.query_params.get("thumb") == "1"
+    try:
+        body = await run_in_threadpool(lambda: png_bytes(load_image(store.blob(up.sha256), up.name), thumb))
+    except (NotAttachable, OSError):
+        return Response("the image can no longer be read", status_code=410, media_type="text/plain")
+    return Response(body, media_type="image/png",
+                    headers={"Cache-Control": "private, max-age=3600",
+                             "Content-Security-Policy": "default-src 'none'"})
+
+
 routes = [Route("/c/{cid:int}/uploads", create, methods=["POST"]),
-          Route("/c/{cid:int}/uploads/{uid:int}", show, methods=["GET"])]
+          Route("/c/{cid:int}/uploads/{uid:int}", show, methods=["GET"]),
+          Route("/c/{cid:int}/uploads/{uid:int}/image", show_image, methods=["GET"])]
