@@ -8,11 +8,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from engine import SamplingParams, SpeculativeOptions
+from engine import MESSAGE_ROLES, SamplingParams, SpeculativeOptions
 
 from .records import MESSAGE_STATES
 
-ROLES = ("system", "user", "assistant", "tool")
 MAX_MESSAGES = 100_000
 MAX_TITLE_CHARS = 1_000
 FUTURE_SLACK_S = 86_400  # clocks differ; a time further ahead than this is refused
@@ -77,7 +76,7 @@ class Settings(BaseModel):
 class ImportedMessage(_Strict):
     id: int | None = None
     parent: int | None = None
-    role: Literal[ROLES]
+    role: Literal[MESSAGE_ROLES]
     content: str | None = None
     model: str | None = None
     sampling: dict[str, Any] | None = None
