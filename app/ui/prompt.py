@@ -10,7 +10,7 @@ from ..context import TRUNCATE_MODES, drop_oldest
 from ..doc_index.answering import DocumentPrompt
 from ..state import AppState
 from ..uploads.documents import with_documents
-from ..uploads.images import resolve_images, with_images
+from ..uploads.image_uploads import resolve_images, with_images
 from ..storage import Message
 
 

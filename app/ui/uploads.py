@@ -32,7 +32,7 @@ from starlette.routing import Route
 from ..state import app_state
 from ..uploads import receiving
 from ..uploads.documents import NotAttachable
-from ..uploads.images import load as load_image, png_bytes
+from ..uploads.image_uploads import load as load_image, png_bytes
 from ..uploads.kinds import HEAD_BYTES, kind_of
 from ..uploads.reading import start_reading
 from ..uploads.store import PART_PREFIX, Upload
