@@ -83,7 +83,7 @@ def test_kind_comes_from_the_content(http):
 def test_unsupported_empty_and_too_large_files_are_refused_and_leave_nothing(http, server, monkeypatch):
     cid = new_conversation(http)
     before = sorted(p.name for p in folder(server).iterdir())
-    # (a PNG is an image upload since app/uploads/images.py: an archive is unsupported)
+    # (a PNG is an image upload since app/uploads/image_uploads.py: an archive is unsupported)
     archive = post(http, cid, "files.zip", b"PK\x03\x04\x14\x00\x00\x00" + bytes(range(256)))
     assert archive.status_code == 415 and archive.json()["error"]["code"] == "unsupported_file"
     empty = post(http, cid, "empty.txt", b"")

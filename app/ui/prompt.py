@@ -56,5 +56,5 @@ def prompt_with_documents(state: AppState, settings: Mapping[str, Any], path: li
     retrieved (and stored) when it has documents too large to go in whole. CPU-bound."""
     docs = document_prompt(state)
     path = docs.retrieve(settings, path, max_tokens, engine_messages)
-    path = resolve_images(state.uploads, path)  # app/uploads/images.py
+    path = resolve_images(state.uploads, path)  # app/uploads/image_uploads.py
     return answer_messages(state.engine, settings, docs.resolve(path), max_tokens)

@@ -13,7 +13,7 @@ app/uploads/kinds.py such as images):
 - `GET /c/{cid}/uploads/{id}`: the same JSON, or the chip, which polls this route while the file
   is being read (its stage and progress) and then shows its size and tokens, or why it was refused.
 - `GET /c/{cid}/uploads/{id}/image` (`?thumb=1`: a thumbnail): an image upload re-encoded as PNG
-  from its pixels (app/uploads/images.py), so no EXIF ever leaves the data folder.
+  from its pixels (app/uploads/image_uploads.py), so no EXIF ever leaves the data folder.
 
 Messages refer to uploads by id (app/ui/user_turn.py); the file's text never travels in a form.
 Every route is guarded like the rest (Host, Origin, the API key); the JSON body limit
