@@ -19,7 +19,7 @@ from .model_jobs import ModelDownload, ModelSwitch
 from .runs import Runs
 from .security.key_access import KeyAccess
 from .storage import Storage
-from .ui.conversation_pages import Conversations
+from .ui.conversation_pages import ConversationPages
 from .uploads.store import UploadStore
 
 
@@ -39,7 +39,7 @@ class AppState:
     document_embeddings: str | None = None  # the model that embeds uploaded documents besides BM25
     cluster: Cluster | None = None  # a sharded model's cluster (engine/distributed/)
     runs: Runs = field(default_factory=Runs)  # every generation in flight
-    conversations: Conversations = field(default_factory=Conversations)  # open pages, running turns
+    pages: ConversationPages = field(default_factory=ConversationPages)  # open pages, running turns
     switch: ModelSwitch = field(default_factory=ModelSwitch)  # the one model load
     download: ModelDownload = field(default_factory=ModelDownload)  # the one model download
     reading: set[asyncio.Future[None]] = field(default_factory=set)  # uploads being read

@@ -13,7 +13,7 @@ from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..state import AppState, app_state
-from .chat_turn import Generation, respond
+from .chat_turn import RunningTurn, respond
 from .tool_rounds import question_html
 from .views import message_views, parts, render
 
@@ -28,7 +28,7 @@ async def chat_socket(ws: WebSocket) -> None:
         await ws.close(code=4404)
         return
     await ws.accept()
-    pages = state.conversations
+    pages = state.pages
     pages.join(conv.id, id(ws), ws.send_text)
     try:
         await ws.send_text(_current_state(state, conv.id))
@@ -45,7 +45,7 @@ async def chat_socket(ws: WebSocket) -> None:
         pass
     finally:
         running = pages.running(conv.id)
-        if pages.leave(conv.id, id(ws)) == 0 and isinstance(running, Generation) and running.running:
+        if pages.leave(conv.id, id(ws)) == 0 and isinstance(running, RunningTurn) and running.running:
             # A reload or a dropped connection comes back within moments: answer on for it.
             await asyncio.wait([running.task], timeout=RECONNECT_GRACE_S)
             if running.running and not pages.watched(conv.id):
@@ -56,14 +56,14 @@ async def chat_socket(ws: WebSocket) -> None:
 async def _act(ws: WebSocket, cid: int, data: dict[str, Any]) -> None:
     """Stop the running turn, or start one (one at a time per conversation, whichever page)."""
     state = app_state(ws)
-    pages = state.conversations
+    pages = state.pages
     action = data.get("action")
     running = pages.running(cid)
     if action == "stop":
-        if isinstance(running, Generation):
+        if isinstance(running, RunningTurn):
             running.stop()
     elif action == "tool":  # the user's decision on a tool call (app/mcp/approval.py)
-        tools = running.tools if isinstance(running, Generation) else None
+        tools = running.tools if isinstance(running, RunningTurn) else None
         problem = tools.approvals.answer(data.get("call_id"), data.get("decision")) if tools \
             else "No tool call is waiting for an answer."
         if problem:
@@ -71,7 +71,7 @@ async def _act(ws: WebSocket, cid: int, data: dict[str, Any]) -> None:
     elif running is not None:
         await _notice(ws, "Still answering: stop it first or wait for the end.")
     else:
-        gen = Generation()
+        gen = RunningTurn()
         pages.claim(cid, gen)
         gen.task = asyncio.create_task(respond(state, cid, action, data, gen))
 
@@ -99,8 +99,8 @@ def _current_state(state: AppState, cid: int) -> str:
     storage = state.storage
     conv = storage.get_conversation(cid)
     views = message_views(storage, storage.active_path(cid))
-    running = state.conversations.running(cid)
-    tools = running.tools if isinstance(running, Generation) else None
+    running = state.pages.running(cid)
+    tools = running.tools if isinstance(running, RunningTurn) else None
     return (render("_messages.html", conv=conv, views=views, oob=True)
             + render("_composer_actions.html", generating=running is not None, oob=True)
             + (question_html(tools.approvals.asking) if tools and tools.approvals.asking else ""))

@@ -36,8 +36,9 @@ DELETED = "This conversation has been deleted."
 
 
 @dataclass
-class Generation:
-    """The answer a socket is generating: the task streaming it and, once submitted, its handle."""
+class RunningTurn:
+    """The turn running in a conversation: the task streaming its answer and, once submitted, the
+    engine request's handle."""
 
     task: asyncio.Task | None = None
     handle: RequestHandle | None = None
@@ -86,10 +87,11 @@ def _idle() -> str:
     return render("_composer_actions.html", generating=False, oob=True)
 
 
-async def respond(state: AppState, cid: int, action: str, data: dict[str, Any], gen: Generation) -> None:
+async def respond(state: AppState, cid: int, action: str, data: dict[str, Any],
+                  gen: RunningTurn) -> None:
     """One turn in conversation `cid`, its outcome (or the reason there is none) sent to every
     page of the conversation."""
-    pages = state.conversations
+    pages = state.pages
     try:
         turn = await record(state, cid, action, data)
         if isinstance(turn, str):  # too long for the context: nothing is recorded, the user chooses
@@ -150,11 +152,11 @@ async def record(state: AppState, cid: int, action: str, data: dict[str, Any]) -
     return Recorded(conv, answer, params, speculative, opening)
 
 
-async def stream(state: AppState, turn: Recorded, gen: Generation) -> Streamed:
+async def stream(state: AppState, turn: Recorded, gen: RunningTurn) -> Streamed:
     """One round: the answer generated, each piece sent to the conversation's pages as it grows
     and saved every SAVE_EVERY_S; saved as it ended whatever happens (`finish`)."""
     storage, engine = state.storage, state.engine
-    pages = state.conversations
+    pages = state.pages
     cid, mid = turn.conv.id, turn.answer.id
     out = Streamed()
     try:
@@ -189,7 +191,7 @@ async def stream(state: AppState, turn: Recorded, gen: Generation) -> Streamed:
 
 
 async def tool_rounds(state: AppState, turn: Recorded, streamed: Streamed,
-                      gen: Generation) -> tuple[Recorded, Streamed]:
+                      gen: RunningTurn) -> tuple[Recorded, Streamed]:
     """While the model calls tools: the calls approved, run and stored, and the next answer
     streamed (app/mcp/rounds.py); the last round's turn and answer."""
     storage, cid = state.storage, turn.conv.id
@@ -197,14 +199,14 @@ async def tool_rounds(state: AppState, turn: Recorded, streamed: Streamed,
            and not gen.stop_requested):
         parent = await mcp_rounds.run_calls(
             gen.tools, storage, turn.conv, turn.answer.id, streamed.final.tool_calls,
-            RoundsPages(state.conversations, storage, cid), lambda: gen.stop_requested)
+            RoundsPages(state.pages, storage, cid), lambda: gen.stop_requested)
         if gen.stop_requested:
             break
         answer = storage.add_message(cid, parent, "assistant", "", state="streaming",
                                      model=turn.answer.model, sampling=turn.answer.sampling)
         turn = dataclasses.replace(turn, answer=answer, tools=gen.tools.request_after(
             storage.active_path(cid)[:-1]))
-        await state.conversations.send(cid, render(
+        await state.pages.send(cid, render(
             "_messages.html", conv=turn.conv, oob=True,
             views=message_views(storage, storage.active_path(cid))))
         streamed = await stream(state, turn, gen)
@@ -217,7 +219,7 @@ async def finalise(state: AppState, turn: Recorded, streamed: Streamed) -> None:
     views = message_views(storage, storage.active_path(cid))
     if storage.get_conversation(cid) is None or not views:
         raise Refused(DELETED)
-    await state.conversations.send(
+    await state.pages.send(
         cid, render("_message.html", conv=turn.conv, v=views[-1], oob=True) + _idle()
         + render("_notice.html", text=""))  # "still answering" is over
 

@@ -7,7 +7,7 @@ import json
 
 from ..mcp.approval import Question
 from ..storage import Conversation, Message, Storage
-from .conversation_pages import Conversations
+from .conversation_pages import ConversationPages
 from .views import message_views, render
 
 
@@ -23,7 +23,7 @@ def question_html(question: Question | None) -> str:
 class RoundsPages:
     """The tool rounds of a turn in conversation `cid`, on every page that shows it."""
 
-    pages: Conversations
+    pages: ConversationPages
     storage: Storage
     cid: int
 
