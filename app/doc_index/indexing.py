@@ -12,8 +12,8 @@ import numpy as np
 from engine import Engine, EngineError, count_tokens
 
 from ..uploads.documents import NotAttachable
-from ..uploads.pdf_text import PdfUnreadable, pdf_pages
 from ..uploads.kinds import FileKind, Processed, Processing, register_kind
+from ..uploads.pdf_text import PdfUnreadable, pdf_pages
 from .chunking import Chunk, markdown_chunks, pdf_chunks, text_chunks
 
 log = logging.getLogger(__name__)

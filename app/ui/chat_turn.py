@@ -16,12 +16,12 @@ from typing import Any
 
 from engine import EngineError, Event, RequestHandle, SamplingParams, SpeculativeOptions, ToolRequest
 
-from .markdown import render_markdown
 from ..mcp import rounds as mcp_rounds
 from ..state import AppState
 from ..storage import Conversation, Message, Storage
 from ..submission import start
 from .context_notice import prepare_send
+from .markdown import render_markdown
 from .prompt import document_prompt, prompt_with_documents
 from .settings import sampling_params, speculative_options
 from .tool_rounds import RoundsPages

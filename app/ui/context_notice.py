@@ -13,8 +13,8 @@ from engine import Engine
 
 from ..context import TRUNCATE_MODES, overflow
 from ..doc_index.answering import DocumentPrompt
-from ..uploads.documents import parse_attachments, with_documents
 from ..storage import Conversation, Storage
+from ..uploads.documents import parse_attachments, with_documents
 from ..uploads.store import attached_uploads, carry_uploads
 from .prompt import engine_messages
 from .views import conversation_of, not_found, parts, read_form, render

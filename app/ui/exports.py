@@ -20,10 +20,10 @@ from engine import Engine
 from ..doc_index.answering import DocumentPrompt, citations
 from ..doc_index.exporting import self_contained
 from ..doc_index.store import ChunkStore
+from ..storage import EXPORT_FORMAT, Storage, export_conversation, import_conversation
 from ..uploads.image_uploads import export_images, import_images
 from .settings import preset_settings
 from .user_turn import chat_title
-from ..storage import EXPORT_FORMAT, Storage, export_conversation, import_conversation
 from .views import conversation_of, not_found, parts, render
 
 def _filename(title: str, suffix: str) -> str:

@@ -9,9 +9,9 @@ from engine import Engine
 from ..context import TRUNCATE_MODES, drop_oldest
 from ..doc_index.answering import DocumentPrompt
 from ..state import AppState
+from ..storage import Message
 from ..uploads.documents import with_documents
 from ..uploads.image_uploads import resolve_images, with_images
-from ..storage import Message
 
 
 def engine_messages(settings: Mapping[str, Any], path: list[Message]) -> list[dict[str, Any]]:

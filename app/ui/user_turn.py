@@ -4,8 +4,8 @@
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..uploads.documents import parse_attachments
 from ..storage import DEFAULT_TITLE, Conversation, Message, Storage
+from ..uploads.documents import parse_attachments
 from ..uploads.store import attached_uploads
 
 TITLE_LENGTH = 60

@@ -15,10 +15,10 @@ from engine import PRESETS, DraftChoice, Engine
 from web import __file__ as _web_init
 
 from ..doc_index.answering import Citation, citations
-from .markdown import render_markdown, render_plain, render_tool_calls, render_tool_result
 from ..security.socket_limits import WS_MAX_BYTES
 from ..state import app_state
 from ..storage import Conversation, Message, Storage
+from .markdown import render_markdown, render_plain, render_tool_calls, render_tool_result
 from .settings import SAMPLING_FIELDS, default_sources, preset_settings
 
 # Autoescaping everywhere: titles and user text are escaped; model output is inserted only after
