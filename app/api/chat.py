@@ -16,7 +16,7 @@ from starlette.routing import Route
 from engine import (Engine, Event, InvalidRequest, ModelDefaults, SamplingParams, SpeculativeOptions,
                     ToolRequest, effort_budget, keep_alive_seconds, tool_request)
 
-from ..context import TRUNCATE_MODES, drop_oldest
+from ..context_window import TRUNCATE_MODES, drop_oldest
 from ..sse import sse
 from ..state import app_state
 from .choices import logprobs_body, message_body, system_fingerprint, tool_call_deltas, total_usage

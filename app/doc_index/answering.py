@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 
 from engine import Engine, EngineError, count_tokens
 
-from ..context import overflow
+from ..context_window import overflow
 from ..storage import Message, Storage
 from ..uploads.store import UploadStore
 from .indexing import DOCUMENT_KIND_NAMES

@@ -11,7 +11,7 @@ from starlette.routing import Route
 
 from engine import Engine
 
-from ..context import TRUNCATE_MODES, overflow
+from ..context_window import TRUNCATE_MODES, overflow
 from ..doc_index.answering import DocumentPrompt
 from ..storage import Conversation, Storage
 from ..uploads.documents import parse_attachments, with_documents

@@ -6,7 +6,7 @@ from typing import Any, Mapping
 
 from engine import Engine
 
-from ..context import TRUNCATE_MODES, drop_oldest
+from ..context_window import TRUNCATE_MODES, drop_oldest
 from ..doc_index.answering import DocumentPrompt
 from ..state import AppState
 from ..storage import Message
