@@ -9,6 +9,6 @@ the engine's public API (`engine/__init__.py`).
 - `storage/`: the database; `uploads/` and `doc_index/`: attached files and the document index;
   `mcp/`: MCP tools in the chat; `security/`: the guards of a server on the user's machine.
 - Shared by the API and the UI: `submission.py` (submitting an engine request), `runs.py` (the
-  generations in flight), `model_jobs.py` (the one model switch or download), `context.py`
+  generations in flight), `model_jobs.py` (the one model switch or download), `context_window.py`
   (fitting a conversation into the context), `sse.py` (server-sent events).
 """
