@@ -29,7 +29,7 @@ from starlette.staticfiles import StaticFiles
 import static
 from engine import DEFAULT_KEEP_ALIVE_S, Cluster, Engine, data_dir, describe_device
 
-from . import api
+from . import api, metrics
 from .api import images
 from .api.errors import http_error
 from .doc_index.store import ChunkStore
@@ -76,6 +76,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     mcp = McpServers(storage.path.parent / MCP_FILE)
     storage.interrupt_streaming()  # answers cut off by a crash: keep their text, mark them
     access = KeyAccess(api_key)
+    counts = metrics.Metrics(engine)  # this app's Prometheus registry (GET /metrics)
     app = Starlette(
         routes=[*api.routes, *ui_routes.routes,
                 Mount("/static", StaticFiles(directory=STATIC_DIR))],
@@ -85,6 +86,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
         middleware=[
             Middleware(HostGuard, allowed_hosts=allowed_hosts),  # DNS rebinding: 400
             Middleware(OriginGuard, allowed_origins=allowed_origins),  # cross-site writes: 403
+            Middleware(metrics.CountRequests, metrics=counts),  # API requests by protocol, outcome
             Middleware(ApiKeyGuard, access=access),  # with --api-key, all but /health: 401
             # oversized bodies 413, slow ones 408, before the app reads (uploads bound their own)
             Middleware(BodyLimit, streamed=uploads.is_upload_path, larger=images.body_limit),
@@ -98,8 +100,8 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
         engine=engine, storage=storage, access=access, mcp=mcp, uploads=upload_store,
         chunks=ChunkStore(storage),
         readers=ThreadPoolExecutor(READERS, thread_name_prefix="upload-reader"),
-        aliases=dict(aliases or {}), mcp_edit=mcp_edit, document_embeddings=document_embeddings,
-        cluster=cluster)
+        metrics=counts, aliases=dict(aliases or {}), mcp_edit=mcp_edit,
+        document_embeddings=document_embeddings, cluster=cluster)
     return app
 
 

@@ -15,6 +15,7 @@ from engine import Cluster, Engine
 
 from .doc_index.store import ChunkStore
 from .mcp.servers import McpServers
+from .metrics import Metrics
 from .model_jobs import ModelDownload, ModelSwitch
 from .runs import Runs
 from .security.key_access import KeyAccess
@@ -34,6 +35,7 @@ class AppState:
     uploads: UploadStore
     chunks: ChunkStore  # uploaded documents' index
     readers: ThreadPoolExecutor  # the threads uploads are read on (app/uploads/reading.py)
+    metrics: Metrics  # this app's Prometheus registry (GET /metrics)
     aliases: dict[str, str] = field(default_factory=dict)  # `--model-alias`: a name -> a local model
     mcp_edit: bool = True  # whether the page may add MCP servers (run commands)
     document_embeddings: str | None = None  # the model that embeds uploaded documents besides BM25

@@ -377,6 +377,35 @@ def embedding_folder(config: dict[str, Any], seed: int = 0, root: Path | None = 
     return target
 
 
+def fim_folder(config: dict[str, Any], family: str, seed: int = 0,
+               root: Path | None = None) -> Path:
+    """`build_folder` of `config` (the bundled tokenizer's vocabulary) with a FIM family's special
+    tokens (engine/loading/fim_tokens.py `FAMILIES`) added to its tokenizer, ids from the
+    vocabulary's end on: a code model's FIM tokens as the engine finds them in a real tokenizer."""
+    from engine.loading.fim_tokens import FAMILIES
+
+    spec = next(f for f in FAMILIES if f.name == family)
+    tokens = [t for t in (spec.prefix, spec.suffix, spec.middle, spec.repo, spec.file_sep,
+                          spec.end) if t is not None]
+    base = int(config["vocab_size"])
+    folder = build_folder({**config, "vocab_size": base + len(tokens)}, seed, root)
+    target = folder.with_name(f"{folder.name}-fim-{family}")
+    if (target / "model.safetensors").exists():
+        return target
+    tmp = scratch_for(target)
+    shutil.copytree(folder, tmp, dirs_exist_ok=True)
+    entry = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+             "special": True}
+    tok = json.loads((tmp / "tokenizer.json").read_text())
+    tok["added_tokens"] += [{"id": base + i, "content": t, **entry} for i, t in enumerate(tokens)]
+    (tmp / "tokenizer.json").write_text(json.dumps(tok))
+    cfg = json.loads((tmp / "tokenizer_config.json").read_text())
+    cfg.get("added_tokens_decoder", {}).update(
+        {str(base + i): {"content": t, **entry} for i, t in enumerate(tokens)})
+    (tmp / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return publish(tmp, target)
+
+
 def vocab_size(name: str) -> int:
     return int(text_config(SHAPES[name].config)["vocab_size"])
 

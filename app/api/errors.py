@@ -61,7 +61,9 @@ OPENAI_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "function_call": (lambda v: v in ("none", "auto"), "is not supported: use 'tool_choice'"),
     "best_of": (lambda v: v == 1 and type(v) is int, "is not supported: only 1"),
     "echo": (lambda v: v is False, "is not supported: only false"),
-    "suffix": (lambda v: v == "", "is not supported: only an empty suffix"),
+    # fill-in-the-middle is /v1/completions' (app/api/completions.py) and /infill's
+    "suffix": (lambda v: v == "", "is not supported here: send a suffix to /v1/completions or "
+                                  "/infill"),
 }
 
 

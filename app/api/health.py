@@ -1,8 +1,12 @@
 """`/health`: whether the engine serves (ok, loading, failed: 503), which model, how many requests
-are generating, the device, and a sharded model's cluster."""
+are generating, the device, and a sharded model's cluster. `/metrics`: Prometheus' text format
+(app/metrics.py)."""
 
+import asyncio
+
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine import device_report
@@ -23,4 +27,10 @@ async def health(request: Request) -> JSONResponse:
                         status_code=503 if engine.halted else 200)
 
 
-routes = [Route("/health", health)]
+async def metrics(request: Request) -> Response:
+    """The exposition, collected in a worker thread (the engine's reading takes its lock)."""
+    body = await asyncio.to_thread(app_state(request).metrics.exposition)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+routes = [Route("/health", health), Route("/metrics", metrics, methods=["GET"])]

@@ -11,7 +11,9 @@ Names: Ollama clients write `name:tag`. A name matches a local model by dropping
 run on the loaded model, as on `/v1/messages` (aliases from `--model-alias` apply first).
 `/api/embed` and `/api/embeddings` run through the engine's embedding queue (app/api/embeddings.py).
 `prompt_eval_count` counts only the prompt tokens actually computed, so the prefix cache's reuse
-shows; durations are nanoseconds. Accepted and ignored: `options.num_ctx` (the model's own
+shows; durations are nanoseconds. A `suffix` on generate fills in the middle (the model's FIM
+tokens, engine `Infill`; 400 for a model without them, as Ollama's "does not support insert").
+Accepted and ignored: `options.num_ctx` (the model's own
 context is used), `template`, and `raw` on chat.
 """
 
@@ -27,8 +29,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine import (DownloadError, Engine, EngineError, Event, InvalidRequest, ModelInfo, effort_budget,
-                    parse_pull_spec, pull_model, remove_model, tool_request)
+from engine import (DownloadError, Engine, EngineError, Event, Infill, InvalidRequest, ModelInfo,
+                    effort_budget, parse_pull_spec, pull_model, remove_model, tool_request)
 
 from ..state import app_state
 from .embeddings import embed as embed_vectors
@@ -268,7 +270,8 @@ def _tools(body: dict[str, Any]) -> Any:
 
 
 async def _run(request: Request, messages: list[dict[str, Any]] | None, body: dict[str, Any],
-               tools: Any, text: str | None = None) -> tuple[list, dict[str, Any], float]:
+               tools: Any, text: str | None = None,
+               infill: Infill | None = None) -> tuple[list, dict[str, Any], float]:
     """Submit; returns (handles, what the answers need to know, when it started)."""
     engine = app_state(request).engine
     started = time.perf_counter()
@@ -279,7 +282,7 @@ async def _run(request: Request, messages: list[dict[str, Any]] | None, body: di
         params = engine.defaults.params(sampling)
     except InvalidRequest as exc:
         raise ApiError(400, public_error(str(exc))) from None
-    options = {"text": text} if text is not None else {}
+    options = {"text": text} if text is not None else {"infill": infill} if infill else {}
     handles = await submit(engine, messages, params, tools=tools, split_reasoning=True,
                            keep_alive=body.get("keep_alive"), fit_max_tokens=True, **options)
     return handles, {"model": ollama_name(model), "load_ns": int((loaded_at - started) * 1e9)}, \
@@ -419,7 +422,13 @@ async def generate(request: Request) -> Response:
             model = await use_named_model(request, body.get("model"))
             return JSONResponse({"model": ollama_name(model), "created_at": _now(),
                                  "response": "", "done": True, "done_reason": "load"})
-        if body.get("raw"):
+        suffix = body.get("suffix")
+        if suffix not in (None, ""):  # fill in the middle (a model without FIM tokens: 400)
+            if not isinstance(suffix, str):
+                raise ApiError(400, "'suffix' must be a string")
+            handles, meta, started = await _run(request, None, body, None,
+                                                infill=Infill(prefix=prompt, suffix=suffix))
+        elif body.get("raw"):
             handles, meta, started = await _run(request, None, body, None, text=prompt)
         else:
             messages = ([{"role": "system", "content": system}] if system else []) + \
