@@ -9,7 +9,8 @@ docstring is the contract an adapter follows):
 - `embeddings.py`: OpenAI `/v1/embeddings` (and the `embed` Ollama's `/api/embed` shares).
 - `infill.py`: llama.cpp's `/infill` (fill-in-the-middle); `rerank.py`: `/v1/rerank` (Jina/Cohere,
   and llama.cpp's `/rerank` paths).
-- `models.py`: `/v1/models` and the model a request runs on; `health.py`: `/health`.
+- `models.py`: `/v1/models` and the model a request runs on; `health.py`: `/health` and
+  `/metrics`.
 - `errors.py`: `ApiError` (written in each protocol's shape, app/api/error_shapes.py).
 """
 
