@@ -239,12 +239,16 @@ def ours_and_mlx_lm(shape: Shape, dtype: mx.Dtype | None, seed: int = 0) -> tupl
     """The model our engine runs and the extras of its `LoadedModel`: on a GPU ours takes the GPU
     layout (as load_model's fastest_layout gives it there) and mlx-lm keeps its own copy of the same
     weights, as `mlx_lm.load` gives them, under "mlx_lm_model" (see common.mlx_lm_paths)."""
+    from engine.kernels import decode_step
+    from engine.kernels.fastest import fastest_layout
     from engine.kernels.gpu_layout import to_gpu_layout
 
     model = build_module(shape, dtype, seed)
     if mx.default_device() != mx.gpu:
+        if decode_step.mode() == "ref":  # MLXCHAT_CUDA_DECODE=ref: the compiled step on MLX ops
+            decode_step.attach(to_gpu_layout(model))
         return model, {}
-    return to_gpu_layout(model), {"mlx_lm_model": build_module(shape, dtype, seed)}
+    return fastest_layout(model, shape.config), {"mlx_lm_model": build_module(shape, dtype, seed)}
 
 
 def build(name: str, dtype: mx.Dtype = mx.bfloat16, seed: int = 0):
