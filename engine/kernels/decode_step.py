@@ -66,7 +66,7 @@ class Proj:
             if getattr(m, "mode", "affine") != "affine" or "biases" not in m or m.bits not in (4, 8):
                 return None
             return cls(m["weight"], m["scales"], m["biases"], m.bits, m.group_size, bias)
-        if type(m) in (nn.Linear, nn.Embedding) and m["weight"].ndim == 2:
+        if isinstance(m, (nn.Linear, nn.Embedding)) and m["weight"].ndim == 2:  # SmallMMLinear too
             return cls(m["weight"], None, None, 16, 0, bias)
         return None
 
