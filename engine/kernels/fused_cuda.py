@@ -57,7 +57,7 @@ def _matvec_source(quantized: bool, add: bool, norm: bool) -> str:
     """The kernel body calling matvec_impl with the inputs this variant has (nullptr for others)."""
     w = "w" if quantized else "reinterpret_cast<const uint32_t*>(w)"
     scales = "scales, biases" if quantized else "(const T*)nullptr, (const T*)nullptr"
-    return (f"matvec_impl<T, {'ST' if quantized else 'T'}, BITS, GS, K, N, R, E, XN, UNROLL>(x, {w}, {scales}, "
+    return (f"matvec_impl<T, {'ST' if quantized else 'T'}, BITS, GS, K, N, R, E, XN, U>(x, {w}, {scales}, "
             f"{'a' if add else '(const T*)nullptr'}, {'nw' if norm else '(const T*)nullptr'}, "
             f"{'ne' if norm else '(const float*)nullptr'}, y);")
 
@@ -97,7 +97,7 @@ def _header() -> str:
 def _kernel(name: str, inputs: list[str], outputs: list[str], source: str) -> Any:
     """The MLX kernel object `name`, made once (its source is compiled per template on first use)."""
     if name not in _KERNELS:
-        consts = f"  constexpr int WARPS = {WARPS};\n  constexpr int UNROLL = {UNROLL};\n"
+        consts = f"  constexpr int WARPS = {WARPS};\n"
         _KERNELS[name] = mx.fast.cuda_kernel(name=f"mlxchat_{name}", input_names=inputs,
                                              output_names=outputs, source=consts + source,
                                              header=_header())
@@ -111,14 +111,17 @@ def rows_per_warp(n: int) -> int:
 
 def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array | None,
            bits: int, group_size: int, epilogue: int = 0, a: mx.array | None = None,
-           norm: tuple[mx.array, mx.array] | None = None) -> mx.array:
+           norm: tuple[mx.array, float] | None = None, rows: int | None = None,
+           unroll: int = UNROLL) -> mx.array:
     """y = x @ W.T for one row x (any leading shape of size 1, last dim K), W (N, K) dense
     (`bits` 16) or (N, K * bits / 32) packed (4, 8: MLX's affine layout); `epilogue` 1 adds `a`
     (N,), 2 takes SwiGLU of W's halves (N / 2 outputs); `norm` (weight, eps): x RMS-normalised
-    first, as mx.fast.rms_norm(x, weight, eps) would. Output: x's leading shape, the outputs."""
+    first, as mx.fast.rms_norm(x, weight, eps) would. `rows` (output units per warp) and `unroll`
+    (words a lane loads before it computes) override the defaults, for the bench. Output: x's
+    leading shape, the outputs."""
     k, n = x.shape[-1], w.shape[0]
     out = n // 2 if epilogue == 2 else n
-    r = rows_per_warp(out) if epilogue != 2 else min(2, rows_per_warp(out))
+    r = rows or (rows_per_warp(out) if epilogue != 2 else min(2, rows_per_warp(out)))
     quantized = bits in (4, 8)
     xn = 2 if norm is not None else (1 if k <= MAX_STAGED else 0)
     names = ["x", "w"] + (["scales", "biases"] if quantized else []) + (["nw", "ne"] if norm else []) \
@@ -134,7 +137,7 @@ def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array |
         inputs=arrays,
         template=[("T", x.dtype), ("ST", scales.dtype if quantized else x.dtype),
                   ("BITS", bits if quantized else 16), ("GS", group_size if quantized else 8),
-                  ("K", k), ("N", n), ("R", r), ("E", epilogue), ("XN", xn)],
+                  ("K", k), ("N", n), ("R", r), ("E", epilogue), ("XN", xn), ("U", unroll)],
         grid=(-(-threads // block) * block, 1, 1), threadgroup=(block, 1, 1),
         output_shapes=[(*x.shape[:-1], out)], output_dtypes=[x.dtype])[0]
 
