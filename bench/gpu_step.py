@@ -290,7 +290,7 @@ def _sweep(layers, products, shape: str, rnd) -> list[common.Row]:
         nbytes = sum(sum(t.nbytes for t in (getattr(lay, attr).w, getattr(lay, attr).scales, getattr(lay, attr).biases)
                          if t is not None) for lay in layers)
         for r in (1, 2, 4):
-            for u in (2, 4, 8):
+            for u in (4, 8):
                 def run(r=r, u=u):
                     return [C.matvec(x, q.w, q.scales, q.biases, q.bits, q.group_size, ep, res,
                                      (getattr(lay, norm), lay.eps_in) if norm else None, rows=r, unroll=u)
