@@ -10,22 +10,20 @@ Two sources:
   tokens, time to first token and time per output token, memory by model and the prefix cache,
   snapshot reads and writes, model loads. Nothing is computed per token for it.
 
-The route is guarded by the API key like every route but `/health` (app/security.py).
+The route is app/api/health.py's; it is guarded by the API key like every route but `/health`
+(app/security/api_key.py).
 """
 
-import asyncio
-from typing import Any, Iterable
+from typing import Iterable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, Metric)
 from prometheus_client.registry import Collector
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine import EngineStats, Histogram
+from engine import Engine, EngineStats, Histogram
+
 
 PREFIX = "mlxchat"
 
@@ -55,7 +53,7 @@ def outcome_of(status: int) -> str:
 class Metrics:
     """An app's registry: the request counter and the engine's collector."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Engine):
         self.registry = CollectorRegistry()
         self.requests = Counter(f"{PREFIX}_http_requests", "API requests by protocol and outcome "
                                 "(the response's status)", ["protocol", "outcome"],
@@ -115,7 +113,7 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 class EngineCollector(Collector):
     """The engine's reading (`Engine.stats`) as metric families, at each scrape."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Engine):
         self.engine = engine
 
     def collect(self) -> Iterable[Metric]:
@@ -186,12 +184,3 @@ class EngineCollector(Collector):
             writes.add_metric([c.model, "disk"], c.file_writes)
             evictions.add_metric([c.model], c.evictions)
         yield from (size, held, lookups, reads, writes, evictions)
-
-
-async def metrics(request: Request) -> Response:
-    """The exposition, collected in a worker thread (the engine's reading takes its lock)."""
-    body = await asyncio.to_thread(request.app.state.metrics.exposition)
-    return Response(body, media_type=CONTENT_TYPE_LATEST)
-
-
-routes = [Route("/metrics", metrics, methods=["GET"])]

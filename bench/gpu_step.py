@@ -156,6 +156,9 @@ def part_step(lm, shape: str, a, bw: float | None) -> list[common.Row]:
         if program is not None and program.enabled:
             fns["service_off"] = lambda: program_off(program, lambda: svc.stream(prompt, n))
             fns["off_step"] = lambda: program_off(program, lambda: {"ms": step_ms(lm.model, prompt)})
+            fns["profile"] = lambda: step_profile(lm.model, prompt)
+            fns["profile_off"] = lambda: program_off(program, lambda: step_profile(lm.model, prompt))
+        fns["profile_mlx"] = lambda: step_profile(base_model, prompt)
         try:
             runs = common.interleave(fns, a.reps, warmup=True)
         finally:
@@ -175,7 +178,10 @@ def part_step(lm, shape: str, a, bw: float | None) -> list[common.Row]:
     tps = {k: [r["tps"] for r in runs[k]] for k in ("service", "direct", "mlx", "service_off") if k in runs}
     ms = {k: [r["ms"] for r in runs[k]] for k in ("ours_step", "mlx_step", "off_step") if k in runs}
     frac = {k: [t * per_token / bw for t in v] for k, v in tps.items()} if bw else {}
+    profiles = {k: {p: common.median([r[p] for r in runs[k]]) for p in runs[k][0]}
+                for k in ("profile", "profile_off", "profile_mlx") if k in runs}
     extra = {"tps": tps, "step_ms": ms, "graph_ops": ops, "bytes_per_token": per_token, "gate": gate,
+             "profile_ms": profiles,
              "bandwidth_fraction": frac,
              "same_tokens_as_mlx_lm": common.same_prefix(runs["service"][0]["tokens"], runs["mlx"][0]["tokens"])}
     med = {k: common.median(v) for k, v in tps.items()}
@@ -187,7 +193,9 @@ def part_step(lm, shape: str, a, bw: float | None) -> list[common.Row]:
                        f"step {common.median(ms['ours_step']):.2f} ms vs {common.median(ms['mlx_step']):.2f} ms; "
                        f"graph ops/step {ops['ours']['total']} vs {ops['mlx']['total']}"
                        + (f"; program off {med['service_off']:.0f} tok/s, step "
-                          f"{common.median(ms['off_step']):.2f} ms" if "service_off" in med else ""), extra)]
+                          f"{common.median(ms['off_step']):.2f} ms" if "service_off" in med else "")
+                       + "; step ms build/host/device: " + "; ".join(
+                           f"{k} " + "/".join(f"{v:.2f}" for v in p.values()) for k, p in profiles.items()), extra)]
     if bw:
         rows.append(common.Row("gpu_step", shape, "fraction of read bandwidth (service)", "",
                                common.median(frac["service"]), common.median(frac["mlx"]), "mlx-lm", "",
@@ -247,27 +255,13 @@ def _rel(ours, ref) -> dict[str, float]:
     return {"max_diff": d, "ref_scale": s, "rel": d / max(s, 1e-30)}
 
 
-def _timed(fn, reps: int = 10) -> float:
-    import mlx.core as mx
-
-    mx.eval(fn())
-    out = []
-    for _ in range(reps):
-        mx.synchronize()
-        t = time.perf_counter()
-        mx.eval(fn())
-        mx.synchronize()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
-
-
 def part_kernels(lm, shape: str, a) -> list[common.Row]:
     """Each fused CUDA kernel against its MLX reference on this shape's own weights."""
     program = getattr(lm.model, "decode_program", None)
     if program is None:
         return [common.failed("kernels", shape, "the model has no decode program")]
     try:
-        return _kernels(program, shape)
+        return _kernels(program, shape, a.sweep)
     except Exception as exc:
         import traceback
 
@@ -275,7 +269,42 @@ def part_kernels(lm, shape: str, a) -> list[common.Row]:
         return [common.failed("kernels", shape, f"{type(exc).__name__}: {exc}"[:3000])]
 
 
-def _kernels(program, shape: str) -> list[common.Row]:
+def _sweep(layers, products, shape: str, rnd) -> list[common.Row]:
+    """The matvec kernel's weight-read rate over all layers at each (rows per warp, words loaded
+    before computing), against the launch floor of as many trivial kernels."""
+    import mlx.core as mx
+
+    from engine.kernels import fused_cuda as C
+
+    floor_kernel = mx.fast.cuda_kernel(name="mlxchat_floor", input_names=["x"], output_names=["y"],
+                                       source="y[0] = x[0];")
+    one = mx.zeros((1,), dtype=mx.float32)
+    floor = _timed_eval(lambda: [floor_kernel(inputs=[one], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                                              output_shapes=[(1,)], output_dtypes=[mx.float32])[0]
+                                 for _ in layers])
+    out, rows = {}, []
+    for label, (attr, ep, norm) in products.items():
+        p0 = getattr(layers[0], attr)
+        x = rnd(1, 1, p0.inputs)
+        res = rnd(1, 1, p0.w.shape[0]) if ep == 1 else None
+        nbytes = sum(sum(t.nbytes for t in (getattr(lay, attr).w, getattr(lay, attr).scales, getattr(lay, attr).biases)
+                         if t is not None) for lay in layers)
+        for r in (1, 2, 4):
+            for u in (4, 8):
+                def run(r=r, u=u):
+                    return [C.matvec(x, q.w, q.scales, q.biases, q.bits, q.group_size, ep, res,
+                                     (getattr(lay, norm), lay.eps_in) if norm else None, rows=r, unroll=u)
+                            for lay in layers for q in (getattr(lay, attr),)]
+                t = _timed_eval(run, reps=5)
+                out[f"{label} R{r} U{u}"] = {"gbps": nbytes / t / 1e9, "gbps_less_floor": nbytes / max(t - floor, 1e-9) / 1e9}
+        best = max((k for k in out if k.startswith(label)), key=lambda k: out[k]["gbps"])
+        rows.append(common.Row("kernels", shape, f"{label}: best of the sweep ({best})", "GB/s", out[best]["gbps"],
+                               None, "", "", f"less the launch floor ({floor * 1e3:.3f} ms for {len(layers)}): "
+                               f"{out[best]['gbps_less_floor']:.0f} GB/s", out))
+    return rows
+
+
+def _kernels(program, shape: str, sweep: bool = False) -> list[common.Row]:
     import mlx.core as mx
 
     from engine.kernels import fused_cuda as C
@@ -287,62 +316,110 @@ def _kernels(program, shape: str) -> list[common.Row]:
     rnd = lambda *s: mx.random.normal(s).astype(dt)  # noqa: E731
     checks: dict[str, Any] = {}
     rows: list[common.Row] = []
-    products = {"qkv": ("qkv", 0), "o+residual": ("o", 1), "gate_up+swiglu": ("gate_up", 2),
-                "down+residual": ("down", 1)}
-    for label, (attr, ep) in products.items():
+    # (layer attribute, epilogue, fused norm's weight attribute)
+    products = {"norm+qkv": ("qkv", 0, "norm_in"), "o+residual": ("o", 1, None),
+                "norm+gate_up+swiglu": ("gate_up", 2, "norm_post"), "down+residual": ("down", 1, None)}
+    for label, (attr, ep, norm) in products.items():
         p = getattr(layer, attr)
         x = rnd(1, 1, p.inputs)
         res = rnd(1, 1, p.w.shape[0]) if ep == 1 else None
-        checks[label] = _rel(p(C, x, ep, res), p(R, x, ep, res))
-        xs = [x] * len(layers)
-        nbytes = sum(getattr(l, attr).w.nbytes + sum(t.nbytes for t in (getattr(l, attr).scales, getattr(l, attr).biases)
-                                                       if t is not None) for l in layers)
-        t_ours = _timed(lambda: [getattr(l, attr)(C, xx, ep, res) for l, xx in zip(layers, xs)])
-        t_ref = _timed(lambda: [getattr(l, attr)(R, xx, ep, res) for l, xx in zip(layers, xs)])
+        nrm = lambda lay: (getattr(lay, norm), lay.eps_in) if norm else None  # noqa: E731
+        checks[label] = _rel(p(C, x, ep, res, nrm(layer)), p(R, x, ep, res, nrm(layer)))
+        nbytes = sum(sum(t.nbytes for t in (getattr(lay, attr).w, getattr(lay, attr).scales, getattr(lay, attr).biases)
+                         if t is not None) for lay in layers)
+        # each side's graph built before the clock starts: the eval of 36 products (host recording and GPU)
+        t_ours = _timed_eval(lambda: [getattr(lay, attr)(C, x, ep, res, nrm(lay)) for lay in layers])
+        t_ref = _timed_eval(lambda: [getattr(lay, attr)(R, x, ep, res, nrm(lay)) for lay in layers])
         checks[label].update(gbps_ours=nbytes / t_ours / 1e9, gbps_mlx=nbytes / t_ref / 1e9)
+        if p.bits == 4 and p.group_size % 64 == 0:  # the tensor-core kernel beside the scalar one
+            mma = lambda lay, **kw: C.qmma4(x, getattr(lay, attr).w, getattr(lay, attr).scales,  # noqa: E731
+                                            getattr(lay, attr).biases, p.group_size, ep, res, nrm(lay), **kw)
+            checks[label]["mma"] = _rel(mma(layer), p(R, x, ep, res, nrm(layer)))
+            for tpw in (1, 2):
+                for u in (4, 8):
+                    t = _timed_eval(lambda tpw=tpw, u=u: [mma(lay, tiles_per_block=tpw, unroll=u) for lay in layers])
+                    checks[label][f"mma_gbps_tpw{tpw}_u{u}"] = nbytes / t / 1e9
         rows.append(common.Row("kernels", shape, f"{label}: weight read, {len(layers)} layers", "GB/s",
-                               nbytes / t_ours / 1e9, nbytes / t_ref / 1e9, "MLX (quantized_)matmul",
+                               nbytes / t_ours / 1e9, nbytes / t_ref / 1e9, "MLX ops (rms_norm, (quantized_)matmul, ...)",
                                ">= 1.0", f"max diff / ref scale {checks[label]['rel']:.2e}", checks[label]))
-    head = program.head
+    if sweep:
+        rows.extend(_sweep(layers, products, shape, rnd))
+    head, final = program.head, (program.norm, program.eps)
     x = rnd(1, 1, head.inputs)
-    checks["head"] = _rel(head(C, x), head(R, x))
-    hb = head.w.nbytes + sum(t.nbytes for t in (head.scales, head.biases) if t is not None)
-    t_ours, t_ref = _timed(lambda: head(C, x)), _timed(lambda: head(R, x))
-    rows.append(common.Row("kernels", shape, "head: weight read", "GB/s", hb / t_ours / 1e9, hb / t_ref / 1e9,
-                           "MLX (quantized_)matmul", ">= 1.0", f"max diff / ref scale {checks['head']['rel']:.2e}",
-                           checks["head"]))
-    # RoPE + cache write at one position, in fresh buffers; nothing else in them may change
-    cap, at = 1024, 37
-    kvshape = (1, layer.kv_heads, cap, layer.head_dim)
-    qkv = rnd(1, 1, layer.qkv.w.shape[0])
-    pos = mx.array([at], dtype=mx.int32)
-    kc, vc = mx.zeros(kvshape, dt), mx.zeros(kvshape, dt)
-    mx.eval(kc, vc)
-    q_ours, kc, vc = C.rope_write(layer, qkv, pos, kc, vc)
-    mx.eval(q_ours)
-    q_ref, kr, vr = R.rope_write(layer, qkv, pos, mx.zeros(kvshape, dt), mx.zeros(kvshape, dt))
-    q_ref = q_ref.transpose(0, 2, 1, 3).reshape(1, 1, -1)
-    stray = (mx.abs(kc).sum() - mx.abs(kc[:, :, at]).sum()).item() + (mx.abs(vc).sum() - mx.abs(vc[:, :, at]).sum()).item()
-    checks["rope_write"] = {"q": _rel(q_ours, q_ref), "k": _rel(kc[:, :, at], kr[:, :, at]),
-                            "v": _rel(vc[:, :, at], vr[:, :, at]), "stray_writes": stray}
-    # attention at several positions over buffers whose rows past the position hold large values
+    checks["norm+head"] = _rel(head(C, x, norm=final), head(R, x, norm=final))
+    hb = sum(t.nbytes for t in (head.w, head.scales, head.biases) if t is not None)
+    t_ours, t_ref = _timed_eval(lambda: [head(C, x, norm=final)]), _timed_eval(lambda: [head(R, x, norm=final)])
+    rows.append(common.Row("kernels", shape, "norm+head: weight read", "GB/s", hb / t_ours / 1e9, hb / t_ref / 1e9,
+                           "MLX ops", ">= 1.0", f"max diff / ref scale {checks['norm+head']['rel']:.2e}",
+                           checks["norm+head"]))
+    # the attention kernel at several positions: buffers whose rows past the position hold large
+    # values (masked), the new key and value written in place, nothing else in the buffers changed
     cap = 2048
     kvshape = (1, layer.kv_heads, cap, layer.head_dim)
     keys, values = rnd(*kvshape), rnd(*kvshape)
-    q = rnd(1, 1, layer.heads * layer.head_dim)
-    q_r = q.reshape(1, 1, layer.heads, layer.head_dim).transpose(0, 2, 1, 3)
-    worst = {}
-    for at in (0, 5, 255, 256, 1000, 2047):
+    keys = mx.where((mx.arange(cap) > 1500)[None, None, :, None], mx.array(1e4, dt), keys)
+    mx.eval(keys, values)
+    qkv = rnd(1, 1, layer.qkv.w.shape[0])
+    worst: dict[int, Any] = {}
+    for at in (0, 5, 255, 256, 1000, 1500):
         pos = mx.array([at], dtype=mx.int32)
-        junk = mx.where((mx.arange(cap) > at)[None, None, :, None], mx.array(1e4, dt), keys)
-        worst[at] = _rel(C.attend(layer, q, junk, values, pos), R.attend(layer, q_r, junk, values, pos))["rel"]
-    checks["attend"] = worst
-    ok = (all(c["rel"] < 2e-2 for k, c in checks.items() if k in products or k == "head")
-          and all(v["rel"] < 2e-2 for k, v in checks["rope_write"].items() if k != "stray_writes")
-          and checks["rope_write"]["stray_writes"] == 0 and max(worst.values()) < 2e-2)
+        kc, vc = keys + 0, values + 0
+        mx.eval(kc, vc)
+        o_ours, kc, vc = C.attention(layer, qkv, pos, kc, vc)
+        mx.eval(o_ours)
+        o_ref, kr, vr = R.attention(layer, qkv, pos, keys, values)
+        worst[at] = {"out": _rel(o_ours, o_ref)["rel"], "keys": _rel(kc, kr)["rel"], "values": _rel(vc, vr)["rel"]}
+    checks["attention"] = worst
+    t_ours = _timed_eval(lambda: [C.attention(lay, qkv, pos, keys, values)[0] for lay in layers])
+    t_ref = _timed_eval(lambda: [R.attention(lay, qkv, pos, keys, values)[0] for lay in layers])
+    rows.append(common.Row("kernels", shape, f"attention at {at}, {len(layers)} layers", "ms", t_ours * 1e3,
+                           t_ref * 1e3, "MLX ops (norms, RoPE, slice updates, SDPA)", "<= 1.0", json.dumps(worst)))
+    ok = (all(c["rel"] < 2e-2 for k, c in checks.items() if k != "attention")
+          and all(v < 2e-2 for w in worst.values() for v in w.values()))
     rows.append(common.Row("kernels", shape, "all kernels within 2% of the reference", "", float(ok), 1.0, "", "",
-                           json.dumps({k: v for k, v in checks.items() if k in ("rope_write", "attend")}), checks))
+                           "", checks))
     return rows
+
+
+def _timed_eval(build, reps: int = 10) -> float:
+    """Median seconds of evaluating the graph `build()` makes, built before the clock starts."""
+    import mlx.core as mx
+
+    mx.eval(build())
+    out = []
+    for _ in range(reps):
+        ys = build()
+        mx.synchronize()
+        t = time.perf_counter()
+        mx.eval(ys)
+        mx.synchronize()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def step_profile(model, prompt, steps: int = 32) -> dict[str, float]:
+    """Where a synchronous one-token step's time goes (ms, medians): building its graph (Python),
+    evaluating it up to the host's return (`mx.async_eval`: recording and launching), and waiting
+    for the device after that."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([list(prompt)], dtype=mx.uint32), cache=cache))
+    y = mx.array([[int(prompt[-1])]], dtype=mx.uint32)
+    parts: dict[str, list[float]] = {"build": [], "host_eval": [], "device_wait": []}
+    for i in range(steps + 4):
+        t0 = time.perf_counter()
+        logits = model(y, cache=cache)
+        t1 = time.perf_counter()
+        mx.async_eval(logits)
+        t2 = time.perf_counter()
+        mx.synchronize()
+        t3 = time.perf_counter()
+        if i >= 4:
+            for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
+                parts[k].append(v * 1e3)
+    return {k: statistics.median(v) for k, v in parts.items()}
 
 
 def part_llamacpp(a) -> tuple[dict[str, Any], list[common.Row]]:
@@ -556,6 +633,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=4000)
     ap.add_argument("--bw-gb", type=float, default=4.0)
     ap.add_argument("--chunks", default="2048,1024", help="other prefill chunks to measure ours at")
+    ap.add_argument("--sweep", action="store_true", help="kernels: each product at rows/unroll variants")
     ap.add_argument("--llama-prompt", type=int, default=4096, help="llama-bench's prompt length")
     ap.add_argument("--llama-work", default="/tmp/llamacpp-gguf", help="where the GGUF files are written")
     ap.add_argument("--streams", default="1,8,32", help="llama-batched-bench's stream counts")

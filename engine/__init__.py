@@ -7,6 +7,7 @@ This is the engine's whole public face; the app imports nothing else from it (a 
     async for event in handle.stream(): ...      # or `for event in handle.events()` in a thread
 """
 
+from .decoding.chat import ROLES as MESSAGE_ROLES
 from .decoding.defaults import (DEFAULTABLE, PRESETS, SOURCES as DEFAULT_SOURCES, Default,
                                 ModelDefaults, preset)
 from .decoding.drafts import DraftChoice, SpeculativeOptions
@@ -41,7 +42,7 @@ from .decoding.fim import Infill
 
 __all__ = [
     "Cluster", "DEFAULTABLE", "DEFAULT_KEEP_ALIVE_S", "DEFAULT_SOURCES", "DEVICES", "KERNELS_ENV",
-    "KV_BITS_ENV", "PRESETS",
+    "KV_BITS_ENV", "MESSAGE_ROLES", "PRESETS",
     "SAMPLING_OPTIONS",
     "EMBEDDING_MAX_INPUTS", "EmbeddingHandle", "Embeddings",
     "Channel", "Default", "DownloadCancelled", "DownloadError", "DownloadProgress", "DraftChoice",

@@ -176,3 +176,19 @@ def test_prefill_chunk_is_sized_against_memory(monkeypatch):
     other = dataclasses.replace(lm, extras={})
     monkeypatch.setattr(gen, "CHUNK_ACTIVATIONS_OF_WEIGHTS", 10 * per / weights)  # below the floor
     assert gen.memory_sized_chunk(other, 4096) == gen.SMALLEST_CHUNK
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_a_long_prompt_chunk_is_evaluated_layer_by_layer_with_mlx_lm_logits(kind):
+    """A chunk of EVAL_ROWS positions or more is evaluated after each decoder layer (its cache
+    too), so a GPU holds one layer's activations at a time; the logits and the cache are mlx-lm's."""
+    from engine.kernels.gpu_layout import EVAL_ROWS, EvalEachLayer
+
+    plain, stacked = pair(kind)
+    inner = getattr(stacked, "language_model", stacked)
+    assert all(isinstance(layer, EvalEachLayer) for layer in inner.model.layers)
+    prompt = mx.array([[(7 * i) % 4000 + 1 for i in range(EVAL_ROWS + 20)]])
+    caches = make_prompt_cache(plain), make_prompt_cache(stacked)
+    assert_same(plain(prompt, cache=caches[0]), stacked(prompt, cache=caches[1]))
+    step = mx.array([[11]])
+    assert_same(plain(step, cache=caches[0]), stacked(step, cache=caches[1]))

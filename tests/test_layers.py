@@ -19,8 +19,7 @@ pytestmark = pytest.mark.fast
 ROOT = Path(__file__).resolve().parent.parent
 # Lowest first; a module may import its own layer or lower ones.
 LAYERS = [("errors", "events", "paths", "device", "mlx_lm_adapter"), ("kernels", "model_cache"),
-          ("loading",),
-          ("decoding",), ("prefix_cache",), ("scheduling",), ("distributed",),
+          ("loading",), ("decoding",), ("prefix_cache",), ("scheduling",), ("distributed",),
           ("__init__",)]
 
 
@@ -164,11 +163,6 @@ def _running_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
     return out
 
 
-# Circles another branch opens (drop each entry once that branch is merged): app/storage.py and
-# app/import_schema.py import each other until app/storage/ lands (the house-app helper, issue 52).
-KNOWN_EDGES = {("app.storage", "app.import_schema")}
-
-
 def import_graph(top: str) -> dict[str, set[str]]:
     """Each module of package `top` (`app`, `engine`) and the modules of `top` it imports, at its
     own import or inside its functions (`from pkg import name` counts as importing `pkg.name` when
@@ -194,7 +188,6 @@ def import_graph(top: str) -> dict[str, set[str]]:
                     target = f"{base}.{alias.name}"
                     edges.add(target if target in files else base)
         edges &= set(files) - {module}
-        edges -= {b for a, b in KNOWN_EDGES if a == module}
     return graph
 
 

@@ -16,6 +16,7 @@ from starlette.routing import Route
 from engine import Event, Infill, InvalidRequest, SamplingParams, TokenLogprob
 
 from ..sse import sse
+from ..state import app_state
 from .choices import system_fingerprint, total_usage
 from .errors import ApiError, check_fields
 from .openai_request import (SAMPLING, check_model, choice_count, sampling_fields, stream_fields,
@@ -141,7 +142,7 @@ def _prompt_option(prompt: str | list[int] | Infill) -> dict[str, Any]:
 
 
 async def completions(request: Request) -> Response:
-    engine = request.app.state.engine
+    engine = app_state(request).engine
     try:
         body = await read_body(request)
         model = await require_model(request, body, parse)  # a bad request loads nothing

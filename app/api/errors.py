@@ -1,5 +1,5 @@
 """The API's refusals: an HTTP status with an error, written in the shape of the protocol whose
-path was asked (app/error_shapes.py; OpenAI's by default), and the OpenAI fields an endpoint
+path was asked (app/api/error_shapes.py; OpenAI's by default), and the OpenAI fields an endpoint
 accepts only with their neutral values."""
 
 from collections.abc import Callable
@@ -9,7 +9,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from ..error_shapes import api_error, is_api_path
+from .error_shapes import api_error, is_api_path
 
 
 class ApiError(Exception):

@@ -23,6 +23,7 @@ from starlette.routing import Route
 from engine import Event, Infill, InvalidRequest
 
 from ..sse import sse
+from ..state import app_state
 from .errors import ApiError
 from .openai_request import typed
 from .serving import finished, public_error, read_body, stream, submit, use_named_model
@@ -147,7 +148,7 @@ class InfillEncoder:
 
 
 async def infill(request: Request) -> Response:
-    engine = request.app.state.engine
+    engine = app_state(request).engine
     try:
         body = await read_body(request)
         parsed, sampling, streamed = parse(body)

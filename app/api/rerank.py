@@ -24,8 +24,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine import EngineError, Ranking
+from engine import Engine, EngineError, Ranking
 
+from ..state import app_state
 from .errors import ApiError
 from .openai_request import typed
 from .serving import aliased, engine_refusal, model_loading, read_body
@@ -71,7 +72,7 @@ def _top_n(body: dict[str, Any], count: int) -> int:
     return min(top_n or count, count)
 
 
-async def rank(engine: Any, query: str, documents: list[str], **options: Any) -> Ranking:
+async def rank(engine: Engine, query: str, documents: list[str], **options: Any) -> Ranking:
     """The engine's ranking, its refusals and failures as ApiErrors."""
     if engine.model_name is None:
         raise model_loading()
@@ -84,7 +85,8 @@ async def rank(engine: Any, query: str, documents: list[str], **options: Any) ->
 
 
 async def rerank(request: Request) -> Response:
-    engine = request.app.state.engine
+    state = app_state(request)
+    engine = state.engine
     try:
         body = await read_body(request)
         query, documents, options, tei = parse(body)
@@ -92,7 +94,7 @@ async def rerank(request: Request) -> Response:
         echo = typed(body, "return_text" if tei else "return_documents", bool)
         echo = (not tei) if echo is None else echo
         if options["model"] is not None:  # `--model-alias` for clients' own names
-            options["model"] = aliased(getattr(request.app.state, "aliases", {}), options["model"])
+            options["model"] = aliased(state.aliases, options["model"])
         ranking = await rank(engine, query, documents, **options)
     except ApiError as err:
         return err.response(request.url.path)

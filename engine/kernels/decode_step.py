@@ -3,8 +3,8 @@ one compiled program of fused kernels.
 
 At batch 1 a GPU decode step reads every weight once; what it costs beyond that is the host
 recording and launching each op of its graph. mlx-lm's step is ~1,000 ops for an 8B model (~1,450
-in bf16); this program is 9 kernels a layer (RMSNorm, q/k/v product, norm + RoPE + cache write,
-attention in two kernels, o_proj + residual, RMSNorm, gate/up + SwiGLU, down + residual) plus the
+in bf16); this program is 5 kernels a layer (RMSNorm + q/k/v product; q/k norms + RoPE + the
+cache write + attention; o_proj + residual; RMSNorm + gate/up + SwiGLU; down + residual) plus the
 embedding and the head (engine/kernels/fused_cuda.py), traced once through `mx.compile`: later
 steps replay the recorded graph without running any Python per op.
 
@@ -66,7 +66,7 @@ class Proj:
             if getattr(m, "mode", "affine") != "affine" or "biases" not in m or m.bits not in (4, 8):
                 return None
             return cls(m["weight"], m["scales"], m["biases"], m.bits, m.group_size, bias)
-        if type(m) in (nn.Linear, nn.Embedding) and m["weight"].ndim == 2:
+        if isinstance(m, (nn.Linear, nn.Embedding)) and m["weight"].ndim == 2:  # SmallMMLinear too
             return cls(m["weight"], None, None, 16, 0, bias)
         return None
 
@@ -75,10 +75,11 @@ class Proj:
         cols = self.w.shape[1]
         return cols * 32 // self.bits if self.bits in (4, 8) else cols
 
-    def __call__(self, k: ModuleType, x: mx.array, epilogue: int = 0, a: mx.array | None = None) -> mx.array:
+    def __call__(self, k: ModuleType, x: mx.array, epilogue: int = 0, a: mx.array | None = None,
+                 norm: tuple[mx.array, float] | None = None) -> mx.array:
         if epilogue == 0 and self.bias is not None:
             epilogue, a = 1, self.bias
-        return k.matvec(x, self.w, self.scales, self.biases, self.bits, self.group_size, epilogue, a)
+        return k.matvec(x, self.w, self.scales, self.biases, self.bits, self.group_size, epilogue, a, norm)
 
 
 @dataclass
@@ -92,14 +93,14 @@ class Layer:
     k_norm: nn.Module | None
     rope: nn.Module
     inv_freq: mx.array  # float32, per rotated pair
-    params: mx.array  # float32: the q/k norms' eps, RoPE's position scale
+    params: mx.array  # float32: the q/k norms' eps, RoPE's position scale, the attention's scale
+    counters: mx.array  # int32 per kv head: the attention kernel's splits done (zero between steps)
     heads: int
     kv_heads: int
     head_dim: int
     rotated: int
     traditional: bool
     scale: float
-    scale_array: mx.array
     o: Proj
     norm_post: mx.array
     eps_post: float
@@ -139,38 +140,42 @@ def read_layer(block: nn.Module) -> Layer | None:
     return Layer(
         norm_in=block.input_layernorm.weight, eps_in=block.input_layernorm.eps, qkv=projs[0],
         q_norm=q_norm, k_norm=attn.k_norm if q_norm is not None else None, rope=attn.rope,
-        inv_freq=mx.array(inv), params=mx.array([eps, pos_scale], dtype=mx.float32),
+        inv_freq=mx.array(inv), params=mx.array([eps, pos_scale, attn.scale], dtype=mx.float32),
+        counters=mx.zeros((attn.n_kv_heads,), dtype=mx.int32),
         heads=attn.n_heads, kv_heads=attn.n_kv_heads, head_dim=head_dim, rotated=attn.rope.dims,
-        traditional=bool(attn.rope.traditional), scale=float(attn.scale),
-        scale_array=mx.array([attn.scale], dtype=mx.float32), o=projs[1],
+        traditional=bool(attn.rope.traditional), scale=float(attn.scale), o=projs[1],
         norm_post=block.post_attention_layernorm.weight, eps_post=block.post_attention_layernorm.eps,
         gate_up=projs[2], down=projs[3])
 
 
 def cuda_fits(layers: list[Layer], head: Proj, dtype: mx.Dtype) -> bool:
-    """Whether fused_cuda.py's kernels take these shapes: 16-bit activations, head dims of 64,
-    128 or 256 (RoPE's block is half a head, whole warps), the attention's grouped heads within
-    its shared memory, product inputs a whole number of 128-bit words."""
+    """Whether fused_cuda.py's kernels take these shapes: 16-bit activations, attention shapes
+    its kernel takes, a hidden size the fused norm can stage, product inputs a whole number of
+    128-bit words."""
     from . import fused_cuda
 
-    if dtype not in (mx.bfloat16, mx.float16):
-        return False
-    for layer in layers:
-        if layer.head_dim not in (64, 128, 256) or layer.heads % layer.kv_heads:
-            return False
-        if (layer.heads // layer.kv_heads) * layer.head_dim > fused_cuda.MAX_GROUP_DIMS:
-            return False
-        if layer.rotated % 2 or layer.rotated > layer.head_dim:
-            return False
     projs = [p for layer in layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [head]
-    for p in projs:
-        if p.bits in (4, 8):
-            word = 128 // p.bits
-            if p.inputs % word or p.group_size % word:
-                return False
-        elif p.w.dtype != dtype or p.inputs % 8:
-            return False
-    return True
+    staged = all(p.inputs <= fused_cuda.MAX_STAGED for layer in layers for p in (layer.qkv, layer.gate_up))
+    return (dtype in (mx.bfloat16, mx.float16) and staged and all(map(_attention_fits, layers))
+            and all(_product_fits(p, dtype) for p in projs))
+
+
+def _attention_fits(layer: Layer) -> bool:
+    """Head dims of 64, 128 or 256 (a warp a head), whole groups of query heads, the group's
+    heads x head dim within the kernel's shared memory, an even number of rotated dims."""
+    from . import fused_cuda
+
+    return (layer.head_dim in (64, 128, 256) and layer.heads % layer.kv_heads == 0
+            and (layer.heads // layer.kv_heads) * layer.head_dim <= fused_cuda.MAX_GROUP_DIMS
+            and layer.rotated % 2 == 0 and layer.rotated <= layer.head_dim)
+
+
+def _product_fits(p: Proj, dtype: mx.Dtype) -> bool:
+    """A packed row a whole number of 128-bit words, each within one group; a dense W of x's dtype."""
+    if p.bits in (4, 8):
+        word = 128 // p.bits
+        return p.inputs % word == 0 and p.group_size % word == 0
+    return p.w.dtype == dtype and p.inputs % 8 == 0
 
 
 class DecodeProgram:
@@ -209,14 +214,12 @@ class DecodeProgram:
         h = self.embed(tokens)
         written = []
         for i, layer in enumerate(self.layers):
-            keys, values = kv[2 * i], kv[2 * i + 1]
-            x = mx.fast.rms_norm(h, layer.norm_in, layer.eps_in)
-            q, keys, values = k.rope_write(layer, layer.qkv(k, x), pos, keys, values)
-            h = layer.o(k, k.attend(layer, q, keys, values, pos), 1, h)
-            x = mx.fast.rms_norm(h, layer.norm_post, layer.eps_post)
-            h = layer.down(k, layer.gate_up(k, x, 2), 1, h)
+            qkv = layer.qkv(k, h, norm=(layer.norm_in, layer.eps_in))
+            o, keys, values = k.attention(layer, qkv, pos, kv[2 * i], kv[2 * i + 1])
+            h = layer.o(k, o, 1, h)
+            h = layer.down(k, layer.gate_up(k, h, 2, norm=(layer.norm_post, layer.eps_post)), 1, h)
             written += [keys, values]
-        logits = self.head(k, mx.fast.rms_norm(h, self.norm, self.eps))
+        logits = self.head(k, h, norm=(self.norm, self.eps))
         return (logits,) if self.in_place else (logits, *written)
 
     def accepts(self, inputs: mx.array, cache: Any) -> bool:

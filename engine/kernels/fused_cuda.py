@@ -17,16 +17,17 @@ kernels that step needs besides MLX's RMSNorm, each doing what several MLX ops d
   integer-to-float conversion, which runs at a quarter of the FMA rate); a word's weights share
   one group, so its share of a row is `s * sum(q x) + b * sum(x)` with `sum(x)` computed once for
   the warp's rows. fp32 sums, the warp's lanes added by butterfly shuffles.
-- `rope_write`: from the stacked q/k/v row, Qwen3's per-head RMSNorm of q and k (when the model
-  has it), RoPE on q and k at the step's position, and the new key and value written into the
-  KV cache's buffers at that position, in place: one kernel for what mlx-lm does in ~10 ops (split,
-  reshapes, transposes, two norms, two RoPEs, two slice updates). The position comes from an
-  array, so the step's graph has the same shapes at every position (engine/kernels/decode_step.py
-  compiles it once per buffer size).
-- `attend`: single-query attention over the cache's first `pos + 1` keys (the position read from
-  the array), grouped-query heads sharing each key and value load; the keys are cut into splits
-  of `CH` that run as separate blocks (online softmax in each, flash-decoding), and a second
-  kernel combines the splits.
+  With `norm`, the RMSNorm before the product is fused in: each block stages x in shared memory,
+  normalised as MLX's rms_norm rounds it.
+- `attention`: one kernel for a step's attention, from the stacked q/k/v row: Qwen3's per-head
+  RMSNorm of q and k (when the model has it), RoPE at the step's position, the new key and value
+  written into the KV cache's buffers at that position, in place, and single-query attention over
+  the first `pos + 1` positions (grouped-query heads sharing each key and value load): what
+  mlx-lm does in ~15 ops. The keys are cut into splits of `CH` positions, one block each (online
+  softmax, flash-decoding); the last block of a head group to finish adds the splits up (a
+  counter per kv head, reset by that block). The position comes from an array, so the step's
+  graph has the same shapes at every position (engine/kernels/decode_step.py compiles it once
+  per buffer size).
 
 Numerics: products and attention sum in fp32 in another order than MLX's kernels; every value MLX
 rounds to the model's dtype between ops (a product before its residual add, a norm before RoPE,
@@ -37,311 +38,71 @@ bench.gpu_step --parts kernels` checks each kernel against that reference on a G
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 WARPS = 4  # warps per block of matvec and attend
 UNROLL = 4  # 128-bit words of a row a lane loads before it computes
 MAX_SPLITS = 64  # blocks a head's keys are cut into, at most
 MIN_SPLIT = 256  # keys per split, at least
-MAX_GROUP_DIMS = 2048  # query heads per kv head x head dim: attend's shared memory
-IN_PLACE = True  # rope_write writes the cache buffers it is given
+MAX_GROUP_DIMS = 2048  # query heads per kv head x head dim: the attention's shared memory
+IN_PLACE = True  # `attention` writes the cache buffers it is given
 
-_HEADER = """
-template <typename T> __device__ __forceinline__ float2 pair_f(uint32_t u);
-template <> __device__ __forceinline__ float2 pair_f<__nv_bfloat16>(uint32_t u) {
-  return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
-}
-template <> __device__ __forceinline__ float2 pair_f<__half>(uint32_t u) {
-  return __half22float2(*reinterpret_cast<__half2*>(&u));
-}
-template <typename T, int N>
-__device__ __forceinline__ void load_f(const T* p, float* out) {
-  // N (a multiple of 8) consecutive 16-bit values as floats, through 128-bit loads
-  #pragma unroll
-  for (int i = 0; i < N / 8; ++i) {
-    const uint4 u = reinterpret_cast<const uint4*>(p)[i];
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-    #pragma unroll
-    for (int j = 0; j < 4; ++j) { const float2 f = pair_f<T>(w[j]); out[8 * i + 2 * j] = f.x; out[8 * i + 2 * j + 1] = f.y; }
-  }
-}
-__device__ __forceinline__ float q_at(uint32_t bytes, int b) {
-  // byte b of `bytes` (0..255) as a float, exactly: 2^23 + byte, less 2^23
-  return __uint_as_float(__byte_perm(bytes, 0x4B000000u, 0x7540 + b)) - 8388608.0f;
-}
-template <int BITS, typename T>
-__device__ __forceinline__ float dot_word(const uint4 w, const float* x) {
-  // one 128-bit word of a row (128 / BITS weights) against its x values, fp32
-  const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
-  float s[4] = {0.f, 0.f, 0.f, 0.f};
-  #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if constexpr (BITS == 4) {
-      const uint32_t lo = ws[i] & 0x0f0f0f0fu, hi = (ws[i] >> 4) & 0x0f0f0f0fu;
-      #pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        s[i] = fmaf(q_at(lo, b), x[8 * i + 2 * b], s[i]);
-        s[i] = fmaf(q_at(hi, b), x[8 * i + 2 * b + 1], s[i]);
-      }
-    } else if constexpr (BITS == 8) {
-      #pragma unroll
-      for (int b = 0; b < 4; ++b) s[i] = fmaf(q_at(ws[i], b), x[4 * i + b], s[i]);
-    } else {  // 16: the word holds 8 values of T
-      const float2 f = pair_f<T>(ws[i]);
-      s[i] = fmaf(f.x, x[2 * i], s[i]);
-      s[i] = fmaf(f.y, x[2 * i + 1], s[i]);
-    }
-  }
-  return (s[0] + s[1]) + (s[2] + s[3]);
-}
-"""
+MAX_STAGED = 8192  # inputs staged in shared memory (fp32): at most 32 KB a block
 
-_MATVEC_IMPL = """
-template <typename T, typename ST, int BITS, int GS, int K, int N, int R, int E, int UNROLL>
-__device__ __forceinline__ void matvec_impl(const T* x, const uint32_t* w, const ST* scales,
-                                            const ST* biases, const T* a, T* y) {
-  // BITS 4/8: W packed (MLX's affine layout, `scales`/`biases` per group of GS); 16: W dense of
-  // T. R output units per warp; E 0: y = Wx; 1: y = Wx + a; 2: y = swiglu(W[:N/2] x, W[N/2:] x).
-  constexpr int VALS = 128 / BITS;
-  constexpr int VECS = K / VALS;
-  constexpr int PER_LANE = (VECS + 31) / 32;
-  constexpr int OUT = (E == 2) ? N / 2 : N;
-  constexpr int RR = (E == 2) ? 2 * R : R;
-  constexpr int GROUPS = (BITS == 16) ? 1 : K / GS;
-  const int lane = threadIdx.x & 31;
-  const int unit0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-  if (unit0 >= OUT) return;  // the whole warp: its lanes share the units
-  int row[RR];
-  #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int u = min(unit0 + r, OUT - 1);
-    row[r] = u;
-    if constexpr (E == 2) row[R + r] = u + OUT;
-  }
-  float acc[RR];
-  #pragma unroll
-  for (int r = 0; r < RR; ++r) acc[r] = 0.f;
-  const uint4* w4 = reinterpret_cast<const uint4*>(w);
-  #pragma unroll 1
-  for (int v0 = 0; v0 < PER_LANE; v0 += UNROLL) {
-    uint4 wv[UNROLL][RR];
-    #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int v = (v0 + u) * 32 + lane;
-      #pragma unroll
-      for (int r = 0; r < RR; ++r)
-        wv[u][r] = (v < VECS) ? __ldg(w4 + (size_t)row[r] * VECS + v) : make_uint4(0u, 0u, 0u, 0u);
-    }
-    #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int v = (v0 + u) * 32 + lane;
-      if (v < VECS) {
-        float xs[VALS];
-        load_f<T, VALS>(x + v * VALS, xs);
-        if constexpr (BITS == 16) {
-          #pragma unroll
-          for (int r = 0; r < RR; ++r) acc[r] += dot_word<BITS, T>(wv[u][r], xs);
-        } else {
-          float sx = 0.f;
-          #pragma unroll
-          for (int j = 0; j < VALS; ++j) sx += xs[j];
-          const int g = (v * VALS) / GS;
-          #pragma unroll
-          for (int r = 0; r < RR; ++r) {
-            const float qx = dot_word<BITS, T>(wv[u][r], xs);
-            const size_t at = (size_t)row[r] * GROUPS + g;
-            acc[r] += static_cast<float>(scales[at]) * qx + static_cast<float>(biases[at]) * sx;
-          }
-        }
-      }
-    }
-  }
-  #pragma unroll
-  for (int r = 0; r < RR; ++r) {
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
-  }
-  if (lane != 0) return;
-  #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int u = unit0 + r;
-    if (u >= OUT) break;
-    if constexpr (E == 0) {
-      y[u] = static_cast<T>(acc[r]);
-    } else if constexpr (E == 1) {  // MLX rounds the product, then the sum
-      y[u] = static_cast<T>(static_cast<float>(static_cast<T>(acc[r])) + static_cast<float>(a[u]));
-    } else {  // mlx-lm's swiglu, silu(g) * up, rounded op by op in T
-      const float g = static_cast<float>(static_cast<T>(acc[r]));
-      const float up = static_cast<float>(static_cast<T>(acc[R + r]));
-      const float sig = static_cast<float>(static_cast<T>(1.0f / (1.0f + expf(-g))));
-      const float act = static_cast<float>(static_cast<T>(g * sig));
-      y[u] = static_cast<T>(act * up);
-    }
-  }
-}
-"""
 
-# The kernels' bodies: template T (x's dtype), ST (scales'), BITS, GS, K, N (W's rows), R, E.
-_MATVEC = {
-    "q": "matvec_impl<T, ST, BITS, GS, K, N, R, E, UNROLL>(x, w, scales, biases, (const T*)nullptr, y);",
-    "q_add": "matvec_impl<T, ST, BITS, GS, K, N, R, 1, UNROLL>(x, w, scales, biases, a, y);",
-    "d": "matvec_impl<T, T, 16, 8, K, N, R, E, UNROLL>(x, reinterpret_cast<const uint32_t*>(w), "
-         "(const T*)nullptr, (const T*)nullptr, (const T*)nullptr, y);",
-    "d_add": "matvec_impl<T, T, 16, 8, K, N, R, 1, UNROLL>(x, reinterpret_cast<const uint32_t*>(w), "
-             "(const T*)nullptr, (const T*)nullptr, a, y);",
-}
+def _matvec_source(quantized: bool, add: bool, norm: bool) -> str:
+    """The kernel body calling matvec_impl with the inputs this variant has (nullptr for others)."""
+    w = "w" if quantized else "reinterpret_cast<const uint32_t*>(w)"
+    scales = "scales, biases" if quantized else "(const T*)nullptr, (const T*)nullptr"
+    return (f"matvec_impl<T, {'ST' if quantized else 'T'}, BITS, GS, K, N, R, E, XN, U>(x, {w}, {scales}, "
+            f"{'a' if add else '(const T*)nullptr'}, {'nw' if norm else '(const T*)nullptr'}, "
+            f"{'ne' if norm else '(const float*)nullptr'}, y);")
 
-# Template: T, D (head dim), HQ, HKV, ROT (rotated dims), TRAD, NORM, CAP (cache buffer length).
-# Inputs: qkv, qn, kn (norm weights, unused without NORM), invf (ROT/2 inverse frequencies),
-# fp (eps, rope position scale), pos, kc, vc (the cache buffers, written in place).
-_ROPE_WRITE = """
-  constexpr int HALF = D / 2;
-  __shared__ float sh[D];
-  __shared__ float red[(HALF + 31) / 32];
-  const int b = blockIdx.x, t = threadIdx.x;
-  const bool is_q = b < HQ;
-  const int head = is_q ? b : b - HQ;
-  const T* src = qkv + (size_t)(is_q ? b : HQ + head) * D;
-  const float x0 = static_cast<float>(src[t]), x1 = static_cast<float>(src[t + HALF]);
-  if constexpr (NORM) {
-    float ss = x0 * x0 + x1 * x1;
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    if ((t & 31) == 0) red[t >> 5] = ss;
-    __syncthreads();
-    float total = 0.f;
-    #pragma unroll
-    for (int i = 0; i < (HALF + 31) / 32; ++i) total += red[i];
-    const float rn = rsqrtf(total / D + fp[0]);
-    const T* wn = is_q ? qn : kn;
-    sh[t] = static_cast<float>(wn[t] * static_cast<T>(x0 * rn));
-    sh[t + HALF] = static_cast<float>(wn[t + HALF] * static_cast<T>(x1 * rn));
-  } else {
-    sh[t] = x0;
-    sh[t + HALF] = x1;
-  }
-  __syncthreads();
-  const int p = pos[0];
-  T* out = is_q ? y + (size_t)b * D : const_cast<T*>(kc) + ((size_t)head * CAP + p) * D;
-  for (int e = t; e < D; e += HALF) {  // this thread's elements t and t + HALF
-    if (e >= ROT) {  // past the rotated dims: as normalised
-      out[e] = static_cast<T>(sh[e]);
-      continue;
-    }
-    int e2 = -1, i = 0;  // e's partner in its rotated pair, when e is the pair's first element
-    if (TRAD) {
-      if ((e & 1) == 0) { e2 = e + 1; i = e / 2; }
-    } else if (e < ROT / 2) {
-      e2 = e + ROT / 2;
-      i = e;
-    }
-    if (e2 < 0) continue;  // the pair's second element: its first element's thread writes it
-    const float th = (fp[1] * static_cast<float>(p)) * invf[i];
-    const float c = cosf(th), s = sinf(th);
-    const float a1 = sh[e], a2 = sh[e2];
-    out[e] = static_cast<T>(a1 * c - a2 * s);
-    out[e2] = static_cast<T>(a1 * s + a2 * c);
-  }
-  if (!is_q) {
-    const T* vs = qkv + (size_t)(HQ + HKV + head) * D;
-    T* vo = const_cast<T*>(vc) + ((size_t)head * CAP + p) * D;
-    vo[t] = vs[t];
-    vo[t + HALF] = vs[t + HALF];
-  }
-"""
 
-# Template: T, D, G (query heads per kv head), CAP, CH (keys per split), S (splits).
-# Inputs: q (HQ * D), kc, vc (HKV * CAP * D), pos, sc (scale). Outputs per (head, split): the
-# largest score pm, the sum of exp(score - pm) pl, and the values' sum weighted by it pa (D).
-_ATTEND = """
-  constexpr int DPL = D / 32;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int split = blockIdx.x, j = blockIdx.y;
-  const int L = pos[0] + 1;
-  const int start = split * CH, end = min(start + CH, L);
-  __shared__ float sm_m[WARPS][G], sm_l[WARPS][G], sm_a[WARPS][G][D];
-  const float scale = sc[0];
-  float qf[G][DPL], m[G], l[G], acc[G][DPL];
-  #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    #pragma unroll
-    for (int d = 0; d < DPL; ++d) { qf[g][d] = static_cast<float>(q[(j * G + g) * D + lane * DPL + d]) * scale; acc[g][d] = 0.f; }
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-  }
-  for (int t = start + warp; t < end; t += WARPS) {
-    const size_t at = ((size_t)j * CAP + t) * D + lane * DPL;
-    float kf[DPL], vf[DPL];
-    #pragma unroll
-    for (int d = 0; d < DPL; ++d) { kf[d] = static_cast<float>(kc[at + d]); vf[d] = static_cast<float>(vc[at + d]); }
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float s = 0.f;
-      #pragma unroll
-      for (int d = 0; d < DPL; ++d) s = fmaf(qf[g][d], kf[d], s);
-      #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-      const float mn = fmaxf(m[g], s);
-      const float corr = expf(m[g] - mn), p = expf(s - mn);
-      l[g] = l[g] * corr + p;
-      #pragma unroll
-      for (int d = 0; d < DPL; ++d) acc[g][d] = fmaf(p, vf[d], acc[g][d] * corr);
-      m[g] = mn;
-    }
-  }
-  #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    if (lane == 0) { sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }
-    #pragma unroll
-    for (int d = 0; d < DPL; ++d) sm_a[warp][g][lane * DPL + d] = acc[g][d];
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
-    const int g = i / D, d = i % D;
-    float M = -INFINITY;
-    #pragma unroll
-    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sm_m[w][g]);
-    float ls = 0.f, a = 0.f;
-    if (M != -INFINITY) {
-      #pragma unroll
-      for (int w = 0; w < WARPS; ++w) { const float e = expf(sm_m[w][g] - M); ls += sm_l[w][g] * e; a += sm_a[w][g][d] * e; }
-    }
-    const int h = j * G + g;
-    pa[((size_t)h * S + split) * D + d] = a;
-    if (d == 0) { pm[h * S + split] = M; pl[h * S + split] = ls; }
-  }
-"""
+# Template: T, D (head dim), G (query heads per kv head), HKV, ROT (rotated dims), TRAD, NORM,
+# CAP (cache buffer length), CH (keys per split), S (splits). Inputs: qkv (one row of the
+# stacked product), qn, kn (q/k norm weights; unread without NORM), invf (ROT/2 inverse
+# frequencies), fp (q/k norm eps, RoPE position scale, attention scale), pos (1,), kc, vc (the
+# cache buffers: the new key and value written in place), cnt (HKV int32 counters, zero between
+# launches). Outputs: per (head, split) the largest score pm, the sum of exp(score - pm) pl and
+# the values weighted by it pa; y (HQ * D), the attention's output.
+_ATTENTION = ("attention_impl<T, D, G, HKV, ROT, TRAD, NORM, CAP, CH, S, WARPS>"
+              "(qkv, qn, kn, invf, fp, pos, kc, vc, cnt, pm, pl, pa, y);")
 
-# Template: T, D, S. One block of D threads per query head.
-_COMBINE = """
-  const int h = blockIdx.y, d = threadIdx.x;
-  float M = -INFINITY;
-  for (int s = 0; s < S; ++s) M = fmaxf(M, pm[h * S + s]);
-  float ls = 0.f, a = 0.f;
-  for (int s = 0; s < S; ++s) {
-    const float ms = pm[h * S + s];
-    if (ms == -INFINITY) continue;
-    const float e = expf(ms - M);
-    ls += pl[h * S + s] * e;
-    a += pa[((size_t)h * S + s) * D + d] * e;
-  }
-  y[h * D + d] = static_cast<T>(a / ls);
-"""
-
+DEVICE_CODE = Path(__file__).parent / "cuda" / "fused_decode.cuh"
 _KERNELS: dict[str, Any] = {}
+_HEADER: list[str] = []  # what each kernel's header holds: an #include of DEVICE_CODE, or its text
+
+
+def _header() -> str:
+    """`#include` DEVICE_CODE by its absolute path when MLX's NVRTC compiles that (tried once, on a
+    one-element kernel), else the file's text inline."""
+    if not _HEADER:
+        include = f'#include "{DEVICE_CODE}"\n'
+        try:
+            probe = mx.fast.cuda_kernel(name="mlxchat_include_probe", input_names=["x"], output_names=["y"],
+                                        source="y[0] = q_at(x[0], 0);", header=include)
+            got = probe(inputs=[mx.array([5], dtype=mx.uint32)], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                        output_shapes=[(1,)], output_dtypes=[mx.float32])[0]
+            ok = got.item() == 5.0
+        except Exception:  # noqa: BLE001 - NVRTC could not open it: inline the text
+            ok = False
+        _HEADER.append(include if ok else DEVICE_CODE.read_text())
+    return _HEADER[0]
 
 
 def _kernel(name: str, inputs: list[str], outputs: list[str], source: str) -> Any:
-    """The MLX kernel object `name`, made once (its source is compiled per template on first use).
-    Sources stay short: MLX hashes a kernel's whole source at every launch."""
+    """The MLX kernel object `name`, made once (its source is compiled per template on first use)."""
     if name not in _KERNELS:
-        consts = f"  constexpr int WARPS = {WARPS};\n  constexpr int UNROLL = {UNROLL};\n"
-        header = _HEADER + (_MATVEC_IMPL if name.startswith("matvec") else "")
+        consts = f"  constexpr int WARPS = {WARPS};\n"
         _KERNELS[name] = mx.fast.cuda_kernel(name=f"mlxchat_{name}", input_names=inputs,
                                              output_names=outputs, source=consts + source,
-                                             header=header)
+                                             header=_header())
     return _KERNELS[name]
 
 
@@ -351,48 +112,110 @@ def rows_per_warp(n: int) -> int:
 
 
 def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array | None,
-           bits: int, group_size: int, epilogue: int = 0, a: mx.array | None = None) -> mx.array:
+           bits: int, group_size: int, epilogue: int = 0, a: mx.array | None = None,
+           norm: tuple[mx.array, float] | None = None, rows: int | None = None,
+           unroll: int = UNROLL) -> mx.array:
     """y = x @ W.T for one row x (any leading shape of size 1, last dim K), W (N, K) dense
     (`bits` 16) or (N, K * bits / 32) packed (4, 8: MLX's affine layout); `epilogue` 1 adds `a`
-    (N,), 2 takes SwiGLU of W's halves (N / 2 outputs). Output: x's leading shape, the outputs."""
+    (N,), 2 takes SwiGLU of W's halves (N / 2 outputs); `norm` (weight, eps): x RMS-normalised
+    first, as mx.fast.rms_norm(x, weight, eps) would. `rows` (output units per warp) and `unroll`
+    (words a lane loads before it computes) override the defaults, for the bench. Output: x's
+    leading shape, the outputs."""
     k, n = x.shape[-1], w.shape[0]
+    if rows is None and mma_wanted(bits, group_size, k, x.size // k):
+        return qmma4(x, w, scales, biases, group_size, epilogue, a, norm)
     out = n // 2 if epilogue == 2 else n
-    r = rows_per_warp(out) if epilogue != 2 else min(2, rows_per_warp(out))
+    r = rows or (rows_per_warp(out) if epilogue != 2 else min(2, rows_per_warp(out)))
     quantized = bits in (4, 8)
-    kind = ("q" if quantized else "d") + ("_add" if epilogue == 1 else "")
-    names = ["x", "w"] + (["scales", "biases"] if quantized else []) + (["a"] if epilogue == 1 else [])
-    arrays = [x, w] + ([scales, biases] if quantized else []) + ([a] if epilogue == 1 else [])
-    kernel = _kernel(f"matvec_{kind}", names, ["y"], _MATVEC[kind])
+    xn = 2 if norm is not None else (1 if k <= MAX_STAGED else 0)
+    names = ["x", "w"] + (["scales", "biases"] if quantized else []) + (["nw", "ne"] if norm else []) \
+        + (["a"] if epilogue == 1 else [])
+    norm_arrays = [norm[0], mx.array([norm[1]], dtype=mx.float32)] if norm else []
+    arrays = [x, w] + ([scales, biases] if quantized else []) + norm_arrays \
+        + ([a] if epilogue == 1 else [])
+    kind = f"matvec_{'q' if quantized else 'd'}{'_add' if epilogue == 1 else ''}{'_norm' if norm else ''}"
+    kernel = _kernel(kind, names, ["y"], _matvec_source(quantized, epilogue == 1, norm is not None))
     block = WARPS * 32
     threads = -(-out // r) * 32
     return kernel(
         inputs=arrays,
         template=[("T", x.dtype), ("ST", scales.dtype if quantized else x.dtype),
                   ("BITS", bits if quantized else 16), ("GS", group_size if quantized else 8),
-                  ("K", k), ("N", n), ("R", r), ("E", epilogue)],
+                  ("K", k), ("N", n), ("R", r), ("E", epilogue), ("XN", xn), ("U", unroll)],
         grid=(-(-threads // block) * block, 1, 1), threadgroup=(block, 1, 1),
         output_shapes=[(*x.shape[:-1], out)], output_dtypes=[x.dtype])[0]
 
 
-def rope_write(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: mx.array
-               ) -> tuple[mx.array, mx.array, mx.array]:
-    """q (1, 1, heads * head_dim) after the layer's q norm and RoPE at `pos` (1,) int32; the new
-    key (norm, RoPE) and value written into `keys`/`values` (1, kv_heads, cap, head_dim) at `pos`,
-    in place: returns (q, keys, values), the buffers themselves. `layer`: engine/kernels/
-    decode_step.py's Layer (shapes, norm weights, `inv_freq`, `params` = (eps, position scale))."""
-    norm = layer.q_norm is not None
-    kernel = _kernel("rope_write", ["qkv", "qn", "kn", "invf", "fp", "pos", "kc", "vc"], ["y"], _ROPE_WRITE)
-    half = layer.head_dim // 2
-    qn = layer.q_norm.weight if norm else layer.inv_freq  # not read without NORM
-    kn = layer.k_norm.weight if norm else layer.inv_freq
-    y = kernel(
-        inputs=[qkv, qn, kn, layer.inv_freq, layer.params, pos, keys, values],
-        template=[("T", qkv.dtype), ("D", layer.head_dim), ("HQ", layer.heads), ("HKV", layer.kv_heads),
-                  ("ROT", layer.rotated), ("TRAD", layer.traditional), ("NORM", norm),
-                  ("CAP", keys.shape[2])],
-        grid=((layer.heads + layer.kv_heads) * half, 1, 1), threadgroup=(half, 1, 1),
-        output_shapes=[(1, 1, layer.heads * layer.head_dim)], output_dtypes=[qkv.dtype])[0]
-    return y, keys, values
+MMA_WARPS = 8  # warps of a tensor-core product's block, splitting K
+MV_SWITCH = "MLXCHAT_CUDA_MV"
+
+
+def mma_wanted(bits: int, group_size: int, k: int, rows_of_x: int) -> bool:
+    """Whether a product takes the tensor-core kernel (4-bit, groups of 64 or 128, one row of x):
+    `MLXCHAT_CUDA_MV=mma` (the scalar kernel otherwise, until the bench picks a default)."""
+    return (os.environ.get(MV_SWITCH, "").strip().lower() == "mma" and bits == 4
+            and group_size % 64 == 0 and k % 64 == 0 and rows_of_x == 1 and k <= 16384)
+
+
+def qmma4(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+          epilogue: int = 0, a: mx.array | None = None, norm: tuple[mx.array, float] | None = None,
+          tiles_per_block: int | None = None, unroll: int = 4) -> mx.array:
+    """`matvec` for a 4-bit W on the tensor cores (see qmma4_impl in cuda/fused_decode.cuh)."""
+    k, n = x.shape[-1], w.shape[0]
+    out = n // 2 if epilogue == 2 else n
+    tiles = -(-out // (8 if epilogue == 2 else 16))
+    tpw = tiles_per_block or max(1, min(2, tiles // 512))
+    names = ["x", "w", "scales", "biases"] + (["nw", "ne"] if norm else []) + (["a"] if epilogue == 1 else [])
+    arrays = [x, w, scales, biases] + ([norm[0], mx.array([norm[1]], dtype=mx.float32)] if norm else []) \
+        + ([a] if epilogue == 1 else [])
+    kind = f"qmma4{'_add' if epilogue == 1 else ''}{'_norm' if norm else ''}"
+    body = (f"qmma4_impl<T, ST, BF16, GS, K, N, E, XN, KW, TPW, U>(x, w, scales, biases, "
+            f"{'a' if epilogue == 1 else '(const T*)nullptr'}, {'nw' if norm else '(const T*)nullptr'}, "
+            f"{'ne' if norm else '(const float*)nullptr'}, y);")
+    kernel = _kernel(kind, names, ["y"], body)
+    block = MMA_WARPS * 32
+    return kernel(
+        inputs=arrays,
+        template=[("T", x.dtype), ("ST", scales.dtype), ("BF16", x.dtype == mx.bfloat16), ("GS", group_size),
+                  ("K", k), ("N", n), ("E", epilogue), ("XN", 2 if norm else 1), ("KW", MMA_WARPS),
+                  ("TPW", tpw), ("U", unroll)],
+        grid=(-(-tiles // tpw) * block, 1, 1), threadgroup=(block, 1, 1),
+        output_shapes=[(*x.shape[:-1], out)], output_dtypes=[x.dtype])[0]
+
+
+def emulate_qmma4(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray,
+                  group_size: int) -> np.ndarray:
+    """qmma4_impl's arithmetic in numpy, fragment by fragment: which nibbles and x values each lane
+    puts in which register of which mma (PTX's m16n8k16 layout: A row g / g + 8 at k 2t, 2t + 1,
+    2t + 8, 2t + 9; B k at the same, column g), the chunk's products summed (in fp32, in an order
+    the hardware leaves open), then scaled. x (K,) float, w (N, K / 8) uint32. Returns y (N,)."""
+    x = np.asarray(x, np.float32)
+    k = x.shape[0]
+    n = w.shape[0]
+    words = np.asarray(w, np.uint32)
+    s_all, b_all = np.asarray(scales, np.float32), np.asarray(biases, np.float32)
+    y = np.zeros(n, np.float32)
+    for c in range(k // 64):
+        sx = np.float32(x[c * 64:(c + 1) * 64].sum(dtype=np.float32))
+        cc = np.zeros(n, np.float32)  # column 0 of each row's chunk product
+        for hh in range(2):
+            for h in range(2):
+                # logical k (0..15) of this mma -> nibble j of lane t's uint32 (physical k = base + j,
+                # base = 64c + 16t + 8hh): 2t -> 2h, 2t+1 -> 2h+4, 2t+8 -> 2h+1, 2t+9 -> 2h+5
+                a = np.zeros((n, 16), np.float32)
+                b = np.zeros(16, np.float32)
+                for t in range(4):
+                    base = c * 64 + 16 * t + 8 * hh
+                    word = words[:, c * 8 + 2 * t + hh]
+                    nib = lambda j: ((word >> np.uint32(4 * j)) & np.uint32(15)).astype(np.float32)  # noqa: E731
+                    for logical, j in ((2 * t, 2 * h), (2 * t + 1, 2 * h + 4), (2 * t + 8, 2 * h + 1),
+                                       (2 * t + 9, 2 * h + 5)):
+                        a[:, logical] = 128.0 + nib(j)
+                        b[logical] = x[base + j]
+                cc += (a * b[None, :]).sum(axis=1, dtype=np.float32)
+        q = c * 64 // group_size
+        y += s_all[:, q] * (cc - np.float32(128.0) * sx) + b_all[:, q] * sx
+    return y
 
 
 def splits(cap: int) -> tuple[int, int]:
@@ -401,21 +224,27 @@ def splits(cap: int) -> tuple[int, int]:
     return s, -(-cap // s)
 
 
-def attend(layer: Any, q: mx.array, keys: mx.array, values: mx.array, pos: mx.array) -> mx.array:
-    """Attention of the one query row q (1, 1, heads * head_dim) over the first `pos + 1` rows of
-    `keys`/`values` (1, kv_heads, cap, head_dim): (1, 1, heads * head_dim)."""
-    heads, dim = layer.heads, layer.head_dim
+def attention(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: mx.array
+              ) -> tuple[mx.array, mx.array, mx.array]:
+    """One kernel for a decode step's attention from the stacked q/k/v row `qkv` (1, 1, ...):
+    the layer's q/k norms and RoPE at `pos` (1,) int32, the new key and value written into
+    `keys`/`values` (1, kv_heads, cap, head_dim) at `pos` in place, attention over the first
+    `pos + 1` positions. Returns (out (1, 1, heads * head_dim), keys, values), the buffers
+    themselves. `layer`: engine/kernels/decode_step.py's Layer (shapes, norm weights, `inv_freq`,
+    `params` = (q/k norm eps, RoPE position scale, attention scale), `counters`)."""
+    heads, kv, dim = layer.heads, layer.kv_heads, layer.head_dim
     cap = keys.shape[2]
     s, ch = splits(cap)
-    part = _kernel("attend", ["q", "kc", "vc", "pos", "sc"], ["pm", "pl", "pa"], _ATTEND)
-    pm, pl, pa = part(
-        inputs=[q, keys, values, pos, layer.scale_array],
-        template=[("T", q.dtype), ("D", dim), ("G", heads // layer.kv_heads), ("CAP", cap),
-                  ("CH", ch), ("S", s)],
-        grid=(s * WARPS * 32, layer.kv_heads, 1), threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(heads * s,), (heads * s,), (heads * s * dim,)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32])
-    combine = _kernel("attend_combine", ["pm", "pl", "pa"], ["y"], _COMBINE)
-    return combine(inputs=[pm, pl, pa], template=[("T", q.dtype), ("D", dim), ("S", s)],
-                   grid=(dim, heads, 1), threadgroup=(dim, 1, 1),
-                   output_shapes=[(1, 1, heads * dim)], output_dtypes=[q.dtype])[0]
+    norm = layer.q_norm is not None
+    qn = layer.q_norm.weight if norm else layer.inv_freq  # unread without NORM
+    kn = layer.k_norm.weight if norm else layer.inv_freq
+    kernel = _kernel("attention", ["qkv", "qn", "kn", "invf", "fp", "pos", "kc", "vc", "cnt"],
+                     ["pm", "pl", "pa", "y"], _ATTENTION)
+    out = kernel(
+        inputs=[qkv, qn, kn, layer.inv_freq, layer.params, pos, keys, values, layer.counters],
+        template=[("T", qkv.dtype), ("D", dim), ("G", heads // kv), ("HKV", kv), ("ROT", layer.rotated),
+                  ("TRAD", layer.traditional), ("NORM", norm), ("CAP", cap), ("CH", ch), ("S", s)],
+        grid=(s * WARPS * 32, kv, 1), threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(heads * s,), (heads * s,), (heads * s * dim,), (1, 1, heads * dim)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32, qkv.dtype])
+    return out[3], keys, values

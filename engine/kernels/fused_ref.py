@@ -3,7 +3,7 @@ with mlx-lm's own modules and ops, so that the decode step (engine/kernels/decod
 any device and its structure is tested on the CPU against mlx-lm (tests/test_decode_step.py), and
 so that `bench.gpu_step --parts kernels` has each CUDA kernel's reference on the GPU.
 
-The one difference of form: MLX ops cannot write into an array in place, so `rope_write` here
+The one difference of form: MLX ops cannot write into an array in place, so `attention` here
 returns the cache buffers with the new position written (`mx.slice_update`) where the CUDA kernel
 returns the buffers it wrote into (`IN_PLACE`).
 """
@@ -19,7 +19,10 @@ IN_PLACE = False
 
 
 def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array | None,
-           bits: int, group_size: int, epilogue: int = 0, a: mx.array | None = None) -> mx.array:
+           bits: int, group_size: int, epilogue: int = 0, a: mx.array | None = None,
+           norm: tuple[mx.array, float] | None = None) -> mx.array:
+    if norm is not None:
+        x = mx.fast.rms_norm(x, norm[0], norm[1])
     if bits in (4, 8):
         y = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
     else:
@@ -30,6 +33,12 @@ def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array |
         gate, up = mx.split(y, 2, axis=-1)
         return swiglu(gate, up)
     return y
+
+
+def attention(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: mx.array
+              ) -> tuple[mx.array, mx.array, mx.array]:
+    q, keys, values = rope_write(layer, qkv, pos, keys, values)
+    return attend(layer, q, keys, values, pos), keys, values
 
 
 def rope_write(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: mx.array
