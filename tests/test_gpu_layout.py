@@ -93,13 +93,21 @@ def test_engine_on_a_stacked_model_answers_with_mlx_lm_tokens(serve):
     assert got == expected and all(len(t) > 2 for t in got)
 
 
-def test_snapshot_files_tell_the_gpu_layout_apart():
+def test_snapshot_files_tell_the_gpu_layout_apart(monkeypatch):
     """A snapshot saved by a model in the GPU layout is not read back by one as loaded (their
-    bf16 K/V differ), as CPU-layout snapshots are kept apart already."""
-    from engine.cache.snapshot_files import identity
+    bf16 K/V differ), as CPU-layout snapshots are kept apart already: the layout that
+    `fastest_layout` gives a model at load is recorded, and the snapshot's identity carries it."""
+    from engine.kernels.fastest import fastest_layout
+    from engine.prefix_cache.snapshot_files import identity
 
     base = tiny_llama()
-    plain, stacked = (dataclasses.replace(base, model=m) for m in pair("llama"))
+    gpu = mx.Device(mx.gpu)
+    with monkeypatch.context() as on_a_gpu:  # fastest_layout takes its GPU branch
+        on_a_gpu.setattr(mx, "default_device", lambda: gpu)
+        model, compute = fastest_layout(build_module(Shape("llama", LLAMA), dtype=None, seed=3), LLAMA)
+    assert any(isinstance(m, StackedAttention) for m in model.modules())
+    plain = dataclasses.replace(base, model=pair("llama")[0], compute="as-loaded")
+    stacked = dataclasses.replace(base, model=model, compute=compute)
     assert identity(plain)["compute"] == "as-loaded"
     assert identity(stacked)["compute"] == "gpu-layout"
 
