@@ -1,7 +1,8 @@
-"""The model jobs that run behind the model picker (app/ui/picker.py): the one model switch in
-progress, shared with the API (a request naming another local model loads it) — `begin_switch`
-starts loading a model in a worker thread and `ModelSwitch` describes the load while it runs —
-and the one download (`ModelDownload`)."""
+"""The model jobs that run behind the model picker (app/ui/picker.py): the picker's model load in
+progress — `begin_switch` loads a model into the engine's model pool in a worker thread and makes
+it the default (the other models stay loaded while the memory budget allows; API requests load
+the models they name through the pool directly, app/api/models.py), and `ModelSwitch` describes
+the load while it runs — and the one download (`ModelDownload`)."""
 
 import asyncio
 import threading
@@ -13,7 +14,7 @@ from engine import DownloadProgress, Engine, EngineError
 
 @dataclass
 class ModelSwitch:
-    """The one model load that may be in progress, shown in the model picker."""
+    """The picker's model load that may be in progress, shown in the model picker."""
 
     name: str | None = None
     stage: str = ""
@@ -31,9 +32,10 @@ class ModelSwitch:
 
 def begin_switch(switch: ModelSwitch, engine: Engine, name: str, *,
                  int8_activations: bool | None = None) -> asyncio.Task:
-    """Start loading `name` as the picker's one model load (`int8_activations`: on the CPU
-    kernels, with int8 activations from now on or not; None: as the current model); the task's
-    result is the EngineError that stopped it (also kept in `switch.error`), or None once loaded."""
+    """Start loading `name` as the picker's model load, to be the default model
+    (`int8_activations`: on the CPU kernels, with int8 activations from now on or not; None: as
+    its settings say); the task's result is the EngineError that stopped it (also kept in
+    `switch.error`), or None once loaded."""
     switch.name, switch.stage, switch.started, switch.error = name, "", time.time(), None
 
     def progress(stage: str) -> None:

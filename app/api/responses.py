@@ -275,6 +275,7 @@ async def create(request: Request) -> Response:
     try:
         parsed = _Request(await read_body(request), storage)
         model = await use_named_model(request, parsed.body.get("model"))
+        engine = engine.on(model)  # its defaults, context and requests (issue 49)
         try:
             params = engine.defaults.params(parsed.sampling)
         except InvalidRequest as exc:

@@ -1,6 +1,8 @@
-"""The model picker: switch the loaded model, reload it with other load-time options (int8
-activations on the CPU kernels), download one from a hub and delete a downloaded one, with
-progress sent as server-sent events."""
+"""The model picker: pick the model of the open conversation (loaded into the engine's model pool
+beside the others, and made the default for new conversations and for requests that name none),
+reload it with other load-time options (int8 activations on the CPU kernels), see the models in
+memory and edit the picked model's settings (app/ui/model_pool.py), download one from a hub and
+delete a downloaded one, with progress sent as server-sent events."""
 
 import asyncio
 import copy
@@ -14,22 +16,41 @@ from engine import (DownloadCancelled, DownloadProgress, EngineError, compute_pa
                     pull_model, remove_model)
 
 from ..model_jobs import ModelDownload, begin_switch
+from .model_pool import pool_context, save_settings
 from ..sse import sse
 from ..state import app_state
 from .views import read_form, render
 
 
 async def switch_model(request: Request) -> Response:
+    """Pick `name` for the conversation `conversation` (when given) and load it, the other models
+    staying loaded while the memory budget allows."""
     state = app_state(request)
     engine = state.engine
     switch = state.switch
-    name = str((await read_form(request)).get("name", ""))
-    if not switch.loading and name != engine.model_name:
-        if name not in {m.name for m in engine.list_models()}:
-            switch.error = f"Unknown model {name!r}."
-        else:
-            begin_switch(switch, engine, name)
-    return HTMLResponse(render("_models.html", **models_context(request)))
+    form = await read_form(request)
+    name, cid = str(form.get("name", "")), _conversation_id(form.get("conversation"))
+    known = name in {m.name for m in engine.list_models()}
+    if not known:
+        switch.error = f"Unknown model {name!r}."
+    elif cid is not None and state.storage.get_conversation(cid) is not None:
+        state.storage.update_conversation(cid, model=name)
+    if known and not switch.loading and name != engine.model_name:
+        begin_switch(switch, engine, name)
+    return HTMLResponse(render("_models.html", **models_context(request, cid)))
+
+
+async def model_settings(request: Request) -> Response:
+    """Save the picked model's settings (app/ui/model_pool.py)."""
+    form = await read_form(request)
+    notice, failure = save_settings(app_state(request).engine, form)
+    return HTMLResponse(render("_models.html", **models_context(
+        request, _conversation_id(form.get("conversation"))), settings_notice=notice,
+        settings_failure=failure))
+
+
+def _conversation_id(value: object) -> int | None:
+    return int(value) if isinstance(value, str) and value.isdigit() else None
 
 
 async def load_options(request: Request) -> Response:
@@ -134,11 +155,17 @@ def _shown_once(download: ModelDownload) -> ModelDownload:
     return shown
 
 
-def models_context(request: Request) -> dict[str, Any]:
+def models_context(request: Request, conversation: int | None = None) -> dict[str, Any]:
+    """The panel's context; with a `conversation`, its model is the one shown as picked."""
     state = app_state(request)
     engine = state.engine
     cluster = state.cluster  # a sharded model (engine/distributed/)
-    return {"models": engine.list_models(), "current_model": engine.model_name,
+    models = engine.list_models()
+    conv = state.storage.get_conversation(conversation) if conversation is not None else None
+    current = conv.model if conv is not None and conv.model in {m.name for m in models} \
+        else engine.model_name
+    return {"models": models, "current_model": current, "conversation_id": conversation,
+            **pool_context(engine, current),
             "switch": state.switch, "download": _shown_once(state.download),
             "resident": engine.status().resident,
             # None where the model does not run on the CPU kernels: the option is not shown
@@ -149,6 +176,7 @@ def models_context(request: Request) -> dict[str, Any]:
 
 routes = [
     Route("/models/switch", switch_model, methods=["POST"]),
+    Route("/models/settings", model_settings, methods=["POST"]),
     Route("/models/options", load_options, methods=["POST"]),
     Route("/models/progress", model_progress),
     Route("/models/download", start_download, methods=["POST"]),
