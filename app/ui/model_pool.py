@@ -30,7 +30,7 @@ def pool_context(engine: Engine, model: str | None) -> dict[str, Any]:
     settings = engine.model_settings.get(model) if model else None
     return {"loaded": [(m, expiry(m)) for m in engine.loaded_models()],
             "model_settings": settings.as_json() if settings is not None else {},
-            "settings_error": engine.model_settings.error, "presets": PRESETS}
+            "settings_error": engine.model_settings.error, "model_presets": PRESETS}
 
 
 def parse_form(form: dict[str, str]) -> ModelSettings:

@@ -32,7 +32,7 @@ from ..decoding.exclusions import check_exclusions
 from ..device import memory_budget as device_memory_budget
 from ..errors import EngineError, InvalidRequest, Overloaded
 from ..decoding.fim import Infill
-from ..decoding.generate import Generation, build_prompt
+from ..decoding.generate import Generation, build_prompt, check_fits
 from ..loading.registry import LoadedModel, ModelInfo, load_model
 from ..decoding.defaults import ModelDefaults
 from ..decoding.sampling import SamplingParams
@@ -389,6 +389,7 @@ class Engine:
         if fit_max_tokens and len(prompt.tokens) < lm.context_length:
             params = params.with_(max_tokens=min(params.max_tokens,
                                                  lm.context_length - len(prompt.tokens)))
+        check_fits(lm, prompt, params)  # now, also for a request that waits for its draft
         if speculative is None:
             speculative = self._settings_draft(slot, params, tools, prompt.vision is not None)
         factory = self._resident_draft(lm, speculative)

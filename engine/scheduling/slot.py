@@ -62,7 +62,8 @@ class ModelSlot:
         engine's choice for models whose settings make none (None: the process's default)."""
         self.asked = asked
         self._load = load
-        self.int8_activations = int8_activations
+        self._int8_default = int8_activations
+        self.int8_activations: bool | None = None  # `switch_model`'s choice, over the settings
         self.use_prefix_cache = prefix_cache
         self.persist_prefix_cache = persist_prefix_cache
         self._cache_budget = cache_budget
@@ -98,9 +99,12 @@ class ModelSlot:
         return self._load(self.asked, fallback_to_default=fallback_to_default, **options)
 
     def int8_choice(self, settings: ModelSettings) -> bool | None:
-        """The int8-activation choice a load takes: `switch_model`'s, else the settings'."""
-        return self.int8_activations if self.int8_activations is not None \
-            else settings.int8_activations
+        """The int8-activation choice a load takes: `switch_model`'s, else the settings', else
+        the engine's."""
+        for choice in (self.int8_activations, settings.int8_activations):
+            if choice is not None:
+                return choice
+        return self._int8_default
 
     def install(self, loaded: LoadedModel, settings: ModelSettings) -> None:
         """Take freshly loaded weights: the first time the model itself (our own record of it:
