@@ -44,9 +44,11 @@ def hub(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(hub, tmp_path_factory):
-    from engine import Engine
+    from engine import Engine, ModelSettingsFile
 
-    with serving(Engine().start(), tmp_path_factory.mktemp("db") / "db.sqlite") as s:
+    folder = tmp_path_factory.mktemp("db")
+    engine = Engine(model_settings=ModelSettingsFile(folder / "models.json"))
+    with serving(engine.start(), folder / "db.sqlite") as s:
         yield s
 
 
@@ -149,6 +151,23 @@ def test_two_conversations_on_two_models_answer_at_the_same_time(server):
         assert by == {first: {MODEL}, second: {LLAMA_ID}}
         page = http.get(f"/c/{second}").text
         assert "In memory" in page and LLAMA_ID in page
+
+
+def test_the_panel_saves_a_models_settings_and_its_next_load_takes_them(server):
+    chat(server, LLAMA_ID)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        r = http.post("/models/settings", data={"name": LLAMA_ID, "model_context_length": "256",
+                                                "model_preset": "greedy"})
+        assert r.status_code == 200 and "Saved" in r.text and 'value="256"' in r.text
+        r = http.post("/models/settings", data={"name": LLAMA_ID, "model_kv_bits": "4"})
+        assert 'role="alert"' in r.text and "kv_bits" in r.text  # refused, nothing saved
+    settings = server.app.state.engine.model_settings
+    assert settings.get(LLAMA_ID).context_length == 256 and settings.get(LLAMA_ID).preset == "greedy"
+    assert LLAMA_ID not in loaded(server)  # idle: unloaded, to load with them next time
+    assert chat(server, LLAMA_ID).status_code == 200
+    assert loaded(server)[LLAMA_ID]["context_length"] == 256
+    r = chat(server, LLAMA_ID, max_tokens=300)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_with_every_model_busy_a_load_is_a_503_with_retry_after(hub, tmp_path):

@@ -9,7 +9,8 @@ from typing import Any
 
 from engine import PRESETS, Engine, EngineError, ModelSettings, ResidentModel
 
-# The form's fields, as ModelSettings names them; blank fields are left unset.
+# The form's fields, as ModelSettings names them (the form's inputs are `model_<field>`, apart
+# from the conversation's own settings); blank fields are left unset.
 FIELDS = ("preset", "context_length", "kv_bits", "int8_activations", "draft", "keep_alive")
 
 
@@ -26,9 +27,9 @@ def expiry(m: ResidentModel, now: float | None = None) -> str:
 
 
 def pool_context(engine: Engine, model: str | None) -> dict[str, Any]:
-    """What `_model_pool.html` shows: the models in memory and `model`'s settings."""
+    """What `_model_pool.html` shows: the models in memory and `model`'s settings (its form)."""
     settings = engine.model_settings.get(model) if model else None
-    return {"loaded": [(m, expiry(m)) for m in engine.loaded_models()],
+    return {"loaded": [(m, expiry(m)) for m in engine.loaded_models()], "settings_model": model,
             "model_settings": settings.as_json() if settings is not None else {},
             "settings_error": engine.model_settings.error, "model_presets": PRESETS}
 
@@ -37,7 +38,7 @@ def parse_form(form: dict[str, str]) -> ModelSettings:
     """The panel's form as ModelSettings; raises EngineError naming the bad field."""
     raw: dict[str, Any] = {}
     for name in FIELDS:
-        value = form.get(name, "").strip()
+        value = form.get(f"model_{name}", "").strip()
         if not value:
             continue
         if name in ("context_length", "kv_bits"):

@@ -45,8 +45,8 @@ async def model_settings(request: Request) -> Response:
     form = await read_form(request)
     notice, failure = save_settings(app_state(request).engine, form)
     return HTMLResponse(render("_models.html", **models_context(
-        request, _conversation_id(form.get("conversation"))), settings_notice=notice,
-        settings_failure=failure))
+        request, _conversation_id(form.get("conversation")), form.get("name") or None),
+        settings_notice=notice, settings_failure=failure))
 
 
 def _conversation_id(value: object) -> int | None:
@@ -155,8 +155,10 @@ def _shown_once(download: ModelDownload) -> ModelDownload:
     return shown
 
 
-def models_context(request: Request, conversation: int | None = None) -> dict[str, Any]:
-    """The panel's context; with a `conversation`, its model is the one shown as picked."""
+def models_context(request: Request, conversation: int | None = None,
+                   settings_of: str | None = None) -> dict[str, Any]:
+    """The panel's context; with a `conversation`, its model is the one shown as picked; the
+    settings shown are `settings_of`'s (default: the picked model's)."""
     state = app_state(request)
     engine = state.engine
     cluster = state.cluster  # a sharded model (engine/distributed/)
@@ -165,7 +167,7 @@ def models_context(request: Request, conversation: int | None = None) -> dict[st
     current = conv.model if conv is not None and conv.model in {m.name for m in models} \
         else engine.model_name
     return {"models": models, "current_model": current, "conversation_id": conversation,
-            **pool_context(engine, current),
+            **pool_context(engine, settings_of or current),
             "switch": state.switch, "download": _shown_once(state.download),
             "resident": engine.status().resident,
             # None where the model does not run on the CPU kernels: the option is not shown

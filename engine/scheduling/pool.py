@@ -172,13 +172,14 @@ class ModelPool:
     # -- loading ---------------------------------------------------------------------------------
     def acquire(self, name: str | None, *, progress: Callable[[str], None] | None = None,
                 pin: bool = False, load: Callable[..., LoadedModel] | None = None,
-                fallback_to_default: bool = False,
-                int8_activations: bool | None = None) -> ModelSlot:
+                fallback_to_default: bool = False, int8_activations: bool | None = None,
+                evict_pinned: bool = False) -> ModelSlot:
         """The member `name` with its weights in memory, loaded now if they are not (on this
         thread; never the scheduler's); concurrent callers for one model wait for the one load.
         `pin`: never evict it to make room. `load`: another loader for a new member (the
         embedding queue's). `int8_activations`: a new member's choice (see
-        `ModelSlot.int8_choice`). Raises the load's ModelLoadError, or NoRoom when the models holding
+        `ModelSlot.int8_choice`). `evict_pinned`: an idle pinned model may leave memory for it
+        where nothing else can (the user picked this model: `Engine.switch_model`). Raises the load's ModelLoadError, or NoRoom when the models holding
         the budget are all busy."""
         while True:
             with self._lock:
@@ -196,7 +197,7 @@ class ModelPool:
                 return slot
             try:
                 slot = self._load_member(name, progress or (lambda stage: None), pin, load,
-                                         fallback_to_default, int8_activations)
+                                         fallback_to_default, int8_activations, evict_pinned)
                 pending.set_result(slot)
                 return slot
             except BaseException as exc:
@@ -223,7 +224,7 @@ class ModelPool:
 
     def _load_member(self, name: str | None, report: Callable[[str], None], pin: bool,
                      load: Callable[..., LoadedModel] | None, fallback_to_default: bool,
-                     int8_activations: bool | None) -> ModelSlot:
+                     int8_activations: bool | None, evict_pinned: bool = False) -> ModelSlot:
         with self._loading:
             display, estimate = _probe(name)
             with self._lock:
@@ -240,7 +241,7 @@ class ModelPool:
             settings = self.settings.get(display, name) if fresh else \
                 self.settings.get(slot.name, slot.asked)
             report("loading")
-            self._reserve(estimate, slot, adding=True)
+            self._reserve(estimate, slot, adding=True, evict_pinned=evict_pinned)
             reserved = estimate
             try:
                 loaded = slot.load(settings, fallback_to_default)
@@ -250,7 +251,8 @@ class ModelPool:
                 target = self._members_get(loaded.name) or slot
                 actual = weight_bytes(loaded)
                 if actual > reserved:
-                    self._reserve(actual - reserved, target, adding=False)
+                    self._reserve(actual - reserved, target, adding=False,
+                                  evict_pinned=evict_pinned)
                 elif actual < reserved:
                     self.budget.release(reserved - actual)
                 reserved = actual
@@ -283,22 +285,25 @@ class ModelPool:
             self._spellings[name] = slot.name
 
     # -- room ------------------------------------------------------------------------------------
-    def _reserve(self, nbytes: int, keep: ModelSlot, adding: bool) -> None:
+    def _reserve(self, nbytes: int, keep: ModelSlot, adding: bool,
+                 evict_pinned: bool = False) -> None:
         """Reserve `nbytes` of weights for `keep`, evicting idle models as needed (`adding`: one
-        more model comes into memory, so `max_loaded` counts); raises ModelLoadError when they
-        could never fit, NoRoom when the models holding the budget are busy."""
+        more model comes into memory, so `max_loaded` counts; `evict_pinned`: pinned ones too,
+        after the others); raises ModelLoadError when they could never fit, NoRoom when the
+        models holding the budget are busy."""
         if not self.budget.fits(nbytes):
             raise ModelLoadError(f"{keep.name} needs {mib(nbytes)} for its weights, over the "
                                  f"memory budget of {mib(self.budget.total)}",
                                  code="insufficient_memory")
         if self.scheduler is None:
             evicted: list[ModelSlot] = []
-            room = self._make_room(nbytes, keep, adding, evicted, lambda slot: True)
+            room = self._make_room(nbytes, keep, adding, evicted, lambda slot: True,
+                                   evict_pinned)
         else:
             with self.scheduler._lock:  # noqa: SLF001 - the residency lock
                 evicted = []
                 room = self._make_room(nbytes, keep, adding, evicted,
-                                       self.scheduler.retire_locked)
+                                       self.scheduler.retire_locked, evict_pinned)
         for slot in evicted:
             self._drop(slot, f"to make room for {keep.name}")
         if not room:
@@ -330,7 +335,7 @@ class ModelPool:
                              daemon=True).start()
 
     def _make_room(self, nbytes: int, keep: ModelSlot, adding: bool, evicted: list[ModelSlot],
-                   retire: Callable[[ModelSlot], bool]) -> bool:
+                   retire: Callable[[ModelSlot], bool], evict_pinned: bool = False) -> bool:
         """Under the residency lock: reserve `nbytes`, retiring idle models (into `evicted`,
         their reservations released) as long as needed; False when it cannot."""
         while True:
@@ -338,17 +343,21 @@ class ModelPool:
             if (not adding or self.max_loaded is None or count < self.max_loaded) and \
                     self.budget.try_reserve(nbytes):
                 return True
-            victim = self._idle_lru(keep, evicted)
+            victim = self._idle_lru(keep, evicted) or \
+                (self._idle_lru(keep, evicted, pinned=True) if evict_pinned else None)
             if victim is None or not retire(victim):
                 return False
             evicted.append(victim)
             self.budget.release(victim.weight_bytes)
             victim.weight_bytes = 0
 
-    def _idle_lru(self, keep: ModelSlot | None, skip: list[ModelSlot]) -> ModelSlot | None:
-        """The least recently used model in memory that may be evicted now (under the lock)."""
+    def _idle_lru(self, keep: ModelSlot | None, skip: list[ModelSlot],
+                  pinned: bool = False) -> ModelSlot | None:
+        """The least recently used model in memory that may be evicted now (under the lock):
+        one not pinned (`pinned`: one pinned)."""
         scheduler = self.scheduler
-        idle = [s for s in self.resident() if s is not keep and s not in skip and not s.pinned
+        idle = [s for s in self.resident() if s is not keep and s not in skip
+                and s.pinned == pinned
                 and s.holds == 0 and (scheduler is None or not scheduler.busy(s))]
         return min(idle, key=lambda s: s.last_used, default=None)
 

@@ -336,8 +336,9 @@ class Engine:
     def switch_model(self, name: str, progress: Callable[[str], None] | None = None,
                      cancel_running: bool = False, *, int8_activations: bool | None = None) -> None:
         """Make `name` the default model (a name `list_models` gives, or a path), loading it if it
-        is not in memory; the other models stay loaded while the budget allows, and their running
-        requests go on (or are all cancelled, if asked). A model that cannot load raises
+        is not in memory; the other models stay loaded while the budget allows (an idle pinned
+        one leaves too where nothing else can), and their running requests go on (or are all
+        cancelled, if asked). A model that cannot load raises
         ModelLoadError and the default stays as it was. `int8_activations`: on our CPU kernels,
         load `name` on the lossy int8-activation path from now on, or the exact one (None: as its
         settings say); a model in memory with the other choice reloads once its requests and
@@ -352,7 +353,8 @@ class Engine:
             if slot.resident and described is not None and \
                     described.int8_activations not in (None, int8_activations):
                 self.scheduler.call(lambda: self.pool.reload(slot))
-        slot = self.pool.acquire(name, progress=progress, int8_activations=int8_activations)
+        slot = self.pool.acquire(name, progress=progress, int8_activations=int8_activations,
+                                 evict_pinned=True)
         self.pool.default = slot
 
     def run_on_scheduler(self, fn: Callable[[], None]) -> None:
