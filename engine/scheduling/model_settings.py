@@ -56,47 +56,14 @@ class ModelSettings:
         """From a JSON object; raises InvalidRequest naming the bad field (`where.field`)."""
         if not isinstance(raw, dict):
             raise InvalidRequest(f"{where} must be an object", field=where, code="invalid_type")
-        unknown = set(raw) - {f for f in cls.__dataclass_fields__ if f != "keep_forever"}
+        unknown = set(raw) - set(_PARSERS)
         if unknown:
             raise InvalidRequest(f"{where} has unknown settings: {', '.join(sorted(unknown))}",
                                  field=f"{where}.{sorted(unknown)[0]}", code="unknown_field")
         out: dict[str, Any] = {}
-        out["sampling"] = _sampling(raw.get("sampling"), f"{where}.sampling")
-        if raw.get("preset") is not None:
-            if raw["preset"] not in PRESETS:
-                raise InvalidRequest(f"{where}.preset must be one of {', '.join(PRESETS)}",
-                                     field=f"{where}.preset", code="invalid_value")
-            out["preset"] = raw["preset"]
-        context = raw.get("context_length")
-        if context is not None:
-            if isinstance(context, bool) or not isinstance(context, int) or context < 16:
-                raise InvalidRequest(f"{where}.context_length must be an integer of at least 16",
-                                     field=f"{where}.context_length", code="invalid_value")
-            out["context_length"] = context
-        if raw.get("kv_bits") is not None:
-            if raw["kv_bits"] not in KV_BITS or isinstance(raw["kv_bits"], bool):
-                raise InvalidRequest(f"{where}.kv_bits must be 8 (the 8-bit KV cache) or 16 (the "
-                                     f"full one)", field=f"{where}.kv_bits", code="invalid_value")
-            out["kv_bits"] = raw["kv_bits"]
-        for name in ("int8_activations",):
-            if raw.get(name) is not None:
-                if not isinstance(raw[name], bool):
-                    raise InvalidRequest(f"{where}.{name} must be true or false",
-                                         field=f"{where}.{name}", code="invalid_type")
-                out[name] = raw[name]
-        if raw.get("draft") is not None:
-            if not isinstance(raw["draft"], str) or not raw["draft"].strip():
-                raise InvalidRequest(f"{where}.draft must be a draft's name (self-q4, "
-                                     f"truncated:N, mtp or a model)", field=f"{where}.draft",
-                                     code="invalid_value")
-            out["draft"] = raw["draft"].strip()
-        if raw.get("keep_alive") is not None:
-            try:
-                seconds = keep_alive_seconds(raw["keep_alive"])
-            except InvalidRequest as exc:
-                raise InvalidRequest(str(exc), field=f"{where}.keep_alive",
-                                     code="invalid_value") from None
-            out["keep_alive"], out["keep_forever"] = seconds, seconds is None
+        for name, value in raw.items():
+            if value is not None:
+                out.update(_PARSERS[name](value, f"{where}.{name}"))
         return cls(**out)
 
     def as_json(self) -> dict[str, Any]:
@@ -129,9 +96,51 @@ class ModelSettings:
 NONE = ModelSettings()
 
 
+def _invalid(where: str, what: str, code: str = "invalid_value") -> InvalidRequest:
+    return InvalidRequest(f"{where} must be {what}", field=where, code=code)
+
+
+def _preset(value: Any, where: str) -> dict[str, Any]:
+    if value not in PRESETS:
+        raise _invalid(where, f"one of {', '.join(PRESETS)}")
+    return {"preset": value}
+
+
+def _context_length(value: Any, where: str) -> dict[str, Any]:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 16:
+        raise _invalid(where, "an integer of at least 16")
+    return {"context_length": value}
+
+
+def _kv_bits(value: Any, where: str) -> dict[str, Any]:
+    if isinstance(value, bool) or value not in KV_BITS:
+        raise _invalid(where, "8 (the 8-bit KV cache) or 16 (the full one)")
+    return {"kv_bits": value}
+
+
+def _int8(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, bool):
+        raise _invalid(where, "true or false", "invalid_type")
+    return {"int8_activations": value}
+
+
+def _draft(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, str) or not value.strip():
+        raise _invalid(where, "a draft's name (self-q4, truncated:N, mtp or a model)")
+    return {"draft": value.strip()}
+
+
+def _keep_alive(value: Any, where: str) -> dict[str, Any]:
+    try:
+        seconds = keep_alive_seconds(value)
+    except InvalidRequest as exc:
+        raise InvalidRequest(str(exc), field=where, code="invalid_value") from None
+    return {"keep_alive": seconds, "keep_forever": seconds is None}
+
+
+
+
 def _sampling(raw: Any, where: str) -> dict[str, Any]:
-    if raw is None:
-        return {}
     if not isinstance(raw, dict):
         raise InvalidRequest(f"{where} must be an object of sampling options", field=where,
                              code="invalid_type")
@@ -146,7 +155,13 @@ def _sampling(raw: Any, where: str) -> dict[str, Any]:
         except InvalidRequest as exc:
             raise InvalidRequest(str(exc), field=f"{where}.{name}", code=exc.code) from None
         out[name] = value
-    return out
+    return {"sampling": out}
+
+
+# Each setting's parser: (the file's value, where it is) -> ModelSettings fields.
+_PARSERS = {"sampling": _sampling, "preset": _preset, "context_length": _context_length,
+            "kv_bits": _kv_bits, "int8_activations": _int8, "draft": _draft,
+            "keep_alive": _keep_alive}
 
 
 class ModelSettingsFile:
