@@ -152,6 +152,21 @@ def test_busy_and_pinned_models_stay_and_a_load_without_room_is_refused(models):
         engine.stop()
 
 
+def test_room_for_something_besides_the_models_evicts_an_idle_one(models):
+    """The seam other engine parts use (a speech model's weights): `pool.reserve`."""
+    engine = Engine("A", load=lambda name, **_: models[name],
+                    memory_budget=budget_for(models, "A", "B", room=2**20)).start()
+    try:
+        engine.use("B")
+        w = weight_bytes(models["A"])
+        engine.pool.reserve(w, "a speech model")
+        assert engine.status().loaded == ("B",)  # A, the least recently used, left
+        assert engine.budget.reserved == 2 * w
+        engine.budget.release(w)
+    finally:
+        engine.stop()
+
+
 def test_max_loaded_caps_the_models_in_memory(models):
     engine = Engine("A", load=lambda name, **_: models[name], max_loaded=2).start()
     try:

@@ -285,19 +285,26 @@ class ModelPool:
             self._spellings[name] = slot.name
 
     # -- room ------------------------------------------------------------------------------------
-    def _reserve(self, nbytes: int, keep: ModelSlot, adding: bool,
-                 evict_pinned: bool = False) -> None:
+    def reserve(self, nbytes: int, what: str) -> None:
+        """Reserve `nbytes` in the budget for something besides the pool's models (e.g. a speech
+        model's weights), evicting idle models where it needs room; raises NoRoom when the models
+        holding the budget are busy (release the bytes with `budget.release` when done)."""
+        self._reserve(nbytes, None, False, what=what)
+
+    def _reserve(self, nbytes: int, keep: ModelSlot | None, adding: bool,
+                 evict_pinned: bool = False, what: str | None = None) -> None:
         """Reserve `nbytes` of weights for `keep`, evicting idle models as needed (`adding`: one
         more model comes into memory, so `max_loaded` counts; `evict_pinned`: pinned ones too,
         after the others); raises ModelLoadError when they could never fit, NoRoom when the
         models holding the budget are busy."""
+        what = what or (keep.name if keep is not None else "this")
         if not self.budget.fits(nbytes):
-            raise ModelLoadError(f"{keep.name} needs {mib(nbytes)} for its weights, over the "
+            raise ModelLoadError(f"{what} needs {mib(nbytes)} for its weights, over the "
                                  f"memory budget of {mib(self.budget.total)}",
                                  code="insufficient_memory")
         if self.scheduler is None:
             evicted: list[ModelSlot] = []
-            room = self._make_room(nbytes, keep, adding, evicted, lambda slot: True,
+            room = self._make_room(nbytes, keep, adding, evicted, ModelSlot.retire,
                                    evict_pinned)
         else:
             with self.scheduler._lock:  # noqa: SLF001 - the residency lock
@@ -305,10 +312,10 @@ class ModelPool:
                 room = self._make_room(nbytes, keep, adding, evicted,
                                        self.scheduler.retire_locked, evict_pinned)
         for slot in evicted:
-            self._drop(slot, f"to make room for {keep.name}")
+            self._drop(slot, f"to make room for {what}")
         if not room:
             busy = ", ".join(s.name for s in self.resident() if s is not keep) or "none"
-            raise NoRoom(f"no room to load {keep.name} ({mib(nbytes)}): the memory budget "
+            raise NoRoom(f"no room to load {what} ({mib(nbytes)}): the memory budget "
                          f"({mib(self.budget.total)}, {mib(self.budget.reserved)} reserved) and "
                          f"the models in memory ({busy}) are all in use; try again when a "
                          f"request ends", retry_after=RETRY_AFTER_S)
@@ -328,13 +335,13 @@ class ModelPool:
             if victim is None or not scheduler.retire_locked(victim):
                 break
             evicted.append(victim)
-            self.budget.release(victim.weight_bytes)
-            victim.weight_bytes = 0
+            self._free(victim)
         for slot in evicted:  # their memory goes off this thread: admission must not wait
             threading.Thread(target=slot.unload, args=(f"to make room for a request",),
                              daemon=True).start()
 
-    def _make_room(self, nbytes: int, keep: ModelSlot, adding: bool, evicted: list[ModelSlot],
+    def _make_room(self, nbytes: int, keep: ModelSlot | None, adding: bool,
+                   evicted: list[ModelSlot],
                    retire: Callable[[ModelSlot], bool], evict_pinned: bool = False) -> bool:
         """Under the residency lock: reserve `nbytes`, retiring idle models (into `evicted`,
         their reservations released) as long as needed; False when it cannot."""
@@ -348,8 +355,7 @@ class ModelPool:
             if victim is None or not retire(victim):
                 return False
             evicted.append(victim)
-            self.budget.release(victim.weight_bytes)
-            victim.weight_bytes = 0
+            self._free(victim)
 
     def _idle_lru(self, keep: ModelSlot | None, skip: list[ModelSlot],
                   pinned: bool = False) -> ModelSlot | None:
@@ -360,6 +366,11 @@ class ModelPool:
                 and s.pinned == pinned
                 and s.holds == 0 and (scheduler is None or not scheduler.busy(s))]
         return min(idle, key=lambda s: s.last_used, default=None)
+
+    def _free(self, slot: ModelSlot) -> None:
+        """`slot` was just retired: its weights' reservation goes back to the budget."""
+        self.budget.release(slot.weight_bytes)
+        slot.weight_bytes = 0
 
     def _drop(self, slot: ModelSlot, why: str) -> None:
         """Unload `slot`'s weights (already retired, its reservation released)."""
@@ -380,8 +391,7 @@ class ModelPool:
         for slot in self.resident():
             left = slot.until_unload()
             if left is not None and left <= 0 and self._retire(slot):
-                self.budget.release(slot.weight_bytes)
-                slot.weight_bytes = 0
+                self._free(slot)
                 self._drop(slot, f"idle for {slot.idle_keep:.0f} s")
 
     def unload(self, name: str) -> bool:
@@ -392,8 +402,7 @@ class ModelPool:
             return False
         slot.unload_after_use = True
         if self._retire(slot):
-            self.budget.release(slot.weight_bytes)
-            slot.weight_bytes = 0
+            self._free(slot)
             self._drop(slot, "asked to")
         elif self.scheduler is not None:
             self.scheduler.wake()
@@ -403,16 +412,12 @@ class ModelPool:
         """Unload `slot` (idle: the caller drained its requests) so the next `acquire` loads it
         as its options say now."""
         if self._retire(slot):
-            self.budget.release(slot.weight_bytes)
-            slot.weight_bytes = 0
+            self._free(slot)
             self._drop(slot, "to load it with other options")
 
     def _retire(self, slot: ModelSlot) -> bool:
         if self.scheduler is None:
-            if not slot.resident:
-                return False
-            slot.resident = False
-            return True
+            return slot.retire()
         return self.scheduler.retire(slot)
 
     def close(self) -> None:

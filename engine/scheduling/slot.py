@@ -11,6 +11,7 @@ weights are in memory.
 import dataclasses
 import gc
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -80,6 +81,8 @@ class ModelSlot:
         self.embedding_only = False  # a dedicated embedding model: no chat parts
         self.holds = 0  # users besides the scheduler's requests (the embedding queue's jobs)
         self.unload_after_use = False  # asked to unload (Ollama's keep_alive 0) while busy
+        self._unloaded = threading.Event()  # clear from `retire` until `unload` is done
+        self._unloaded.set()
         self.last_used = time.monotonic()
         self._idle_since = time.monotonic()
         self._idle_since_wall = time.time()
@@ -109,7 +112,9 @@ class ModelSlot:
     def install(self, loaded: LoadedModel, settings: ModelSettings) -> None:
         """Take freshly loaded weights: the first time the model itself (our own record of it:
         an unload empties its `model`, never the caller's object), later into that record, so
-        that requests holding it see them; then its batch, prefix cache and description."""
+        that requests holding it see them; then its batch, prefix cache and description. An
+        unload still under way ends first."""
+        self._unloaded.wait()
         if self.lm is None:
             self.lm = dataclasses.replace(loaded)
         else:
@@ -175,18 +180,30 @@ class ModelSlot:
             return None
         return self._idle_since_wall + self.idle_keep
 
+    def retire(self) -> bool:
+        """Mark the weights as leaving memory (no request runs on them: the scheduler checks,
+        under its lock); the caller then calls `unload`. False when they were not in memory."""
+        if not self.resident:
+            return False
+        self.resident = False
+        self._unloaded.clear()
+        return True
+
     def unload(self, why: str) -> None:
-        """Return the weights' memory (no request of this model is admitted). The tokenizer,
-        config and description stay, so requests are still accepted; the persisted
+        """Return the weights' memory (retired: no request of this model is admitted). The
+        tokenizer, config and description stay, so requests are still accepted; the persisted
         prefix-cache snapshots are written first and found again after the reload."""
         log.info("unloading %s (%s)", self.name, why)
-        if self.prefix_cache is not None:
-            self.persist()
-            self.prefix_cache.close()
-        self.prefix_cache, self.batch = None, None
-        self._on_release(self)
-        self.resident = False
-        if self.lm is not None:
-            self.lm.model = None  # type: ignore[assignment]
-        gc.collect()
-        mx.clear_cache()
+        try:
+            if self.prefix_cache is not None:
+                self.persist()
+                self.prefix_cache.close()
+        finally:
+            self.prefix_cache, self.batch = None, None
+            self._on_release(self)
+            self.resident = False
+            if self.lm is not None:
+                self.lm.model = None  # type: ignore[assignment]
+            gc.collect()
+            mx.clear_cache()
+            self._unloaded.set()

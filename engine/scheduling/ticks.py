@@ -267,10 +267,7 @@ class Scheduler:
 
     def retire_locked(self, slot: ModelSlot) -> bool:
         """`retire` for a caller that holds the lock."""
-        if not slot.resident or self.busy(slot):
-            return False
-        slot.resident = False
-        return True
+        return not self.busy(slot) and slot.retire()
 
     def hold(self, slot: ModelSlot) -> bool:
         """Keep `slot`'s weights in memory for a user besides the requests (an embedding job)
