@@ -33,7 +33,7 @@ from engine import (DownloadError, EngineError, Event, InvalidRequest, ModelInfo
 from .choices import Choice
 from .embeddings import embed as embed_vectors
 from .errors import ApiError
-from .models import local_models
+from .models import context_length, local_models
 from .openai_request import parse_messages
 from .serving import (aliased, finished, public_error, read_body, stream, submit,
                       use_named_model)
@@ -143,7 +143,7 @@ async def show(request: Request) -> Response:
     described = engine.model if found == engine.model_name else None
     config = _config(m)
     family = described.family if described else config.get("model_type", "")
-    context = described.context_length if described else config.get("max_position_embeddings")
+    context = context_length(m, engine)  # as /v1/models reports it
     info = {"general.architecture": family, "general.basename": m.name}
     if context:
         info[f"{family}.context_length"] = context
