@@ -9,10 +9,14 @@ user's own configuration files (`~/.claude/settings.json`, `~/.claude.json`, `~/
 are never written.
 
 - Claude Code: `ANTHROPIC_BASE_URL`, the key as `ANTHROPIC_AUTH_TOKEN` (a bearer token;
-  `ANTHROPIC_API_KEY` emptied, so a real key is never sent here nor asked about), the three model
-  slots (`ANTHROPIC_DEFAULT_OPUS_MODEL`, `..._SONNET_MODEL`, `..._HAIKU_MODEL`) set to the model,
-  `CLAUDE_CODE_ATTRIBUTION_HEADER=0` (no billing line whose value changes every request, which would
-  make every round cold) and `CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1` (nothing sent elsewhere).
+  `ANTHROPIC_API_KEY` emptied, so a real key is never sent here nor asked about), the model in its
+  three slots (`ANTHROPIC_MODEL`, the main one, and `ANTHROPIC_DEFAULT_SONNET_MODEL` and
+  `..._HAIKU_MODEL`, which its subagents and small tasks use), `CLAUDE_CODE_ATTRIBUTION_HEADER=0`
+  (no billing line whose value changes every request, which would make every round cold) and
+  `CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1` (nothing sent elsewhere). Not the Opus slot
+  (`ANTHROPIC_DEFAULT_OPUS_MODEL`): naming a model it does not know there, Claude Code 2.1.332
+  rewrites a user's `"model": "opus"` in ~/.claude/settings.json to `"opus[1m]"`. (Any model name
+  a client sends runs on the loaded model anyway.)
 - Codex CLI: `-c` overrides for a `model_providers.mlxchat` entry (`base_url`, `wire_api =
   "responses"`, `env_key` when mlxchat has a key), `model_provider`, `model`,
   `model_context_window` and `model_auto_compact_token_limit` (so it compacts before the context
@@ -73,7 +77,7 @@ class Client:
 def _claude(server: Server, lean: bool) -> tuple[dict[str, str], list[str]]:
     env = {"ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_AUTH_TOKEN": server.key or "mlxchat",
            "ANTHROPIC_API_KEY": "",
-           "ANTHROPIC_DEFAULT_OPUS_MODEL": server.model,
+           "ANTHROPIC_MODEL": server.model,
            "ANTHROPIC_DEFAULT_SONNET_MODEL": server.model,
            "ANTHROPIC_DEFAULT_HAIKU_MODEL": server.model,
            "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
@@ -246,7 +250,8 @@ def launch(client: str, client_args: tuple[str, ...], url: str, model: str | Non
             health = _wait(url, lambda: child.poll() is None, log)
         elif health["status"] != "ok":
             health = _wait(url, lambda: True)
-        name = model or health["model"]
+        # one it started runs the model it was given (a name, a folder, a GGUF file)
+        name = health["model"] if child is not None or not model else model
         entry = _model_entry(url, api_key, name)
         if entry is None:
             raise LaunchError(f"mlxchat at {url} has no model {name!r} (see `mlxchat models`)")
