@@ -1,11 +1,13 @@
 """A capture server for recording what a coding agent sends, round after round: it answers Claude
 Code (`/v1/messages`) and Codex CLI (`/v1/responses`) with a scripted session (tool calls, then a
-short text) and writes every request it gets, as JSON lines, to a file. `bench.agents` replays the
-recordings (bench/data/agents/*.jsonl) against mlxchat.
+short text) and writes every request it gets, as JSON lines, to a file; `trim` turns that into a
+recording (bench/data/agents/*.json) that `bench.agents` replays against mlxchat.
 
-    python -m bench.agent_capture --out /tmp/claude.jsonl [--port 8399] [--script claude|codex]
+    python -m bench.agent_capture serve --out /tmp/claude.jsonl [--port 8399] [--script claude|codex]
+    python -m bench.agent_capture trim /tmp/claude.jsonl bench/data/agents/claude-code.json \
+        --client "Claude Code 2.1.332" --command "claude -p ..."
 
-Then point the client at it, e.g. `ANTHROPIC_BASE_URL=http://127.0.0.1:8399 claude -p "..."` or
+Point the client at the server, e.g. `ANTHROPIC_BASE_URL=http://127.0.0.1:8399 claude -p "..."` or
 `codex exec -c model_provider=capture -c 'model_providers.capture={name="capture",
 base_url="http://127.0.0.1:8399/v1", wire_api="responses"}' "..."`.
 
@@ -13,6 +15,11 @@ The script of tool calls (`SCRIPTS`) drives the client through a few rounds: eac
 carries everything before it plus the tool's result, as a real session's does. Requests without
 tools (a title, a quota check) get a one-word answer. Credentials never reach the file: the
 `authorization` and `x-api-key` headers are dropped.
+
+A recording keeps the session's requests (those with tools) exactly, in less room: the fields
+every round shares once (`body`), each distinct message or input item once (`items`), and each
+round as the list of its items (`rounds`); ids of the machine and the session (`metadata`,
+`client_metadata`, `prompt_cache_key`) and all headers but the protocol's are trimmed.
 """
 
 from __future__ import annotations
@@ -30,12 +37,11 @@ from typing import Any
 # answers with text.
 SCRIPTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "claude": [("Read", {"file_path": "{cwd}/README.md"}),
-               ("Glob", {"pattern": "**/*.py"}),
-               ("Read", {"file_path": "{cwd}/notes.pdf"}),
-               ("Read", {"file_path": "{cwd}/diagram.png"})],
+               ("Bash", {"command": "ls tides", "description": "List the package"}),
+               ("Read", {"file_path": "{cwd}/notes.pdf"})],
     "codex": [("exec_command", {"cmd": "cat README.md"}),
               ("exec_command", {"cmd": "ls tides"}),
-              ("view_image", {"path": "{cwd}/diagram.png"})],
+              ("exec_command", {"cmd": "cat tides/model.py"})],
 }
 SECRET_HEADERS = {"authorization", "x-api-key", "cookie"}
 
@@ -203,12 +209,53 @@ class Capture(BaseHTTPRequestHandler):
         self._stream(chunks)
 
 
+KEPT_HEADERS = ("anthropic-version", "anthropic-beta", "user-agent", "x-app", "originator")
+TRIMMED = {"metadata": {"user_id": "trimmed"}, "client_metadata": {}, "prompt_cache_key": "trimmed"}
+
+
+def trim(raw: Path, client: str, command: str) -> dict[str, Any]:
+    """A recording of the session in the capture file `raw` (see the module docstring)."""
+    entries = [json.loads(line) for line in raw.read_text().splitlines()]
+    main = [e for e in entries if isinstance(e.get("body"), dict) and e["body"].get("tools")]
+    key = "messages" if "messages" in main[-1]["body"] else "input"
+    items: list[Any] = []
+    seen: dict[str, int] = {}
+    rounds = []
+    for e in main:
+        ids = []
+        for item in e["body"][key]:
+            text = json.dumps(item, sort_keys=True)
+            ids.append(seen.setdefault(text, len(items)))
+            if ids[-1] == len(items):
+                items.append(item)
+        rounds.append(ids)
+        others = {k: v for k, v in e["body"].items() if k != key}
+        if others != {k: v for k, v in main[-1]["body"].items() if k != key}:
+            raise ValueError(f"request {e['n']} differs from the last in more than its {key}")
+    body = {k: TRIMMED.get(k, v) for k, v in main[-1]["body"].items() if k != key}
+    headers = {k: v for k, v in main[-1]["headers"].items() if k in KEPT_HEADERS}
+    return {"client": client, "command": command, "path": main[-1]["path"], "headers": headers,
+            "key": key, "body": body, "items": items, "rounds": rounds}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--port", type=int, default=8399)
-    parser.add_argument("--script", choices=sorted(SCRIPTS), default="claude")
+    commands = parser.add_subparsers(dest="action", required=True)
+    serve = commands.add_parser("serve", help="capture what a client sends")
+    serve.add_argument("--out", type=Path, required=True)
+    serve.add_argument("--port", type=int, default=8399)
+    serve.add_argument("--script", choices=sorted(SCRIPTS), default="claude")
+    trimming = commands.add_parser("trim", help="a capture file as a recording")
+    trimming.add_argument("raw", type=Path)
+    trimming.add_argument("out", type=Path)
+    trimming.add_argument("--client", required=True, help='e.g. "Claude Code 2.1.332"')
+    trimming.add_argument("--command", required=True, help="how the client was run")
     args = parser.parse_args(argv)
+    if args.action == "trim":
+        recording = trim(args.raw, args.client, args.command)
+        args.out.write_text(json.dumps(recording, indent=1, ensure_ascii=False) + "\n")
+        print(f"{args.out}: {len(recording['rounds'])} rounds, {len(recording['items'])} items")
+        return
     Capture.out, Capture.script = args.out, SCRIPTS[args.script]
     server = ThreadingHTTPServer(("127.0.0.1", args.port), Capture)
     print(f"capturing on http://127.0.0.1:{args.port} into {args.out}", flush=True)

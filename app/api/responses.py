@@ -117,13 +117,7 @@ def _add_item(out: list[dict[str, Any]], where: str, item: Any) -> None:
         raise _bad(f"{where} must be an object", where)
     kind = item.get("type", "message" if "role" in item else None)
     if kind == "message":
-        role = {"developer": "system"}.get(item.get("role"), item.get("role"))
-        if role not in ("user", "assistant", "system"):
-            raise _bad(f"{where}.role must be user, assistant, system or developer", where)
-        content = _text(item.get("content", ""), f"{where}.content", images=role == "user")
-        if role == "system" and isinstance(content, str):
-            content = without_noise(content)
-        out.append({"role": role, "content": content})
+        out.append(_message(where, item))
     elif kind == "function_call":
         if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
             raise _bad(f"{where} needs 'name' and 'call_id'", where)
@@ -140,6 +134,17 @@ def _add_item(out: list[dict[str, Any]], where: str, item: Any) -> None:
         add_tool_result(out, item["call_id"], output)
     elif kind not in _SKIPPED_ITEMS:
         raise _bad(f"{where}.type {json.dumps(kind)} is not supported here", where)
+
+
+def _message(where: str, item: dict[str, Any]) -> dict[str, Any]:
+    """A message item as an engine message (per-request noise dropped from system text)."""
+    role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+    if role not in ("user", "assistant", "system"):
+        raise _bad(f"{where}.role must be user, assistant, system or developer", where)
+    content = _text(item.get("content", ""), f"{where}.content", images=role == "user")
+    if role == "system" and isinstance(content, str):
+        content = without_noise(content)
+    return {"role": role, "content": content}
 
 
 def _functions(tools: Any) -> list[dict[str, Any]]:
