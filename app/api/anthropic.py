@@ -41,12 +41,12 @@ from starlette.routing import Route
 from engine import EngineError, Event, InvalidRequest, Usage, count_tokens, tool_request
 
 from ..sse import sse
+from ..state import app_state
 from . import documents
-from .choices import Choice
 from .errors import ApiError
 from .openai_request import parse_messages
 from .prompt_noise import without_noise, without_noise_blocks
-from .serving import (finished, public_error, read_body, stream, submit,
+from .serving import (Choice, finished, public_error, read_body, stream, submit,
                       use_named_model)
 
 PATH = "/v1/messages"
@@ -381,7 +381,7 @@ def too_long(exc: ApiError) -> ApiError:
 
 
 async def messages_endpoint(request: Request) -> Response:
-    engine = request.app.state.engine
+    engine = app_state(request).engine
     try:
         body = await read_body(request)
         messages, sampling, tools, streamed = parse(body)
@@ -390,7 +390,7 @@ async def messages_endpoint(request: Request) -> Response:
             params = engine.defaults.params(sampling)
         except InvalidRequest as exc:
             raise ApiError(400, public_error(str(exc)), exc.field, exc.code) from None
-        messages = await documents.read_documents(request.app.state, messages)
+        messages = await documents.read_documents(app_state(request), messages)
         try:
             handles = await submit(engine, messages, params, tools=tools, split_reasoning=True,
                                    fit_max_tokens=True)
@@ -495,14 +495,14 @@ class MessageEncoder:
 
 async def count_tokens_endpoint(request: Request) -> Response:
     """`{"input_tokens": N}`: the prompt as a request with this body would be counted."""
-    engine = request.app.state.engine
+    engine = app_state(request).engine
     try:
         body = await read_body(request)
         if isinstance(body, dict):
             body = {"max_tokens": 1, **body}
         messages, _, tools, _ = parse(body)
         await use_named_model(request, body.get("model"))
-        messages = await documents.read_documents(request.app.state, messages)
+        messages = await documents.read_documents(app_state(request), messages)
         try:
             n = await asyncio.to_thread(count_tokens, engine, messages=messages, tools=tools)
         except EngineError as exc:

@@ -16,11 +16,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine import (Event, InvalidRequest, ModelDefaults, SamplingParams, SpeculativeOptions,
+from engine import (Engine, Event, InvalidRequest, ModelDefaults, SamplingParams, SpeculativeOptions,
                     ToolRequest, effort_budget, keep_alive_seconds, tool_request)
 
-from ..context import TRUNCATE_MODES, drop_oldest
+from ..context_window import TRUNCATE_MODES, drop_oldest
 from ..sse import sse
+from ..state import app_state
 from .choices import logprobs_body, message_body, system_fingerprint, tool_call_deltas, total_usage
 from .documents import read_documents
 from .errors import ApiError, check_fields
@@ -139,7 +140,7 @@ def parse_speculative(value: Any) -> SpeculativeOptions | None:
         raise ApiError(400, str(exc), exc.field, "invalid_value") from None
 
 
-def _truncated(engine: Any, mode: Any, chat: ChatRequest,
+def _truncated(engine: Engine, mode: Any, chat: ChatRequest,
                messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The request's `messages`, the oldest dropped to fit if it asked (`"truncate": "oldest"`)."""
     if mode is None:
@@ -197,7 +198,7 @@ class ChatEncoder:
 
 
 async def chat_completions(request: Request) -> Response:
-    engine = request.app.state.engine
+    engine = app_state(request).engine
     try:
         body = await read_body(request)
         model = await require_model(request, body,  # a bad request loads nothing
@@ -205,7 +206,7 @@ async def chat_completions(request: Request) -> Response:
         # tool schemas compile, and a long conversation is fitted, off the event loop
         chat = await asyncio.to_thread(parse_chat_request, body, model, engine.defaults)
         speculative = parse_speculative(body.get("speculative"))
-        messages = await read_documents(request.app.state, chat.messages)  # `file` parts
+        messages = await read_documents(app_state(request), chat.messages)  # `file` parts
         messages = await asyncio.to_thread(_truncated, engine, body.get("truncate"), chat,
                                            messages)
         handles = await submit(engine, messages, chat.params, chat.n, speculative,

@@ -10,7 +10,7 @@ Wire shapes (each adapter translates its own):
   messages and inside `function_call_output`.
 
 Formats: PDF (its text read by the app's PDF reader, in a child process with limits:
-app/pdf_text.py) and UTF-8 text (plain, Markdown, code, CSV, JSON). A part whose media type is
+app/uploads/pdf_text.py) and UTF-8 text (plain, Markdown, code, CSV, JSON). A part whose media type is
 an image is an image (app/api/images.py). Refused with a clear 4xx, the field named: more than
 `MAX_DOCUMENT_BYTES` per document (413 `document_too_large`), more than `MAX_DOCUMENTS` in a
 request (`too_many_documents`), bad base64 (`invalid_document`), another format
@@ -19,9 +19,9 @@ fetches from the network, and keeps no Files API), a PDF that cannot be read or 
 (`unreadable_document`, the reader's reason).
 
 In the prompt a document is `<document name="...">text</document>` where the client put it
-(app/documents.py `with_documents`, as attachments in the chat UI). A document larger than half
+(app/uploads/documents.py `with_documents`, as attachments in the chat UI). A document larger than half
 the context (app/doc_index/answering.py `whole`) is given by retrieval instead: its chunks, indexed
-once by the file's sha256 and kept with the uploads (app/doc_index/request_files.py), that best
+once by the file's sha256 and kept with the uploads (app/uploads/request_files.py), that best
 answer the question (the text of the nearest user message at or before the document: for a file
 attached to the newest turn, the request's last user text), at most `EXCERPT_FRACTION` of the
 context each. Both depend only on the document and the messages up to it, so an agent session that
@@ -39,9 +39,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine import count_tokens
+
 from ..doc_index.answering import MAX_EXCERPTS, excerpts, ranked, whole
-from ..doc_index.request_files import ReadFile, read_request_file
-from ..documents import NotAttachable, with_documents
+from ..state import AppState
+from ..uploads.documents import NotAttachable, with_documents
+from ..uploads.request_files import ReadFile, read_request_file
 from .errors import ApiError
 from .images import decode_base64, image_part
 
@@ -185,11 +188,9 @@ def question_for(messages: list[dict[str, Any]], i: int) -> str:
                  and _plain(m.get("content")).strip()), "")
 
 
-def _excerpts(state: Any, read: ReadFile, question: str) -> str:
+def _excerpts(state: AppState, read: ReadFile, question: str) -> str:
     """A large document's chunks that best answer `question`, within EXCERPT_FRACTION of the
     context (at most MAX_EXCERPTS). CPU-bound: off the event loop."""
-    from engine import count_tokens
-
     engine, chunks = state.engine, state.chunks
     budget = int(engine.model.context_length * EXCERPT_FRACTION)
     order = ranked(chunks, engine, [read.sha256], question, state.document_embeddings)
@@ -204,7 +205,7 @@ def _excerpts(state: Any, read: ReadFile, question: str) -> str:
     return excerpts(chosen)
 
 
-async def read_documents(state: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+async def read_documents(state: AppState, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`messages` with each document part as the text the model reads (whole, or its excerpts
     when larger than half the context); content left with text parts alone becomes a string.
     Files are read on the app's reader threads; raises ApiError (400 `unreadable_document`) with

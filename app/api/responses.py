@@ -30,17 +30,18 @@ from starlette.routing import Route
 
 from engine import Event, InvalidRequest, effort_budget, tool_request
 
-from ..error_shapes import api_error
+from .error_shapes import api_error
 from ..sse import sse
+from ..state import app_state
+from ..storage import Storage
 from . import documents
-from .choices import Choice
 from .errors import ApiError
 from .images import storable
 from .openai_request import parse_messages
 from .prompt_noise import without_noise
 from .tool_messages import add_tool_result
 from .response_format import json_schema
-from .serving import (finished, public_error, read_body, stream, submit,
+from .serving import (Choice, finished, public_error, read_body, stream, submit,
                       use_named_model)
 
 _SKIPPED_ITEMS = {"reasoning", "item_reference", "web_search_call"}
@@ -244,7 +245,7 @@ def _usage(final: Event | None) -> dict[str, Any]:
 class _Request:
     """A parsed Responses request."""
 
-    def __init__(self, body: Any, storage: Any):
+    def __init__(self, body: Any, storage: Storage):
         if not isinstance(body, dict):
             raise _bad("the request body must be a JSON object")
         self.body = body
@@ -281,7 +282,7 @@ class _Request:
                 "metadata": b.get("metadata") or {}}
 
     def finish(self, envelope: dict[str, Any], items: list[dict[str, Any]], final: Event,
-               storage: Any) -> dict[str, Any]:
+               storage: Storage) -> dict[str, Any]:
         """The completed response; stored with its conversation unless `store` is false."""
         incomplete = final.finish_reason == "length"
         done = {**envelope, "status": "incomplete" if incomplete else "completed",
@@ -298,7 +299,7 @@ class _Request:
 
 
 async def create(request: Request) -> Response:
-    engine, storage = request.app.state.engine, request.app.state.storage
+    engine, storage = app_state(request).engine, app_state(request).storage
     try:
         parsed = _Request(await read_body(request), storage)
         model = await use_named_model(request, parsed.body.get("model"))
@@ -306,7 +307,7 @@ async def create(request: Request) -> Response:
             params = engine.defaults.params(parsed.sampling)
         except InvalidRequest as exc:
             raise ApiError(400, public_error(str(exc)), exc.field, exc.code) from None
-        parsed.messages = await documents.read_documents(request.app.state, parsed.messages)
+        parsed.messages = await documents.read_documents(app_state(request), parsed.messages)
         handles = await submit(engine, parsed.messages, params, tools=parsed.tools,
                                split_reasoning=True, fit_max_tokens=True)
         envelope = parsed.envelope(_new("resp"), model, "in_progress")
@@ -326,7 +327,7 @@ class ResponseEncoder:
     `response.completed` (the response's own status says "incomplete" when the limit cut it: the
     SDK's stream helper and Codex wait for that event alone), or `response.failed`."""
 
-    def __init__(self, parsed: _Request, envelope: dict[str, Any], storage: Any) -> None:
+    def __init__(self, parsed: _Request, envelope: dict[str, Any], storage: Storage) -> None:
         self.parsed, self.envelope, self.storage = parsed, envelope, storage
         self.seq = 0
         self.items: list[dict[str, Any]] = []
@@ -425,7 +426,7 @@ class ResponseEncoder:
 
 
 async def retrieve(request: Request) -> Response:
-    found = request.app.state.storage.get_response(request.path_params["rid"])
+    found = app_state(request).storage.get_response(request.path_params["rid"])
     if found is None:
         return api_error(404, f"Response with id '{request.path_params['rid']}' not found.",
                          "invalid_request_error", "not_found")
@@ -434,7 +435,7 @@ async def retrieve(request: Request) -> Response:
 
 async def delete(request: Request) -> Response:
     rid = request.path_params["rid"]
-    if not request.app.state.storage.delete_response(rid):
+    if not app_state(request).storage.delete_response(rid):
         return api_error(404, f"Response with id '{rid}' not found.", "invalid_request_error",
                          "not_found")
     return JSONResponse({"id": rid, "object": "response", "deleted": True})

@@ -13,12 +13,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
-from ..documents import NotAttachable
-from ..upload_kinds import HEAD_BYTES, Processing, kind_of
-from ..upload_store import UploadStore
-from .indexing import DOCUMENT_KIND_NAMES, NOT_TEXT
+from ..doc_index.indexing import DOCUMENT_KIND_NAMES, NOT_TEXT
+from ..state import AppState
+from .documents import NotAttachable
+from .kinds import HEAD_BYTES, Processing, kind_of
+from .store import UploadStore
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +74,11 @@ def _referenced(store: UploadStore, sha256: str) -> bool:
     return bool(store.storage._query("SELECT 1 FROM uploads WHERE sha256 = ? LIMIT 1", (sha256,)))
 
 
-def read_request_file(state: Any, name: str, data: bytes, sha256: str) -> ReadFile:
+def read_request_file(state: AppState, name: str, data: bytes, sha256: str) -> ReadFile:
     """The text of the file `data` (sha256 `sha256`), read now or before; raises NotAttachable
-    with the reason (not a PDF or text, unreadable, no text). `state`: the app's (engine, uploads,
-    chunks, document_embeddings). Slow on a new file: call it on a reader thread."""
-    store: UploadStore = state.uploads
+    with the reason (not a PDF or text, unreadable, no text). Slow on a new file: call it on a
+    reader thread (`AppState.readers`), as app/uploads/reading.py reads uploads."""
+    store = state.uploads
     with _lock(sha256):
         known = _known(store, sha256)
         if known is not None:
