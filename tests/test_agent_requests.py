@@ -93,6 +93,7 @@ def cached_fractions(server, rounds: list[dict]) -> list[float]:
     return out
 
 
+@pytest.mark.slow  # four rounds of a session, twice: seconds of prefill, the second tier
 @pytest.mark.parametrize("form", ["blocks", "string"])
 def test_a_changing_billing_line_leaves_every_later_round_cached(server, form):
     def system():
@@ -105,6 +106,7 @@ def test_a_changing_billing_line_leaves_every_later_round_cached(server, form):
     assert all(f >= 0.9 for f in fractions[1:]), fractions
 
 
+@pytest.mark.slow  # four cold rounds by design
 def test_per_request_noise_it_does_not_know_makes_rounds_cold(server):
     """The control: a value that changes per request at the front, under another name, is kept
     (it might mean something), and every round is cold: the test above can fail."""
