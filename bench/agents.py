@@ -167,7 +167,13 @@ def replay(lm, session: str, variant: str | None, max_tokens: int, seed: int = 0
                 body = with_variant(body, variant, rng)
                 limit = "max_tokens" if "messages" in body else "max_output_tokens"
                 body = {**body, limit: max_tokens, "temperature": 0, "stream": True}
-                row = send(app.url, rec["path"].split("?")[0], body)
+                try:
+                    row = send(app.url, rec["path"].split("?")[0], body)
+                except RuntimeError as exc:  # kept in the results: the run goes on
+                    out.append({"error": str(exc)})
+                    print(f"  {session} {variant or 'as recorded'} round {k + 1}: {exc}",
+                          file=sys.stderr, flush=True)
+                    continue
                 out.append(row)
                 print(f"  {session} {variant or 'as recorded'} round {k + 1}: prompt "
                       f"{row['prompt']}, cached {row['cached']}, TTFT {row['ttft_s']:.2f} s",
@@ -184,14 +190,17 @@ def measure(lm, model: str, sessions: list[str], max_tokens: int,
         runs[session] = {v or "as recorded": replay(lm, session, v, max_tokens) for v in chosen}
         for variant, found in runs[session].items():
             for k, r in enumerate(found[1:], 2):
+                if "error" in r:
+                    rows.append(common.failed("agents", f"{model}/{session}/{variant}", r["error"]))
+                    continue
                 rows.append(Row("agents", f"{model}/{session}/{variant}", f"round {k} cached",
                                 "tokens", r["cached"], r["prompt"], "prompt tokens",
                                 goal=">= 0.9" if variant != "unknown-noise" else "",
                                 extra={"ttft_s": r["ttft_s"], "wall_s": r["wall_s"]}))
         if "unknown-noise" in runs[session]:
-            before = common.median([r["ttft_s"] for r in runs[session]["unknown-noise"][1:]])
+            before = common.median([r.get("ttft_s") for r in runs[session]["unknown-noise"][1:]])
             for variant in [v for v in ("billing", "no-billing") if v in runs[session]]:
-                after = common.median([r["ttft_s"] for r in runs[session][variant][1:]])
+                after = common.median([r.get("ttft_s") for r in runs[session][variant][1:]])
                 rows.append(Row("agents", f"{model}/{session}/{variant}",
                                 "later rounds' median TTFT", "s", after, before,
                                 "unknown-noise (cold rounds)", goal="<= 0.5"))
