@@ -143,6 +143,7 @@ def test_noise_lines_and_blocks():
     assert without_noise_blocks(blocks) == [{"type": "text", "text": "Keep me"}, {"type": "image"}]
 
 
+@pytest.mark.slow  # a whole round of the session, cold: the second tier
 def test_count_tokens_counts_as_the_request_renders(server):
     """With the billing line and a PDF: count_tokens equals what the request itself reports."""
     client = anthropic_client(server)
