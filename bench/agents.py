@@ -9,8 +9,9 @@ The sessions are recordings of the real clients (bench/data/agents/*.json, made 
 bench/agent_capture.py: what Claude Code 2.1.332 and Codex CLI 0.171.0 sent, round after round, in
 a scripted session of three tool calls and an answer; `-bare`/`-lean`: as `mlxchat launch` runs
 them on a model whose context is too small for their full prompt). Each round is sent as recorded
-(streamed; `max_tokens` lowered to `--max-tokens`, greedy) to the real app on 127.0.0.1 (uvicorn in
-a thread of this process), a fresh engine (a cold prefix cache) for every session and variant.
+(streamed; `max_tokens` lowered to `--max-tokens`, greedy, `model` the served model's name as
+`mlxchat launch` sets it) to the real app on 127.0.0.1 (uvicorn in a thread of this process), a
+fresh engine (a cold prefix cache) for every session and variant.
 
 Variants of a Claude Code session (its first system block):
   billing        the billing line as interactive Claude Code sends it, `cch` new every round:
@@ -166,7 +167,9 @@ def replay(lm, session: str, variant: str | None, max_tokens: int, seed: int = 0
             for k, body in enumerate(rounds(rec)):
                 body = with_variant(body, variant, rng)
                 limit = "max_tokens" if "messages" in body else "max_output_tokens"
-                body = {**body, limit: max_tokens, "temperature": 0, "stream": True}
+                # the served model by its name, as `mlxchat launch` has the client name it
+                body = {**body, "model": lm.name, limit: max_tokens, "temperature": 0,
+                        "stream": True}
                 try:
                     row = send(app.url, rec["path"].split("?")[0], body)
                 except RuntimeError as exc:  # kept in the results: the run goes on
