@@ -242,6 +242,9 @@ def launch(client: str, client_args: tuple[str, ...], url: str, model: str | Non
 
     url = url.rstrip("/")
     child = None
+    # SIGTERM ends launch as Ctrl-C ends the client: through `finally`, which stops a server
+    # it started (that server runs in a session of its own, out of the terminal's signals)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         health = _health(url)
         if health is None:
@@ -261,4 +264,5 @@ def launch(client: str, client_args: tuple[str, ...], url: str, model: str | Non
         if child is not None:
             click.echo("Stopping the mlxchat it started ...", err=True)
             _stop(child)
+        signal.signal(signal.SIGTERM, previous)
     sys.exit(code)
