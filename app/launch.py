@@ -264,5 +264,5 @@ def launch(client: str, client_args: tuple[str, ...], url: str, model: str | Non
         if child is not None:
             click.echo("Stopping the mlxchat it started ...", err=True)
             _stop(child)
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     sys.exit(code)
