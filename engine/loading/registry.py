@@ -20,7 +20,10 @@ from ..errors import ModelLoadError
 from .gguf import convert_gguf
 from .hub import hub_cache_dir
 from .memory import shortfall, weight_files_bytes
+from .progress import report
 from .vision import is_vision_folder
+from .warm_up import warm_up
+from ..kernels import native
 from ..kernels.caches import LOCAL, CacheOps
 from ..kernels.fastest import fastest_layout
 from ..kernels.gated_delta import use_chunked_prefill
@@ -183,6 +186,7 @@ def gguf_to_folder(gguf: Path) -> Path:
     folder = converted_folder(gguf)
     if not (folder / "config.json").exists():
         log.info("converting %s to an mlx-lm folder at %s", gguf, folder)
+        report("converting")
         convert_gguf(gguf, folder)
     return folder
 
@@ -251,6 +255,8 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
         why = shortfall(display, weight_files_bytes(folder.glob("*")))
         if why:
             raise ModelLoadError(f"not loading: {why}", code="insufficient_memory")
+        _prepare_kernels()
+        report("loading")
         if is_vision_folder(folder):
             return _load_vision_model(display, folder, group)
         try:
@@ -278,7 +284,21 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
     # Materialise the weights here: lazy arrays belong to this thread's MLX stream, and the
     # scheduler thread that runs the model cannot evaluate them.
     mx.eval(model.parameters())
+    if group is None:  # a sharded model's step runs on every rank at once: not here alone
+        report("warming up")
+        warm_up(model)
     return LoadedModel(name=display, model=model, tokenizer=tokenizer, config=config, path=folder)
+
+
+def _prepare_kernels() -> None:
+    """On the CPU, load our kernels before the weights (every model samples on them), building
+    them first where this machine has no build yet: a stage of its own, not a minute hidden
+    inside the load or the first answer."""
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return
+    if native.needs_build():
+        report("building kernels")
+    native.status()
 
 
 def _load_vision_model(display: str, folder: Path,

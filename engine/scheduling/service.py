@@ -29,6 +29,7 @@ from ..errors import EngineError, InvalidRequest, Overloaded
 from ..events import FINAL_STATES, Event, FinishReason, RequestState, Timings
 from ..decoding.fim import Infill
 from ..decoding.generate import Generation, build_prompt
+from ..loading.progress import LoadCallback
 from ..loading.registry import LoadedModel, ModelInfo, load_model
 from ..decoding.defaults import ModelDefaults
 from ..decoding.sampling import SamplingParams
@@ -134,8 +135,11 @@ class Engine:
         self._halted: str | None = None  # why the engine stopped serving for good (see `halt`)
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def start(self, progress: Callable[[str], None] | None = None) -> "Engine":
-        """Load the model (on the scheduler thread) and start serving; blocks until loaded."""
+    def start(self, progress: LoadCallback | None = None, *, load: bool = True) -> "Engine":
+        """Load the model (on the scheduler thread, its stages reported to `progress`) and start
+        serving; blocks until loaded. `load=False` starts serving with no model: requests are
+        refused until `switch_model` has loaded one (a server that answers while its first model
+        loads)."""
         # Every token is handed from the scheduler thread to readers in other threads; with
         # Python's default 5 ms switch interval the scheduler waits for the GIL after each device
         # sync (bench/results/cuda-h200-2026-12-02-concurrency-switchinterval-only.json).
@@ -143,7 +147,8 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="mlxchat-scheduler", daemon=True)
         self._thread.start()
         self.drafts.start()
-        self._call(lambda: self.slot.install(self.requested_model, progress, self.keep_alive))
+        if load:
+            self._call(lambda: self.slot.install(self.requested_model, progress, self.keep_alive))
         return self
 
     def stop(self) -> None:
@@ -269,7 +274,7 @@ class Engine:
         with self._lock:
             return self._preparing + list(self._queued) + self._running
 
-    def switch_model(self, name: str, progress: Callable[[str], None] | None = None,
+    def switch_model(self, name: str, progress: LoadCallback | None = None,
                      cancel_running: bool = False, *, int8_activations: bool | None = None) -> None:
         """Load another model (a name `list_models` gives, or a path; the current one's name
         reloads it) once running and queued requests end (or are cancelled, if asked); meanwhile
