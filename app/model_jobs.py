@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Callable, TextIO
 
 from engine import DownloadProgress, Engine, EngineError, LoadProgress, LoadStage
 
@@ -64,25 +64,8 @@ def begin_switch(switch: ModelSwitch, engine: Engine, name: str, *,
         if echo is not None:
             echo.stage(p)
 
-    loop = asyncio.get_running_loop()
-    outcome: asyncio.Future[EngineError | None] = loop.create_future()
-
-    def settle(result: EngineError | None) -> None:
-        if not outcome.done():
-            outcome.set_result(result)
-
-    def work() -> None:
-        result: EngineError | None = None
-        try:
-            engine.switch_model(name, progress=progress, int8_activations=int8_activations)
-        except EngineError as exc:
-            result = exc
-        except Exception as exc:  # noqa: BLE001 - a bug in a load still ends the load, said
-            result = EngineError(f"{type(exc).__name__}: {exc}")
-        try:
-            loop.call_soon_threadsafe(settle, result)
-        except RuntimeError:  # the server stopped meanwhile: nobody waits any more
-            pass
+    outcome = _in_thread(lambda: engine.switch_model(name, progress=progress,
+                                                     int8_activations=int8_activations))
 
     async def load() -> EngineError | None:
         failure = await outcome
@@ -92,11 +75,37 @@ def begin_switch(switch: ModelSwitch, engine: Engine, name: str, *,
                 echo.failed(switch.error)
         return failure
 
-    # A thread of its own, not the loop's executor: a server stopped while a download or a
-    # conversion runs exits at once instead of waiting for it (the thread is a daemon).
-    threading.Thread(target=work, name="mlxchat-model-load", daemon=True).start()
     switch.task = asyncio.create_task(load())
     return switch.task
+
+
+def _in_thread(work: Callable[[], None]) -> "asyncio.Future[EngineError | None]":
+    """Run `work` on a thread of its own, not the loop's executor: a server stopped while a
+    download or a conversion runs exits at once instead of waiting for it (the thread is a
+    daemon). The future's result is the EngineError `work` raised (any other exception said as
+    one), or None."""
+    loop = asyncio.get_running_loop()
+    outcome: asyncio.Future[EngineError | None] = loop.create_future()
+
+    def settle(result: EngineError | None) -> None:
+        if not outcome.done():
+            outcome.set_result(result)
+
+    def run() -> None:
+        result: EngineError | None = None
+        try:
+            work()
+        except EngineError as exc:
+            result = exc
+        except Exception as exc:  # noqa: BLE001 - a bug in a load still ends the load, said
+            result = EngineError(f"{type(exc).__name__}: {exc}")
+        try:
+            loop.call_soon_threadsafe(settle, result)
+        except RuntimeError:  # the server stopped meanwhile: nobody waits any more
+            pass
+
+    threading.Thread(target=run, name="mlxchat-model-load", daemon=True).start()
+    return outcome
 
 
 async def model_loaded(switch: ModelSwitch, engine: Engine, timeout: float | None) -> bool:

@@ -266,40 +266,28 @@ def _run(sock: socket.socket, host: str, port: int, model: str | None, open_brow
                                     {"persist_prefix_cache": True, "keep_alive": keep_alive}))
     if cluster is not None:
         cluster.watch(engine)
-    name = model or BUNDLED_MODEL
-    echo = _Ready(engine, name)
+    echo = _Ready(engine, model or BUNDLED_MODEL)
     started, stopped = False, ""
     server: _Server | None = None
-    switch = None
     try:
         with _stop_on_signals():
             if cluster is not None:  # its ranks load in step, before it serves
                 echo.header()
                 engine.start(progress=echo.stage)
-            else:
+            else:  # the model loads once the server listens (`_listening`)
                 engine.start(load=False)
             started = True
             allowed = None if host in WILDCARD_HOSTS else {*LOOPBACK_NAMES, host, *extra_hosts}
             app = create_app(engine, allowed_hosts=allowed, api_key=api_key, storage=storage,
                              cluster=cluster, **app_options)
-            shown = "127.0.0.1" if host in WILDCARD_HOSTS else host
-            url = f"http://{f'[{shown}]' if ':' in shown else shown}:{port}/"
-
-        def listening() -> None:  # in the event loop, the socket listening
-            print(f"mlxchat is running at {url}  (Ctrl-C to quit)", file=sys.stderr, flush=True)
-            if cluster is None:  # the first model loads as the one model load, shown in the page
-                echo.header()
-                begin_switch(app.state.switch, engine, name, echo=echo)
-            if open_browser:
-                threading.Thread(target=webbrowser.open, args=(url,), daemon=True).start()
-
-        switch = app.state.switch
-        server = _Server(uvicorn_config(app), app.state.runs, listening)
+        server = _Server(uvicorn_config(app), app.state.runs,
+                         _listening(app, _url(host, port), echo, cluster is None, open_browser))
         server.run(sockets=[sock])
     except _StoppedStarting as signalled:  # an exit as clean as a served one's, with status 0
         stopped = f" ({signalled.name} while {'starting' if started else 'loading the model'})"
     finally:
-        loading = switch is not None and switch.loading
+        # the first load still running? (the loop that awaited it is gone: ask the engine)
+        loading = server is not None and engine.model_name is None and not app.state.switch.error
         if server is not None and server.signalled and loading:
             stopped = f" ({server.signalled} while loading the model)"
         if started and not loading:  # else the load runs on in the engine's (daemon) thread
@@ -309,6 +297,26 @@ def _run(sock: socket.socket, host: str, port: int, model: str | None, open_brow
         storage.close()
         sock.close()
         print(f"mlxchat stopped{stopped}.", file=sys.stderr, flush=True)
+
+
+def _url(host: str, port: int) -> str:
+    shown = "127.0.0.1" if host in WILDCARD_HOSTS else host
+    return f"http://{f'[{shown}]' if ':' in shown else shown}:{port}/"
+
+
+def _listening(app: Starlette, url: str, echo: "_Ready", load: bool,
+               open_browser: bool) -> Callable[[], None]:
+    """What happens once the socket listens (in the event loop): the address said, the first
+    model's load begun (`load`) as the one model load, its progress in the page, and the
+    browser opened on a page that answers."""
+    def listening() -> None:
+        print(f"mlxchat is running at {url}  (Ctrl-C to quit)", file=sys.stderr, flush=True)
+        if load:
+            echo.header()
+            begin_switch(app.state.switch, app.state.engine, echo.name, echo=echo)
+        if open_browser:
+            threading.Thread(target=webbrowser.open, args=(url,), daemon=True).start()
+    return listening
 
 
 class _Ready(StageLines):

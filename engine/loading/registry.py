@@ -284,10 +284,16 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
     # Materialise the weights here: lazy arrays belong to this thread's MLX stream, and the
     # scheduler thread that runs the model cannot evaluate them.
     mx.eval(model.parameters())
-    if group is None:  # a sharded model's step runs on every rank at once: not here alone
+    _warm_up(model, group)
+    return LoadedModel(name=display, model=model, tokenizer=tokenizer, config=config, path=folder)
+
+
+def _warm_up(model: nn.Module, group: mx.distributed.Group | None) -> None:
+    """The model's first steps, now (engine/loading/warm_up.py); not for a sharded model, whose
+    every step runs on all its ranks at once."""
+    if group is None:
         report("warming up")
         warm_up(model)
-    return LoadedModel(name=display, model=model, tokenizer=tokenizer, config=config, path=folder)
 
 
 def _prepare_kernels() -> None:
