@@ -212,8 +212,9 @@ def test_narrow_dark_layout(new_page, shot):
     expect(form.locator("button[type=submit]")).to_be_visible()
     page.click("#settings summary")
     # the composer and the conversation keep the window's whole width
-    for part in ("#prompt", "#messages"):
-        assert page.locator(part).bounding_box()["width"] >= 300, part
+    for part in (".composer", "#messages"):
+        assert page.locator(part).bounding_box()["width"] >= 380, part
+    assert page.locator("#prompt").bounding_box()["width"] >= 200
     # the sidebar holds the chats and search only; the rest is in Settings
     page.click("#sidebar-toggle")
     assert page.locator("#sidebar button, #sidebar input, #sidebar a").evaluate_all(
