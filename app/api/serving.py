@@ -32,6 +32,7 @@ import contextlib
 import fnmatch
 import json
 import math
+import os
 import random
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterable, Protocol, Sequence
@@ -52,8 +53,10 @@ from .models import use_model
 MAX_DEPTH = 64
 # Bodies from this size on are parsed and checked off the event loop.
 INLINE_BODY_BYTES = 64 * 1024
-# A request that needs the model waits this long for one that is loading, then gets 503 with
-# Retry-After (a first run downloads and converts for a minute or more; clients retry).
+# A request that needs the model waits this long for one that is loading (MLXCHAT_LOAD_WAIT
+# seconds, as Ollama's OLLAMA_LOAD_TIMEOUT), then gets 503 with Retry-After (a first run downloads
+# and converts for a minute or more; clients retry).
+LOAD_WAIT_ENV = "MLXCHAT_LOAD_WAIT"
 MODEL_WAIT_S = 30.0
 RETRY_AFTER_S = 5
 
@@ -121,10 +124,19 @@ def model_loading(switch: ModelSwitch | None = None) -> ApiError:
 
 async def wait_for_model(request: Request) -> None:
     """Return once a model is loaded: a request that comes while one loads (the server's first,
-    or a switch) waits for it up to MODEL_WAIT_S; raises `model_loading`'s ApiError after that."""
+    or a switch) waits for it up to MODEL_WAIT_S (MLXCHAT_LOAD_WAIT); raises `model_loading`'s
+    ApiError after that."""
     state = app_state(request)
-    if not await model_loaded(state.switch, state.engine, MODEL_WAIT_S):
+    if not await model_loaded(state.switch, state.engine, load_wait_s()):
         raise model_loading(state.switch)
+
+
+def load_wait_s() -> float:
+    """MLXCHAT_LOAD_WAIT seconds (a number >= 0), else MODEL_WAIT_S."""
+    try:
+        return max(0.0, float(os.environ.get(LOAD_WAIT_ENV) or MODEL_WAIT_S))
+    except ValueError:
+        return MODEL_WAIT_S
 
 
 async def require_model(request: Request, body: Any, check: Any = None) -> str:
