@@ -24,9 +24,9 @@ from .decoding.tools import ToolRequest, tool_request
 from .events import (Channel, Event, FinishReason, RequestState, Timings, TokenLogprob, ToolCall,
                      TopLogprob, Usage)
 from .loading.bundled import BUNDLED_NAME as BUNDLED_MODEL, import_wheel as import_bundled_wheel
-from .loading.hub import DownloadProgress, parse_spec as parse_pull_spec, pull as pull_model
+from .loading.hub import parse_spec as parse_pull_spec, pull as pull_model
 from .loading.hub import remove as remove_model
-from .loading.progress import LOAD_STAGES, LoadProgress, LoadStage
+from .loading.progress import LOAD_STAGES, DownloadProgress, LoadProgress, LoadStage
 from .loading.registry import ModelInfo, list_models
 from .paths import cache_dir, data_dir
 from .scheduling.embedding_queue import (MAX_INPUTS as EMBEDDING_MAX_INPUTS, EmbeddingHandle,

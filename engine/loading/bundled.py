@@ -19,8 +19,7 @@ from pathlib import Path
 
 from ..errors import ModelLoadError
 from ..paths import cache_dir
-from .hub import DownloadProgress
-from .progress import report
+from .progress import DownloadProgress, report
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,7 @@
 """A model load's stages as it goes: `LoadProgress` events, reported to the callback a load runs
-under (`Engine.start(progress=...)`, `Engine.switch_model(progress=...)`).
+under (`Engine.start(progress=...)`, `Engine.switch_model(progress=...)`); and
+`DownloadProgress`, the bytes of a download (a pull's, engine/loading/hub.py, or the bundled
+model's).
 
 The stages, in the order a first run on a fresh machine passes them (`LOAD_STAGES`): the
 bundled model downloading (with its bytes), a GGUF converting to an mlx-lm folder, our CPU
@@ -16,7 +18,23 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Callable, Iterator, Literal
 
-from .hub import DownloadProgress
+
+@dataclass(frozen=True)
+class DownloadProgress:
+    """How far a download is."""
+
+    done_bytes: int
+    total_bytes: int
+    speed: float  # bytes per second over this session
+    eta_s: float | None
+    file: str  # the file being fetched
+    finished: bool = False
+
+    def describe(self) -> str:
+        eta = f", {self.eta_s:.0f} s left" if self.eta_s is not None else ""
+        return (f"{self.done_bytes / 1e6:.1f} of {self.total_bytes / 1e6:.1f} MB "
+                f"({self.speed / 1e6:.1f} MB/s{eta})")
+
 
 LoadStage = Literal["downloading", "converting", "building kernels", "loading", "warming up",
                     "ready"]
