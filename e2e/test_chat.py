@@ -6,6 +6,7 @@ from pathlib import Path
 from playwright.sync_api import expect
 
 from app.storage import Storage
+from accessibility import violations
 from chat_page import last, new_chat, send, wait_answer
 
 LONG = "Write a very long story about a dragon who learns to cook."
@@ -220,10 +221,22 @@ def test_narrow_dark_layout(new_page, shot):
     assert page.locator("#sidebar button, #sidebar input, #sidebar a").evaluate_all(
         "els => els.every(e => e.closest('.new-chat, #conversation-list') || e.id === 'search')")
     page.keyboard.press("Escape")
+    for menu in ("#model-menu", "#settings"):  # axe-core: no violation, the header's menus open
+        page.click(f"{menu} summary")
+        assert violations(page) == [], menu
+        page.click(f"{menu} summary")
     page.click("#open-settings")
     expect(page.locator("#download-spec")).to_be_visible()
     assert page.locator("#download-spec").bounding_box()["width"] >= 200  # a usable field
     shot(page, "09b-narrow-settings")
+    assert violations(page) == []
+    page.keyboard.press("Tab")  # every control of Settings is reached with Tab, the way back first
+    expect(page.locator("#back-to-chats")).to_be_focused()
+    reached = set()
+    for _ in range(40):
+        page.keyboard.press("Tab")
+        reached.add(page.evaluate("document.activeElement.id"))
+    assert {"download-spec", "import-file", "theme-toggle"} <= reached, reached
     page.click("#theme-toggle")
     assert page.evaluate("getComputedStyle(document.body).backgroundColor") == "rgb(255, 255, 255)"
 

