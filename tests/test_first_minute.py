@@ -40,6 +40,12 @@ def test_a_model_that_cannot_load_leaves_the_server_up_saying_why(tmp_path):
         reply = httpx.post(f"{proc.url}/v1/chat/completions", json={**CHAT, "model": None})
         assert reply.status_code == 503 and reply.json()["error"]["code"] == "model_load_failed"
         assert "GGUF file not found" in reply.json()["error"]["message"]
+        again = httpx.post(f"{proc.url}/models/switch", data={"name": str(missing)})  # Try again
+        assert again.status_code == 200 and 'class="progress"' in again.text  # loading it again
+        while httpx.get(f"{proc.url}/health").json()["status"] == "loading":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert "GGUF file not found" in httpx.get(f"{proc.url}/health").json()["error"]
     finally:
         output = stop(proc)
     assert f"  Could not load {missing}: GGUF file not found" in output

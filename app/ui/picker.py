@@ -82,7 +82,8 @@ async def switch_model(request: Request) -> Response:
     switch = state.switch
     name = str((await read_form(request)).get("name", ""))
     if not switch.loading and name != engine.model_name:
-        if name not in {m.name for m in engine.list_models()}:
+        # a listed model, or the last load's own name again (Try again: it may be a path)
+        if name not in {m.name for m in engine.list_models()} and name != switch.name:
             switch.error = f"Unknown model {name!r}."
         else:
             begin_switch(switch, engine, name)
