@@ -279,9 +279,9 @@ class Engine:
         params = params or SamplingParams()
         prompt = build_prompt(lm, messages=messages, prompt_tokens=prompt_tokens, text=text,
                               tools=tools, infill=infill)
-        if fit_max_tokens and len(prompt.tokens) < lm.context_length:
-            params = params.with_(max_tokens=min(params.max_tokens,
-                                                 lm.context_length - len(prompt.tokens)))
+        if fit_max_tokens:  # no room left: max_tokens 1, refused as too long (not over budget)
+            params = params.with_(max_tokens=max(1, min(params.max_tokens,
+                                                        lm.context_length - len(prompt.tokens))))
         factory = self._resident_draft(lm, speculative)
 
         def generation(factory: SpeculatorFactory | None) -> Generation:
