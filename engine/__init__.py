@@ -29,6 +29,9 @@ from .paths import cache_dir, data_dir
 from .scheduling.embeddings import MAX_INPUTS as EMBEDDING_MAX_INPUTS, EmbeddingHandle, Embeddings
 from .scheduling.keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
 from .scheduling.requests import RequestHandle
+from .scheduling.speech import MAX_TEXT as SPEECH_MAX_TEXT, SpeechHandle, SpeechStream
+from .loading.speech import INPUT_RATE as SPEECH_INPUT_RATE, SUGGESTED as SPEECH_SUGGESTED
+from .decoding.speech import Segment as TranscriptSegment, Transcript, Word as TranscriptWord
 from .scheduling.service import Engine, EngineStatus
 from .scheduling.slot import ModelDescription
 from .decoding.generate import build_prompt as _build_prompt
@@ -39,6 +42,8 @@ __all__ = [
     "KV_BITS_ENV", "PRESETS",
     "SAMPLING_OPTIONS",
     "EMBEDDING_MAX_INPUTS", "EmbeddingHandle", "Embeddings",
+    "SPEECH_INPUT_RATE", "SPEECH_MAX_TEXT", "SPEECH_SUGGESTED", "SpeechHandle", "SpeechStream",
+    "Transcript", "TranscriptSegment", "TranscriptWord",
     "Channel", "Default", "DownloadCancelled", "DownloadError", "DownloadProgress", "DraftChoice",
     "Engine", "EngineError", "EngineStatus", "Event", "FinishReason", "InvalidRequest",
     "ImageInput", "ModelDefaults", "ModelDescription", "ModelInfo", "ModelLoadError", "Overloaded",

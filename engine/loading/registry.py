@@ -20,6 +20,7 @@ from ..errors import ModelLoadError
 from .gguf import convert_gguf
 from .hub import hub_cache_dir
 from .memory import shortfall, weight_files_bytes
+from .speech import speech_kind
 from .vision import is_vision_folder
 from ..kernels.caches import LOCAL, CacheOps
 from ..kernels.fastest import fastest_layout
@@ -39,6 +40,7 @@ class ModelInfo:
     path: str | None
     size_bytes: int | None
     vision: bool = False  # a vision-language model's folder (engine/loading/vision.py)
+    speech: str | None = None  # "transcription" or "speech": a speech model (loading/speech.py)
 
 
 # What a model can do, as clients ask (Ollama's /api/show, /v1/models, the picker): one
@@ -147,7 +149,7 @@ def _hf_cache_models() -> list[ModelInfo]:
         if snapshots and any(snapshots[-1].parent.glob("*.safetensors")):
             folder = snapshots[-1].parent
             found.append(ModelInfo(name, "hf-cache", str(folder), _dir_size(folder.resolve()),
-                                   vision=is_vision_folder(folder)))
+                                   vision=is_vision_folder(folder), speech=speech_kind(folder)))
         for gguf in sorted((repo / "snapshots").glob("*/**/*.gguf")):
             if gguf.is_file():
                 file = gguf.relative_to(repo / "snapshots").as_posix().split("/", 1)[1]
@@ -244,6 +246,9 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
             raise ModelLoadError(f"not loading: {why}", code="insufficient_memory")
         if is_vision_folder(folder):
             return _load_vision_model(display, folder, group)
+        if speech_kind(folder):
+            raise ModelLoadError(f"{display} is a {speech_kind(folder)} model: it serves "
+                                 f"/v1/audio/*, not chat (docs/voice.md)", code="model_not_chat")
         try:
             # mlx_lm.load's two steps, with Gemma 2's sliding window (gemma2_window.py)
             model, config = mlx_lm_load_model(folder, get_model_classes=model_classes)

@@ -34,6 +34,7 @@ from ..decoding.sampling import SamplingParams
 from ..decoding.tools import ToolRequest
 from .draft_loader import DraftLoader
 from .embeddings import EmbeddingHandle, EmbeddingInput, EmbeddingQueue
+from .speech import SpeechHandle, SpeechQueue, SpeechStream
 from .keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
 from .requests import RequestHandle
 from .slot import ModelDescription, ModelSlot
@@ -70,6 +71,7 @@ class EngineStatus:
     reserved_bytes: int  # model-cache memory reserved by the admitted requests
     resident: bool = False  # the model's weights are in memory (not unloaded after an idle time)
     embedding_models: tuple[str, ...] = ()  # dedicated embedding models loaded beside it
+    speech_models: tuple[str, ...] = ()  # speech models loaded beside it (scheduling/speech.py)
 
 
 class Engine:
@@ -122,6 +124,7 @@ class Engine:
         self._control: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
         self._soon: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()  # between ticks: drafts, embeddings
         self._embeddings = EmbeddingQueue(self)
+        self._speech = SpeechQueue(self)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._ids = itertools.count(1)
@@ -154,6 +157,7 @@ class Engine:
             self._thread.join(timeout=1 if self._halted else 30)
         self.drafts.stop()
         self._embeddings.close()
+        self._speech.close()
         self.slot.persist()  # so that reopening the app continues long conversations without re-prefill
 
     def halt(self, reason: str) -> None:
@@ -173,6 +177,7 @@ class Engine:
                 self._end(h, "failed", [Event("done", finish_reason="failed", error=reason,
                                               usage=h.usage, timings=Timings())])
             self._wake.notify_all()
+        self._speech.fail(reason)  # outside the engine's lock (the speech thread takes it)
 
     @property
     def halted(self) -> str | None:
@@ -232,7 +237,8 @@ class Engine:
                 batch_rows=len(batch) if batch is not None else 0,
                 drafts=self.drafts.identities(), memory_budget=self.memory_budget,
                 reserved_bytes=self._reserved, resident=self.slot.resident,
-                embedding_models=tuple(self._embeddings.resident_models()))
+                embedding_models=tuple(self._embeddings.resident_models()),
+                speech_models=tuple(self._speech.resident_models()))
 
     def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         """The model-cache memory a plain request of this size reserves while admitted."""
@@ -419,6 +425,29 @@ class Engine:
         InvalidRequest or Overloaded at once. Its chunks run between scheduler ticks."""
         return self._embeddings.submit(inputs, model=model, dimensions=dimensions,
                                        truncate=truncate, query=query, keep_alive=keep_alive)
+
+    # -- speech (engine/scheduling/speech.py: its own thread, beside the scheduler) -------------
+    def transcribe(self, samples, *, model: str | None = None, task: str = "transcribe",
+                   language: str | None = None, prompt: str | None = None,
+                   temperature: float | None = None, word_timestamps: bool = False,
+                   keep_alive: float | str | None = None) -> SpeechHandle:
+        """Queue a transcription ("translate": into English) of float32 mono samples at
+        SPEECH_INPUT_RATE on a speech-to-text model (None: the first installed); raises
+        InvalidRequest or Overloaded at once."""
+        return self._speech.transcribe(samples, model=model, task=task, language=language,
+                                       prompt=prompt, temperature=temperature,
+                                       word_timestamps=word_timestamps, keep_alive=keep_alive)
+
+    def speak(self, text: str, *, model: str | None = None, voice: str | None = None,
+              speed: float = 1.0, keep_alive: float | str | None = None) -> SpeechStream:
+        """Queue speech for `text` on a text-to-speech model (None: the first installed) in one
+        of its voices (None: its first); its waveforms stream as they are made."""
+        return self._speech.speak(text, model=model, voice_name=voice, speed=speed,
+                                  keep_alive=keep_alive)
+
+    def speech_models(self, kind: str) -> list[str]:
+        """The installed speech models of `kind`: "transcription" or "speech"."""
+        return self._speech.installed(kind)  # type: ignore[arg-type]
 
     def _later(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the scheduler thread between ticks; safe from any thread."""
