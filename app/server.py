@@ -30,7 +30,7 @@ import static
 from engine import DEFAULT_KEEP_ALIVE_S, Cluster, Engine, data_dir, describe_device
 
 from . import api, attachments, exports, image_uploads, login, ui, uploads
-from .api import images
+from .api import audio, images
 from .api.errors import http_error
 from .connections import HeaderTimeoutProtocol
 from .doc_index.store import ChunkStore
@@ -83,7 +83,8 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
             Middleware(OriginGuard, allowed_origins=allowed_origins),  # cross-site writes: 403
             Middleware(ApiKeyGuard, access=access),  # with --api-key, all but /health: 401
             # oversized bodies 413, slow ones 408, before the app reads (uploads bound their own)
-            Middleware(BodyLimit, streamed=uploads.is_upload_path, larger=images.body_limit),
+            Middleware(BodyLimit, streamed=uploads.is_upload_path,
+                       larger=lambda path: images.body_limit(path) or audio.body_limit(path)),
             Middleware(SecurityHeaders),  # CSP, nosniff, no framing, no referrer to other sites
         ],
     )

@@ -141,6 +141,17 @@ def whisper_folder(config: dict[str, Any] = WHISPER_TINY, seed: int = 0,
         return folder
     mx.random.seed(seed)
     model = Model(ModelDimensions.from_dict(config), dtype=mx.float16)
+    decoder = model.decoder
+    # Whisper learns its decoder's positions (mlx-audio starts them at zero): random ones here.
+    decoder.positional_embedding = mx.random.normal(decoder.positional_embedding.shape)
+    # mlx-audio's timestamp rule weighs all 1,501 timestamps together against the best text
+    # token before it masks them; on random weights the timestamps always win there, every token
+    # ends up masked and decoding yields token 0 over and over. Smaller timestamp rows leave a
+    # random model's text tokens ahead, as a trained model's are.
+    table = decoder.token_embedding.weight
+    table = table / mx.sqrt(mx.mean(table * table))  # unit scale: logits as peaked as trained ones
+    begin = config["n_vocab"] - TIMESTAMPS
+    decoder.token_embedding.weight = mx.concatenate([table[:begin], table[begin:] * 0.1])
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(tmp / "model.safetensors"),
                         {k: v.astype(mx.float16) for k, v in weights.items()})

@@ -7,11 +7,12 @@ docstring is the contract an adapter follows):
 - `anthropic.py`: Anthropic Messages `/v1/messages`; `responses.py`: OpenAI Responses
   `/v1/responses`; `ollama.py`: Ollama's `/api/*`.
 - `embeddings.py`: OpenAI `/v1/embeddings` (and the `embed` Ollama's `/api/embed` shares).
+- `audio.py`: OpenAI `/v1/audio/transcriptions`, `/translations` and `/speech` (voice).
 - `models.py`: `/v1/models` and the model a request runs on; `health.py`: `/health`.
 - `errors.py`: `ApiError` (written in each protocol's shape, app/error_shapes.py).
 """
 
-from . import anthropic, chat, completions, embeddings, health, models, ollama, responses
+from . import anthropic, audio, chat, completions, embeddings, health, models, ollama, responses
 
 routes = [*health.routes, *models.routes, *chat.routes, *completions.routes, *anthropic.routes,
-          *ollama.routes, *responses.routes, *embeddings.routes]
+          *ollama.routes, *responses.routes, *embeddings.routes, *audio.routes]

@@ -18,10 +18,11 @@ import numpy as np
 from ..errors import InvalidRequest
 from ..loading.speech import SpeechModel
 
-# Whisper's fallback temperatures when a request leaves the choice to it (temperature 0).
-FALLBACK_TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+# Whisper's fallback: each retry of a window that decoded badly is this much hotter (0, 0.2, ... 1).
+FALLBACK_STEP = 0.2
 MULTILINGUAL_VOCAB = 51865  # a Whisper vocabulary this large holds 99 languages (100 from 51866)
 KOKORO_PHONEMES = 510  # Kokoro's context, less its two pads
+DEFAULT_VOICE = "af_heart"  # Kokoro's own default, where a model has it
 # Kokoro voices' first letter: the language of their speaker, as espeak-ng names it.
 VOICE_LANGUAGES = {"a": "en-us", "b": "en-gb", "e": "es", "f": "fr-fr", "h": "hi", "i": "it",
                    "p": "pt-br"}
@@ -37,6 +38,7 @@ class Word:
 @dataclass(frozen=True)
 class Segment:
     id: int
+    seek: int  # the window's first mel frame (10 ms each)
     start: float
     end: float
     text: str
@@ -93,17 +95,23 @@ def language_code(name: str, languages: Sequence[str], language: str | None) -> 
 
 def transcribe(sm: SpeechModel, samples: np.ndarray, *, task: str = "transcribe",
                language: str | None = None, prompt: str | None = None,
-               temperature: float | None = None, word_timestamps: bool = False) -> Transcript:
+               temperature: float | None = None, fallback: bool = True,
+               word_timestamps: bool = False) -> Transcript:
     """Whisper on `samples` (float32 mono at sm.sample_rate): the text, its segments with their
-    tokens and times, and the words' times when asked. `temperature` None or 0 lets Whisper raise
-    it step by step (FALLBACK_TEMPERATURES) where a window decodes badly; above 0 it is used alone."""
+    tokens and times, and the words' times when asked. With `fallback`, a window that decodes
+    badly (too repetitive, or too unlikely) is decoded again at a temperature FALLBACK_STEP
+    higher, up to 1 (from 0 when `temperature` is None: Whisper's own schedule); without it,
+    `temperature` (0: greedy) is used alone."""
     import mlx.core as mx
 
     _keep_buffer_cache()
     model = sm.model
     code = language_code(sm.name, whisper_languages(sm.config), language)
-    temperatures: float | tuple[float, ...] = (
-        FALLBACK_TEMPERATURES if not temperature else float(temperature))
+    start = float(temperature or 0.0)
+    temperatures: float | tuple[float, ...] = start
+    if fallback:
+        temperatures = tuple(round(start + i * FALLBACK_STEP, 6)
+                             for i in range(int((1.0 - start) / FALLBACK_STEP + 1e-6) + 1))
     result = model.generate(mx.array(samples, dtype=mx.float32), task=task, language=code,
                             initial_prompt=prompt or None, temperature=temperatures,
                             word_timestamps=word_timestamps, verbose=None,
@@ -141,7 +149,7 @@ def _keep_buffer_cache() -> None:
 
 def _segment(s: dict[str, Any]) -> Segment:
     words = tuple(Word(w["word"], float(w["start"]), float(w["end"])) for w in s.get("words") or ())
-    return Segment(id=int(s["id"]), start=float(s["start"]), end=float(s["end"]),
+    return Segment(id=int(s["id"]), seek=int(s["seek"]), start=float(s["start"]), end=float(s["end"]),
                    text=s["text"], tokens=tuple(int(t) for t in s["tokens"]),
                    temperature=float(s["temperature"]), avg_logprob=float(s["avg_logprob"]),
                    compression_ratio=float(s["compression_ratio"]),

@@ -429,13 +429,15 @@ class Engine:
     # -- speech (engine/scheduling/speech.py: its own thread, beside the scheduler) -------------
     def transcribe(self, samples, *, model: str | None = None, task: str = "transcribe",
                    language: str | None = None, prompt: str | None = None,
-                   temperature: float | None = None, word_timestamps: bool = False,
+                   temperature: float | None = None, fallback: bool = True,
+                   word_timestamps: bool = False,
                    keep_alive: float | str | None = None) -> SpeechHandle:
         """Queue a transcription ("translate": into English) of float32 mono samples at
         SPEECH_INPUT_RATE on a speech-to-text model (None: the first installed); raises
-        InvalidRequest or Overloaded at once."""
+        InvalidRequest or Overloaded at once. `fallback`: Whisper's retries at higher
+        temperatures (engine/decoding/speech.py)."""
         return self._speech.transcribe(samples, model=model, task=task, language=language,
-                                       prompt=prompt, temperature=temperature,
+                                       prompt=prompt, temperature=temperature, fallback=fallback,
                                        word_timestamps=word_timestamps, keep_alive=keep_alive)
 
     def speak(self, text: str, *, model: str | None = None, voice: str | None = None,
@@ -448,6 +450,11 @@ class Engine:
     def speech_models(self, kind: str) -> list[str]:
         """The installed speech models of `kind`: "transcription" or "speech"."""
         return self._speech.installed(kind)  # type: ignore[arg-type]
+
+    def speech_voices(self, model: str | None = None) -> tuple[str, ...]:
+        """The voices of a text-to-speech model (None: the first installed); raises
+        InvalidRequest."""
+        return self._speech.voices(model)
 
     def _later(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the scheduler thread between ticks; safe from any thread."""

@@ -165,7 +165,7 @@ class SpeechQueue:
     def transcribe(self, samples: np.ndarray, *, model: str | None = None,
                    task: str = "transcribe", language: str | None = None,
                    prompt: str | None = None, temperature: float | None = None,
-                   word_timestamps: bool = False,
+                   fallback: bool = True, word_timestamps: bool = False,
                    keep_alive: float | str | None = None) -> SpeechHandle:
         """Queue a transcription (task "transcribe") or a translation into English ("translate")
         of `samples` (float32 mono at INPUT_RATE); raises InvalidRequest or Overloaded at once."""
@@ -190,7 +190,7 @@ class SpeechQueue:
                 return
             handle._future.set_result(voice.transcribe(
                 sm, samples, task=task, language=language, prompt=prompt,
-                temperature=temperature, word_timestamps=word_timestamps))
+                temperature=temperature, fallback=fallback, word_timestamps=word_timestamps))
 
         def fail(exc: BaseException) -> None:
             if not handle._future.done():
@@ -201,7 +201,8 @@ class SpeechQueue:
 
     def speak(self, text: str, *, model: str | None = None, voice_name: str | None = None,
               speed: float = 1.0, keep_alive: float | str | None = None) -> SpeechStream:
-        """Queue speech for `text` in a voice of the model (None: its first voice); raises
+        """Queue speech for `text` in a voice of the model (None: DEFAULT_VOICE, else its first);
+        raises
         InvalidRequest or Overloaded at once."""
         if not isinstance(text, str) or not text.strip():
             raise InvalidRequest("input is empty: give the text to speak", field="input",
@@ -213,7 +214,8 @@ class SpeechQueue:
             raise InvalidRequest(f"speed must be between {SPEEDS[0]} and {SPEEDS[1]}",
                                  field="speed", code="invalid_value")
         target = self._target("speech", model)
-        chosen = voice_name or target.voices[0]
+        chosen = voice_name or (voice.DEFAULT_VOICE if voice.DEFAULT_VOICE in target.voices
+                                else target.voices[0])
         voice.voice_language(target.name, target.voices, chosen)
         stream = SpeechStream(id=self._next_id("tts"), sample_rate=target.output_rate,
                               voice=chosen, model=target.name)
@@ -227,6 +229,10 @@ class SpeechQueue:
         self._queue(_Job(target, keep_alive_seconds(keep_alive, self._engine.keep_alive), run,
                          stream._chunks.put))
         return stream
+
+    def voices(self, model: str | None = None) -> tuple[str, ...]:
+        """The voices of a text-to-speech model (None: the first installed)."""
+        return self._target("speech", model).voices
 
     def resident_models(self) -> list[str]:
         """The speech models whose weights are loaded now (only the speech thread changes
