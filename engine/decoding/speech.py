@@ -220,13 +220,15 @@ def synthesize(sm: SpeechModel, text: str, *, voice: str, speed: float = 1.0,
 
     to_phonemes = phonemizer(voice_language(sm.name, sm.voices, voice))
     pack = sm.extras.get(("voice", voice))
-    if pack is None:
-        pack = sm.extras[("voice", voice)] = load_voice_tensor(str(sm.voice_file(voice)))
+    if pack is None:  # evaluated here: a later speech thread may use it (see scheduling/speech.py)
+        pack = load_voice_tensor(str(sm.voice_file(voice))).astype(mx.float32)
+        mx.eval(pack)
+        sm.extras[("voice", voice)] = pack
     for sentence in sentences(text):
         for piece in phoneme_pieces(to_phonemes(sentence)):
             if stop():
                 return
-            out = KokoroPipeline.infer(sm.model, piece, pack.astype(mx.float32), speed)
+            out = KokoroPipeline.infer(sm.model, piece, pack, speed)
             yield clean(np.array(out.audio, dtype=np.float32).reshape(-1))
 
 

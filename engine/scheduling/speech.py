@@ -303,31 +303,58 @@ class SpeechQueue:
                 raise Overloaded(f"server busy: {len(self._jobs)} speech requests queued (limit "
                                  f"{MAX_PENDING})", retry_after=2.0)
             self._jobs.append(job)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name="mlxchat-speech",
-                                                daemon=True)
-                self._thread.start()
+            self._spawn()
             self._lock.notify_all()
+
+    def _spawn(self) -> None:
+        """Under the lock: a speech thread for the queued requests, unless one is serving."""
+        if self._thread is None and self._jobs and not self._closing:
+            self._thread = threading.Thread(target=self._serve, name="mlxchat-speech",
+                                            daemon=True)
+            self._thread.start()
 
     # -- the speech thread -----------------------------------------------------------------------
     def _serve(self) -> None:
+        """A speech thread: requests in order until the engine stops, or until it unloads a
+        model: a model loaded on a thread after another was freed there crashes MLX 0.32.4 (a
+        read of freed memory in its next gather, seen with Kokoro reloaded after its keep-alive;
+        the main thread is spared), so a fresh thread serves from then on."""
         _lower_priority()
-        while (job := self._take()) is not None:
-            try:
-                job.run(self._load(job.target))
-            except Exception as exc:  # this request fails alone; the queue goes on
-                log.error("speech request failed", exc_info=exc)
-                job.fail(exc if isinstance(exc, EngineError)
-                         else EngineError(f"{type(exc).__name__}: {exc}"))
-            finally:
-                resident = self._resident.get(job.target.kind)
-                if resident is not None:
-                    resident.idle_since, resident.keep_alive = time.monotonic(), job.keep_alive
+        try:
+            while (job := self._take()) is not None:
+                if self._needs_unload(job.target):
+                    self._unload(job.target.kind)
+                    with self._lock:
+                        self._jobs.appendleft(job)
+                    return
+                self._run(job)
+        finally:
+            with self._lock:
+                self._thread = None
+                self._spawn()
+
+    def _run(self, job: _Job) -> None:
+        try:
+            job.run(self._load(job.target))
+        except Exception as exc:  # this request fails alone; the queue goes on
+            log.error("speech request failed", exc_info=exc)
+            job.fail(exc if isinstance(exc, EngineError)
+                     else EngineError(f"{type(exc).__name__}: {exc}"))
+        finally:
+            resident = self._resident.get(job.target.kind)
+            if resident is not None:
+                resident.idle_since, resident.keep_alive = time.monotonic(), job.keep_alive
+
+    def _needs_unload(self, target: _Target) -> bool:
+        """Whether `target` replaces a resident model of its kind (another folder)."""
+        resident = self._resident.get(target.kind)
+        return resident is not None and resident.model.path != target.folder
 
     def _take(self) -> _Job | None:
-        """The next request (None: the engine stops), unloading idle models while waiting."""
-        while True:
-            with self._lock:
+        """The next request; None when the engine stops or when this thread unloaded the models
+        idle past their keep-alive while it waited (its successor takes the next request)."""
+        with self._lock:
+            while True:
                 if self._closing:
                     return None
                 if self._jobs:
@@ -335,21 +362,20 @@ class SpeechQueue:
                 now = time.monotonic()
                 expired = [k for k, r in self._resident.items() if r.keep_alive is not None
                            and now - r.idle_since >= r.keep_alive]
-                if not expired:
-                    waits = [r.idle_since + r.keep_alive - now for r in self._resident.values()
-                             if r.keep_alive is not None]
-                    self._lock.wait(min(waits) if waits else None)
-                    continue
-            for kind in expired:
-                self._unload(kind)
+                if expired:
+                    break
+                waits = [r.idle_since + r.keep_alive - now for r in self._resident.values()
+                         if r.keep_alive is not None]
+                self._lock.wait(min(waits) if waits else None)
+        for kind in expired:
+            self._unload(kind)
+        return None
 
     def _load(self, target: _Target) -> SpeechModel:
-        """On the speech thread: `target` loaded (the resident model of its kind replaced)."""
+        """On the speech thread: `target` as loaded, now or before."""
         resident = self._resident.get(target.kind)
-        if resident is not None and resident.model.path == target.folder:
+        if resident is not None:  # (another model of its kind was unloaded by the last thread)
             return resident.model
-        if resident is not None:
-            self._unload(target.kind)
         engine = self._engine
         guess = needed_bytes(weight_files_bytes(target.folder.glob("*")))
         if guess > engine.memory_budget:
@@ -376,8 +402,9 @@ class SpeechQueue:
         return sm
 
     def _unload(self, kind: Kind) -> None:
-        """On the speech thread: drop the resident model of `kind` and its memory reservation
-        (never under the queue's lock: the engine's lock is taken here)."""
+        """On the speech thread, which then ends (see `_serve`): drop the resident model of
+        `kind` and its memory reservation (never under the queue's lock: the engine's lock is
+        taken here)."""
         with self._lock:
             resident = self._resident.pop(kind)
         log.info("unloading speech model %s", resident.model.name)
