@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from bench.speech_shapes import kokoro_folder, whisper_folder
+from bench.speech_shapes import kokoro_folder, whisper_folder  # noqa: F401 (for e2e/)
 
 AUDIO = Path(__file__).resolve().parent / "audio"
 QUESTION_WAV = AUDIO / "question.wav"  # espeak-ng: "Hello. What is the capital of France?"
@@ -20,12 +20,20 @@ WHISPER = "test/whisper-tiny"
 KOKORO = "test/kokoro-tiny"
 
 
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # another file system
+        shutil.copy2(source, target)
+
+
 def install(hub: Path, repo: str, folder: Path) -> Path:
-    """`folder` as the one snapshot of `repo` in the hub cache `hub` (files linked, not copied)."""
+    """`folder` as the one snapshot of `repo` in the hub cache `hub` (its files linked where
+    they can be)."""
     snapshot = hub / f"models--{repo.replace('/', '--')}" / "snapshots" / "0"
     if not snapshot.exists():
         snapshot.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(folder, snapshot, copy_function=os.link)
+        shutil.copytree(folder, snapshot, copy_function=_link_or_copy)
     return snapshot
 
 
