@@ -9,7 +9,8 @@ import pytest
 from playwright.sync_api import expect, sync_playwright
 
 from conftest import CHROMIUM, CHROMIUM_ARGS, TIMEOUT_MS
-from voice_models import KOKORO, QUESTION_WAV, WHISPER, install, kokoro_folder, whisper_folder
+from bench.speech_shapes import kokoro_folder, whisper_folder
+from voice_models import KOKORO, QUESTION_WAV, WHISPER, install
 
 from engine import SPEECH_SUGGESTED
 

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from bench.speech_shapes import kokoro_folder, whisper_folder  # noqa: F401 (for e2e/)
+from bench.speech_shapes import kokoro_folder, whisper_folder
 
 AUDIO = Path(__file__).resolve().parent / "audio"
 QUESTION_WAV = AUDIO / "question.wav"  # espeak-ng: "Hello. What is the capital of France?"

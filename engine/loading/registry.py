@@ -20,7 +20,7 @@ from ..errors import ModelLoadError
 from .gguf import convert_gguf
 from .hub import hub_cache_dir
 from .memory import shortfall, weight_files_bytes
-from .speech import speech_kind
+from .speech import refuse_speech_as_chat, speech_kind
 from .vision import is_vision_folder
 from ..kernels.caches import LOCAL, CacheOps
 from ..kernels.fastest import fastest_layout
@@ -246,9 +246,7 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
             raise ModelLoadError(f"not loading: {why}", code="insufficient_memory")
         if is_vision_folder(folder):
             return _load_vision_model(display, folder, group)
-        if speech_kind(folder):
-            raise ModelLoadError(f"{display} is a {speech_kind(folder)} model: it serves "
-                                 f"/v1/audio/*, not chat (docs/voice.md)", code="model_not_chat")
+        refuse_speech_as_chat(display, folder)
         try:
             # mlx_lm.load's two steps, with Gemma 2's sliding window (gemma2_window.py)
             model, config = mlx_lm_load_model(folder, get_model_classes=model_classes)

@@ -61,6 +61,14 @@ def speech_kind(folder: Path) -> Kind | None:
     return FAMILIES[family] if family else None
 
 
+def refuse_speech_as_chat(display: str, folder: Path) -> None:
+    """Raise ModelLoadError when `folder` holds a speech model (asked for as a chat model)."""
+    kind = speech_kind(folder)
+    if kind:
+        raise ModelLoadError(f"{display} is a {kind} model: it serves /v1/audio/*, not chat "
+                             f"(docs/voice.md)", code="model_not_chat")
+
+
 def missing_packages() -> str | None:
     """Why speech models cannot run here (the packages to install), or None when they can."""
     wanted = {"mlx_audio": "mlx-audio", "av": "av", "misaki": "misaki",
@@ -97,34 +105,13 @@ def _voices(folder: Path) -> tuple[str, ...]:
 
 def load_speech(display: str, folder: Path) -> SpeechModel:
     """Load the speech model in `folder` (named `display`); raises ModelLoadError."""
-    family = speech_family(folder)
-    if family is None:
-        raise ModelLoadError(f"{display} is not a speech model mlxchat serves (families: "
-                             f"{', '.join(FAMILIES)})", code="model_not_speech")
-    why = missing_packages()
-    if why:
-        raise ModelLoadError(why, code="voice_extra_missing")
-    why = shortfall(display, weight_files_bytes(folder.glob("*")))
-    if why:
-        raise ModelLoadError(f"not loading: {why}", code="insufficient_memory")
+    family = _loadable_family(display, folder)
     kind = FAMILIES[family]
     voices = _voices(folder) if kind == "speech" else ()
     if kind == "speech" and not voices:
         raise ModelLoadError(f"{display} has no voice packs ({VOICES_FOLDER}/*.safetensors)",
                              code="model_not_speech")
-    try:
-        if kind == "transcription":
-            from mlx_audio.stt import load
-
-            model = load(folder, model_type=family)
-        else:
-            from mlx_audio.tts import load
-
-            model = load(folder, model_type=family)
-        if kind == "transcription":
-            model.get_tokenizer()  # Whisper's tokenizer files: mlx-audio only warns without them
-    except Exception as exc:  # mlx-audio raises ValueError/KeyError/FileNotFoundError...
-        raise ModelLoadError(f"cannot load speech model {display!r} from {folder}: {exc}") from exc
+    model = _mlx_audio_model(display, folder, family)
     if mx.default_device() == mx.cpu:
         model.set_dtype(mx.float32)  # floating parameters only
         if hasattr(model, "dtype"):  # Whisper casts its inputs to this
@@ -138,3 +125,36 @@ def load_speech(display: str, folder: Path) -> SpeechModel:
     rate = INPUT_RATE if kind == "transcription" else int(model.sample_rate)
     config = json.loads((folder / "config.json").read_text())
     return SpeechModel(display, kind, family, folder, config, model, weight_bytes, rate, voices)
+
+
+def _loadable_family(display: str, folder: Path) -> str:
+    """The family of the speech model in `folder`, once it can load here; raises
+    ModelLoadError (not a speech model, the voice extra missing, too big for memory)."""
+    family = speech_family(folder)
+    if family is None:
+        raise ModelLoadError(f"{display} is not a speech model mlxchat serves (families: "
+                             f"{', '.join(FAMILIES)})", code="model_not_speech")
+    why = missing_packages()
+    if why:
+        raise ModelLoadError(why, code="voice_extra_missing")
+    why = shortfall(display, weight_files_bytes(folder.glob("*")))
+    if why:
+        raise ModelLoadError(f"not loading: {why}", code="insufficient_memory")
+    return family
+
+
+def _mlx_audio_model(display: str, folder: Path, family: str) -> Any:
+    """mlx-audio's model for `folder`; raises ModelLoadError."""
+    try:
+        if FAMILIES[family] == "transcription":
+            from mlx_audio.stt import load
+
+            model = load(folder, model_type=family)
+            model.get_tokenizer()  # Whisper's tokenizer files: mlx-audio only warns without them
+        else:
+            from mlx_audio.tts import load
+
+            model = load(folder, model_type=family)
+    except Exception as exc:  # mlx-audio raises ValueError/KeyError/FileNotFoundError...
+        raise ModelLoadError(f"cannot load speech model {display!r} from {folder}: {exc}") from exc
+    return model
