@@ -17,7 +17,7 @@ import webbrowser
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import uvicorn
 from starlette.applications import Starlette
@@ -29,23 +29,26 @@ from starlette.staticfiles import StaticFiles
 import static
 from engine import DEFAULT_KEEP_ALIVE_S, Cluster, Engine, data_dir, describe_device
 
-from . import api, attachments, exports, image_uploads, login, ui, uploads
+from . import api, metrics
 from .api import audio, images
 from .api.errors import http_error
-from .connections import HeaderTimeoutProtocol
 from .doc_index.store import ChunkStore
-from .folder_lock import FolderBusy, FolderLock
-from .model_switch import ModelSwitch
-from .key_access import KeyAccess
 from .mcp.config import FILE_NAME as MCP_FILE
 from .mcp.servers import McpServers
 from .runs import Runs
-from .security import (LOOPBACK_NAMES, ApiKeyGuard, BodyLimit, HostGuard, OriginGuard,
-                       SecurityHeaders, is_loopback)
-from .socket_limits import WS_MAX_BYTES
+from .security.api_key import ApiKeyGuard
+from .security.guards import (LOOPBACK_NAMES, BodyLimit, HostGuard, OriginGuard, SecurityHeaders,
+                              is_loopback)
+from .security.header_timeout import HeaderTimeoutProtocol
+from .security.key_access import KeyAccess
+from .security.socket_limits import WS_MAX_BYTES
+from .state import AppState
 from .storage import Storage
-from .upload_store import UploadStore
-from .ui.conversation_pages import Conversations
+from .storage.folder_lock import FolderBusy, FolderLock
+from .ui import routes as ui_routes
+from .ui import uploads
+from .uploads.reading import READERS
+from .uploads.store import UploadStore
 
 STATIC_DIR = Path(static.__file__).parent
 WILDCARD_HOSTS = ("0.0.0.0", "::")
@@ -60,20 +63,22 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
                api_key: str | None = None, storage: Storage | None = None,
                aliases: dict[str, str] | None = None,
                allowed_origins: Iterable[str] = (), mcp_edit: bool = True,
-               document_embeddings: str | None = None) -> Starlette:
+               document_embeddings: str | None = None, cluster: Cluster | None = None) -> Starlette:
     """The whole app around a started `engine`. `allowed_hosts=None` accepts any Host header.
     `aliases`: model names clients send (`claude-*`) and the local model each stands for.
     `allowed_origins`: browser origins (patterns) that may call the APIs (`--allow-origin`).
     `mcp_edit`: whether the page may add MCP servers (run commands): only on 127.0.0.1 without
     `--allow-remote`. mcp.json lives beside the database.
-    `document_embeddings`: the embedding model that indexes uploaded documents besides BM25."""
+    `document_embeddings`: the embedding model that indexes uploaded documents besides BM25.
+    `cluster`: the cluster of a sharded model, served as its rank 0.
+    The app's `state` is an `AppState` (app/state.py)."""
     storage = storage or Storage(db_path)
     mcp = McpServers(storage.path.parent / MCP_FILE)
     storage.interrupt_streaming()  # answers cut off by a crash: keep their text, mark them
     access = KeyAccess(api_key)
+    counts = metrics.Metrics(engine)  # this app's Prometheus registry (GET /metrics)
     app = Starlette(
-        routes=[*api.routes, *login.routes, *ui.routes, *exports.routes, *attachments.routes,
-                *uploads.routes, *image_uploads.routes,
+        routes=[*api.routes, *ui_routes.routes,
                 Mount("/static", StaticFiles(directory=STATIC_DIR))],
         lifespan=mcp.lifespan,
         exception_handlers={HTTPException: http_error},
@@ -81,6 +86,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
         middleware=[
             Middleware(HostGuard, allowed_hosts=allowed_hosts),  # DNS rebinding: 400
             Middleware(OriginGuard, allowed_origins=allowed_origins),  # cross-site writes: 403
+            Middleware(metrics.CountRequests, metrics=counts),  # API requests by protocol, outcome
             Middleware(ApiKeyGuard, access=access),  # with --api-key, all but /health: 401
             # oversized bodies 413, slow ones 408, before the app reads (uploads bound their own)
             Middleware(BodyLimit, streamed=uploads.is_upload_path,
@@ -88,23 +94,15 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
             Middleware(SecurityHeaders),  # CSP, nosniff, no framing, no referrer to other sites
         ],
     )
-    app.state.engine = engine
-    app.state.storage = storage
-    app.state.api_key = api_key
-    app.state.aliases = dict(aliases or {})
-    app.state.access = access
-    app.state.runs = Runs()
-    app.state.conversations = Conversations()
-    app.state.switch = ModelSwitch()
-    app.state.mcp = mcp
-    app.state.mcp_edit = mcp_edit
-    app.state.uploads = UploadStore(storage)
-    app.state.uploads.interrupted()  # files a stopped server was reading: refused, attach again
-    app.state.uploads.sweep()
-    app.state.chunks = ChunkStore(storage)
-    app.state.reading = set()  # uploads being read (their tasks)
-    app.state.readers = ThreadPoolExecutor(uploads.READERS, thread_name_prefix="upload-reader")
-    app.state.document_embeddings = document_embeddings
+    upload_store = UploadStore(storage)
+    upload_store.interrupted()  # files a stopped server was reading: refused, attach again
+    upload_store.sweep()
+    app.state = AppState(
+        engine=engine, storage=storage, access=access, mcp=mcp, uploads=upload_store,
+        chunks=ChunkStore(storage),
+        readers=ThreadPoolExecutor(READERS, thread_name_prefix="upload-reader"),
+        metrics=counts, aliases=dict(aliases or {}), mcp_edit=mcp_edit,
+        document_embeddings=document_embeddings, cluster=cluster)
     return app
 
 
@@ -124,7 +122,7 @@ class _Server(uvicorn.Server):
     uvicorn's own handling, the signal is not raised again afterwards, so `serve()` gets to stop
     the engine and close the database."""
 
-    def __init__(self, config: uvicorn.Config, runs: Runs, on_started: Any):
+    def __init__(self, config: uvicorn.Config, runs: Runs, on_started: Callable[[], None]):
         super().__init__(config)
         self.runs = runs
         self.on_started = on_started
@@ -265,8 +263,7 @@ def _run(sock: socket.socket, host: str, port: int, model: str | None, open_brow
             loaded = True
             allowed = None if host in WILDCARD_HOSTS else {*LOOPBACK_NAMES, host, *extra_hosts}
             app = create_app(engine, allowed_hosts=allowed, api_key=api_key, storage=storage,
-                             **app_options)
-            app.state.cluster = cluster
+                             cluster=cluster, **app_options)
             shown = "127.0.0.1" if host in WILDCARD_HOSTS else host
             url = f"http://{f'[{shown}]' if ':' in shown else shown}:{port}/"
 

@@ -39,7 +39,7 @@ def _app(engine, folder: Path) -> SimpleNamespace:
     """What the app's document code reads of `app.state`, on a fresh database in `folder`."""
     from app.doc_index.store import ChunkStore
     from app.storage import Storage
-    from app.upload_store import UploadStore
+    from app.uploads.store import UploadStore
 
     storage = Storage(folder / "db.sqlite")
     return SimpleNamespace(state=SimpleNamespace(
@@ -48,7 +48,7 @@ def _app(engine, folder: Path) -> SimpleNamespace:
 
 
 def _attach(app: SimpleNamespace, cid: int, name: str, raw: bytes):
-    from app.upload_kinds import HEAD_BYTES, kind_of
+    from app.uploads.kinds import HEAD_BYTES, kind_of
 
     store = app.state.uploads
     store.folder.mkdir(parents=True, exist_ok=True)
@@ -59,7 +59,7 @@ def _attach(app: SimpleNamespace, cid: int, name: str, raw: bytes):
 
 def indexing(engine, folder: Path, pages: int, reps: int) -> dict:
     """Pages per second through `read_file` (a fresh database each run)."""
-    from app.uploads import read_file
+    from app.uploads.reading import read_file
 
     raw, times = report_pdf(pages), []
     for i in range(reps):
@@ -67,7 +67,7 @@ def indexing(engine, folder: Path, pages: int, reps: int) -> dict:
         cid = app.state.storage.create_conversation().id
         up = _attach(app, cid, "report.pdf", raw)
         t = time.perf_counter()
-        read_file(app, up)
+        read_file(app.state, up)
         times.append(time.perf_counter() - t)
         assert app.state.uploads.get(up.id).status == "ready"
         app.state.storage.close()
@@ -129,14 +129,14 @@ async def _first_token(engine, messages) -> None:
 def ttft(engine, folder: Path, reps: int) -> dict:
     """TTFT of QUESTION over the 300-page PDF against without documents."""
     from app.ui.prompt import engine_messages, prompt_with_documents
-    from app.uploads import read_file
+    from app.uploads.reading import read_file
     from engine import count_tokens
 
     app = _app(engine, folder / "ttft")
     storage = app.state.storage
     cid = storage.create_conversation().id
     up = _attach(app, cid, "report.pdf", report_pdf(300))
-    read_file(app, up)
+    read_file(app.state, up)
     ref = app.state.uploads.get(up.id).reference()
     with_docs, without, prompt_tokens = [], [], {}
     for i in range(reps):

@@ -5,6 +5,15 @@ request, in one process (ours and mlx-lm interleaved, the same model object, the
                              [--gen 128] [--ctx 4000] [--out FILE]
 
 Parts:
+  llamacpp llama.cpp's CUDA build (bench/setup-llamacpp cuda) on a random llama of the 8B shape's
+          sizes as F16, Q8_0 and Q4_0: decode of --gen tokens and a --llama-prompt-token prompt
+          (llama-bench, --reps reps), N streams (llama-batched-bench, --streams); with `step`, a
+          row per shape puts our decode rate beside llama.cpp's type (bf16 F16, 8-bit Q8_0, 4-bit
+          Q4_0), raw and scaled by the bytes each reads per token (bench/llama_cuda.py).
+  kernels per shape, each fused CUDA kernel of the one-token step (engine/kernels/fused_cuda.py)
+          against its reference in MLX ops (engine/kernels/fused_ref.py): largest difference over
+          the reference's largest value; the products' weight-read rate over all layers (GB/s, ours
+          and MLX's quantized_matmul / matmul, interleaved, median of 10).
   bw      the device's read bandwidth: a sum over a `--bw-gb` bf16 matrix and a matrix x vector
           product with it (bytes read / s), and a copy of it (bytes read + written / s); median and
           best of 10. The larger of the two read medians is the bandwidth the fractions use.
@@ -30,6 +39,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import io
+import json
 import statistics
 import sys
 import time
@@ -131,16 +141,26 @@ def part_step(lm, shape: str, a, bw: float | None) -> list[common.Row]:
 
     prompt = prompt_ids(64, vocab_size(shape), seed=1)
     n = a.gen
+    program = getattr(lm.model, "decode_program", None)
+    gate = decode_gate(lm.model, prompt) if program is not None else {"program": False}
+    print(f"{shape}: decode program gate {gate}", flush=True)
     svc = common.EngineService(lm, max_running=1, prefix_cache=False)
     with common.mlx_lm_paths(lm) as base_model:
+        fns = {
+            "service": lambda: svc.stream(prompt, n),
+            "direct": lambda: common.engine_direct(lm, Prompt(list(prompt), [len(prompt)]), n),
+            "mlx": lambda: common.mlx_lm_stream(lm, prompt, n),
+            "ours_step": lambda: {"ms": step_ms(lm.model, prompt)},
+            "mlx_step": lambda: {"ms": step_ms(base_model, prompt)},
+        }
+        if program is not None and program.enabled:
+            fns["service_off"] = lambda: program_off(program, lambda: svc.stream(prompt, n))
+            fns["off_step"] = lambda: program_off(program, lambda: {"ms": step_ms(lm.model, prompt)})
+            fns["profile"] = lambda: step_profile(lm.model, prompt)
+            fns["profile_off"] = lambda: program_off(program, lambda: step_profile(lm.model, prompt))
+        fns["profile_mlx"] = lambda: step_profile(base_model, prompt)
         try:
-            runs = common.interleave({
-                "service": lambda: svc.stream(prompt, n),
-                "direct": lambda: common.engine_direct(lm, Prompt(list(prompt), [len(prompt)]), n),
-                "mlx": lambda: common.mlx_lm_stream(lm, prompt, n),
-                "ours_step": lambda: {"ms": step_ms(lm.model, prompt)},
-                "mlx_step": lambda: {"ms": step_ms(base_model, prompt)},
-            }, a.reps, warmup=True)
+            runs = common.interleave(fns, a.reps, warmup=True)
         finally:
             svc.close()
         from mlx_lm.models.cache import make_prompt_cache
@@ -150,12 +170,18 @@ def part_step(lm, shape: str, a, bw: float | None) -> list[common.Row]:
         for side, model in (("ours", lm.model), ("mlx", base_model)):
             cache = make_prompt_cache(model)
             mx.eval(model(mx.array([prompt], dtype=mx.uint32), cache=cache))
-            ops[side] = graph_ops(model, cache, prompt[-1])
+            try:
+                ops[side] = graph_ops(model, cache, prompt[-1])
+            except Exception as exc:  # a figure to read, not to fail the part on
+                ops[side] = {"total": -1, "error": f"{type(exc).__name__}: {exc}"}
         per_token = bytes_per_token(base_model, len(prompt) + n // 2)
-    tps = {k: [r["tps"] for r in runs[k]] for k in ("service", "direct", "mlx")}
-    ms = {k: [r["ms"] for r in runs[k]] for k in ("ours_step", "mlx_step")}
+    tps = {k: [r["tps"] for r in runs[k]] for k in ("service", "direct", "mlx", "service_off") if k in runs}
+    ms = {k: [r["ms"] for r in runs[k]] for k in ("ours_step", "mlx_step", "off_step") if k in runs}
     frac = {k: [t * per_token / bw for t in v] for k, v in tps.items()} if bw else {}
-    extra = {"tps": tps, "step_ms": ms, "graph_ops": ops, "bytes_per_token": per_token,
+    profiles = {k: {p: common.median([r[p] for r in runs[k]]) for p in runs[k][0]}
+                for k in ("profile", "profile_off", "profile_mlx") if k in runs}
+    extra = {"tps": tps, "step_ms": ms, "graph_ops": ops, "bytes_per_token": per_token, "gate": gate,
+             "profile_ms": profiles,
              "bandwidth_fraction": frac,
              "same_tokens_as_mlx_lm": common.same_prefix(runs["service"][0]["tokens"], runs["mlx"][0]["tokens"])}
     med = {k: common.median(v) for k, v in tps.items()}
@@ -165,13 +191,268 @@ def part_step(lm, shape: str, a, bw: float | None) -> list[common.Row]:
                        f"median of {a.reps} ({common.spread(tps['service'])}; best {best['service']:.0f} vs "
                        f"{best['mlx']:.0f}); in this thread {med['direct']:.0f}; "
                        f"step {common.median(ms['ours_step']):.2f} ms vs {common.median(ms['mlx_step']):.2f} ms; "
-                       f"graph ops/step {ops['ours']['total']} vs {ops['mlx']['total']}", extra)]
+                       f"graph ops/step {ops['ours']['total']} vs {ops['mlx']['total']}"
+                       + (f"; program off {med['service_off']:.0f} tok/s, step "
+                          f"{common.median(ms['off_step']):.2f} ms" if "service_off" in med else "")
+                       + "; step ms build/host/device: " + "; ".join(
+                           f"{k} " + "/".join(f"{v:.2f}" for v in p.values()) for k, p in profiles.items()), extra)]
     if bw:
         rows.append(common.Row("gpu_step", shape, "fraction of read bandwidth (service)", "",
                                common.median(frac["service"]), common.median(frac["mlx"]), "mlx-lm", "",
                                f"{per_token / 1e9:.2f} GB/token at {bw / 1e12:.2f} TB/s; best "
                                f"{max(frac['service']):.2f} vs {max(frac['mlx']):.2f}"))
     return rows
+
+
+def program_off(program, fn):
+    """`fn()` with the model's compiled decode step turned off (its own forward instead)."""
+    program.enabled = False
+    try:
+        return fn()
+    finally:
+        program.enabled = True
+
+
+def decode_gate(model, prompt, steps: int = 8) -> dict[str, Any]:
+    """The compiled decode step's logits against the model's own forward over `steps` greedy
+    tokens from `prompt` (each side its own cache, fed the same tokens): the largest difference
+    over the largest logit, and the greedy tokens they agree on. Turns the step off (for this
+    process) when they part by more than the model's dtype explains (5%)."""
+    program = model.decode_program
+    try:
+        return _gate(model, program, prompt, steps)
+    except Exception as exc:  # a kernel that does not compile or run: the model's own forward
+        program.enabled = False
+        return {"program": True, "error": f"{type(exc).__name__}: {exc}"[:2000], "kept": False}
+
+
+def _gate(model, program, prompt, steps: int) -> dict[str, Any]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = make_prompt_cache(model), make_prompt_cache(model)
+    x = mx.array([list(prompt)], dtype=mx.uint32)
+    model(x, cache=caches[0])
+    program_off(program, lambda: model(x, cache=caches[1]))
+    token, worst, same = prompt[-1], 0.0, 0
+    for _ in range(steps):
+        y = mx.array([[token]], dtype=mx.uint32)
+        a = model(y, cache=caches[0]).astype(mx.float32)
+        b = program_off(program, lambda: model(y, cache=caches[1])).astype(mx.float32)
+        worst = max(worst, (mx.abs(a - b).max() / mx.abs(b).max()).item())
+        same += int(mx.argmax(a).item() == mx.argmax(b).item())
+        token = int(mx.argmax(b).item())
+    ok = worst < 0.05
+    program.enabled = ok
+    return {"program": True, "rel_diff": worst, "same_argmax": f"{same}/{steps}", "kept": ok}
+
+
+def _rel(ours, ref) -> dict[str, float]:
+    import mlx.core as mx
+
+    d = mx.abs(ours.astype(mx.float32) - ref.astype(mx.float32)).max().item()
+    s = mx.abs(ref.astype(mx.float32)).max().item()
+    return {"max_diff": d, "ref_scale": s, "rel": d / max(s, 1e-30)}
+
+
+def part_kernels(lm, shape: str, a) -> list[common.Row]:
+    """Each fused CUDA kernel against its MLX reference on this shape's own weights."""
+    program = getattr(lm.model, "decode_program", None)
+    if program is None:
+        return [common.failed("kernels", shape, "the model has no decode program")]
+    try:
+        return _kernels(program, shape, a.sweep)
+    except Exception as exc:
+        import traceback
+
+        traceback.print_exc()
+        return [common.failed("kernels", shape, f"{type(exc).__name__}: {exc}"[:3000])]
+
+
+def _sweep(layers, products, shape: str, rnd) -> list[common.Row]:
+    """The matvec kernel's weight-read rate over all layers at each (rows per warp, words loaded
+    before computing), against the launch floor of as many trivial kernels."""
+    import mlx.core as mx
+
+    from engine.kernels import fused_cuda as C
+
+    floor_kernel = mx.fast.cuda_kernel(name="mlxchat_floor", input_names=["x"], output_names=["y"],
+                                       source="y[0] = x[0];")
+    one = mx.zeros((1,), dtype=mx.float32)
+    floor = _timed_eval(lambda: [floor_kernel(inputs=[one], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                                              output_shapes=[(1,)], output_dtypes=[mx.float32])[0]
+                                 for _ in layers])
+    out, rows = {}, []
+    for label, (attr, ep, norm) in products.items():
+        p0 = getattr(layers[0], attr)
+        x = rnd(1, 1, p0.inputs)
+        res = rnd(1, 1, p0.w.shape[0]) if ep == 1 else None
+        nbytes = sum(sum(t.nbytes for t in (getattr(lay, attr).w, getattr(lay, attr).scales, getattr(lay, attr).biases)
+                         if t is not None) for lay in layers)
+        for r in (1, 2, 4):
+            for u in (4, 8):
+                def run(r=r, u=u):
+                    return [C.matvec(x, q.w, q.scales, q.biases, q.bits, q.group_size, ep, res,
+                                     (getattr(lay, norm), lay.eps_in) if norm else None, rows=r, unroll=u)
+                            for lay in layers for q in (getattr(lay, attr),)]
+                t = _timed_eval(run, reps=5)
+                out[f"{label} R{r} U{u}"] = {"gbps": nbytes / t / 1e9, "gbps_less_floor": nbytes / max(t - floor, 1e-9) / 1e9}
+        best = max((k for k in out if k.startswith(label)), key=lambda k: out[k]["gbps"])
+        rows.append(common.Row("kernels", shape, f"{label}: best of the sweep ({best})", "GB/s", out[best]["gbps"],
+                               None, "", "", f"less the launch floor ({floor * 1e3:.3f} ms for {len(layers)}): "
+                               f"{out[best]['gbps_less_floor']:.0f} GB/s", out))
+    return rows
+
+
+def _kernels(program, shape: str, sweep: bool = False) -> list[common.Row]:
+    import mlx.core as mx
+
+    from engine.kernels import fused_cuda as C
+    from engine.kernels import fused_ref as R
+
+    layers, layer = program.layers, program.layers[0]
+    dt = layer.norm_in.dtype
+    mx.random.seed(7)
+    rnd = lambda *s: mx.random.normal(s).astype(dt)  # noqa: E731
+    checks: dict[str, Any] = {}
+    rows: list[common.Row] = []
+    # (layer attribute, epilogue, fused norm's weight attribute)
+    products = {"norm+qkv": ("qkv", 0, "norm_in"), "o+residual": ("o", 1, None),
+                "norm+gate_up+swiglu": ("gate_up", 2, "norm_post"), "down+residual": ("down", 1, None)}
+    for label, (attr, ep, norm) in products.items():
+        p = getattr(layer, attr)
+        x = rnd(1, 1, p.inputs)
+        res = rnd(1, 1, p.w.shape[0]) if ep == 1 else None
+        nrm = lambda lay: (getattr(lay, norm), lay.eps_in) if norm else None  # noqa: E731
+        checks[label] = _rel(p(C, x, ep, res, nrm(layer)), p(R, x, ep, res, nrm(layer)))
+        nbytes = sum(sum(t.nbytes for t in (getattr(lay, attr).w, getattr(lay, attr).scales, getattr(lay, attr).biases)
+                         if t is not None) for lay in layers)
+        # each side's graph built before the clock starts: the eval of 36 products (host recording and GPU)
+        t_ours = _timed_eval(lambda: [getattr(lay, attr)(C, x, ep, res, nrm(lay)) for lay in layers])
+        t_ref = _timed_eval(lambda: [getattr(lay, attr)(R, x, ep, res, nrm(lay)) for lay in layers])
+        checks[label].update(gbps_ours=nbytes / t_ours / 1e9, gbps_mlx=nbytes / t_ref / 1e9)
+        rows.append(common.Row("kernels", shape, f"{label}: weight read, {len(layers)} layers", "GB/s",
+                               nbytes / t_ours / 1e9, nbytes / t_ref / 1e9, "MLX ops (rms_norm, (quantized_)matmul, ...)",
+                               ">= 1.0", f"max diff / ref scale {checks[label]['rel']:.2e}", checks[label]))
+    if sweep:
+        rows.extend(_sweep(layers, products, shape, rnd))
+    head, final = program.head, (program.norm, program.eps)
+    x = rnd(1, 1, head.inputs)
+    checks["norm+head"] = _rel(head(C, x, norm=final), head(R, x, norm=final))
+    hb = sum(t.nbytes for t in (head.w, head.scales, head.biases) if t is not None)
+    t_ours, t_ref = _timed_eval(lambda: [head(C, x, norm=final)]), _timed_eval(lambda: [head(R, x, norm=final)])
+    rows.append(common.Row("kernels", shape, "norm+head: weight read", "GB/s", hb / t_ours / 1e9, hb / t_ref / 1e9,
+                           "MLX ops", ">= 1.0", f"max diff / ref scale {checks['norm+head']['rel']:.2e}",
+                           checks["norm+head"]))
+    # the attention kernel at several positions: buffers whose rows past the position hold large
+    # values (masked), the new key and value written in place, nothing else in the buffers changed
+    cap = 2048
+    kvshape = (1, layer.kv_heads, cap, layer.head_dim)
+    keys, values = rnd(*kvshape), rnd(*kvshape)
+    keys = mx.where((mx.arange(cap) > 1500)[None, None, :, None], mx.array(1e4, dt), keys)
+    mx.eval(keys, values)
+    qkv = rnd(1, 1, layer.qkv.w.shape[0])
+    worst: dict[int, Any] = {}
+    for at in (0, 5, 255, 256, 1000, 1500):
+        pos = mx.array([at], dtype=mx.int32)
+        kc, vc = keys + 0, values + 0
+        mx.eval(kc, vc)
+        o_ours, kc, vc = C.attention(layer, qkv, pos, kc, vc)
+        mx.eval(o_ours)
+        o_ref, kr, vr = R.attention(layer, qkv, pos, keys, values)
+        worst[at] = {"out": _rel(o_ours, o_ref)["rel"], "keys": _rel(kc, kr)["rel"], "values": _rel(vc, vr)["rel"]}
+    checks["attention"] = worst
+    t_ours = _timed_eval(lambda: [C.attention(lay, qkv, pos, keys, values)[0] for lay in layers])
+    t_ref = _timed_eval(lambda: [R.attention(lay, qkv, pos, keys, values)[0] for lay in layers])
+    rows.append(common.Row("kernels", shape, f"attention at {at}, {len(layers)} layers", "ms", t_ours * 1e3,
+                           t_ref * 1e3, "MLX ops (norms, RoPE, slice updates, SDPA)", "<= 1.0", json.dumps(worst)))
+    ok = (all(c["rel"] < 2e-2 for k, c in checks.items() if k != "attention")
+          and all(v < 2e-2 for w in worst.values() for v in w.values()))
+    rows.append(common.Row("kernels", shape, "all kernels within 2% of the reference", "", float(ok), 1.0, "", "",
+                           "", checks))
+    return rows
+
+
+def _timed_eval(build, reps: int = 10) -> float:
+    """Median seconds of evaluating the graph `build()` makes, built before the clock starts."""
+    import mlx.core as mx
+
+    mx.eval(build())
+    out = []
+    for _ in range(reps):
+        ys = build()
+        mx.synchronize()
+        t = time.perf_counter()
+        mx.eval(ys)
+        mx.synchronize()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def step_profile(model, prompt, steps: int = 32) -> dict[str, float]:
+    """Where a synchronous one-token step's time goes (ms, medians): building its graph (Python),
+    evaluating it up to the host's return (`mx.async_eval`: recording and launching), and waiting
+    for the device after that."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([list(prompt)], dtype=mx.uint32), cache=cache))
+    y = mx.array([[int(prompt[-1])]], dtype=mx.uint32)
+    parts: dict[str, list[float]] = {"build": [], "host_eval": [], "device_wait": []}
+    for i in range(steps + 4):
+        t0 = time.perf_counter()
+        logits = model(y, cache=cache)
+        t1 = time.perf_counter()
+        mx.async_eval(logits)
+        t2 = time.perf_counter()
+        mx.synchronize()
+        t3 = time.perf_counter()
+        if i >= 4:
+            for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
+                parts[k].append(v * 1e3)
+    return {k: statistics.median(v) for k, v in parts.items()}
+
+
+def part_llamacpp(a) -> tuple[dict[str, Any], list[common.Row]]:
+    """llama.cpp's CUDA build on the 8B shape's sizes (bench/llama_cuda.py)."""
+    from . import llama_cuda
+    from .shapes import SHAPES
+
+    got = llama_cuda.measure(SHAPES["qwen3-8b"].config, Path(a.llama_work), gen=a.gen,
+                             prompt=a.llama_prompt, reps=a.reps, streams=a.streams)
+    rows = []
+    for kind, v in got["types"].items():
+        dec = v.get("decode_tps", [])
+        pre = v.get("prompt_tps", [])
+        rows.append(common.Row("llama.cpp", kind, f"decode tg{a.gen} (llama-bench)", "tok/s", common.median(dec), None,
+                               "", "", f"{len(dec)} reps ({common.spread(dec)}); prompt {a.llama_prompt}: "
+                               f"{common.median(pre) or 0:.0f} tok/s; file {v['bytes'] / 1e9:.2f} GB", v))
+    for kind, b in got["batched"].items():
+        rows.append(common.Row("llama.cpp", kind, "streams (llama-batched-bench)", "tok/s", None, None, "", "",
+                               "; ".join(f"{r['streams']}: {r['gen_tps']:.0f}" for r in b), {"rows": b}))
+    return got, rows
+
+
+def against_llamacpp(llama: dict[str, Any], step_rows: list[common.Row]) -> list[common.Row]:
+    """Our batch-1 decode (service, median) beside llama.cpp's same-precision type: raw, and ours
+    scaled by bytes per token (ours / theirs) where the files' sizes differ."""
+    from .llama_cuda import TYPES
+
+    out = []
+    for kind, shape in TYPES.items():
+        ours = next((r for r in step_rows if r.shape == shape and r.metric.startswith("decode batch 1")), None)
+        theirs = llama["types"].get(kind, {})
+        if ours is None or not theirs.get("decode_tps"):
+            continue
+        t = common.median(theirs["decode_tps"])
+        per_token = ours.extra.get("bytes_per_token") or 0
+        ratio_bytes = per_token / theirs["bytes"] if theirs.get("bytes") else 1.0
+        out.append(common.Row("vs llama.cpp", shape, f"decode batch 1 vs {kind}", "tok/s", ours.ours, t,
+                              f"llama.cpp CUDA {kind}", ">= 1.0",
+                              f"bytes-scaled ratio {ours.ours * ratio_bytes / t:.2f} (ours {per_token / 1e9:.2f} GB/token, "
+                              f"theirs {theirs['bytes'] / 1e9:.2f} GB)"))
+    return out
 
 
 def _kv_bytes(cache) -> int:
@@ -344,6 +625,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=4000)
     ap.add_argument("--bw-gb", type=float, default=4.0)
     ap.add_argument("--chunks", default="2048,1024", help="other prefill chunks to measure ours at")
+    ap.add_argument("--sweep", action="store_true", help="kernels: each product at rows/unroll variants")
+    ap.add_argument("--llama-prompt", type=int, default=4096, help="llama-bench's prompt length")
+    ap.add_argument("--llama-work", default="/tmp/llamacpp-gguf", help="where the GGUF files are written")
+    ap.add_argument("--streams", default="1,8,32", help="llama-batched-bench's stream counts")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
@@ -353,7 +638,7 @@ def main(argv=None) -> int:
     parts = a.parts.split(",")
     meta = common.run_meta(["python", "-m", "bench.gpu_step"] + list(argv if argv is not None else sys.argv[1:]))
     meta["settings"] = vars(a)
-    meta["env"] = {k: v for k, v in __import__("os").environ.items() if k.startswith(("MLX_", "MLXCHAT_CUDA_QMV"))}
+    meta["env"] = {k: v for k, v in __import__("os").environ.items() if k.startswith(("MLX_", "MLXCHAT_CUDA"))}
     stamp = dt.datetime.now().strftime("%Y-%m-%dT%H%M%S")
     out = Path(a.out) if a.out else common.RESULTS_DIR / f"{meta['device']['backend']}-{stamp}-gpu-step.json"
     rows: list[common.Row] = []
@@ -365,6 +650,16 @@ def main(argv=None) -> int:
         print(f"read {b['read']['median'] / 1e12:.2f} TB/s (best {b['read']['best'] / 1e12:.2f}); gemv "
               f"{b['gemv']['median'] / 1e12:.2f} (best {b['gemv']['best'] / 1e12:.2f}); copy "
               f"{b['copy']['median'] / 1e12:.2f} TB/s", flush=True)
+    llama = None
+    if "llamacpp" in parts:
+        try:
+            llama, got = part_llamacpp(a)
+            more["llamacpp"] = llama
+        except Exception as exc:
+            got = [common.failed("llamacpp", "-", f"{type(exc).__name__}: {exc}")]
+        rows.extend(got)
+        common.print_table(got)
+        common.write_json(out, meta, rows, **more)
     shapes = a.shapes.split(",") if a.shapes else []
     if "demo" in parts and a.demo_shape not in shapes:
         shapes.append(a.demo_shape)
@@ -374,12 +669,13 @@ def main(argv=None) -> int:
         except Exception as exc:
             rows.append(common.failed("build", shape, f"{type(exc).__name__}: {exc}"))
             continue
-        todo = [p for p in ("step", "memory") if p in parts and shape in a.shapes.split(",")]
+        todo = [p for p in ("kernels", "step", "memory") if p in parts and shape in a.shapes.split(",")]
         if "demo" in parts and shape == a.demo_shape:
             todo.append("demo")
         for p in todo:
             try:
-                got = {"step": lambda: part_step(lm, shape, a, bw), "memory": lambda: part_memory(lm, shape, a),
+                got = {"kernels": lambda: part_kernels(lm, shape, a),
+                       "step": lambda: part_step(lm, shape, a, bw), "memory": lambda: part_memory(lm, shape, a),
                        "demo": lambda: part_demo(lm, shape, a)}[p]()
             except Exception as exc:
                 import traceback
@@ -391,6 +687,8 @@ def main(argv=None) -> int:
             common.write_json(out, meta, rows, **more)
         lm = None  # freed before the next shape is built
         common.fresh_memory()
+    if llama is not None:
+        rows.extend(against_llamacpp(llama, rows))
     common.write_json(out, meta, rows, **more)
     print()
     common.print_table(rows, title="bench.gpu_step")

@@ -239,12 +239,16 @@ def ours_and_mlx_lm(shape: Shape, dtype: mx.Dtype | None, seed: int = 0) -> tupl
     """The model our engine runs and the extras of its `LoadedModel`: on a GPU ours takes the GPU
     layout (as load_model's fastest_layout gives it there) and mlx-lm keeps its own copy of the same
     weights, as `mlx_lm.load` gives them, under "mlx_lm_model" (see common.mlx_lm_paths)."""
+    from engine.kernels import decode_step
+    from engine.kernels.fastest import fastest_layout
     from engine.kernels.gpu_layout import to_gpu_layout
 
     model = build_module(shape, dtype, seed)
     if mx.default_device() != mx.gpu:
+        if decode_step.mode() == "ref":  # MLXCHAT_CUDA_DECODE=ref: the compiled step on MLX ops
+            decode_step.attach(to_gpu_layout(model))
         return model, {}
-    return to_gpu_layout(model), {"mlx_lm_model": build_module(shape, dtype, seed)}
+    return fastest_layout(model, shape.config), {"mlx_lm_model": build_module(shape, dtype, seed)}
 
 
 def build(name: str, dtype: mx.Dtype = mx.bfloat16, seed: int = 0):
@@ -375,6 +379,35 @@ def embedding_folder(config: dict[str, Any], seed: int = 0, root: Path | None = 
             (tmp / name).write_text(json.dumps(content, indent=2))
         publish(tmp, target)
     return target
+
+
+def fim_folder(config: dict[str, Any], family: str, seed: int = 0,
+               root: Path | None = None) -> Path:
+    """`build_folder` of `config` (the bundled tokenizer's vocabulary) with a FIM family's special
+    tokens (engine/loading/fim_tokens.py `FAMILIES`) added to its tokenizer, ids from the
+    vocabulary's end on: a code model's FIM tokens as the engine finds them in a real tokenizer."""
+    from engine.loading.fim_tokens import FAMILIES
+
+    spec = next(f for f in FAMILIES if f.name == family)
+    tokens = [t for t in (spec.prefix, spec.suffix, spec.middle, spec.repo, spec.file_sep,
+                          spec.end) if t is not None]
+    base = int(config["vocab_size"])
+    folder = build_folder({**config, "vocab_size": base + len(tokens)}, seed, root)
+    target = folder.with_name(f"{folder.name}-fim-{family}")
+    if (target / "model.safetensors").exists():
+        return target
+    tmp = scratch_for(target)
+    shutil.copytree(folder, tmp, dirs_exist_ok=True)
+    entry = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+             "special": True}
+    tok = json.loads((tmp / "tokenizer.json").read_text())
+    tok["added_tokens"] += [{"id": base + i, "content": t, **entry} for i, t in enumerate(tokens)]
+    (tmp / "tokenizer.json").write_text(json.dumps(tok))
+    cfg = json.loads((tmp / "tokenizer_config.json").read_text())
+    cfg.get("added_tokens_decoder", {}).update(
+        {str(base + i): {"content": t, **entry} for i, t in enumerate(tokens)})
+    (tmp / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return publish(tmp, target)
 
 
 def vocab_size(name: str) -> int:

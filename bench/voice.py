@@ -150,7 +150,7 @@ def espeak(text: str, folder: Path) -> bytes:
 
 
 def wer_rows() -> list[Row]:
-    from app.audio_codec import decode
+    from app.api.audio_codec import decode
     from engine import SPEECH_INPUT_RATE, SPEECH_SUGGESTED, list_models
     from engine.decoding.speech import transcribe
     from engine.loading.registry import resolve

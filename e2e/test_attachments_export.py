@@ -43,7 +43,7 @@ def test_attach_a_file_see_its_tokens_send_and_the_answer_streams(page: Page, se
     storage = Storage(server.home / "data" / "mlxchat.db")
     try:
         first = storage.active_path(cid)[0]
-        # The message refers to the upload; its text stays with the file (app/uploads.py).
+        # The message refers to the upload; its text stays with the file (app/ui/uploads.py).
         assert [(a["name"], a["tokens"], "text" in a) for a in first.attachments] == [("list.md", tokens, False)]
         assert storage.active_path(cid)[1].prompt_tokens > tokens
     finally:

@@ -4,7 +4,7 @@ works (before, the server closed the socket under it and the page's chat stayed 
 
 from playwright.sync_api import Page, expect
 
-from app.socket_limits import WS_MAX_BYTES
+from app.security.socket_limits import WS_MAX_BYTES
 from chat_page import last, new_chat, send, wait_answer
 
 

@@ -7,6 +7,7 @@ This is the engine's whole public face; the app imports nothing else from it (a 
     async for event in handle.stream(): ...      # or `for event in handle.events()` in a thread
 """
 
+from .decoding.chat import ROLES as MESSAGE_ROLES
 from .decoding.defaults import DEFAULTABLE, SOURCES as DEFAULT_SOURCES, Default, ModelDefaults
 from .decoding.drafts import DraftChoice, SpeculativeOptions
 from .decoding.sampling import PRESETS, SAMPLING_OPTIONS, SamplingOption, SamplingParams, preset
@@ -32,22 +33,27 @@ from .scheduling.requests import RequestHandle
 from .scheduling.speech import MAX_TEXT as SPEECH_MAX_TEXT, SpeechHandle, SpeechStream
 from .loading.speech import INPUT_RATE as SPEECH_INPUT_RATE, SUGGESTED as SPEECH_SUGGESTED
 from .decoding.speech import Segment as TranscriptSegment, Transcript, Word as TranscriptWord
+from .scheduling.rerank import Ranking, RerankHandle
+from .scheduling.stats import EngineStats, Histogram
 from .scheduling.service import Engine, EngineStatus
 from .scheduling.slot import ModelDescription
 from .decoding.generate import build_prompt as _build_prompt
 from .decoding.vision import ImageInput
+from .decoding.fim import Infill
 
 __all__ = [
     "Cluster", "DEFAULTABLE", "DEFAULT_KEEP_ALIVE_S", "DEFAULT_SOURCES", "DEVICES", "KERNELS_ENV",
-    "KV_BITS_ENV", "PRESETS",
+    "KV_BITS_ENV", "MESSAGE_ROLES", "PRESETS",
     "SAMPLING_OPTIONS",
     "EMBEDDING_MAX_INPUTS", "EmbeddingHandle", "Embeddings",
     "SPEECH_INPUT_RATE", "SPEECH_MAX_TEXT", "SPEECH_SUGGESTED", "SpeechHandle", "SpeechStream",
     "Transcript", "TranscriptSegment", "TranscriptWord",
     "Channel", "Default", "DownloadCancelled", "DownloadError", "DownloadProgress", "DraftChoice",
-    "Engine", "EngineError", "EngineStatus", "Event", "FinishReason", "InvalidRequest",
-    "ImageInput", "ModelDefaults", "ModelDescription", "ModelInfo", "ModelLoadError", "Overloaded",
-    "RequestHandle", "RequestState", "SamplingOption", "SamplingParams", "SpeculativeOptions",
+    "Engine", "EngineError", "EngineStats", "EngineStatus", "Event", "FinishReason", "Histogram",
+    "InvalidRequest",
+    "ImageInput", "Infill", "ModelDefaults", "ModelDescription", "ModelInfo", "ModelLoadError",
+    "Overloaded", "Ranking", "RequestHandle", "RequestState", "RerankHandle", "SamplingOption",
+    "SamplingParams", "SpeculativeOptions",
     "Timings", "TokenLogprob", "ToolCall", "ToolRequest", "TopLogprob", "UnsupportedArchitecture",
     "Usage",
     "EFFORT_BUDGETS", "cache_dir", "compute_path", "data_dir", "describe_device", "device_report",

@@ -99,7 +99,7 @@
   });
 
   // Each attached file is uploaded on its own (POST <form data-upload>?name=..., the file as the
-  // body), its chip showing the upload's progress; the server's chip (app/uploads.py) then takes its
+  // body), its chip showing the upload's progress; the server's chip (app/ui/uploads.py) then takes its
   // place and polls while the file is read.
   function uploadChip(file) {
     const chip = document.createElement("span");

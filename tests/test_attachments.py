@@ -12,7 +12,7 @@ import re
 import openai
 import pytest
 
-from app.documents import with_documents
+from app.uploads.documents import with_documents
 from live_server import engine_serving, new_conversation, openai_client, turn
 from tiny_models import tiny_llama
 from bench.document_corpus import pdf_file

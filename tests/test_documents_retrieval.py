@@ -14,7 +14,7 @@ import time
 import pytest
 
 from app.doc_index import answering
-from app.pdf_text import pdf_pages
+from app.uploads.pdf_text import pdf_pages
 from app.ui.prompt import prompt_with_documents
 from engine import count_tokens
 from live_server import engine_serving, new_conversation, turn
@@ -86,7 +86,7 @@ def test_the_prompt_never_exceeds_the_context(http, server, report):
     engine, chosen = server.app.state.engine, []
     for max_tokens in (64, CONTEXT // 2, CONTEXT - 200, CONTEXT - 100):  # the last: no chunk fits
         user = server.storage.add_message(cid, None, "user", QUESTION, attachments=[ref])
-        messages = prompt_with_documents(server.app, {}, [user], max_tokens)
+        messages = prompt_with_documents(server.app.state, {}, [user], max_tokens)
         assert count_tokens(engine, messages=messages) + max_tokens <= CONTEXT
         chosen.append(len(server.storage.get_message(user.id).retrieved))
     assert chosen == sorted(chosen, reverse=True) and chosen[0] > chosen[-1], chosen  # less room, fewer

@@ -123,7 +123,7 @@ def test_a_large_body_is_parsed_and_checked_in_full(server):
 
 
 def test_a_client_that_trickles_its_headers_is_disconnected(server):
-    from app.connections import HEADER_TIMEOUT_S
+    from app.security.header_timeout import HEADER_TIMEOUT_S
 
     with socket.create_connection(("127.0.0.1", server.port), timeout=HEADER_TIMEOUT_S * 3) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\n")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app.folder_lock import FolderLock
+from app.storage.folder_lock import FolderLock
 from app.storage import SCHEMA_VERSION, Storage
 from cli_runs import mlxchat, mlxchat_options, refusal
 
@@ -53,7 +53,7 @@ def test_port_in_use(tmp_path):
 def test_a_second_server_on_one_data_folder_names_the_first(tmp_path):
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from pathlib import Path; "
-         "from app.folder_lock import FolderLock; Path(sys.argv[1]).mkdir(parents=True); "
+         "from app.storage.folder_lock import FolderLock; Path(sys.argv[1]).mkdir(parents=True); "
          "FolderLock(Path(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(120)",
          str(tmp_path / "data")], cwd=REPO, stdout=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -8,7 +8,7 @@ import zlib
 import httpx
 import pytest
 
-from app import pdf_text
+from app.uploads import pdf_text
 from bench.document_corpus import pdf_file
 from live_server import tiny_serving
 from loop_probe import STALL_S, health_probe

@@ -8,7 +8,7 @@ import concurrent.futures
 import httpx
 import pytest
 
-from app.key_access import PER_CLIENT
+from app.security.key_access import PER_CLIENT
 from live_server import app_serving
 
 pytestmark = pytest.mark.fast

@@ -243,7 +243,7 @@ def test_the_panel_adds_servers_only_when_local_and_never_shows_secrets(server, 
 
 
 def test_tool_results_and_names_are_escaped_never_markup():
-    from app.markdown import render_tool_calls, render_tool_result
+    from app.ui.markdown import render_tool_calls, render_tool_result
 
     shown = render_tool_result('<img src=x onerror="alert(1)"><script>x()</script>', "c1",
                                {"tool": "<b>t</b>", "outcome": "<i>error</i>", "truncated": True})

@@ -172,7 +172,7 @@ def test_an_offline_pull_fails_with_one_clear_line(server, monkeypatch, tmp_path
 
 
 def test_allowed_origins_reach_the_apis_but_never_the_ui(tmp_path):
-    from app.security import LOOPBACK_NAMES
+    from app.security.guards import LOOPBACK_NAMES
 
     lm = tiny_llama()
     with engine_serving(tmp_path, lm, allowed_origins=("chrome-extension://*",),

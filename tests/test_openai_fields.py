@@ -150,11 +150,21 @@ def test_known_chat_fields_asking_for_more_are_named(client, field, value):
     assert f"'{field}'" in err.value.body["message"]
 
 
-@pytest.mark.parametrize("field, value", [("best_of", 2), ("echo", True), ("suffix", " the end")])
+@pytest.mark.parametrize("field, value", [("best_of", 2), ("echo", True)])
 def test_known_completion_fields_asking_for_more_are_named(client, field, value):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=1, extra_body={field: value})
     assert err.value.body["param"] == field and err.value.body["code"] == "unsupported_parameter"
+
+
+def test_a_suffix_is_refused_on_the_bundled_model_which_has_no_fim_tokens(client):
+    """Fill-in-the-middle needs a code model's FIM tokens (tests/test_fim.py); SmolLM2 has none."""
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="def f():", suffix="\n", max_tokens=1)
+    assert err.value.body["param"] == "suffix" and err.value.body["code"] == "fim_not_supported"
+    assert "no FIM tokens" in err.value.body["message"]
+    models = client.models.list().data
+    assert "insert" not in next(m for m in models if m.id == MODEL).model_extra["capabilities"]
 
 
 def test_unknown_fields_are_still_refused(client):

@@ -4,7 +4,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from app.markdown import render_markdown, render_plain
+from app.ui.markdown import render_markdown, render_plain
 
 pytestmark = pytest.mark.fast
 

@@ -60,7 +60,7 @@ def test_failed_migration_leaves_previous_version(tmp_path, monkeypatch):
     db = connect(path)
     migrate(db, target=1)
     broken = "ALTER TABLE conversations ADD COLUMN leaf_id INTEGER; SELECT * FROM no_such_table"
-    monkeypatch.setattr("app.storage.MIGRATIONS", [MIGRATIONS[0], broken])
+    monkeypatch.setattr("app.storage.migrations.MIGRATIONS", [MIGRATIONS[0], broken])
     with pytest.raises(sqlite3.OperationalError):
         migrate(db)
     assert db.execute("PRAGMA user_version").fetchone()[0] == 1

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from app import uploads
+from app.uploads import receiving
 from live_server import engine_serving, new_conversation, turn
 from tiny_models import tiny_llama
 
@@ -83,12 +83,12 @@ def test_kind_comes_from_the_content(http):
 def test_unsupported_empty_and_too_large_files_are_refused_and_leave_nothing(http, server, monkeypatch):
     cid = new_conversation(http)
     before = sorted(p.name for p in folder(server).iterdir())
-    # (a PNG is an image upload since app/image_uploads.py: an archive is unsupported)
+    # (a PNG is an image upload since app/uploads/image_uploads.py: an archive is unsupported)
     archive = post(http, cid, "files.zip", b"PK\x03\x04\x14\x00\x00\x00" + bytes(range(256)))
     assert archive.status_code == 415 and archive.json()["error"]["code"] == "unsupported_file"
     empty = post(http, cid, "empty.txt", b"")
     assert empty.status_code == 400 and empty.json()["error"]["field"] == "file"
-    monkeypatch.setattr(uploads, "UPLOAD_MAX_BYTES", 100_000)
+    monkeypatch.setattr(receiving, "UPLOAD_MAX_BYTES", 100_000)
     declared = post(http, cid, "big.txt", b"x" * 100_001)
     assert declared.status_code == 413 and declared.json()["error"]["code"] == "file_too_large"
     streamed = post(http, cid, "big.txt", (b"y" * 50_000 for _ in range(4)))  # chunked: no length

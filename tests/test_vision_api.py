@@ -160,7 +160,7 @@ def test_exif_orientation_applied_and_stripped():
 
 
 def test_image_tokens_count_where_the_context_is_checked(server, lm):
-    """`count_tokens`, which the context check and "truncate oldest" use (app/context.py),
+    """`count_tokens`, which the context check and "truncate oldest" use (app/context_window.py),
     counts an image's tokens; the picker says the model sees images."""
     from engine import count_tokens
 

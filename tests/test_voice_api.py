@@ -18,7 +18,7 @@ import numpy as np
 import openai
 import pytest
 
-from app.audio_codec import MAX_AUDIO_BYTES, decode
+from app.api.audio_codec import MAX_AUDIO_BYTES, decode
 from engine import SPEECH_SUGGESTED
 from live_server import openai_client, tiny_serving
 from voice_models import FOX_WAV, KOKORO, QUESTION_WAV, WHISPER, speech_cache

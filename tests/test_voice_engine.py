@@ -1,7 +1,7 @@
 """Voice (issue 53) below the API: the engine's speech thread (memory budget, keep-alive, chat
 streams going on beside speech), the checks a request meets before it queues, Kokoro's vocoder
 convolutions as matrix products (engine/kernels/conv.py) against MLX's own, and the audio codec
-(app/audio_codec.py) on every format it reads and writes. Tiny random-weight models."""
+(app/api/audio_codec.py) on every format it reads and writes. Tiny random-weight models."""
 
 import io
 import time
@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from app.audio_codec import SPEECH_FORMATS, AudioError, Encoder, decode
+from app.api.audio_codec import SPEECH_FORMATS, AudioError, Encoder, decode
 from engine import Engine, InvalidRequest, SamplingParams
 from engine.kernels.conv import conv1d, conv_transpose1d
 from tiny_models import tiny_llama

@@ -12,6 +12,8 @@ folder is built once per cache directory and reused.
     lm = tiny_qwen3_5()        # hybrid: ArraysCache (linear attention) + KVCache every 4th layer
     lm = tiny_qwen3_next()     # hybrid, Qwen3-Next layout
     folder = tiny_qwen3_embedding_folder()   # a Qwen3-Embedding-shaped folder (last-token pooling)
+    folder = tiny_reranker_folder()          # a Qwen3-Reranker-shaped folder (yes/no scoring)
+    lm = tiny_fim_llama("qwen2.5-coder")     # a tokenizer with a FIM family's special tokens
     folder = tiny_quantized_llama_folder()   # the tiny llama in 4 bits: it runs on our CPU kernels
 """
 
@@ -24,8 +26,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from bench.shapes import (TINY_QWEN3, build_folder, embedding_folder, folder_to_build, publish,
-                          scratch_for)
+from bench.shapes import (TINY_QWEN3, build_folder, embedding_folder, fim_folder, folder_to_build,
+                          publish, scratch_for)
 from engine.decoding.mtp import build_mtp_head
 from engine.loading.registry import LoadedModel, load_model
 
@@ -160,6 +162,26 @@ def tiny_marker_llama(template: str, seed: int = 0, root: Path | None = None) ->
         (tmp / "tokenizer_config.json").write_text(json.dumps(cfg))
         publish(tmp, target)
     return load_model(str(target))
+
+
+def tiny_fim_llama(family: str, seed: int = 0, root: Path | None = None,
+                   **overrides: Any) -> LoadedModel:
+    """A tiny llama whose tokenizer also has a FIM family's special tokens (engine/loading/
+    fim_tokens.py `FAMILIES`: "qwen2.5-coder", "starcoder", "codellama", "deepseek-coder",
+    "codestral"; bench/shapes.py `fim_folder`)."""
+    return load_model(str(fim_folder({**LLAMA, **overrides}, family, seed, root)))
+
+
+def tiny_reranker_folder(seed: int = 0, root: Path | None = None) -> Path:
+    """A tiny random qwen3 folder named as a Qwen3-Reranker is (`...-Qwen3-Reranker`): an LLM
+    reranker as the engine sees one (engine/loading/rerank_recipe.py)."""
+    folder = build_folder(QWEN3, seed, root)
+    target = folder.with_name(f"{folder.name}-Qwen3-Reranker")
+    if not (target / "model.safetensors").exists():
+        tmp = scratch_for(target)
+        shutil.copytree(folder, tmp, dirs_exist_ok=True)
+        publish(tmp, target)
+    return target
 
 
 def mtp_folder(config, tmp_path, raw_hf):

@@ -31,10 +31,10 @@ from starlette.routing import Route
 from engine import EngineError, Event, InvalidRequest, Usage, count_tokens, tool_request
 
 from ..sse import sse
-from .choices import Choice
+from ..state import app_state
 from .errors import ApiError
 from .openai_request import parse_messages
-from .serving import (finished, public_error, read_body, stream, submit,
+from .serving import (Choice, finished, public_error, read_body, stream, submit,
                       use_named_model)
 
 PATH = "/v1/messages"
@@ -286,7 +286,7 @@ def _content(choice: Choice) -> list[dict[str, Any]]:
 
 
 async def messages_endpoint(request: Request) -> Response:
-    engine = request.app.state.engine
+    engine = app_state(request).engine
     try:
         body = await read_body(request)
         messages, sampling, tools, streamed = parse(body)
@@ -396,7 +396,7 @@ class MessageEncoder:
 
 async def count_tokens_endpoint(request: Request) -> Response:
     """`{"input_tokens": N}`: the prompt as a request with this body would be counted."""
-    engine = request.app.state.engine
+    engine = app_state(request).engine
     try:
         body = await read_body(request)
         if isinstance(body, dict):

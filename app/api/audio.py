@@ -10,7 +10,7 @@
 `model` names a local speech model (after the `--model-alias` table); OpenAI's own names
 (`whisper-1`, `gpt-4o-transcribe`, `tts-1`, `gpt-4o-mini-tts`, ...) and none at all mean the first
 installed model of the kind; with none installed the answer is a 404 that says what to pull. The
-uploaded file is decoded by app/audio_codec.py (any format FFmpeg reads, at most
+uploaded file is decoded by app/api/audio_codec.py (any format FFmpeg reads, at most
 MAX_AUDIO_BYTES and MAX_AUDIO_SECONDS; bad audio is a 400 naming `file`). Speech streams as it is
 made, a sentence at a time, in the asked format; OpenAI's voice names stand for the Kokoro voices
 in VOICES when the model has them. Extensions: `temperature_inc` 0 turns off Whisper's fallback to
@@ -33,7 +33,8 @@ from starlette.routing import Route
 
 from engine import (SPEECH_INPUT_RATE, EngineError, SpeechStream, Transcript, TranscriptSegment)
 
-from ..audio_codec import MAX_AUDIO_BYTES, SPEECH_FORMATS, AudioError, Encoder, decode
+from .audio_codec import MAX_AUDIO_BYTES, SPEECH_FORMATS, AudioError, Encoder, decode
+from ..state import app_state
 from .errors import ApiError, check_fields
 from .openai_request import typed
 from .serving import aliased, engine_refusal, read_body
@@ -70,7 +71,7 @@ def _model(request: Request, value: Any) -> str | None:
         return None
     if not isinstance(value, str):
         raise ApiError(400, "'model' must be a string", "model", "invalid_type")
-    value = aliased(getattr(request.app.state, "aliases", {}), value)
+    value = aliased(app_state(request).aliases, value)
     return None if value in OPENAI_MODELS else value
 
 
@@ -85,7 +86,7 @@ async def translations(request: Request) -> Response:
 
 
 async def _speech_to_text(request: Request, task: str) -> Response:
-    engine = request.app.state.engine
+    engine = app_state(request).engine
     try:
         fields, upload = await _form(request, _TRANSCRIBE_FIELDS if task == "transcribe"
                                      else _TRANSLATE_FIELDS)
@@ -229,7 +230,7 @@ def _subtitles(segments: tuple[TranscriptSegment, ...], srt: bool) -> str:
 # --- text to speech -------------------------------------------------------------------------------
 
 async def speech(request: Request) -> Response:
-    engine = request.app.state.engine
+    engine = app_state(request).engine
     try:
         body = check_fields(await read_body(request), _SPEECH_FIELDS)
         text = typed(body, "input", str)

@@ -13,11 +13,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine import (Event, InvalidRequest, ModelDefaults, SamplingParams, SpeculativeOptions,
+from engine import (Engine, Event, InvalidRequest, ModelDefaults, SamplingParams, SpeculativeOptions,
                     ToolRequest, effort_budget, keep_alive_seconds, tool_request)
 
-from ..context import TRUNCATE_MODES, drop_oldest
+from ..context_window import TRUNCATE_MODES, drop_oldest
 from ..sse import sse
+from ..state import app_state
 from .choices import logprobs_body, message_body, system_fingerprint, tool_call_deltas, total_usage
 from .errors import ApiError, check_fields
 from .openai_request import (SAMPLING, check_model, choice_count, parse_messages, sampling_fields,
@@ -135,7 +136,7 @@ def parse_speculative(value: Any) -> SpeculativeOptions | None:
         raise ApiError(400, str(exc), exc.field, "invalid_value") from None
 
 
-def _truncated(engine: Any, mode: Any, chat: ChatRequest) -> list[dict[str, Any]]:
+def _truncated(engine: Engine, mode: Any, chat: ChatRequest) -> list[dict[str, Any]]:
     """The request's messages, the oldest dropped to fit if it asked (`"truncate": "oldest"`)."""
     if mode is None:
         return chat.messages
@@ -192,7 +193,7 @@ class ChatEncoder:
 
 
 async def chat_completions(request: Request) -> Response:
-    engine = request.app.state.engine
+    engine = app_state(request).engine
     try:
         body = await read_body(request)
         model = await require_model(request, body,  # a bad request loads nothing

@@ -1,6 +1,8 @@
 """The legacy `/v1/completions` endpoint for raw-prompt clients: the prompt is sent to the model as
 it is (no chat template), streamed or not, with the chat endpoint's sampling fields, `n` and
-`logit_bias`; `logprobs` is the legacy integer (how many alternatives per token)."""
+`logit_bias`; `logprobs` is the legacy integer (how many alternatives per token). A non-empty
+`suffix` makes it a fill-in-the-middle request (the prompt before the gap, the suffix after it:
+engine `Infill`), which a model without FIM tokens refuses (400, param `suffix`)."""
 
 import json
 import time
@@ -11,17 +13,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine import Event, InvalidRequest, SamplingParams, TokenLogprob
+from engine import Event, Infill, InvalidRequest, SamplingParams, TokenLogprob
 
 from ..sse import sse
+from ..state import app_state
 from .choices import system_fingerprint, total_usage
 from .errors import ApiError, check_fields
 from .openai_request import (SAMPLING, check_model, choice_count, sampling_fields, stream_fields,
                              typed, usage_body)
 from .serving import engine_param, finished, public_error, read_body, require_model, stream, submit
 
-_FIELDS = {"model", "prompt", "stream", "stream_options", "stop", "n", "logprobs", "logit_bias",
-           "user", "presence_penalty", "frequency_penalty"} | set(SAMPLING)
+_FIELDS = {"model", "prompt", "suffix", "stream", "stream_options", "stop", "n", "logprobs",
+           "logit_bias", "user", "presence_penalty", "frequency_penalty"} | set(SAMPLING)
 LEGACY_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 
 
@@ -57,14 +60,28 @@ def _prompt(prompt: Any) -> str | list[int]:
                    "prompt", "invalid_value")
 
 
-def parse(body: Any, model_name: str) -> tuple[str | list[int], SamplingParams, int, bool, bool]:
-    """(prompt as text or token ids, params, n, stream, include_usage) of a `/v1/completions` body."""
+def _with_suffix(prompt: str | list[int], suffix: Any) -> str | list[int] | Infill:
+    """The prompt, or with a non-empty `suffix` the fill-in-the-middle request around it."""
+    if suffix is None or suffix == "":
+        return prompt
+    if not isinstance(suffix, str):
+        raise ApiError(400, "'suffix' must be a string", "suffix", "invalid_type")
+    if not isinstance(prompt, str):
+        raise ApiError(400, "'suffix' takes a text prompt, not token ids", "suffix",
+                       "invalid_value")
+    return Infill(prefix=prompt, suffix=suffix)
+
+
+def parse(body: Any, model_name: str) -> tuple[str | list[int] | Infill, SamplingParams, int, bool,
+                                               bool]:
+    """(prompt as text, token ids or a fill-in-the-middle request, params, n, stream,
+    include_usage) of a `/v1/completions` body."""
     check_fields(body, _FIELDS)
     for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0)):
         if body.get(name) not in (None, neutral):
             raise ApiError(400, f"'{name}' is not supported", name, "unsupported_parameter")
     check_model(body, model_name)
-    prompt = _prompt(body.get("prompt"))
+    prompt = _with_suffix(_prompt(body.get("prompt")), body.get("suffix"))
     sampling = sampling_fields(body)
     sampling.setdefault("max_tokens", LEGACY_MAX_TOKENS)
     logprobs = typed(body, "logprobs", int)
@@ -117,14 +134,20 @@ class CompletionEncoder:
         return [*usage, sse("[DONE]")]
 
 
+def _prompt_option(prompt: str | list[int] | Infill) -> dict[str, Any]:
+    """The engine request's prompt argument: raw text, token ids or a fill-in-the-middle."""
+    if isinstance(prompt, Infill):
+        return {"infill": prompt}
+    return {"text": prompt} if isinstance(prompt, str) else {"prompt_tokens": prompt}
+
+
 async def completions(request: Request) -> Response:
-    engine = request.app.state.engine
+    engine = app_state(request).engine
     try:
         body = await read_body(request)
         model = await require_model(request, body, parse)  # a bad request loads nothing
         prompt, params, n, streamed, include_usage = parse(body, model)
-        handles = await submit(engine, None, params, n, **(
-            {"text": prompt} if isinstance(prompt, str) else {"prompt_tokens": prompt}))
+        handles = await submit(engine, None, params, n, **_prompt_option(prompt))
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": model,
                 "system_fingerprint": system_fingerprint(model)}

@@ -25,8 +25,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine import EngineError, Embeddings
+from engine import Embeddings, Engine, EngineError
 
+from ..state import app_state
 from .errors import ApiError, check_fields
 from .openai_request import typed
 from .serving import aliased, engine_refusal, model_loading, read_body
@@ -37,7 +38,7 @@ _FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "input_typ
            "keep_alive"}
 
 
-async def embed(engine: Any, inputs: Any, *, model: str | None, dimensions: int | None = None,
+async def embed(engine: Engine, inputs: Any, *, model: str | None, dimensions: int | None = None,
                 truncate: bool = False, query: bool = False,
                 keep_alive: Any = None) -> Embeddings:
     """The vectors of `inputs`, engine refusals and failures as ApiErrors (for every API that
@@ -60,7 +61,8 @@ def _encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
 
 
 async def embeddings(request: Request) -> Response:
-    engine = request.app.state.engine
+    state = app_state(request)
+    engine = state.engine
     try:
         body = check_fields(await read_body(request), _FIELDS)
         if body.get("input") is None:
@@ -75,7 +77,7 @@ async def embeddings(request: Request) -> Response:
                            "input_type", "invalid_value")
         model = typed(body, "model", str)
         if model is not None:  # `--model-alias text-embedding-*=...` for clients' own names
-            model = aliased(getattr(request.app.state, "aliases", {}), model)
+            model = aliased(state.aliases, model)
         result = await embed(engine, body["input"], model=model,
                              dimensions=typed(body, "dimensions", int),
                              truncate=bool(typed(body, "truncate", bool)),

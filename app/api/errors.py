@@ -1,5 +1,5 @@
 """The API's refusals: an HTTP status with an error, written in the shape of the protocol whose
-path was asked (app/error_shapes.py; OpenAI's by default), and the OpenAI fields an endpoint
+path was asked (app/api/error_shapes.py; OpenAI's by default), and the OpenAI fields an endpoint
 accepts only with their neutral values."""
 
 from collections.abc import Callable
@@ -9,7 +9,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from ..error_shapes import api_error, is_api_path
+from .error_shapes import api_error, is_api_path
 
 
 class ApiError(Exception):
@@ -61,7 +61,9 @@ OPENAI_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "function_call": (lambda v: v in ("none", "auto"), "is not supported: use 'tool_choice'"),
     "best_of": (lambda v: v == 1 and type(v) is int, "is not supported: only 1"),
     "echo": (lambda v: v is False, "is not supported: only false"),
-    "suffix": (lambda v: v == "", "is not supported: only an empty suffix"),
+    # fill-in-the-middle is /v1/completions' (app/api/completions.py) and /infill's
+    "suffix": (lambda v: v == "", "is not supported here: send a suffix to /v1/completions or "
+                                  "/infill"),
 }
 
 

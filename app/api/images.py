@@ -5,7 +5,7 @@ Limits (named here, documented in docs/vision.md):
 - `MAX_IMAGE_BYTES` per image (20 MB, encoded size).
 - `MAX_IMAGE_BODY_BYTES`: the request body limit of the API routes that may carry images
   (`IMAGE_PATHS`; 64 MiB, so one image at its limit fits as base64 with room to spare; every other
-  route keeps app/security.py's 8 MiB).
+  route keeps app/security/guards.py's 8 MiB).
 - `MAX_IMAGES` per request (8).
 - `FORMATS`: PNG, JPEG, WebP and GIF (its first frame). SVG and anything else is refused.
 - Pillow's decompression-bomb limit (`Image.MAX_IMAGE_PIXELS`): a bigger image is refused, never

@@ -1,6 +1,6 @@
 """The models the API offers (`/v1/models`, `/v1/models/{model}`) and which one a request runs
 on: a request naming another local model loads it first, through the model-switch service the
-model picker uses too (app/model_switch.py: one load at a time, after the running requests end),
+model picker uses too (app/model_jobs.py: one load at a time, after the running requests end),
 as Ollama and LM Studio do; a name no local model has is a 404 listing the ones there are."""
 
 import asyncio
@@ -14,7 +14,8 @@ from starlette.routing import Route
 
 from engine import Engine, ModelInfo
 
-from ..model_switch import ModelSwitch, begin_switch
+from ..model_jobs import begin_switch
+from ..state import app_state
 from .errors import ApiError
 
 # When this server started: the `created` of a model whose files are not on disk.
@@ -54,8 +55,9 @@ def find_model(engine: Engine, name: str) -> ModelInfo:
 async def use_model(request: Request, name: Any) -> None:
     """Make `name` the loaded model (None: whichever is loaded); raises ApiError when no local
     model has that name or it cannot load. A name that is not a string is left to the parser."""
-    engine: Engine = request.app.state.engine
-    switch: ModelSwitch = request.app.state.switch
+    state = app_state(request)
+    engine = state.engine
+    switch = state.switch
     if not isinstance(name, str):
         return
     for _ in range(MAX_SWITCHES):
@@ -86,18 +88,19 @@ def _load_failed(name: str, exc: Exception) -> ApiError:
 
 async def list_models(request: Request) -> JSONResponse:
     """Every local model, the loaded one first: a request naming any of them loads it."""
-    engine = request.app.state.engine
+    engine = app_state(request).engine
     data = [model_object(m, engine) for m in local_models(engine)]
     return JSONResponse({"object": "list", "data": data})
 
 
 async def retrieve_model(request: Request) -> JSONResponse:
     """One local model, as OpenAI's `models.retrieve` asks for it."""
+    engine = app_state(request).engine
     try:
-        model = find_model(request.app.state.engine, request.path_params["model"])
+        model = find_model(engine, request.path_params["model"])
     except ApiError as exc:
         return exc.response(request.url.path)
-    return JSONResponse(model_object(model, request.app.state.engine))
+    return JSONResponse(model_object(model, engine))
 
 
 routes = [

@@ -11,7 +11,9 @@ Names: Ollama clients write `name:tag`. A name matches a local model by dropping
 run on the loaded model, as on `/v1/messages` (aliases from `--model-alias` apply first).
 `/api/embed` and `/api/embeddings` run through the engine's embedding queue (app/api/embeddings.py).
 `prompt_eval_count` counts only the prompt tokens actually computed, so the prefix cache's reuse
-shows; durations are nanoseconds. Accepted and ignored: `options.num_ctx` (the model's own
+shows; durations are nanoseconds. A `suffix` on generate fills in the middle (the model's FIM
+tokens, engine `Infill`; 400 for a model without them, as Ollama's "does not support insert").
+Accepted and ignored: `options.num_ctx` (the model's own
 context is used), `template`, and `raw` on chat.
 """
 
@@ -27,15 +29,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine import (DownloadError, EngineError, Event, InvalidRequest, ModelInfo, effort_budget,
-                    parse_pull_spec, pull_model, remove_model, tool_request)
+from engine import (DownloadError, Engine, EngineError, Event, Infill, InvalidRequest, ModelInfo,
+                    effort_budget, parse_pull_spec, pull_model, remove_model, tool_request)
 
-from .choices import Choice
+from ..state import app_state
 from .embeddings import embed as embed_vectors
 from .errors import ApiError
 from .models import local_models
 from .openai_request import parse_messages
-from .serving import (aliased, finished, public_error, read_body, stream, submit,
+from .serving import (Choice, aliased, finished, public_error, read_body, stream, submit,
                       use_named_model)
 
 # The Ollama version we answer as: clients check it (codex --oss needs >= 0.13.4).
@@ -69,7 +71,7 @@ def local_id(request: Request, name: Any) -> str | None:
     if not isinstance(name, str):
         return None
     wanted = name.removeprefix("hf.co/").removesuffix(":latest").lower()
-    for m in local_models(request.app.state.engine):
+    for m in local_models(app_state(request).engine):
         if m.name.lower() in (wanted, name.lower()):
             return m.name
     return None
@@ -79,14 +81,14 @@ def _digest(m: ModelInfo) -> str:
     return hashlib.sha256(f"{m.name}|{m.path}|{m.size_bytes}".encode()).hexdigest()
 
 
-def _details(engine: Any, m: ModelInfo) -> dict[str, Any]:
+def _details(engine: Engine, m: ModelInfo) -> dict[str, Any]:
     loaded = engine.model if m.name == engine.model_name else None
     return {"parent_model": "", "format": "gguf" if m.source == "gguf" else "safetensors",
             "family": loaded.family if loaded else "", "families": [loaded.family] if loaded else [],
             "parameter_size": "", "quantization_level": ""}
 
 
-def _entry(engine: Any, m: ModelInfo) -> dict[str, Any]:
+def _entry(engine: Engine, m: ModelInfo) -> dict[str, Any]:
     path = Path(m.path) if m.path else None
     modified = datetime.fromtimestamp(path.stat().st_mtime if path and path.exists()
                                       else time.time(), timezone.utc)
@@ -100,12 +102,12 @@ async def version(request: Request) -> Response:
 
 
 async def tags(request: Request) -> Response:
-    engine = request.app.state.engine
+    engine = app_state(request).engine
     return JSONResponse({"models": [_entry(engine, m) for m in local_models(engine)]})
 
 
 async def ps(request: Request) -> Response:
-    engine = request.app.state.engine
+    engine = app_state(request).engine
     running = [m for m in local_models(engine) if m.name == engine.model_name]
     return JSONResponse({"models": [
         {**_entry(engine, m), "expires_at": "2318-01-01T00:00:00Z", "size_vram": 0,
@@ -134,7 +136,7 @@ async def _named(request: Request) -> tuple[str, str] | Response:
 
 
 async def show(request: Request) -> Response:
-    engine = request.app.state.engine
+    engine = app_state(request).engine
     named = await _named(request)
     if isinstance(named, Response):
         return named
@@ -268,9 +270,10 @@ def _tools(body: dict[str, Any]) -> Any:
 
 
 async def _run(request: Request, messages: list[dict[str, Any]] | None, body: dict[str, Any],
-               tools: Any, text: str | None = None) -> tuple[list, dict[str, Any], float]:
+               tools: Any, text: str | None = None,
+               infill: Infill | None = None) -> tuple[list, dict[str, Any], float]:
     """Submit; returns (handles, what the answers need to know, when it started)."""
-    engine = request.app.state.engine
+    engine = app_state(request).engine
     started = time.perf_counter()
     model = await use_named_model(request, body.get("model"))
     loaded_at = time.perf_counter()
@@ -279,7 +282,7 @@ async def _run(request: Request, messages: list[dict[str, Any]] | None, body: di
         params = engine.defaults.params(sampling)
     except InvalidRequest as exc:
         raise ApiError(400, public_error(str(exc))) from None
-    options = {"text": text} if text is not None else {}
+    options = {"text": text} if text is not None else {"infill": infill} if infill else {}
     handles = await submit(engine, messages, params, tools=tools, split_reasoning=True,
                            keep_alive=body.get("keep_alive"), fit_max_tokens=True, **options)
     return handles, {"model": ollama_name(model), "load_ns": int((loaded_at - started) * 1e9)}, \
@@ -419,7 +422,13 @@ async def generate(request: Request) -> Response:
             model = await use_named_model(request, body.get("model"))
             return JSONResponse({"model": ollama_name(model), "created_at": _now(),
                                  "response": "", "done": True, "done_reason": "load"})
-        if body.get("raw"):
+        suffix = body.get("suffix")
+        if suffix not in (None, ""):  # fill in the middle (a model without FIM tokens: 400)
+            if not isinstance(suffix, str):
+                raise ApiError(400, "'suffix' must be a string")
+            handles, meta, started = await _run(request, None, body, None,
+                                                infill=Infill(prefix=prompt, suffix=suffix))
+        elif body.get("raw"):
             handles, meta, started = await _run(request, None, body, None, text=prompt)
         else:
             messages = ([{"role": "system", "content": system}] if system else []) + \
@@ -509,7 +518,7 @@ async def delete(request: Request) -> Response:
     if isinstance(named, Response):
         return named
     name, found = named
-    if found == request.app.state.engine.model_name:
+    if found == app_state(request).engine.model_name:
         return _error(409, f"model '{name}' is loaded; load another model first")
     try:
         await asyncio.to_thread(remove_model, found)
@@ -523,7 +532,7 @@ def _embedding_model(request: Request, name: Any) -> str | None:
     embeds with the loaded chat model (None), as chat names do."""
     if not isinstance(name, str):
         return None
-    target = aliased(getattr(request.app.state, "aliases", {}), name)
+    target = aliased(app_state(request).aliases, name)
     return local_id(request, target) or (target if Path(target).expanduser().exists() else None)
 
 
@@ -541,7 +550,7 @@ async def embed(request: Request) -> Response:
             raise ApiError(400, f"'{'prompt' if legacy else 'input'}' is required")
         dimensions = body.get("dimensions")
         result = await embed_vectors(
-            request.app.state.engine, inputs, model=_embedding_model(request, body.get("model")),
+            app_state(request).engine, inputs, model=_embedding_model(request, body.get("model")),
             dimensions=dimensions if isinstance(dimensions, int) else None,
             truncate=body.get("truncate", True) is not False, keep_alive=body.get("keep_alive"))
     except ApiError as exc:

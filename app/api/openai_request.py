@@ -11,15 +11,15 @@ import json
 import math
 from typing import Any
 
-from engine import SAMPLING_OPTIONS, Usage
+from engine import MESSAGE_ROLES, SAMPLING_OPTIONS, Usage
 
 from .choices import MAX_CHOICES
 from .errors import ApiError
 from .images import check_count, count_images, decode_url, image_part
 from .tool_messages import tool_fields
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
-         "tool": "tool"}
+# The roles a message may have (the engine's), and OpenAI's "developer", which is a system message.
+ROLES = {**{role: role for role in MESSAGE_ROLES}, "developer": "system"}
 # Every sampling option by its own name (max_tokens also as OpenAI's max_completion_tokens).
 SAMPLING = {o.name: o.kind for o in SAMPLING_OPTIONS}
 

@@ -27,14 +27,15 @@ from starlette.routing import Route
 
 from engine import Event, InvalidRequest, effort_budget, tool_request
 
-from ..error_shapes import api_error
+from .error_shapes import api_error
 from ..sse import sse
-from .choices import Choice
+from ..state import app_state
+from ..storage import Storage
 from .errors import ApiError
 from .images import storable
 from .openai_request import parse_messages
 from .response_format import json_schema
-from .serving import (finished, public_error, read_body, stream, submit,
+from .serving import (Choice, finished, public_error, read_body, stream, submit,
                       use_named_model)
 
 _SKIPPED_ITEMS = {"reasoning", "item_reference", "web_search_call"}
@@ -216,7 +217,7 @@ def _usage(final: Event | None) -> dict[str, Any]:
 class _Request:
     """A parsed Responses request."""
 
-    def __init__(self, body: Any, storage: Any):
+    def __init__(self, body: Any, storage: Storage):
         if not isinstance(body, dict):
             raise _bad("the request body must be a JSON object")
         self.body = body
@@ -253,7 +254,7 @@ class _Request:
                 "metadata": b.get("metadata") or {}}
 
     def finish(self, envelope: dict[str, Any], items: list[dict[str, Any]], final: Event,
-               storage: Any) -> dict[str, Any]:
+               storage: Storage) -> dict[str, Any]:
         """The completed response; stored with its conversation unless `store` is false."""
         incomplete = final.finish_reason == "length"
         done = {**envelope, "status": "incomplete" if incomplete else "completed",
@@ -270,7 +271,7 @@ class _Request:
 
 
 async def create(request: Request) -> Response:
-    engine, storage = request.app.state.engine, request.app.state.storage
+    engine, storage = app_state(request).engine, app_state(request).storage
     try:
         parsed = _Request(await read_body(request), storage)
         model = await use_named_model(request, parsed.body.get("model"))
@@ -297,7 +298,7 @@ class ResponseEncoder:
     `response.completed` (the response's own status says "incomplete" when the limit cut it: the
     SDK's stream helper and Codex wait for that event alone), or `response.failed`."""
 
-    def __init__(self, parsed: _Request, envelope: dict[str, Any], storage: Any) -> None:
+    def __init__(self, parsed: _Request, envelope: dict[str, Any], storage: Storage) -> None:
         self.parsed, self.envelope, self.storage = parsed, envelope, storage
         self.seq = 0
         self.items: list[dict[str, Any]] = []
@@ -396,7 +397,7 @@ class ResponseEncoder:
 
 
 async def retrieve(request: Request) -> Response:
-    found = request.app.state.storage.get_response(request.path_params["rid"])
+    found = app_state(request).storage.get_response(request.path_params["rid"])
     if found is None:
         return api_error(404, f"Response with id '{request.path_params['rid']}' not found.",
                          "invalid_request_error", "not_found")
@@ -405,7 +406,7 @@ async def retrieve(request: Request) -> Response:
 
 async def delete(request: Request) -> Response:
     rid = request.path_params["rid"]
-    if not request.app.state.storage.delete_response(rid):
+    if not app_state(request).storage.delete_response(rid):
         return api_error(404, f"Response with id '{rid}' not found.", "invalid_request_error",
                          "not_found")
     return JSONResponse({"id": rid, "object": "response", "deleted": True})

@@ -9,7 +9,7 @@ embeddings.py):
 2. Choose the model: `require_model` (strict, OpenAI: a name no local model has is a 404, and the
    request is parsed before anything loads) or `use_named_model` (lenient, for clients that send
    their own vendor's names, with `--model-alias`). Both switch the loaded model through the shared
-   model-switch service (app/model_switch.py) and answer 503 while none is loaded.
+   model-switch service (app/model_jobs.py) and answer 503 while none is loaded.
 3. Parse the request into engine messages (or a raw prompt) + `SamplingParams` + `ToolRequest`;
    refuse bad input by raising `ApiError` (status, message, field, code).
 4. `submit` the engine requests (`n` choices; `fit_max_tokens=True` for clients that ask for more
@@ -21,7 +21,7 @@ embeddings.py):
    failed generation raises `ApiError` 500) or streamed (`stream`: the engine's events handed to
    the adapter's `StreamEncoder`, whose lines go out as server-sent events, or NDJSON).
 6. Turn every `ApiError` into the protocol's error shape: `ApiError.response(path)` picks the shape
-   of the path's protocol from app/error_shapes.py, so an adapter declares its shape once there.
+   of the path's protocol from app/api/error_shapes.py, so an adapter declares its shape once there.
 
 The core never writes a protocol's wire format; the encoders never touch the engine's requests.
 """
@@ -31,15 +31,18 @@ import contextlib
 import fnmatch
 import json
 import math
+import random
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterable, Protocol, Sequence
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from engine import (EngineError, Event, InvalidRequest, ModelLoadError, Overloaded, RequestHandle,
-                    SamplingParams, SpeculativeOptions)
+from engine import (Engine, EngineError, Event, InvalidRequest, ModelLoadError, Overloaded, RequestHandle,
+                    SamplingParams, SpeculativeOptions, TokenLogprob)
 
-from .choices import Choice, collect_choices, merged, start_choices, tracked
+from ..state import app_state
+from ..submission import start
 from .errors import ApiError
 from .models import use_model
 
@@ -111,7 +114,7 @@ async def require_model(request: Request, body: Any, check: Any = None) -> str:
     names a local model (loaded first) or is absent (the loaded one). `check(body, name)` parses
     the request against the named model before anything loads, so a bad request loads nothing.
     Raises ApiError: 503 while no model is loaded, 404 for a name no local model has."""
-    engine = request.app.state.engine
+    engine = app_state(request).engine
     if engine.model_name is None:
         raise model_loading()
     wanted = body.get("model") if isinstance(body, dict) else None
@@ -146,14 +149,82 @@ async def use_named_model(request: Request, name: Any) -> str:
     (`--model-alias`), or a local model's own name, loads that model; any other name (Claude Code's
     `claude-*`, Codex's `gpt-*`) runs on the loaded model. Raises ApiError (503) while none is
     loaded."""
-    engine = request.app.state.engine
+    state = app_state(request)
+    engine = state.engine
     if isinstance(name, str):
-        target = aliased(getattr(request.app.state, "aliases", {}), name)
+        target = aliased(state.aliases, name)
         if target != engine.model_name and target in {m.name for m in engine.list_models()}:
             await use_model(request, target)
     if engine.model_name is None:
         raise model_loading()
     return engine.model_name
+
+
+# --- the choices ---------------------------------------------------------------------------------
+# Choice i of `n` runs as its own engine request seeded with `seed + i` (a random base when the
+# request has no seed), so choices differ under sampling and repeat with the same seed; the
+# requests decode as rows of one batch and later ones reuse the first one's prompt from the prefix
+# cache.
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    if n == 1:
+        return [params]
+    base = params.seed if params.seed is not None else random.getrandbits(62)
+    return [params.with_(seed=(base + i) % 2**63) for i in range(n)]  # seeds stay in range
+
+
+async def merged(handles: Sequence[RequestHandle]) -> AsyncIterator[tuple[int, Event]]:
+    """Every choice's events as they come, tagged with the choice's index."""
+    if len(handles) == 1:
+        async for event in handles[0].stream():
+            yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
+
+    async def pump(i: int, handle: RequestHandle) -> None:
+        try:
+            async for event in handle.stream():
+                await queue.put((i, event))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        open_ = len(tasks)
+        while open_:
+            i, event = await queue.get()
+            if event is None:
+                open_ -= 1
+            else:
+                yield i, event
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+@dataclass
+class Choice:
+    """One choice collected whole."""
+
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    final: Event | None = None
+
+    def add(self, event: Event) -> None:
+        if event.kind == "done":
+            self.final = event
+            return
+        (self.reasoning if event.channel == "reasoning" else self.content).append(event.text)
+        if event.logprobs is not None:
+            self.logprobs.append(event.logprobs)
+
+
+async def collect_choices(handles: Sequence[RequestHandle]) -> list[Choice]:
+    choices = [Choice() for _ in handles]
+    async for i, event in merged(handles):
+        choices[i].add(event)
+    return choices
 
 
 # --- the engine requests ------------------------------------------------------------------------
@@ -171,16 +242,21 @@ def engine_param(exc: EngineError) -> str | None:
                                                                               exc.field)
 
 
-async def submit(engine: Any, messages: list[dict[str, Any]] | None, params: SamplingParams,
+async def submit(engine: Engine, messages: list[dict[str, Any]] | None, params: SamplingParams,
                  n: int = 1, speculative: SpeculativeOptions | None = None,
                  **options: Any) -> list[RequestHandle]:
-    """The accepted engine requests of `n` choices (`options`: `tools`, `split_reasoning`,
-    `keep_alive`, or a raw `text`/`prompt_tokens` instead of `messages`); the engine's refusals
-    become ApiErrors (400 invalid, 429 overloaded, 503 no model)."""
+    """The accepted engine requests of `n` choices, all or none (`options`: `tools`,
+    `split_reasoning`, `keep_alive`, or a raw `text`/`prompt_tokens` instead of `messages`); the
+    engine's refusals become ApiErrors (400 invalid, 429 overloaded, 503 no model)."""
+    handles: list[RequestHandle] = []
     try:
-        return await start_choices(engine, messages, params, n, speculative, **options)
+        for p in choice_params(params, n):
+            handles.append(await start(engine, messages, p, speculative, **options))
     except EngineError as exc:
+        for h in handles:  # those already started
+            h.cancel()
         raise engine_refusal(exc) from None
+    return handles
 
 
 def engine_refusal(exc: EngineError) -> ApiError:
@@ -210,7 +286,9 @@ async def cancel_on_disconnect(request: Request, handles: Sequence[RequestHandle
 async def watched(request: Request, handles: Sequence[RequestHandle]) -> AsyncIterator[None]:
     """While the block runs: the requests count in `/health`, and a client that leaves cancels
     them (as does leaving the block early)."""
-    with tracked(request.app.state.runs, handles):
+    with contextlib.ExitStack() as stack:
+        for handle in handles:
+            stack.enter_context(app_state(request).runs.track(handle))
         watcher = asyncio.create_task(cancel_on_disconnect(request, handles))
         try:
             yield

@@ -9,13 +9,13 @@ requests carry their own messages."""
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from engine import Engine, EngineError, count_tokens
 
-from ..context import overflow
+from ..context_window import overflow
 from ..storage import Message, Storage
-from ..upload_store import UploadStore
+from ..uploads.store import UploadStore
 from .indexing import DOCUMENT_KIND_NAMES
 from .store import ChunkStore, StoredChunk
 
@@ -132,7 +132,8 @@ class DocumentPrompt:
         return docs
 
     def retrieve(self, settings: Mapping[str, Any], path: list[Message], max_tokens: int,
-                 messages_of: Any) -> list[Message]:
+                 messages_of: Callable[[Mapping[str, Any], list[Message]], list[dict[str, Any]]]
+                 ) -> list[Message]:
         """`path` (ending with a user turn) with that turn's chunks retrieved and stored when it
         has large documents and none yet; `messages_of(settings, path)` builds the prompt.
         CPU-bound (ranking, counting): call it off the event loop."""

@@ -2,7 +2,7 @@
 data folder, so an export carries each document as the model read it (`{name, text, tokens}`: the
 whole text, or the chunks retrieved for that turn) and, on a turn answered from retrieved chunks,
 its `sources` (file, page or heading, text). Importing such an export gives ordinary attached
-documents (app/import_schema.py ignores `sources`)."""
+documents (app/storage/import_schema.py ignores `sources`)."""
 
 from typing import Any
 

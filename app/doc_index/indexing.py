@@ -1,8 +1,8 @@
 """The documents kinds of upload (`pdf`, `markdown`, `text`, told from the content) and how one is
-read: its text extracted (a PDF page by page in a child process with limits: app/pdf_text.py),
+read: its text extracted (a PDF page by page in a child process with limits: app/uploads/pdf_text.py),
 counted with the loaded model's tokenizer, cut into chunks (app/doc_index/chunking.py) and stored
 in the index with progress; with an embedding model chosen (`Processing.embedding_model`), each
-chunk's vector too. Runs in a worker thread (app/uploads.py)."""
+chunk's vector too. Runs in a worker thread (app/uploads/reading.py)."""
 
 import codecs
 import logging
@@ -11,9 +11,9 @@ import numpy as np
 
 from engine import Engine, EngineError, count_tokens
 
-from ..documents import NotAttachable
-from ..pdf_text import PdfUnreadable, pdf_pages
-from ..upload_kinds import FileKind, Processed, Processing, register_kind
+from ..uploads.documents import NotAttachable
+from ..uploads.kinds import FileKind, Processed, Processing, register_kind
+from ..uploads.pdf_text import PdfUnreadable, pdf_pages
 from .chunking import Chunk, markdown_chunks, pdf_chunks, text_chunks
 
 log = logging.getLogger(__name__)

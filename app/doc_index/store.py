@@ -1,4 +1,4 @@
-"""A conversation's document index in SQLite (tables of app/storage.py _V8): each file's chunks
+"""A conversation's document index in SQLite (tables of app/storage/migrations.py _V8): each file's chunks
 with their page or heading, an FTS5 index over their text (BM25), and, when an embedding model
 indexed them, one float32 vector per chunk. Vectors are searched by brute-force cosine over a numpy
 matrix (one per file and model, cached), which stays within milliseconds up to ~100k chunks."""

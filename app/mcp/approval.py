@@ -7,6 +7,10 @@ read-only (MCP's `readOnlyHint`). Otherwise the page asks, and the turn waits fo
 """
 
 import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from engine import ToolCall
 
 from ..storage import McpChoice
 from .config import ServerConfig
@@ -25,23 +29,32 @@ def standing(tool: ToolInfo, choice: McpChoice, server: ServerConfig | None) -> 
     return key(tool) in choice.always or bool(server and server.trusted and tool.read_only)
 
 
+@dataclass(frozen=True)
+class Question:
+    """A call waiting for the user's decision: the call, its tool and its arguments."""
+
+    call: ToolCall
+    tool: ToolInfo
+    arguments: dict[str, Any]
+
+
 class Approvals:
     """The questions a running turn is waiting on, by call id; answered from the chat socket."""
 
     def __init__(self) -> None:
         self._pending: dict[str, asyncio.Future[str]] = {}
-        self.shown = ""  # the question on the page, for a page that (re)connects meanwhile
+        self.asking: Question | None = None  # the question on the page, for a page that (re)connects
 
-    async def ask(self, call_id: str, shown: str) -> str:
-        """Wait for the user's decision on call `call_id`, asked on the page by `shown`."""
+    async def ask(self, question: Question) -> str:
+        """Wait for the user's decision on `question`'s call."""
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._pending[call_id] = future
-        self.shown = shown
+        self._pending[question.call.id] = future
+        self.asking = question
         try:
             return await future
         finally:
-            self._pending.pop(call_id, None)
-            self.shown = ""
+            self._pending.pop(question.call.id, None)
+            self.asking = None
 
     def answer(self, call_id: object, decision: object) -> str | None:
         """Record a decision; None when accepted, else why not (shown to the user)."""

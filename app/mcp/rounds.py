@@ -13,6 +13,9 @@ What is stored: the answer that called keeps its calls (`tool_calls`, OpenAI's s
 `tool_meta`, each call's server and tool; each result is a `tool` message (capped, see
 servers.py) whose `tool_meta` says how it ended: "done", "error", "denied" or "stopped". Tool
 results are untrusted text: escaped wherever they are shown.
+
+What the user sees of the rounds goes through a `RoundsView`, which the chat UI implements
+(app/ui/tool_rounds.py); nothing here writes HTML.
 """
 
 import asyncio
@@ -21,20 +24,34 @@ import json
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable, Protocol
 
 from engine import InvalidRequest, ToolCall, ToolRequest, tool_request
 
-from ..storage import McpChoice, Storage
-from ..ui.views import message_views, render
-from .approval import Approvals, key, standing
+from ..storage import Conversation, McpChoice, Message, Storage
+from .approval import Approvals, Question, key, standing
 from .servers import McpServers, ToolInfo, ToolResult
 
 log = logging.getLogger(__name__)
 
 DENIED = "The user denied this call."
-Send = Callable[[str], Awaitable[None]]  # sends HTML to every page of the conversation
 STOPPED = "The call was stopped by the user."
+
+
+class RoundsView(Protocol):
+    """What the user sees of a turn's tool rounds, on every page of the conversation."""
+
+    async def notice(self, text: str) -> None:
+        """A passing notice ("Running x on y…"); "" clears it."""
+        ...
+
+    async def calls(self, conv: Conversation, path: list[Message]) -> None:
+        """The answer at the end of `path` with the calls it made (more of the turn to come)."""
+        ...
+
+    async def question(self, question: Question | None) -> None:
+        """The call waiting for the user's decision; None: no question (any shown goes)."""
+        ...
 
 
 def _model_name(text: str) -> str:
@@ -99,7 +116,7 @@ class TurnTools:
             return dataclasses.replace(self.auto, choice="none")
         return self.forced if round_number == 0 and self.choice.first_call else self.auto
 
-    def request_after(self, path: list[Any]) -> ToolRequest:
+    def request_after(self, path: list[Message]) -> ToolRequest:
         """The tools of the answer that follows `path`: its round is the number of answers that
         called tools since the last user message (a regenerated last answer continues the
         rounds before it; it is not a first round again)."""
@@ -118,7 +135,7 @@ class TurnTools:
 
 
 async def turn_tools(servers: McpServers, storage: Storage, cid: int,
-                     send: Send) -> TurnTools | None:
+                     view: RoundsView) -> TurnTools | None:
     """The conversation's tools for a turn, or None (no server switched on, or none ready)."""
     choice = storage.mcp_choice(cid)
     if not choice.servers:
@@ -127,9 +144,9 @@ async def turn_tools(servers: McpServers, storage: Storage, cid: int,
     starting = [n for n in choice.servers if n in servers.servers
                 and servers.servers[n].state == "starting"]
     if starting:
-        await send(render("_notice.html", text=f"Starting MCP servers: {', '.join(starting)}…"))
+        await view.notice(f"Starting MCP servers: {', '.join(starting)}…")
         await servers.wait_ready(starting)
-        await send(render("_notice.html", text=""))
+        await view.notice("")
     offered = offered_tools(servers.tools(list(choice.servers)))
     functions = await asyncio.to_thread(_functions, offered)
     if not functions:
@@ -148,8 +165,8 @@ def _arguments(call: ToolCall) -> dict[str, Any] | None:
     return args if isinstance(args, dict) else None
 
 
-async def run_calls(tools: TurnTools, storage: Storage, conv: Any, answer_id: int,
-                    calls: tuple[ToolCall, ...], send: Send, stopped: Callable[[], bool]) -> int:
+async def run_calls(tools: TurnTools, storage: Storage, conv: Conversation, answer_id: int,
+                    calls: tuple[ToolCall, ...], view: RoundsView, stopped: Callable[[], bool]) -> int:
     """Ask for, run and store each call of the answer `answer_id`; returns the id of the last
     result (where the next answer goes)."""
     meta = {"calls": {c.id: {"server": t.server, "tool": t.name} for c in calls
@@ -157,24 +174,22 @@ async def run_calls(tools: TurnTools, storage: Storage, conv: Any, answer_id: in
     storage.set_tool_calls(answer_id, [{"id": c.id, "type": "function",
                                         "function": {"name": c.name, "arguments": c.arguments}}
                                        for c in calls], meta)
-    path = storage.active_path(conv.id)
-    view = dataclasses.replace(message_views(storage, path)[-1], regenerable=False)  # more to come
-    await send(render("_message.html", conv=conv, v=view, oob=True))
+    await view.calls(conv, storage.active_path(conv.id))
     parent = answer_id
     for call in calls:
         tool = tools.offered.get(call.name)
-        result, outcome = await _one_call(tools, storage, conv, call, tool, send, stopped)
+        result, outcome = await _one_call(tools, storage, conv, call, tool, view, stopped)
         shown = {"server": tool.server, "tool": tool.name} if tool else {"tool": call.name}
         message = storage.add_message(conv.id, parent, "tool", result.text, tool_call_id=call.id,
                                       tool_meta={**shown, "outcome": outcome,
                                                  "truncated": result.truncated})
         parent = message.id
-    await send(render("_tool_approval.html", call=None))
+    await view.question(None)
     return parent
 
 
-async def _one_call(tools: TurnTools, storage: Storage, conv: Any, call: ToolCall,
-                    tool: ToolInfo | None, send: Send,
+async def _one_call(tools: TurnTools, storage: Storage, conv: Conversation, call: ToolCall,
+                    tool: ToolInfo | None, view: RoundsView,
                     stopped: Callable[[], bool]) -> tuple[ToolResult, str]:
     """One call: checked, approved (or not), run; its result and how it ended."""
     if stopped():
@@ -186,23 +201,22 @@ async def _one_call(tools: TurnTools, storage: Storage, conv: Any, call: ToolCal
         return ToolResult("The arguments are not a JSON object.", True), "error"
     server = tools.servers.configs().get(tool.server)
     if not standing(tool, tools.choice, server):
-        decision = await _ask(tools, storage, conv, call, tool, args, send)
+        decision = await _ask(tools, storage, conv, Question(call, tool, args), view)
         if stopped():
             return ToolResult(STOPPED, True), "stopped"
         if decision == "deny":
             return ToolResult(DENIED, True), "denied"
-    return await _run(tools, tool, args, send, stopped)
+    return await _run(tools, tool, args, view, stopped)
 
 
-async def _ask(tools: TurnTools, storage: Storage, conv: Any, call: ToolCall, tool: ToolInfo,
-               args: dict[str, Any], send: Send) -> str:
+async def _ask(tools: TurnTools, storage: Storage, conv: Conversation, question: Question,
+               view: RoundsView) -> str:
     """The user's decision on the call, asked on the page; "always" is kept for the
     conversation's later calls and turns."""
-    question = render("_tool_approval.html", call=call, tool=tool,
-                      arguments=json.dumps(args, indent=2, ensure_ascii=False))
-    await send(question)
-    decision = await tools.approvals.ask(call.id, question)
-    await send(render("_tool_approval.html", call=None))
+    tool = question.tool
+    await view.question(question)
+    decision = await tools.approvals.ask(question)
+    await view.question(None)
     if decision == "always":
         saved = storage.mcp_choice(conv.id)
         storage.save_mcp_choice(conv.id, dataclasses.replace(
@@ -211,10 +225,10 @@ async def _ask(tools: TurnTools, storage: Storage, conv: Any, call: ToolCall, to
     return decision
 
 
-async def _run(tools: TurnTools, tool: ToolInfo, args: dict[str, Any], send: Send,
+async def _run(tools: TurnTools, tool: ToolInfo, args: dict[str, Any], view: RoundsView,
                stopped: Callable[[], bool]) -> tuple[ToolResult, str]:
     """The approved call, run on its server (Stop cancels it)."""
-    await send(render("_notice.html", text=f"Running {tool.name} on {tool.server}…"))
+    await view.notice(f"Running {tool.name} on {tool.server}…")
     if stopped():  # Stop pressed while the notice went out
         return ToolResult(STOPPED, True), "stopped"
     tools.running = asyncio.create_task(tools.servers.call(tool.server, tool.name, args))
@@ -226,5 +240,5 @@ async def _run(tools: TurnTools, tool: ToolInfo, args: dict[str, Any], send: Sen
         tools.running.cancel()
         raise
     finally:
-        await send(render("_notice.html", text=""))
+        await view.notice("")
     return result, "error" if result.is_error else "done"

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from mcp_types import CONNECTION_CLOSED
+from starlette.applications import Starlette
 
 from . import config
 from .config import ConfigError, ServerConfig
@@ -243,7 +244,7 @@ class McpServers:
                 task.cancel()
 
     @asynccontextmanager
-    async def lifespan(self, app: Any) -> AsyncIterator[None]:
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         """The app's lifespan: servers start on first use and stop with the app."""
         yield
         await self.stop()

@@ -12,24 +12,26 @@ from typing import Any
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from .chat_turn import Generation, respond
-from .conversation_pages import Conversations
+from ..state import AppState, app_state
+from .chat_turn import RunningTurn, respond
+from .tool_rounds import question_html
 from .views import message_views, parts, render
 
 RECONNECT_GRACE_S = 5.0  # an answer nobody watches goes on this long for a reload to come back
 
 
 async def chat_socket(ws: WebSocket) -> None:
+    state = app_state(ws)
     storage, _ = parts(ws)
     conv = storage.get_conversation(int(ws.path_params["cid"]))
     if conv is None:
         await ws.close(code=4404)
         return
     await ws.accept()
-    pages: Conversations = ws.app.state.conversations
+    pages = state.pages
     pages.join(conv.id, id(ws), ws.send_text)
     try:
-        await ws.send_text(_current_state(ws.app, conv.id))
+        await ws.send_text(_current_state(state, conv.id))
         while True:
             message = await ws.receive()
             if message["type"] == "websocket.disconnect":
@@ -43,7 +45,7 @@ async def chat_socket(ws: WebSocket) -> None:
         pass
     finally:
         running = pages.running(conv.id)
-        if pages.leave(conv.id, id(ws)) == 0 and isinstance(running, Generation) and running.running:
+        if pages.leave(conv.id, id(ws)) == 0 and isinstance(running, RunningTurn) and running.running:
             # A reload or a dropped connection comes back within moments: answer on for it.
             await asyncio.wait([running.task], timeout=RECONNECT_GRACE_S)
             if running.running and not pages.watched(conv.id):
@@ -53,14 +55,15 @@ async def chat_socket(ws: WebSocket) -> None:
 
 async def _act(ws: WebSocket, cid: int, data: dict[str, Any]) -> None:
     """Stop the running turn, or start one (one at a time per conversation, whichever page)."""
-    pages: Conversations = ws.app.state.conversations
+    state = app_state(ws)
+    pages = state.pages
     action = data.get("action")
     running = pages.running(cid)
     if action == "stop":
-        if isinstance(running, Generation):
+        if isinstance(running, RunningTurn):
             running.stop()
     elif action == "tool":  # the user's decision on a tool call (app/mcp/approval.py)
-        tools = running.tools if isinstance(running, Generation) else None
+        tools = running.tools if isinstance(running, RunningTurn) else None
         problem = tools.approvals.answer(data.get("call_id"), data.get("decision")) if tools \
             else "No tool call is waiting for an answer."
         if problem:
@@ -68,9 +71,9 @@ async def _act(ws: WebSocket, cid: int, data: dict[str, Any]) -> None:
     elif running is not None:
         await _notice(ws, "Still answering: stop it first or wait for the end.")
     else:
-        gen = Generation()
+        gen = RunningTurn()
         pages.claim(cid, gen)
-        gen.task = asyncio.create_task(respond(ws.app, cid, action, data, gen))
+        gen.task = asyncio.create_task(respond(state, cid, action, data, gen))
 
 
 def _decode(message: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
@@ -89,18 +92,18 @@ def _decode(message: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     return data, None
 
 
-def _current_state(app: Any, cid: int) -> str:
+def _current_state(state: AppState, cid: int) -> str:
     """The conversation as the database has it, and whether a turn is running in it: sent to
     each page when its socket (re)connects, so that a page left behind by a restart or a lost
     connection shows no answer as still being written."""
-    storage = app.state.storage
+    storage = state.storage
     conv = storage.get_conversation(cid)
     views = message_views(storage, storage.active_path(cid))
-    running = app.state.conversations.running(cid)
-    tools = running.tools if isinstance(running, Generation) else None
+    running = state.pages.running(cid)
+    tools = running.tools if isinstance(running, RunningTurn) else None
     return (render("_messages.html", conv=conv, views=views, oob=True)
             + render("_composer_actions.html", generating=running is not None, oob=True)
-            + (tools.approvals.shown if tools else ""))
+            + (question_html(tools.approvals.asking) if tools and tools.approvals.asking else ""))
 
 
 async def _notice(ws: WebSocket, text: str) -> None:

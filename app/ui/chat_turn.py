@@ -16,14 +16,15 @@ from typing import Any
 
 from engine import EngineError, Event, RequestHandle, SamplingParams, SpeculativeOptions, ToolRequest
 
-from ..markdown import render_markdown
 from ..mcp import rounds as mcp_rounds
+from ..state import AppState
 from ..storage import Conversation, Message, Storage
 from ..submission import start
 from .context_notice import prepare_send
-from .conversation_pages import Conversations
+from .markdown import render_markdown
 from .prompt import document_prompt, prompt_with_documents
 from .settings import sampling_params, speculative_options
+from .tool_rounds import RoundsPages
 from .user_turn import record_user_turn
 from .views import message_views, render
 
@@ -35,13 +36,14 @@ DELETED = "This conversation has been deleted."
 
 
 @dataclass
-class Generation:
-    """The answer a socket is generating: the task streaming it and, once submitted, its handle."""
+class RunningTurn:
+    """The turn running in a conversation: the task streaming its answer and, once submitted, the
+    engine request's handle."""
 
     task: asyncio.Task | None = None
     handle: RequestHandle | None = None
     stop_requested: bool = False
-    tools: Any = None  # the turn's MCP tools (app/mcp/rounds.TurnTools), when it has some
+    tools: mcp_rounds.TurnTools | None = None  # the turn's MCP tools, when it has some
 
     @property
     def running(self) -> bool:
@@ -85,24 +87,25 @@ def _idle() -> str:
     return render("_composer_actions.html", generating=False, oob=True)
 
 
-async def respond(app: Any, cid: int, action: str, data: dict[str, Any], gen: Generation) -> None:
+async def respond(state: AppState, cid: int, action: str, data: dict[str, Any],
+                  gen: RunningTurn) -> None:
     """One turn in conversation `cid`, its outcome (or the reason there is none) sent to every
     page of the conversation."""
-    pages: Conversations = app.state.conversations
+    pages = state.pages
     try:
-        turn = await record(app, cid, action, data)
+        turn = await record(state, cid, action, data)
         if isinstance(turn, str):  # too long for the context: nothing is recorded, the user chooses
             await pages.send(cid, turn + _idle())
             return
         await pages.send(cid, turn.opening)
-        gen.tools = await mcp_rounds.turn_tools(app.state.mcp, app.state.storage, cid,
-                                                lambda html: pages.send(cid, html))
+        gen.tools = await mcp_rounds.turn_tools(state.mcp, state.storage, cid,
+                                                RoundsPages(pages, state.storage, cid))
         if gen.tools is not None:  # tools run with plain decoding (the engine refuses both)
-            turn.tools = gen.tools.request_after(app.state.storage.active_path(cid)[:-1])
+            turn.tools = gen.tools.request_after(state.storage.active_path(cid)[:-1])
             turn.speculative = None
-        streamed = await stream(app, turn, gen)
-        turn, streamed = await tool_rounds(app, turn, streamed, gen)
-        await finalise(app, turn, streamed)
+        streamed = await stream(state, turn, gen)
+        turn, streamed = await tool_rounds(state, turn, streamed, gen)
+        await finalise(state, turn, streamed)
     except Refused as exc:
         await pages.send(cid, render("_notice.html", text=str(exc)) + _idle())
     except Exception as exc:  # noqa: BLE001 - shown to the user instead of vanishing
@@ -112,10 +115,10 @@ async def respond(app: Any, cid: int, action: str, data: dict[str, Any], gen: Ge
         pages.release(cid, gen)
 
 
-async def record(app: Any, cid: int, action: str, data: dict[str, Any]) -> Recorded | str:
+async def record(state: AppState, cid: int, action: str, data: dict[str, Any]) -> Recorded | str:
     """The user's side and the empty answer, recorded; or the context notice to show instead
     (nothing recorded). Raises Refused."""
-    storage, engine = app.state.storage, app.state.engine
+    storage, engine = state.storage, state.engine
     conv = storage.get_conversation(cid)
     if conv is None:
         raise Refused(DELETED)
@@ -123,7 +126,7 @@ async def record(app: Any, cid: int, action: str, data: dict[str, Any]) -> Recor
     try:
         params = sampling_params(conv.settings, engine.defaults)
         conv, overflow_notice = await asyncio.to_thread(prepare_send, engine, storage, conv, action,
-                                                        data, params.max_tokens, document_prompt(app))
+                                                        data, params.max_tokens, document_prompt(state))
         if overflow_notice:
             return overflow_notice
         turn = record_user_turn(storage, conv, action, data)
@@ -149,21 +152,21 @@ async def record(app: Any, cid: int, action: str, data: dict[str, Any]) -> Recor
     return Recorded(conv, answer, params, speculative, opening)
 
 
-async def stream(app: Any, turn: Recorded, gen: Generation) -> Streamed:
+async def stream(state: AppState, turn: Recorded, gen: RunningTurn) -> Streamed:
     """One round: the answer generated, each piece sent to the conversation's pages as it grows
     and saved every SAVE_EVERY_S; saved as it ended whatever happens (`finish`)."""
-    storage, engine = app.state.storage, app.state.engine
-    pages: Conversations = app.state.conversations
+    storage, engine = state.storage, state.engine
+    pages = state.pages
     cid, mid = turn.conv.id, turn.answer.id
     out = Streamed()
     try:
         path = storage.active_path(cid)
-        messages = await asyncio.to_thread(prompt_with_documents, app, turn.conv.settings,
+        messages = await asyncio.to_thread(prompt_with_documents, state, turn.conv.settings,
                                            path[:-1], turn.params.max_tokens)
         gen.handle = await start(engine, messages, turn.params, turn.speculative, tools=turn.tools)
         if gen.stop_requested:  # Stop pressed before the request existed
             gen.handle.cancel()
-        with app.state.runs.track(gen.handle):
+        with state.runs.track(gen.handle):
             last_flush = last_save = time.monotonic()
             async for event in gen.handle.stream():
                 if event.kind == "done":
@@ -187,36 +190,36 @@ async def stream(app: Any, turn: Recorded, gen: Generation) -> Streamed:
     return out
 
 
-async def tool_rounds(app: Any, turn: Recorded, streamed: Streamed,
-                      gen: Generation) -> tuple[Recorded, Streamed]:
+async def tool_rounds(state: AppState, turn: Recorded, streamed: Streamed,
+                      gen: RunningTurn) -> tuple[Recorded, Streamed]:
     """While the model calls tools: the calls approved, run and stored, and the next answer
     streamed (app/mcp/rounds.py); the last round's turn and answer."""
-    storage, cid = app.state.storage, turn.conv.id
+    storage, cid = state.storage, turn.conv.id
     while (gen.tools is not None and streamed.final is not None and streamed.final.tool_calls
            and not gen.stop_requested):
         parent = await mcp_rounds.run_calls(
             gen.tools, storage, turn.conv, turn.answer.id, streamed.final.tool_calls,
-            lambda html: app.state.conversations.send(cid, html), lambda: gen.stop_requested)
+            RoundsPages(state.pages, storage, cid), lambda: gen.stop_requested)
         if gen.stop_requested:
             break
         answer = storage.add_message(cid, parent, "assistant", "", state="streaming",
                                      model=turn.answer.model, sampling=turn.answer.sampling)
         turn = dataclasses.replace(turn, answer=answer, tools=gen.tools.request_after(
             storage.active_path(cid)[:-1]))
-        await app.state.conversations.send(cid, render(
+        await state.pages.send(cid, render(
             "_messages.html", conv=turn.conv, oob=True,
             views=message_views(storage, storage.active_path(cid))))
-        streamed = await stream(app, turn, gen)
+        streamed = await stream(state, turn, gen)
     return turn, streamed
 
 
-async def finalise(app: Any, turn: Recorded, streamed: Streamed) -> None:
+async def finalise(state: AppState, turn: Recorded, streamed: Streamed) -> None:
     """The finished answer, with its statistics, on every page; the composer idle again."""
-    storage, cid = app.state.storage, turn.conv.id
+    storage, cid = state.storage, turn.conv.id
     views = message_views(storage, storage.active_path(cid))
     if storage.get_conversation(cid) is None or not views:
         raise Refused(DELETED)
-    await app.state.conversations.send(
+    await state.pages.send(
         cid, render("_message.html", conv=turn.conv, v=views[-1], oob=True) + _idle()
         + render("_notice.html", text=""))  # "still answering" is over
 

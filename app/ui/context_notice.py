@@ -11,11 +11,11 @@ from starlette.routing import Route
 
 from engine import Engine
 
-from ..context import TRUNCATE_MODES, overflow
+from ..context_window import TRUNCATE_MODES, overflow
 from ..doc_index.answering import DocumentPrompt
-from ..documents import parse_attachments, with_documents
 from ..storage import Conversation, Storage
-from ..upload_store import attached_uploads, carry_uploads
+from ..uploads.documents import parse_attachments, with_documents
+from ..uploads.store import attached_uploads, carry_uploads
 from .prompt import engine_messages
 from .views import conversation_of, not_found, parts, read_form, render
 

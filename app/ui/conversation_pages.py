@@ -1,12 +1,12 @@
-"""`Conversations`: which pages (chat sockets) show each conversation, and the one turn running in
-it."""
+"""`ConversationPages`: which pages (chat sockets) show each conversation, and the one turn
+running in it."""
 
 from typing import Awaitable, Callable
 
 Send = Callable[[str], Awaitable[None]]
 
 
-class Conversations:
+class ConversationPages:
     """Per conversation: the pages (sockets) that show it, and the turn running in it.
 
     One turn at a time per conversation, whichever page asked for it: a second page's message

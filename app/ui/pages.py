@@ -9,8 +9,9 @@ from starlette.routing import Route
 
 from engine import DEFAULTABLE, PRESETS, Engine
 
+from ..state import app_state
 from ..storage import Conversation, Storage
-from ..upload_store import draft_uploads
+from ..uploads.store import draft_uploads
 from .picker import models_context
 from .settings import SAMPLING_FIELDS, parse_settings_form, preset_settings, speculative_form
 from .views import (conversation_of, current_id, message_views, not_found, parts, read_form,
@@ -35,6 +36,7 @@ def _new_conversation(request: Request, copy_from: Conversation | None) -> Conve
 
 
 async def conversation_page(request: Request) -> Response:
+    state = app_state(request)
     storage, _ = parts(request)
     conv = conversation_of(request)
     if conv is None:
@@ -42,8 +44,8 @@ async def conversation_page(request: Request) -> Response:
     html = await asyncio.to_thread(lambda: render(  # a long conversation renders off the loop
         "chat.html", conversations=storage.list_conversations(), current_id=conv.id,
         q="", views=message_views(storage, storage.active_path(conv.id)), generating=False,
-        logout=bool(request.app.state.api_key), draft_uploads=draft_uploads(storage, conv),
-        **settings_context(conv, engine=request.app.state.engine), **models_context(request),
+        logout=bool(state.api_key), draft_uploads=draft_uploads(storage, conv),
+        **settings_context(conv, engine=state.engine), **models_context(request),
     ))
     # Boosted navigation: make the address bar show the conversation (also after a redirect).
     return HTMLResponse(html, headers={"HX-Push-Url": f"/c/{conv.id}"} if
@@ -87,7 +89,7 @@ async def delete_conversation(request: Request) -> Response:
     if conv is None:
         return not_found()
     storage.delete_conversation(conv.id)
-    request.app.state.uploads.sweep()  # its files no other conversation has
+    app_state(request).uploads.sweep()  # its files no other conversation has
     if conv.id == current_id(request):
         return Response(headers={"HX-Redirect": "/"})
     return _list_response(request)

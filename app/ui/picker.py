@@ -4,8 +4,6 @@ progress sent as server-sent events."""
 
 import asyncio
 import copy
-import threading
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
@@ -15,13 +13,16 @@ from starlette.routing import Route
 from engine import (DownloadCancelled, DownloadProgress, EngineError, compute_path, list_models,
                     pull_model, remove_model)
 
-from ..model_switch import ModelSwitch, begin_switch
+from ..model_jobs import ModelDownload, begin_switch
 from ..sse import sse
+from ..state import app_state
 from .views import read_form, render
 
+
 async def switch_model(request: Request) -> Response:
-    engine = request.app.state.engine
-    switch: ModelSwitch = request.app.state.switch
+    state = app_state(request)
+    engine = state.engine
+    switch = state.switch
     name = str((await read_form(request)).get("name", ""))
     if not switch.loading and name != engine.model_name:
         if name not in {m.name for m in engine.list_models()}:
@@ -35,8 +36,9 @@ async def load_options(request: Request) -> Response:
     """The picker's load-time options: "int8_activations" ("on" or absent) reloads the current
     model on the CPU kernels' int8-activation path or the exact one, through the one model
     switch; nothing happens where the model does not run on the kernels or nothing changes."""
-    engine = request.app.state.engine
-    switch: ModelSwitch = request.app.state.switch
+    state = app_state(request)
+    engine = state.engine
+    switch = state.switch
     wanted = (await read_form(request)).get("int8_activations") == "on"
     current = engine.int8_activations
     if not switch.loading and current is not None and wanted != current:
@@ -46,7 +48,7 @@ async def load_options(request: Request) -> Response:
 
 async def model_progress(request: Request) -> Response:
     """Server-sent events while a model loads: `progress` text, then `done` with the new picker."""
-    switch: ModelSwitch = request.app.state.switch
+    switch = app_state(request).switch
     return _progress(request, lambda: switch.loading, switch.describe)
 
 
@@ -63,40 +65,13 @@ def _progress(request: Request, busy: Callable[[], bool], describe: Callable[[],
                              headers={"Cache-Control": "no-cache"})
 
 
-@dataclass
-class ModelDownload:
-    """The one download that may be in progress, shown in the model picker."""
-
-    spec: str = ""
-    progress: DownloadProgress | None = None
-    error: str | None = None
-    finished: str | None = None  # the message once a download completed
-    task: asyncio.Task | None = None
-    cancel: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def active(self) -> bool:
-        return self.task is not None and not self.task.done()
-
-    def describe(self) -> str:
-        if self.progress is None:
-            return f"Downloading {self.spec}…"
-        return f"Downloading {self.spec}: {self.progress.describe()}"
-
-
-def download_state(request: Request) -> ModelDownload:
-    state = request.app.state
-    if not hasattr(state, "download"):
-        state.download = ModelDownload()
-    return state.download
-
-
 async def start_download(request: Request) -> Response:
-    download = download_state(request)
+    state = app_state(request)
+    download = state.download
     spec = str((await read_form(request)).get("spec", "")).strip()
     if not download.active and spec:
         fresh = ModelDownload(spec=spec)
-        request.app.state.download = fresh
+        state.download = fresh
 
         def progress(p: DownloadProgress) -> None:
             fresh.progress = p
@@ -115,7 +90,7 @@ async def start_download(request: Request) -> Response:
 
 
 async def cancel_download(request: Request) -> Response:
-    download = download_state(request)
+    download = app_state(request).download
     download.cancel.set()
     if download.task is not None:
         await asyncio.wait([download.task], timeout=30)
@@ -124,14 +99,15 @@ async def cancel_download(request: Request) -> Response:
 
 async def download_progress(request: Request) -> Response:
     """Server-sent events while a download runs: `progress` text, then `done` with the picker."""
-    download = download_state(request)
+    download = app_state(request).download
     return _progress(request, lambda: download.active, download.describe)
 
 
 async def delete_model(request: Request) -> Response:
     """Delete a downloaded model (the page asked for confirmation); never the loaded one."""
-    engine = request.app.state.engine
-    download = download_state(request)
+    state = app_state(request)
+    engine = state.engine
+    download = state.download
     name = str((await read_form(request)).get("name", ""))
     found = next((m for m in list_models() if m.name == name), None)
     download.finished = None
@@ -159,10 +135,11 @@ def _shown_once(download: ModelDownload) -> ModelDownload:
 
 
 def models_context(request: Request) -> dict[str, Any]:
-    engine = request.app.state.engine
-    cluster = getattr(request.app.state, "cluster", None)  # a sharded model (engine/distributed/)
+    state = app_state(request)
+    engine = state.engine
+    cluster = state.cluster  # a sharded model (engine/distributed/)
     return {"models": engine.list_models(), "current_model": engine.model_name,
-            "switch": request.app.state.switch, "download": _shown_once(download_state(request)),
+            "switch": state.switch, "download": _shown_once(state.download),
             "resident": engine.status().resident,
             # None where the model does not run on the CPU kernels: the option is not shown
             "int8_activations": engine.int8_activations,

@@ -6,11 +6,12 @@ from typing import Any, Mapping
 
 from engine import Engine
 
-from ..context import TRUNCATE_MODES, drop_oldest
+from ..context_window import TRUNCATE_MODES, drop_oldest
 from ..doc_index.answering import DocumentPrompt
-from ..documents import with_documents
-from ..image_uploads import resolve_images, with_images
+from ..state import AppState
 from ..storage import Message
+from ..uploads.documents import with_documents
+from ..uploads.image_uploads import resolve_images, with_images
 
 
 def engine_messages(settings: Mapping[str, Any], path: list[Message]) -> list[dict[str, Any]]:
@@ -44,17 +45,16 @@ def answer_messages(engine: Engine, settings: Mapping[str, Any], path: list[Mess
     return messages
 
 
-def document_prompt(app: Any) -> DocumentPrompt:
+def document_prompt(state: AppState) -> DocumentPrompt:
     """How the app's uploaded documents enter prompts (app/doc_index/answering.py)."""
-    state = app.state
     return DocumentPrompt(state.storage, state.chunks, state.engine, state.document_embeddings)
 
 
-def prompt_with_documents(app: Any, settings: Mapping[str, Any], path: list[Message],
+def prompt_with_documents(state: AppState, settings: Mapping[str, Any], path: list[Message],
                           max_tokens: int) -> list[dict[str, Any]]:
     """`answer_messages` for `path` once its uploads are resolved: the newest user turn's chunks
     retrieved (and stored) when it has documents too large to go in whole. CPU-bound."""
-    docs = document_prompt(app)
+    docs = document_prompt(state)
     path = docs.retrieve(settings, path, max_tokens, engine_messages)
-    path = resolve_images(app.state.uploads, path)  # app/image_uploads.py
-    return answer_messages(app.state.engine, settings, docs.resolve(path), max_tokens)
+    path = resolve_images(state.uploads, path)  # app/uploads/image_uploads.py
+    return answer_messages(state.engine, settings, docs.resolve(path), max_tokens)

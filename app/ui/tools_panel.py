@@ -14,8 +14,8 @@ from starlette.routing import Route
 
 from ..mcp import config
 from ..mcp.config import ConfigError
-from ..mcp.servers import McpServers
-from ..storage import Conversation, McpChoice, Storage
+from ..state import app_state
+from ..storage import Conversation, McpChoice
 from .views import conversation_of, not_found, read_form, render
 
 MAX_ROUNDS_LIMIT = 64
@@ -23,13 +23,13 @@ MAX_ROUNDS_LIMIT = 64
 
 def _panel(request: Request, conv: Conversation, *, error: str = "", saved: str = "",
            status: int = 200) -> HTMLResponse:
-    servers: McpServers = request.app.state.mcp
+    app = app_state(request)
+    servers = app.mcp
     servers.ensure_started()
-    storage: Storage = request.app.state.storage
     shown = [{**s.config.public(), "state": s.state, "reason": s.reason, "tools": s.tools}
              for s in servers.servers.values()]
     return HTMLResponse(render("_tools_panel.html", conv=conv, servers=shown,
-                               choice=storage.mcp_choice(conv.id), edit=request.app.state.mcp_edit,
+                               choice=app.storage.mcp_choice(conv.id), edit=app.mcp_edit,
                                path=str(servers.path), file_error=servers.error, error=error,
                                saved=saved, max_rounds_limit=MAX_ROUNDS_LIMIT), status_code=status)
 
@@ -38,7 +38,7 @@ async def tools_panel(request: Request) -> Response:
     conv = conversation_of(request)
     if conv is None:
         return not_found()
-    await request.app.state.mcp.current()  # mcp.json edited by hand: read again
+    await app_state(request).mcp.current()  # mcp.json edited by hand: read again
     return _panel(request, conv)
 
 
@@ -57,13 +57,14 @@ def choice_form(form: dict[str, str], known: set[str], always: tuple[str, ...]) 
 
 
 async def save_choice(request: Request) -> Response:
+    state = app_state(request)
     conv = conversation_of(request)
     if conv is None:
         return not_found()
-    storage: Storage = request.app.state.storage
-    request.app.state.mcp.ensure_started()
+    storage = state.storage
+    state.mcp.ensure_started()
     try:
-        choice = choice_form(await read_form(request), set(request.app.state.mcp.servers),
+        choice = choice_form(await read_form(request), set(state.mcp.servers),
                              storage.mcp_choice(conv.id).always)
     except ValueError as exc:
         return _panel(request, conv, error=str(exc), status=400)
@@ -73,7 +74,7 @@ async def save_choice(request: Request) -> Response:
 
 def _edited(request: Request, change: Any) -> dict[str, config.ServerConfig]:
     """mcp.json after `change(servers)`, written; raises ConfigError."""
-    path = request.app.state.mcp.path
+    path = app_state(request).mcp.path
     servers = config.load(path)
     change(servers)
     config.save(path, servers)
@@ -82,6 +83,7 @@ def _edited(request: Request, change: Any) -> dict[str, config.ServerConfig]:
 
 async def add_servers(request: Request) -> Response:
     """Add (or replace, by name) the servers of a pasted mcp.json."""
+    state = app_state(request)
     conv = conversation_of(request)
     if conv is None:
         return not_found()
@@ -90,38 +92,39 @@ async def add_servers(request: Request) -> Response:
         pasted = config.parse(form.get("config") or "")
         if not pasted:
             raise ConfigError("paste an mcp.json, or the entries of its mcpServers")
-        if not request.app.state.mcp_edit and any(s.command for s in pasted.values()):
+        if not state.mcp_edit and any(s.command for s in pasted.values()):
             return _panel(request, conv, status=403, error=(
                 "Adding a command from the page is allowed only when mlxchat listens on "
-                f"127.0.0.1 without --allow-remote: edit {request.app.state.mcp.path} instead."))
+                f"127.0.0.1 without --allow-remote: edit {state.mcp.path} instead."))
         _edited(request, lambda servers: servers.update(pasted))
     except ConfigError as exc:
         return _panel(request, conv, error=f"Not added: {exc}", status=400)
-    await request.app.state.mcp.restart()
+    await state.mcp.restart()
     return _panel(request, conv, saved=f"Added {', '.join(pasted)}.")
 
 
 async def _server_edit(request: Request, what: str, change: Any) -> Response:
     """A change to one server of mcp.json from the panel (`change(servers, name, form)`: the
     message to show); only where the page may edit the file."""
+    state = app_state(request)
     conv = conversation_of(request)
     if conv is None:
         return not_found()
     form = await read_form(request)
     name = form.get("name", "")
-    if not request.app.state.mcp_edit:
+    if not state.mcp_edit:
         return _panel(request, conv, status=403, error=f"Edit mcp.json to {what}.")
     done: list[str] = []
     try:
         _edited(request, lambda servers: done.append(change(servers, name, form)))
     except ConfigError as exc:
         return _panel(request, conv, error=str(exc), status=400)
-    await request.app.state.mcp.restart()
+    await state.mcp.restart()
     return _panel(request, conv, saved=done[0])
 
 
 async def remove_server(request: Request) -> Response:
-    storage: Storage = request.app.state.storage
+    storage = app_state(request).storage
 
     def remove(servers: dict[str, config.ServerConfig], name: str, form: dict[str, str]) -> str:
         servers.pop(name, None)
@@ -150,7 +153,7 @@ async def retry_server(request: Request) -> Response:
     if conv is None:
         return not_found()
     name = (await read_form(request)).get("name", "")
-    await request.app.state.mcp.retry(name)
+    await app_state(request).mcp.retry(name)
     return _panel(request, conv)
 
 

@@ -4,9 +4,9 @@
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..documents import parse_attachments
 from ..storage import DEFAULT_TITLE, Conversation, Message, Storage
-from ..upload_store import attached_uploads
+from ..uploads.documents import parse_attachments
+from ..uploads.store import attached_uploads
 
 TITLE_LENGTH = 60
 

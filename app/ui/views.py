@@ -15,9 +15,10 @@ from engine import PRESETS, DraftChoice, Engine
 from web import __file__ as _web_init
 
 from ..doc_index.answering import Citation, citations
-from ..markdown import render_markdown, render_plain, render_tool_calls, render_tool_result
-from ..socket_limits import WS_MAX_BYTES
+from ..security.socket_limits import WS_MAX_BYTES
+from ..state import app_state
 from ..storage import Conversation, Message, Storage
+from .markdown import render_markdown, render_plain, render_tool_calls, render_tool_result
 from .settings import SAMPLING_FIELDS, default_sources, preset_settings
 
 # Autoescaping everywhere: titles and user text are escaped; model output is inserted only after
@@ -90,7 +91,8 @@ def render(template: str, **context: Any) -> str:
 
 
 def parts(conn: Request | WebSocket) -> tuple[Storage, Engine]:
-    return conn.app.state.storage, conn.app.state.engine
+    state = app_state(conn)
+    return state.storage, state.engine
 
 
 def settings_context(conv: Conversation, errors: dict[str, str] | None = None,
@@ -127,7 +129,7 @@ async def read_form(request: Request) -> dict[str, str]:
 
 
 def conversation_of(request: Request) -> Conversation | None:
-    return request.app.state.storage.get_conversation(int(request.path_params["cid"]))
+    return app_state(request).storage.get_conversation(int(request.path_params["cid"]))
 
 
 def not_found() -> HTMLResponse:

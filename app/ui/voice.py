@@ -26,7 +26,8 @@ from engine import SPEECH_MAX_TEXT, SPEECH_SUGGESTED
 
 from ..api.audio import encoded, first_wave, start_speech
 from ..api.errors import ApiError
-from ..audio_codec import Encoder
+from ..api.audio_codec import Encoder
+from ..state import app_state
 
 _THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
 _SKIPPED = {"fence", "code_block", "html_block"}
@@ -53,7 +54,7 @@ def speakable(markdown: str) -> str:
 
 
 async def voice_status(request: Request) -> Response:
-    engine = request.app.state.engine
+    engine = app_state(request).engine
     status = {}
     for kind in ("transcription", "speech"):
         models = await asyncio.to_thread(engine.speech_models, kind)
@@ -63,7 +64,8 @@ async def voice_status(request: Request) -> Response:
 
 
 async def read_aloud(request: Request) -> Response:
-    storage = request.app.state.storage
+    state = app_state(request)
+    storage = state.storage
     cid, mid = request.path_params["cid"], request.path_params["mid"]
     try:
         message = await asyncio.to_thread(storage.get_message, mid)
@@ -72,7 +74,7 @@ async def read_aloud(request: Request) -> Response:
         text = speakable(message.content)
         if not text:
             raise ApiError(400, "this answer has no words to read aloud", code="empty_input")
-        stream = await start_speech(request.app.state.engine, text, model=None, voice=None,
+        stream = await start_speech(state.engine, text, model=None, voice=None,
                                     speed=1.0)
         waves = await first_wave(stream)
     except ApiError as err:

@@ -173,6 +173,9 @@ class CacheStats:
     evictions: int
     reused_tokens: int  # summed over all hits
     disk_entries: int  # snapshots known on disk and not loaded
+    saves: int = 0  # snapshots taken into memory
+    file_reads: int = 0  # snapshot files loaded
+    file_writes: int = 0  # snapshot files written
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -213,6 +216,7 @@ class PrefixCache:
         self._clock = 0
         self._bytes = 0
         self._hits = self._misses = self._evictions = self._reused = 0
+        self._saves = self._file_reads = self._file_writes = 0
         self._identity: dict[str, str] = {}
         self._layout: files.Layout | None = None  # the model's cache shapes, probed on first load
         self._writer: WriteBehind | None = None
@@ -274,6 +278,7 @@ class PrefixCache:
                 snapshot.file, snapshot.file_bytes = None, 0
             snapshot.cache, snapshot.nbytes = copy, size
             self._bytes += size
+            self._saves += 1
             self._touch(snapshot)
             if self.trimmable:  # shorter snapshots on this path are this one trimmed: drop them
                 self._drop_shorter(path, matched, n)
@@ -315,7 +320,8 @@ class PrefixCache:
                 entries=sum(s.cache is not None for s in snaps), bytes=self._bytes,
                 budget_bytes=self.budget, hits=self._hits, misses=self._misses,
                 evictions=self._evictions, reused_tokens=self._reused,
-                disk_entries=sum(s.cache is None for s in snaps),
+                disk_entries=sum(s.cache is None for s in snaps), saves=self._saves,
+                file_reads=self._file_reads, file_writes=self._file_writes,
             )
 
     def snapshots(self) -> list[tuple[list[int], Snapshot]]:
@@ -392,6 +398,7 @@ class PrefixCache:
                     if self._shards is not None:  # while `cache` is held: the other ranks' twin
                         self._shards.written(cache, tokens)
             with self._lock:
+                self._file_writes += len(written)
                 for snapshot, tokens, path in written:
                     self._adopt(snapshot, tokens, path)
                 self._trim_disk(limit)
@@ -517,6 +524,7 @@ class PrefixCache:
             return False
         snapshot.cache, snapshot.nbytes = cache, self.caches.nbytes(cache)
         self._bytes += snapshot.nbytes
+        self._file_reads += 1
         self._touch(snapshot)
         self._evict(keep=snapshot)
         return True

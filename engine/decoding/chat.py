@@ -46,6 +46,7 @@ class Prompt:
     checkpoints: list[int]
     continued: bool = False  # it ends inside an assistant message that the answer continues
     vision: Any = None  # its images, as engine/decoding/vision.py's VisionPrompt (None: text only)
+    stop_tokens: tuple[int, ...] = ()  # end the answer besides the model's EOS (a FIM middle's end)
 
 
 # Kept for templates that render tool calls and results (engine/decoding/tools.py).

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import InvalidRequest
+from ..loading.gguf import source_gguf
 from .sampling import OPTIONS_BY_NAME, SAMPLING_OPTIONS, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -133,15 +134,6 @@ def gguf_sampling_values(gguf: Path) -> dict[str, Any]:
     return found
 
 
-def _gguf_source(folder: Path) -> Path | None:
-    """The GGUF a converted folder came from (engine/loading/gguf.py writes source.json)."""
-    try:
-        source = json.loads((Path(folder) / "source.json").read_text()).get("gguf")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return Path(source) if source and Path(source).is_file() else None
-
-
 def table_values(name: str, family: str | None) -> dict[str, Any]:
     """mlxchat's preset for a model: by its name first, then by its family."""
     lowered = name.lower()
@@ -156,7 +148,7 @@ def resolve_defaults(name: str, folder: Path | None, family: str | None) -> Mode
     layers: list[tuple[str, dict[str, Any]]] = []
     if folder is not None:
         layers.append(("generation_config", generation_config_values(folder)))
-        gguf = _gguf_source(folder)
+        gguf = source_gguf(folder)
         if gguf is not None:
             layers.append(("gguf", gguf_sampling_values(gguf)))
     layers += [("table", table_values(name, family)), ("global", GLOBAL)]

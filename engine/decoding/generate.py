@@ -16,6 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .channels import ChannelSplitter, Markers
 from .chat import Prompt, encode_text, render
+from .fim import Infill, render_infill
 from ..device import backend, memory_budget
 from ..errors import InvalidRequest
 from ..events import Channel, Event, Timings, Usage
@@ -119,11 +120,15 @@ class PrefixStore(Protocol):
 
 def build_prompt(lm: LoadedModel, messages: Sequence[dict] | None = None,
                  prompt_tokens: Sequence[int] | None = None, text: str | None = None,
-                 tools: ToolRequest | None = None, with_checkpoints: bool = True) -> Prompt:
-    """Exactly one of messages (chat template, with `tools` offered), prompt_tokens or text (raw).
-    Without `with_checkpoints` a rendered prompt's only checkpoint is its end (to count tokens)."""
-    if sum(x is not None for x in (messages, prompt_tokens, text)) != 1:
-        raise InvalidRequest("give exactly one of messages, prompt_tokens or text")
+                 tools: ToolRequest | None = None, with_checkpoints: bool = True,
+                 infill: Infill | None = None) -> Prompt:
+    """Exactly one of messages (chat template, with `tools` offered), prompt_tokens, text (raw)
+    or infill (fill-in-the-middle, engine/decoding/fim.py). Without `with_checkpoints` a
+    rendered prompt's only checkpoint is its end (to count tokens)."""
+    if sum(x is not None for x in (messages, prompt_tokens, text, infill)) != 1:
+        raise InvalidRequest("give exactly one of messages, prompt_tokens, text or infill")
+    if infill is not None:
+        return render_infill(lm, infill)
     if messages is not None and (has_images(messages) or "vision" in lm.extras):  # vision.py
         return render_with_images(lm, messages, tools, with_checkpoints)
     if messages is not None:
@@ -220,7 +225,7 @@ class Generation:
             # message, that space separates its last word from the next one: keep it.
             self.detokenizer.text, self.detokenizer.offset = " ", 1
         self.stop_matcher = StopMatcher(params.stop)
-        self.eos = set(lm.tokenizer.eos_token_ids)
+        self.eos = set(lm.tokenizer.eos_token_ids) | set(prompt.stop_tokens)
         self.created = time.perf_counter()
         self.started: float | None = None
         self.first_token_at: float | None = None

@@ -14,7 +14,8 @@ log = logging.getLogger(__name__)
 
 def fastest_layout(model: nn.Module, config: dict[str, Any], *,
                    int8_activations: bool | None = None) -> nn.Module:
-    """On a GPU, stack each layer's q/k/v and gate/up projections (gpu_layout.py). On the CPU, run
+    """On a GPU, stack each layer's q/k/v and gate/up projections (gpu_layout.py) and, on CUDA,
+    give a dense llama-family model its compiled one-token step (decode_step.py). On the CPU, run
     a quantized model on our kernels (layout.py); where they cannot load, or for a dense model,
     with an optimised BLAS, in cpu_layout.py's layout: fp32 weights (dequantized where quantized)
     with one-token matmuls written as W @ x.
@@ -26,11 +27,15 @@ def fastest_layout(model: nn.Module, config: dict[str, Any], *,
     int8-activation path (None: the process's default, `--int8-activations`).
     """
     from .cpu_layout import cpu_layout_wanted, fp32_bytes, to_cpu_layout
+    from .decode_step import attach
     from .gpu_layout import to_gpu_layout
     from .layout import kernel_layout_wanted, to_kernel_layout
 
     if device.backend() != "cpu":
-        return to_gpu_layout(model)
+        model = to_gpu_layout(model)
+        if attach(model):
+            log.info("one-token steps run as one compiled program (%s to turn off)", "MLXCHAT_CUDA_DECODE=0")
+        return model
     wanted, why = kernel_layout_wanted(model)  # our CPU kernels, weights kept quantized
     if wanted:
         return to_kernel_layout(model, int8=int8_activations)

@@ -116,6 +116,16 @@ def _config(arch_name: str, md: dict[str, Any], weights: dict[str, mx.array],
     return config
 
 
+def source_gguf(folder: Path) -> Path | None:
+    """The GGUF a converted folder came from (`convert_gguf` writes it in source.json), while
+    that file is still there; None for any other folder."""
+    try:
+        source = json.loads((Path(folder) / "source.json").read_text()).get("gguf")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return Path(source) if source and Path(source).is_file() else None
+
+
 def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     """Write an mlx-lm model folder for `gguf` into `out_dir` (atomically) and return it."""
     weights, md = read_gguf(gguf)

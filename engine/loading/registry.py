@@ -44,23 +44,32 @@ class ModelInfo:
 
 
 # What a model can do, as clients ask (Ollama's /api/show, /v1/models, the picker): one
-# declaration, each derived from the model's own files in `capabilities`.
-CAPABILITIES = ("completion", "tools", "thinking", "vision", "embedding")
+# declaration, each derived from the model's own files in `capabilities`. `insert` is Ollama's name
+# for fill-in-the-middle (a `suffix`, `/infill`).
+CAPABILITIES = ("completion", "insert", "tools", "thinking", "vision", "embedding", "rerank")
 
 
 def capabilities(lm: "LoadedModel") -> tuple[str, ...]:
     """The model's CAPABILITIES: a dedicated embedding model (sentence-transformers pooling,
-    engine/decoding/embeddings.py) only embeds; every other model completes and embeds (mean
-    pooling of its last hidden state); tools when its tokenizer knows its family's tool-call
+    engine/decoding/embeddings.py) only embeds, and reranks by cosine similarity; an LLM
+    reranker (engine/loading/rerank_recipe.py) only reranks; every other model completes and
+    embeds (mean pooling of its last hidden state); insert when its files declare FIM tokens
+    (engine/loading/fim_tokens.py); tools when its tokenizer knows its family's tool-call
     markers or its chat template takes `tools`; thinking when it knows think markers; vision when
     it is a vision-language model loaded through mlx-vlm (engine/loading/vision.py)."""
     from .embedding_recipe import embedding_recipe
+    from .fim_tokens import fim_tokens
+    from .rerank_recipe import rerank_recipe
 
     if embedding_recipe(lm.path).dedicated:
-        return ("embedding",)
+        return ("embedding", "rerank")
+    if rerank_recipe(lm.path) is not None:
+        return ("rerank",)
     tok = lm.tokenizer
     template = getattr(tok, "chat_template", None) or ""
     found = ["completion"]
+    if fim_tokens(tok, lm.path) is not None:
+        found.append("insert")
     if getattr(tok, "has_tool_calling", False) or "tools" in template:
         found.append("tools")
     if getattr(tok, "has_thinking", False):

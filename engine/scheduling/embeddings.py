@@ -11,6 +11,10 @@ names it or no model, or a dedicated embedding model (Qwen3-Embedding) named by 
 dedicated model loads on a loader thread when the queue reaches its first request, its weight
 files count in the engine's one memory budget while it is loaded (at most one at a time), and it
 is unloaded after its keep-alive like a chat model.
+
+Reranking (engine/scheduling/rerank.py) runs through this same queue: its rows are (query,
+document) prompts scored by an LLM reranker, or the query and documents embedded for cosine
+similarity; a job's `run` is the model call its chunks make.
 """
 
 import asyncio
@@ -22,12 +26,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
 import numpy as np
 
 from ..decoding.embeddings import embed_batch
 from ..loading.embedding_recipe import EmbeddingRecipe, embedding_recipe
+from ..loading.rerank_recipe import rerank_recipe
 from ..errors import EngineError, InvalidRequest, ModelLoadError, Overloaded
 from ..loading.memory import weight_files_bytes
 from ..loading.registry import LoadedModel, context_length, load_model, resolve
@@ -100,6 +105,8 @@ class _Job:
     order: list[int] = field(default_factory=list)  # rows by length: less padding per chunk
     done: int = 0  # rows of `order` embedded
     vectors: np.ndarray | None = None
+    # the model call of a chunk: (model, rows) -> one row of floats each (None: embed them)
+    run: Callable[[Any, list[list[int]]], Any] | None = None
 
 
 def _text_config(config: dict) -> dict:
@@ -142,6 +149,13 @@ class EmbeddingQueue:
                 raise InvalidRequest(f"dimensions {dimensions} is not available for "
                                      f"{target.name}: {allowed}", field="dimensions",
                                      code="invalid_value")
+        return self.queue(target, rows, dimensions, keep_alive)
+
+    def queue(self, target: "_Model", rows: list[list[int]], dimensions: int | None = None,
+              keep_alive: float | str | None = None,
+              run: Callable[[Any, list[list[int]]], Any] | None = None) -> EmbeddingHandle:
+        """Queue validated token rows for `target` (`run`: the model call of each chunk, None to
+        embed); raises Overloaded past MAX_PENDING requests."""
         keep = keep_alive_seconds(keep_alive, self._engine.keep_alive)
         with self._lock:
             if self._engine.halted is not None:
@@ -152,7 +166,7 @@ class EmbeddingQueue:
             self._ids += 1
             handle = EmbeddingHandle(id=f"emb-{self._ids}")
             order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
-            self._jobs.append(_Job(handle, target, rows, dimensions, keep, order))
+            self._jobs.append(_Job(handle, target, rows, dimensions, keep, order, run=run))
         self._kick()
         return handle
 
@@ -173,7 +187,9 @@ class EmbeddingQueue:
         with self._lock:
             return len(self._jobs)
 
-    def _target(self, name: str | None) -> _Model:
+    def _target(self, name: str | None, reranker: bool = False) -> _Model:
+        """The model a request names (the loaded chat model by default); `reranker`: an LLM
+        reranker's folder is also a dedicated model (engine/loading/rerank_recipe.py)."""
         engine = self._engine
         lm = engine.lm
         if lm is not None and name in (None, "", "default", lm.name):
@@ -190,7 +206,7 @@ class EmbeddingQueue:
         if known is not None:
             return known
         recipe = embedding_recipe(folder)
-        if not recipe.dedicated:
+        if not recipe.dedicated and not (reranker and rerank_recipe(folder) is not None):
             raise InvalidRequest(f"{display} is not an embedding model (it has no "
                                  f"sentence-transformers pooling); name an embedding model or the "
                                  f"loaded chat model {engine.model_name!r}, which embeds by mean "
@@ -211,28 +227,29 @@ class EmbeddingQueue:
         return _Model(lm.name, lm.path, embedding_recipe(lm.path), lm.tokenizer,
                       int(text["vocab_size"]), lm.context_length, int(text["hidden_size"]), chat=lm)
 
-    def _tokenize(self, target: _Model, inputs: Any, truncate: bool, query: bool) -> list[list[int]]:
+    def _tokenize(self, target: _Model, inputs: Any, truncate: bool, query: bool,
+                  field: str = "input") -> list[list[int]]:
         if isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and inputs
                                        and all(_is_id(t) for t in inputs)):
             items = [inputs]
         elif isinstance(inputs, (list, tuple)):
             items = list(inputs)
         else:
-            raise InvalidRequest("input must be a string, a list of strings, token ids or a list "
-                                 "of token-id lists", field="input", code="invalid_type")
+            raise InvalidRequest(f"{field} must be a string, a list of strings, token ids or a "
+                                 "list of token-id lists", field=field, code="invalid_type")
         if not items:
-            raise InvalidRequest("input is empty: give at least one text", field="input",
+            raise InvalidRequest(f"{field} is empty: give at least one text", field=field,
                                  code="empty_input")
         if len(items) > MAX_INPUTS:
             raise InvalidRequest(f"{len(items)} inputs in one request; the maximum is {MAX_INPUTS}",
-                                 field="input", code="too_many_inputs")
+                                 field=field, code="too_many_inputs")
         prompt = target.recipe.prompt(query)
         rows = []
         for i, item in enumerate(items):
-            where = "input" if len(items) == 1 else f"input[{i}]"
+            where = field if len(items) == 1 else f"{field}[{i}]"
             if isinstance(item, str):
                 if not item:
-                    raise InvalidRequest(f"{where} is an empty string", field="input",
+                    raise InvalidRequest(f"{where} is an empty string", field=field,
                                          code="empty_input")
                 ids = list(target.tokenizer.encode(prompt + item))
             elif isinstance(item, (list, tuple)) and item and all(_is_id(t) for t in item):
@@ -240,16 +257,16 @@ class EmbeddingQueue:
                 bad = next((t for t in ids if not 0 <= t < target.vocab_size), None)
                 if bad is not None:
                     raise InvalidRequest(f"{where} has token id {bad}, outside {target.name}'s "
-                                         f"vocabulary of {target.vocab_size}", field="input",
+                                         f"vocabulary of {target.vocab_size}", field=field,
                                          code="invalid_token")
             else:
                 raise InvalidRequest(f"{where} must be a non-empty string or a non-empty list of "
-                                     f"token ids", field="input", code="invalid_type")
+                                     f"token ids", field=field, code="invalid_type")
             if len(ids) > target.context_length:
                 if not truncate:
                     raise InvalidRequest(f"{where} is {len(ids)} tokens, over {target.name}'s "
                                          f"context of {target.context_length}; shorten it or ask "
-                                         f"for truncation", field="input",
+                                         f"for truncation", field=field,
                                          code="context_length_exceeded")
                 ids = ids[:target.context_length]
             rows.append(ids)
@@ -285,8 +302,9 @@ class EmbeddingQueue:
 
     def _step(self, job: _Job, model: Any) -> None:
         picked = next_chunk(job.rows, job.order[job.done:])
-        vectors = np.array(embed_batch(model, [job.rows[i] for i in picked], job.model.recipe,
-                                       job.dimensions))
+        rows = [job.rows[i] for i in picked]
+        vectors = np.array(job.run(model, rows) if job.run is not None else
+                           embed_batch(model, rows, job.model.recipe, job.dimensions))
         if job.vectors is None:
             job.vectors = np.empty((len(job.rows), vectors.shape[1]), dtype=np.float32)
         job.vectors[picked] = vectors
@@ -389,6 +407,11 @@ class EmbeddingQueue:
 
         gc.collect()
         mx.clear_cache()
+
+    def resident_weights(self) -> list[tuple[str, int]]:
+        """(name, weight-file bytes) of each dedicated model whose weights are loaded now."""
+        return [(t.name, t.weight_bytes) for t in list(self._dedicated.values())
+                if t.loaded is not None]
 
     def resident_models(self) -> list[str]:
         """The dedicated embedding models whose weights are loaded now."""

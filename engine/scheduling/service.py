@@ -27,6 +27,7 @@ from ..decoding.drafts import SpeculativeOptions, SpeculatorFactory, check_draft
 from ..device import memory_budget as device_memory_budget
 from ..errors import EngineError, InvalidRequest, Overloaded
 from ..events import FINAL_STATES, Event, FinishReason, RequestState, Timings
+from ..decoding.fim import Infill
 from ..decoding.generate import Generation, build_prompt
 from ..loading.registry import LoadedModel, ModelInfo, load_model
 from ..decoding.defaults import ModelDefaults
@@ -36,6 +37,8 @@ from .draft_loader import DraftLoader
 from .embeddings import EmbeddingHandle, EmbeddingInput, EmbeddingQueue
 from .speech import SpeechHandle, SpeechQueue, SpeechStream
 from .keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
+from .rerank import RerankHandle, submit_rerank
+from .stats import EngineStats, MemoryUse, PrefixCacheUse, StatsRecorder
 from .requests import RequestHandle
 from .slot import ModelDescription, ModelSlot
 
@@ -112,7 +115,8 @@ class Engine:
         self.memory_budget = memory_budget if memory_budget is not None else device_memory_budget()
         self._reserved = 0  # bytes reserved by admitted requests (changed under the lock)
         self.drafts = DraftLoader(current=lambda: self.lm)
-        self.slot = ModelSlot(load, fallback_to_default=fallback_to_default,
+        self._stats = StatsRecorder()  # running totals for monitoring (`stats`)
+        self.slot = ModelSlot(self._stats.counted(load), fallback_to_default=fallback_to_default,
                               prefix_cache=prefix_cache, persist_prefix_cache=persist_prefix_cache,
                               cache_budget=lambda: self.memory_budget - self._reserved,
                               on_release=self.drafts.clear, int8_activations=int8_activations)
@@ -240,6 +244,30 @@ class Engine:
                 embedding_models=tuple(self._embeddings.resident_models()),
                 speech_models=tuple(self._speech.resident_models()))
 
+    def stats(self) -> EngineStats:
+        """A reading for monitoring (engine/scheduling/stats.py): the load now, the running
+        totals, memory by model and the prefix cache's counters. Safe from any thread; it takes
+        the scheduler's lock only to copy a few numbers."""
+        status = self.status()
+        weights = dict(self._embeddings.resident_weights())
+        weights.update(self._speech.resident_weights())
+        lm = self.lm
+        if lm is not None and self.slot.resident:
+            weights[lm.name] = _weight_bytes(lm)
+        cache = self.prefix_cache
+        use = None
+        if cache is not None and lm is not None:
+            c = cache.stats()
+            use = PrefixCacheUse(lm.name, c.entries, c.bytes, c.disk_entries, c.hits, c.misses,
+                                 c.saves, c.evictions, c.file_reads, c.file_writes,
+                                 c.reused_tokens)
+        return EngineStats(at=time.time(), model=status.model, running=status.running,
+                           queued=status.queued + status.loading_drafts,
+                           embedding_queue=self._embeddings.pending(),
+                           totals=self._stats.snapshot(),
+                           memory=MemoryUse(weights, status.reserved_bytes, status.memory_budget),
+                           prefix_cache=use)
+
     def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         """The model-cache memory a plain request of this size reserves while admitted."""
         return self.slot.footprint.bytes_for(prompt_tokens + max_tokens)
@@ -310,7 +338,7 @@ class Engine:
                *, prompt_tokens: Sequence[int] | None = None, text: str | None = None,
                speculative: SpeculativeOptions | None = None, tools: ToolRequest | None = None,
                split_reasoning: bool = False, keep_alive: float | str | None = None,
-               fit_max_tokens: bool = False) -> RequestHandle:
+               fit_max_tokens: bool = False, infill: Infill | None = None) -> RequestHandle:
         """Validate and enqueue a request without waiting; raises InvalidRequest or Overloaded at
         once. `speculative` opts in to speculative decoding (engine/decoding/drafts.py; the default
         is plain): a draft not loaded yet loads on the loader thread while the request is in
@@ -319,11 +347,12 @@ class Engine:
         A model unloaded after an idle time is reloaded before the request runs; `keep_alive`
         (like Ollama's) sets how long it stays loaded after this request. `fit_max_tokens`:
         lower `max_tokens` to the context the prompt leaves instead of refusing (clients such as
-        Claude Code always ask for 32,000; the prompt is tokenised once, here)."""
+        Claude Code always ask for 32,000; the prompt is tokenised once, here). `infill`: a
+        fill-in-the-middle prompt instead of messages or text (engine/decoding/fim.py)."""
         lm = self._serving()
         params = params or SamplingParams()
         prompt = build_prompt(lm, messages=messages, prompt_tokens=prompt_tokens, text=text,
-                              tools=tools)
+                              tools=tools, infill=infill)
         if fit_max_tokens and len(prompt.tokens) < lm.context_length:
             params = params.with_(max_tokens=min(params.max_tokens,
                                                  lm.context_length - len(prompt.tokens)))
@@ -455,6 +484,15 @@ class Engine:
         """The voices of a text-to-speech model (None: the first installed); raises
         InvalidRequest."""
         return self._speech.voices(model)
+
+    def rerank(self, query: str, documents: Sequence[str], *, model: str | None = None,
+               instruction: str | None = None, truncate: bool = True,
+               keep_alive: float | str | None = None) -> RerankHandle:
+        """Queue a rerank request without waiting (engine/scheduling/rerank.py): `documents`
+        scored against `query` by a reranker or an embedding model (`model`; None: the loaded
+        one), on the embedding queue; raises InvalidRequest or Overloaded at once."""
+        return submit_rerank(self._embeddings, query, documents, model=model,
+                             instruction=instruction, truncate=truncate, keep_alive=keep_alive)
 
     def _later(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the scheduler thread between ticks; safe from any thread."""
@@ -781,11 +819,21 @@ class Engine:
         handle.error = events[-1].error if events else None
         handle.finish_reason = events[-1].finish_reason if events else state
         handle._enter(state)
+        self._stats.record(state, events[-1].usage if events else handle.usage, handle.times)
         for event in events:
             handle._publish(event)
 
 
 _STOP, _UNLOAD = object(), object()  # the scheduler loop's work besides tasks and ticks
+
+
+def _weight_bytes(lm: LoadedModel) -> int:
+    """The bytes of a loaded model's weights (counted once per load, kept in `lm.extras`)."""
+    if "weight_bytes" not in lm.extras:
+        from mlx.utils import tree_flatten
+
+        lm.extras["weight_bytes"] = sum(p.nbytes for _, p in tree_flatten(lm.model.parameters()))
+    return lm.extras["weight_bytes"]
 
 
 def _mib(n: int) -> str:

@@ -239,6 +239,10 @@ class SpeechQueue:
         them; read without the lock, which the engine's own lock never waits for)."""
         return [r.model.name for r in list(self._resident.values())]
 
+    def resident_weights(self) -> list[tuple[str, int]]:
+        """(name, bytes of weights) of each speech model loaded now."""
+        return [(r.model.name, r.reserved) for r in list(self._resident.values())]
+
     def pending(self) -> int:
         with self._lock:
             return len(self._jobs)

@@ -11,8 +11,8 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse
 from starlette.routing import Route
 
-from .documents import NotAttachable, attachment
-from .ui.views import parts, render
+from ..uploads.documents import NotAttachable, attachment
+from .views import parts, render
 
 MAX_FILES = 10
 

@@ -1,4 +1,4 @@
-"""Reads one PDF's text with pypdf: run as a child process by `app/pdf_text.py`, never imported by
+"""Reads one PDF's text with pypdf: run as a child process by `app/uploads/pdf_text.py`, never imported by
 the server. The PDF comes on stdin; one JSON object goes to stdout: `{"pages": [text, ...]}` or
 `{"error": ...}`; a line `page <n> <pages>` goes to stderr as each page is read. Arguments: memory
 limit (bytes), most pages, most characters of text.

@@ -8,11 +8,14 @@ progress through `Processing.progress`, and returns what the chip shows and the 
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from engine import Engine
 
 from .documents import NotAttachable
+
+if TYPE_CHECKING:  # the index's package registers its kinds here: a type only, no import
+    from ..doc_index.store import ChunkStore
 
 __all__ = ["FileKind", "NotAttachable", "Processed", "Processing", "register_kind", "kind_of"]
 
@@ -28,7 +31,7 @@ class Processing:
     name: str
     kind: str
     progress: Callable[[str, float], None]
-    index: Any = None  # app/doc_index/store.ChunkStore, for kinds that are chunked and searched
+    index: "ChunkStore | None" = None  # for kinds that are chunked and searched
     embedding_model: str | None = None  # the model that embeds chunks (None: BM25 only)
 
 

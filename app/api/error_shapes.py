@@ -5,6 +5,7 @@ its SDK can read.
 - OpenAI (`/v1/...`): `{"error": {"message", "type", "param", "code"}}`
 - Anthropic (`/v1/messages...`): `{"type": "error", "error": {"type", "message"}}`
 - Ollama (`/api/...`): `{"error": "message"}`
+- llama.cpp's `/infill`, `/rerank`, `/reranking` and `/metrics`: OpenAI's
 Paths outside these (the UI) get plain text from the middleware.
 """
 
@@ -43,6 +44,10 @@ SHAPES: tuple[tuple[str, Shape], ...] = (
     ("/v1/messages", anthropic_error),
     ("/v1/", openai_error),
     ("/api/", ollama_error),
+    # llama.cpp's own paths (its errors hold an `error` object too) and Prometheus' scrape
+    ("/infill", openai_error),
+    ("/rerank", openai_error),
+    ("/metrics", openai_error),
 )
 
 

@@ -17,14 +17,14 @@ from starlette.routing import Route
 
 from engine import Engine
 
-from .doc_index.answering import DocumentPrompt, citations
-from .doc_index.exporting import self_contained
-from .doc_index.store import ChunkStore
-from .image_uploads import export_images, import_images
-from .ui.settings import preset_settings
-from .ui.user_turn import chat_title
-from .storage import EXPORT_FORMAT, Storage, export_conversation, import_conversation
-from .ui.views import conversation_of, not_found, parts, render
+from ..doc_index.answering import DocumentPrompt, citations
+from ..doc_index.exporting import self_contained
+from ..doc_index.store import ChunkStore
+from ..storage import EXPORT_FORMAT, Storage, export_conversation, import_conversation
+from ..uploads.image_uploads import export_images, import_images
+from .settings import preset_settings
+from .user_turn import chat_title
+from .views import conversation_of, not_found, parts, render
 
 def _filename(title: str, suffix: str) -> str:
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", title).strip("-.")[:60] or "conversation"
@@ -51,7 +51,7 @@ def conversation_markdown(storage: Storage, cid: int, engine: Engine) -> str:
         for doc in docs.documents(m.attachments or [], m.retrieved or []):
             if "text" in doc:
                 lines += [f"Attached: {doc['name']}", "", "```", doc["text"], "```", ""]
-            elif "name" in doc:  # an image is a reference (app/image_uploads.py)
+            elif "name" in doc:  # an image is a reference (app/uploads/image_uploads.py)
                 lines += [f"Attached: {doc['name']}", ""]
         if m.content:
             lines += [m.content, ""]
@@ -86,7 +86,7 @@ async def export_markdown(request: Request) -> Response:
 def exported(storage: Storage, engine: Engine, cid: int) -> dict[str, Any]:
     """A conversation's JSON export, its uploaded documents carried as the model read them."""
     data = self_contained(storage, engine, export_conversation(storage, cid), storage.messages(cid))
-    return export_images(storage, data, cid)  # app/image_uploads.py
+    return export_images(storage, data, cid)  # app/uploads/image_uploads.py
 
 
 def all_conversations_zip(storage: Storage, engine: Engine) -> bytes:
@@ -172,7 +172,7 @@ def import_documents(storage: Storage, raw: bytes, model: str | None) -> list[in
         for data in documents:
             imported.append(import_conversation(storage, _titled(data), model=model,
                                                 settings=preset_settings("recommended")).id)
-            import_images(storage, imported[-1], data)  # app/image_uploads.py
+            import_images(storage, imported[-1], data)  # app/uploads/image_uploads.py
     except ValueError:
         for cid in imported:  # all or nothing
             storage.delete_conversation(cid)

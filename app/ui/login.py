@@ -9,8 +9,9 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from .security import LOGIN_PATH, LOGOUT_PATH, SESSION_COOKIE, _cookie, client_address
-from .ui.views import read_form, render
+from ..security.api_key import LOGIN_PATH, LOGOUT_PATH, SESSION_COOKIE, client_address, session_cookie
+from ..state import app_state
+from .views import read_form, render
 
 FAILED_LOGIN_DELAY_S = 1.0  # slows down guessing
 
@@ -24,7 +25,7 @@ def _next(target: str | None) -> str:
 
 async def login_page(request: Request) -> Response:
     target = _next(request.query_params.get("next"))
-    if not request.app.state.api_key:  # nothing to log in to
+    if not app_state(request).api_key:  # nothing to log in to
         return RedirectResponse(target, status_code=303)
     return HTMLResponse(render("login.html", next=target, error=None))
 
@@ -32,7 +33,7 @@ async def login_page(request: Request) -> Response:
 async def login(request: Request) -> Response:
     """A right key gets a new session token as the cookie; wrong ones count against this client's
     and everyone's failed attempts (429 past the limit, whatever the key)."""
-    access = request.app.state.access
+    access = app_state(request).access
     form = await read_form(request)
     target = _next(form.get("next"))
     if not access.api_key:
@@ -56,8 +57,9 @@ async def login(request: Request) -> Response:
 
 async def logout(request: Request) -> Response:
     """Revokes this browser's session token and clears its cookie."""
-    request.app.state.access.revoke(_cookie(request.headers, SESSION_COOKIE))
-    response = RedirectResponse(LOGIN_PATH if request.app.state.api_key else "/", status_code=303)
+    state = app_state(request)
+    state.access.revoke(session_cookie(request.headers))
+    response = RedirectResponse(LOGIN_PATH if state.api_key else "/", status_code=303)
     response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
     return response
 

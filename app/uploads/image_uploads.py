@@ -1,13 +1,13 @@
-"""Images as uploads of a conversation (the upload endpoint of app/uploads.py): the `image` kind,
-the route that shows them, and how a user turn's images enter the prompt.
+"""Images as uploads of a conversation (the upload endpoint of app/ui/uploads.py): the `image` kind,
+the PNG a page is shown, and how a user turn's images enter the prompt.
 
 - Kind: PNG, JPEG, WebP and GIF, told by their first bytes; reading one decodes it with the limits
   of app/api/images.py (a corrupt file, a decompression bomb, more than 20 MB: the chip says why and
   the bytes are removed). The file stays content-addressed in the data folder
-  (`uploads/<sha256>`) and goes when no conversation uses it (app/upload_store.py).
-- `GET /c/{cid}/uploads/{id}/image` (`?thumb=1`: at most THUMB_PX on its longest side): the image
-  re-encoded as PNG from its pixels, orientation applied, so no EXIF (GPS included) ever leaves
-  the data folder.
+  (`uploads/<sha256>`) and goes when no conversation uses it (app/uploads/store.py).
+- Shown (`GET /c/{cid}/uploads/{id}/image` in app/ui/uploads.py; a thumbnail at most THUMB_PX on
+  its longest side): the image re-encoded as PNG from its pixels (`png_bytes`), orientation
+  applied, so no EXIF (GPS included) ever leaves the data folder.
 - Prompt: a user turn's image references (`kind == "image"`) are resolved to decoded images
   (`resolve_images`) and the turn's content becomes text and image parts (`with_images`), which
   the engine takes for a vision model and refuses clearly for a text-only one.
@@ -23,19 +23,17 @@ import dataclasses
 import hashlib
 import io
 import json
+from pathlib import Path
 from typing import Any
 
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 
 from engine import ImageInput
 
-from .api.errors import ApiError
-from .api.images import decode_image, decode_url, image_part, to_data_url
-from .storage import Message, Storage
-from .upload_kinds import FileKind, NotAttachable, Processed, Processing, register_kind
-from .upload_store import UploadStore
+from ..api.errors import ApiError
+from ..api.images import decode_image, decode_url, image_part, to_data_url
+from ..storage import Message, Storage
+from .kinds import FileKind, NotAttachable, Processed, Processing, register_kind
+from .store import UploadStore
 
 THUMB_PX = 256
 _MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a")
@@ -46,7 +44,7 @@ def is_image(head: bytes, name: str) -> bool:
     return head.startswith(_MAGIC) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")
 
 
-def load(path: Any, name: str) -> ImageInput:
+def load(path: Path, name: str) -> ImageInput:
     """The stored image, decoded with the API's limits; NotAttachable with the reason if not."""
     try:
         return decode_image(path.read_bytes(), name)
@@ -74,28 +72,6 @@ def png_bytes(image: ImageInput, thumb: bool = False) -> bytes:
     out = io.BytesIO()
     pixels.save(out, format="PNG")
     return out.getvalue()
-
-
-async def show_image(request: Request) -> Response:
-    """`GET /c/{cid}/uploads/{id}/image`: the image as PNG (pixels only)."""
-    from starlette.concurrency import run_in_threadpool
-
-    store: UploadStore = request.app.state.uploads
-    up = store.get(int(request.path_params["uid"]), int(request.path_params["cid"]))
-    if up is None or up.kind != "image" or up.status != "ready":
-        return Response("no such image in this conversation", status_code=404,
-                        media_type="text/plain")
-    thumb = request.query_params.get("thumb") == "1"
-    try:
-        body = await run_in_threadpool(lambda: png_bytes(load(store.blob(up.sha256), up.name), thumb))
-    except (NotAttachable, OSError):
-        return Response("the image can no longer be read", status_code=410, media_type="text/plain")
-    return Response(body, media_type="image/png",
-                    headers={"Cache-Control": "private, max-age=3600",
-                             "Content-Security-Policy": "default-src 'none'"})
-
-
-routes = [Route("/c/{cid:int}/uploads/{uid:int}/image", show_image, methods=["GET"])]
 
 
 def resolve_images(store: UploadStore, path: list[Message]) -> list[Message]:

@@ -2,7 +2,7 @@
 sha256 under the data folder's `uploads/` (`files` rows: kind, size, reading status and progress,
 what reading gave), and one `uploads` row per attachment in a conversation (its id is what the
 composer and messages refer to). Deleting a conversation deletes its uploads; a file no upload
-refers to any more is deleted with its chunks (a trigger, app/storage.py _V8), and its bytes by
+refers to any more is deleted with its chunks (a trigger, app/storage/migrations.py _V8), and its bytes by
 `sweep`."""
 
 import json
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .storage import Conversation, Storage, valid_id
+from ..storage import Conversation, Storage, valid_id
 
 UPLOADS_DIR = "uploads"
 PART_PREFIX = ".part-"  # a file still arriving; removed when the upload fails

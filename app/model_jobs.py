@@ -1,12 +1,14 @@
-"""The one model switch in progress, shared by the model picker (app/ui/picker.py) and the API
-(a request naming another local model loads it): `begin_switch` starts loading a model in a
-worker thread and `ModelSwitch` describes the load while it runs."""
+"""The model jobs that run behind the model picker (app/ui/picker.py): the one model switch in
+progress, shared with the API (a request naming another local model loads it) — `begin_switch`
+starts loading a model in a worker thread and `ModelSwitch` describes the load while it runs —
+and the one download (`ModelDownload`)."""
 
 import asyncio
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from engine import Engine, EngineError
+from engine import DownloadProgress, Engine, EngineError
 
 
 @dataclass
@@ -48,3 +50,24 @@ def begin_switch(switch: ModelSwitch, engine: Engine, name: str, *,
 
     switch.task = asyncio.create_task(load())
     return switch.task
+
+
+@dataclass
+class ModelDownload:
+    """The one download that may be in progress, shown in the model picker."""
+
+    spec: str = ""
+    progress: DownloadProgress | None = None
+    error: str | None = None
+    finished: str | None = None  # the message once a download completed
+    task: asyncio.Task | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def active(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def describe(self) -> str:
+        if self.progress is None:
+            return f"Downloading {self.spec}…"
+        return f"Downloading {self.spec}: {self.progress.describe()}"

@@ -1,4 +1,4 @@
-"""Conversations and messages in one SQLite file (WAL), with versioned schema migrations.
+"""Conversations and messages in one SQLite file (WAL), its schema migrated on opening (migrations.py).
 
 Messages form a tree: `parent_id` links each message to the one before it, so an edited user
 message or a regenerated answer is a sibling of the version it replaces and nothing is ever lost.
@@ -15,239 +15,21 @@ import re
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator
 
 from engine import data_dir
 
+from .migrations import migrate
+from .records import DEFAULT_TITLE, MESSAGE_STATES, Conversation, McpChoice, Message
+
 DB_NAME = "mlxchat.db"
-DEFAULT_TITLE = "New chat"
-MESSAGE_STATES = ("streaming", "done", "stopped", "failed")
 
 
 def default_db_path() -> Path:
     return data_dir() / DB_NAME
 
-
-# --- schema -------------------------------------------------------------------------------------
-
-# The first schema: conversations and a tree of messages.
-_V1 = """
-        CREATE TABLE conversations (
-            id INTEGER PRIMARY KEY,
-            title TEXT NOT NULL,
-            created REAL NOT NULL,
-            updated REAL NOT NULL,
-            model TEXT,
-            settings TEXT NOT NULL DEFAULT '{}'
-        );
-        CREATE TABLE messages (
-            id INTEGER PRIMARY KEY,
-            conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-            parent_id INTEGER REFERENCES messages(id) ON DELETE CASCADE,
-            role TEXT NOT NULL,
-            content TEXT NOT NULL DEFAULT '',
-            model TEXT,
-            sampling TEXT,
-            ttft_ms REAL,
-            tokens_per_s REAL,
-            prompt_tokens INTEGER,
-            completion_tokens INTEGER,
-            cached_tokens INTEGER,
-            finish_reason TEXT,
-            state TEXT NOT NULL DEFAULT 'done',
-            error TEXT,
-            created REAL NOT NULL
-        );
-        CREATE INDEX messages_conversation ON messages(conversation_id);
-"""
-
-# Remember the branch the user looks at; before this, the newest message was the leaf.
-_V2 = """
-        ALTER TABLE conversations ADD COLUMN leaf_id INTEGER REFERENCES messages(id) ON DELETE SET NULL;
-        UPDATE conversations SET leaf_id =
-            (SELECT max(id) FROM messages WHERE messages.conversation_id = conversations.id);
-        CREATE INDEX messages_parent ON messages(parent_id);
-"""
-
-# Speculative decoding statistics of an answer (JSON: drafted, accepted, acceptance_rate, ...).
-_V3 = """
-        ALTER TABLE messages ADD COLUMN speculative TEXT;
-"""
-
-# Full-text search of titles and message text (FTS5 tables over the real ones, kept in step by
-# triggers, filled from the rows already there). Answers are saved as they stream, so only a change
-# of the indexed column touches the index.
-_V4 = """
-        CREATE VIRTUAL TABLE conversations_fts USING fts5(
-            title, content='conversations', content_rowid='id', tokenize='unicode61 remove_diacritics 2');
-        CREATE VIRTUAL TABLE messages_fts USING fts5(
-            content, content='messages', content_rowid='id', tokenize='unicode61 remove_diacritics 2');
-        CREATE TRIGGER conversations_fts_insert AFTER INSERT ON conversations BEGIN
-            INSERT INTO conversations_fts(rowid, title) VALUES (new.id, new.title);
-        END;
-        CREATE TRIGGER conversations_fts_delete AFTER DELETE ON conversations BEGIN
-            INSERT INTO conversations_fts(conversations_fts, rowid, title) VALUES ('delete', old.id, old.title);
-        END;
-        CREATE TRIGGER conversations_fts_update AFTER UPDATE OF title ON conversations BEGIN
-            INSERT INTO conversations_fts(conversations_fts, rowid, title) VALUES ('delete', old.id, old.title);
-            INSERT INTO conversations_fts(rowid, title) VALUES (new.id, new.title);
-        END;
-        CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN
-            INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
-        END;
-        CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages BEGIN
-            INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
-        END;
-        CREATE TRIGGER messages_fts_update AFTER UPDATE OF content ON messages BEGIN
-            INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
-            INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
-        END;
-        INSERT INTO conversations_fts(conversations_fts) VALUES ('rebuild');
-        INSERT INTO messages_fts(messages_fts) VALUES ('rebuild');
-"""
-
-# A user turn's attached documents (JSON: [{name, text, tokens}]), an answer's tool calls (JSON,
-# OpenAI's shape) and the call a tool result answers.
-_V5 = """
-        ALTER TABLE messages ADD COLUMN attachments TEXT;
-        ALTER TABLE messages ADD COLUMN tool_calls TEXT;
-        ALTER TABLE messages ADD COLUMN tool_call_id TEXT;
-"""
-
-# Stored answers of the OpenAI Responses API (`store`, `previous_response_id`): the response as
-# sent, and the whole conversation it ends (engine messages, JSON) for a follow-up to continue.
-_V6 = """
-        CREATE TABLE responses (
-            id TEXT PRIMARY KEY,
-            created REAL NOT NULL,
-            body TEXT NOT NULL,
-            messages TEXT NOT NULL
-        );
-"""
-
-# MCP tools in the chat (app/mcp): per conversation, the servers switched on, the tools allowed
-# for the whole conversation ("server/tool", JSON), whether the first round must call a tool, and
-# the most tool rounds a turn may take; on a message, what the app knows of its tool calls or of
-# the result it holds (JSON: server, tool, outcome, is_error, truncated).
-_V7 = """
-        CREATE TABLE mcp_conversations (
-            conversation_id INTEGER PRIMARY KEY REFERENCES conversations(id) ON DELETE CASCADE,
-            servers TEXT NOT NULL DEFAULT '[]',
-            always TEXT NOT NULL DEFAULT '[]',
-            first_call INTEGER NOT NULL DEFAULT 0,
-            max_rounds INTEGER NOT NULL DEFAULT 8
-        );
-        ALTER TABLE messages ADD COLUMN tool_meta TEXT;
-"""
-
-# Uploaded files (app/uploads.py) and their document index (app/doc_index/): `files` holds each
-# distinct file once (content-addressed by sha256; the bytes live in the data folder's uploads/),
-# `uploads` ties a file to the conversation it was attached in (deleting the conversation deletes
-# them, and a file no upload refers to any more goes with its chunks), `chunks` are a document's
-# retrievable pieces (page or heading, text, an optional embedding) with an FTS5 index for BM25,
-# and `messages.retrieved` records which chunks a user turn was answered with (JSON list of ids).
-_V8 = """
-        CREATE TABLE files (
-            sha256 TEXT PRIMARY KEY,
-            kind TEXT NOT NULL,
-            size INTEGER NOT NULL,
-            status TEXT NOT NULL DEFAULT 'reading',
-            stage TEXT,
-            progress REAL NOT NULL DEFAULT 0,
-            error TEXT,
-            tokens INTEGER,
-            pages INTEGER,
-            text TEXT,
-            meta TEXT,
-            created REAL NOT NULL
-        );
-        CREATE TABLE uploads (
-            id INTEGER PRIMARY KEY,
-            conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-            sha256 TEXT NOT NULL,
-            name TEXT NOT NULL,
-            created REAL NOT NULL
-        );
-        CREATE INDEX uploads_conversation ON uploads(conversation_id);
-        CREATE INDEX uploads_sha256 ON uploads(sha256);
-        CREATE TRIGGER uploads_unused AFTER DELETE ON uploads
-        WHEN NOT EXISTS (SELECT 1 FROM uploads WHERE sha256 = old.sha256) BEGIN
-            DELETE FROM files WHERE sha256 = old.sha256;
-        END;
-        CREATE TABLE chunks (
-            id INTEGER PRIMARY KEY,
-            sha256 TEXT NOT NULL REFERENCES files(sha256) ON DELETE CASCADE,
-            seq INTEGER NOT NULL,
-            page INTEGER,
-            heading TEXT,
-            text TEXT NOT NULL,
-            vector BLOB,
-            vector_model TEXT
-        );
-        CREATE INDEX chunks_file ON chunks(sha256, seq);
-        CREATE VIRTUAL TABLE chunks_fts USING fts5(
-            text, content='chunks', content_rowid='id', tokenize='unicode61 remove_diacritics 2');
-        CREATE TRIGGER chunks_fts_insert AFTER INSERT ON chunks BEGIN
-            INSERT INTO chunks_fts(rowid, text) VALUES (new.id, new.text);
-        END;
-        CREATE TRIGGER chunks_fts_delete AFTER DELETE ON chunks BEGIN
-            INSERT INTO chunks_fts(chunks_fts, rowid, text) VALUES ('delete', old.id, old.text);
-        END;
-        ALTER TABLE messages ADD COLUMN retrieved TEXT;
-"""
-
-# Append only: the schema version of a database (PRAGMA user_version) is how many have run.
-MIGRATIONS: list[str] = [_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8]
-SCHEMA_VERSION = len(MIGRATIONS)
-
-
-def migrate(db: sqlite3.Connection, target: int = SCHEMA_VERSION) -> int:
-    """Apply the migrations `db` lacks, each in its own transaction; return the new version.
-
-    Each step takes the database's write lock (BEGIN IMMEDIATE) before it reads the version, so
-    two processes opening one database at once cannot both apply the same migration."""
-    version = _version(db)
-    for number in range(version + 1, target + 1):
-        # One step, one transaction: a failed migration leaves the previous version intact.
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            version = _version(db)
-            if version < number:
-                for statement in _statements(MIGRATIONS[number - 1]):
-                    db.execute(statement)
-                db.execute(f"PRAGMA user_version = {number}")
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-    return max(_version(db), target)
-
-
-class DatabaseTooNew(RuntimeError):
-    """The database was written by a newer mlxchat; the message says so, for one `Error:` line."""
-
-
-def _version(db: sqlite3.Connection) -> int:
-    version = db.execute("PRAGMA user_version").fetchone()[0]
-    if version > SCHEMA_VERSION:
-        raise DatabaseTooNew(
-            f"the database is schema version {version}, newer than this mlxchat ({SCHEMA_VERSION})"
-        )
-    return version
-
-
-def _statements(script: str) -> Iterator[str]:
-    """The SQL statements of a migration script, one by one (so that they share a transaction)."""
-    current = ""
-    for piece in script.split(";"):
-        current += piece + ";"
-        if sqlite3.complete_statement(current):
-            if current.strip(" \n\t;"):
-                yield current
-            current = ""
 
 
 def connect(path: Path) -> sqlite3.Connection:
@@ -321,55 +103,6 @@ def valid_id(value: int) -> bool:
     return 0 < value < 2**63
 
 
-# --- records ------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Conversation:
-    id: int
-    title: str
-    created: float
-    updated: float
-    model: str | None
-    settings: dict[str, Any]
-    leaf_id: int | None
-
-
-@dataclass(frozen=True)
-class Message:
-    id: int
-    conversation_id: int
-    parent_id: int | None
-    role: str
-    content: str
-    model: str | None
-    sampling: dict[str, Any] | None
-    ttft_ms: float | None
-    tokens_per_s: float | None
-    prompt_tokens: int | None
-    completion_tokens: int | None
-    cached_tokens: int | None
-    finish_reason: str | None
-    state: str
-    error: str | None
-    created: float
-    speculative: dict[str, Any] | None = None  # statistics, when it was decoded speculatively
-    attachments: list[dict[str, Any]] | None = None  # documents of a user turn: name, text, tokens
-    tool_calls: list[dict[str, Any]] | None = None  # an answer's calls, as OpenAI sends them
-    tool_call_id: str | None = None  # the call a `tool` message answers
-    tool_meta: dict[str, Any] | None = None  # MCP: a call's server and outcome (app/mcp)
-
-    retrieved: list[int] | None = None  # chunk ids a user turn's large documents gave it
-
-@dataclass(frozen=True)
-class McpChoice:
-    """A conversation's MCP tool settings (app/mcp): the servers switched on, the tools allowed
-    for the whole conversation ("server/tool"), whether the first round must call a tool, and
-    the most tool rounds one turn may take."""
-
-    servers: tuple[str, ...] = ()
-    always: tuple[str, ...] = ()
-    first_call: bool = False
-    max_rounds: int = 8
 
 
 def _conversation(row: sqlite3.Row) -> Conversation:
@@ -505,6 +238,29 @@ class Storage:
     def delete_conversation(self, cid: int) -> None:
         self._write("DELETE FROM conversations WHERE id = ?", (cid,))
 
+    def insert_conversation(self, fields: dict[str, Any],
+                            tree: list[tuple[int, int | None, dict[str, Any]]],
+                            leaf: int | None) -> Conversation:
+        """A whole conversation in one transaction (an import): `fields` are its title, created,
+        updated, model and settings; `tree` its messages as (local id, local id of the parent,
+        columns), each parent before its children (an unknown parent: a first message); `leaf`
+        the local id of the branch shown."""
+        with self._transaction() as db:
+            cid = db.execute(
+                "INSERT INTO conversations (title, created, updated, model, settings) VALUES (?,?,?,?,?)",
+                (fields["title"], fields["created"], fields["updated"], fields["model"],
+                 json.dumps(fields["settings"]))).lastrowid
+            ids: dict[int, int] = {}
+            for local, parent, columns in tree:
+                row = {k: json.dumps(v) if k in _JSON_COLUMNS and v is not None else v
+                       for k, v in columns.items()}
+                ids[local] = db.execute(
+                    f"INSERT INTO messages (conversation_id, parent_id, {', '.join(row)}) "
+                    f"VALUES ({', '.join('?' * (len(row) + 2))})",
+                    (cid, ids.get(parent), *row.values())).lastrowid
+            db.execute("UPDATE conversations SET leaf_id = ? WHERE id = ?", (ids.get(leaf), cid))
+        return self.get_conversation(cid)
+
     # messages
 
     def add_message(self, cid: int, parent_id: int | None, role: str, content: str, *,
@@ -633,73 +389,3 @@ class Storage:
         self._write("UPDATE conversations SET leaf_id = ? WHERE id = ? AND "
                     "EXISTS (SELECT 1 FROM messages WHERE id = ? AND conversation_id = ?)",
                     (leaf, cid, mid, cid))
-
-
-# --- export / import (a conversation as JSON: every message version, settings, model, times) -----
-
-EXPORT_FORMAT = "mlxchat.conversation/1"
-_MESSAGE_COLUMNS = ("role", "content", "model", "sampling", "ttft_ms", "tokens_per_s",
-                    "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "state",
-                    "error", "created", "speculative", "attachments", "tool_calls", "tool_call_id",
-                    "tool_meta")
-_ROLES = ("system", "user", "assistant", "tool")
-
-
-def export_conversation(storage: Storage, cid: int) -> dict[str, Any]:
-    """Everything about one conversation; message ids are local to the export (`parent` refers to
-    an earlier entry's `id`) and `leaf` is the branch shown."""
-    conv = storage.get_conversation(cid)
-    if conv is None:
-        raise KeyError(cid)
-    messages = storage.messages(cid)
-    local = {m.id: i for i, m in enumerate(messages)}
-    return {"format": EXPORT_FORMAT, "title": conv.title, "created": conv.created,
-            "updated": conv.updated, "model": conv.model, "settings": conv.settings,
-            "leaf": local.get(conv.leaf_id),
-            "messages": [{"id": local[m.id], "parent": local.get(m.parent_id),
-                          **{k: getattr(m, k) for k in _MESSAGE_COLUMNS}} for m in messages]}
-
-
-def import_conversation(storage: Storage, data: dict[str, Any], model: str | None = None,
-                        settings: dict[str, Any] | None = None) -> Conversation:
-    """A new conversation from `export_conversation`'s JSON, or from a plain OpenAI `messages`
-    list (`{"messages": [{"role", "content"}, ...]}`); raises ValueError on anything else.
-    A plain list carries no model or settings: it gets `model` and `settings`."""
-    if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
-        raise ValueError("not a conversation: expected an object with 'messages'")
-    from .import_schema import validated, validated_message  # it imports this module's names
-
-    ours = data.get("format") == EXPORT_FORMAT
-    if ours:
-        data = validated(data)
-    messages = data["messages"] if ours else [validated_message(i, m) for i, m in enumerate(data["messages"])]
-    now = time.time()
-    with storage._transaction() as db:
-        cid = db.execute(
-            "INSERT INTO conversations (title, created, updated, model, settings) VALUES (?,?,?,?,?)",
-            (str(data.get("title") or DEFAULT_TITLE), (data["created"] or now) if ours else now,
-             (data["updated"] or now) if ours else now, data.get("model") if ours else model,
-             json.dumps(data["settings"] if ours else settings or {}))).lastrowid
-        ids: dict[int, int] = {}
-        previous = None
-        for i, m in enumerate(messages):
-            if not (isinstance(m["content"], str) or m["content"] is None and m["tool_calls"]):
-                raise ValueError(f"messages[{i}] must have text content (or tool calls)")
-            row = {k: m[k] for k in _MESSAGE_COLUMNS} if ours else \
-                {"role": m["role"], "content": m["content"] or "",
-                 "tool_calls": m["tool_calls"], "tool_call_id": m["tool_call_id"]}
-            row["content"] = row["content"] or ""
-            row["created"] = row.get("created") or now
-            row["state"] = row.get("state") or "done"
-            for key in _JSON_COLUMNS:
-                if key in row:
-                    row[key] = json.dumps(row[key]) if row[key] is not None else None
-            parent = ids.get(m["parent"]) if ours else previous
-            cols = ", ".join(("conversation_id", "parent_id", *row))
-            marks = ", ".join("?" * (len(row) + 2))
-            previous = ids[m["id"] if m["id"] is not None else i] = db.execute(
-                f"INSERT INTO messages ({cols}) VALUES ({marks})", (cid, parent, *row.values())
-            ).lastrowid
-        leaf = ids.get(data.get("leaf")) if ours else previous
-        db.execute("UPDATE conversations SET leaf_id = ? WHERE id = ?", (leaf, cid))
-    return storage.get_conversation(cid)

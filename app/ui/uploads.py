@@ -1,48 +1,43 @@
 """The one upload endpoint for the composer's files (documents, and any kind registered in
-app/upload_kinds.py such as images):
+app/uploads/kinds.py such as images):
 
 - `POST /c/{cid}/uploads?name=<file name>`: the request body is the file itself (any
   Content-Type; `curl --data-binary @report.pdf`). It is streamed to the data folder while its
-  sha256 is computed (never held in memory), up to `UPLOAD_MAX_BYTES` (413 beyond it, at once when
-  Content-Length says so; the partial file is removed), each piece within `IDLE_TIMEOUT_S` and
-  the whole within `UPLOAD_TIMEOUT_S` (408).
+  sha256 is computed (never held in memory; app/uploads/receiving.py), up to `UPLOAD_MAX_BYTES`
+  (413 beyond it, at once when Content-Length says so; the partial file is removed), each piece
+  within `IDLE_TIMEOUT_S` and the whole within `UPLOAD_TIMEOUT_S` (408).
   The kind comes from the content (415 when no kind accepts it). Answers 201 with
   `{id, kind, name, size, status, ...}` (`Upload.public`), or, to htmx (`HX-Request`), the chip.
-  Reading the file (a PDF's text, the index) then runs on one of `READERS` reader threads.
+  Reading the file (a PDF's text, the index) then runs on one of `READERS` reader threads
+  (app/uploads/reading.py).
 - `GET /c/{cid}/uploads/{id}`: the same JSON, or the chip, which polls this route while the file
   is being read (its stage and progress) and then shows its size and tokens, or why it was refused.
+- `GET /c/{cid}/uploads/{id}/image` (`?thumb=1`: a thumbnail): an image upload re-encoded as PNG
+  from its pixels (app/uploads/image_uploads.py), so no EXIF ever leaves the data folder.
 
 Messages refer to uploads by id (app/ui/user_turn.py); the file's text never travels in a form.
 Every route is guarded like the rest (Host, Origin, the API key); the JSON body limit
 (security.BodyLimit) does not buffer these bodies: this module bounds them itself."""
 
 import asyncio
-import hashlib
-import logging
 import os
 import re
-import time
-import unicodedata
 import uuid
-from pathlib import Path
-from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from .documents import NotAttachable
-from .upload_kinds import HEAD_BYTES, Processing, kind_named, kind_of
-from .upload_store import PART_PREFIX, Upload, UploadStore
-from .ui.views import conversation_of, render, templates
+from ..state import app_state
+from ..uploads import receiving
+from ..uploads.documents import NotAttachable
+from ..uploads.image_uploads import load as load_image, png_bytes
+from ..uploads.kinds import HEAD_BYTES, kind_of
+from ..uploads.reading import start_reading
+from ..uploads.store import PART_PREFIX, Upload
+from .views import conversation_of, render, templates
 
-log = logging.getLogger(__name__)
-
-UPLOAD_MAX_BYTES = 64 * 1024 * 1024
-IDLE_TIMEOUT_S = 30.0  # the most a body may pause
-UPLOAD_TIMEOUT_S = 600.0  # the most a whole upload may take (64 MiB at ~110 KB/s)
-READERS = 2  # files read at once (app.state.readers)
-NAME_LENGTH = 200
 POLL_S = 1  # how often a reading chip asks again
 UPLOAD_PATH = re.compile(r"^/c/\d+/uploads$")
 
@@ -55,17 +50,6 @@ def is_upload_path(path: str) -> bool:
 def upload_error(status: int, message: str, code: str, field: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "code": code, "field": field}},
                         status_code=status, headers={"Connection": "close"} if status == 413 else None)
-
-
-def clean_name(raw: str | None) -> str:
-    """A file name safe to show and store: its last path part, no control characters, bounded."""
-    name = re.split(r"[\\/]", raw or "")[-1]
-    name = "".join(c for c in name if unicodedata.category(c)[0] != "C").strip()
-    return name[:NAME_LENGTH] or "upload"
-
-
-def store_of(request: Request) -> UploadStore:
-    return request.app.state.uploads
 
 
 templates.globals["upload_poll_s"] = POLL_S
@@ -81,48 +65,24 @@ def _answer(request: Request, up: Upload, status: int = 200) -> Response:
     return JSONResponse(up.public(), status_code=status)
 
 
-class _TooLarge(Exception):
-    pass
-
-
-async def _receive(request: Request, part: Path) -> tuple[int, str]:
-    """Stream the body into `part`: (size, sha256). Raises _TooLarge, TimeoutError or
-    ClientDisconnect; the caller removes `part`."""
-    digest, size = hashlib.sha256(), 0
-    chunks = request.stream().__aiter__()
-    deadline = time.monotonic() + UPLOAD_TIMEOUT_S
-    with open(part, "wb") as out:
-        while True:
-            if time.monotonic() > deadline:
-                raise TimeoutError
-            try:
-                chunk = await asyncio.wait_for(chunks.__anext__(), IDLE_TIMEOUT_S)
-            except StopAsyncIteration:
-                break
-            size += len(chunk)
-            if size > UPLOAD_MAX_BYTES:
-                raise _TooLarge
-            digest.update(chunk)
-            out.write(chunk)
-    return size, digest.hexdigest()
-
-
 async def create(request: Request) -> Response:
     """`POST /c/{cid}/uploads?name=...`: store the body as a file of the conversation."""
     conv = conversation_of(request)
     if conv is None:
         return upload_error(404, "no such conversation", "not_found", "conversation")
-    too_large = upload_error(413, f"the file is larger than {UPLOAD_MAX_BYTES // (1024 * 1024)} MB",
+    limit = receiving.UPLOAD_MAX_BYTES
+    too_large = upload_error(413, f"the file is larger than {limit // (1024 * 1024)} MB",
                              "file_too_large", "file")
     declared = request.headers.get("content-length")
-    if declared is not None and (not declared.isdigit() or int(declared) > UPLOAD_MAX_BYTES):
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
         return too_large
-    store = store_of(request)
+    state = app_state(request)
+    store = state.uploads
     store.folder.mkdir(parents=True, exist_ok=True)
     part = store.folder / f"{PART_PREFIX}{uuid.uuid4().hex}"
     try:
-        size, sha256 = await _receive(request, part)
-    except _TooLarge:
+        size, sha256 = await receiving.receive(request, part)
+    except receiving.TooLarge:
         part.unlink(missing_ok=True)
         return too_large
     except TimeoutError:
@@ -135,7 +95,7 @@ async def create(request: Request) -> Response:
         part.unlink(missing_ok=True)
         return upload_error(507, f"the data folder cannot take the file ({exc.strerror or exc})",
                             "storage_unavailable", "file")
-    name = clean_name(request.query_params.get("name"))
+    name = receiving.clean_name(request.query_params.get("name"))
     if size == 0:
         part.unlink(missing_ok=True)
         return upload_error(400, "the file is empty", "empty_file", "file")
@@ -149,49 +109,37 @@ async def create(request: Request) -> Response:
     os.replace(part, store.blob(sha256))  # the same bytes again: one copy
     up, fresh = await asyncio.to_thread(store.add, conv.id, name, sha256, kind.name, size)
     if fresh:
-        start_reading(request.app, up)
+        start_reading(state, up)
     return _answer(request, up, 201)
 
 
 async def show(request: Request) -> Response:
     """`GET /c/{cid}/uploads/{id}`: the upload (JSON) or its chip (htmx)."""
     # Off the loop: a file being indexed holds the database lock for a batch at a time.
-    up = await asyncio.to_thread(store_of(request).get, int(request.path_params["uid"]),
+    up = await asyncio.to_thread(app_state(request).uploads.get, int(request.path_params["uid"]),
                                  int(request.path_params["cid"]))
     if up is None:
         return upload_error(404, "no such upload in this conversation", "not_found", "id")
     return _answer(request, up)
 
 
-def start_reading(app: Any, up: Upload) -> None:
-    """Read the stored file (its kind's `process`) on the app's own reader threads, keeping the
-    task: uploads queue there, never taking the threads chat turns prepare their prompts on."""
-    task = asyncio.wrap_future(app.state.readers.submit(read_file, app, up))
-    app.state.reading.add(task)
-    task.add_done_callback(app.state.reading.discard)
-
-
-def read_file(app: Any, up: Upload) -> None:
-    """Run the kind's `process` on the stored file; record what it gave, or why it failed."""
-    store: UploadStore = app.state.uploads
-    kind = kind_named(up.kind)
-    job = Processing(engine=app.state.engine, path=store.blob(up.sha256), sha256=up.sha256,
-                     name=up.name, kind=up.kind,
-                     progress=lambda stage, fraction: store.progress(up.sha256, stage, fraction),
-                     index=app.state.chunks, embedding_model=app.state.document_embeddings)
+async def show_image(request: Request) -> Response:
+    """`GET /c/{cid}/uploads/{id}/image`: the image as PNG (pixels only)."""
+    store = app_state(request).uploads
+    up = store.get(int(request.path_params["uid"]), int(request.path_params["cid"]))
+    if up is None or up.kind != "image" or up.status != "ready":
+        return Response("no such image in this conversation", status_code=404,
+                        media_type="text/plain")
+    thumb = request.query_params.get("thumb") == "1"
     try:
-        if kind is None:
-            raise NotAttachable(f"no reader for {up.kind} files")
-        done = kind.process(job)
-    except NotAttachable as exc:
-        store.refused(up.sha256, str(exc))
-    except Exception as exc:  # noqa: BLE001 - a reader's bug: the chip says so, the server lives
-        log.exception("reading an upload failed")
-        store.refused(up.sha256, f"it could not be read ({type(exc).__name__})")
-    else:
-        store.ready(up.sha256, summary=done.summary, tokens=done.tokens, pages=done.pages,
-                    text=done.text, meta=done.meta)
+        body = await run_in_threadpool(lambda: png_bytes(load_image(store.blob(up.sha256), up.name), thumb))
+    except (NotAttachable, OSError):
+        return Response("the image can no longer be read", status_code=410, media_type="text/plain")
+    return Response(body, media_type="image/png",
+                    headers={"Cache-Control": "private, max-age=3600",
+                             "Content-Security-Policy": "default-src 'none'"})
 
 
 routes = [Route("/c/{cid:int}/uploads", create, methods=["POST"]),
-          Route("/c/{cid:int}/uploads/{uid:int}", show, methods=["GET"])]
+          Route("/c/{cid:int}/uploads/{uid:int}", show, methods=["GET"]),
+          Route("/c/{cid:int}/uploads/{uid:int}/image", show_image, methods=["GET"])]

@@ -1,18 +1,17 @@
 """What an imported conversation may hold, as pydantic models: every field of an upload is
 validated into our own types before anything is stored, so a wrong type, a non-finite number or a
 far-future time is a clear error naming the field (the import answers 400), never a stored row
-that breaks a page later. `export_conversation` (app/storage.py) writes this shape."""
+that breaks a page later. `export_conversation` (export_import.py) writes this shape."""
 
 import time
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from engine import SamplingParams, SpeculativeOptions
+from engine import MESSAGE_ROLES, SamplingParams, SpeculativeOptions
 
-from .storage import MESSAGE_STATES
+from .records import MESSAGE_STATES
 
-ROLES = ("system", "user", "assistant", "tool")
 MAX_MESSAGES = 100_000
 MAX_TITLE_CHARS = 1_000
 FUTURE_SLACK_S = 86_400  # clocks differ; a time further ahead than this is refused
@@ -77,7 +76,7 @@ class Settings(BaseModel):
 class ImportedMessage(_Strict):
     id: int | None = None
     parent: int | None = None
-    role: Literal[ROLES]
+    role: Literal[MESSAGE_ROLES]
     content: str | None = None
     model: str | None = None
     sampling: dict[str, Any] | None = None

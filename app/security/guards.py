@@ -5,26 +5,22 @@
 - Cross-site requests: a hostile page may POST forms or open WebSockets to localhost; the browser
   marks those with a foreign `Origin`. State-changing requests and WebSockets must come from our
   own origin, or carry no Origin at all (curl, the openai client, editors).
-- The optional API key guards every route but `/health`, the static assets and the login page:
-  programs send `Authorization: Bearer <key>` (or `x-api-key`), the browser a session cookie that
-  the login page sets (HttpOnly, SameSite=Strict): a random token kept server-side, revoked at
-  logout. Failed attempts are limited per client address and in all (app/key_access.py).
+- The optional API key guards every route but `/health`, the static assets and the login page
+  (api_key.py).
 - Oversized or slowly trickled request bodies are refused before the app reads them.
 """
 
 import asyncio
 import fnmatch
 import ipaddress
-import math
 from typing import Callable, Iterable
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
-from starlette.responses import PlainTextResponse, RedirectResponse
+from starlette.responses import PlainTextResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .error_shapes import api_error, is_api_path
-from .key_access import KeyAccess
+from ..api.error_shapes import api_error, is_api_path
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 _SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
@@ -70,7 +66,7 @@ SECURITY_HEADERS = [
 ]
 
 
-class _Guard:
+class Guard:
     """One check on every HTTP request and WebSocket handshake; `refuse` answers in its place."""
 
     def __init__(self, app: ASGIApp):
@@ -88,7 +84,7 @@ class _Guard:
         raise NotImplementedError
 
 
-def _refusal(scope: Scope, status: int, text: str, code: str) -> ASGIApp:
+def refusal(scope: Scope, status: int, text: str, code: str) -> ASGIApp:
     if scope["type"] == "websocket":
         async def close(scope: Scope, receive: Receive, send: Send) -> None:
             # Closing before accepting makes the server answer the handshake with HTTP 403.
@@ -99,7 +95,7 @@ def _refusal(scope: Scope, status: int, text: str, code: str) -> ASGIApp:
     return PlainTextResponse(text, status_code=status)
 
 
-class HostGuard(_Guard):
+class HostGuard(Guard):
     """Refuses a `Host` that is not ours (400): DNS rebinding. `allowed_hosts=None` accepts any
     Host: only for `--allow-remote` on a wildcard address, where the server is meant to be reached
     under names we cannot know."""
@@ -113,11 +109,11 @@ class HostGuard(_Guard):
     def check(self, scope: Scope, headers: Headers) -> ASGIApp | None:
         if self.allowed_hosts is not None and \
                 _hostname(headers.get("host", "")) not in self.allowed_hosts:
-            return _refusal(scope, 400, "Invalid Host header", "invalid_host")
+            return refusal(scope, 400, "Invalid Host header", "invalid_host")
         return None
 
 
-class OriginGuard(_Guard):
+class OriginGuard(Guard):
     """Refuses cross-origin writes and WebSockets (403). `allowed_origins` (`--allow-origin`,
     like Ollama's OLLAMA_ORIGINS; `*` matches any text, e.g. `chrome-extension://*`) lets those
     origins call the programmatic APIs — never the UI's pages, forms or chat socket."""
@@ -139,7 +135,7 @@ class OriginGuard(_Guard):
                 return None
             if headers.get("sec-fetch-site") == "cross-site" or \
                     (origin is not None and _origin_netloc(origin) != host.lower()):
-                return _refusal(scope, 403, "Cross-origin request refused", "cross_origin")
+                return refusal(scope, 403, "Cross-origin request refused", "cross_origin")
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -161,70 +157,6 @@ class OriginGuard(_Guard):
             await send(message)
 
         await super().__call__(scope, receive, with_cors)
-
-
-SESSION_COOKIE = "mlxchat_session"
-LOGIN_PATH = "/login"
-LOGOUT_PATH = "/logout"
-# Reachable without the key: the liveness probe, the page's assets, the login page itself, and
-# logging out (it only clears the cookie, so a stale one can be cleared too).
-_OPEN_PATHS = ("/health", LOGIN_PATH, LOGOUT_PATH)
-_OPEN_PREFIXES = ("/static/",)
-
-
-class ApiKeyGuard(_Guard):
-    """With a key set, every route but `_OPEN_PATHS` needs the key (`Authorization: Bearer <key>`
-    or `x-api-key: <key>`) or a session cookie from the login page (`access`: app/key_access.py,
-    which also limits failed attempts: 429 with Retry-After). A browser navigating to a page is
-    sent to the login page; htmx is told to go there (`HX-Redirect`); anything else gets 401 in
-    the OpenAI format; a WebSocket handshake is refused (403)."""
-
-    def __init__(self, app: ASGIApp, access: KeyAccess):
-        super().__init__(app)
-        self.access = access
-
-    def check(self, scope: Scope, headers: Headers) -> ASGIApp | None:
-        path = scope["path"]
-        if not self.access.api_key or path in _OPEN_PATHS or path.startswith(_OPEN_PREFIXES):
-            return None
-        if self.access.session_valid(_cookie(headers, SESSION_COOKIE)):
-            return None
-        auth = headers.get("authorization", "")
-        given = auth[7:] if auth[:7].lower() == "bearer " else headers.get("x-api-key")
-        if given is not None:
-            client = client_address(scope)
-            wait = self.access.retry_after(client)
-            if wait is not None:
-                return api_error(429, "Too many wrong API keys; try again later.", "rate_limit_exceeded",
-                                 "too_many_attempts", headers={"Retry-After": str(math.ceil(wait))},
-                                 path=path)
-            if self.access.matches(given.encode("latin-1", "replace")):  # header bytes as sent
-                return None
-            self.access.failed(client)
-        if scope["type"] == "websocket":
-            return _refusal(scope, 403, "Log in first", "invalid_api_key")
-        login = f"{LOGIN_PATH}?next={quote(path)}"
-        if headers.get("hx-request"):
-            return PlainTextResponse("Log in first", status_code=401, headers={"HX-Redirect": login})
-        if scope["method"] == "GET" and "text/html" in headers.get("accept", ""):
-            return RedirectResponse(login, status_code=303)
-        return api_error(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>' "
-                              "or 'x-api-key: <key>').", "invalid_request_error",
-                         "invalid_api_key", path=path)
-
-
-def client_address(scope: Scope) -> str:
-    """The peer's address: what failed attempts are counted by."""
-    client = scope.get("client")
-    return client[0] if client else "unknown"
-
-
-def _cookie(headers: Headers, name: str) -> str:
-    for part in headers.get("cookie", "").split(";"):
-        key, _, value = part.strip().partition("=")
-        if key == name:
-            return value
-    return ""
 
 
 MAX_BODY_BYTES = 8 * 1024 * 1024

@@ -1,4 +1,4 @@
-"""The text of an attached PDF, read in a child process (`app/pdf_worker.py`) with a time budget,
+"""The text of an attached PDF, read in a child process (`app/uploads/pdf_worker.py`) with a time budget,
 a memory cap, and limits on pages and text: pypdf is pure Python and hostile PDFs (a shared content
 stream re-parsed per page, a flate bomb, a page tree thousands deep) can keep it busy for minutes or
 take gigabytes. In the server's own process that froze the event loop; in a child it costs only the

@@ -14,7 +14,7 @@ class NotAttachable(ValueError):
 
 
 def extract_text(raw: bytes) -> str:
-    """The text of a PDF (read in a child process with limits: app/pdf_text.py) or of a UTF-8 text
+    """The text of a PDF (read in a child process with limits: app/uploads/pdf_text.py) or of a UTF-8 text
     file (plain text, Markdown, code, CSV, JSON, ...). Slow on large input: call it off the loop."""
     if raw.startswith(b"%PDF-"):
         try:

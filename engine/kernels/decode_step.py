@@ -1,0 +1,309 @@
+"""A one-token decode step of a dense llama-family model (llama, qwen2, qwen3 in the GPU layout) as
+one compiled program of fused kernels.
+
+At batch 1 a GPU decode step reads every weight once; what it costs beyond that is the host
+recording and launching each op of its graph. mlx-lm's step is ~1,000 ops for an 8B model (~1,450
+in bf16); this program is 5 kernels a layer (RMSNorm + q/k/v product; q/k norms + RoPE + the
+cache write + attention; o_proj + residual; RMSNorm + gate/up + SwiGLU; down + residual) plus the
+embedding and the head (engine/kernels/fused_cuda.py), traced once through `mx.compile`: later
+steps replay the recorded graph without running any Python per op.
+
+For the graph to be the same at every step, nothing in it depends on the position but an array:
+the position is an input (1,) int32, the kernels read it, and the KV cache's buffers keep one
+length, `CAP_STEP` positions at a time. The program owns the buffers it writes in place: on its
+first step over a cache (after a prefill, a restore from the prefix cache, or any other writer),
+and when a buffer is full, it copies the cache's keys and values into new buffers of its own
+(`_own`), rounded up to the next `CAP_STEP`. So a buffer it writes into is never a snapshot's or
+another request's, and the compiled graph is traced again only when the buffers grow. The caches
+stay mlx-lm's `KVCache` objects with their `keys`, `values` and `offset` as mlx-lm's own update
+leaves them, so prefill, snapshots, batching and every other path read them unchanged.
+
+`attach(model)` makes a model's one-token steps over plain KV caches take the program (every other
+call runs the model's own forward); engine/kernels/gpu_layout.py attaches it on CUDA unless
+`MLXCHAT_CUDA_DECODE=0`. On the CPU, tests attach it with engine/kernels/fused_ref.py, the same
+kernels in MLX ops, and compare its tokens with mlx-lm's (tests/test_decode_step.py).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models import llama, qwen2, qwen3
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import Llama3RoPE
+
+from .. import device
+from .gpu_layout import StackedAttention, StackedMLP
+
+SWITCH = "MLXCHAT_CUDA_DECODE"
+CAP_STEP = 1024  # the cache buffers grow by this many positions; the graph is traced per length
+MODELS = (llama.Model, qwen2.Model, qwen3.Model)
+
+
+@dataclass
+class Proj:
+    """A linear layer's arrays as the matvec kernel reads them: W dense (bits 16) or MLX's affine
+    4/8-bit layout, and its bias, if any."""
+
+    w: mx.array
+    scales: mx.array | None
+    biases: mx.array | None
+    bits: int
+    group_size: int
+    bias: mx.array | None = None
+
+    @classmethod
+    def of(cls, m: nn.Module) -> "Proj | None":
+        bias = m["bias"] if "bias" in m else None
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            if getattr(m, "mode", "affine") != "affine" or "biases" not in m or m.bits not in (4, 8):
+                return None
+            return cls(m["weight"], m["scales"], m["biases"], m.bits, m.group_size, bias)
+        if isinstance(m, (nn.Linear, nn.Embedding)) and m["weight"].ndim == 2:  # SmallMMLinear too
+            return cls(m["weight"], None, None, 16, 0, bias)
+        return None
+
+    @property
+    def inputs(self) -> int:
+        cols = self.w.shape[1]
+        return cols * 32 // self.bits if self.bits in (4, 8) else cols
+
+    def __call__(self, k: ModuleType, x: mx.array, epilogue: int = 0, a: mx.array | None = None,
+                 norm: tuple[mx.array, float] | None = None) -> mx.array:
+        if epilogue == 0 and self.bias is not None:
+            epilogue, a = 1, self.bias
+        return k.matvec(x, self.w, self.scales, self.biases, self.bits, self.group_size, epilogue, a, norm)
+
+
+@dataclass
+class Layer:
+    """One decoder layer's weights and the attention's shape, read off the GPU layout's modules."""
+
+    norm_in: mx.array
+    eps_in: float
+    qkv: Proj
+    q_norm: nn.Module | None
+    k_norm: nn.Module | None
+    rope: nn.Module
+    inv_freq: mx.array  # float32, per rotated pair
+    params: mx.array  # float32: the q/k norms' eps, RoPE's position scale, the attention's scale
+    counters: mx.array  # int32 per kv head: the attention kernel's splits done (zero between steps)
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rotated: int
+    traditional: bool
+    scale: float
+    o: Proj
+    norm_post: mx.array
+    eps_post: float
+    gate_up: Proj
+    down: Proj
+
+
+def inverse_frequencies(rope: nn.Module) -> tuple[np.ndarray, float] | None:
+    """(1 / frequency per rotated pair, position scale) of a RoPE module as MLX's kernel computes
+    its angles, or None for a kind this program does not know."""
+    half = rope.dims // 2
+    if type(rope) is nn.RoPE:
+        log2_base = np.float32(math.log2(rope.base))
+        d = np.arange(half, dtype=np.float32) / np.float32(half)
+        return np.exp2(-d * log2_base).astype(np.float32), float(rope.scale)
+    if type(rope) is Llama3RoPE:
+        return (1.0 / np.array(rope._freqs, dtype=np.float32)).astype(np.float32), 1.0
+    return None
+
+
+def read_layer(block: nn.Module) -> Layer | None:
+    attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
+    if type(attn) is not StackedAttention or type(mlp) is not StackedMLP:
+        return None
+    projs = [Proj.of(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    if any(p is None for p in projs) or any(p.bias is not None for p in projs[1:]):
+        return None
+    if type(block.input_layernorm) is not nn.RMSNorm or type(block.post_attention_layernorm) is not nn.RMSNorm:
+        return None
+    freqs = inverse_frequencies(attn.rope)
+    q_norm = attn.q_norm if "q_norm" in attn else None
+    if freqs is None or (q_norm is not None and type(q_norm) is not nn.RMSNorm):
+        return None
+    head_dim = attn.split[0] // attn.n_heads
+    inv, pos_scale = freqs
+    eps = q_norm.eps if q_norm is not None else 0.0
+    return Layer(
+        norm_in=block.input_layernorm.weight, eps_in=block.input_layernorm.eps, qkv=projs[0],
+        q_norm=q_norm, k_norm=attn.k_norm if q_norm is not None else None, rope=attn.rope,
+        inv_freq=mx.array(inv), params=mx.array([eps, pos_scale, attn.scale], dtype=mx.float32),
+        counters=mx.zeros((attn.n_kv_heads,), dtype=mx.int32),
+        heads=attn.n_heads, kv_heads=attn.n_kv_heads, head_dim=head_dim, rotated=attn.rope.dims,
+        traditional=bool(attn.rope.traditional), scale=float(attn.scale), o=projs[1],
+        norm_post=block.post_attention_layernorm.weight, eps_post=block.post_attention_layernorm.eps,
+        gate_up=projs[2], down=projs[3])
+
+
+def cuda_fits(layers: list[Layer], head: Proj, dtype: mx.Dtype) -> bool:
+    """Whether fused_cuda.py's kernels take these shapes: 16-bit activations, head dims of 64,
+    128 or 256 (a warp a head), the attention's grouped heads within its shared memory, a hidden
+    size the fused norm can stage, product inputs a whole number of 128-bit words."""
+    from . import fused_cuda
+
+    if dtype not in (mx.bfloat16, mx.float16):
+        return False
+    for layer in layers:
+        if layer.head_dim not in (64, 128, 256) or layer.heads % layer.kv_heads:
+            return False
+        if (layer.heads // layer.kv_heads) * layer.head_dim > fused_cuda.MAX_GROUP_DIMS:
+            return False
+        if layer.rotated % 2 or layer.rotated > layer.head_dim:
+            return False
+    if any(p.inputs > fused_cuda.MAX_STAGED for layer in layers for p in (layer.qkv, layer.gate_up)):
+        return False  # the fused norm stages the hidden state in shared memory
+    projs = [p for layer in layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [head]
+    for p in projs:
+        if p.bits in (4, 8):
+            word = 128 // p.bits
+            if p.inputs % word or p.group_size % word:
+                return False
+        elif p.w.dtype != dtype or p.inputs % 8:
+            return False
+    return True
+
+
+class DecodeProgram:
+    """The compiled one-token step of one model (see the module's docstring)."""
+
+    def __init__(self, model: nn.Module, layers: list[Layer], head: Proj, kernels: ModuleType,
+                 cap_step: int = CAP_STEP):
+        inner = model.model
+        self.embed, self.layers, self.head = inner.embed_tokens, layers, head
+        self.norm, self.eps = inner.norm.weight, inner.norm.eps
+        self.kernels, self.cap_step = kernels, cap_step
+        self.in_place = kernels.IN_PLACE
+        self.enabled = True  # the bench turns it off to measure the model's own forward
+        self._step = mx.compile(self._forward)
+
+    @classmethod
+    def build(cls, model: nn.Module, kernels: ModuleType, cap_step: int = CAP_STEP) -> "DecodeProgram | None":
+        """The program for `model`, or None when its kind or layers are not one it runs."""
+        if not isinstance(model, MODELS) or getattr(model.model, "sharding_group", None) is not None:
+            return None
+        if type(model.model.norm) is not nn.RMSNorm:
+            return None
+        layers = [read_layer(block) for block in model.model.layers]
+        if not layers or any(layer is None for layer in layers):
+            return None
+        tied = getattr(model.args, "tie_word_embeddings", False) or "lm_head" not in model
+        head = Proj.of(model.model.embed_tokens if tied else model.lm_head)
+        if head is None or head.bias is not None:
+            return None
+        if not kernels.IN_PLACE or cuda_fits(layers, head, model.model.norm.weight.dtype):
+            return cls(model, layers, head, kernels, cap_step)
+        return None
+
+    def _forward(self, tokens: mx.array, pos: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
+        k = self.kernels
+        h = self.embed(tokens)
+        written = []
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(k, h, norm=(layer.norm_in, layer.eps_in))
+            o, keys, values = k.attention(layer, qkv, pos, kv[2 * i], kv[2 * i + 1])
+            h = layer.o(k, o, 1, h)
+            h = layer.down(k, layer.gate_up(k, h, 2, norm=(layer.norm_post, layer.eps_post)), 1, h)
+            written += [keys, values]
+        logits = self.head(k, h, norm=(self.norm, self.eps))
+        return (logits,) if self.in_place else (logits, *written)
+
+    def accepts(self, inputs: mx.array, cache: Any) -> bool:
+        """A one-token step of one sequence over mlx-lm's plain KV caches, one per layer."""
+        return (self.enabled and inputs.shape == (1, 1) and isinstance(cache, list) and len(cache) == len(self.layers)
+                and all(type(c) is KVCache for c in cache) and cache[0].keys is not None)
+
+    def __call__(self, inputs: mx.array, cache: list[KVCache]) -> mx.array:
+        at = cache[0].offset
+        self._own(cache, at)
+        kv = [a for c in cache for a in (c.keys, c.values)]
+        out = self._step(inputs, mx.array([at], dtype=mx.int32), *kv)
+        for i, c in enumerate(cache):
+            if not self.in_place:
+                c.keys, c.values = out[1 + 2 * i], out[2 + 2 * i]
+                c._fused_kv = (c.keys, c.values)
+            c.offset = at + 1
+        return out[0]
+
+    def _own(self, cache: list[KVCache], at: int) -> None:
+        """Give every layer buffers of this program's own with room at position `at`: the first
+        `at` positions copied into buffers of the next multiple of `cap_step` positions."""
+        if all(_owned(c) and c.keys.shape[2] > at and c.offset == at for c in cache):
+            return
+        cap = (at // self.cap_step + 1) * self.cap_step
+        fresh = []
+        for c in cache:
+            arrays = []
+            for a in (c.keys, c.values):
+                shape = (*a.shape[:2], cap - at, a.shape[3])
+                arrays.append(mx.concatenate([a[..., :at, :], mx.zeros(shape, a.dtype)], axis=2))
+            c.keys, c.values = arrays
+            c._fused_kv = (c.keys, c.values)
+            fresh += arrays
+        mx.eval(fresh)
+
+
+def _owned(c: KVCache) -> bool:
+    """Whether `c`'s buffers are the ones a DecodeProgram gave it (no other writer since)."""
+    owned = getattr(c, "_fused_kv", None)
+    return owned is not None and owned[0] is c.keys and owned[1] is c.values
+
+
+class FusedDecode:
+    """Mixed into a model's class by `attach`: one-token steps over plain KV caches take the
+    model's DecodeProgram, everything else the model's own forward."""
+
+    def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
+        program = self.decode_program
+        if cache is not None and not kwargs and program.accepts(inputs, cache):
+            return program(inputs, cache)
+        return super().__call__(inputs, cache=cache, **kwargs)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def attach(model: nn.Module, kernels: ModuleType | None = None, cap_step: int = CAP_STEP) -> bool:
+    """Give `model` a DecodeProgram on `kernels` (default: fused_cuda.py on CUDA, nothing
+    elsewhere) when it can run one; returns whether it did."""
+    if kernels is None:
+        how = mode()
+        if how == "off":
+            return False
+        if how == "ref":
+            from . import fused_ref as kernels
+        else:
+            from . import fused_cuda as kernels
+    program = DecodeProgram.build(model, kernels, cap_step)
+    if program is None:
+        return False
+    cls = type(model)
+    if cls not in _CLASSES:
+        base = cls.__bases__[-1] if issubclass(cls, FusedDecode) else cls
+        _CLASSES[cls] = type(f"Fused{base.__name__}", (FusedDecode, base), {})
+    model.__class__ = _CLASSES[cls]
+    object.__setattr__(model, "decode_program", program)
+    return True
+
+
+def mode() -> str:
+    """From `MLXCHAT_CUDA_DECODE`: "off" ("0", or MLX not on CUDA); "ref" (the program on
+    fused_ref.py's MLX ops on any device: for checking it where CUDA is not); else "on"."""
+    value = os.environ.get(SWITCH, "").strip().lower()
+    if value == "ref":
+        return "ref"
+    if device.backend() != "cuda" or value == "0":
+        return "off"
+    return "on"

@@ -1,0 +1,174 @@
+"""The fused CUDA kernels of a one-token decode step (engine/kernels/decode_step.py), compiled at
+run time by MLX (`mx.fast.cuda_kernel`, NVRTC: users need no nvcc).
+
+A decode step of one sequence reads every weight once and does little else, so on a GPU its speed
+is the speed of its matrix x vector products plus the cost of launching its kernels. These are the
+kernels that step needs besides MLX's RMSNorm, each doing what several MLX ops do:
+
+- `matvec`: y = W x for a bf16/fp16 x of one row, W dense (bf16/fp16) or in MLX's affine 4/8-bit
+  layout (a scale and a bias per group of 32/64/128 weights), with an epilogue: none; `+ a` (the
+  residual, or a bias), rounded as MLX rounds the product and then the sum; or SwiGLU over W's two
+  halves (gate rows 0..N/2, up rows N/2..N, as engine/kernels/gpu_layout.py stacks them):
+  silu(gate) * up, rounded op by op as mlx-lm's compiled `swiglu` rounds in x's dtype.
+  One warp per R output rows (R pairs for SwiGLU): lane l reads the 128-bit words l, l + 32, ...
+  of each row (a warp reads 512 contiguous bytes of a row at a time), all of a lane's loads of a
+  round issued before any arithmetic; a 4-bit or 8-bit weight q becomes the float q exactly by
+  placing its byte under the exponent of 2^23 (`__byte_perm`) and subtracting 2^23 (no
+  integer-to-float conversion, which runs at a quarter of the FMA rate); a word's weights share
+  one group, so its share of a row is `s * sum(q x) + b * sum(x)` with `sum(x)` computed once for
+  the warp's rows. fp32 sums, the warp's lanes added by butterfly shuffles.
+  With `norm`, the RMSNorm before the product is fused in: each block stages x in shared memory,
+  normalised as MLX's rms_norm rounds it.
+- `attention`: one kernel for a step's attention, from the stacked q/k/v row: Qwen3's per-head
+  RMSNorm of q and k (when the model has it), RoPE at the step's position, the new key and value
+  written into the KV cache's buffers at that position, in place, and single-query attention over
+  the first `pos + 1` positions (grouped-query heads sharing each key and value load): what
+  mlx-lm does in ~15 ops. The keys are cut into splits of `CH` positions, one block each (online
+  softmax, flash-decoding); the last block of a head group to finish adds the splits up (a
+  counter per kv head, reset by that block). The position comes from an array, so the step's
+  graph has the same shapes at every position (engine/kernels/decode_step.py compiles it once
+  per buffer size).
+
+Numerics: products and attention sum in fp32 in another order than MLX's kernels; every value MLX
+rounds to the model's dtype between ops (a product before its residual add, a norm before RoPE,
+the SwiGLU's parts) is rounded here too. tests/test_decode_step.py runs the step's structure on
+the CPU against mlx-lm (engine/kernels/fused_ref.py, the same functions in MLX ops); `python -m
+bench.gpu_step --parts kernels` checks each kernel against that reference on a GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+WARPS = 4  # warps per block of matvec and attend
+UNROLL = 4  # 128-bit words of a row a lane loads before it computes
+MAX_SPLITS = 64  # blocks a head's keys are cut into, at most
+MIN_SPLIT = 256  # keys per split, at least
+MAX_GROUP_DIMS = 2048  # query heads per kv head x head dim: the attention's shared memory
+IN_PLACE = True  # `attention` writes the cache buffers it is given
+
+MAX_STAGED = 8192  # inputs staged in shared memory (fp32): at most 32 KB a block
+
+
+def _matvec_source(quantized: bool, add: bool, norm: bool) -> str:
+    """The kernel body calling matvec_impl with the inputs this variant has (nullptr for others)."""
+    w = "w" if quantized else "reinterpret_cast<const uint32_t*>(w)"
+    scales = "scales, biases" if quantized else "(const T*)nullptr, (const T*)nullptr"
+    return (f"matvec_impl<T, {'ST' if quantized else 'T'}, BITS, GS, K, N, R, E, XN, U>(x, {w}, {scales}, "
+            f"{'a' if add else '(const T*)nullptr'}, {'nw' if norm else '(const T*)nullptr'}, "
+            f"{'ne' if norm else '(const float*)nullptr'}, y);")
+
+
+# Template: T, D (head dim), G (query heads per kv head), HKV, ROT (rotated dims), TRAD, NORM,
+# CAP (cache buffer length), CH (keys per split), S (splits). Inputs: qkv (one row of the
+# stacked product), qn, kn (q/k norm weights; unread without NORM), invf (ROT/2 inverse
+# frequencies), fp (q/k norm eps, RoPE position scale, attention scale), pos (1,), kc, vc (the
+# cache buffers: the new key and value written in place), cnt (HKV int32 counters, zero between
+# launches). Outputs: per (head, split) the largest score pm, the sum of exp(score - pm) pl and
+# the values weighted by it pa; y (HQ * D), the attention's output.
+_ATTENTION = ("attention_impl<T, D, G, HKV, ROT, TRAD, NORM, CAP, CH, S, WARPS>"
+              "(qkv, qn, kn, invf, fp, pos, kc, vc, cnt, pm, pl, pa, y);")
+
+DEVICE_CODE = Path(__file__).parent / "cuda" / "fused_decode.cuh"
+_KERNELS: dict[str, Any] = {}
+_HEADER: list[str] = []  # what each kernel's header holds: an #include of DEVICE_CODE, or its text
+
+
+def _header() -> str:
+    """`#include` DEVICE_CODE by its absolute path when MLX's NVRTC compiles that (tried once, on a
+    one-element kernel), else the file's text inline."""
+    if not _HEADER:
+        include = f'#include "{DEVICE_CODE}"\n'
+        try:
+            probe = mx.fast.cuda_kernel(name="mlxchat_include_probe", input_names=["x"], output_names=["y"],
+                                        source="y[0] = q_at(x[0], 0);", header=include)
+            got = probe(inputs=[mx.array([5], dtype=mx.uint32)], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                        output_shapes=[(1,)], output_dtypes=[mx.float32])[0]
+            ok = got.item() == 5.0
+        except Exception:  # noqa: BLE001 - NVRTC could not open it: inline the text
+            ok = False
+        _HEADER.append(include if ok else DEVICE_CODE.read_text())
+    return _HEADER[0]
+
+
+def _kernel(name: str, inputs: list[str], outputs: list[str], source: str) -> Any:
+    """The MLX kernel object `name`, made once (its source is compiled per template on first use)."""
+    if name not in _KERNELS:
+        consts = f"  constexpr int WARPS = {WARPS};\n"
+        _KERNELS[name] = mx.fast.cuda_kernel(name=f"mlxchat_{name}", input_names=inputs,
+                                             output_names=outputs, source=consts + source,
+                                             header=_header())
+    return _KERNELS[name]
+
+
+def rows_per_warp(n: int) -> int:
+    """Output units per warp: enough warps to fill the device (~2,048), at most 4 units each."""
+    return max(1, min(4, n // 2048))
+
+
+def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array | None,
+           bits: int, group_size: int, epilogue: int = 0, a: mx.array | None = None,
+           norm: tuple[mx.array, float] | None = None, rows: int | None = None,
+           unroll: int = UNROLL) -> mx.array:
+    """y = x @ W.T for one row x (any leading shape of size 1, last dim K), W (N, K) dense
+    (`bits` 16) or (N, K * bits / 32) packed (4, 8: MLX's affine layout); `epilogue` 1 adds `a`
+    (N,), 2 takes SwiGLU of W's halves (N / 2 outputs); `norm` (weight, eps): x RMS-normalised
+    first, as mx.fast.rms_norm(x, weight, eps) would. `rows` (output units per warp) and `unroll`
+    (words a lane loads before it computes) override the defaults, for the bench. Output: x's
+    leading shape, the outputs."""
+    k, n = x.shape[-1], w.shape[0]
+    out = n // 2 if epilogue == 2 else n
+    r = rows or (rows_per_warp(out) if epilogue != 2 else min(2, rows_per_warp(out)))
+    quantized = bits in (4, 8)
+    xn = 2 if norm is not None else (1 if k <= MAX_STAGED else 0)
+    names = ["x", "w"] + (["scales", "biases"] if quantized else []) + (["nw", "ne"] if norm else []) \
+        + (["a"] if epilogue == 1 else [])
+    norm_arrays = [norm[0], mx.array([norm[1]], dtype=mx.float32)] if norm else []
+    arrays = [x, w] + ([scales, biases] if quantized else []) + norm_arrays \
+        + ([a] if epilogue == 1 else [])
+    kind = f"matvec_{'q' if quantized else 'd'}{'_add' if epilogue == 1 else ''}{'_norm' if norm else ''}"
+    kernel = _kernel(kind, names, ["y"], _matvec_source(quantized, epilogue == 1, norm is not None))
+    block = WARPS * 32
+    threads = -(-out // r) * 32
+    return kernel(
+        inputs=arrays,
+        template=[("T", x.dtype), ("ST", scales.dtype if quantized else x.dtype),
+                  ("BITS", bits if quantized else 16), ("GS", group_size if quantized else 8),
+                  ("K", k), ("N", n), ("R", r), ("E", epilogue), ("XN", xn), ("U", unroll)],
+        grid=(-(-threads // block) * block, 1, 1), threadgroup=(block, 1, 1),
+        output_shapes=[(*x.shape[:-1], out)], output_dtypes=[x.dtype])[0]
+
+
+def splits(cap: int) -> tuple[int, int]:
+    """(splits, keys per split) for a cache buffer of `cap` positions."""
+    s = max(1, min(MAX_SPLITS, cap // MIN_SPLIT))
+    return s, -(-cap // s)
+
+
+def attention(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: mx.array
+              ) -> tuple[mx.array, mx.array, mx.array]:
+    """One kernel for a decode step's attention from the stacked q/k/v row `qkv` (1, 1, ...):
+    the layer's q/k norms and RoPE at `pos` (1,) int32, the new key and value written into
+    `keys`/`values` (1, kv_heads, cap, head_dim) at `pos` in place, attention over the first
+    `pos + 1` positions. Returns (out (1, 1, heads * head_dim), keys, values), the buffers
+    themselves. `layer`: engine/kernels/decode_step.py's Layer (shapes, norm weights, `inv_freq`,
+    `params` = (q/k norm eps, RoPE position scale, attention scale), `counters`)."""
+    heads, kv, dim = layer.heads, layer.kv_heads, layer.head_dim
+    cap = keys.shape[2]
+    s, ch = splits(cap)
+    norm = layer.q_norm is not None
+    qn = layer.q_norm.weight if norm else layer.inv_freq  # unread without NORM
+    kn = layer.k_norm.weight if norm else layer.inv_freq
+    kernel = _kernel("attention", ["qkv", "qn", "kn", "invf", "fp", "pos", "kc", "vc", "cnt"],
+                     ["pm", "pl", "pa", "y"], _ATTENTION)
+    out = kernel(
+        inputs=[qkv, qn, kn, layer.inv_freq, layer.params, pos, keys, values, layer.counters],
+        template=[("T", qkv.dtype), ("D", dim), ("G", heads // kv), ("HKV", kv), ("ROT", layer.rotated),
+                  ("TRAD", layer.traditional), ("NORM", norm), ("CAP", cap), ("CH", ch), ("S", s)],
+        grid=(s * WARPS * 32, kv, 1), threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(heads * s,), (heads * s,), (heads * s * dim,), (1, 1, heads * dim)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32, qkv.dtype])
+    return out[3], keys, values

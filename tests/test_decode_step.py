@@ -1,0 +1,117 @@
+"""engine/kernels/decode_step.py, the compiled one-token decode step, run on the CPU with
+engine/kernels/fused_ref.py (the fused kernels' computation in MLX ops): its greedy tokens equal
+mlx-lm's own generation for llama, qwen2 (projection biases), qwen3 (q/k norms) and 4- and 8-bit
+weights, across buffer growths, after another writer touched the cache, and with the caches
+mlx-lm's update would leave; and the shapes the CUDA kernels take are told apart from the ones
+they do not. The CUDA kernels themselves are checked against the same reference on a GPU
+(`python -m bench.gpu_step --parts kernels`)."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from bench.shapes import Shape, build_module
+from engine.kernels import decode_step, fused_cuda, fused_ref
+from engine.kernels.gpu_layout import to_gpu_layout
+from tiny_models import LLAMA
+
+pytestmark = pytest.mark.fast
+
+CONFIGS = {
+    "llama": (LLAMA, None),
+    "llama-traditional-rope": ({**LLAMA, "rope_traditional": True}, None),
+    "qwen2": ({**LLAMA, "model_type": "qwen2"}, None),
+    "qwen3": ({**LLAMA, "model_type": "qwen3"}, None),
+    "llama-4bit": (LLAMA, 4),
+    "qwen3-8bit": ({**LLAMA, "model_type": "qwen3"}, 8),
+}
+PROMPT = [5, 17, 300, 42, 9, 1000, 77, 3, 12, 8]
+
+
+def models(kind: str, cap_step: int = 8):
+    """(mlx-lm's model, the same weights in the GPU layout with a DecodeProgram on the reference
+    kernels), fp32."""
+    config, bits = CONFIGS[kind]
+    shape = Shape(kind, config, bits=bits)
+    fused = to_gpu_layout(build_module(shape, dtype=None, seed=3))
+    assert decode_step.attach(fused, fused_ref, cap_step=cap_step)
+    return build_module(shape, dtype=None, seed=3), fused
+
+
+def greedy(model, n: int, prompt=PROMPT) -> list[int]:
+    steps = generate_step(mx.array(prompt), model, max_tokens=n, sampler=lambda x: mx.argmax(x, -1))
+    return [int(t) for t, _ in steps]
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_greedy_tokens_equal_mlx_lm_across_buffer_growths(kind):
+    plain, fused = models(kind)
+    calls = []
+    program = fused.decode_program
+    original = program._step
+    program._step = lambda *a: calls.append(a[1].item()) or original(*a)
+    assert greedy(fused, 30) == greedy(plain, 30)
+    # every one-token step ran the program at its own position: mlx-lm feeds the prompt's last
+    # token as a step, and computes one step ahead of the tokens it yields
+    assert calls == list(range(len(PROMPT) - 1, len(PROMPT) - 1 + len(calls))) and len(calls) >= 30
+
+
+def test_cache_holds_what_mlx_lm_update_leaves_and_other_writers_are_taken_over():
+    plain, fused = models("qwen3")
+    caches = make_prompt_cache(plain), make_prompt_cache(fused)
+    a = b = None
+    feeds = [PROMPT, [11], [4000], [7], [1, 2, 3], [99], [12], [13]]  # a 3-token call between steps
+    for feed in feeds:
+        x = mx.array([feed])
+        a, b = plain(x, cache=caches[0]), fused(x, cache=caches[1])
+        assert mx.allclose(a, b, rtol=1e-5, atol=1e-5).item()
+    for c0, c1 in zip(*caches):
+        assert c0.offset == c1.offset == len(PROMPT) + 9
+        for x0, x1 in ((c0.keys, c1.keys), (c0.values, c1.values)):  # the positions held
+            n = c0.offset
+            assert mx.allclose(x0[..., :n, :], x1[..., :n, :], rtol=1e-5, atol=1e-5).item()
+    assert all(decode_step._owned(c) for c in caches[1])
+
+
+def test_a_snapshot_taken_between_steps_keeps_its_positions():
+    """The prefix cache snapshots a cache between steps (a compact copy) and later restores it as
+    a view; decoding on from the restored cache takes the buffers over (a copy) before writing."""
+    _, fused = models("llama")
+    cache = make_prompt_cache(fused)
+    fused(mx.array([PROMPT]), cache=cache)
+    for t in (11, 12, 13):
+        fused(mx.array([[t]]), cache=cache)
+    snapshot = [KVCache.from_state((mx.array(c.keys[..., :c.offset, :]), mx.array(c.values[..., :c.offset, :]), c.offset))
+                for c in cache]
+    kept = [mx.array(c.keys) for c in snapshot]
+    restored = [KVCache.from_state((c.keys[..., :c.offset, :], c.values[..., :c.offset, :], c.offset)) for c in snapshot]
+    for t in (21, 22):
+        fused(mx.array([[t]]), cache=restored)
+    assert all(mx.array_equal(c.keys, k).item() for c, k in zip(snapshot, kept))
+    assert restored[0].offset == snapshot[0].offset + 2
+
+
+def test_other_calls_run_the_models_own_forward():
+    _, fused = models("llama")
+    program = fused.decode_program
+    assert not program.accepts(mx.array([[1, 2]]), make_prompt_cache(fused))  # a prompt chunk
+    assert not program.accepts(mx.array([[1], [2]]), make_prompt_cache(fused))  # two rows
+    cache = make_prompt_cache(fused)
+    assert not program.accepts(mx.array([[1]]), cache)  # nothing prefilled yet
+    fused(mx.array([PROMPT]), cache=cache)
+    assert program.accepts(mx.array([[1]]), cache)
+
+
+def test_cuda_kernels_take_16_bit_models_with_their_head_dims():
+    """What fused_cuda.py's kernels take is decided on the model's shapes (no GPU needed to tell):
+    16-bit activations and head dims of 64/128/256; fp32 and head dim 16 are left to mlx-lm."""
+    wide = {**LLAMA, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+    for bits in (None, 4, 8):
+        model = to_gpu_layout(build_module(Shape("w", wide, bits=bits), dtype=mx.bfloat16, seed=1))
+        assert decode_step.DecodeProgram.build(model, fused_cuda) is not None
+    fp32 = to_gpu_layout(build_module(Shape("w", wide), dtype=None, seed=1))
+    assert decode_step.DecodeProgram.build(fp32, fused_cuda) is None
+    narrow = to_gpu_layout(build_module(Shape("n", LLAMA), dtype=mx.bfloat16, seed=1))
+    assert decode_step.DecodeProgram.build(narrow, fused_cuda) is None
+    assert decode_step.DecodeProgram.build(narrow, fused_ref) is not None
