@@ -6,36 +6,23 @@ transcript, the answer comes, and "Listen" reads it aloud, streamed."""
 import shutil
 
 import pytest
-from playwright.sync_api import expect, sync_playwright
+from playwright.sync_api import expect
 
-from conftest import CHROMIUM, CHROMIUM_ARGS, TIMEOUT_MS
 from bench.speech_shapes import kokoro_folder, whisper_folder
-from voice_models import KOKORO, QUESTION_WAV, WHISPER, install
-
 from engine import SPEECH_SUGGESTED
+from voice_models import KOKORO, QUESTION_WAV, WHISPER, install
 
 
 @pytest.fixture
-def mic_page(server):
+def mic_page(chromium_with, server):
     """A page in a Chromium whose microphone plays QUESTION_WAV (permission granted)."""
-    import os
-
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM, env=env,
-            args=[*CHROMIUM_ARGS, "--use-fake-ui-for-media-stream",
-                  "--use-fake-device-for-media-stream",
-                  f"--use-file-for-fake-audio-capture={QUESTION_WAV}",
-                  "--autoplay-policy=no-user-gesture-required"])
-        context = browser.new_context(base_url=server.url, permissions=["microphone"])
-        page = context.new_page()
-        page.set_default_timeout(TIMEOUT_MS)
-        problems = []
-        page.on("pageerror", lambda e: problems.append(str(e)))
-        yield page
-        browser.close()
-        assert not problems, problems
+    page = chromium_with("--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+                         f"--use-file-for-fake-audio-capture={QUESTION_WAV}",
+                         base_url=server.url, permissions=["microphone"])
+    problems = []
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    yield page
+    assert not problems, problems
 
 
 def test_speak_a_question_and_hear_the_answer(mic_page, hf_cache, shot):
