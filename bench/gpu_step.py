@@ -331,6 +331,14 @@ def _kernels(program, shape: str, sweep: bool = False) -> list[common.Row]:
         t_ours = _timed_eval(lambda: [getattr(lay, attr)(C, x, ep, res, nrm(lay)) for lay in layers])
         t_ref = _timed_eval(lambda: [getattr(lay, attr)(R, x, ep, res, nrm(lay)) for lay in layers])
         checks[label].update(gbps_ours=nbytes / t_ours / 1e9, gbps_mlx=nbytes / t_ref / 1e9)
+        if p.bits == 4 and p.group_size % 64 == 0:  # the tensor-core kernel beside the scalar one
+            mma = lambda lay, **kw: C.qmma4(x, getattr(lay, attr).w, getattr(lay, attr).scales,  # noqa: E731
+                                            getattr(lay, attr).biases, p.group_size, ep, res, nrm(lay), **kw)
+            checks[label]["mma"] = _rel(mma(layer), p(R, x, ep, res, nrm(layer)))
+            for tpw in (1, 2):
+                for u in (4, 8):
+                    t = _timed_eval(lambda tpw=tpw, u=u: [mma(lay, tiles_per_block=tpw, unroll=u) for lay in layers])
+                    checks[label][f"mma_gbps_tpw{tpw}_u{u}"] = nbytes / t / 1e9
         rows.append(common.Row("kernels", shape, f"{label}: weight read, {len(layers)} layers", "GB/s",
                                nbytes / t_ours / 1e9, nbytes / t_ref / 1e9, "MLX ops (rms_norm, (quantized_)matmul, ...)",
                                ">= 1.0", f"max diff / ref scale {checks[label]['rel']:.2e}", checks[label]))

@@ -46,7 +46,7 @@ def test_transcription_tokens_equal_mlx_audio_generate(server):
     from mlx_audio.stt import load
 
     ours = transcribe(server, response_format="verbose_json", language="en", extra_body=GREEDY)
-    folder = server.app.state.engine._speech._target("transcription", WHISPER).folder
+    folder = server.app.state.engine.speech._target("transcription", WHISPER).folder
     model = load(folder)
     if mx.default_device() == mx.cpu:
         model.set_dtype(mx.float32)

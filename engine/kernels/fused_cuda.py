@@ -38,10 +38,12 @@ bench.gpu_step --parts kernels` checks each kernel against that reference on a G
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 WARPS = 4  # warps per block of matvec and attend
 UNROLL = 4  # 128-bit words of a row a lane loads before it computes
@@ -120,6 +122,8 @@ def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array |
     (words a lane loads before it computes) override the defaults, for the bench. Output: x's
     leading shape, the outputs."""
     k, n = x.shape[-1], w.shape[0]
+    if rows is None and mma_wanted(bits, group_size, k, x.size // k):
+        return qmma4(x, w, scales, biases, group_size, epilogue, a, norm)
     out = n // 2 if epilogue == 2 else n
     r = rows or (rows_per_warp(out) if epilogue != 2 else min(2, rows_per_warp(out)))
     quantized = bits in (4, 8)
@@ -140,6 +144,78 @@ def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array |
                   ("K", k), ("N", n), ("R", r), ("E", epilogue), ("XN", xn), ("U", unroll)],
         grid=(-(-threads // block) * block, 1, 1), threadgroup=(block, 1, 1),
         output_shapes=[(*x.shape[:-1], out)], output_dtypes=[x.dtype])[0]
+
+
+MMA_WARPS = 8  # warps of a tensor-core product's block, splitting K
+MV_SWITCH = "MLXCHAT_CUDA_MV"
+
+
+def mma_wanted(bits: int, group_size: int, k: int, rows_of_x: int) -> bool:
+    """Whether a product takes the tensor-core kernel (4-bit, groups of 64 or 128, one row of x):
+    `MLXCHAT_CUDA_MV=mma` (the scalar kernel otherwise, until the bench picks a default)."""
+    return (os.environ.get(MV_SWITCH, "").strip().lower() == "mma" and bits == 4
+            and group_size % 64 == 0 and k % 64 == 0 and rows_of_x == 1 and k <= 16384)
+
+
+def qmma4(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+          epilogue: int = 0, a: mx.array | None = None, norm: tuple[mx.array, float] | None = None,
+          tiles_per_block: int | None = None, unroll: int = 4) -> mx.array:
+    """`matvec` for a 4-bit W on the tensor cores (see qmma4_impl in cuda/fused_decode.cuh)."""
+    k, n = x.shape[-1], w.shape[0]
+    out = n // 2 if epilogue == 2 else n
+    tiles = -(-out // (8 if epilogue == 2 else 16))
+    tpw = tiles_per_block or max(1, min(2, tiles // 512))
+    names = ["x", "w", "scales", "biases"] + (["nw", "ne"] if norm else []) + (["a"] if epilogue == 1 else [])
+    arrays = [x, w, scales, biases] + ([norm[0], mx.array([norm[1]], dtype=mx.float32)] if norm else []) \
+        + ([a] if epilogue == 1 else [])
+    kind = f"qmma4{'_add' if epilogue == 1 else ''}{'_norm' if norm else ''}"
+    body = (f"qmma4_impl<T, ST, BF16, GS, K, N, E, XN, KW, TPW, U>(x, w, scales, biases, "
+            f"{'a' if epilogue == 1 else '(const T*)nullptr'}, {'nw' if norm else '(const T*)nullptr'}, "
+            f"{'ne' if norm else '(const float*)nullptr'}, y);")
+    kernel = _kernel(kind, names, ["y"], body)
+    block = MMA_WARPS * 32
+    return kernel(
+        inputs=arrays,
+        template=[("T", x.dtype), ("ST", scales.dtype), ("BF16", x.dtype == mx.bfloat16), ("GS", group_size),
+                  ("K", k), ("N", n), ("E", epilogue), ("XN", 2 if norm else 1), ("KW", MMA_WARPS),
+                  ("TPW", tpw), ("U", unroll)],
+        grid=(-(-tiles // tpw) * block, 1, 1), threadgroup=(block, 1, 1),
+        output_shapes=[(*x.shape[:-1], out)], output_dtypes=[x.dtype])[0]
+
+
+def emulate_qmma4(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray,
+                  group_size: int) -> np.ndarray:
+    """qmma4_impl's arithmetic in numpy, fragment by fragment: which nibbles and x values each lane
+    puts in which register of which mma (PTX's m16n8k16 layout: A row g / g + 8 at k 2t, 2t + 1,
+    2t + 8, 2t + 9; B k at the same, column g), the chunk's products summed (in fp32, in an order
+    the hardware leaves open), then scaled. x (K,) float, w (N, K / 8) uint32. Returns y (N,)."""
+    x = np.asarray(x, np.float32)
+    k = x.shape[0]
+    n = w.shape[0]
+    words = np.asarray(w, np.uint32)
+    s_all, b_all = np.asarray(scales, np.float32), np.asarray(biases, np.float32)
+    y = np.zeros(n, np.float32)
+    for c in range(k // 64):
+        sx = np.float32(x[c * 64:(c + 1) * 64].sum(dtype=np.float32))
+        cc = np.zeros(n, np.float32)  # column 0 of each row's chunk product
+        for hh in range(2):
+            for h in range(2):
+                # logical k (0..15) of this mma -> nibble j of lane t's uint32 (physical k = base + j,
+                # base = 64c + 16t + 8hh): 2t -> 2h, 2t+1 -> 2h+4, 2t+8 -> 2h+1, 2t+9 -> 2h+5
+                a = np.zeros((n, 16), np.float32)
+                b = np.zeros(16, np.float32)
+                for t in range(4):
+                    base = c * 64 + 16 * t + 8 * hh
+                    word = words[:, c * 8 + 2 * t + hh]
+                    nib = lambda j: ((word >> np.uint32(4 * j)) & np.uint32(15)).astype(np.float32)  # noqa: E731
+                    for logical, j in ((2 * t, 2 * h), (2 * t + 1, 2 * h + 4), (2 * t + 8, 2 * h + 1),
+                                       (2 * t + 9, 2 * h + 5)):
+                        a[:, logical] = 128.0 + nib(j)
+                        b[logical] = x[base + j]
+                cc += (a * b[None, :]).sum(axis=1, dtype=np.float32)
+        q = c * 64 // group_size
+        y += s_all[:, q] * (cc - np.float32(128.0) * sx) + b_all[:, q] * sx
+    return y
 
 
 def splits(cap: int) -> tuple[int, int]:

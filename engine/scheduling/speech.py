@@ -30,20 +30,18 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import numpy as np
 
 from ..decoding import speech as voice
 from ..errors import EngineError, InvalidRequest, ModelLoadError, Overloaded
 from ..loading.memory import needed_bytes, weight_files_bytes
+from .budget import MemoryBudget, mib
 from ..loading.registry import list_models, resolve
 from ..loading.speech import (FAMILIES, INPUT_RATE, SUGGESTED, Kind, SpeechModel, load_speech,
                               missing_packages, speech_family)
 from .keep_alive import keep_alive_seconds
-
-if TYPE_CHECKING:
-    from .service import Engine
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +146,14 @@ class _Resident:
 class SpeechQueue:
     """The engine's speech requests and speech models (see the module's doc)."""
 
-    def __init__(self, engine: "Engine"):
-        self._engine = engine
+    def __init__(self, budget: MemoryBudget, keep_alive: float | None,
+                 halted: Callable[[], str | None] = lambda: None):
+        """Speech models' weights reserve in `budget` while loaded; `keep_alive`: the default
+        for requests that give none (seconds; None: no unload); `halted()`: why the engine
+        stopped serving, if it did (new requests are refused with it)."""
+        self._budget = budget
+        self._keep_alive = keep_alive
+        self._halted = halted
         self._lock = threading.Condition()
         self._jobs: deque[_Job] = deque()
         self._resident: dict[Kind, _Resident] = {}
@@ -196,7 +200,7 @@ class SpeechQueue:
             if not handle._future.done():
                 handle._future.set_exception(exc)
 
-        self._queue(_Job(target, keep_alive_seconds(keep_alive, self._engine.keep_alive), run, fail))
+        self._queue(_Job(target, keep_alive_seconds(keep_alive, self._keep_alive), run, fail))
         return handle
 
     def speak(self, text: str, *, model: str | None = None, voice_name: str | None = None,
@@ -226,7 +230,7 @@ class SpeechQueue:
                 stream._chunks.put(wave)
             stream._chunks.put(_END)
 
-        self._queue(_Job(target, keep_alive_seconds(keep_alive, self._engine.keep_alive), run,
+        self._queue(_Job(target, keep_alive_seconds(keep_alive, self._keep_alive), run,
                          stream._chunks.put))
         return stream
 
@@ -299,8 +303,8 @@ class SpeechQueue:
 
     def _queue(self, job: _Job) -> None:
         with self._lock:
-            if self._engine.halted is not None:
-                raise EngineError(self._engine.halted)
+            if self._halted() is not None:
+                raise EngineError(self._halted() or "")
             if self._closing:
                 raise EngineError("the server is shutting down")
             if len(self._jobs) >= MAX_PENDING:
@@ -380,26 +384,23 @@ class SpeechQueue:
         resident = self._resident.get(target.kind)
         if resident is not None:  # (another model of its kind was unloaded by the last thread)
             return resident.model
-        engine = self._engine
         guess = needed_bytes(weight_files_bytes(target.folder.glob("*")))
-        if guess > engine.memory_budget:
-            raise ModelLoadError(f"{target.name} needs about {guess >> 20} MiB, over the memory "
-                                 f"budget of {engine.memory_budget >> 20} MiB",
-                                 code="insufficient_memory")
-        with engine._lock:
-            if engine._reserved + guess > engine.memory_budget:
-                raise Overloaded(f"server busy: loading {target.name} needs {guess >> 20} MiB of "
-                                 f"the memory budget, {engine._reserved >> 20} of "
-                                 f"{engine.memory_budget >> 20} MiB are in use", retry_after=2.0)
-            engine._reserved += guess
+        if not self._budget.fits(guess):
+            raise ModelLoadError(f"{target.name} needs about {mib(guess)}, over the memory "
+                                 f"budget of {mib(self._budget.total)}", code="insufficient_memory")
+        self._budget.reserve(guess, f"loading {target.name}")
         try:
             sm = load_speech(target.name, target.folder)
         except BaseException:
-            with engine._lock:
-                engine._reserved -= guess
+            self._budget.release(guess)
             raise
-        with engine._lock:  # the weights as loaded (float32 on the CPU) replace the guess
-            engine._reserved += sm.weight_bytes - guess
+        # the weights as loaded (float32 on the CPU) replace the guess
+        if sm.weight_bytes < guess:
+            self._budget.release(guess - sm.weight_bytes)
+        elif not self._budget.try_reserve(sm.weight_bytes - guess):
+            self._budget.release(guess)
+            raise Overloaded(f"server busy: {target.name} takes {mib(sm.weight_bytes)} loaded, "
+                             f"more than the memory budget has room for now", retry_after=2.0)
         log.info("speech model %s loaded (%d MiB)", sm.name, sm.weight_bytes >> 20)
         with self._lock:
             self._resident[target.kind] = _Resident(sm, sm.weight_bytes, time.monotonic())
@@ -407,13 +408,11 @@ class SpeechQueue:
 
     def _unload(self, kind: Kind) -> None:
         """On the speech thread, which then ends (see `_serve`): drop the resident model of
-        `kind` and its memory reservation (never under the queue's lock: the engine's lock is
-        taken here)."""
+        `kind` and its memory reservation."""
         with self._lock:
             resident = self._resident.pop(kind)
         log.info("unloading speech model %s", resident.model.name)
-        with self._engine._lock:
-            self._engine._reserved -= resident.reserved
+        self._budget.release(resident.reserved)
         del resident
         gc.collect()  # (MLX's buffer cache is kept: emptying it here crashes MLX 0.32.4, see
         # engine/decoding/speech.py's _keep_buffer_cache)

@@ -51,30 +51,37 @@ __device__ __forceinline__ float dot_word(const uint4 w, const float* x) {
   return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
-template <typename T, int K, int XN>
-__device__ __forceinline__ void stage_x(const T* x, const T* nw, const float* ne, float* xsh) {
-  // x (K values) into shared memory as floats, the whole block; XN 2: RMS-normalised as MLX's
-  // rms_norm rounds it: T(w * T(x * rsqrt(mean(x^2) + eps)))
-  constexpr int PER = (K + 127) / 128;
-  __shared__ float red[32];
-  float v[PER], ss = 0.f;
+template <typename T, int K, int THREADS, int XN>
+__device__ __forceinline__ float load_x(const T* x, const float* ne, float* v) {
+  // this thread's values of x (k = threadIdx.x + THREADS i) into v; returns the RMS norm's
+  // 1 / rms (XN 2: the whole block's sum of squares; else 1)
+  constexpr int PER = (K + THREADS - 1) / THREADS;
+  __shared__ float red[THREADS / 32];
+  float ss = 0.f;
   #pragma unroll
   for (int i = 0; i < PER; ++i) {
-    const int k = threadIdx.x + 128 * i;
+    const int k = threadIdx.x + THREADS * i;
     v[i] = k < K ? static_cast<float>(x[k]) : 0.f;
     ss += v[i] * v[i];
   }
-  float rn = 1.f;
-  if constexpr (XN == 2) {
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    ss = 0.f;
-    #pragma unroll
-    for (int w = 0; w < 4; ++w) ss += red[w];
-    rn = rsqrtf(ss / K + ne[0]);
-  }
+  if constexpr (XN != 2) return 1.f;
+  #pragma unroll
+  for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  ss = 0.f;
+  #pragma unroll
+  for (int w = 0; w < THREADS / 32; ++w) ss += red[w];
+  return rsqrtf(ss / K + ne[0]);
+}
+
+template <typename T, int K, int XN>
+__device__ __forceinline__ void stage_x(const T* x, const T* nw, const float* ne, float* xsh) {
+  // x (K values) into shared memory as floats, the whole block of 128 threads; XN 2:
+  // RMS-normalised as MLX's rms_norm rounds it: T(w * T(x * rsqrt(mean(x^2) + eps)))
+  constexpr int PER = (K + 127) / 128;
+  float v[PER];
+  const float rn = load_x<T, K, 128, XN>(x, ne, v);
   #pragma unroll
   for (int i = 0; i < PER; ++i) {
     const int k = threadIdx.x + 128 * i;
@@ -333,4 +340,160 @@ __device__ __forceinline__ void attention_impl(const T* qkv, const T* qn, const 
     y[h * D + d] = static_cast<T>(a / ls);
   }
   if (threadIdx.x == 0) const_cast<int*>(cnt)[j] = 0;
+}
+
+__device__ __forceinline__ uint32_t nib_pair(uint32_t w, uint32_t magic) {
+  // the nibbles at bits 0-3 and 16-19 of w under the exponent of `magic` (0x43004300: bf16 128 + q;
+  // 0x64006400: fp16 1024 + q), one lop3: (w & 0x000f000f) | magic
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(w), "r"(0x000f000fu), "r"(magic));
+  return d;
+}
+
+template <bool BF16>
+__device__ __forceinline__ void mma_16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+  if constexpr (BF16) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+template <typename T, typename ST, bool BF16, int GS, int K, int N, int E, int XN, int KW, int TPW, int U>
+__device__ __forceinline__ void qmma4_impl(const T* x, const uint32_t* w, const ST* scales,
+                                           const ST* biases, const T* a, const T* nw,
+                                           const float* ne, T* y) {
+  // y = W x for one row x and a 4-bit W in MLX's affine layout (groups of 64 or 128) on the tensor
+  // cores: a block's KW warps split K (64-wide chunks w, w + KW, ...) over TPW tiles of 16 output
+  // rows (E 2: rows 0-7 gate units, 8-15 their up rows). Lane (g = lane / 4, t = lane % 4) loads,
+  // per 64-chunk, 16 nibbles (a uint2) of rows g and g + 8 at k = 16 t: two uint32, each giving the
+  // four A registers of an mma pair as bf16x2 pairs (nibble i, nibble i + 4) = 128 + q exactly
+  // (one lop3 each); x row g the B operand at the same k (the same permutation of k for A and B).
+  // Each chunk's products are summed in fp32 by the tensor core, then scaled:
+  // s * (C - 128 sum(x)) + b * sum(x), sum(x) of the chunk computed once per block.
+  constexpr uint32_t MAGIC = BF16 ? 0x43004300u : 0x64006400u;
+  constexpr float OFF = BF16 ? 128.f : 1024.f;
+  constexpr int CHUNKS = K / 64;
+  constexpr int WORDS = K / 8;  // uint32 per row
+  constexpr int OUT = (E == 2) ? N / 2 : N;
+  constexpr int UNITS = (E == 2) ? 8 : 16;  // output units a tile writes
+  constexpr int TILES = (OUT + UNITS - 1) / UNITS;
+  __shared__ __align__(16) T xs[K];
+  __shared__ float sxs[CHUNKS];
+  __shared__ float part[TPW][KW][16];  // [tile][warp][row]: x's row (column 0 of the products)
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  {  // x into shared memory as T (RMS-normalised as MLX rounds it when XN == 2), its chunk sums
+    constexpr int PER = (K + 32 * KW - 1) / (32 * KW);
+    float v[PER];
+    const float rn = load_x<T, K, 32 * KW, XN>(x, ne, v);
+    #pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int k = threadIdx.x + 32 * KW * i;
+      if (k < K) xs[k] = XN == 2 ? static_cast<T>(nw[k] * static_cast<T>(v[i] * rn)) : static_cast<T>(v[i]);
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < CHUNKS; c += 32 * KW) {
+      float s = 0.f;
+      for (int k = 0; k < 64; ++k) s += static_cast<float>(xs[c * 64 + k]);
+      sxs[c] = s;
+    }
+    __syncthreads();
+  }
+  const unsigned short* xb = reinterpret_cast<const unsigned short*>(xs);
+  float acc[TPW][2];  // rows g and g + 8 of each tile, x's row 0 (lanes t == 0 hold it)
+  #pragma unroll
+  for (int i = 0; i < TPW; ++i) acc[i][0] = acc[i][1] = 0.f;
+  int rlo[TPW], rhi[TPW];
+  #pragma unroll
+  for (int i = 0; i < TPW; ++i) {
+    const int tile = min(blockIdx.x * TPW + i, TILES - 1);
+    if constexpr (E == 2) {
+      const int u = min(tile * 8 + g, OUT - 1);
+      rlo[i] = u;
+      rhi[i] = u + OUT;
+    } else {
+      rlo[i] = min(tile * 16 + g, N - 1);
+      rhi[i] = min(tile * 16 + g + 8, N - 1);
+    }
+  }
+  #pragma unroll 1
+  for (int c0 = warp; c0 < CHUNKS; c0 += KW * U) {
+    uint2 lo[U][TPW], hi[U][TPW];
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = min(c0 + u * KW, CHUNKS - 1);
+      #pragma unroll
+      for (int i = 0; i < TPW; ++i) {
+        lo[u][i] = __ldg(reinterpret_cast<const uint2*>(w + (size_t)rlo[i] * WORDS + c * 8) + t);
+        hi[u][i] = __ldg(reinterpret_cast<const uint2*>(w + (size_t)rhi[i] * WORDS + c * 8) + t);
+      }
+    }
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * KW;
+      if (c >= CHUNKS) break;  // the same for the whole warp
+      uint32_t b[2][2][2];  // [half of the uint2][mma][register]: x row g at this lane's k (row 0 only)
+      #pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int k = c * 64 + 16 * t + 8 * hh + 2 * h;
+          b[hh][h][0] = g == 0 ? (uint32_t)xb[k] | ((uint32_t)xb[k + 4] << 16) : 0u;
+          b[hh][h][1] = g == 0 ? (uint32_t)xb[k + 1] | ((uint32_t)xb[k + 5] << 16) : 0u;
+        }
+      }
+      const float sx = sxs[c];
+      #pragma unroll
+      for (int i = 0; i < TPW; ++i) {
+        float cc[4] = {0.f, 0.f, 0.f, 0.f};
+        #pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const uint32_t wl = hh ? lo[u][i].y : lo[u][i].x, wh = hh ? hi[u][i].y : hi[u][i].x;
+          uint32_t al[4], ah[4];
+          #pragma unroll
+          for (int j = 0; j < 4; ++j) { al[j] = nib_pair(wl >> (4 * j), MAGIC); ah[j] = nib_pair(wh >> (4 * j), MAGIC); }
+          #pragma unroll
+          for (int h = 0; h < 2; ++h)
+            mma_16816<BF16>(cc, al[2 * h], ah[2 * h], al[2 * h + 1], ah[2 * h + 1], b[hh][h][0], b[hh][h][1]);
+        }
+        const int q = c * 64 / GS;  // the quantization group
+        const float slo = static_cast<float>(scales[(size_t)rlo[i] * (K / GS) + q]);
+        const float blo = static_cast<float>(biases[(size_t)rlo[i] * (K / GS) + q]);
+        const float shi = static_cast<float>(scales[(size_t)rhi[i] * (K / GS) + q]);
+        const float bhi = static_cast<float>(biases[(size_t)rhi[i] * (K / GS) + q]);
+        acc[i][0] += slo * (cc[0] - OFF * sx) + blo * sx;  // column 0: x's row (lanes t == 0)
+        acc[i][1] += shi * (cc[2] - OFF * sx) + bhi * sx;
+      }
+    }
+  }
+  if (t == 0) {
+    #pragma unroll
+    for (int i = 0; i < TPW; ++i) { part[i][warp][g] = acc[i][0]; part[i][warp][g + 8] = acc[i][1]; }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < TPW * UNITS; idx += 32 * KW) {
+    const int i = idx / UNITS, r = idx % UNITS;
+    const int tile = blockIdx.x * TPW + i;
+    const int u = tile * UNITS + r;
+    if (tile >= TILES || u >= OUT) continue;
+    float s = 0.f, s2 = 0.f;
+    #pragma unroll
+    for (int v = 0; v < KW; ++v) { s += part[i][v][r]; if constexpr (E == 2) s2 += part[i][v][r + 8]; }
+    if constexpr (E == 0) {
+      y[u] = static_cast<T>(s);
+    } else if constexpr (E == 1) {
+      y[u] = static_cast<T>(static_cast<float>(static_cast<T>(s)) + static_cast<float>(a[u]));
+    } else {
+      const float gt = static_cast<float>(static_cast<T>(s)), up = static_cast<float>(static_cast<T>(s2));
+      const float sig = static_cast<float>(static_cast<T>(1.0f / (1.0f + expf(-gt))));
+      const float act = static_cast<float>(static_cast<T>(gt * sig));
+      y[u] = static_cast<T>(act * up);
+    }
+  }
 }
