@@ -59,11 +59,12 @@ def _params(engine: Engine, opts: dict[str, Any]) -> SamplingParams:
 
 
 def _engine(model: str | None, device: str) -> Engine:
+    from app.model_jobs import StageLines
     from engine import describe_device, select_device
 
     dev = select_device(device)
     click.echo(f"Loading {model or 'the bundled model'} on {describe_device(dev)} ...", err=True)
-    return Engine(model).start()
+    return Engine(model).start(progress=StageLines().stage)  # each stage a line
 
 
 def _fail(exc: Exception) -> None:

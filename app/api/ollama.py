@@ -38,7 +38,7 @@ from .errors import ApiError
 from .models import local_models
 from .openai_request import parse_messages
 from .serving import (Choice, aliased, finished, public_error, read_body, stream, submit,
-                      use_named_model)
+                      use_named_model, wait_for_model)
 
 # The Ollama version we answer as: clients check it (codex --oss needs >= 0.13.4).
 VERSION = "0.13.5"
@@ -549,6 +549,7 @@ async def embed(request: Request) -> Response:
         if inputs is None:
             raise ApiError(400, f"'{'prompt' if legacy else 'input'}' is required")
         dimensions = body.get("dimensions")
+        await wait_for_model(request)  # a model that is loading: wait for it a while
         result = await embed_vectors(
             app_state(request).engine, inputs, model=_embedding_model(request, body.get("model")),
             dimensions=dimensions if isinstance(dimensions, int) else None,

@@ -24,6 +24,7 @@ from ..device import memory_budget as device_memory_budget
 from ..errors import EngineError, InvalidRequest, Overloaded
 from ..decoding.fim import Infill
 from ..decoding.generate import Generation, build_prompt
+from ..loading.progress import LoadCallback
 from ..loading.registry import LoadedModel, ModelInfo, load_model
 from ..decoding.defaults import ModelDefaults
 from ..decoding.sampling import SamplingParams
@@ -115,16 +116,20 @@ class Engine:
         self._ids = itertools.count(1)
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def start(self, progress: Callable[[str], None] | None = None) -> "Engine":
-        """Load the model (on the scheduler thread) and start serving; blocks until loaded."""
+    def start(self, progress: LoadCallback | None = None, *, load: bool = True) -> "Engine":
+        """Load the model (on the scheduler thread, its stages reported to `progress`) and start
+        serving; blocks until loaded. `load=False` starts serving with no model: requests are
+        refused until `switch_model` has loaded one (a server that answers while its first model
+        loads)."""
         # Every token is handed from the scheduler thread to readers in other threads; with
         # Python's default 5 ms switch interval the scheduler waits for the GIL after each device
         # sync (bench/results/cuda-h200-2026-12-02-concurrency-switchinterval-only.json).
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self.scheduler.start()
         self.drafts.start()
-        self.scheduler.call(lambda: self.slot.install(self.requested_model, progress,
-                                                      self.keep_alive))
+        if load:
+            self.scheduler.call(lambda: self.slot.install(self.requested_model, progress,
+                                                          self.keep_alive))
         return self
 
     def stop(self) -> None:
@@ -246,7 +251,7 @@ class Engine:
         """The model-cache memory a plain request of this size reserves while admitted."""
         return self.slot.footprint.bytes_for(prompt_tokens + max_tokens)
 
-    def switch_model(self, name: str, progress: Callable[[str], None] | None = None,
+    def switch_model(self, name: str, progress: LoadCallback | None = None,
                      cancel_running: bool = False, *, int8_activations: bool | None = None) -> None:
         """Load another model (a name `list_models` gives, or a path; the current one's name
         reloads it) once running and queued requests end (or are cancelled, if asked); meanwhile
