@@ -38,7 +38,7 @@ from engine import (BUNDLED_MODEL, DEFAULT_KEEP_ALIVE_S, Cluster, Engine, LoadPr
                     describe_device)
 
 from . import api, metrics
-from .api import images
+from .api import audio, images
 from .api.errors import http_error
 from .doc_index.store import ChunkStore
 from .mcp.config import FILE_NAME as MCP_FILE
@@ -98,7 +98,8 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
             Middleware(metrics.CountRequests, metrics=counts),  # API requests by protocol, outcome
             Middleware(ApiKeyGuard, access=access),  # with --api-key, all but /health: 401
             # oversized bodies 413, slow ones 408, before the app reads (uploads bound their own)
-            Middleware(BodyLimit, streamed=uploads.is_upload_path, larger=images.body_limit),
+            Middleware(BodyLimit, streamed=uploads.is_upload_path,
+                       larger=lambda path: images.body_limit(path) or audio.body_limit(path)),
             Middleware(SecurityHeaders),  # CSP, nosniff, no framing, no referrer to other sites
         ],
     )

@@ -33,6 +33,9 @@ from .scheduling.embedding_queue import (MAX_INPUTS as EMBEDDING_MAX_INPUTS, Emb
                                          Embeddings)
 from .scheduling.keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
 from .scheduling.requests import RequestHandle
+from .scheduling.speech import MAX_TEXT as SPEECH_MAX_TEXT, SpeechHandle, SpeechStream
+from .loading.speech import INPUT_RATE as SPEECH_INPUT_RATE, SUGGESTED as SPEECH_SUGGESTED
+from .decoding.speech import Segment as TranscriptSegment, Transcript, Word as TranscriptWord
 from .scheduling.rerank import Ranking, RerankHandle
 from .scheduling.stats import EngineStats, Histogram
 from .scheduling.service import Engine, EngineStatus
@@ -46,6 +49,8 @@ __all__ = [
     "KV_BITS_ENV", "MESSAGE_ROLES", "PRESETS",
     "SAMPLING_OPTIONS",
     "EMBEDDING_MAX_INPUTS", "EmbeddingHandle", "Embeddings",
+    "SPEECH_INPUT_RATE", "SPEECH_MAX_TEXT", "SPEECH_SUGGESTED", "SpeechHandle", "SpeechStream",
+    "Transcript", "TranscriptSegment", "TranscriptWord",
     "Channel", "Default", "DownloadCancelled", "DownloadError", "DownloadProgress", "DraftChoice",
     "Engine", "EngineError", "EngineStats", "EngineStatus", "Event", "FinishReason", "Histogram",
     "InvalidRequest", "LOAD_STAGES", "LoadProgress", "LoadStage",

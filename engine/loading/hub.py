@@ -145,12 +145,15 @@ def _choose(spec: PullSpec, files: list[RemoteFile]) -> tuple[PullSpec, list[Rem
         raise DownloadError(f"{spec.repo} is neither an mlx-lm model folder (no config.json) nor "
                             "a repository of GGUF files")
     weights = [f for f in files if f.name.endswith(".safetensors") and "/" not in f.name]
+    # a text-to-speech model's voice packs (engine/loading/speech.py)
+    voices = [f for f in files if f.name.startswith("voices/") and f.name.endswith(".safetensors")
+              and f.name.count("/") == 1]
     if not weights:
         pickled = [f.name for f in files if f.name.endswith(PICKLED)]
         raise DownloadError(f"{spec.repo} has no safetensors weights"
                             + (f" (only pickled ones: {', '.join(pickled[:4])}), which mlxchat "
                                "never loads because they can run code" if pickled else ""))
-    return spec, [by_name[n] for n in FOLDER_FILES if n in by_name] + weights
+    return spec, [by_name[n] for n in FOLDER_FILES if n in by_name] + weights + voices
 
 
 def plan(spec: PullSpec) -> Plan:

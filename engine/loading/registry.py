@@ -20,6 +20,7 @@ from ..errors import ModelLoadError
 from .folders import gguf_to_folder, hub_cache_dir
 from .memory import shortfall, weight_files_bytes
 from .progress import report
+from .speech import refuse_speech_as_chat, speech_kind
 from .vision import is_vision_folder
 from .warm_up import warm_up
 from ..model_cache import LOCAL, CacheOps
@@ -41,6 +42,7 @@ class ModelInfo:
     path: str | None
     size_bytes: int | None
     vision: bool = False  # a vision-language model's folder (engine/loading/vision.py)
+    speech: str | None = None  # "transcription" or "speech": a speech model (loading/speech.py)
 
 
 # What a model can do, as clients ask (Ollama's /api/show, /v1/models, the picker): one
@@ -159,7 +161,7 @@ def _hf_cache_models() -> list[ModelInfo]:
         if snapshots and any(snapshots[-1].parent.glob("*.safetensors")):
             folder = snapshots[-1].parent
             found.append(ModelInfo(name, "hf-cache", str(folder), _dir_size(folder.resolve()),
-                                   vision=is_vision_folder(folder)))
+                                   vision=is_vision_folder(folder), speech=speech_kind(folder)))
         for gguf in sorted((repo / "snapshots").glob("*/**/*.gguf")):
             if gguf.is_file():
                 file = gguf.relative_to(repo / "snapshots").as_posix().split("/", 1)[1]
@@ -250,6 +252,7 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
         report("loading")
         if is_vision_folder(folder):
             return _load_vision_model(display, folder, group)
+        refuse_speech_as_chat(display, folder)
         try:
             # mlx_lm.load's two steps, with Gemma 2's sliding window (gemma2_window.py)
             model, config = mlx_lm_load_model(folder, get_model_classes=model_classes)

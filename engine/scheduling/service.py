@@ -32,6 +32,7 @@ from ..decoding.tools import ToolRequest
 from .budget import MemoryBudget, mib
 from .draft_loader import DraftLoader
 from .embedding_queue import EmbeddingHandle, EmbeddingInput, EmbeddingQueue
+from .speech import SpeechHandle, SpeechQueue, SpeechStream
 from .keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
 from .rerank import RerankHandle, submit_rerank
 from .stats import EngineStats, MemoryUse, PrefixCacheUse, StatsRecorder
@@ -62,6 +63,7 @@ class EngineStatus:
     reserved_bytes: int  # of the budget: admitted requests' model caches, embedding models' weights
     resident: bool = False  # the model's weights are in memory (not unloaded after an idle time)
     embedding_models: tuple[str, ...] = ()  # dedicated embedding models loaded beside it
+    speech_models: tuple[str, ...] = ()  # speech models loaded beside it (scheduling/speech.py)
 
 
 class Engine:
@@ -107,8 +109,10 @@ class Engine:
         self.scheduler = Scheduler(self.slot, self.budget, batching=batching,
                                    max_running=max_running if max_running is not None
                                    else MAX_RUNNING_ROWS, stats=self._stats,
-                                   on_halt=lambda reason: self.embeddings.fail(reason))
+                                   on_halt=self._fail_queues)
         self.embeddings = EmbeddingQueue(self.scheduler, self.budget, self.keep_alive)
+        self.speech = SpeechQueue(self.budget, self.keep_alive,
+                                  halted=lambda: self.scheduler.halted)
         self._ids = itertools.count(1)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -135,6 +139,7 @@ class Engine:
         self.scheduler.stop()
         self.drafts.stop()
         self.embeddings.close()
+        self.speech.close()
         self.slot.persist()  # so that reopening the app continues long conversations without re-prefill
 
     def halt(self, reason: str) -> None:
@@ -143,6 +148,11 @@ class Engine:
         recover from, such as a rank of a sharded model gone: that thread may stay blocked in a
         collective that never returns, so this does not wait for it."""
         self.scheduler.halt(reason)
+
+    def _fail_queues(self, reason: str) -> None:
+        """The engine halted: the embedding and speech requests fail with `reason`."""
+        self.embeddings.fail(reason)
+        self.speech.fail(reason)
 
     @property
     def halted(self) -> str | None:
@@ -210,7 +220,8 @@ class Engine:
             loading_drafts=load.preparing, batch_rows=load.batch_rows,
             drafts=self.drafts.identities(), memory_budget=self.budget.total,
             reserved_bytes=load.reserved_bytes, resident=self.slot.resident,
-            embedding_models=tuple(self.embeddings.resident_models()))
+            embedding_models=tuple(self.embeddings.resident_models()),
+            speech_models=tuple(self.speech.resident_models()))
 
     def stats(self) -> EngineStats:
         """A reading for monitoring (engine/scheduling/stats.py): the load now, the running
@@ -218,6 +229,7 @@ class Engine:
         the scheduler's lock only to copy a few numbers."""
         status = self.status()
         weights = dict(self.embeddings.resident_weights())
+        weights.update(self.speech.resident_weights())
         lm = self.lm
         if lm is not None and self.slot.resident:
             weights[lm.name] = _weight_bytes(lm)
@@ -363,6 +375,36 @@ class Engine:
         InvalidRequest or Overloaded at once. Its chunks run between scheduler ticks."""
         return self.embeddings.submit(inputs, model=model, dimensions=dimensions,
                                       truncate=truncate, query=query, keep_alive=keep_alive)
+
+    # -- speech (engine/scheduling/speech.py: its own thread, beside the scheduler) -------------
+    def transcribe(self, samples, *, model: str | None = None, task: str = "transcribe",
+                   language: str | None = None, prompt: str | None = None,
+                   temperature: float | None = None, fallback: bool = True,
+                   word_timestamps: bool = False,
+                   keep_alive: float | str | None = None) -> SpeechHandle:
+        """Queue a transcription ("translate": into English) of float32 mono samples at
+        SPEECH_INPUT_RATE on a speech-to-text model (None: the first installed); raises
+        InvalidRequest or Overloaded at once. `fallback`: Whisper's retries at higher
+        temperatures (engine/decoding/speech.py)."""
+        return self.speech.transcribe(samples, model=model, task=task, language=language,
+                                       prompt=prompt, temperature=temperature, fallback=fallback,
+                                       word_timestamps=word_timestamps, keep_alive=keep_alive)
+
+    def speak(self, text: str, *, model: str | None = None, voice: str | None = None,
+              speed: float = 1.0, keep_alive: float | str | None = None) -> SpeechStream:
+        """Queue speech for `text` on a text-to-speech model (None: the first installed) in one
+        of its voices (None: its first); its waveforms stream as they are made."""
+        return self.speech.speak(text, model=model, voice_name=voice, speed=speed,
+                                  keep_alive=keep_alive)
+
+    def speech_models(self, kind: str) -> list[str]:
+        """The installed speech models of `kind`: "transcription" or "speech"."""
+        return self.speech.installed(kind)  # type: ignore[arg-type]
+
+    def speech_voices(self, model: str | None = None) -> tuple[str, ...]:
+        """The voices of a text-to-speech model (None: the first installed); raises
+        InvalidRequest."""
+        return self.speech.voices(model)
 
     def rerank(self, query: str, documents: Sequence[str], *, model: str | None = None,
                instruction: str | None = None, truncate: bool = True,
