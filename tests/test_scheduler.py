@@ -289,8 +289,8 @@ def test_switching_models_keeps_the_running_requests_or_cancels_them(llama, qwen
         prompt = dict(prompt_tokens=list(range(100, 140)))
         running = engine.submit(params=SamplingParams(max_tokens=40), **prompt)
         stages = []
-        engine.switch_model("qwen", progress=stages.append)
-        assert engine.model_name == qwen.name and stages == ["loading", "ready"]
+        engine.switch_model("qwen", progress=lambda p: stages.append(p.stage))
+        assert engine.model_name == qwen.name and stages == ["ready"]
         params = SamplingParams(max_tokens=8)
         assert tokens(engine.submit(params=params, **prompt)) == alone(qwen, params, **prompt)
         assert len(tokens(running)) == 40 and running.state == "finished"

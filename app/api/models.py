@@ -9,6 +9,7 @@ there are, and a model that cannot get room now is a 503 with Retry-After.
 whether it is pinned."""
 
 import asyncio
+import json
 import math
 import time
 from datetime import datetime, timezone
@@ -19,7 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from engine import Engine, EngineError, ModelInfo, ModelLoadError, NoRoom, ResidentModel
+from engine import (Engine, EngineError, InvalidRequest, ModelDescription, ModelInfo,
+                    ModelLoadError, NoRoom, ResidentModel)
 
 from ..state import app_state
 from .errors import ApiError
@@ -51,15 +53,49 @@ def loaded_object(m: ResidentModel) -> dict[str, Any]:
             "kv_format": m.kv_format}
 
 
+def model_config(model: ModelInfo) -> dict[str, Any]:
+    """A model folder's config.json ({} for a GGUF file, a model not fetched, a damaged file)."""
+    path = Path(model.path) if model.path else None
+    try:
+        return json.loads((path / "config.json").read_text()) if path and path.is_dir() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def described(engine: Engine, name: str) -> ModelDescription | None:
+    """The description of `name` as the engine runs it, once it has been loaded (else None)."""
+    try:
+        return engine.on(name).model
+    except InvalidRequest:
+        return None
+
+
+def context_length(model: ModelInfo, engine: Engine | None = None) -> int | None:
+    """The longest prompt plus answer `model` takes, in tokens: a loaded model's as the engine
+    runs it (its settings may shorten it); another's as its config.json declares it (its text
+    model's, for a vision model); None when unknown until it loads (a GGUF file)."""
+    known = described(engine, model.name) if engine is not None else None
+    if known is not None:
+        return known.context_length
+    config = model_config(model)
+    text = config.get("text_config", config)
+    found = next((text[k] for k in ("max_position_embeddings", "max_seq_len", "seq_length")
+                  if isinstance(text.get(k), int)), None)
+    return found
+
+
 def model_object(model: ModelInfo, engine: Engine | None = None,
                  loaded: dict[str, ResidentModel] | None = None) -> dict[str, Any]:
     """A model as OpenAI's `/v1/models` describes one; `created` is when its files were written.
-    A model in memory also says what it can do (`capabilities`, an extension: completion, tools,
+    Extensions: `context_length` (tokens, where known: coding agents size their sessions and
+    compact by it); for a model in memory what it can do (`capabilities`: completion, tools,
     thinking, embedding — engine.loading.registry.CAPABILITIES) and its `loaded` object."""
     path = Path(model.path) if model.path else None
     created = int(path.stat().st_mtime) if path is not None and path.exists() else STARTED
     out: dict[str, Any] = {"id": model.name, "object": "model", "created": created,
                            "owned_by": "mlxchat"}
+    if (context := context_length(model, engine)) is not None:
+        out["context_length"] = context
     if engine is None:
         return out
     if loaded is None:

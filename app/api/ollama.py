@@ -40,10 +40,10 @@ from engine import (DownloadError, Engine, EngineError, Event, Infill, InvalidRe
 from ..state import app_state
 from .embeddings import embed as embed_vectors
 from .errors import ApiError
-from .models import iso_time, local_models
+from .models import context_length, described, iso_time, local_models, model_config
 from .openai_request import parse_messages
 from .serving import (Choice, aliased, finished, public_error, read_body, stream, submit,
-                      use_named_model)
+                      use_named_model, wait_for_model)
 
 # The Ollama version we answer as: clients check it (codex --oss needs >= 0.13.4).
 VERSION = "0.13.5"
@@ -86,16 +86,8 @@ def _digest(m: ModelInfo) -> str:
     return hashlib.sha256(f"{m.name}|{m.path}|{m.size_bytes}".encode()).hexdigest()
 
 
-def _described(engine: Engine, name: str) -> Any:
-    """A loaded model's description (ModelDescription), or None for one never loaded."""
-    try:
-        return engine.on(name).model
-    except InvalidRequest:
-        return None
-
-
 def _details(engine: Engine, m: ModelInfo) -> dict[str, Any]:
-    loaded = _described(engine, m.name)
+    loaded = described(engine, m.name)
     return {"parent_model": "", "format": "gguf" if m.source == "gguf" else "safetensors",
             "family": loaded.family if loaded else "", "families": [loaded.family] if loaded else [],
             "parameter_size": "", "quantization_level": ""}
@@ -146,14 +138,6 @@ async def ps(request: Request) -> Response:
     return JSONResponse({"models": out})
 
 
-def _config(m: ModelInfo) -> dict[str, Any]:
-    path = Path(m.path) if m.path else None
-    try:
-        return json.loads((path / "config.json").read_text()) if path and path.is_dir() else {}
-    except (OSError, ValueError):
-        return {}
-
-
 async def _named(request: Request) -> tuple[str, str] | Response:
     """(the name a show/delete body gives, the local model it names); else the error answer."""
     try:
@@ -174,16 +158,16 @@ async def show(request: Request) -> Response:
         return named
     name, found = named
     m = next(m for m in local_models(engine) if m.name == found)
-    described = _described(engine, found)
-    config = _config(m)
-    family = described.family if described else config.get("model_type", "")
-    context = described.context_length if described else config.get("max_position_embeddings")
+    known = described(engine, found)
+    config = model_config(m)
+    family = known.family if known else config.get("model_type", "")
+    context = context_length(m, engine)  # as /v1/models reports it
     info = {"general.architecture": family, "general.basename": m.name}
     if context:
         info[f"{family}.context_length"] = context
     return JSONResponse({"modelfile": "", "parameters": "", "template": "",
                          "details": _details(engine, m), "model_info": info,
-                         "capabilities": list(described.capabilities if described
+                         "capabilities": list(known.capabilities if known
                                               else ("completion",)),
                          "modified_at": _entry(engine, m)["modified_at"]})
 
@@ -611,6 +595,7 @@ async def embed(request: Request) -> Response:
         if inputs is None:
             raise ApiError(400, f"'{'prompt' if legacy else 'input'}' is required")
         dimensions = body.get("dimensions")
+        await wait_for_model(request)  # a model that is loading: wait for it a while
         result = await embed_vectors(
             app_state(request).engine, inputs, model=_embedding_model(request, body.get("model")),
             dimensions=dimensions if isinstance(dimensions, int) else None,

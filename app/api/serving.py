@@ -10,8 +10,9 @@ embeddings.py):
    request is parsed before anything loads) or `use_named_model` (lenient, for clients that send
    their own vendor's names, with `--model-alias`). Both load the named model into the engine's
    model pool beside the others (app/api/models.py `use_model`: 503 with Retry-After when every
-   model holding the memory is busy) and answer 503 while none is loaded; the adapter then runs on
-   the engine bound to that model (`engine.on(model)`: its defaults, context and requests).
+   model holding the memory is busy); while the first model loads they wait for it a bounded
+   while (`wait_for_model`), then answer 503 with Retry-After. The adapter then runs on the
+   engine bound to that model (`engine.on(model)`: its defaults, context and requests).
 3. Parse the request into engine messages (or a raw prompt) + `SamplingParams` + `ToolRequest`;
    refuse bad input by raising `ApiError` (status, message, field, code).
 4. `submit` the engine requests (`n` choices; `fit_max_tokens=True` for clients that ask for more
@@ -33,6 +34,7 @@ import contextlib
 import fnmatch
 import json
 import math
+import os
 import random
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterable, Protocol, Sequence
@@ -43,6 +45,7 @@ from starlette.responses import StreamingResponse
 from engine import (Engine, EngineError, Event, InvalidRequest, ModelLoadError, NoRoom, Overloaded,
                     RequestHandle, SamplingParams, SpeculativeOptions, TokenLogprob)
 
+from ..model_jobs import ModelSwitch, model_loaded
 from ..state import app_state
 from ..submission import start
 from .errors import ApiError
@@ -52,6 +55,12 @@ from .models import use_model
 MAX_DEPTH = 64
 # Bodies from this size on are parsed and checked off the event loop.
 INLINE_BODY_BYTES = 64 * 1024
+# A request that needs the model waits this long for one that is loading (MLXCHAT_LOAD_WAIT
+# seconds, as Ollama's OLLAMA_LOAD_TIMEOUT), then gets 503 with Retry-After (a first run downloads
+# and converts for a minute or more; clients retry).
+LOAD_WAIT_ENV = "MLXCHAT_LOAD_WAIT"
+MODEL_WAIT_S = 30.0
+RETRY_AFTER_S = 5
 
 
 # --- the body -----------------------------------------------------------------------------------
@@ -105,10 +114,31 @@ async def read_body(request: Request) -> Any:
 
 # --- the model ----------------------------------------------------------------------------------
 
-def model_loading() -> ApiError:
-    """The 503 (with Retry-After) while no model is loaded."""
-    return ApiError(503, "a model is loading; try again shortly", type_="server_error",
-                    code="model_loading", headers={"Retry-After": "5"})
+def model_loading(switch: ModelSwitch | None = None) -> ApiError:
+    """The 503 while no model is loaded: with Retry-After while one loads (its stage said), or
+    the reason the last load failed."""
+    if switch is not None and not switch.loading and switch.error:
+        return ApiError(503, switch.error, "model", "model_load_failed", type_="server_error")
+    stage = f" ({switch.progress.describe()})" if switch and switch.progress else ""
+    return ApiError(503, f"a model is loading{stage}; try again shortly", type_="server_error",
+                    code="model_loading", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+async def wait_for_model(request: Request) -> None:
+    """Return once a model is loaded: a request that comes while one loads (the server's first,
+    or a switch) waits for it up to MODEL_WAIT_S (MLXCHAT_LOAD_WAIT); raises `model_loading`'s
+    ApiError after that."""
+    state = app_state(request)
+    if not await model_loaded(state.switch, state.engine, load_wait_s()):
+        raise model_loading(state.switch)
+
+
+def load_wait_s() -> float:
+    """MLXCHAT_LOAD_WAIT seconds (a number >= 0), else MODEL_WAIT_S."""
+    try:
+        return max(0.0, float(os.environ.get(LOAD_WAIT_ENV) or MODEL_WAIT_S))
+    except ValueError:
+        return MODEL_WAIT_S
 
 
 async def require_model(request: Request, body: Any, check: Any = None) -> str:
@@ -118,8 +148,7 @@ async def require_model(request: Request, body: Any, check: Any = None) -> str:
     bad request loads nothing. Raises ApiError: 503 while no model is loaded or none can be now,
     404 for a name no local model has."""
     engine = app_state(request).engine
-    if engine.model_name is None:
-        raise model_loading()
+    await wait_for_model(request)
     wanted = body.get("model") if isinstance(body, dict) else None
     if isinstance(wanted, str) and wanted != engine.model_name:
         if check is not None:  # off the event loop: parsing may compile tool schemas
@@ -160,8 +189,7 @@ async def use_named_model(request: Request, name: Any) -> str:
         if target != engine.model_name and target in {m.name for m in engine.list_models()}:
             await use_model(request, target)
             return target
-    if engine.model_name is None:
-        raise model_loading()
+    await wait_for_model(request)
     return engine.model_name
 
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ..errors import EngineError, ModelLoadError, NoRoom
 from ..loading.memory import weight_files_bytes
+from ..loading.progress import LoadCallback, report, reporting
 from ..loading.registry import DEFAULT_MODEL, LoadedModel, ModelInfo, list_models, resolve
 from .budget import MemoryBudget, mib
 from .model_settings import ModelSettingsFile
@@ -142,7 +143,7 @@ class ModelPool:
                                        vision="vision" in lm.extras)
         return list(found.values())
 
-    def report(self) -> list[ResidentModel]:
+    def in_memory(self) -> list[ResidentModel]:
         """The models in memory, most recently used first."""
         slots = sorted(self.resident(), key=lambda s: -s.last_used)
         out = []
@@ -170,7 +171,7 @@ class ModelPool:
         return slot.settings.idle_keep(None if slot.pinned else self.keep_alive)
 
     # -- loading ---------------------------------------------------------------------------------
-    def acquire(self, name: str | None, *, progress: Callable[[str], None] | None = None,
+    def acquire(self, name: str | None, *, progress: LoadCallback | None = None,
                 pin: bool = False, load: Callable[..., LoadedModel] | None = None,
                 fallback_to_default: bool = False, int8_activations: bool | None = None,
                 evict_pinned: bool = False) -> ModelSlot:
@@ -196,8 +197,9 @@ class ModelPool:
                 slot.pinned = slot.pinned or pin
                 return slot
             try:
-                slot = self._load_member(name, progress or (lambda stage: None), pin, load,
-                                         fallback_to_default, int8_activations, evict_pinned)
+                with reporting(progress):  # its stages (engine/loading/progress.py)
+                    slot = self._load_member(name, pin, load, fallback_to_default,
+                                             int8_activations, evict_pinned)
                 pending.set_result(slot)
                 return slot
             except BaseException as exc:
@@ -222,7 +224,7 @@ class ModelPool:
 
         threading.Thread(target=run, name="mlxchat-model-load", daemon=True).start()
 
-    def _load_member(self, name: str | None, report: Callable[[str], None], pin: bool,
+    def _load_member(self, name: str | None, pin: bool,
                      load: Callable[..., LoadedModel] | None, fallback_to_default: bool,
                      int8_activations: bool | None, evict_pinned: bool = False) -> ModelSlot:
         with self._loading:
@@ -240,7 +242,6 @@ class ModelPool:
                 slot.int8_activations = int8_activations
             settings = self.settings.get(display, name) if fresh else \
                 self.settings.get(slot.name, slot.asked)
-            report("loading")
             self._reserve(estimate, slot, adding=True, evict_pinned=evict_pinned)
             reserved = estimate
             try:
@@ -336,9 +337,8 @@ class ModelPool:
                 break
             evicted.append(victim)
             self._free(victim)
-        for slot in evicted:  # their memory goes off this thread: admission must not wait
-            threading.Thread(target=slot.unload, args=(f"to make room for a request",),
-                             daemon=True).start()
+        for slot in evicted:  # admission does not wait for their memory to come back
+            self._drop(slot, "to make room for a request", wait=False)
 
     def _make_room(self, nbytes: int, keep: ModelSlot | None, adding: bool,
                    evicted: list[ModelSlot],
@@ -372,9 +372,16 @@ class ModelPool:
         self.budget.release(slot.weight_bytes)
         slot.weight_bytes = 0
 
-    def _drop(self, slot: ModelSlot, why: str) -> None:
-        """Unload `slot`'s weights (already retired, its reservation released)."""
-        slot.unload(why)
+    def _drop(self, slot: ModelSlot, why: str, wait: bool = True) -> None:
+        """Unload `slot`'s weights (already retired, its reservation released) on a thread of its
+        own that does nothing after (MLX 0.32.4 may crash a thread that runs a model after it
+        freed one or emptied the buffer cache there: engine/decoding/speech.py's
+        `_keep_buffer_cache`); `wait`: until their memory is back (a load that needs it)."""
+        thread = threading.Thread(target=slot.unload, args=(why,), name="mlxchat-unload",
+                                  daemon=True)
+        thread.start()
+        if wait:
+            thread.join()
 
     # -- leaving memory --------------------------------------------------------------------------
     def until_expiry(self) -> float | None:
@@ -391,8 +398,8 @@ class ModelPool:
         for slot in self.resident():
             left = slot.until_unload()
             if left is not None and left <= 0 and self._retire(slot):
-                self._free(slot)
-                self._drop(slot, f"idle for {slot.idle_keep:.0f} s")
+                self._free(slot)  # the scheduler thread goes on meanwhile
+                self._drop(slot, f"idle for {slot.idle_keep:.0f} s", wait=False)
 
     def unload(self, name: str) -> bool:
         """Unload `name` now (Ollama's `keep_alive: 0`): at once if idle, else as soon as its
@@ -403,7 +410,7 @@ class ModelPool:
         slot.unload_after_use = True
         if self._retire(slot):
             self._free(slot)
-            self._drop(slot, "asked to")
+            self._drop(slot, "asked to", wait=False)
         elif self.scheduler is not None:
             self.scheduler.wake()
         return True
@@ -413,7 +420,7 @@ class ModelPool:
         as its options say now."""
         if self._retire(slot):
             self._free(slot)
-            self._drop(slot, "to load it with other options")
+            self._drop(slot, "to load it with other options", wait=False)
 
     def _retire(self, slot: ModelSlot) -> bool:
         if self.scheduler is None:

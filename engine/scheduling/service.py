@@ -33,6 +33,7 @@ from ..device import memory_budget as device_memory_budget
 from ..errors import EngineError, InvalidRequest, Overloaded
 from ..decoding.fim import Infill
 from ..decoding.generate import Generation, build_prompt, check_fits
+from ..loading.progress import LoadCallback
 from ..loading.registry import LoadedModel, ModelInfo, load_model
 from ..decoding.defaults import ModelDefaults
 from ..decoding.sampling import SamplingParams
@@ -40,6 +41,7 @@ from ..decoding.tools import ToolRequest
 from .budget import MemoryBudget, mib
 from .draft_loader import DraftLoader
 from .embedding_queue import EmbeddingHandle, EmbeddingInput, EmbeddingQueue
+from .speech import SpeechHandle, SpeechQueue, SpeechStream
 from .keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
 from .model_settings import ModelSettingsFile
 from .pool import ModelPool, ResidentModel
@@ -75,8 +77,9 @@ class EngineStatus:
     reserved_bytes: int  # of the budget: the admitted requests' model caches
     resident: bool = False  # the default model's weights are in memory
     embedding_models: tuple[str, ...] = ()  # dedicated embedding models in memory
-    loaded: tuple[str, ...] = ()  # every model in memory, most recently used first
-    weight_bytes: int = 0  # of the budget: the weights of the models in memory
+    speech_models: tuple[str, ...] = ()  # speech models in memory (scheduling/speech.py)
+    loaded: tuple[str, ...] = ()  # every model of the pool in memory, most recently used first
+    weight_bytes: int = 0  # of the budget: the weights of the pool's models in memory
 
 
 class Engine:
@@ -138,29 +141,49 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.budget, batching=batching,
                                    max_running=max_running if max_running is not None
                                    else MAX_RUNNING_ROWS, stats=self._stats,
-                                   on_halt=lambda reason: self.embeddings.fail(reason))
+                                   on_halt=self._fail_queues)
         self.pool.attach(self.scheduler)
         self.embeddings = EmbeddingQueue(self.scheduler, self.pool, self.keep_alive,
                                          self._stats.counted(load_model))
+        # speech models reserve their weights through the pool (idle models leave for them)
+        self.speech = SpeechQueue(self.budget, self.keep_alive,
+                                  halted=lambda: self.scheduler.halted, reserve=self.pool.reserve)
         self._ids = itertools.count(1)
         self._bound: str | None = None  # the model this view is bound to (`on`), else the default
+        self._pinned_loaded = False
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def start(self, progress: Callable[[str], None] | None = None) -> "Engine":
-        """Load the default model and the pinned ones, and start serving; blocks until loaded."""
+    def start(self, progress: LoadCallback | None = None, *, load: bool = True) -> "Engine":
+        """Load the default model and the pinned ones (their stages reported to `progress`) and
+        start serving; blocks until loaded. `load=False` starts serving with no model: requests
+        are refused until `switch_model` has loaded one (a server that answers while its first
+        model loads), and the pinned ones load then."""
         # Every token is handed from the scheduler thread to readers in other threads; with
         # Python's default 5 ms switch interval the scheduler waits for the GIL after each device
         # sync (bench/results/cuda-h200-2026-12-02-concurrency-switchinterval-only.json).
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self.scheduler.start()
         self.drafts.start()
+        if load:
+            self._load_first(progress)
+        return self
+
+    def _load_first(self, progress: LoadCallback | None) -> None:
+        """The default model (its stages reported to `progress`), then the pinned ones."""
         first = self.pool.acquire(self.requested_model, progress=progress,
                                   pin=self.requested_model in self.pinned,
                                   fallback_to_default=self.fallback_to_default)
         self.pool.default = first
+        self._load_pinned()
+
+    def _load_pinned(self) -> None:
+        """The pinned models, once: after the first model loaded (by `start`, or the first
+        `switch_model` of an engine started without one)."""
+        if self._pinned_loaded:
+            return
+        self._pinned_loaded = True
         for name in self.pinned:
             self.pool.acquire(name, pin=True)
-        return self
 
     def stop(self) -> None:
         """Cancel everything running or queued, let each end with its final event, then stop."""
@@ -169,6 +192,7 @@ class Engine:
         self.scheduler.stop()
         self.drafts.stop()
         self.embeddings.close()
+        self.speech.close()
         self.pool.close()  # so that reopening the app continues long conversations without re-prefill
 
     def halt(self, reason: str) -> None:
@@ -177,6 +201,11 @@ class Engine:
         recover from, such as a rank of a sharded model gone: that thread may stay blocked in a
         collective that never returns, so this does not wait for it."""
         self.scheduler.halt(reason)
+
+    def _fail_queues(self, reason: str) -> None:
+        """The engine halted: the embedding and speech requests fail with `reason`."""
+        self.embeddings.fail(reason)
+        self.speech.fail(reason)
 
     @property
     def halted(self) -> str | None:
@@ -233,7 +262,7 @@ class Engine:
 
     def loaded_models(self) -> list[ResidentModel]:
         """The models in memory, most recently used first: weights, context, expiry."""
-        return self.pool.report()
+        return self.pool.in_memory()
 
     @property
     def slot(self) -> ModelSlot | None:
@@ -302,10 +331,11 @@ class Engine:
             model=self.model_name, running=load.running, queued=load.queued,
             loading_drafts=load.preparing, batch_rows=load.batch_rows,
             drafts=self.drafts.identities(self.lm), memory_budget=self.budget.total,
-            reserved_bytes=max(load.reserved_bytes - weights, 0),
+            reserved_bytes=max(load.reserved_bytes - weights - self.speech.reserved(), 0),
             resident=slot is not None and slot.resident,
             embedding_models=tuple(s.name for s in resident if s.embedding_only),
-            loaded=tuple(m.name for m in self.pool.report()), weight_bytes=weights)
+            speech_models=tuple(self.speech.resident_models()),
+            loaded=tuple(m.name for m in self.pool.in_memory()), weight_bytes=weights)
 
     def stats(self) -> EngineStats:
         """A reading for monitoring (engine/scheduling/stats.py): the load now, the running
@@ -313,6 +343,7 @@ class Engine:
         the scheduler's lock only to copy a few numbers."""
         status = self.status()
         weights = {s.name: s.weight_bytes for s in self.pool.resident()}
+        weights.update(self.speech.resident_weights())
         lm = self.lm
         cache = self.prefix_cache
         use = None
@@ -333,7 +364,7 @@ class Engine:
         slot = self._serving_slot()
         return slot.footprint.bytes_for(prompt_tokens + max_tokens)
 
-    def switch_model(self, name: str, progress: Callable[[str], None] | None = None,
+    def switch_model(self, name: str, progress: LoadCallback | None = None,
                      cancel_running: bool = False, *, int8_activations: bool | None = None) -> None:
         """Make `name` the default model (a name `list_models` gives, or a path), loading it if it
         is not in memory; the other models stay loaded while the budget allows (an idle pinned
@@ -354,8 +385,9 @@ class Engine:
                     described.int8_activations not in (None, int8_activations):
                 self.scheduler.call(lambda: self.pool.reload(slot))
         slot = self.pool.acquire(name, progress=progress, int8_activations=int8_activations,
-                                 evict_pinned=True)
+                                 evict_pinned=True, pin=name in self.pinned)
         self.pool.default = slot
+        self._load_pinned()
 
     def run_on_scheduler(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the scheduler thread once no request is running or queued, and wait for it
@@ -388,9 +420,9 @@ class Engine:
         params = params or SamplingParams()
         prompt = build_prompt(lm, messages=messages, prompt_tokens=prompt_tokens, text=text,
                               tools=tools, infill=infill)
-        if fit_max_tokens and len(prompt.tokens) < lm.context_length:
-            params = params.with_(max_tokens=min(params.max_tokens,
-                                                 lm.context_length - len(prompt.tokens)))
+        if fit_max_tokens:  # no room left: max_tokens 1, refused as too long (not over budget)
+            params = params.with_(max_tokens=max(1, min(params.max_tokens,
+                                                        lm.context_length - len(prompt.tokens))))
         check_fits(lm, prompt, params)  # now, also for a request that waits for its draft
         if speculative is None:
             speculative = self._settings_draft(slot, params, tools, prompt.vision is not None)
@@ -513,6 +545,36 @@ class Engine:
             model = self._bound
         return self.embeddings.submit(inputs, model=model, dimensions=dimensions,
                                       truncate=truncate, query=query, keep_alive=keep_alive)
+
+    # -- speech (engine/scheduling/speech.py: its own thread, beside the scheduler) -------------
+    def transcribe(self, samples, *, model: str | None = None, task: str = "transcribe",
+                   language: str | None = None, prompt: str | None = None,
+                   temperature: float | None = None, fallback: bool = True,
+                   word_timestamps: bool = False,
+                   keep_alive: float | str | None = None) -> SpeechHandle:
+        """Queue a transcription ("translate": into English) of float32 mono samples at
+        SPEECH_INPUT_RATE on a speech-to-text model (None: the first installed); raises
+        InvalidRequest or Overloaded at once. `fallback`: Whisper's retries at higher
+        temperatures (engine/decoding/speech.py)."""
+        return self.speech.transcribe(samples, model=model, task=task, language=language,
+                                       prompt=prompt, temperature=temperature, fallback=fallback,
+                                       word_timestamps=word_timestamps, keep_alive=keep_alive)
+
+    def speak(self, text: str, *, model: str | None = None, voice: str | None = None,
+              speed: float = 1.0, keep_alive: float | str | None = None) -> SpeechStream:
+        """Queue speech for `text` on a text-to-speech model (None: the first installed) in one
+        of its voices (None: its first); its waveforms stream as they are made."""
+        return self.speech.speak(text, model=model, voice_name=voice, speed=speed,
+                                  keep_alive=keep_alive)
+
+    def speech_models(self, kind: str) -> list[str]:
+        """The installed speech models of `kind`: "transcription" or "speech"."""
+        return self.speech.installed(kind)  # type: ignore[arg-type]
+
+    def speech_voices(self, model: str | None = None) -> tuple[str, ...]:
+        """The voices of a text-to-speech model (None: the first installed); raises
+        InvalidRequest."""
+        return self.speech.voices(model)
 
     def rerank(self, query: str, documents: Sequence[str], *, model: str | None = None,
                instruction: str | None = None, truncate: bool = True,
