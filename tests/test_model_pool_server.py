@@ -149,8 +149,12 @@ def test_two_conversations_on_two_models_answer_at_the_same_time(server):
         by = {cid: {m.model for m in server.storage.active_path(cid) if m.role == "assistant"}
               for cid in (first, second)}
         assert by == {first: {MODEL}, second: {LLAMA_ID}}
-        page = http.get(f"/c/{second}").text
-        assert "In memory" in page and LLAMA_ID in page
+        page = http.get(f"/c/{second}").text  # its model menu marks its model
+        assert f'class="model current"' in page and \
+            page.split('class="model current"', 1)[1].split("</button>", 1)[0].count(LLAMA_ID)
+        page = http.get("/settings").text  # Settings › Model: both models in memory
+        listed = page.split("In memory", 1)[1].split("</ul>", 1)[0]
+        assert MODEL in listed and LLAMA_ID in listed
 
 
 def test_the_panel_saves_a_models_settings_and_its_next_load_takes_them(server):
