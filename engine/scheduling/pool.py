@@ -26,13 +26,14 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from ..errors import EngineError, ModelLoadError, NoRoom
 from ..loading.memory import weight_files_bytes
-from ..loading.progress import LoadCallback, report, reporting
+from ..loading.progress import LoadCallback, reporting
 from ..loading.registry import DEFAULT_MODEL, LoadedModel, ModelInfo, list_models, resolve
 from .budget import MemoryBudget, mib
 from .model_settings import ModelSettingsFile
@@ -177,6 +178,8 @@ class ModelPool:
                 evict_pinned: bool = False) -> ModelSlot:
         """The member `name` with its weights in memory, loaded now if they are not (on this
         thread; never the scheduler's); concurrent callers for one model wait for the one load.
+        `progress`: its load's stages (engine/loading/progress.py; None: to the callback of the
+        `reporting` block the caller runs in, if any; the caller says "ready").
         `pin`: never evict it to make room. `load`: another loader for a new member (the
         embedding queue's). `int8_activations`: a new member's choice (see
         `ModelSlot.int8_choice`). `evict_pinned`: an idle pinned model may leave memory for it
@@ -197,7 +200,7 @@ class ModelPool:
                 slot.pinned = slot.pinned or pin
                 return slot
             try:
-                with reporting(progress):  # its stages (engine/loading/progress.py)
+                with reporting(progress) if progress is not None else nullcontext():
                     slot = self._load_member(name, pin, load, fallback_to_default,
                                              int8_activations, evict_pinned)
                 pending.set_result(slot)
@@ -273,7 +276,6 @@ class ModelPool:
                 self.scheduler.loaded(target)
             log.info("loaded %s (%s of weights; %s of %s reserved)", target.name, mib(reserved),
                      mib(self.budget.reserved), mib(self.budget.total))
-            report("ready")
             return target
 
     def _members_get(self, name: str) -> ModelSlot | None:

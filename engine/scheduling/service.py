@@ -33,7 +33,7 @@ from ..device import memory_budget as device_memory_budget
 from ..errors import EngineError, InvalidRequest, Overloaded
 from ..decoding.fim import Infill
 from ..decoding.generate import Generation, build_prompt, check_fits
-from ..loading.progress import LoadCallback
+from ..loading.progress import LoadCallback, report, reporting
 from ..loading.registry import LoadedModel, ModelInfo, load_model
 from ..decoding.defaults import ModelDefaults
 from ..decoding.sampling import SamplingParams
@@ -170,10 +170,12 @@ class Engine:
 
     def _load_first(self, progress: LoadCallback | None) -> None:
         """The default model (its stages reported to `progress`), then the pinned ones."""
-        first = self.pool.acquire(self.requested_model, progress=progress,
-                                  pin=self.requested_model in self.pinned,
-                                  fallback_to_default=self.fallback_to_default)
-        self.pool.default = first
+        with reporting(progress):
+            first = self.pool.acquire(self.requested_model,
+                                      pin=self.requested_model in self.pinned,
+                                      fallback_to_default=self.fallback_to_default)
+            self.pool.default = first
+            report("ready")
         self._load_pinned()
 
     def _load_pinned(self) -> None:
@@ -235,14 +237,16 @@ class Engine:
         bound._bound = slot.name
         return bound
 
-    def use(self, name: str, progress: Callable[[str], None] | None = None) -> "Engine":
+    def use(self, name: str, progress: LoadCallback | None = None) -> "Engine":
         """`on(name)`, the model loaded first if it is not in memory (blocks while it loads; call
         it off the event loop): once, however many ask at the same time, idle models evicted
         where the memory budget needs room. Raises ModelLoadError (no such model, it cannot
         load, it cannot fit) or NoRoom (every model holding the budget is busy: retry later)."""
         if self.halted is not None:
             raise EngineError(self.halted)
-        slot = self.pool.acquire(name, progress=progress)
+        with reporting(progress):
+            slot = self.pool.acquire(name)
+            report("ready")
         bound = copy.copy(self)
         bound._bound = slot.name
         return bound
@@ -384,9 +388,11 @@ class Engine:
             if slot.resident and described is not None and \
                     described.int8_activations not in (None, int8_activations):
                 self.scheduler.call(lambda: self.pool.reload(slot))
-        slot = self.pool.acquire(name, progress=progress, int8_activations=int8_activations,
-                                 evict_pinned=True, pin=name in self.pinned)
-        self.pool.default = slot
+        with reporting(progress):
+            slot = self.pool.acquire(name, int8_activations=int8_activations,
+                                     evict_pinned=True, pin=name in self.pinned)
+            self.pool.default = slot
+            report("ready")
         self._load_pinned()
 
     def run_on_scheduler(self, fn: Callable[[], None]) -> None:
