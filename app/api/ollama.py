@@ -37,7 +37,7 @@ from .embeddings import embed as embed_vectors
 from .errors import ApiError
 from .models import local_models
 from .openai_request import parse_messages
-from .serving import (Choice, aliased, finished, public_error, read_body, stream, submit,
+from .serving import (Choice, aliased, finished, parse_by_cost, public_error, read_body, stream, submit,
                       use_named_model)
 
 # The Ollama version we answer as: clients check it (codex --oss needs >= 0.13.4).
@@ -401,8 +401,8 @@ async def chat(request: Request) -> Response:
             return JSONResponse({"model": ollama_name(model), "created_at": _now(),
                                  "message": {"role": "assistant", "content": ""},
                                  "done": True, "done_reason": "load"})
-        messages = parse_messages(messages)
-        tools = _tools(body)
+        messages, tools = await parse_by_cost(request, lambda b: (parse_messages(messages), _tools(b)),
+                                              body)
         handles, meta, started = await _run(request, messages, body, tools)
     except ApiError as exc:
         return _from(exc)
@@ -433,7 +433,8 @@ async def generate(request: Request) -> Response:
         else:
             messages = ([{"role": "system", "content": system}] if system else []) + \
                 [{"role": "user", "content": _with_images("the request", body.get("images"), prompt)}]
-            handles, meta, started = await _run(request, parse_messages(messages), body, None)
+            messages = await parse_by_cost(request, lambda b: parse_messages(messages), body)
+            handles, meta, started = await _run(request, messages, body, None)
     except ApiError as exc:
         return _from(exc)
     return await _answer(request, handles, meta, started, streamed, chat=False)

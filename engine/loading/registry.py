@@ -188,36 +188,50 @@ def gguf_to_folder(gguf: Path) -> Path:
 
 
 def _starts_with_gguf_magic(path: Path) -> bool:
-    with path.open("rb") as f:
-        return f.read(4) == b"GGUF"
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:  # a file that cannot be read (/proc/self/mem): no model
+        return False
+
+
+def _local_path(name: str) -> Path | None:
+    """`name` as a local path, if it names a file or folder that is there (a name no path can
+    have, too long or holding NUL, is none)."""
+    try:
+        path = Path(name).expanduser()
+        return path if path.exists() else None
+    except (OSError, ValueError):
+        return None
 
 
 def resolve(name: str | None) -> tuple[str, Path]:
     """Map a model name or path to (display name, mlx-lm folder); raises ModelLoadError."""
     if name in (None, "", DEFAULT_MODEL, "default"):
         return DEFAULT_MODEL, gguf_to_folder(bundled.ensure_bundled_gguf())
-    if ":" in name and not Path(name).expanduser().exists():  # a downloaded GGUF, owner/name:FILE
+    local = _local_path(name)
+    if ":" in name and local is None:  # a downloaded GGUF, owner/name:FILE
         for info in _hf_cache_models():
             if info.name == name:
                 return info.name, gguf_to_folder(Path(info.path))
-    path = Path(name).expanduser()
-    if path.is_file():  # a GGUF file, by its name or (under another name) by its magic
-        if path.suffix == ".gguf" or _starts_with_gguf_magic(path):
-            return path.stem, gguf_to_folder(path)
-        raise ModelLoadError(f"{path} is not a model: give a GGUF file or an mlx-lm model folder "
+    if local is not None and local.is_file():  # a GGUF file, by its name or by its magic
+        if local.suffix == ".gguf" or _starts_with_gguf_magic(local):
+            return local.stem, gguf_to_folder(local)
+        raise ModelLoadError(f"{local} is not a model: give a GGUF file or an mlx-lm model folder "
                              "(one with config.json)")
-    if path.suffix == ".gguf":
-        raise ModelLoadError(f"GGUF file not found: {path}")
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ModelLoadError(f"{path} is not an mlx-lm model folder (no config.json)")
-        return path.name, path
+    if local is None and name.endswith(".gguf"):
+        raise ModelLoadError(f"GGUF file not found: {name[:300]}")
+    if local is not None and local.is_dir():
+        if not (local / "config.json").exists():
+            raise ModelLoadError(f"{local} is not an mlx-lm model folder (no config.json)")
+        return local.name, local
     for info in _hf_cache_models():
         if info.name == name:
             return info.name, Path(info.path)
     known = ", ".join(m.name for m in list_models())
-    raise ModelLoadError(f"unknown model {name!r}: not a file or folder, not in the local cache "
-                         f"(available: {known}); `mlxchat pull {name}` downloads a hub model",
+    shown = name if len(name) <= 300 else name[:300] + "…"
+    raise ModelLoadError(f"unknown model {shown!r}: not a file or folder, not in the local cache "
+                         f"(available: {known}); `mlxchat pull {shown}` downloads a hub model",
                          code="model_not_found")
 
 
