@@ -111,9 +111,9 @@ def suite_prefix(lm, shape: str, a) -> list[Row]:
     from engine import device
 
     try:
-        from engine.cache.prefix_cache import PrefixCache
+        from engine.prefix_cache.store import PrefixCache
     except Exception as exc:
-        return [skipped("prefix", shape, f"engine/cache/prefix_cache.py not importable: {exc}")]
+        return [skipped("prefix", shape, f"engine/prefix_cache/store.py not importable: {exc}")]
     from .shapes import conversation, vocab_size
 
     ctx = a.ctx if shape != "tiny" else 600
@@ -236,7 +236,7 @@ def suite_memory(lm, shape: str, a) -> list[Row]:
     from engine import device
 
     try:
-        from engine.cache.prefix_cache import PrefixCache
+        from engine.prefix_cache.store import PrefixCache
     except Exception:
         PrefixCache = None
     from .shapes import prompt_ids, vocab_size

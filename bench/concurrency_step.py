@@ -53,9 +53,10 @@ def tiny_lm(vocab: int, layers: int = 2, hidden: int = 64):
 
     config = {**CONFIG, "vocab_size": vocab, "num_hidden_layers": layers, "hidden_size": hidden,
               "intermediate_size": 2 * hidden}
-    model, extras = ours_and_mlx_lm(Shape("tiny-vocab", config), mx.float32)
+    model, extras, compute = ours_and_mlx_lm(Shape("tiny-vocab", config), mx.float32)
     return LoadedModel(name=f"random:tiny-vocab-{vocab}", model=model, tokenizer=IdTokenizer(vocab),
-                       config=config, path=Path("/nonexistent/tiny-vocab"), extras=extras)
+                       config=config, path=Path("/nonexistent/tiny-vocab"), extras=extras,
+                       compute=compute)
 
 
 def mlx_batch(lm, prompts: list[list[int]], gen: int) -> dict:
@@ -70,10 +71,17 @@ def mlx_batch(lm, prompts: list[list[int]], gen: int) -> dict:
             "host_us_per_token": (time.thread_time() - cpu) / n * 1e6}
 
 
+def on_scheduler(svc: common.EngineService, fn) -> None:
+    """Run `fn` on the scheduler thread between requests (a baseline copy of the engine from
+    before `Engine.run_on_scheduler` has it as `_call`)."""
+    run = getattr(svc.engine, "run_on_scheduler", None) or svc.engine._call  # noqa: SLF001
+    run(fn)
+
+
 def scheduler_cpu_s(svc: common.EngineService) -> float:
     """CPU time the scheduler thread has used so far (read on that thread, between requests)."""
     out: list[float] = []
-    svc.engine._call(lambda: out.append(time.thread_time()))  # noqa: SLF001 - the thread measured
+    on_scheduler(svc, lambda: out.append(time.thread_time()))
     return out[0]
 
 
@@ -88,9 +96,9 @@ def profiled(svc: common.EngineService, prompts: list[list[int]], gen: int) -> s
     """One concurrent run of ours with the scheduler thread under cProfile (switched on and off
     from that thread, between requests)."""
     profile = cProfile.Profile()
-    svc.engine._call(profile.enable)  # noqa: SLF001 - the bench profiles the thread it measures
+    svc.engine.run_on_scheduler(profile.enable)  # the bench profiles the thread it measures
     svc.concurrent(prompts, gen)
-    svc.engine._call(profile.disable)  # noqa: SLF001
+    svc.engine.run_on_scheduler(profile.disable)
     out = io.StringIO()
     stats = pstats.Stats(profile, stream=out)
     stats.sort_stats("cumulative").print_stats(40)

@@ -25,10 +25,10 @@ from bench.common import (RESULTS_DIR, Row, median, print_table, run_meta, serve
                           write_json)
 from bench.shapes import SHAPES, TINY_QWEN3, build_folder, embedding_folder
 from engine import Engine
-from engine.decoding.embeddings import embed_batch
+from engine.decoding.pooling import embed_batch
 from engine.loading.embedding_recipe import embedding_recipe
 from engine.loading.registry import load_model
-from engine.scheduling.embeddings import next_chunk
+from engine.scheduling.embedding_queue import next_chunk
 
 SIZES = (1, 32, 256)
 # the bench's tiny llama with the bundled tokenizer's vocabulary (every token it makes is an id)

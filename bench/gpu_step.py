@@ -261,7 +261,7 @@ def part_kernels(lm, shape: str, a) -> list[common.Row]:
     if program is None:
         return [common.failed("kernels", shape, "the model has no decode program")]
     try:
-        return _kernels(program, shape)
+        return _kernels(program, shape, a.sweep)
     except Exception as exc:
         import traceback
 
@@ -269,7 +269,42 @@ def part_kernels(lm, shape: str, a) -> list[common.Row]:
         return [common.failed("kernels", shape, f"{type(exc).__name__}: {exc}"[:3000])]
 
 
-def _kernels(program, shape: str) -> list[common.Row]:
+def _sweep(layers, products, shape: str, rnd) -> list[common.Row]:
+    """The matvec kernel's weight-read rate over all layers at each (rows per warp, words loaded
+    before computing), against the launch floor of as many trivial kernels."""
+    import mlx.core as mx
+
+    from engine.kernels import fused_cuda as C
+
+    floor_kernel = mx.fast.cuda_kernel(name="mlxchat_floor", input_names=["x"], output_names=["y"],
+                                       source="y[0] = x[0];")
+    one = mx.zeros((1,), dtype=mx.float32)
+    floor = _timed_eval(lambda: [floor_kernel(inputs=[one], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                                              output_shapes=[(1,)], output_dtypes=[mx.float32])[0]
+                                 for _ in layers])
+    out, rows = {}, []
+    for label, (attr, ep, norm) in products.items():
+        p0 = getattr(layers[0], attr)
+        x = rnd(1, 1, p0.inputs)
+        res = rnd(1, 1, p0.w.shape[0]) if ep == 1 else None
+        nbytes = sum(sum(t.nbytes for t in (getattr(lay, attr).w, getattr(lay, attr).scales, getattr(lay, attr).biases)
+                         if t is not None) for lay in layers)
+        for r in (1, 2, 4):
+            for u in (4, 8):
+                def run(r=r, u=u):
+                    return [C.matvec(x, q.w, q.scales, q.biases, q.bits, q.group_size, ep, res,
+                                     (getattr(lay, norm), lay.eps_in) if norm else None, rows=r, unroll=u)
+                            for lay in layers for q in (getattr(lay, attr),)]
+                t = _timed_eval(run, reps=5)
+                out[f"{label} R{r} U{u}"] = {"gbps": nbytes / t / 1e9, "gbps_less_floor": nbytes / max(t - floor, 1e-9) / 1e9}
+        best = max((k for k in out if k.startswith(label)), key=lambda k: out[k]["gbps"])
+        rows.append(common.Row("kernels", shape, f"{label}: best of the sweep ({best})", "GB/s", out[best]["gbps"],
+                               None, "", "", f"less the launch floor ({floor * 1e3:.3f} ms for {len(layers)}): "
+                               f"{out[best]['gbps_less_floor']:.0f} GB/s", out))
+    return rows
+
+
+def _kernels(program, shape: str, sweep: bool = False) -> list[common.Row]:
     import mlx.core as mx
 
     from engine.kernels import fused_cuda as C
@@ -296,9 +331,19 @@ def _kernels(program, shape: str) -> list[common.Row]:
         t_ours = _timed_eval(lambda: [getattr(lay, attr)(C, x, ep, res, nrm(lay)) for lay in layers])
         t_ref = _timed_eval(lambda: [getattr(lay, attr)(R, x, ep, res, nrm(lay)) for lay in layers])
         checks[label].update(gbps_ours=nbytes / t_ours / 1e9, gbps_mlx=nbytes / t_ref / 1e9)
+        if p.bits == 4 and p.group_size % 64 == 0:  # the tensor-core kernel beside the scalar one
+            mma = lambda lay, **kw: C.qmma4(x, getattr(lay, attr).w, getattr(lay, attr).scales,  # noqa: E731
+                                            getattr(lay, attr).biases, p.group_size, ep, res, nrm(lay), **kw)
+            checks[label]["mma"] = _rel(mma(layer), p(R, x, ep, res, nrm(layer)))
+            for tpw in (1, 2):
+                for u in (4, 8):
+                    t = _timed_eval(lambda tpw=tpw, u=u: [mma(lay, tiles_per_block=tpw, unroll=u) for lay in layers])
+                    checks[label][f"mma_gbps_tpw{tpw}_u{u}"] = nbytes / t / 1e9
         rows.append(common.Row("kernels", shape, f"{label}: weight read, {len(layers)} layers", "GB/s",
                                nbytes / t_ours / 1e9, nbytes / t_ref / 1e9, "MLX ops (rms_norm, (quantized_)matmul, ...)",
                                ">= 1.0", f"max diff / ref scale {checks[label]['rel']:.2e}", checks[label]))
+    if sweep:
+        rows.extend(_sweep(layers, products, shape, rnd))
     head, final = program.head, (program.norm, program.eps)
     x = rnd(1, 1, head.inputs)
     checks["norm+head"] = _rel(head(C, x, norm=final), head(R, x, norm=final))
@@ -588,6 +633,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=4000)
     ap.add_argument("--bw-gb", type=float, default=4.0)
     ap.add_argument("--chunks", default="2048,1024", help="other prefill chunks to measure ours at")
+    ap.add_argument("--sweep", action="store_true", help="kernels: each product at rows/unroll variants")
     ap.add_argument("--llama-prompt", type=int, default=4096, help="llama-bench's prompt length")
     ap.add_argument("--llama-work", default="/tmp/llamacpp-gguf", help="where the GGUF files are written")
     ap.add_argument("--streams", default="1,8,32", help="llama-batched-bench's stream counts")

@@ -97,7 +97,7 @@ def edited_turn(lm) -> dict:
     reused and whether each answer's tokens equal a run without the prefix cache."""
     import tempfile
 
-    from engine.cache.prefix_cache import PrefixCache
+    from engine.prefix_cache.store import PrefixCache
 
     def turn(topic: str) -> dict:
         return {"role": "user", "content": f"And {topic}, in one sentence?"}
@@ -182,7 +182,7 @@ def main(argv=None) -> None:
     import mlx.core as mx
 
     from engine.kernels import active_path
-    from engine.kernels.caches import LOCAL
+    from engine.model_cache import LOCAL
     from engine.kernels.kv8 import kv_format
 
     from .common import cpu_model

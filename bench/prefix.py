@@ -5,7 +5,7 @@
 For each model, time to first token (TTFT) of
   cold: the conversation on an empty cache,
   warm: the same conversation with only its last user message edited, right after it,
-(after one short warm-up request each) for (a) our engine (engine.decoding.generate + engine.cache.prefix_cache) and (b) `mlx_lm.server` started as a
+(after one short warm-up request each) for (a) our engine (engine.decoding.generate + engine.prefix_cache.store) and (b) `mlx_lm.server` started as a
 real server on 127.0.0.1 with the same model folder, sent the same messages through its OpenAI API
 (streaming, max_tokens=1; its reused-token count from usage.prompt_tokens_details.cached_tokens).
 
@@ -61,7 +61,7 @@ def model_folder(kind: str) -> Path:
 
 def ours(folder: Path) -> dict:
     from engine.decoding.generate import build_prompt, generate
-    from engine.cache.prefix_cache import PrefixCache
+    from engine.prefix_cache.store import PrefixCache
     from engine.loading.registry import load_model
     from engine.decoding.sampling import SamplingParams
 

@@ -235,20 +235,24 @@ def nbytes(model: nn.Module) -> int:
     return sum(p.nbytes for _, p in tree_flatten(model.parameters()))
 
 
-def ours_and_mlx_lm(shape: Shape, dtype: mx.Dtype | None, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
-    """The model our engine runs and the extras of its `LoadedModel`: on a GPU ours takes the GPU
-    layout (as load_model's fastest_layout gives it there) and mlx-lm keeps its own copy of the same
-    weights, as `mlx_lm.load` gives them, under "mlx_lm_model" (see common.mlx_lm_paths)."""
+def ours_and_mlx_lm(shape: Shape, dtype: mx.Dtype | None, seed: int = 0
+                    ) -> tuple[nn.Module, dict[str, Any], str]:
+    """The model our engine runs, the extras of its `LoadedModel` and its compute path: on a GPU
+    ours takes the GPU layout (as load_model's fastest_layout gives it there) and mlx-lm keeps its
+    own copy of the same weights, as `mlx_lm.load` gives them, under "mlx_lm_model" (see
+    common.mlx_lm_paths)."""
     from engine.kernels import decode_step
-    from engine.kernels.fastest import fastest_layout
+    from engine.kernels.fastest import AS_LOADED, GPU_COMPILED_STEP, GPU_LAYOUT, fastest_layout
     from engine.kernels.gpu_layout import to_gpu_layout
 
     model = build_module(shape, dtype, seed)
     if mx.default_device() != mx.gpu:
         if decode_step.mode() == "ref":  # MLXCHAT_CUDA_DECODE=ref: the compiled step on MLX ops
-            decode_step.attach(to_gpu_layout(model))
-        return model, {}
-    return fastest_layout(model, shape.config), {"mlx_lm_model": build_module(shape, dtype, seed)}
+            attached = decode_step.attach(to_gpu_layout(model))
+            return model, {}, GPU_COMPILED_STEP if attached else GPU_LAYOUT
+        return model, {}, AS_LOADED
+    model, compute = fastest_layout(model, shape.config)
+    return model, {"mlx_lm_model": build_module(shape, dtype, seed)}, compute
 
 
 def build(name: str, dtype: mx.Dtype = mx.bfloat16, seed: int = 0):
@@ -257,7 +261,7 @@ def build(name: str, dtype: mx.Dtype = mx.bfloat16, seed: int = 0):
     from engine.loading.registry import LoadedModel
 
     shape = SHAPES[name]
-    model, extras = ours_and_mlx_lm(shape, dtype, seed)
+    model, extras, compute = ours_and_mlx_lm(shape, dtype, seed)
     use_chunked_prefill(model)  # as engine.loading.registry.load_model does
     config = copy.deepcopy(shape.config)
     text = text_config(config)
@@ -267,7 +271,8 @@ def build(name: str, dtype: mx.Dtype = mx.bfloat16, seed: int = 0):
         config["quantization"] = {"group_size": shape.group_size, "bits": shape.bits}
     return LoadedModel(name=f"random:{name}", model=model, tokenizer=IdTokenizer(text["vocab_size"]),
                        config=config, path=Path(f"/nonexistent/random-{name}"),
-                       extras={**extras, "shape": name, "weights_bytes": nbytes(model)})
+                       extras={**extras, "shape": name, "weights_bytes": nbytes(model)},
+                       compute=compute)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

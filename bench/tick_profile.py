@@ -7,8 +7,8 @@ Runs the engine in-process as bench.concurrency does (N chats submitted together
 the app's sampling as there, each request seeded; one reader thread per stream), with the scheduler's parts wrapped in timers (each call's wall time and
 the scheduler thread's own CPU time, `time.thread_time`):
 
-  next_work    admission and the lock, once per tick (`Engine._next_work`)
-  regroup      moving requests into and out of the batch (`Engine._regroup`)
+  next_work    admission and the lock, once per tick (`Scheduler._next_work`)
+  regroup      moving requests into and out of the batch (`Scheduler._regroup`)
   solo_step    a lone stream's decode step (`Generation._plain_step`); inside it `forward`
                (building the model graph: the step less `Generation.decode_output`), `sample`
                (building the sampling graph), `launch`, `emit` (`Generation.accept`:
@@ -20,7 +20,7 @@ the scheduler thread's own CPU time, `time.thread_time`):
                blocks while more than ~100 operations are queued (MLX's back-pressure), i.e.
                through most of the step before it: the kernels' time shows here
   wait         what is left of the step: the host read of the tokens fed
-  publish      handing each row's events to its reader (`Engine._advance`)
+  publish      handing each row's events to its reader (`Scheduler._advance`)
 
 Also the scheduler thread's context switches per tick (voluntary: it blocked; involuntary:
 preempted). Each part: ms per tick of wall time, and of the scheduler thread's CPU time (wall above CPU is time
@@ -76,13 +76,13 @@ def patched(timers: Timers) -> Iterator[None]:
 
     from engine.decoding import generate
     from engine.decoding.sampling import TokenSampler
-    from engine.scheduling import batch, service
+    from engine.scheduling import batch, ticks
 
     targets = [
-        (service.Engine, "_next_work", "next_work"),
-        (service.Engine, "_regroup", "regroup"),
+        (ticks.Scheduler, "_next_work", "next_work"),
+        (ticks.Scheduler, "_regroup", "regroup"),
         (generate.Generation, "_plain_step", "solo_step"),
-        (service.Engine, "_advance", "publish"),
+        (ticks.Scheduler, "_advance", "publish"),
         (batch.DecodeBatch, "step", "batch_step"),
         (batch.DecodeBatch, "_forward", "forward"),
         (batch, "sample_rows", "sample"),
@@ -162,7 +162,7 @@ def run(engine: Any, n: int, max_tokens: int, consume: str = "stream",
     published: dict[str, threading.Event] = defaultdict(threading.Event)
     publish_times: dict[str, list[float]] = defaultdict(list)
     before = thread_cpu()
-    switched = switches(engine._thread.native_id)
+    switched = switches(engine.scheduler.thread_id)
     with patched(timers), recorded(published, publish_times):
         started = time.perf_counter()
         handles = [engine.submit(chat, SamplingParams(max_tokens=max_tokens, **SAMPLING[sampling],
@@ -187,11 +187,11 @@ def run(engine: Any, n: int, max_tokens: int, consume: str = "stream",
             t.join()
         wall = time.perf_counter() - started
     after = thread_cpu()
-    switched = tuple(b - a for a, b in zip(switched, switches(engine._thread.native_id)))
+    switched = tuple(b - a for a, b in zip(switched, switches(engine.scheduler.thread_id)))
     if consume == "end":
         streams = [publish_times[h.id] for h in handles]
     cpu = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
-    scheduler = engine._thread.native_id
+    scheduler = engine.scheduler.thread_id
     me = threading.get_native_id()
     others = sum(v for tid, v in cpu.items() if tid not in (scheduler, me) and tid not in reader_ids)
     ticks = max(timers.calls["next_work"], 1)

@@ -73,7 +73,7 @@ def mlx_vlm_ttft(lm, messages: list[dict], image: Any) -> float:
 
 
 def measure(model: str, side: int, reps: int) -> tuple[list[Row], dict[str, Any]]:
-    from engine.cache.prefix_cache import PrefixCache
+    from engine.prefix_cache.store import PrefixCache
     from engine.decoding.generate import build_prompt
     from engine.decoding.vision import ImageInput
     from bench.vlm_shapes import random_image

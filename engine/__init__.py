@@ -8,9 +8,10 @@ This is the engine's whole public face; the app imports nothing else from it (a 
 """
 
 from .decoding.chat import ROLES as MESSAGE_ROLES
-from .decoding.defaults import DEFAULTABLE, SOURCES as DEFAULT_SOURCES, Default, ModelDefaults
+from .decoding.defaults import (DEFAULTABLE, PRESETS, SOURCES as DEFAULT_SOURCES, Default,
+                                ModelDefaults, preset)
 from .decoding.drafts import DraftChoice, SpeculativeOptions
-from .decoding.sampling import PRESETS, SAMPLING_OPTIONS, SamplingOption, SamplingParams, preset
+from .decoding.sampling import SAMPLING_OPTIONS, SamplingOption, SamplingParams
 from .distributed.cluster import Cluster
 from .device import DEVICES, restart_with_blas, select_device
 from .kernels import active_path as compute_path, describe_device, device_report
@@ -27,7 +28,8 @@ from .loading.hub import DownloadProgress, parse_spec as parse_pull_spec, pull a
 from .loading.hub import remove as remove_model
 from .loading.registry import ModelInfo, list_models
 from .paths import cache_dir, data_dir
-from .scheduling.embeddings import MAX_INPUTS as EMBEDDING_MAX_INPUTS, EmbeddingHandle, Embeddings
+from .scheduling.embedding_queue import (MAX_INPUTS as EMBEDDING_MAX_INPUTS, EmbeddingHandle,
+                                         Embeddings)
 from .scheduling.keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
 from .scheduling.requests import RequestHandle
 from .scheduling.rerank import Ranking, RerankHandle

@@ -72,7 +72,7 @@ def persisted_apart(writer, reader, folder, messages, params):
     another variant: KV format, int8 activations) finds none of those files, recomputes and
     answers as without a cache; a new cache of `writer` finds them all. Returns the files written
     and `reader`'s prefix cache."""
-    from engine.cache.prefix_cache import PrefixCache
+    from engine.prefix_cache.store import PrefixCache
 
     first = PrefixCache(writer, persist_dir=folder)
     ask(writer, messages, params, first)

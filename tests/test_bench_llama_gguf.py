@@ -18,7 +18,8 @@ import pytest
 
 from bench.decode import random_folder
 from bench.llama_gguf import write_gguf
-from engine.loading.registry import converted_folder, load_model
+from engine.loading.folders import converted_folder
+from engine.loading.registry import load_model
 
 pytestmark = pytest.mark.fast
 

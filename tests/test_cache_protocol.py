@@ -1,4 +1,4 @@
-"""The cache protocol (engine/kernels/caches.py): the engine's prefix cache and decode batch edit a
+"""The cache protocol (engine/model_cache.py): the engine's prefix cache and decode batch edit a
 model's caches only through the `CacheOps` its `LoadedModel.caches` hands them, and the local
 implementation's snapshots and rollbacks keep what they held."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.kernels.caches import (LOCAL, cache_length, from_layers, rollback_mark,
+from engine.model_cache import (LOCAL, cache_length, from_layers, rollback_mark,
                                    roll_back, snapshot_layers)
 from engine.scheduling.service import Engine
 from engine.decoding.sampling import SamplingParams

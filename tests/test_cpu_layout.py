@@ -90,14 +90,16 @@ def test_layout_only_on_the_cpu_with_a_fast_blas(lm, monkeypatch):
     monkeypatch.setattr(device, "fast_blas_loaded", lambda: True)
     model, config = fresh(lm)
     assert cpu_layout.cpu_layout_wanted()[0]
-    assert MatvecLinear in kinds(fastest_layout(model, config))
+    laid, compute = fastest_layout(model, config)
+    assert MatvecLinear in kinds(laid) and compute == "cpu-layout"
 
     monkeypatch.setattr(device, "fast_blas_loaded", lambda: False)
     model, config = fresh(lm)
     wanted, why = cpu_layout.cpu_layout_wanted()
     assert not wanted and "BLAS" in why
-    kept = kinds(fastest_layout(model, config))
-    assert nn.QuantizedLinear in kept and MatvecLinear not in kept
+    laid, compute = fastest_layout(model, config)
+    kept = kinds(laid)
+    assert nn.QuantizedLinear in kept and MatvecLinear not in kept and compute == "as-loaded"
 
     monkeypatch.setattr(device, "fast_blas_loaded", lambda: True)
     gpu = mx.Device(mx.gpu)
@@ -105,8 +107,10 @@ def test_layout_only_on_the_cpu_with_a_fast_blas(lm, monkeypatch):
     model, config = fresh(lm)
     wanted, why = cpu_layout.cpu_layout_wanted()
     assert not wanted and "CPU" in why
-    kept = kinds(fastest_layout(model, config))  # on a GPU: gpu_layout.py's stacked projections
+    laid, compute = fastest_layout(model, config)  # on a GPU: gpu_layout.py's stacked projections
+    kept = kinds(laid)
     assert nn.QuantizedLinear in kept and MatvecLinear not in kept and StackedAttention in kept
+    assert compute == "gpu-layout"
 
 
 def test_layout_skipped_when_fp32_would_not_fit_in_memory(lm, monkeypatch):
@@ -114,7 +118,8 @@ def test_layout_skipped_when_fp32_would_not_fit_in_memory(lm, monkeypatch):
     monkeypatch.setattr(device, "fast_blas_loaded", lambda: True)
     monkeypatch.setattr(device, "available_ram", lambda: 100 << 20)  # fp32 needs ~540 MB
     model, config = fresh(lm)
-    assert nn.QuantizedLinear in kinds(fastest_layout(model, config))
+    laid, compute = fastest_layout(model, config)
+    assert nn.QuantizedLinear in kinds(laid) and compute == "as-loaded"
 
 
 def test_the_model_runs_in_the_layout_when_the_kernels_are_off(monkeypatch):
@@ -122,5 +127,6 @@ def test_the_model_runs_in_the_layout_when_the_kernels_are_off(monkeypatch):
     if not device.fast_blas_loaded():
         pytest.skip("no optimised BLAS in this process (run through scripts/test)")
     monkeypatch.setenv("MLXCHAT_KERNELS", "0")
-    model = registry.load_model(None).model
-    assert MatvecLinear in kinds(model) and nn.QuantizedLinear not in kinds(model)
+    lm = registry.load_model(None)
+    assert MatvecLinear in kinds(lm.model) and nn.QuantizedLinear not in kinds(lm.model)
+    assert lm.compute == "cpu-layout"  # recorded at load, for the prefix cache's snapshot files

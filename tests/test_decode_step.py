@@ -115,3 +115,18 @@ def test_cuda_kernels_take_16_bit_models_with_their_head_dims():
     narrow = to_gpu_layout(build_module(Shape("n", LLAMA), dtype=mx.bfloat16, seed=1))
     assert decode_step.DecodeProgram.build(narrow, fused_cuda) is None
     assert decode_step.DecodeProgram.build(narrow, fused_ref) is not None
+
+
+@pytest.mark.parametrize("group_size", [64, 128])
+def test_tensor_core_kernels_fragment_layout_computes_the_product(group_size):
+    """fused_cuda.emulate_qmma4 restates which nibbles and x values the 4-bit tensor-core kernel
+    puts in which register of which mma (PTX's m16n8k16 layout) and how it scales each 64-wide
+    chunk: with that mapping the sums are MLX's quantized product (fp32 rounding apart)."""
+    import numpy as np
+
+    mx.random.seed(0)
+    w, scales, biases = mx.quantize(mx.random.normal((48, 512)) * 0.05, group_size=group_size, bits=4)
+    x = mx.random.normal((512,))
+    ref = mx.quantized_matmul(x[None], w, scales, biases, transpose=True, group_size=group_size, bits=4)[0]
+    got = fused_cuda.emulate_qmma4(np.array(x), np.array(w), np.array(scales), np.array(biases), group_size)
+    assert np.abs(got - np.array(ref)).max() <= 1e-4 * np.abs(np.array(ref)).max()

@@ -18,7 +18,7 @@ import openai
 import pytest
 from mlx_lm import load as mlx_lm_load
 
-from engine import EMBEDDING_MAX_INPUTS, Engine, InvalidRequest, Overloaded
+from engine import EMBEDDING_MAX_INPUTS, Engine, InvalidRequest, Overloaded, SamplingParams
 from live_server import engine_serving, openai_client
 from bench.shapes import QWEN3_EMBEDDING_QUERY
 from tiny_models import tiny_llama, tiny_qwen3_embedding_folder
@@ -140,7 +140,7 @@ def test_queue_bound_and_one_chunk_between_ticks(engine):
         entered.set()
         gate.wait(30)
 
-    engine._later(hold)
+    engine.scheduler.soon(hold)
     assert entered.wait(30)
     try:
         handles = [engine.embed(TEXTS) for _ in range(8)]
@@ -151,12 +151,12 @@ def test_queue_bound_and_one_chunk_between_ticks(engine):
     assert all(h.result(60).vectors.shape == (len(TEXTS), 64) for h in handles)
     # 300 inputs of ~60 padded tokens: several chunks, each run between two scheduler ticks
     chunks = []
-    original = engine._embeddings._step
-    engine._embeddings._step = lambda job, model: (chunks.append(len(job.rows)), original(job, model))
+    original = engine.embeddings._step
+    engine.embeddings._step = lambda job, model: (chunks.append(len(job.rows)), original(job, model))
     try:
         engine.embed([TEXTS[0] * 5] * 300).result(120)
     finally:
-        del engine._embeddings._step
+        del engine.embeddings._step
     assert len(chunks) > 1
 
 
@@ -171,6 +171,36 @@ def test_dedicated_model_unloads_after_keep_alive(engine, embedder_folder):
     assert engine.status().embedding_models == () and engine.status().reserved_bytes == 0
     again = engine.embed(TEXTS[1], model=str(embedder_folder)).result(120)  # loads again
     assert np.abs(again.vectors[0] - reference(embedder_folder, [TEXTS[1]], "last")[0]).max() < TOL
+
+
+def test_one_memory_budget_holds_chat_requests_and_the_embedding_model(engine, chat_lm,
+                                                                        embedder_folder):
+    """The dedicated model's weights, the admitted chat requests and the prefix cache share one
+    budget: while the weights are held a request that fits the budget alone is refused, and the
+    prefix cache may hold only what is left; once the model unloads, the request runs."""
+    from engine.loading.memory import weight_files_bytes
+
+    weights = weight_files_bytes(embedder_folder.glob("*"))
+    chat = dict(prompt_tokens=list(range(100, 140)), params=SamplingParams(max_tokens=8))
+    need = engine.request_bytes(40, 8)
+    assert need // 2 < weights
+    shared = Engine(chat_lm.name, load=lambda name, **_: chat_lm,
+                    memory_budget=weights + need // 2).start()
+    try:
+        shared.embed("x", model=str(embedder_folder), keep_alive=0.5).result(120)
+        assert shared.status().reserved_bytes == weights
+        assert shared.prefix_cache.budget == need // 2
+        with pytest.raises(Overloaded, match="memory budget"):
+            shared.submit(**chat)
+        deadline = time.time() + 30
+        while shared.status().embedding_models and time.time() < deadline:
+            time.sleep(0.1)
+        assert shared.status().reserved_bytes == 0
+        assert shared.prefix_cache.budget == weights + need // 2
+        done = list(shared.submit(**chat).events(timeout=60))[-1]
+        assert done.finish_reason == "length" and done.usage.completion_tokens == 8
+    finally:
+        shared.stop()
 
 
 @pytest.fixture(scope="module")

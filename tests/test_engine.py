@@ -9,7 +9,8 @@ from mlx_lm.sample_utils import make_sampler
 from engine.decoding.chat import render
 from engine.errors import InvalidRequest
 from engine.decoding.generate import build_prompt, generate
-from engine.decoding.sampling import SamplingParams, preset
+from engine.decoding.defaults import preset
+from engine.decoding.sampling import SamplingParams
 
 CONVERSATIONS = {
     "english": [{"role": "user", "content": "What is the capital of France?"}],

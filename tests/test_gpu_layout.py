@@ -93,13 +93,21 @@ def test_engine_on_a_stacked_model_answers_with_mlx_lm_tokens(serve):
     assert got == expected and all(len(t) > 2 for t in got)
 
 
-def test_snapshot_files_tell_the_gpu_layout_apart():
+def test_snapshot_files_tell_the_gpu_layout_apart(monkeypatch):
     """A snapshot saved by a model in the GPU layout is not read back by one as loaded (their
-    bf16 K/V differ), as CPU-layout snapshots are kept apart already."""
-    from engine.cache.snapshot_files import identity
+    bf16 K/V differ), as CPU-layout snapshots are kept apart already: the layout that
+    `fastest_layout` gives a model at load is recorded, and the snapshot's identity carries it."""
+    from engine.kernels.fastest import fastest_layout
+    from engine.prefix_cache.snapshot_files import identity
 
     base = tiny_llama()
-    plain, stacked = (dataclasses.replace(base, model=m) for m in pair("llama"))
+    gpu = mx.Device(mx.gpu)
+    with monkeypatch.context() as on_a_gpu:  # fastest_layout takes its GPU branch
+        on_a_gpu.setattr(mx, "default_device", lambda: gpu)
+        model, compute = fastest_layout(build_module(Shape("llama", LLAMA), dtype=None, seed=3), LLAMA)
+    assert any(isinstance(m, StackedAttention) for m in model.modules())
+    plain = dataclasses.replace(base, model=pair("llama")[0], compute="as-loaded")
+    stacked = dataclasses.replace(base, model=model, compute=compute)
     assert identity(plain)["compute"] == "as-loaded"
     assert identity(stacked)["compute"] == "gpu-layout"
 
@@ -168,3 +176,19 @@ def test_prefill_chunk_is_sized_against_memory(monkeypatch):
     other = dataclasses.replace(lm, extras={})
     monkeypatch.setattr(gen, "CHUNK_ACTIVATIONS_OF_WEIGHTS", 10 * per / weights)  # below the floor
     assert gen.memory_sized_chunk(other, 4096) == gen.SMALLEST_CHUNK
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_a_long_prompt_chunk_is_evaluated_layer_by_layer_with_mlx_lm_logits(kind):
+    """A chunk of EVAL_ROWS positions or more is evaluated after each decoder layer (its cache
+    too), so a GPU holds one layer's activations at a time; the logits and the cache are mlx-lm's."""
+    from engine.kernels.gpu_layout import EVAL_ROWS, EvalEachLayer
+
+    plain, stacked = pair(kind)
+    inner = getattr(stacked, "language_model", stacked)
+    assert all(isinstance(layer, EvalEachLayer) for layer in inner.model.layers)
+    prompt = mx.array([[(7 * i) % 4000 + 1 for i in range(EVAL_ROWS + 20)]])
+    caches = make_prompt_cache(plain), make_prompt_cache(stacked)
+    assert_same(plain(prompt, cache=caches[0]), stacked(prompt, cache=caches[1]))
+    step = mx.array([[11]])
+    assert_same(plain(step, cache=caches[0]), stacked(step, cache=caches[1]))

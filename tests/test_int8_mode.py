@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from engine import Engine, ModelLoadError, SamplingParams, compute_path
-from engine.cache import snapshot_files
-from engine.cache.prefix_cache import model_key
+from engine.prefix_cache import snapshot_files
+from engine.prefix_cache.store import model_key
 from engine.kernels.layout import KernelEmbedding, KernelLinear, KernelLlamaBlock
 from engine.loading.registry import load_model
 from chats import long_chat, persisted_apart
@@ -83,7 +83,8 @@ def test_snapshots_of_one_mode_are_never_read_under_the_other(folder, tmp_path):
     mode in its folder is refused."""
     exact, int8 = (load_model(str(folder), int8_activations=on) for on in (False, True))
     assert model_key(exact) != model_key(int8)
-    assert "activations" not in snapshot_files.identity(exact)  # files from before stay good
+    assert "activations" not in snapshot_files.identity(exact)  # files from before int8 stay good
+    assert snapshot_files.identity(exact)["compute"] == "cpu-kernels"  # recorded at load
     assert snapshot_files.identity(int8)["activations"] == "int8"
     chat, params = long_chat(2), SamplingParams(max_tokens=4)
     for writer, reader in ((exact, int8), (int8, exact)):

@@ -12,12 +12,12 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from engine.cache import snapshot_files
-from engine.cache.prefix_cache import PrefixCache
+from engine.prefix_cache import snapshot_files
+from engine.prefix_cache.store import PrefixCache
 from engine.errors import ModelLoadError
 from engine.kernels import active_path
 from engine.decoding.sampling import SamplingParams
-from engine.kernels.caches import LOCAL, held_layers
+from engine.model_cache import LOCAL, held_layers
 from engine.kernels.kv8 import (GROUP_SIZE, BatchKV8Cache, KV8Cache, kv_format, pack, unpack,
                                 use_kv_bits)
 from engine.scheduling.batch import kv_footprint
@@ -291,6 +291,6 @@ def test_the_prefix_cache_recomputes_what_the_other_format_persisted(lm8, tmp_pa
         if other.dir is not None:  # a stray file of the other format in the reader's own folder
             other.dir.mkdir(parents=True, exist_ok=True)
             shutil.copy(written[0], other.dir / written[0].name)
-            with caplog.at_level(logging.WARNING, logger="engine.cache.prefix_cache"):
+            with caplog.at_level(logging.WARNING, logger="engine.prefix_cache.store"):
                 assert PrefixCache(reader, persist_dir=folder).stats().disk_entries == 0
             assert any("kv_format" in r.getMessage() for r in caplog.records)

@@ -11,10 +11,10 @@ from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import load_model
 
 from chats import SYSTEM, assistant, same_without_cache, user
-from engine.cache import snapshot_files
-from engine.cache.prefix_cache import PrefixCache
+from engine.prefix_cache import snapshot_files
+from engine.prefix_cache.store import PrefixCache
 from engine.decoding.sampling import SamplingParams
-from engine.kernels.caches import LOCAL, from_layers, held_layers, kind_of
+from engine.model_cache import LOCAL, from_layers, held_layers, kind_of
 from engine.kernels.kv8 import GROUP_SIZE, kv_format, use_kv_bits
 from tiny_models import tiny_llama
 

@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from bench.quality import GATE, compare, logprobs, text_tokens
-from engine.kernels.caches import LOCAL
+from engine.model_cache import LOCAL
 from engine.kernels.kv8 import KV8Cache, kv_format
 from engine.loading.registry import load_model
 

@@ -1,6 +1,7 @@
 """The import rules, read from the source: the engine's layers never import upward, the engine
 never imports the app, and the app imports nothing from the engine but its public names; no
-import circles inside app/ or engine/; and few functions over ruff's complexity limit."""
+import circles inside app/ or engine/, counting the imports inside functions; and few functions
+over ruff's complexity limit."""
 
 import ast
 import graphlib
@@ -17,8 +18,8 @@ pytestmark = pytest.mark.fast
 
 ROOT = Path(__file__).resolve().parent.parent
 # Lowest first; a module may import its own layer or lower ones.
-LAYERS = [("errors", "events", "paths", "device"), ("kernels",), ("loading",), ("decoding",),
-          ("cache",), ("scheduling",), ("distributed",),
+LAYERS = [("errors", "events", "paths", "device", "mlx_lm_adapter"), ("kernels", "model_cache"),
+          ("loading",), ("decoding",), ("prefix_cache",), ("scheduling",), ("distributed",),
           ("__init__",)]
 
 
@@ -92,6 +93,30 @@ def app_imports() -> list[str]:
     return problems
 
 
+def mlx_lm_private_imports() -> list[str]:
+    """Imports of mlx-lm's private names (`_name`) outside engine/mlx_lm_adapter.py."""
+    problems = []
+    for path, package, module in engine_modules():
+        if module == "mlx_lm_adapter":
+            continue
+        for target, names, line in imports(path, package):
+            if target.split(".")[0] == "mlx_lm" and any(
+                    n.startswith("_") for n in target.split(".")[1:] + names):
+                problems.append(f"{path.relative_to(ROOT)}:{line} imports {target} {names}")
+    return problems
+
+
+def test_mlx_lm_private_names_come_through_one_adapter(tmp_path, monkeypatch):
+    assert mlx_lm_private_imports() == []
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    (tmp_path / "engine" / "decoding").mkdir(parents=True)
+    (tmp_path / "engine" / "mlx_lm_adapter.py").write_text("from mlx_lm.utils import _get_classes\n")
+    (tmp_path / "engine" / "decoding" / "x.py").write_text(
+        "from mlx_lm.utils import load\ndef f():\n    from mlx_lm.generate import _merge_caches\n")
+    assert mlx_lm_private_imports() == [
+        "engine/decoding/x.py:3 imports mlx_lm.generate ['_merge_caches']"]
+
+
 def test_engine_layers_never_import_upward_nor_the_app():
     assert upward_imports() == []
 
@@ -120,26 +145,28 @@ def test_the_checks_catch_what_they_look_for(tmp_path, monkeypatch):
                              "app/ui.py:2 imports engine.lm, not public"]
 
 
-# --- no import circles ----------------------------------------------------------------------------
+# --- no import circles ---------------------------------------------------------------------------
 
-def _module_level(tree: ast.Module) -> list[ast.stmt]:
-    """The statements that run on import: the module's body, into `if`/`try` blocks (not
-    `if TYPE_CHECKING:`), never into functions or classes."""
+def _running_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import that runs: at the module's import or when a function or method of it runs
+    (an import inside a function only hides a circle until that function is called). The
+    `if TYPE_CHECKING:` blocks are left out: they never run."""
     out, pending = [], list(tree.body)
     while pending:
         node = pending.pop(0)
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            pending += node.orelse
             continue
-        if isinstance(node, (ast.If, ast.Try)):
-            pending += node.body + node.orelse + getattr(node, "finalbody", []) + [
-                s for h in getattr(node, "handlers", []) for s in h.body]
-        out.append(node)
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.append(node)
+        pending += [child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)]
     return out
 
 
 def import_graph(top: str) -> dict[str, set[str]]:
-    """Each module of package `top` (`app`, `engine`) and the modules of `top` it imports when it
-    is imported (`from pkg import name` counts as importing `pkg.name` when that is a module)."""
+    """Each module of package `top` (`app`, `engine`) and the modules of `top` it imports, at its
+    own import or inside its functions (`from pkg import name` counts as importing `pkg.name` when
+    that is a module)."""
     files = {}
     for path in sorted((ROOT / top).rglob("*.py")):
         parts = [top, *path.relative_to(ROOT / top).with_suffix("").parts]
@@ -149,7 +176,7 @@ def import_graph(top: str) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for module, (path, package) in files.items():
         edges = graph.setdefault(module, set())
-        for node in _module_level(ast.parse(path.read_text(), str(path))):
+        for node in _running_imports(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 edges |= {a.name for a in node.names if a.name in files}
             elif isinstance(node, ast.ImportFrom):
@@ -179,13 +206,19 @@ def test_no_import_circles(top):
 
 
 def test_the_circle_check_finds_a_circle(tmp_path, monkeypatch):
+    """A circle closed by an import inside a function (or a method) is a circle; one that only
+    type annotations close (`if TYPE_CHECKING:`) is not."""
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     (tmp_path / "app" / "ui").mkdir(parents=True)
     (tmp_path / "app" / "__init__.py").write_text("")
     (tmp_path / "app" / "ui" / "__init__.py").write_text("from . import views\n")
-    (tmp_path / "app" / "ui" / "views.py").write_text("def f():\n    from .picker import x\n")
     (tmp_path / "app" / "ui" / "picker.py").write_text("import json\nfrom .views import f\n")
-    assert import_circle("app") is None  # an import inside a function runs later
+    (tmp_path / "app" / "ui" / "views.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .picker import x\n")
+    assert import_circle("app") is None
+    (tmp_path / "app" / "ui" / "views.py").write_text(
+        "class V:\n    def f(self):\n        if self:\n            from .picker import x\n")
+    assert sorted(set(import_circle("app"))) == ["app.ui.picker", "app.ui.views"]
     (tmp_path / "app" / "ui" / "views.py").write_text("from app.ui import picker\n")
     assert sorted(set(import_circle("app"))) == ["app.ui.picker", "app.ui.views"]
 
@@ -193,7 +226,7 @@ def test_the_circle_check_finds_a_circle(tmp_path, monkeypatch):
 # --- complexity -----------------------------------------------------------------------------------
 
 # Functions over ruff's C901 limit (max-complexity 10) allowed in engine/ and app/ together.
-MAX_COMPLEX_FUNCTIONS = 4
+MAX_COMPLEX_FUNCTIONS = 2
 
 
 def complex_functions(*folders: str) -> list[str]:

@@ -142,7 +142,7 @@ def test_a_failing_tick_fails_its_requests_and_serving_goes_on(tmp_path):
 
     lm = tiny_llama()
     engine = Engine(lm.name, load=lambda name, **_: lm).start()
-    tick, broken = engine._tick, threading.Event()
+    tick, broken = engine.scheduler._tick, threading.Event()
 
     def failing_tick(running):
         if not broken.is_set():
@@ -150,7 +150,7 @@ def test_a_failing_tick_fails_its_requests_and_serving_goes_on(tmp_path):
             raise RuntimeError("injected")
         return tick(running)
 
-    engine._tick = failing_tick
+    engine.scheduler._tick = failing_tick
     try:
         params = SamplingParams(max_tokens=3)
         done = list(engine.submit(messages=[{"role": "user", "content": "Hi"}],
@@ -173,9 +173,8 @@ def test_a_dead_scheduler_thread_halts_the_engine_and_health_says_503(tmp_path):
         def broken() -> float:
             raise OverflowError("timestamp out of range for platform time_t")
 
-        engine._until_unload = broken  # the next idle wait kills the loop
-        with engine._wake:
-            engine._wake.notify_all()
+        engine.scheduler._until_unload = broken  # the next idle wait kills the loop
+        engine.scheduler.soon(lambda: None)  # wakes it
         deadline = time.monotonic() + 30
         while engine.halted is None and time.monotonic() < deadline:
             time.sleep(0.05)

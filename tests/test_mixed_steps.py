@@ -16,7 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from engine.decoding.generate import build_prompt, generate
 from engine.decoding.mixed import mixed_call, supports
 from engine.decoding.sampling import SamplingParams
-from engine.kernels.caches import LOCAL
+from engine.model_cache import LOCAL
 from engine.scheduling import batch as batch_module
 from engine.scheduling import prefill_policy
 from tiny_models import tiny_llama, tiny_qwen3_5

@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 
-from engine.cache.prefix_cache import PrefixCache
+from engine.prefix_cache.store import PrefixCache
 from engine.decoding.generate import LAST_WITH_CHUNK_MAX, Generation, build_prompt
 from engine.decoding.sampling import SamplingParams
 from chats import assistant, user

@@ -12,8 +12,9 @@ import pytest
 
 from engine.decoding.generate import build_prompt
 from mlx_lm.models.cache import KVCache
-from engine.cache.prefix_cache import PrefixCache
-from engine.decoding.sampling import SamplingParams, preset
+from engine.prefix_cache.store import PrefixCache
+from engine.decoding.defaults import preset
+from engine.decoding.sampling import SamplingParams
 from chats import SYSTEM, ask, assistant, long_chat, same_without_cache, user
 from tiny_models import tiny_llama, tiny_qwen3_5
 
@@ -224,7 +225,7 @@ def test_corrupt_and_stale_files_are_skipped_with_a_log_line(hybrid, tmp_path, c
     files[1].write_bytes(data[: len(data) // 2])  # header fine, arrays cut short
     (files[0].parent / "zzz.safetensors").write_bytes(b"\x00" * 16)
 
-    with caplog.at_level(logging.WARNING, logger="engine.cache.prefix_cache"):
+    with caplog.at_level(logging.WARNING, logger="engine.prefix_cache.store"):
         restarted = PrefixCache(hybrid, persist_dir=tmp_path)
         reply = same_without_cache(hybrid, chat, params, restarted)
     skipped = [r for r in caplog.records if "skipping" in r.getMessage()]

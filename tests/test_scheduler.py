@@ -300,3 +300,14 @@ def test_switching_models_waits_for_or_cancels_running_requests(llama, qwen):
         assert tokens(engine.submit(params=params, **prompt)) == alone(llama, params, **prompt)
     finally:
         engine.stop()
+
+
+def test_run_on_scheduler_runs_on_its_thread_once_the_requests_end(llama, serve):
+    """The hooks bench measures the scheduler thread with (bench.concurrency_step,
+    bench.tick_profile): a task waits for the admitted requests, then runs on that thread."""
+    engine = serve(llama)
+    running = engine.submit(params=SamplingParams(max_tokens=40), prompt_tokens=list(range(100, 140)))
+    seen = []
+    engine.run_on_scheduler(lambda: seen.append((threading.get_native_id(), running.state)))
+    assert seen == [(engine.scheduler.thread_id, "finished")]
+    assert engine.scheduler.thread_id != threading.get_native_id()

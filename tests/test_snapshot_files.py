@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.cache import snapshot_files as files
-from engine.cache.prefix_cache import PrefixCache
+from engine.prefix_cache import snapshot_files as files
+from engine.prefix_cache.store import PrefixCache
 from engine.decoding.generate import build_prompt
 from engine.decoding.sampling import SamplingParams
 from chats import ask, long_chat, same_without_cache, user
@@ -68,7 +68,7 @@ def longest(cache: PrefixCache) -> list[int]:
 
 
 def ours(caplog) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name.startswith("engine.cache")]
+    return [r for r in caplog.records if r.name.startswith("engine.prefix_cache")]
 
 
 def split(path: Path) -> tuple[dict, bytes]:
@@ -148,7 +148,7 @@ def test_a_damaged_file_is_deleted_with_one_warning_and_the_answer_equals_cold(
     damage(path, other)
     (bad,) = path.parent.iterdir()
 
-    with caplog.at_level(logging.WARNING, logger="engine.cache.prefix_cache"):
+    with caplog.at_level(logging.WARNING, logger="engine.prefix_cache.store"):
         restarted = PrefixCache(dense, persist_dir=tmp_path, write_delay=None)
         reply = same_without_cache(dense, CHAT, PARAMS, restarted)
     assert reply.cached == 0
@@ -160,7 +160,7 @@ def test_a_damaged_file_is_deleted_with_one_warning_and_the_answer_equals_cold(
 def test_an_intact_file_is_reused_silently(dense, tmp_path, caplog):
     """The control for the damage tests: the same steps without damage reuse the file."""
     (path,) = persisted(dense, tmp_path)
-    with caplog.at_level(logging.WARNING, logger="engine.cache.prefix_cache"):
+    with caplog.at_level(logging.WARNING, logger="engine.prefix_cache.store"):
         restarted = PrefixCache(dense, persist_dir=tmp_path, write_delay=None)
         reply = same_without_cache(dense, CHAT, PARAMS, restarted)
     assert reply.cached == len(build_prompt(dense, messages=CHAT).tokens) - 1
@@ -173,7 +173,7 @@ def test_damaged_hybrid_snapshots_are_all_refused(hybrid, tmp_path, caplog):
     assert len(paths) >= 2
     for path in paths:
         flip_one_data_byte(path, None)
-    with caplog.at_level(logging.WARNING, logger="engine.cache.prefix_cache"):
+    with caplog.at_level(logging.WARNING, logger="engine.prefix_cache.store"):
         restarted = PrefixCache(hybrid, persist_dir=tmp_path, write_delay=None)
         for tokens, _ in restarted.snapshots():  # each file, the answer's end included
             assert restarted.fetch(tokens + [0])[1] == 0
@@ -219,7 +219,7 @@ def test_the_memory_copy_wins_over_the_file(dense, tmp_path, caplog):
     tokens = longest(cache)
     path = wait_for(lambda: next(cache.dir.glob(files.file_name(tokens)), None), "the file")
     random_data_behind_an_intact_header(path, None)
-    with caplog.at_level(logging.WARNING, logger="engine.cache.prefix_cache"):
+    with caplog.at_level(logging.WARNING, logger="engine.prefix_cache.store"):
         reply = same_without_cache(dense, CHAT, PARAMS, cache)
     assert reply.cached == len(build_prompt(dense, messages=CHAT).tokens) - 1
     assert not ours(caplog)  # the file was never read
@@ -248,8 +248,8 @@ KILLED_CHILD = """
 import sys, time
 from pathlib import Path
 sys.path.insert(0, "tests")
-from engine.cache import snapshot_files as files
-from engine.cache.prefix_cache import PrefixCache
+from engine.prefix_cache import snapshot_files as files
+from engine.prefix_cache.store import PrefixCache
 from chats import ask, long_chat
 from engine.decoding.sampling import SamplingParams
 from tiny_models import tiny_llama

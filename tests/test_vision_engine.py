@@ -12,7 +12,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 from mlx_vlm import generate as vlm_generate  # noqa: E402
 
-from engine.cache.prefix_cache import PrefixCache  # noqa: E402
+from engine.prefix_cache.store import PrefixCache  # noqa: E402
 from engine.decoding.generate import Generation, build_prompt, generate  # noqa: E402
 from engine.decoding.sampling import SamplingParams  # noqa: E402
 from engine.decoding.vision import IMAGE_KEY_BASE, ImageInput  # noqa: E402

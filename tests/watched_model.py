@@ -17,7 +17,7 @@ import threading
 import time
 from collections import Counter
 
-from engine.kernels.caches import LocalCaches
+from engine.model_cache import LocalCaches
 
 
 class WatchedModel:

@@ -46,6 +46,24 @@ KNOWN_FAMILIES: dict[str, dict[str, Any]] = {
 # The global layer: sampling on, the rest as each option declares.
 GLOBAL = {"temperature": 0.7, "top_p": 0.9}
 
+# The presets `preset` gives by name (`mlxchat chat --preset`, the settings panel).
+PRESETS = ("greedy", "recommended")
+
+
+def preset(name: str, family: str | None = None, **overrides: Any) -> SamplingParams:
+    """`greedy`, or `recommended` by model family alone (e.g. the `model_type` of its config);
+    a loaded model's own defaults are `Engine.defaults` (`resolve_defaults` below)."""
+    if name == "greedy":
+        base: dict[str, Any] = {}
+    elif name == "recommended":
+        base = dict(KNOWN_FAMILIES.get(family or "", GLOBAL))
+    else:
+        raise InvalidRequest(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})",
+                             field="preset", code="invalid_value")
+    base.update(overrides)
+    return SamplingParams(**base)
+
+
 # generation_config.json key -> option; GGUF `general.sampling.<key>` -> option.
 _GENERATION_CONFIG = {k: k for k in ("temperature", "top_p", "top_k", "min_p",
                                      "repetition_penalty")}

@@ -27,6 +27,7 @@ import mlx.nn as nn
 
 from ..errors import EngineError, InvalidRequest
 from ..loading.registry import LoadedModel, load_model, resolve
+from ..mlx_lm_adapter import text_model
 from .speculative import ModelDrafter, SpecConfig, Speculator, check_compatible, truncated
 
 K_LIMIT = 16
@@ -73,14 +74,14 @@ class DraftChoice:
 
 
 def _layers(lm: LoadedModel) -> int:
-    return len(getattr(lm.model, "language_model", lm.model).model.layers)
+    return len(text_model(lm.model).model.layers)
 
 
 def _truncations(lm: LoadedModel) -> range:
     """The layer counts a truncated self-draft may keep: fewer than all, and enough to hold each
     layer the model reads by index (hybrid models take masks from their first full-attention
     and first recurrent layers' caches)."""
-    text = getattr(lm.model, "language_model", lm.model).model
+    text = text_model(lm.model).model
     indices = [v for k, v in vars(text).items() if k.endswith("_idx") and isinstance(v, int)]
     return range(max(indices, default=0) + 1, _layers(lm))
 

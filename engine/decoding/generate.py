@@ -16,6 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .channels import ChannelSplitter, Markers
 from .chat import Prompt, encode_text, render
+from .exclusions import check_exclusions
 from .fim import Infill, render_infill
 from ..device import backend, memory_budget
 from ..errors import InvalidRequest
@@ -104,7 +105,7 @@ def last_with_chunk_default() -> bool:
 
 
 class PrefixStore(Protocol):
-    """What generation needs from a prefix cache (see engine/cache/prefix_cache.py)."""
+    """What generation needs from a prefix cache (see engine/prefix_cache/store.py)."""
 
     def fetch(self, tokens: Sequence[int]) -> tuple[list[Any], int]:
         """A private, mutable model cache holding the longest reusable prefix of `tokens`
@@ -152,6 +153,15 @@ def check_model_ranges(params: SamplingParams, vocab: int) -> None:
                              f"(0: all), got {params.top_k}", field="top_k", code="invalid_value")
 
 
+def check_vocabulary(lm: LoadedModel, params: SamplingParams) -> None:
+    """The options that name token ids or count them stay within the model's vocabulary."""
+    vocab = lm.config.get("vocab_size") or len(lm.tokenizer.vocab)
+    if params.logit_bias and max(params.logit_bias) >= vocab:
+        raise InvalidRequest(f"logit_bias token ids must be below {vocab}", field="logit_bias",
+                             code="invalid_value")
+    check_model_ranges(params, vocab)
+
+
 def check_fits(lm: LoadedModel, prompt: Prompt, params: SamplingParams) -> None:
     limit = lm.context_length
     n = len(prompt.tokens)
@@ -176,46 +186,32 @@ class Generation:
         be made); `split_reasoning`: token events say which channel their text is in;
         `last_with_chunk`: see `last_with_chunk_default` (None: that default)."""
         check_fits(lm, prompt, params)
-        if speculator is not None and (params.logprobs is not None or (tools and tools.choice != "none")):
-            raise InvalidRequest("logprobs and tools cannot be combined with speculative decoding; "
-                                 "send one or the other", field="speculative", code="invalid_value")
-        vocab = lm.config.get("vocab_size") or len(lm.tokenizer.vocab)
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise InvalidRequest(f"logit_bias token ids must be below {vocab}", field="logit_bias",
-                                 code="invalid_value")
-        check_model_ranges(params, vocab)
+        self.tools = tools if tools is not None and tools.choice != "none" else None
+        budget = thinking_budget(lm.tokenizer, params.thinking_budget, prompt.tokens)
+        check_exclusions(speculative=speculator is not None, logprobs=params.logprobs is not None,
+                         tools=self.tools is not None, images=prompt.vision is not None,
+                         thinking_budget=budget is not None,
+                         json_schema=params.json_schema is not None)
+        check_vocabulary(lm, params)
         self.vision = prompt.vision  # its images (engine/decoding/vision.py), or None
-        if self.vision is not None and speculator is not None:
-            raise InvalidRequest("speculative decoding does not take images; send the request "
-                                 "without `speculative`", field="speculative", code="invalid_value")
         self.speculator = speculator  # opt-in: decode by draft-and-verify (engine/decoding/speculative.py)
         self.lm, self.prompt, self.params = lm, prompt, params
         self.prefix_cache = prefix_cache
         self.prefill_chunk = prefill_chunk or default_prefill_chunk(lm)
         self.last_with_chunk = last_with_chunk_default() if last_with_chunk is None else last_with_chunk
         self.sampler = TokenSampler(params)
-        budget = thinking_budget(lm.tokenizer, params.thinking_budget, prompt.tokens)
-        if budget is not None and speculator is not None:
-            raise InvalidRequest("a thinking budget cannot be combined with speculative decoding; "
-                                 "send one or the other", field="speculative", code="invalid_value")
-        if budget is not None:  # before any grammar: a forced closing marker is not JSON
+        # logits processors in order: the thinking budget, then any grammar (a forced closing
+        # marker is not JSON), which masks the logits last
+        if budget is not None:
             self.sampler.processors.append(budget)
-        if params.json_schema is not None:  # JSON mode: the grammar masks logits last
-            if speculator is not None:  # draft-and-verify would run the grammar out of order
-                raise InvalidRequest("JSON mode (response_format) cannot be combined with "
-                                     "speculative decoding; send one or the other")
+        if params.json_schema is not None:  # JSON mode
             from .constrained import json_constraint
 
-            constraint = json_constraint(lm, params.json_schema, len(prompt.tokens))
-            self.sampler.processors.append(constraint)
-        self.tools = tools if tools is not None and tools.choice != "none" else None
-        if self.tools is not None:
-            if params.json_schema is not None:
-                raise InvalidRequest("tools and response_format cannot be combined; send one or "
-                                     "the other", field="tool_choice", code="invalid_value")
-            calls = tool_constraint(lm.tokenizer, self.tools, len(prompt.tokens))
-            if calls is not None:
-                self.sampler.processors.append(calls)
+            self.sampler.processors.append(json_constraint(lm, params.json_schema,
+                                                           len(prompt.tokens)))
+        calls = tool_constraint(lm.tokenizer, self.tools, len(prompt.tokens)) if self.tools else None
+        if calls is not None:
+            self.sampler.processors.append(calls)
         self.channels = self._channels(lm, prompt, split_reasoning)
         self.tool_text = ""
         self._pending_logprobs: mx.array | None = None

@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..events import TokenLogprob, TopLogprob
+from ..mlx_lm_adapter import byte_decoder
 
 
 def _text(tokenizer: Any, token: int) -> tuple[str, tuple[int, ...]]:
@@ -14,10 +15,8 @@ def _text(tokenizer: Any, token: int) -> tuple[str, tuple[int, ...]]:
     its bytes are then the ones the tokenizer's byte-level pieces stand for, when it has them)."""
     text = tokenizer.decode([token])
     if "\ufffd" in text:
-        from mlx_lm.tokenizer_utils import _byte_decoder
-
         piece = tokenizer.convert_ids_to_tokens(token)
-        decoder = _byte_decoder()
+        decoder = byte_decoder()
         if isinstance(piece, str) and all(c in decoder for c in piece):
             return text, tuple(decoder[c] for c in piece)
     return text, tuple(text.encode("utf-8"))

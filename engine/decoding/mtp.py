@@ -19,6 +19,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..errors import ModelLoadError
 from ..loading.registry import LoadedModel
+from ..mlx_lm_adapter import text_model
 from .speculative import Pick, split_model
 
 MTP_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -43,7 +44,7 @@ class MtpHead(nn.Module):
 
 
 def _text_args(model: nn.Module) -> Any:
-    return getattr(model, "language_model", model).args
+    return text_model(model).args
 
 
 def build_mtp_head(model: nn.Module) -> MtpHead:

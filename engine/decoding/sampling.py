@@ -195,25 +195,6 @@ SamplingParams = make_dataclass(
 SamplingParams.__module__ = __name__
 
 
-PRESETS = ("greedy", "recommended")
-
-
-def preset(name: str, family: str | None = None, **overrides: Any) -> SamplingParams:
-    """`greedy`, or `recommended` by model family alone (e.g. the `model_type` of its config);
-    a loaded model's own defaults are `Engine.defaults` (engine/decoding/defaults.py)."""
-    from .defaults import GLOBAL, KNOWN_FAMILIES
-
-    if name == "greedy":
-        base: dict[str, Any] = {}
-    elif name == "recommended":
-        base = dict(KNOWN_FAMILIES.get(family or "", GLOBAL))
-    else:
-        raise InvalidRequest(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})",
-                             field="preset", code="invalid_value")
-    base.update(overrides)
-    return SamplingParams(**base)
-
-
 def apply_top_p(logprobs: mx.array, top_p: float) -> mx.array:
     """mlx-lm's `apply_top_p` (keep the most likely tokens up to `top_p` of the mass; the others
     get -inf), the same array, with each row's threshold found on the host on the CPU device

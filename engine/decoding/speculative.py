@@ -25,7 +25,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import InvalidRequest
-from ..kernels.caches import can_roll_back, roll_back, rollback_mark
+from ..model_cache import can_roll_back, roll_back, rollback_mark
+from ..mlx_lm_adapter import text_model
 from ..loading.registry import LoadedModel
 from .sampling import SamplingParams, TokenSampler, filter_logprobs, log_softmax
 
@@ -80,7 +81,7 @@ def rewind_cache(cache: list[Any], mark: CacheMark, fed: list[int], seq: list[in
 # -- models ---------------------------------------------------------------------------------------
 def split_model(model: nn.Module) -> tuple[nn.Module, Callable[[mx.array], mx.array]]:
     """(body giving the final normed hidden states, head giving logits) of an mlx-lm model."""
-    text = getattr(model, "language_model", model)
+    text = text_model(model)
     body = text.model
     head = getattr(text, "lm_head", None) or body.embed_tokens.as_linear
     return body, head
@@ -89,7 +90,7 @@ def split_model(model: nn.Module) -> tuple[nn.Module, Callable[[mx.array], mx.ar
 def truncated(model: nn.Module, layers: int) -> nn.Module:
     """A self-draft: the first `layers` decoder layers of `model` with its final norm and head, sharing
     its weights."""
-    text_owner = getattr(model, "language_model", model)
+    text_owner = text_model(model)
     draft_text = copy.copy(text_owner)
     draft_text.model = copy.copy(text_owner.model)
     draft_text.model.layers = list(text_owner.model.layers[:layers])

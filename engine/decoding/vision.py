@@ -20,7 +20,7 @@ any vocabulary), so a follow-up about the same image reuses its prefill and anot
 nothing past the text before it. Snapshot files record the same keys.
 
 One image request runs at a time in its own model calls (not batched): its decode positions and
-cache keys are its own (engine/scheduling/service.py steps it alone).
+cache keys are its own (engine/scheduling/ticks.py steps it alone).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import InvalidRequest
+from ..loading.registry import known_vision_models
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -81,8 +82,6 @@ def _is_image(part: Any) -> bool:
 
 def _not_vision() -> str:
     """The refusal of an image by a text-only model, naming the vision models known here."""
-    from ..loading.vision import known_vision_models
-
     known = known_vision_models()
     offer = (f"switch to a vision model ({', '.join(known)})" if known else
              "load a vision model (e.g. `mlxchat pull mlx-community/Qwen2.5-VL-3B-Instruct-4bit`)")

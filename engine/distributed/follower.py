@@ -6,7 +6,7 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..kernels.caches import LOCAL
+from ..model_cache import LOCAL
 from ..loading.registry import LoadedModel, load_model
 from .group import World
 from .plan import Op, Plan, broadcast

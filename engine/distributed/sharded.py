@@ -5,7 +5,7 @@ plan first, so the followers run the same forward on their mirror of the same ca
 mirrored by id: a cache made here (mlx-lm's `make_prompt_cache` asks the model's `make_cache`)
 gets the next id, and when rank 0 lets it go its id rides along with the next plan so the
 followers drop theirs too. The loaded model's `caches` (`MirroredCaches`, the engine's cache
-protocol, engine/kernels/caches.py) make every other cache edit on every rank the same way:
+protocol, engine/model_cache.py) make every other cache edit on every rank the same way:
 prefix-cache snapshots and the caches restored from them, so reuse works as on one process, the
 batch edits of requests decoding together, and the snapshot files, each rank its own shard's
 (engine/distributed/snapshots.py). A cache with no twin
@@ -23,7 +23,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import EngineError
-from ..kernels.caches import LOCAL, Cache, LocalCaches
+from ..model_cache import LOCAL, Cache, LocalCaches
 from ..loading.registry import LoadedModel, load_model, resolve
 from .group import World
 from .plan import FileWork, Op, Plan, broadcast
@@ -59,7 +59,7 @@ class MirroredCaches(LocalCaches):
 
     def __init__(self, coordinator: "Coordinator", shards: SnapshotShards):
         self.coordinator = coordinator
-        self.shards = shards  # engine/cache/prefix_cache.py persists through it
+        self.shards = shards  # engine/prefix_cache/store.py persists through it
 
     def copy(self, cache: Sequence[Any]) -> Cache:
         return self._mirror(cache, super().copy(cache), None)

@@ -2,7 +2,7 @@
 
 Each rank writes the files of its shard of a snapshot under its own folder,
 `<cache dir>/prompt-cache/<model key>/rank<r>-of-<n>/` (file names and format as on one process,
-engine/cache/snapshot_files.py), and only when rank 0 says so:
+engine/prefix_cache/snapshot_files.py), and only when rank 0 says so:
 - rank 0's prefix cache writes its file, then the same work (write this snapshot's shard as these
   tokens; delete this file) rides along with the next plan, and every follower does it on a
   writer thread of its own, so the model never waits for a disk;
@@ -21,9 +21,9 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..cache import snapshot_files as files
-from ..cache.prefix_cache import default_persist_dir
-from ..kernels.caches import from_layers, snapshot_layers
+from ..prefix_cache import snapshot_files as files
+from ..prefix_cache.store import default_persist_dir
+from ..model_cache import from_layers, snapshot_layers
 from ..loading.registry import LoadedModel
 from .group import World
 from .plan import Op, Plan, agree
@@ -36,7 +36,7 @@ def shard_folder(world: World) -> str:
 
 
 class SnapshotShards:
-    """Rank 0's side, as engine/cache/prefix_cache.py asks it (`lm.caches.shards`): the
+    """Rank 0's side, as engine/prefix_cache/store.py asks it (`lm.caches.shards`): the
     scheduler thread calls `agree` and `read`, any thread `written` and `deleted`."""
 
     def __init__(self, world: World, coordinator: Any, model: Any):

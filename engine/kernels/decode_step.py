@@ -66,7 +66,7 @@ class Proj:
             if getattr(m, "mode", "affine") != "affine" or "biases" not in m or m.bits not in (4, 8):
                 return None
             return cls(m["weight"], m["scales"], m["biases"], m.bits, m.group_size, bias)
-        if type(m) in (nn.Linear, nn.Embedding) and m["weight"].ndim == 2:
+        if isinstance(m, (nn.Linear, nn.Embedding)) and m["weight"].ndim == 2:  # SmallMMLinear too
             return cls(m["weight"], None, None, 16, 0, bias)
         return None
 
@@ -149,31 +149,33 @@ def read_layer(block: nn.Module) -> Layer | None:
 
 
 def cuda_fits(layers: list[Layer], head: Proj, dtype: mx.Dtype) -> bool:
-    """Whether fused_cuda.py's kernels take these shapes: 16-bit activations, head dims of 64,
-    128 or 256 (a warp a head), the attention's grouped heads within its shared memory, a hidden
-    size the fused norm can stage, product inputs a whole number of 128-bit words."""
+    """Whether fused_cuda.py's kernels take these shapes: 16-bit activations, attention shapes
+    its kernel takes, a hidden size the fused norm can stage, product inputs a whole number of
+    128-bit words."""
     from . import fused_cuda
 
-    if dtype not in (mx.bfloat16, mx.float16):
-        return False
-    for layer in layers:
-        if layer.head_dim not in (64, 128, 256) or layer.heads % layer.kv_heads:
-            return False
-        if (layer.heads // layer.kv_heads) * layer.head_dim > fused_cuda.MAX_GROUP_DIMS:
-            return False
-        if layer.rotated % 2 or layer.rotated > layer.head_dim:
-            return False
-    if any(p.inputs > fused_cuda.MAX_STAGED for layer in layers for p in (layer.qkv, layer.gate_up)):
-        return False  # the fused norm stages the hidden state in shared memory
     projs = [p for layer in layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [head]
-    for p in projs:
-        if p.bits in (4, 8):
-            word = 128 // p.bits
-            if p.inputs % word or p.group_size % word:
-                return False
-        elif p.w.dtype != dtype or p.inputs % 8:
-            return False
-    return True
+    staged = all(p.inputs <= fused_cuda.MAX_STAGED for layer in layers for p in (layer.qkv, layer.gate_up))
+    return (dtype in (mx.bfloat16, mx.float16) and staged and all(map(_attention_fits, layers))
+            and all(_product_fits(p, dtype) for p in projs))
+
+
+def _attention_fits(layer: Layer) -> bool:
+    """Head dims of 64, 128 or 256 (a warp a head), whole groups of query heads, the group's
+    heads x head dim within the kernel's shared memory, an even number of rotated dims."""
+    from . import fused_cuda
+
+    return (layer.head_dim in (64, 128, 256) and layer.heads % layer.kv_heads == 0
+            and (layer.heads // layer.kv_heads) * layer.head_dim <= fused_cuda.MAX_GROUP_DIMS
+            and layer.rotated % 2 == 0 and layer.rotated <= layer.head_dim)
+
+
+def _product_fits(p: Proj, dtype: mx.Dtype) -> bool:
+    """A packed row a whole number of 128-bit words, each within one group; a dense W of x's dtype."""
+    if p.bits in (4, 8):
+        word = 128 // p.bits
+        return p.inputs % word == 0 and p.group_size % word == 0
+    return p.w.dtype == dtype and p.inputs % 8 == 0
 
 
 class DecodeProgram:

@@ -38,9 +38,12 @@ bench.gpu_step --parts kernels` checks each kernel against that reference on a G
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 WARPS = 4  # warps per block of matvec and attend
 UNROLL = 4  # 128-bit words of a row a lane loads before it computes
@@ -49,186 +52,6 @@ MIN_SPLIT = 256  # keys per split, at least
 MAX_GROUP_DIMS = 2048  # query heads per kv head x head dim: the attention's shared memory
 IN_PLACE = True  # `attention` writes the cache buffers it is given
 
-_HEADER = """
-template <typename T> __device__ __forceinline__ float2 pair_f(uint32_t u);
-template <> __device__ __forceinline__ float2 pair_f<__nv_bfloat16>(uint32_t u) {
-  return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
-}
-template <> __device__ __forceinline__ float2 pair_f<__half>(uint32_t u) {
-  return __half22float2(*reinterpret_cast<__half2*>(&u));
-}
-template <typename T, int N>
-__device__ __forceinline__ void load_f(const T* p, float* out) {
-  // N (a multiple of 8) consecutive 16-bit values as floats, through 128-bit loads
-  #pragma unroll
-  for (int i = 0; i < N / 8; ++i) {
-    const uint4 u = reinterpret_cast<const uint4*>(p)[i];
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-    #pragma unroll
-    for (int j = 0; j < 4; ++j) { const float2 f = pair_f<T>(w[j]); out[8 * i + 2 * j] = f.x; out[8 * i + 2 * j + 1] = f.y; }
-  }
-}
-__device__ __forceinline__ float q_at(uint32_t bytes, int b) {
-  // byte b of `bytes` (0..255) as a float, exactly: 2^23 + byte, less 2^23
-  return __uint_as_float(__byte_perm(bytes, 0x4B000000u, 0x7540 + b)) - 8388608.0f;
-}
-template <int BITS, typename T>
-__device__ __forceinline__ float dot_word(const uint4 w, const float* x) {
-  // one 128-bit word of a row (128 / BITS weights) against its x values, fp32
-  const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
-  float s[4] = {0.f, 0.f, 0.f, 0.f};
-  #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if constexpr (BITS == 4) {
-      const uint32_t lo = ws[i] & 0x0f0f0f0fu, hi = (ws[i] >> 4) & 0x0f0f0f0fu;
-      #pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        s[i] = fmaf(q_at(lo, b), x[8 * i + 2 * b], s[i]);
-        s[i] = fmaf(q_at(hi, b), x[8 * i + 2 * b + 1], s[i]);
-      }
-    } else if constexpr (BITS == 8) {
-      #pragma unroll
-      for (int b = 0; b < 4; ++b) s[i] = fmaf(q_at(ws[i], b), x[4 * i + b], s[i]);
-    } else {  // 16: the word holds 8 values of T
-      const float2 f = pair_f<T>(ws[i]);
-      s[i] = fmaf(f.x, x[2 * i], s[i]);
-      s[i] = fmaf(f.y, x[2 * i + 1], s[i]);
-    }
-  }
-  return (s[0] + s[1]) + (s[2] + s[3]);
-}
-"""
-
-_MATVEC_IMPL = """
-template <typename T, int K, int XN>
-__device__ __forceinline__ void stage_x(const T* x, const T* nw, const float* ne, float* xsh) {
-  // x (K values) into shared memory as floats, the whole block; XN 2: RMS-normalised as MLX's
-  // rms_norm rounds it: T(w * T(x * rsqrt(mean(x^2) + eps)))
-  constexpr int PER = (K + 127) / 128;
-  __shared__ float red[32];
-  float v[PER], ss = 0.f;
-  #pragma unroll
-  for (int i = 0; i < PER; ++i) {
-    const int k = threadIdx.x + 128 * i;
-    v[i] = k < K ? static_cast<float>(x[k]) : 0.f;
-    ss += v[i] * v[i];
-  }
-  float rn = 1.f;
-  if constexpr (XN == 2) {
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    ss = 0.f;
-    #pragma unroll
-    for (int w = 0; w < 4; ++w) ss += red[w];
-    rn = rsqrtf(ss / K + ne[0]);
-  }
-  #pragma unroll
-  for (int i = 0; i < PER; ++i) {
-    const int k = threadIdx.x + 128 * i;
-    if (k < K) xsh[k] = XN == 2 ? static_cast<float>(nw[k] * static_cast<T>(v[i] * rn)) : v[i];
-  }
-  __syncthreads();
-}
-
-template <typename T, typename ST, int BITS, int GS, int K, int N, int R, int E, int XN, int UNROLL>
-__device__ __forceinline__ void matvec_impl(const T* x, const uint32_t* w, const ST* scales,
-                                            const ST* biases, const T* a, const T* nw,
-                                            const float* ne, T* y) {
-  // BITS 4/8: W packed (MLX's affine layout, `scales`/`biases` per group of GS); 16: W dense of
-  // T. R output units per warp; E 0: y = Wx; 1: y = Wx + a; 2: y = swiglu(W[:N/2] x, W[N/2:] x).
-  // XN 0: x read from global memory; 1: staged in shared memory; 2: staged and RMS-normalised
-  // with the weight `nw` and eps `ne[0]` (the norm before the product, fused).
-  constexpr int VALS = 128 / BITS;
-  constexpr int VECS = K / VALS;
-  constexpr int PER_LANE = (VECS + 31) / 32;
-  constexpr int OUT = (E == 2) ? N / 2 : N;
-  constexpr int RR = (E == 2) ? 2 * R : R;
-  constexpr int GROUPS = (BITS == 16) ? 1 : K / GS;
-  __shared__ __align__(16) float xsh[XN ? K : 4];
-  if constexpr (XN != 0) stage_x<T, K, XN>(x, nw, ne, xsh);
-  const int lane = threadIdx.x & 31;
-  const int unit0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-  if (unit0 >= OUT) return;  // the whole warp: its lanes share the units
-  int row[RR];
-  #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int u = min(unit0 + r, OUT - 1);
-    row[r] = u;
-    if constexpr (E == 2) row[R + r] = u + OUT;
-  }
-  float acc[RR];
-  #pragma unroll
-  for (int r = 0; r < RR; ++r) acc[r] = 0.f;
-  const uint4* w4 = reinterpret_cast<const uint4*>(w);
-  #pragma unroll 1
-  for (int v0 = 0; v0 < PER_LANE; v0 += UNROLL) {
-    uint4 wv[UNROLL][RR];
-    #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int v = (v0 + u) * 32 + lane;
-      #pragma unroll
-      for (int r = 0; r < RR; ++r)
-        wv[u][r] = (v < VECS) ? __ldg(w4 + (size_t)row[r] * VECS + v) : make_uint4(0u, 0u, 0u, 0u);
-    }
-    #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int v = (v0 + u) * 32 + lane;
-      if (v < VECS) {
-        float xs[VALS];
-        if constexpr (XN != 0) {
-          #pragma unroll
-          for (int j = 0; j < VALS / 4; ++j) {
-            const float4 f = reinterpret_cast<const float4*>(xsh + v * VALS)[j];
-            xs[4 * j] = f.x; xs[4 * j + 1] = f.y; xs[4 * j + 2] = f.z; xs[4 * j + 3] = f.w;
-          }
-        } else {
-          load_f<T, VALS>(x + v * VALS, xs);
-        }
-        if constexpr (BITS == 16) {
-          #pragma unroll
-          for (int r = 0; r < RR; ++r) acc[r] += dot_word<BITS, T>(wv[u][r], xs);
-        } else {
-          float sx = 0.f;
-          #pragma unroll
-          for (int j = 0; j < VALS; ++j) sx += xs[j];
-          const int g = (v * VALS) / GS;
-          #pragma unroll
-          for (int r = 0; r < RR; ++r) {
-            const float qx = dot_word<BITS, T>(wv[u][r], xs);
-            const size_t at = (size_t)row[r] * GROUPS + g;
-            acc[r] += static_cast<float>(scales[at]) * qx + static_cast<float>(biases[at]) * sx;
-          }
-        }
-      }
-    }
-  }
-  #pragma unroll
-  for (int r = 0; r < RR; ++r) {
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
-  }
-  if (lane != 0) return;
-  #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int u = unit0 + r;
-    if (u >= OUT) break;
-    if constexpr (E == 0) {
-      y[u] = static_cast<T>(acc[r]);
-    } else if constexpr (E == 1) {  // MLX rounds the product, then the sum
-      y[u] = static_cast<T>(static_cast<float>(static_cast<T>(acc[r])) + static_cast<float>(a[u]));
-    } else {  // mlx-lm's swiglu, silu(g) * up, rounded op by op in T
-      const float g = static_cast<float>(static_cast<T>(acc[r]));
-      const float up = static_cast<float>(static_cast<T>(acc[R + r]));
-      const float sig = static_cast<float>(static_cast<T>(1.0f / (1.0f + expf(-g))));
-      const float act = static_cast<float>(static_cast<T>(g * sig));
-      y[u] = static_cast<T>(act * up);
-    }
-  }
-}
-"""
-
 MAX_STAGED = 8192  # inputs staged in shared memory (fp32): at most 32 KB a block
 
 
@@ -236,57 +59,10 @@ def _matvec_source(quantized: bool, add: bool, norm: bool) -> str:
     """The kernel body calling matvec_impl with the inputs this variant has (nullptr for others)."""
     w = "w" if quantized else "reinterpret_cast<const uint32_t*>(w)"
     scales = "scales, biases" if quantized else "(const T*)nullptr, (const T*)nullptr"
-    return (f"matvec_impl<T, {'ST' if quantized else 'T'}, BITS, GS, K, N, R, E, XN, UNROLL>(x, {w}, {scales}, "
+    return (f"matvec_impl<T, {'ST' if quantized else 'T'}, BITS, GS, K, N, R, E, XN, U>(x, {w}, {scales}, "
             f"{'a' if add else '(const T*)nullptr'}, {'nw' if norm else '(const T*)nullptr'}, "
             f"{'ne' if norm else '(const float*)nullptr'}, y);")
 
-
-_ATTENTION_HEADER = """
-template <typename T, int D, int ROT, bool TRAD, bool NORM>
-__device__ __forceinline__ void head_rope(const T* src, const T* wn, float eps, float at,
-                                          const float* invf, float* dst, T* gout, int lane) {
-  // one head (a warp): Qwen3's RMSNorm when NORM, then RoPE at position `at` (already scaled),
-  // each rounded to T as MLX rounds them; the result as floats in `dst` (shared) and, when
-  // `gout`, in T there (the cache row). Lane l holds elements l, l + 32, ...
-  constexpr int C = D / 32;
-  float v[C], o[C];
-  float ss = 0.f;
-  #pragma unroll
-  for (int c = 0; c < C; ++c) { v[c] = static_cast<float>(src[lane + 32 * c]); ss += v[c] * v[c]; }
-  if constexpr (NORM) {
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    const float rn = rsqrtf(ss / D + eps);
-    #pragma unroll
-    for (int c = 0; c < C; ++c) v[c] = static_cast<float>(wn[lane + 32 * c] * static_cast<T>(v[c] * rn));
-  }
-  #pragma unroll
-  for (int c = 0; c < C; ++c) dst[lane + 32 * c] = v[c];
-  __syncwarp();
-  #pragma unroll
-  for (int c = 0; c < C; ++c) {
-    const int e = lane + 32 * c;
-    o[c] = v[c];
-    if (e < ROT) {  // rotated with its partner: (2i, 2i+1) traditional, else (i, i + ROT/2)
-      const bool first = TRAD ? (e & 1) == 0 : e < ROT / 2;
-      const int i = TRAD ? e >> 1 : (first ? e : e - ROT / 2);
-      const int partner = TRAD ? (first ? e + 1 : e - 1) : (first ? e + ROT / 2 : e - ROT / 2);
-      const float th = at * invf[i];
-      const float cs = cosf(th), sn = sinf(th);
-      const float a = dst[partner];
-      o[c] = first ? v[c] * cs - a * sn : a * sn + v[c] * cs;
-    }
-  }
-  __syncwarp();
-  #pragma unroll
-  for (int c = 0; c < C; ++c) {
-    const T r = static_cast<T>(o[c]);
-    dst[lane + 32 * c] = static_cast<float>(r);
-    if (gout != nullptr) gout[lane + 32 * c] = r;
-  }
-  __syncwarp();
-}
-"""
 
 # Template: T, D (head dim), G (query heads per kv head), HKV, ROT (rotated dims), TRAD, NORM,
 # CAP (cache buffer length), CH (keys per split), S (splits). Inputs: qkv (one row of the
@@ -295,124 +71,38 @@ __device__ __forceinline__ void head_rope(const T* src, const T* wn, float eps, 
 # cache buffers: the new key and value written in place), cnt (HKV int32 counters, zero between
 # launches). Outputs: per (head, split) the largest score pm, the sum of exp(score - pm) pl and
 # the values weighted by it pa; y (HQ * D), the attention's output.
-_ATTENTION = """
-  constexpr int HQ = HKV * G;
-  constexpr int DPL = D / 32;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int split = blockIdx.x, j = blockIdx.y;
-  const int p = pos[0];
-  const int start = split * CH, end = min(start + CH, p + 1);
-  const bool has_new = start <= p && p < end;
-  __shared__ float qs[G][D];
-  __shared__ float nk[2][D];
-  __shared__ float sm_m[WARPS][G], sm_l[WARPS][G], sm_a[WARPS][G][D];
-  __shared__ int last;
-  const float at = fp[1] * static_cast<float>(p);
-  // the block's queries (and, in the split holding p, the new key) normed and rotated; warp w
-  // takes heads w, w + WARPS, ...; the new key is also written into the cache at p
-  for (int hh = warp; hh < G + (has_new ? 1 : 0); hh += WARPS) {
-    const bool is_k = hh == G;
-    const T* src = qkv + (size_t)(is_k ? HQ + j : j * G + hh) * D;
-    T* gout = is_k ? const_cast<T*>(kc) + ((size_t)j * CAP + p) * D : nullptr;
-    head_rope<T, D, ROT, TRAD, NORM>(src, is_k ? kn : qn, fp[0], at, invf, is_k ? nk[0] : qs[hh], gout, lane);
-  }
-  if (has_new) {  // the new value, as it is, into the cache at p
-    const T* vs = qkv + (size_t)(HQ + HKV + j) * D;
-    T* vo = const_cast<T*>(vc) + ((size_t)j * CAP + p) * D;
-    for (int e = threadIdx.x; e < D; e += WARPS * 32) { vo[e] = vs[e]; nk[1][e] = static_cast<float>(vs[e]); }
-  }
-  __syncthreads();
-  const float scale = fp[2];
-  float qf[G][DPL], m[G], l[G], acc[G][DPL];
-  #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    #pragma unroll
-    for (int d = 0; d < DPL; ++d) { qf[g][d] = qs[g][lane * DPL + d] * scale; acc[g][d] = 0.f; }
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-  }
-  for (int t = start + warp; t < end; t += WARPS) {
-    float kf[DPL], vf[DPL];
-    if (t == p) {
-      #pragma unroll
-      for (int d = 0; d < DPL; ++d) { kf[d] = nk[0][lane * DPL + d]; vf[d] = nk[1][lane * DPL + d]; }
-    } else {
-      const size_t o = ((size_t)j * CAP + t) * D + lane * DPL;
-      #pragma unroll
-      for (int d = 0; d < DPL; ++d) { kf[d] = static_cast<float>(kc[o + d]); vf[d] = static_cast<float>(vc[o + d]); }
-    }
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float sc = 0.f;
-      #pragma unroll
-      for (int d = 0; d < DPL; ++d) sc = fmaf(qf[g][d], kf[d], sc);
-      #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, off);
-      const float mn = fmaxf(m[g], sc);
-      const float corr = expf(m[g] - mn), e = expf(sc - mn);
-      l[g] = l[g] * corr + e;
-      #pragma unroll
-      for (int d = 0; d < DPL; ++d) acc[g][d] = fmaf(e, vf[d], acc[g][d] * corr);
-      m[g] = mn;
-    }
-  }
-  #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    if (lane == 0) { sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }
-    #pragma unroll
-    for (int d = 0; d < DPL; ++d) sm_a[warp][g][lane * DPL + d] = acc[g][d];
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {  // the block's warps, one split's part
-    const int g = i / D, d = i % D;
-    float M = -INFINITY;
-    #pragma unroll
-    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sm_m[w][g]);
-    float ls = 0.f, a = 0.f;
-    if (M != -INFINITY) {
-      #pragma unroll
-      for (int w = 0; w < WARPS; ++w) { const float e = expf(sm_m[w][g] - M); ls += sm_l[w][g] * e; a += sm_a[w][g][d] * e; }
-    }
-    const int h = j * G + g;
-    pa[((size_t)h * S + split) * D + d] = a;
-    if (d == 0) { pm[h * S + split] = M; pl[h * S + split] = ls; }
-  }
-  // the last of the S blocks of this kv head to finish adds the splits up (then resets the count)
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(const_cast<int*>(cnt) + j, 1) == S - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
-    const int g = i / D, d = i % D, h = j * G + g;
-    float M = -INFINITY;
-    for (int s = 0; s < S; ++s) M = fmaxf(M, __ldcg(pm + h * S + s));
-    float ls = 0.f, a = 0.f;
-    for (int s = 0; s < S; ++s) {
-      const float ms = __ldcg(pm + h * S + s);
-      if (ms == -INFINITY) continue;
-      const float e = expf(ms - M);
-      ls += __ldcg(pl + h * S + s) * e;
-      a += __ldcg(pa + ((size_t)h * S + s) * D + d) * e;
-    }
-    y[h * D + d] = static_cast<T>(a / ls);
-  }
-  if (threadIdx.x == 0) const_cast<int*>(cnt)[j] = 0;
-"""
+_ATTENTION = ("attention_impl<T, D, G, HKV, ROT, TRAD, NORM, CAP, CH, S, WARPS>"
+              "(qkv, qn, kn, invf, fp, pos, kc, vc, cnt, pm, pl, pa, y);")
 
+DEVICE_CODE = Path(__file__).parent / "cuda" / "fused_decode.cuh"
 _KERNELS: dict[str, Any] = {}
+_HEADER: list[str] = []  # what each kernel's header holds: an #include of DEVICE_CODE, or its text
 
 
-def _kernel(name: str, inputs: list[str], outputs: list[str], source: str, extra: str = "") -> Any:
-    """The MLX kernel object `name`, made once (its source is compiled per template on first use).
-    Sources stay short: MLX hashes a kernel's whole source at every launch."""
+def _header() -> str:
+    """`#include` DEVICE_CODE by its absolute path when MLX's NVRTC compiles that (tried once, on a
+    one-element kernel), else the file's text inline."""
+    if not _HEADER:
+        include = f'#include "{DEVICE_CODE}"\n'
+        try:
+            probe = mx.fast.cuda_kernel(name="mlxchat_include_probe", input_names=["x"], output_names=["y"],
+                                        source="y[0] = q_at(x[0], 0);", header=include)
+            got = probe(inputs=[mx.array([5], dtype=mx.uint32)], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                        output_shapes=[(1,)], output_dtypes=[mx.float32])[0]
+            ok = got.item() == 5.0
+        except Exception:  # noqa: BLE001 - NVRTC could not open it: inline the text
+            ok = False
+        _HEADER.append(include if ok else DEVICE_CODE.read_text())
+    return _HEADER[0]
+
+
+def _kernel(name: str, inputs: list[str], outputs: list[str], source: str) -> Any:
+    """The MLX kernel object `name`, made once (its source is compiled per template on first use)."""
     if name not in _KERNELS:
-        consts = f"  constexpr int WARPS = {WARPS};\n  constexpr int UNROLL = {UNROLL};\n"
-        header = _HEADER + (_MATVEC_IMPL if name.startswith("matvec") else extra)
+        consts = f"  constexpr int WARPS = {WARPS};\n"
         _KERNELS[name] = mx.fast.cuda_kernel(name=f"mlxchat_{name}", input_names=inputs,
                                              output_names=outputs, source=consts + source,
-                                             header=header)
+                                             header=_header())
     return _KERNELS[name]
 
 
@@ -423,14 +113,19 @@ def rows_per_warp(n: int) -> int:
 
 def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array | None,
            bits: int, group_size: int, epilogue: int = 0, a: mx.array | None = None,
-           norm: tuple[mx.array, mx.array] | None = None) -> mx.array:
+           norm: tuple[mx.array, float] | None = None, rows: int | None = None,
+           unroll: int = UNROLL) -> mx.array:
     """y = x @ W.T for one row x (any leading shape of size 1, last dim K), W (N, K) dense
     (`bits` 16) or (N, K * bits / 32) packed (4, 8: MLX's affine layout); `epilogue` 1 adds `a`
     (N,), 2 takes SwiGLU of W's halves (N / 2 outputs); `norm` (weight, eps): x RMS-normalised
-    first, as mx.fast.rms_norm(x, weight, eps) would. Output: x's leading shape, the outputs."""
+    first, as mx.fast.rms_norm(x, weight, eps) would. `rows` (output units per warp) and `unroll`
+    (words a lane loads before it computes) override the defaults, for the bench. Output: x's
+    leading shape, the outputs."""
     k, n = x.shape[-1], w.shape[0]
+    if rows is None and mma_wanted(bits, group_size, k, x.size // k):
+        return qmma4(x, w, scales, biases, group_size, epilogue, a, norm)
     out = n // 2 if epilogue == 2 else n
-    r = rows_per_warp(out) if epilogue != 2 else min(2, rows_per_warp(out))
+    r = rows or (rows_per_warp(out) if epilogue != 2 else min(2, rows_per_warp(out)))
     quantized = bits in (4, 8)
     xn = 2 if norm is not None else (1 if k <= MAX_STAGED else 0)
     names = ["x", "w"] + (["scales", "biases"] if quantized else []) + (["nw", "ne"] if norm else []) \
@@ -446,9 +141,81 @@ def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array |
         inputs=arrays,
         template=[("T", x.dtype), ("ST", scales.dtype if quantized else x.dtype),
                   ("BITS", bits if quantized else 16), ("GS", group_size if quantized else 8),
-                  ("K", k), ("N", n), ("R", r), ("E", epilogue), ("XN", xn)],
+                  ("K", k), ("N", n), ("R", r), ("E", epilogue), ("XN", xn), ("U", unroll)],
         grid=(-(-threads // block) * block, 1, 1), threadgroup=(block, 1, 1),
         output_shapes=[(*x.shape[:-1], out)], output_dtypes=[x.dtype])[0]
+
+
+MMA_WARPS = 8  # warps of a tensor-core product's block, splitting K
+MV_SWITCH = "MLXCHAT_CUDA_MV"
+
+
+def mma_wanted(bits: int, group_size: int, k: int, rows_of_x: int) -> bool:
+    """Whether a product takes the tensor-core kernel (4-bit, groups of 64 or 128, one row of x):
+    `MLXCHAT_CUDA_MV=mma` (the scalar kernel otherwise, until the bench picks a default)."""
+    return (os.environ.get(MV_SWITCH, "").strip().lower() == "mma" and bits == 4
+            and group_size % 64 == 0 and k % 64 == 0 and rows_of_x == 1 and k <= 16384)
+
+
+def qmma4(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+          epilogue: int = 0, a: mx.array | None = None, norm: tuple[mx.array, float] | None = None,
+          tiles_per_block: int | None = None, unroll: int = 4) -> mx.array:
+    """`matvec` for a 4-bit W on the tensor cores (see qmma4_impl in cuda/fused_decode.cuh)."""
+    k, n = x.shape[-1], w.shape[0]
+    out = n // 2 if epilogue == 2 else n
+    tiles = -(-out // (8 if epilogue == 2 else 16))
+    tpw = tiles_per_block or max(1, min(2, tiles // 512))
+    names = ["x", "w", "scales", "biases"] + (["nw", "ne"] if norm else []) + (["a"] if epilogue == 1 else [])
+    arrays = [x, w, scales, biases] + ([norm[0], mx.array([norm[1]], dtype=mx.float32)] if norm else []) \
+        + ([a] if epilogue == 1 else [])
+    kind = f"qmma4{'_add' if epilogue == 1 else ''}{'_norm' if norm else ''}"
+    body = (f"qmma4_impl<T, ST, BF16, GS, K, N, E, XN, KW, TPW, U>(x, w, scales, biases, "
+            f"{'a' if epilogue == 1 else '(const T*)nullptr'}, {'nw' if norm else '(const T*)nullptr'}, "
+            f"{'ne' if norm else '(const float*)nullptr'}, y);")
+    kernel = _kernel(kind, names, ["y"], body)
+    block = MMA_WARPS * 32
+    return kernel(
+        inputs=arrays,
+        template=[("T", x.dtype), ("ST", scales.dtype), ("BF16", x.dtype == mx.bfloat16), ("GS", group_size),
+                  ("K", k), ("N", n), ("E", epilogue), ("XN", 2 if norm else 1), ("KW", MMA_WARPS),
+                  ("TPW", tpw), ("U", unroll)],
+        grid=(-(-tiles // tpw) * block, 1, 1), threadgroup=(block, 1, 1),
+        output_shapes=[(*x.shape[:-1], out)], output_dtypes=[x.dtype])[0]
+
+
+def emulate_qmma4(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray,
+                  group_size: int) -> np.ndarray:
+    """qmma4_impl's arithmetic in numpy, fragment by fragment: which nibbles and x values each lane
+    puts in which register of which mma (PTX's m16n8k16 layout: A row g / g + 8 at k 2t, 2t + 1,
+    2t + 8, 2t + 9; B k at the same, column g), the chunk's products summed (in fp32, in an order
+    the hardware leaves open), then scaled. x (K,) float, w (N, K / 8) uint32. Returns y (N,)."""
+    x = np.asarray(x, np.float32)
+    k = x.shape[0]
+    n = w.shape[0]
+    words = np.asarray(w, np.uint32)
+    s_all, b_all = np.asarray(scales, np.float32), np.asarray(biases, np.float32)
+    y = np.zeros(n, np.float32)
+    for c in range(k // 64):
+        sx = np.float32(x[c * 64:(c + 1) * 64].sum(dtype=np.float32))
+        cc = np.zeros(n, np.float32)  # column 0 of each row's chunk product
+        for hh in range(2):
+            for h in range(2):
+                # logical k (0..15) of this mma -> nibble j of lane t's uint32 (physical k = base + j,
+                # base = 64c + 16t + 8hh): 2t -> 2h, 2t+1 -> 2h+4, 2t+8 -> 2h+1, 2t+9 -> 2h+5
+                a = np.zeros((n, 16), np.float32)
+                b = np.zeros(16, np.float32)
+                for t in range(4):
+                    base = c * 64 + 16 * t + 8 * hh
+                    word = words[:, c * 8 + 2 * t + hh]
+                    nib = lambda j: ((word >> np.uint32(4 * j)) & np.uint32(15)).astype(np.float32)  # noqa: E731
+                    for logical, j in ((2 * t, 2 * h), (2 * t + 1, 2 * h + 4), (2 * t + 8, 2 * h + 1),
+                                       (2 * t + 9, 2 * h + 5)):
+                        a[:, logical] = 128.0 + nib(j)
+                        b[logical] = x[base + j]
+                cc += (a * b[None, :]).sum(axis=1, dtype=np.float32)
+        q = c * 64 // group_size
+        y += s_all[:, q] * (cc - np.float32(128.0) * sx) + b_all[:, q] * sx
+    return y
 
 
 def splits(cap: int) -> tuple[int, int]:
@@ -472,7 +239,7 @@ def attention(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: 
     qn = layer.q_norm.weight if norm else layer.inv_freq  # unread without NORM
     kn = layer.k_norm.weight if norm else layer.inv_freq
     kernel = _kernel("attention", ["qkv", "qn", "kn", "invf", "fp", "pos", "kc", "vc", "cnt"],
-                     ["pm", "pl", "pa", "y"], _ATTENTION, _ATTENTION_HEADER)
+                     ["pm", "pl", "pa", "y"], _ATTENTION)
     out = kernel(
         inputs=[qkv, qn, kn, layer.inv_freq, layer.params, pos, keys, values, layer.counters],
         template=[("T", qkv.dtype), ("D", dim), ("G", heads // kv), ("HKV", kv), ("ROT", layer.rotated),

@@ -14,7 +14,8 @@ qwen3 classes by `StackedAttention` and each `mlp` of their MLP classes (and Qwe
 the Qwen3.5 hybrids use) by `StackedMLP`. Their forward is mlx-lm's, restated around the one
 product; every other module (norms, RoPE, o_proj, down_proj, the cache protocol) is the loaded one.
 Plain and affine-quantized linears are both stacked (quantized rows stack with their scales and
-biases). Anything else stays as loaded. On CUDA, the quantized linears qmv_cuda.mode() picks
+biases). Anything else stays as loaded. Every decoder layer evaluates a long prompt chunk before
+the next is built (`EvalEachLayer`), so a chunk's peak memory is one layer's activations. On CUDA, the quantized linears qmv_cuda.mode() picks
 then run their decode products on qmv_cuda.py's kernel, and the dense bf16/fp16 linears the
 products of the rows smallmm_cuda.mode() picks on smallmm_cuda.py's.
 """
@@ -119,6 +120,47 @@ class StackedMLP(nn.Module):
         return self.down_proj(swiglu(gate, up))
 
 
+# A prompt chunk of this many positions or more is evaluated layer by layer (see EvalEachLayer).
+EVAL_ROWS = 256
+
+
+def _cache_arrays(cache: Any) -> list[mx.array]:
+    """The arrays a layer's cache holds (keys and values, or recurrent state)."""
+    held = [getattr(cache, "keys", None), getattr(cache, "values", None), *(getattr(cache, "cache", None) or [])]
+    return [a for a in held if isinstance(a, mx.array)]
+
+
+class EvalEachLayer:
+    """Mixed into each decoder layer's class: a prompt chunk of EVAL_ROWS positions or more is
+    evaluated, with what the layer wrote into its cache, before the next layer is built. MLX's
+    CUDA backend keeps a graph's intermediates until the graph's work completes, so a chunk
+    evaluated whole held every layer's activations at once (the peak grew with the chunk and the
+    depth: ~2.8 MB a chunk token for Qwen3-8B); layer by layer, one layer's are held. A sync a
+    layer costs nothing next to a layer's prompt work (the CPU layout's MLP does the same)."""
+
+    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        out = super().__call__(x, *args, **kwargs)
+        if x.ndim == 3 and x.shape[1] >= EVAL_ROWS:
+            cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
+            mx.eval(out, *_cache_arrays(cache))
+        return out
+
+
+_EVAL_CLASSES: dict[type, type] = {}
+
+
+def eval_each_layer(model: nn.Module) -> None:
+    """Give each of `model`'s decoder layers the EvalEachLayer behaviour (in place)."""
+    inner = getattr(model, "language_model", model)
+    for layer in getattr(getattr(inner, "model", inner), "layers", None) or getattr(inner, "layers", []):
+        cls = type(layer)
+        if issubclass(cls, EvalEachLayer):
+            continue
+        if cls not in _EVAL_CLASSES:
+            _EVAL_CLASSES[cls] = type(cls.__name__, (EvalEachLayer, cls), {})
+        layer.__class__ = _EVAL_CLASSES[cls]
+
+
 def to_gpu_layout(model: nn.Module) -> nn.Module:
     """Stack the projections of every layer that takes it (in place; returns `model`). Each
     layer's stacked weights are evaluated before the next, so the unstacked ones are freed as it
@@ -137,4 +179,5 @@ def to_gpu_layout(model: nn.Module) -> nn.Module:
                 mx.eval(gate_up.parameters())
     qmv_cuda.use_qmv(model, qmv_cuda.mode())
     smallmm_cuda.use_smallmm(model, smallmm_cuda.mode())
+    eval_each_layer(model)
     return model

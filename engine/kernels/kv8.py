@@ -19,10 +19,10 @@ a row's attention is the same whatever else shares the batch. On the GPU, and on
 model run in half precision, the cache is mlx-lm's `QuantizedKVCache`, whose
 attention mlx-lm's models run themselves (at the same group size, 0.56 of an fp16 cache's bytes,
 where the device's MLX runs it; else the next larger group that it runs, `quantized_group`, or the
-full cache with a warning); the prefix cache snapshots it (caches.py's `QuantizedKVCache` kind),
-but it cannot join a decode batch.
+full cache with a warning); the prefix cache snapshots it (engine/model_cache.py's
+`QuantizedKVCache` kind), but it cannot join a decode batch.
 
-The cache's format is part of a snapshot file's identity (engine/cache/snapshot_files.py,
+The cache's format is part of a snapshot file's identity (engine/prefix_cache/snapshot_files.py,
 `kv_format`): a snapshot written under one format is refused, and recomputed, under the other.
 """
 

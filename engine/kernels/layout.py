@@ -46,7 +46,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.activations import swiglu
 
 from . import native
-from .caches import batch_kv, plain_kv
+from ..model_cache import batch_kv, plain_kv
 from .kv8 import packed_kv
 from .cpu_layout import swap_matvec
 

@@ -1,6 +1,6 @@
 """Which kind of embedding model a folder holds, read from its own files (sentence-transformers'
 `modules.json`, the Pooling module's `config.json`, `config_sentence_transformers.json`); how the
-vectors are computed from it: engine/decoding/embeddings.py."""
+vectors are computed from it: engine/decoding/pooling.py."""
 
 import json
 from dataclasses import dataclass

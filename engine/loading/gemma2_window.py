@@ -17,7 +17,8 @@ import mlx.core as mx
 from mlx_lm.models import gemma2
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
-from mlx_lm.utils import _get_classes
+
+from ..mlx_lm_adapter import model_classes as mlx_lm_classes
 
 
 @dataclass
@@ -61,4 +62,4 @@ def model_classes(config: dict[str, Any]) -> tuple[type, type]:
     """mlx-lm's `get_model_classes`: this module's Gemma 2 for gemma2, else mlx-lm's class."""
     if config.get("model_type") == "gemma2":
         return Model, ModelArgs
-    return _get_classes(config)
+    return mlx_lm_classes(config)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import DownloadCancelled, DownloadError
+from .folders import converted_folder, hub_cache_dir
 from .memory import shortfall
 
 # owner/name as the hub allows them: letters, digits, '-', '_', '.'; no '--' or '..'.
@@ -103,14 +104,6 @@ def parse_spec(text: str) -> PullSpec:
         raise DownloadError(f"{file!r} is not a GGUF file name in the repository: write "
                             "owner/name:FILE.gguf")
     return PullSpec(repo, file or None)
-
-
-def hub_cache_dir() -> Path:
-    """huggingface_hub's standard cache, as its environment variables choose it."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "huggingface"
-    return Path(home).expanduser() / "hub"
 
 
 def _endpoint() -> str | None:
@@ -384,31 +377,17 @@ def remove(name: str) -> list[Path]:
     """Delete a downloaded model (`owner/name` or `owner/name:FILE.gguf`) from the hub cache, with
     its converted copy; returns what was deleted. Only models in the hub cache can be removed, and
     only files inside it: a link pointing out of the cache is deleted, never its target."""
-    from .registry import converted_folder
-
     spec = parse_spec(name)
     repo = _repo_dir(spec.repo)
     if not repo.is_dir():
         raise DownloadError(f"{name} is not a downloaded model")
-    removed: list[Path] = []
     links = [link for link in (repo / "snapshots").glob(f"*/{spec.file}")] if spec.file else \
         [link for link in (repo / "snapshots").rglob("*.gguf")]
-    for link in links:
-        if link.exists():
-            folder = converted_folder(link)
-            if folder.exists():
-                shutil.rmtree(folder)
-                removed.append(folder)
+    if spec.file and not links:
+        raise DownloadError(f"{name} is not a downloaded model")
+    removed = _remove_converted(links)
     if spec.file:
-        if not links:
-            raise DownloadError(f"{name} is not a downloaded model")
-        blobs = (repo / "blobs").resolve()
-        for link in links:
-            blob = link.resolve()
-            link.unlink()
-            if blob.is_relative_to(blobs):  # a link out of the cache: its target is not ours
-                blob.unlink(missing_ok=True)
-            removed.append(link)
+        removed += _remove_links(repo, links)
         if any(p.is_file() for p in (repo / "snapshots").rglob("*")):
             return removed
     if repo.is_symlink():  # the repository folder itself links elsewhere: drop only the link
@@ -417,3 +396,25 @@ def remove(name: str) -> list[Path]:
         shutil.rmtree(repo)  # removes links inside, never what they point at
     removed.append(repo)
     return removed
+
+
+def _remove_converted(ggufs: list[Path]) -> list[Path]:
+    """Delete the mlx-lm folders converted from these GGUF files; returns those deleted."""
+    removed = []
+    for gguf in ggufs:
+        folder = converted_folder(gguf) if gguf.exists() else None
+        if folder is not None and folder.exists():
+            shutil.rmtree(folder)
+            removed.append(folder)
+    return removed
+
+
+def _remove_links(repo: Path, links: list[Path]) -> list[Path]:
+    """Delete snapshot links and the blobs they point at inside the repository's cache."""
+    blobs = (repo / "blobs").resolve()
+    for link in links:
+        blob = link.resolve()
+        link.unlink()
+        if blob.is_relative_to(blobs):  # a link out of the cache: its target is not ours
+            blob.unlink(missing_ok=True)
+    return list(links)

@@ -17,12 +17,11 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import bundled
 from ..errors import ModelLoadError
-from .gguf import convert_gguf
-from .hub import hub_cache_dir
+from .folders import gguf_to_folder, hub_cache_dir
 from .memory import shortfall, weight_files_bytes
 from .vision import is_vision_folder
-from ..kernels.caches import LOCAL, CacheOps
-from ..kernels.fastest import fastest_layout
+from ..model_cache import LOCAL, CacheOps
+from ..kernels.fastest import AS_LOADED, fastest_layout
 from ..kernels.gated_delta import use_chunked_prefill
 from ..kernels.kv8 import kv_bits, use_kv_bits
 from ..paths import cache_dir
@@ -49,7 +48,7 @@ CAPABILITIES = ("completion", "insert", "tools", "thinking", "vision", "embeddin
 
 def capabilities(lm: "LoadedModel") -> tuple[str, ...]:
     """The model's CAPABILITIES: a dedicated embedding model (sentence-transformers pooling,
-    engine/decoding/embeddings.py) only embeds, and reranks by cosine similarity; an LLM
+    engine/decoding/pooling.py) only embeds, and reranks by cosine similarity; an LLM
     reranker (engine/loading/rerank_recipe.py) only reranks; every other model completes and
     embeds (mean pooling of its last hidden state); insert when its files declare FIM tokens
     (engine/loading/fim_tokens.py); tools when its tokenizer knows its family's tool-call
@@ -89,6 +88,7 @@ class LoadedModel:
     path: Path
     extras: dict[str, Any] = field(default_factory=dict)
     caches: CacheOps = LOCAL  # how the engine copies, restores and batches its caches
+    compute: str = AS_LOADED  # the compute path `load_model` gave it (engine/kernels/fastest.py)
 
     @functools.cached_property
     def weights_digest(self) -> str:
@@ -172,19 +172,9 @@ def list_models() -> list[ModelInfo]:
     return models + _hf_cache_models()
 
 
-def converted_folder(gguf: Path) -> Path:
-    """Each GGUF converts once into the cache, keyed by its path, size and mtime."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir() / "converted" / f"{gguf.stem}-{key}"
-
-
-def gguf_to_folder(gguf: Path) -> Path:
-    folder = converted_folder(gguf)
-    if not (folder / "config.json").exists():
-        log.info("converting %s to an mlx-lm folder at %s", gguf, folder)
-        convert_gguf(gguf, folder)
-    return folder
+def known_vision_models() -> list[str]:
+    """The names of the local models that are vision models (engine/loading/vision.py)."""
+    return [m.name for m in list_models() if m.vision]
 
 
 def _starts_with_gguf_magic(path: Path) -> bool:
@@ -210,29 +200,31 @@ def resolve(name: str | None) -> tuple[str, Path]:
     if name in (None, "", DEFAULT_MODEL, "default"):
         return DEFAULT_MODEL, gguf_to_folder(bundled.ensure_bundled_gguf())
     local = _local_path(name)
-    if ":" in name and local is None:  # a downloaded GGUF, owner/name:FILE
-        for info in _hf_cache_models():
-            if info.name == name:
-                return info.name, gguf_to_folder(Path(info.path))
-    if local is not None and local.is_file():  # a GGUF file, by its name or by its magic
-        if local.suffix == ".gguf" or _starts_with_gguf_magic(local):
-            return local.stem, gguf_to_folder(local)
-        raise ModelLoadError(f"{local} is not a model: give a GGUF file or an mlx-lm model folder "
-                             "(one with config.json)")
-    if local is None and name.endswith(".gguf"):
+    if local is not None:
+        return _local(local)
+    cached = next((info for info in _hf_cache_models() if info.name == name), None)
+    if cached is not None:  # owner/name (a folder), or owner/name:FILE.gguf (converted once)
+        found = Path(cached.path)
+        return cached.name, gguf_to_folder(found) if found.is_file() else found
+    if name.endswith(".gguf"):
         raise ModelLoadError(f"GGUF file not found: {name[:300]}")
-    if local is not None and local.is_dir():
-        if not (local / "config.json").exists():
-            raise ModelLoadError(f"{local} is not an mlx-lm model folder (no config.json)")
-        return local.name, local
-    for info in _hf_cache_models():
-        if info.name == name:
-            return info.name, Path(info.path)
     known = ", ".join(m.name for m in list_models())
     shown = name if len(name) <= 300 else name[:300] + "…"
     raise ModelLoadError(f"unknown model {shown!r}: not a file or folder, not in the local cache "
                          f"(available: {known}); `mlxchat pull {shown}` downloads a hub model",
                          code="model_not_found")
+
+
+def _local(path: Path) -> tuple[str, Path]:
+    """A GGUF file (by its name or, under another name, by its magic) or an mlx-lm folder."""
+    if path.is_file():
+        if path.suffix == ".gguf" or _starts_with_gguf_magic(path):
+            return path.stem, gguf_to_folder(path)
+        raise ModelLoadError(f"{path} is not a model: give a GGUF file or an mlx-lm model folder "
+                             "(one with config.json)")
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"{path} is not an mlx-lm model folder (no config.json)")
+    return path.name, path
 
 
 Transform = Callable[[nn.Module], nn.Module]
@@ -285,14 +277,16 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
         model.shard(group)
     if transform is not None:  # first: the layout below takes the layers the transform leaves
         model = transform(model)
+    compute = AS_LOADED
     if group is None:
-        model = fastest_layout(model, config, int8_activations=int8_activations)
+        model, compute = fastest_layout(model, config, int8_activations=int8_activations)
         use_kv_bits(model, config, _kv_bits())  # the 8-bit KV cache where asked for
     use_chunked_prefill(model)  # Qwen3.5 / Qwen3-Next: chunked linear-attention prefill
     # Materialise the weights here: lazy arrays belong to this thread's MLX stream, and the
     # scheduler thread that runs the model cannot evaluate them.
     mx.eval(model.parameters())
-    return LoadedModel(name=display, model=model, tokenizer=tokenizer, config=config, path=folder)
+    return LoadedModel(name=display, model=model, tokenizer=tokenizer, config=config, path=folder,
+                       compute=compute)
 
 
 def _load_vision_model(display: str, folder: Path,

@@ -41,13 +41,6 @@ def is_vision_folder(folder: Path) -> bool:
     return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
 
 
-def known_vision_models() -> list[str]:
-    """The names of the local models (engine/loading/registry.py) that are vision models."""
-    from .registry import list_models
-
-    return [m.name for m in list_models() if m.vision]
-
-
 def available() -> bool:
     """Whether mlx-vlm is installed (the `mlxchat[vision]` extra)."""
     import importlib.util

@@ -22,7 +22,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..events import Event
-from ..kernels.caches import CacheOps
+from ..model_cache import CacheOps
 from ..decoding.generate import Generation, PrefixStore
 from ..decoding.mixed import cache_fits, mixed_call, supports as supports_mixed
 from ..decoding.sampling import sample_rows

@@ -1,5 +1,5 @@
 """A submitted request as its caller holds it: its state, timestamps and events, readable from any
-thread or event loop while the scheduler thread (engine/scheduling/service.py) moves it on.
+thread or event loop while the scheduler thread (engine/scheduling/ticks.py) moves it on.
 """
 
 import asyncio

@@ -1,7 +1,7 @@
 """Rerank requests: a query and documents scored by a model's `rerank` method (engine/loading/
-rerank_recipe.py), queued and run on the embedding queue (engine/scheduling/embeddings.py), so a
-reranker loads, counts in the memory budget and unloads like a dedicated embedding model, and its
-chunks run between scheduler ticks beside chat.
+rerank_recipe.py), queued and run on the embedding queue (engine/scheduling/embedding_queue.py),
+so a reranker loads, counts in the memory budget and unloads like a dedicated embedding model,
+and its chunks run between scheduler ticks beside chat.
 
     ranking = engine.rerank("what is MLX?", ["MLX is ...", "Paris is ..."]).result()
     ranking.scores   # one per document, in document order
@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from ..decoding.rerank import cosine_scores, yes_no_scores
 from ..errors import EngineError, InvalidRequest
 from ..loading.rerank_recipe import RerankRecipe, rerank_recipe
-from .embeddings import MAX_INPUTS, EmbeddingHandle, Embeddings
+from .embedding_queue import MAX_INPUTS, EmbeddingHandle, Embeddings
 
 if TYPE_CHECKING:
-    from .embeddings import EmbeddingQueue, _Model
+    from .embedding_queue import EmbeddingQueue, _Model
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def submit_rerank(queue: "EmbeddingQueue", query: Any, documents: Any, *, model:
     """Validate and queue; raises InvalidRequest (with `field`) or Overloaded at once.
     `truncate`: cut a document that does not fit the model's context (as Cohere and Jina do)
     instead of refusing it."""
-    target = queue._target(model, reranker=True)
+    target = queue.target(model, reranker=True)
     recipe = rerank_recipe(target.folder)
     if recipe is None:
         raise InvalidRequest(f"{target.name} cannot rerank: name a reranker (such as "
@@ -73,8 +73,8 @@ def submit_rerank(queue: "EmbeddingQueue", query: Any, documents: Any, *, model:
                              code="invalid_type")
     if recipe.method == "yes_no":
         return _yes_no(queue, target, recipe, query, documents, instruction, truncate, keep_alive)
-    rows = queue._tokenize(target, [query], truncate, True, field="query") + \
-        queue._tokenize(target, list(documents), truncate, False, field="documents")
+    rows = queue.tokenize(target, [query], truncate, True, field="query") + \
+        queue.tokenize(target, list(documents), truncate, False, field="documents")
 
     def finish(result: Embeddings) -> Ranking:
         scores = cosine_scores(result.vectors)

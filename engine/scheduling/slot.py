@@ -139,7 +139,7 @@ class ModelSlot:
         """The decode batch and prefix cache of the model whose weights are in `self.lm`."""
         self.batch = DecodeBatch(self.lm.model, self.lm.caches)
         if self.use_prefix_cache:
-            from ..cache.prefix_cache import PrefixCache, default_persist_dir
+            from ..prefix_cache.store import PrefixCache, default_persist_dir
 
             persist_dir = default_persist_dir() if self.persist_prefix_cache else None
             self.prefix_cache = PrefixCache(self.lm, persist_dir=persist_dir,
@@ -188,7 +188,7 @@ class ModelSlot:
         log.info("reloading %s", self.lm.name)
         fresh = self._load(self._loaded_name, fallback_to_default=False,
                            int8_activations=self.int8_activations)
-        self.lm.model, self.lm.caches = fresh.model, fresh.caches
+        self.lm.model, self.lm.caches, self.lm.compute = fresh.model, fresh.caches, fresh.compute
         del fresh
         self._make_resident_parts()
         return True

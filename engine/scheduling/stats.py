@@ -120,7 +120,7 @@ class MemoryUse:
 
 @dataclass(frozen=True)
 class PrefixCacheUse:
-    """The loaded model's prefix cache (engine/cache/prefix_cache.py CacheStats, by name)."""
+    """The loaded model's prefix cache (engine/prefix_cache/store.py CacheStats, by name)."""
 
     model: str
     entries: int

@@ -41,7 +41,7 @@ import mlx_lm
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..kernels.caches import KV_KINDS, Layer, held_layers
+from ..model_cache import KV_KINDS, Layer, held_layers
 from ..kernels import cache_variant
 from ..loading.registry import LoadedModel
 
@@ -73,17 +73,10 @@ class Header:
 
 def identity(lm: LoadedModel) -> dict[str, str]:
     """Everything a cache's contents depend on besides the tokens."""
-    from ..kernels.cpu_layout import MatvecEmbedding, MatvecLinear
-    from ..kernels.gpu_layout import StackedAttention, StackedMLP
-
     model: nn.Module = lm.model
-    modules = model.modules()
-    compute = ("cpu-layout" if any(isinstance(m, (MatvecLinear, MatvecEmbedding)) for m in modules) else
-               "gpu-layout" if any(isinstance(m, (StackedAttention, StackedMLP)) for m in modules)
-               else "as-loaded")
     return {
         "weights_sha256": lm.weights_digest,
-        "compute": compute,
+        "compute": lm.compute,  # as load_model recorded it (engine/kernels/fastest.py)
         "weight_dtypes": ",".join(sorted({str(p.dtype) for _, p in tree_flatten(model.parameters())})),
         "device": str(mx.default_device()),
         "rank": os.environ.get("MLX_RANK", "0"),

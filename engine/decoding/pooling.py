@@ -23,12 +23,13 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..loading.embedding_recipe import EmbeddingRecipe
+from ..mlx_lm_adapter import text_model
 
 def backbone(model: nn.Module) -> nn.Module:
     """The module that maps token ids to the last hidden state (after the final norm), without
     the language-model head: `model.model` for llama/qwen3-style mlx-lm models, inside
     `language_model` for the multimodal wrappers."""
-    inner = getattr(model, "language_model", model)
+    inner = text_model(model)
     found = getattr(inner, "model", None)
     if found is None:
         raise TypeError(f"{type(model).__name__} has no inner `model` giving hidden states")

@@ -2,15 +2,15 @@
 
 `Engine.embed` (service.py) hands a request to `EmbeddingQueue.submit`, which validates it at
 once in the caller's thread (InvalidRequest for bad input, Overloaded past MAX_PENDING requests)
-and queues it. The scheduler thread then runs one chunk (at most CHUNK_TOKENS padded tokens, one
-model call) between two of its ticks, so a running chat stream waits at most one chunk for its
-next token; requests run in arrival order.
+and queues it. The scheduler thread (ticks.py, `Scheduler.soon`) then runs one chunk (at most
+CHUNK_TOKENS padded tokens, one model call) between two of its ticks, so a running chat stream
+waits at most one chunk for its next token; requests run in arrival order.
 
-The model: the loaded chat model (mean pooling, engine/decoding/embeddings.py) when the request
+The model: the loaded chat model (mean pooling, engine/decoding/pooling.py) when the request
 names it or no model, or a dedicated embedding model (Qwen3-Embedding) named by the request. A
 dedicated model loads on a loader thread when the queue reaches its first request, its weight
-files count in the engine's one memory budget while it is loaded (at most one at a time), and it
-is unloaded after its keep-alive like a chat model.
+files are reserved in the engine's one memory budget (budget.py) while it is loaded (at most one
+at a time), and it is unloaded after its keep-alive like a chat model.
 
 Reranking (engine/scheduling/rerank.py) runs through this same queue: its rows are (query,
 document) prompts scored by an LLM reranker, or the query and documents embedded for cosine
@@ -26,20 +26,19 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 import numpy as np
 
-from ..decoding.embeddings import embed_batch
+from ..decoding.pooling import embed_batch
 from ..loading.embedding_recipe import EmbeddingRecipe, embedding_recipe
 from ..loading.rerank_recipe import rerank_recipe
 from ..errors import EngineError, InvalidRequest, ModelLoadError, Overloaded
 from ..loading.memory import weight_files_bytes
 from ..loading.registry import LoadedModel, context_length, load_model, resolve
+from .budget import MemoryBudget
 from .keep_alive import keep_alive_seconds
-
-if TYPE_CHECKING:
-    from .service import Engine
+from .ticks import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +115,13 @@ def _text_config(config: dict) -> dict:
 class EmbeddingQueue:
     """The engine's embedding requests and dedicated embedding models (see the module's doc)."""
 
-    def __init__(self, engine: "Engine"):
-        self._engine = engine
+    def __init__(self, scheduler: Scheduler, budget: MemoryBudget, keep_alive: float | None):
+        """Chunks run on `scheduler`'s thread, on the chat model of its slot or on a dedicated
+        model whose weights `budget` holds; `keep_alive`: the default for requests that give none
+        (seconds; None: no unload)."""
+        self._scheduler = scheduler
+        self._budget = budget
+        self._keep_alive = keep_alive
         self._lock = threading.Lock()
         self._jobs: deque[_Job] = deque()
         self._dedicated: dict[Path, _Model] = {}  # by folder, once named by a request
@@ -135,8 +139,8 @@ class EmbeddingQueue:
         `inputs`: a string, token ids, or a list of either. `truncate`: cut inputs longer than
         the model's context instead of refusing them. `query`: prefix the model's query prompt
         (a dedicated model's search-query instruction), else its document prompt."""
-        target = self._target(model)
-        rows = self._tokenize(target, inputs, truncate, query)
+        target = self.target(model)
+        rows = self.tokenize(target, inputs, truncate, query)
         if dimensions is not None:
             if isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1:
                 raise InvalidRequest("dimensions must be a positive integer", field="dimensions",
@@ -156,10 +160,10 @@ class EmbeddingQueue:
               run: Callable[[Any, list[list[int]]], Any] | None = None) -> EmbeddingHandle:
         """Queue validated token rows for `target` (`run`: the model call of each chunk, None to
         embed); raises Overloaded past MAX_PENDING requests."""
-        keep = keep_alive_seconds(keep_alive, self._engine.keep_alive)
+        keep = keep_alive_seconds(keep_alive, self._keep_alive)
         with self._lock:
-            if self._engine.halted is not None:
-                raise EngineError(self._engine.halted)
+            if self._scheduler.halted is not None:
+                raise EngineError(self._scheduler.halted)
             if len(self._jobs) >= MAX_PENDING:
                 raise Overloaded(f"server busy: {len(self._jobs)} embedding requests queued "
                                  f"(limit {MAX_PENDING})", retry_after=1.0)
@@ -187,11 +191,10 @@ class EmbeddingQueue:
         with self._lock:
             return len(self._jobs)
 
-    def _target(self, name: str | None, reranker: bool = False) -> _Model:
+    def target(self, name: str | None, reranker: bool = False) -> _Model:
         """The model a request names (the loaded chat model by default); `reranker`: an LLM
         reranker's folder is also a dedicated model (engine/loading/rerank_recipe.py)."""
-        engine = self._engine
-        lm = engine.lm
+        lm = self._scheduler.slot.lm
         if lm is not None and name in (None, "", "default", lm.name):
             return self._chat_model(lm)
         if name in (None, "", "default"):
@@ -207,9 +210,10 @@ class EmbeddingQueue:
             return known
         recipe = embedding_recipe(folder)
         if not recipe.dedicated and not (reranker and rerank_recipe(folder) is not None):
+            chat = lm.name if lm else None
             raise InvalidRequest(f"{display} is not an embedding model (it has no "
                                  f"sentence-transformers pooling); name an embedding model or the "
-                                 f"loaded chat model {engine.model_name!r}, which embeds by mean "
+                                 f"loaded chat model {chat!r}, which embeds by mean "
                                  f"pooling", field="model", code="model_not_embedding")
         from mlx_lm.utils import load_tokenizer
 
@@ -227,50 +231,14 @@ class EmbeddingQueue:
         return _Model(lm.name, lm.path, embedding_recipe(lm.path), lm.tokenizer,
                       int(text["vocab_size"]), lm.context_length, int(text["hidden_size"]), chat=lm)
 
-    def _tokenize(self, target: _Model, inputs: Any, truncate: bool, query: bool,
-                  field: str = "input") -> list[list[int]]:
-        if isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and inputs
-                                       and all(_is_id(t) for t in inputs)):
-            items = [inputs]
-        elif isinstance(inputs, (list, tuple)):
-            items = list(inputs)
-        else:
-            raise InvalidRequest(f"{field} must be a string, a list of strings, token ids or a "
-                                 "list of token-id lists", field=field, code="invalid_type")
-        if not items:
-            raise InvalidRequest(f"{field} is empty: give at least one text", field=field,
-                                 code="empty_input")
-        if len(items) > MAX_INPUTS:
-            raise InvalidRequest(f"{len(items)} inputs in one request; the maximum is {MAX_INPUTS}",
-                                 field=field, code="too_many_inputs")
+    def tokenize(self, target: _Model, inputs: Any, truncate: bool, query: bool,
+                 field: str = "input") -> list[list[int]]:
+        """The token rows of a request's inputs on `target` (`query`: with its query prompt);
+        raises InvalidRequest naming `field` (and the input's index in it)."""
+        items = _items(inputs, field)
         prompt = target.recipe.prompt(query)
-        rows = []
-        for i, item in enumerate(items):
-            where = field if len(items) == 1 else f"{field}[{i}]"
-            if isinstance(item, str):
-                if not item:
-                    raise InvalidRequest(f"{where} is an empty string", field=field,
-                                         code="empty_input")
-                ids = list(target.tokenizer.encode(prompt + item))
-            elif isinstance(item, (list, tuple)) and item and all(_is_id(t) for t in item):
-                ids = list(item)
-                bad = next((t for t in ids if not 0 <= t < target.vocab_size), None)
-                if bad is not None:
-                    raise InvalidRequest(f"{where} has token id {bad}, outside {target.name}'s "
-                                         f"vocabulary of {target.vocab_size}", field=field,
-                                         code="invalid_token")
-            else:
-                raise InvalidRequest(f"{where} must be a non-empty string or a non-empty list of "
-                                     f"token ids", field=field, code="invalid_type")
-            if len(ids) > target.context_length:
-                if not truncate:
-                    raise InvalidRequest(f"{where} is {len(ids)} tokens, over {target.name}'s "
-                                         f"context of {target.context_length}; shorten it or ask "
-                                         f"for truncation", field=field,
-                                         code="context_length_exceeded")
-                ids = ids[:target.context_length]
-            rows.append(ids)
-        return rows
+        return [_row(target, item, field if len(items) == 1 else f"{field}[{i}]", field, prompt,
+                     truncate) for i, item in enumerate(items)]
 
     def _kick(self) -> None:
         """Have the scheduler thread run the next chunk between two ticks (once posted)."""
@@ -278,7 +246,7 @@ class EmbeddingQueue:
             if self._posted or not self._jobs:
                 return
             self._posted = True
-        self._engine._later(self._run_chunk)
+        self._scheduler.soon(self._run_chunk)
 
     # -- the scheduler thread -------------------------------------------------------------------
     def _run_chunk(self) -> None:
@@ -317,15 +285,14 @@ class EmbeddingQueue:
             self._jobs.remove(job)
         target = job.model
         if target.chat is not None:
-            with self._engine._lock:
-                self._engine.slot.touch(job.keep_alive)
+            self._scheduler.touch(job.keep_alive)
         else:
             target.idle_since, target.keep_alive = time.monotonic(), job.keep_alive
             if job.keep_alive is not None:
                 if self._timer is not None:
                     self._timer.cancel()
                 self._timer = threading.Timer(job.keep_alive + 0.05,
-                                              lambda: self._engine._later(self._expire))
+                                              lambda: self._scheduler.soon(self._expire))
                 self._timer.daemon = True
                 self._timer.start()
         if failure is not None:
@@ -337,26 +304,19 @@ class EmbeddingQueue:
 
     def _resident(self, target: _Model) -> Any:
         """The module to run `target` on now, or None while its weights load."""
-        engine = self._engine
         if target.chat is not None:
-            if engine.lm is not target.chat:
+            slot = self._scheduler.slot
+            if slot.lm is not target.chat:
                 raise Overloaded(f"switching models: {target.name} was replaced", retry_after=5.0)
-            engine._ensure_resident()
-            return engine.lm.model
+            self._scheduler.ensure_resident()
+            return slot.lm.model
         if target.loaded is not None:
             return target.loaded.model
         if self._loading is None:
             for other in list(self._dedicated.values()):  # one dedicated model at a time
                 if other.loaded is not None:
                     self._unload(other)
-            need = target.weight_bytes
-            with engine._lock:
-                if engine._reserved + need > engine.memory_budget:
-                    raise Overloaded(f"server busy: loading {target.name} needs {need >> 20} MiB "
-                                     f"of the memory budget, {engine._reserved >> 20} of "
-                                     f"{engine.memory_budget >> 20} MiB are in use",
-                                     retry_after=2.0)
-                engine._reserved += need
+            self._budget.reserve(target.weight_bytes, f"loading {target.name}")
             self._loading = target
             self._loader.submit(self._load, target)
         return None
@@ -367,13 +327,12 @@ class EmbeddingQueue:
             loaded: LoadedModel | Exception = load_model(str(target.folder))
         except Exception as exc:  # every request waiting for it fails
             loaded = exc
-        self._engine._later(lambda: self._loaded(target, loaded))
+        self._scheduler.soon(lambda: self._loaded(target, loaded))
 
     def _loaded(self, target: _Model, loaded: "LoadedModel | Exception") -> None:
         self._loading = None
         if isinstance(loaded, Exception):
-            with self._engine._lock:
-                self._engine._reserved -= target.weight_bytes
+            self._budget.release(target.weight_bytes)
             failure = loaded if isinstance(loaded, EngineError) else ModelLoadError(
                 f"cannot load {target.name}: {loaded}")
             with self._lock:
@@ -399,8 +358,7 @@ class EmbeddingQueue:
     def _unload(self, target: _Model) -> None:
         log.info("unloading embedding model %s", target.name)
         target.loaded = None
-        with self._engine._lock:
-            self._engine._reserved -= target.weight_bytes
+        self._budget.release(target.weight_bytes)
         import gc
 
         import mlx.core as mx
@@ -416,6 +374,55 @@ class EmbeddingQueue:
     def resident_models(self) -> list[str]:
         """The dedicated embedding models whose weights are loaded now."""
         return [t.name for t in list(self._dedicated.values()) if t.loaded is not None]
+
+
+def _items(inputs: Any, field: str) -> list[EmbeddingInput]:
+    """A request's `field` (its input) as its list of inputs (a string or token ids alone is
+    one)."""
+    if isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and inputs
+                                   and all(_is_id(t) for t in inputs)):
+        items = [inputs]
+    elif isinstance(inputs, (list, tuple)):
+        items = list(inputs)
+    else:
+        raise InvalidRequest(f"{field} must be a string, a list of strings, token ids or a "
+                             "list of token-id lists", field=field, code="invalid_type")
+    if not items:
+        raise InvalidRequest(f"{field} is empty: give at least one text", field=field,
+                             code="empty_input")
+    if len(items) > MAX_INPUTS:
+        raise InvalidRequest(f"{len(items)} inputs in one request; the maximum is {MAX_INPUTS}",
+                             field=field, code="too_many_inputs")
+    return items
+
+
+def _row(target: _Model, item: Any, where: str, field: str, prompt: str, truncate: bool
+         ) -> list[int]:
+    """One input's token ids on `target` (`where` names it in a refusal of `field`): a text with
+    the model's `prompt` before it, or token ids within its vocabulary; cut to its context if
+    `truncate`."""
+    if isinstance(item, str):
+        if not item:
+            raise InvalidRequest(f"{where} is an empty string", field=field, code="empty_input")
+        ids = list(target.tokenizer.encode(prompt + item))
+    elif isinstance(item, (list, tuple)) and item and all(_is_id(t) for t in item):
+        ids = list(item)
+        bad = next((t for t in ids if not 0 <= t < target.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"{where} has token id {bad}, outside {target.name}'s "
+                                 f"vocabulary of {target.vocab_size}", field=field,
+                                 code="invalid_token")
+    else:
+        raise InvalidRequest(f"{where} must be a non-empty string or a non-empty list of "
+                             f"token ids", field=field, code="invalid_type")
+    if len(ids) > target.context_length:
+        if not truncate:
+            raise InvalidRequest(f"{where} is {len(ids)} tokens, over {target.name}'s "
+                                 f"context of {target.context_length}; shorten it or ask "
+                                 f"for truncation", field=field,
+                                 code="context_length_exceeded")
+        ids = ids[:target.context_length]
+    return ids
 
 
 def next_chunk(rows: Sequence[Sequence[int]], order: Sequence[int]) -> list[int]:

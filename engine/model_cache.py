@@ -1,7 +1,7 @@
 """One protocol for what the engine does with a model's cache (a list of mlx-lm layer caches, one per
 layer), and its implementation over mlx-lm's caches on one process.
 
-`CacheOps` is everything the prefix cache (engine/cache/prefix_cache.py), the decode batch
+`CacheOps` is everything the prefix cache (engine/prefix_cache/store.py), the decode batch
 (engine/scheduling/batch.py) and speculative decoding ask of a cache: compact snapshot copies and
 restores from them, the batch edits (merge, extend, extract, filter), whether it can be trimmed,
 and its size. A model's `LoadedModel.caches` says which implementation serves it: `LOCAL` here, or
@@ -9,16 +9,16 @@ a sharded model's mirrored one (engine/distributed/sharded.py), which makes ever
 rank. A new kind of cache is a new `LayerKind` or a new `CacheOps`, never a type switch at the
 callers (the 8-bit KV cache, kv8.py, is the `KV8` kind).
 
-This is the one module that touches mlx-lm's private helpers (`_merge_caches`).
+mlx-lm's batch caches are merged by its own helper (engine/mlx_lm_adapter.py `merge_caches`).
 """
 
 from typing import Any, Iterator, Protocol, Sequence
 
 import mlx.core as mx
-from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, QuantizedKVCache
 
-from .kv8 import BITS, GROUP_SIZE, BatchKV8Cache, KV8Cache
+from .kernels.kv8 import BITS, GROUP_SIZE, BatchKV8Cache, KV8Cache
+from .mlx_lm_adapter import merge_caches
 
 Cache = list[Any]  # one mlx-lm cache object per layer
 # one layer's arrays as a snapshot file stores them: its kind's name and the arrays
@@ -281,7 +281,7 @@ class LocalCaches:
         return [KINDS[type(c)].restore(c, length) for c in snapshot]
 
     def merge(self, caches: Sequence[Sequence[Any]]) -> Cache:
-        return _merge_caches(list(caches))
+        return merge_caches(caches)
 
     def extend(self, batch: Cache, rows: Cache) -> None:
         for batch_layer, row_layer in zip(batch, rows):

@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator, Sequence
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..device import memory_budget
-from ..kernels.caches import CacheOps, cache_length, from_layers, snapshot_layers
+from ..model_cache import CacheOps, cache_length, from_layers, snapshot_layers
 from ..kernels import cache_variant
 from ..paths import cache_dir
 from ..loading.registry import LoadedModel

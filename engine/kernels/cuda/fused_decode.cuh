@@ -1,0 +1,509 @@
+// Device functions of mlxchat's fused one-token decode kernels (engine/kernels/fused_cuda.py):
+// included by absolute path into each kernel MLX compiles at run time (NVRTC), so that the
+// kernel's own source, which MLX hashes at every launch, stays a few hundred bytes.
+#pragma once
+
+template <typename T> __device__ __forceinline__ float2 pair_f(uint32_t u);
+template <> __device__ __forceinline__ float2 pair_f<__nv_bfloat16>(uint32_t u) {
+  return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+}
+template <> __device__ __forceinline__ float2 pair_f<__half>(uint32_t u) {
+  return __half22float2(*reinterpret_cast<__half2*>(&u));
+}
+template <typename T, int N>
+__device__ __forceinline__ void load_f(const T* p, float* out) {
+  // N (a multiple of 8) consecutive 16-bit values as floats, through 128-bit loads
+  #pragma unroll
+  for (int i = 0; i < N / 8; ++i) {
+    const uint4 u = reinterpret_cast<const uint4*>(p)[i];
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) { const float2 f = pair_f<T>(w[j]); out[8 * i + 2 * j] = f.x; out[8 * i + 2 * j + 1] = f.y; }
+  }
+}
+__device__ __forceinline__ float q_at(uint32_t bytes, int b) {
+  // byte b of `bytes` (0..255) as a float, exactly: 2^23 + byte, less 2^23
+  return __uint_as_float(__byte_perm(bytes, 0x4B000000u, 0x7540 + b)) - 8388608.0f;
+}
+template <int BITS, typename T>
+__device__ __forceinline__ float dot_word(const uint4 w, const float* x) {
+  // one 128-bit word of a row (128 / BITS weights) against its x values, fp32
+  const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+  float s[4] = {0.f, 0.f, 0.f, 0.f};
+  #pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (BITS == 4) {
+      const uint32_t lo = ws[i] & 0x0f0f0f0fu, hi = (ws[i] >> 4) & 0x0f0f0f0fu;
+      #pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        s[i] = fmaf(q_at(lo, b), x[8 * i + 2 * b], s[i]);
+        s[i] = fmaf(q_at(hi, b), x[8 * i + 2 * b + 1], s[i]);
+      }
+    } else if constexpr (BITS == 8) {
+      #pragma unroll
+      for (int b = 0; b < 4; ++b) s[i] = fmaf(q_at(ws[i], b), x[4 * i + b], s[i]);
+    } else {  // 16: the word holds 8 values of T
+      const float2 f = pair_f<T>(ws[i]);
+      s[i] = fmaf(f.x, x[2 * i], s[i]);
+      s[i] = fmaf(f.y, x[2 * i + 1], s[i]);
+    }
+  }
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+template <typename T, int K, int XN>
+__device__ __forceinline__ void stage_x(const T* x, const T* nw, const float* ne, float* xsh) {
+  // x (K values) into shared memory as floats, the whole block; XN 2: RMS-normalised as MLX's
+  // rms_norm rounds it: T(w * T(x * rsqrt(mean(x^2) + eps)))
+  constexpr int PER = (K + 127) / 128;
+  __shared__ float red[32];
+  float v[PER], ss = 0.f;
+  #pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int k = threadIdx.x + 128 * i;
+    v[i] = k < K ? static_cast<float>(x[k]) : 0.f;
+    ss += v[i] * v[i];
+  }
+  float rn = 1.f;
+  if constexpr (XN == 2) {
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    ss = 0.f;
+    #pragma unroll
+    for (int w = 0; w < 4; ++w) ss += red[w];
+    rn = rsqrtf(ss / K + ne[0]);
+  }
+  #pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int k = threadIdx.x + 128 * i;
+    if (k < K) xsh[k] = XN == 2 ? static_cast<float>(nw[k] * static_cast<T>(v[i] * rn)) : v[i];
+  }
+  __syncthreads();
+}
+
+template <typename T, typename ST, int BITS, int GS, int K, int N, int R, int E, int XN, int UNROLL>
+__device__ __forceinline__ void matvec_impl(const T* x, const uint32_t* w, const ST* scales,
+                                            const ST* biases, const T* a, const T* nw,
+                                            const float* ne, T* y) {
+  // BITS 4/8: W packed (MLX's affine layout, `scales`/`biases` per group of GS); 16: W dense of
+  // T. R output units per warp; E 0: y = Wx; 1: y = Wx + a; 2: y = swiglu(W[:N/2] x, W[N/2:] x).
+  // XN 0: x read from global memory; 1: staged in shared memory; 2: staged and RMS-normalised
+  // with the weight `nw` and eps `ne[0]` (the norm before the product, fused).
+  constexpr int VALS = 128 / BITS;
+  constexpr int VECS = K / VALS;
+  constexpr int PER_LANE = (VECS + 31) / 32;
+  constexpr int OUT = (E == 2) ? N / 2 : N;
+  constexpr int RR = (E == 2) ? 2 * R : R;
+  constexpr int GROUPS = (BITS == 16) ? 1 : K / GS;
+  __shared__ __align__(16) float xsh[XN ? K : 4];
+  if constexpr (XN != 0) stage_x<T, K, XN>(x, nw, ne, xsh);
+  const int lane = threadIdx.x & 31;
+  const int unit0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
+  if (unit0 >= OUT) return;  // the whole warp: its lanes share the units
+  int row[RR];
+  #pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int u = min(unit0 + r, OUT - 1);
+    row[r] = u;
+    if constexpr (E == 2) row[R + r] = u + OUT;
+  }
+  float acc[RR];
+  #pragma unroll
+  for (int r = 0; r < RR; ++r) acc[r] = 0.f;
+  const uint4* w4 = reinterpret_cast<const uint4*>(w);
+  #pragma unroll 1
+  for (int v0 = 0; v0 < PER_LANE; v0 += UNROLL) {
+    uint4 wv[UNROLL][RR];
+    #pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int v = (v0 + u) * 32 + lane;
+      #pragma unroll
+      for (int r = 0; r < RR; ++r)
+        wv[u][r] = (v < VECS) ? __ldg(w4 + (size_t)row[r] * VECS + v) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    #pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int v = (v0 + u) * 32 + lane;
+      if (v < VECS) {
+        float xs[VALS];
+        if constexpr (XN != 0) {
+          #pragma unroll
+          for (int j = 0; j < VALS / 4; ++j) {
+            const float4 f = reinterpret_cast<const float4*>(xsh + v * VALS)[j];
+            xs[4 * j] = f.x; xs[4 * j + 1] = f.y; xs[4 * j + 2] = f.z; xs[4 * j + 3] = f.w;
+          }
+        } else {
+          load_f<T, VALS>(x + v * VALS, xs);
+        }
+        if constexpr (BITS == 16) {
+          #pragma unroll
+          for (int r = 0; r < RR; ++r) acc[r] += dot_word<BITS, T>(wv[u][r], xs);
+        } else {
+          float sx = 0.f;
+          #pragma unroll
+          for (int j = 0; j < VALS; ++j) sx += xs[j];
+          const int g = (v * VALS) / GS;
+          #pragma unroll
+          for (int r = 0; r < RR; ++r) {
+            const float qx = dot_word<BITS, T>(wv[u][r], xs);
+            const size_t at = (size_t)row[r] * GROUPS + g;
+            acc[r] += static_cast<float>(scales[at]) * qx + static_cast<float>(biases[at]) * sx;
+          }
+        }
+      }
+    }
+  }
+  #pragma unroll
+  for (int r = 0; r < RR; ++r) {
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+  }
+  if (lane != 0) return;
+  #pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int u = unit0 + r;
+    if (u >= OUT) break;
+    if constexpr (E == 0) {
+      y[u] = static_cast<T>(acc[r]);
+    } else if constexpr (E == 1) {  // MLX rounds the product, then the sum
+      y[u] = static_cast<T>(static_cast<float>(static_cast<T>(acc[r])) + static_cast<float>(a[u]));
+    } else {  // mlx-lm's swiglu, silu(g) * up, rounded op by op in T
+      const float g = static_cast<float>(static_cast<T>(acc[r]));
+      const float up = static_cast<float>(static_cast<T>(acc[R + r]));
+      const float sig = static_cast<float>(static_cast<T>(1.0f / (1.0f + expf(-g))));
+      const float act = static_cast<float>(static_cast<T>(g * sig));
+      y[u] = static_cast<T>(act * up);
+    }
+  }
+}
+
+template <typename T, int D, int ROT, bool TRAD, bool NORM>
+__device__ __forceinline__ void head_rope(const T* src, const T* wn, float eps, float at,
+                                          const float* invf, float* dst, T* gout, int lane) {
+  // one head (a warp): Qwen3's RMSNorm when NORM, then RoPE at position `at` (already scaled),
+  // each rounded to T as MLX rounds them; the result as floats in `dst` (shared) and, when
+  // `gout`, in T there (the cache row). Lane l holds elements l, l + 32, ...
+  constexpr int C = D / 32;
+  float v[C], o[C];
+  float ss = 0.f;
+  #pragma unroll
+  for (int c = 0; c < C; ++c) { v[c] = static_cast<float>(src[lane + 32 * c]); ss += v[c] * v[c]; }
+  if constexpr (NORM) {
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    const float rn = rsqrtf(ss / D + eps);
+    #pragma unroll
+    for (int c = 0; c < C; ++c) v[c] = static_cast<float>(wn[lane + 32 * c] * static_cast<T>(v[c] * rn));
+  }
+  #pragma unroll
+  for (int c = 0; c < C; ++c) dst[lane + 32 * c] = v[c];
+  __syncwarp();
+  #pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const int e = lane + 32 * c;
+    o[c] = v[c];
+    if (e < ROT) {  // rotated with its partner: (2i, 2i+1) traditional, else (i, i + ROT/2)
+      const bool first = TRAD ? (e & 1) == 0 : e < ROT / 2;
+      const int i = TRAD ? e >> 1 : (first ? e : e - ROT / 2);
+      const int partner = TRAD ? (first ? e + 1 : e - 1) : (first ? e + ROT / 2 : e - ROT / 2);
+      const float th = at * invf[i];
+      const float cs = cosf(th), sn = sinf(th);
+      const float a = dst[partner];
+      o[c] = first ? v[c] * cs - a * sn : a * sn + v[c] * cs;
+    }
+  }
+  __syncwarp();
+  #pragma unroll
+  for (int c = 0; c < C; ++c) {
+    const T r = static_cast<T>(o[c]);
+    dst[lane + 32 * c] = static_cast<float>(r);
+    if (gout != nullptr) gout[lane + 32 * c] = r;
+  }
+  __syncwarp();
+}
+
+template <typename T, int D, int G, int HKV, int ROT, bool TRAD, bool NORM, int CAP, int CH, int S, int WARPS>
+__device__ __forceinline__ void attention_impl(const T* qkv, const T* qn, const T* kn, const float* invf,
+                                               const float* fp, const int32_t* pos, const T* kc,
+                                               const T* vc, const int32_t* cnt, float* pm, float* pl,
+                                               float* pa, T* y) {
+
+  constexpr int HQ = HKV * G;
+  constexpr int DPL = D / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int split = blockIdx.x, j = blockIdx.y;
+  const int p = pos[0];
+  const int start = split * CH, end = min(start + CH, p + 1);
+  const bool has_new = start <= p && p < end;
+  __shared__ float qs[G][D];
+  __shared__ float nk[2][D];
+  __shared__ float sm_m[WARPS][G], sm_l[WARPS][G], sm_a[WARPS][G][D];
+  __shared__ int last;
+  const float at = fp[1] * static_cast<float>(p);
+  // the block's queries (and, in the split holding p, the new key) normed and rotated; warp w
+  // takes heads w, w + WARPS, ...; the new key is also written into the cache at p
+  for (int hh = warp; hh < G + (has_new ? 1 : 0); hh += WARPS) {
+    const bool is_k = hh == G;
+    const T* src = qkv + (size_t)(is_k ? HQ + j : j * G + hh) * D;
+    T* gout = is_k ? const_cast<T*>(kc) + ((size_t)j * CAP + p) * D : nullptr;
+    head_rope<T, D, ROT, TRAD, NORM>(src, is_k ? kn : qn, fp[0], at, invf, is_k ? nk[0] : qs[hh], gout, lane);
+  }
+  if (has_new) {  // the new value, as it is, into the cache at p
+    const T* vs = qkv + (size_t)(HQ + HKV + j) * D;
+    T* vo = const_cast<T*>(vc) + ((size_t)j * CAP + p) * D;
+    for (int e = threadIdx.x; e < D; e += WARPS * 32) { vo[e] = vs[e]; nk[1][e] = static_cast<float>(vs[e]); }
+  }
+  __syncthreads();
+  const float scale = fp[2];
+  float qf[G][DPL], m[G], l[G], acc[G][DPL];
+  #pragma unroll
+  for (int g = 0; g < G; ++g) {
+    #pragma unroll
+    for (int d = 0; d < DPL; ++d) { qf[g][d] = qs[g][lane * DPL + d] * scale; acc[g][d] = 0.f; }
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+  }
+  for (int t = start + warp; t < end; t += WARPS) {
+    float kf[DPL], vf[DPL];
+    if (t == p) {
+      #pragma unroll
+      for (int d = 0; d < DPL; ++d) { kf[d] = nk[0][lane * DPL + d]; vf[d] = nk[1][lane * DPL + d]; }
+    } else {
+      const size_t o = ((size_t)j * CAP + t) * D + lane * DPL;
+      #pragma unroll
+      for (int d = 0; d < DPL; ++d) { kf[d] = static_cast<float>(kc[o + d]); vf[d] = static_cast<float>(vc[o + d]); }
+    }
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float sc = 0.f;
+      #pragma unroll
+      for (int d = 0; d < DPL; ++d) sc = fmaf(qf[g][d], kf[d], sc);
+      #pragma unroll
+      for (int off = 16; off > 0; off >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, off);
+      const float mn = fmaxf(m[g], sc);
+      const float corr = expf(m[g] - mn), e = expf(sc - mn);
+      l[g] = l[g] * corr + e;
+      #pragma unroll
+      for (int d = 0; d < DPL; ++d) acc[g][d] = fmaf(e, vf[d], acc[g][d] * corr);
+      m[g] = mn;
+    }
+  }
+  #pragma unroll
+  for (int g = 0; g < G; ++g) {
+    if (lane == 0) { sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }
+    #pragma unroll
+    for (int d = 0; d < DPL; ++d) sm_a[warp][g][lane * DPL + d] = acc[g][d];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {  // the block's warps, one split's part
+    const int g = i / D, d = i % D;
+    float M = -INFINITY;
+    #pragma unroll
+    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sm_m[w][g]);
+    float ls = 0.f, a = 0.f;
+    if (M != -INFINITY) {
+      #pragma unroll
+      for (int w = 0; w < WARPS; ++w) { const float e = expf(sm_m[w][g] - M); ls += sm_l[w][g] * e; a += sm_a[w][g][d] * e; }
+    }
+    const int h = j * G + g;
+    pa[((size_t)h * S + split) * D + d] = a;
+    if (d == 0) { pm[h * S + split] = M; pl[h * S + split] = ls; }
+  }
+  // the last of the S blocks of this kv head to finish adds the splits up (then resets the count)
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(const_cast<int*>(cnt) + j, 1) == S - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
+    const int g = i / D, d = i % D, h = j * G + g;
+    float M = -INFINITY;
+    for (int s = 0; s < S; ++s) M = fmaxf(M, __ldcg(pm + h * S + s));
+    float ls = 0.f, a = 0.f;
+    for (int s = 0; s < S; ++s) {
+      const float ms = __ldcg(pm + h * S + s);
+      if (ms == -INFINITY) continue;
+      const float e = expf(ms - M);
+      ls += __ldcg(pl + h * S + s) * e;
+      a += __ldcg(pa + ((size_t)h * S + s) * D + d) * e;
+    }
+    y[h * D + d] = static_cast<T>(a / ls);
+  }
+  if (threadIdx.x == 0) const_cast<int*>(cnt)[j] = 0;
+}
+
+__device__ __forceinline__ uint32_t nib_pair(uint32_t w, uint32_t magic) {
+  // the nibbles at bits 0-3 and 16-19 of w under the exponent of `magic` (0x43004300: bf16 128 + q;
+  // 0x64006400: fp16 1024 + q), one lop3: (w & 0x000f000f) | magic
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(d) : "r"(w), "r"(0x000f000fu), "r"(magic));
+  return d;
+}
+
+template <bool BF16>
+__device__ __forceinline__ void mma_16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                          uint32_t b0, uint32_t b1) {
+  if constexpr (BF16) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+template <typename T, typename ST, bool BF16, int GS, int K, int N, int E, int XN, int KW, int TPW, int U>
+__device__ __forceinline__ void qmma4_impl(const T* x, const uint32_t* w, const ST* scales,
+                                           const ST* biases, const T* a, const T* nw,
+                                           const float* ne, T* y) {
+  // y = W x for one row x and a 4-bit W in MLX's affine layout (groups of 64 or 128) on the tensor
+  // cores: a block's KW warps split K (64-wide chunks w, w + KW, ...) over TPW tiles of 16 output
+  // rows (E 2: rows 0-7 gate units, 8-15 their up rows). Lane (g = lane / 4, t = lane % 4) loads,
+  // per 64-chunk, 16 nibbles (a uint2) of rows g and g + 8 at k = 16 t: two uint32, each giving the
+  // four A registers of an mma pair as bf16x2 pairs (nibble i, nibble i + 4) = 128 + q exactly
+  // (one lop3 each); x row g the B operand at the same k (the same permutation of k for A and B).
+  // Each chunk's products are summed in fp32 by the tensor core, then scaled:
+  // s * (C - 128 sum(x)) + b * sum(x), sum(x) of the chunk computed once per block.
+  constexpr uint32_t MAGIC = BF16 ? 0x43004300u : 0x64006400u;
+  constexpr float OFF = BF16 ? 128.f : 1024.f;
+  constexpr int CHUNKS = K / 64;
+  constexpr int WORDS = K / 8;  // uint32 per row
+  constexpr int OUT = (E == 2) ? N / 2 : N;
+  constexpr int UNITS = (E == 2) ? 8 : 16;  // output units a tile writes
+  constexpr int TILES = (OUT + UNITS - 1) / UNITS;
+  __shared__ __align__(16) T xs[K];
+  __shared__ float sxs[CHUNKS];
+  __shared__ float part[TPW][KW][16];  // [tile][warp][row]: x's row (column 0 of the products)
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  {  // x into shared memory as T (RMS-normalised as MLX rounds it when XN == 2), its chunk sums
+    __shared__ float red[KW];
+    constexpr int PER = (K + 32 * KW - 1) / (32 * KW);
+    float v[PER], ss = 0.f;
+    #pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int k = threadIdx.x + 32 * KW * i;
+      v[i] = k < K ? static_cast<float>(x[k]) : 0.f;
+      ss += v[i] * v[i];
+    }
+    float rn = 1.f;
+    if constexpr (XN == 2) {
+      #pragma unroll
+      for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+      if (lane == 0) red[warp] = ss;
+      __syncthreads();
+      ss = 0.f;
+      #pragma unroll
+      for (int i = 0; i < KW; ++i) ss += red[i];
+      rn = rsqrtf(ss / K + ne[0]);
+    }
+    #pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int k = threadIdx.x + 32 * KW * i;
+      if (k < K) xs[k] = XN == 2 ? static_cast<T>(nw[k] * static_cast<T>(v[i] * rn)) : static_cast<T>(v[i]);
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < CHUNKS; c += 32 * KW) {
+      float s = 0.f;
+      for (int k = 0; k < 64; ++k) s += static_cast<float>(xs[c * 64 + k]);
+      sxs[c] = s;
+    }
+    __syncthreads();
+  }
+  const unsigned short* xb = reinterpret_cast<const unsigned short*>(xs);
+  float acc[TPW][2];  // rows g and g + 8 of each tile, x's row 0 (lanes t == 0 hold it)
+  #pragma unroll
+  for (int i = 0; i < TPW; ++i) acc[i][0] = acc[i][1] = 0.f;
+  int rlo[TPW], rhi[TPW];
+  #pragma unroll
+  for (int i = 0; i < TPW; ++i) {
+    const int tile = min(blockIdx.x * TPW + i, TILES - 1);
+    if constexpr (E == 2) {
+      const int u = min(tile * 8 + g, OUT - 1);
+      rlo[i] = u;
+      rhi[i] = u + OUT;
+    } else {
+      rlo[i] = min(tile * 16 + g, N - 1);
+      rhi[i] = min(tile * 16 + g + 8, N - 1);
+    }
+  }
+  #pragma unroll 1
+  for (int c0 = warp; c0 < CHUNKS; c0 += KW * U) {
+    uint2 lo[U][TPW], hi[U][TPW];
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = min(c0 + u * KW, CHUNKS - 1);
+      #pragma unroll
+      for (int i = 0; i < TPW; ++i) {
+        lo[u][i] = __ldg(reinterpret_cast<const uint2*>(w + (size_t)rlo[i] * WORDS + c * 8) + t);
+        hi[u][i] = __ldg(reinterpret_cast<const uint2*>(w + (size_t)rhi[i] * WORDS + c * 8) + t);
+      }
+    }
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * KW;
+      if (c >= CHUNKS) break;  // the same for the whole warp
+      uint32_t b[2][2][2];  // [half of the uint2][mma][register]: x row g at this lane's k (row 0 only)
+      #pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int k = c * 64 + 16 * t + 8 * hh + 2 * h;
+          b[hh][h][0] = g == 0 ? (uint32_t)xb[k] | ((uint32_t)xb[k + 4] << 16) : 0u;
+          b[hh][h][1] = g == 0 ? (uint32_t)xb[k + 1] | ((uint32_t)xb[k + 5] << 16) : 0u;
+        }
+      }
+      const float sx = sxs[c];
+      #pragma unroll
+      for (int i = 0; i < TPW; ++i) {
+        float cc[4] = {0.f, 0.f, 0.f, 0.f};
+        #pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const uint32_t wl = hh ? lo[u][i].y : lo[u][i].x, wh = hh ? hi[u][i].y : hi[u][i].x;
+          uint32_t al[4], ah[4];
+          #pragma unroll
+          for (int j = 0; j < 4; ++j) { al[j] = nib_pair(wl >> (4 * j), MAGIC); ah[j] = nib_pair(wh >> (4 * j), MAGIC); }
+          #pragma unroll
+          for (int h = 0; h < 2; ++h)
+            mma_16816<BF16>(cc, al[2 * h], ah[2 * h], al[2 * h + 1], ah[2 * h + 1], b[hh][h][0], b[hh][h][1]);
+        }
+        const int q = c * 64 / GS;  // the quantization group
+        const float slo = static_cast<float>(scales[(size_t)rlo[i] * (K / GS) + q]);
+        const float blo = static_cast<float>(biases[(size_t)rlo[i] * (K / GS) + q]);
+        const float shi = static_cast<float>(scales[(size_t)rhi[i] * (K / GS) + q]);
+        const float bhi = static_cast<float>(biases[(size_t)rhi[i] * (K / GS) + q]);
+        acc[i][0] += slo * (cc[0] - OFF * sx) + blo * sx;  // column 0: x's row (lanes t == 0)
+        acc[i][1] += shi * (cc[2] - OFF * sx) + bhi * sx;
+      }
+    }
+  }
+  if (t == 0) {
+    #pragma unroll
+    for (int i = 0; i < TPW; ++i) { part[i][warp][g] = acc[i][0]; part[i][warp][g + 8] = acc[i][1]; }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < TPW * UNITS; idx += 32 * KW) {
+    const int i = idx / UNITS, r = idx % UNITS;
+    const int tile = blockIdx.x * TPW + i;
+    const int u = tile * UNITS + r;
+    if (tile >= TILES || u >= OUT) continue;
+    float s = 0.f, s2 = 0.f;
+    #pragma unroll
+    for (int v = 0; v < KW; ++v) { s += part[i][v][r]; if constexpr (E == 2) s2 += part[i][v][r + 8]; }
+    if constexpr (E == 0) {
+      y[u] = static_cast<T>(s);
+    } else if constexpr (E == 1) {
+      y[u] = static_cast<T>(static_cast<float>(static_cast<T>(s)) + static_cast<float>(a[u]));
+    } else {
+      const float gt = static_cast<float>(static_cast<T>(s)), up = static_cast<float>(static_cast<T>(s2));
+      const float sig = static_cast<float>(static_cast<T>(1.0f / (1.0f + expf(-gt))));
+      const float act = static_cast<float>(static_cast<T>(gt * sig));
+      y[u] = static_cast<T>(act * up);
+    }
+  }
+}
