@@ -24,6 +24,7 @@ from ..device import memory_budget as device_memory_budget
 from ..errors import EngineError, InvalidRequest, Overloaded
 from ..decoding.fim import Infill
 from ..decoding.generate import Generation, build_prompt
+from ..decoding.prompt_size import check_prompt_size
 from ..loading.registry import LoadedModel, ModelInfo, load_model
 from ..decoding.defaults import ModelDefaults
 from ..decoding.sampling import SamplingParams
@@ -272,6 +273,7 @@ class Engine:
         fill-in-the-middle prompt instead of messages or text (engine/decoding/fim.py)."""
         lm = self._serving()
         params = params or SamplingParams()
+        check_prompt_size(lm, messages, text, tools, infill)  # before tokenising anything
         prompt = build_prompt(lm, messages=messages, prompt_tokens=prompt_tokens, text=text,
                               tools=tools, infill=infill)
         if fit_max_tokens and len(prompt.tokens) < lm.context_length:
