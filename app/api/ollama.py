@@ -553,7 +553,8 @@ async def embed(request: Request) -> Response:
         result = await embed_vectors(
             app_state(request).engine, inputs, model=_embedding_model(request, body.get("model")),
             dimensions=dimensions if isinstance(dimensions, int) else None,
-            truncate=body.get("truncate", True) is not False, keep_alive=body.get("keep_alive"))
+            truncate=body.get("truncate", True) is not False, keep_alive=body.get("keep_alive"),
+            request=request)
     except ApiError as exc:
         return _from(exc)
     vectors = [v.tolist() for v in result.vectors]

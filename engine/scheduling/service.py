@@ -146,6 +146,11 @@ class Engine:
         return self.scheduler.halted
 
     @property
+    def busy_s(self) -> float:
+        """How long the scheduler's current tick or embedding chunk has run (0: between them)."""
+        return self.scheduler.busy_s()
+
+    @property
     def max_running(self) -> int:
         """At most this many requests run at once (`max_running`, or MAX_RUNNING_ROWS)."""
         return self.scheduler.max_running
