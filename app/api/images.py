@@ -121,8 +121,8 @@ def read_image(data: bytes, where: str, param: str | None = None) -> SentImage:
     except HeaderError as exc:
         code = "unsupported_image_format" if str(exc).startswith("not a PNG") else "invalid_image"
         raise ApiError(400, f"{where} is {exc}; send PNG, JPEG, WebP or GIF"
-                       if code == "unsupported_image_format" else f"{where} is {exc}",
-                       param, code) from None
+                       if code == "unsupported_image_format"
+                       else f"{where} is not a readable image ({exc})", param, code) from None
     if header.pixels > MAX_IMAGE_PIXELS:
         raise ApiError(400, f"{where} is {header.width}×{header.height} pixels; the limit is "
                             f"{MAX_IMAGE_PIXELS:,} pixels per image", param, "image_too_large")
