@@ -1,4 +1,5 @@
-"""The `mlxchat` command: serve the chat app (default), generate, chat in the terminal, list models."""
+"""The `mlxchat` command: serve the chat app (default), generate, chat in the terminal, list models,
+run a coding agent against it (`launch`, app/launch.py)."""
 
 import logging
 import os
@@ -9,6 +10,8 @@ import click
 
 from engine import (DEFAULT_KEEP_ALIVE_S, DEVICES, KERNELS_ENV, KV_BITS_ENV, PRESETS, SAMPLING_OPTIONS, Engine,
                     EngineError, SamplingOption, SamplingParams, keep_alive_seconds, preset)
+
+from .launch import launch
 
 SHORT_FLAGS = {"temperature": "-t", "max_tokens": "-n"}
 
@@ -59,11 +62,12 @@ def _params(engine: Engine, opts: dict[str, Any]) -> SamplingParams:
 
 
 def _engine(model: str | None, device: str) -> Engine:
+    from app.model_jobs import StageLines
     from engine import describe_device, select_device
 
     dev = select_device(device)
     click.echo(f"Loading {model or 'the bundled model'} on {describe_device(dev)} ...", err=True)
-    return Engine(model).start()
+    return Engine(model).start(progress=StageLines().stage)  # each stage a line
 
 
 def _fail(exc: Exception) -> None:
@@ -367,6 +371,9 @@ def rm(name: str, yes: bool) -> None:
     except EngineError as exc:
         _fail(exc)
     click.echo(f"Deleted {name}.", err=True)
+
+
+cli.add_command(launch)
 
 
 def main() -> None:

@@ -1,11 +1,17 @@
-"""The Starlette application and `serve()`, which runs it with uvicorn around a loaded engine.
+"""The Starlette application and `serve()`, which runs it with uvicorn around the engine.
 
 Start-up checks everything that can fail before the model loads (the address, the data folder,
-its lock, the port) and answers each fault with one line and a non-zero exit. SIGINT, SIGTERM and
-SIGHUP all shut down the same way: generations are cancelled (each stream ends with its final
-event and its answer is saved), the engine stops and persists its prefix cache, the database
-closes, and the process exits 0. One that comes while the model still loads exits 0 at once too
-(the database closed, nothing cached yet to persist).
+its lock, the port) and answers each fault with one line and a non-zero exit. Then the server
+listens at once and opens the browser, while the first model loads in the background as the one
+model load (app/model_jobs.py): its stages show in the page and on the terminal, a line each;
+`/health` says `loading` with the stage; a request that needs the model waits for it (the API a
+bounded while); a load that fails leaves the page up, saying why. A sharded model (a `cluster`)
+still loads before the server listens: its ranks load in step.
+
+SIGINT, SIGTERM and SIGHUP all shut down the same way: generations are cancelled (each stream
+ends with its final event and its answer is saved), the engine stops and persists its prefix
+cache, the database closes, and the process exits 0. One that comes while the model still loads
+exits 0 at once too (the database closed, nothing cached yet to persist).
 """
 
 import errno
@@ -13,6 +19,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import webbrowser
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,14 +33,16 @@ from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
 import static
-from engine import DEFAULT_KEEP_ALIVE_S, Cluster, Engine, data_dir, describe_device
+from engine import (BUNDLED_MODEL, DEFAULT_KEEP_ALIVE_S, Cluster, Engine, LoadProgress, data_dir,
+                    describe_device)
 
 from . import api, metrics
-from .api import images
+from .api import audio, images
 from .api.errors import http_error
 from .doc_index.store import ChunkStore
 from .mcp.config import FILE_NAME as MCP_FILE
 from .mcp.servers import McpServers
+from .model_jobs import StageLines, begin_switch
 from .runs import Runs
 from .security.api_key import ApiKeyGuard
 from .security.guards import (LOOPBACK_NAMES, BodyLimit, HostGuard, OriginGuard, SecurityHeaders,
@@ -90,7 +99,8 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
             Middleware(metrics.CountRequests, metrics=counts),  # API requests by protocol, outcome
             Middleware(ApiKeyGuard, access=access),  # with --api-key, all but /health: 401
             # oversized bodies 413, slow ones 408, before the app reads (uploads bound their own)
-            Middleware(BodyLimit, streamed=uploads.is_upload_path, larger=images.body_limit),
+            Middleware(BodyLimit, streamed=uploads.is_upload_path,
+                       larger=lambda path: images.body_limit(path) or audio.body_limit(path)),
             Middleware(SecurityHeaders),  # CSP, nosniff, no framing, no referrer to other sites
         ],
     )
@@ -128,6 +138,7 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self.runs = runs
         self.on_started = on_started
+        self.signalled: str | None = None  # the shutdown signal's name, once one came
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -142,6 +153,7 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        self.signalled = signal.Signals(sig).name
         self.runs.cancel_all()
         super().handle_exit(sig, frame)
 
@@ -218,8 +230,9 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
           allowed_origins: Iterable[str] = (), extra_hosts: Iterable[str] = (),
           max_running: int | None = None, document_embeddings: str | None = None,
           responses_ttl_days: float = DEFAULT_TTL_DAYS) -> None:
-    """Load `model`, then serve the UI and the API until Ctrl-C or SIGTERM/SIGHUP; the model's
-    weights are unloaded after `keep_alive` idle seconds (None: never) and reloaded by the next
+    """Serve the UI and the API until Ctrl-C or SIGTERM/SIGHUP, loading `model` (None: the
+    bundled one) in the background from the moment the server listens; the model's weights are
+    unloaded after `keep_alive` idle seconds (None: never) and reloaded by the next
     request. With a `cluster`, serve as its rank 0 (the only rank that opens the data folder).
     `aliases`, `allowed_origins`: see `create_app`; `extra_hosts`: Host names accepted besides
     the bound one and loopback (`--allow-host`, e.g. host.docker.internal);
@@ -259,32 +272,76 @@ def _run(sock: socket.socket, host: str, port: int, model: str | None, open_brow
                                     {"persist_prefix_cache": True, "keep_alive": keep_alive}))
     if cluster is not None:
         cluster.watch(engine)
-    loaded, stopped = False, ""
+    echo = _Ready(engine, model or BUNDLED_MODEL)
+    started, stopped = False, ""
+    server: _Server | None = None
     try:
         with _stop_on_signals():
-            print(f"Loading model {model or 'smollm2-135m-instruct (bundled)'} ...", file=sys.stderr)
-            engine.start(progress=lambda stage: print(f"  {stage}", file=sys.stderr))
-            loaded = True
+            if cluster is not None:  # its ranks load in step, before it serves
+                echo.header()
+                engine.start(progress=echo.stage)
+            else:  # the model loads once the server listens (`_listening`)
+                engine.start(load=False)
+            started = True
             allowed = None if host in WILDCARD_HOSTS else {*LOOPBACK_NAMES, host, *extra_hosts}
             app = create_app(engine, allowed_hosts=allowed, api_key=api_key, storage=storage,
                              cluster=cluster, **app_options)
-            shown = "127.0.0.1" if host in WILDCARD_HOSTS else host
-            url = f"http://{f'[{shown}]' if ':' in shown else shown}:{port}/"
-
-        def started() -> None:
-            print(f"mlxchat is running at {url}  (model: {engine.model_name} on "
-                  f"{describe_device()}; Ctrl-C to quit)", file=sys.stderr, flush=True)
-            if open_browser:
-                threading.Thread(target=webbrowser.open, args=(url,), daemon=True).start()
-
-        _Server(uvicorn_config(app), app.state.runs, started).run(sockets=[sock])
+        server = _Server(uvicorn_config(app), app.state.runs,
+                         _listening(app, _url(host, port), echo, cluster is None, open_browser))
+        server.run(sockets=[sock])
     except _StoppedStarting as signalled:  # an exit as clean as a served one's, with status 0
-        stopped = f" ({signalled.name} while {'starting' if loaded else 'loading the model'})"
+        stopped = f" ({signalled.name} while {'starting' if started else 'loading the model'})"
     finally:
-        if loaded:  # else the load runs on in the engine's (daemon) thread: nothing to persist
+        # the first load still running? (the loop that awaited it is gone: ask the engine)
+        loading = server is not None and engine.model_name is None and not app.state.switch.error
+        if server is not None and server.signalled and loading:
+            stopped = f" ({server.signalled} while loading the model)"
+        if started and not loading:  # else the load runs on in the engine's (daemon) thread
             engine.stop()  # persists the prefix cache
         if cluster is not None:
             cluster.stop()
         storage.close()
         sock.close()
         print(f"mlxchat stopped{stopped}.", file=sys.stderr, flush=True)
+
+
+def _url(host: str, port: int) -> str:
+    shown = "127.0.0.1" if host in WILDCARD_HOSTS else host
+    return f"http://{f'[{shown}]' if ':' in shown else shown}:{port}/"
+
+
+def _listening(app: Starlette, url: str, echo: "_Ready", load: bool,
+               open_browser: bool) -> Callable[[], None]:
+    """What happens once the socket listens (in the event loop): the address said, the first
+    model's load begun (`load`) as the one model load, its progress in the page, and the
+    browser opened on a page that answers."""
+    def listening() -> None:
+        print(f"mlxchat is running at {url}  (Ctrl-C to quit)", file=sys.stderr, flush=True)
+        if load:
+            echo.header()
+            begin_switch(app.state.switch, app.state.engine, echo.name, echo=echo)
+        if open_browser:
+            threading.Thread(target=webbrowser.open, args=(url,), daemon=True).start()
+    return listening
+
+
+class _Ready(StageLines):
+    """The terminal's lines about the server's model: the load's stages, then where it runs."""
+
+    def __init__(self, engine: Engine, name: str):
+        super().__init__()
+        self.engine, self.name, self.began = engine, name, time.monotonic()
+
+    def header(self) -> None:
+        self.began = time.monotonic()
+        bundled = " (bundled)" if self.name == BUNDLED_MODEL else ""
+        print(f"Loading model {self.name}{bundled} ...", file=self.out, flush=True)
+
+    def stage(self, p: LoadProgress) -> None:
+        super().stage(p)
+        if p.stage == "ready":
+            self.ready()
+
+    def ready(self) -> None:
+        self._line(f"Model ready: {self.engine.model_name} on {describe_device()} "
+                   f"({time.monotonic() - self.began:.0f} s)")

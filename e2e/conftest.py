@@ -45,6 +45,27 @@ def browser():
 
 
 @pytest.fixture
+def chromium_with(browser: Browser):
+    """`chromium_with(*args, **context_options)`: a page in a Chromium of its own (launched by
+    the session's Playwright) with extra command-line `args`, such as a fake microphone
+    (e2e/test_voice.py); closed after the test."""
+    launched = []
+
+    def make(*args: str, **context_options) -> Page:
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        b = browser.browser_type.launch(executable_path=CHROMIUM, args=[*CHROMIUM_ARGS, *args],
+                                        env=env)
+        launched.append(b)
+        page = b.new_context(**context_options).new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        return page
+
+    yield make
+    for b in launched:
+        b.close()
+
+
+@pytest.fixture
 def new_page(browser: Browser, server):
     """Pages in fresh browser contexts; script errors and alert() dialogs fail the test.
     Prompt and confirm dialogs (rename, delete) are accepted."""

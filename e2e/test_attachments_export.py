@@ -65,8 +65,10 @@ def test_export_then_import_gives_an_equal_copy_and_search_finds_it(page: Page, 
     md_download.value.save_as(md_path)
     assert "Tell me about axolotls." in md_path.read_text()
 
+    page.click("#open-settings")  # Settings › Import and export
     page.set_input_files("#import-file", str(exported))
     page.click("#import-form button[type=submit]")
+    expect(page).to_have_url(re.compile(r"/c/\d+$"))
     expect(page).not_to_have_url(re.compile(f"/c/{cid}$"))
     copy = int(re.search(r"/c/(\d+)", page.url).group(1))
     expect(last(page, "user").locator(".body")).to_have_text("Tell me about axolotls.")
@@ -84,6 +86,7 @@ def test_export_then_import_gives_an_equal_copy_and_search_finds_it(page: Page, 
     expect(results.first).to_have_text("Tell me about axolotls.")
     page.fill("#search", '"axolotls" NEAR(')  # FTS syntax is searched for, not parsed
     expect(results).to_have_count(2)
+    page.click("#open-settings")
     page.set_input_files("#import-file", files=[{"name": "bad.json", "mimeType": "application/json",
                                                  "buffer": b"{not json"}])
     page.click("#import-form button[type=submit]")

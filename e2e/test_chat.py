@@ -6,6 +6,7 @@ from pathlib import Path
 from playwright.sync_api import expect
 
 from app.storage import Storage
+from accessibility import violations
 from chat_page import last, new_chat, send, wait_answer
 
 LONG = "Write a very long story about a dragon who learns to cook."
@@ -211,7 +212,31 @@ def test_narrow_dark_layout(new_page, shot):
     assert box["y"] + box["height"] <= 780, box
     expect(form.locator("button[type=submit]")).to_be_visible()
     page.click("#settings summary")
+    # the composer and the conversation keep the window's whole width
+    for part in (".composer", "#messages"):
+        assert page.locator(part).bounding_box()["width"] >= 380, part
+    assert page.locator("#prompt").bounding_box()["width"] >= 200
+    # the sidebar holds the chats and search only; the rest is in Settings
     page.click("#sidebar-toggle")
+    assert page.locator("#sidebar button, #sidebar input, #sidebar a").evaluate_all(
+        "els => els.every(e => e.closest('.new-chat, #conversation-list') || e.id === 'search')")
+    page.keyboard.press("Escape")
+    for menu in ("#model-menu", "#settings"):  # axe-core: no violation, the header's menus open
+        page.click(f"{menu} summary")
+        assert violations(page) == [], menu
+        page.click(f"{menu} summary")
+    page.click("#open-settings")
+    expect(page.locator("#download-spec")).to_be_visible()
+    assert page.locator("#download-spec").bounding_box()["width"] >= 200  # a usable field
+    shot(page, "09b-narrow-settings")
+    assert violations(page) == []
+    page.keyboard.press("Tab")  # every control of Settings is reached with Tab, the way back first
+    expect(page.locator("#back-to-chats")).to_be_focused()
+    reached = set()
+    for _ in range(40):
+        page.keyboard.press("Tab")
+        reached.add(page.evaluate("document.activeElement.id"))
+    assert {"download-spec", "import-file", "theme-toggle"} <= reached, reached
     page.click("#theme-toggle")
     assert page.evaluate("getComputedStyle(document.body).backgroundColor") == "rgb(255, 255, 255)"
 
@@ -225,6 +250,7 @@ def test_switch_model_shows_progress_and_answers_with_it(page, hf_cache: Path, s
         if not (snapshot / f.name).exists():
             (snapshot / f.name).symlink_to(f)
     new_chat(page, max_tokens=6)
+    page.click("#model-menu summary")
     other = page.locator("#models button.model", has_text="local/smollm2-copy")
     expect(other).to_be_enabled()
     with page.expect_response("**/models/switch") as switched:
@@ -233,9 +259,13 @@ def test_switch_model_shows_progress_and_answers_with_it(page, hf_cache: Path, s
     assert 'class="progress"' in switched.value.text()
     assert "local/smollm2-copy" in switched.value.text()
     shot(page, "10-model-loading")
+    expect(page.locator("#load-status")).to_contain_text("local/smollm2-copy is ready")
     expect(page.locator("#models button.model.current")).to_contain_text("local/smollm2-copy")
+    expect(page.locator("#model-name")).to_have_text("local/smollm2-copy")
+    page.click("#model-menu summary")  # close the menu
     send(page, "Hi!")
     expect(wait_answer(page).locator(".stats")).to_contain_text("local/smollm2-copy")
     shot(page, "11-model-switched")
+    page.click("#model-menu summary")
     page.locator("#models button.model", has_text="smollm2-135m-instruct").click()
     expect(page.locator("#models button.model.current")).to_contain_text("smollm2-135m-instruct")

@@ -1,5 +1,5 @@
-"""The Model panel's int8-activation checkbox in a real Chromium: on the CPU kernels it reloads
-the bundled model on the int8 path (the progress line, then the path named) and back."""
+"""Settings › Model's int8-activation checkbox in a real Chromium: on the CPU kernels it reloads
+the bundled model on the int8 path (the progress above, then the path named) and back."""
 
 import time
 
@@ -10,8 +10,9 @@ from chat_page import new_chat, send, wait_answer
 
 
 def test_the_int8_checkbox_reloads_the_model_and_names_the_path(page: Page, server, shot):
-    new_chat(page, max_tokens=6)
-    box, path = page.locator("#int8-activations"), page.locator("#models .compute-path")
+    cid = new_chat(page, max_tokens=6)
+    page.click("#open-settings")
+    box, path = page.locator("#int8-activations"), page.locator("#model-settings .compute-path")
     expect(box).not_to_be_checked()
     expect(path).to_contain_text("quantized CPU kernels (")
     expect(path).not_to_contain_text("int8 activations")
@@ -22,8 +23,10 @@ def test_the_int8_checkbox_reloads_the_model_and_names_the_path(page: Page, serv
         expect(path).to_contain_text("int8 activations)")
         expect(page.locator("#int8-activations")).to_be_checked()
         shot(page, "int8-activations-on")
+        page.goto(f"/c/{cid}")
         send(page, "Hi!")
         expect(wait_answer(page).locator(".body")).not_to_be_empty()
+        page.click("#open-settings")
         page.locator("#int8-activations").uncheck()
         expect(path).not_to_contain_text("int8 activations")
         expect(page.locator("#int8-activations")).not_to_be_checked()

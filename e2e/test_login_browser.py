@@ -26,6 +26,7 @@ def test_log_in_then_log_out_needs_the_key_again(browser: Browser, keyed_server,
         page.fill("#key", KEY)
         page.click("button[type=submit]")
         expect(page.locator("#prompt")).to_be_visible()
+        page.click("#open-settings")  # Settings › API key
         logout = page.get_by_role("button", name="Log out")
         expect(logout).to_be_visible()
         shot(page, "login-logged-in")

@@ -1,4 +1,4 @@
-"""MCP tools in Chromium: add the test MCP server from the Tools panel, ask a question the model
+"""MCP tools in Chromium: add the test MCP server in Settings, use it from the Tools panel, ask a question the model
 answers with the calculator (the call forced by "The model must call a tool first": the bundled
 model is too small to choose to), approve it, see the call, the result and the final answer;
 reload and see them again."""
@@ -29,12 +29,15 @@ def wait_ready(page: Page, name: str, timeout_s: float = 60) -> None:
 
 
 def test_add_a_server_approve_a_call_and_see_it_after_reload(page: Page, shot):
-    new_chat(page, max_tokens=40)
-    open_tools(page)
+    cid = new_chat(page, max_tokens=40)
+    page.click("#open-settings")  # servers are added in Settings › MCP servers
     pasted = {"mcpServers": {"calc": stdio_entry("add", env={"CALC_KEY": "e2e-secret"})}}
     page.fill("#mcp-add textarea[name=config]", json.dumps(pasted))
     page.click("#mcp-add-button")
-    expect(page.locator("#tools-panel .saved")).to_have_text("Added calc.")
+    expect(page.locator("#mcp-servers .saved")).to_have_text("Added calc.")
+    expect(page.locator("#mcp-servers")).not_to_contain_text("e2e-secret")  # env keys only
+    page.goto(f"/c/{cid}")
+    open_tools(page)
     wait_ready(page, "calc")
     expect(page.locator('.mcp-server[data-server="calc"] .mcp-tools')).to_contain_text("add")
     expect(page.locator("#tools-panel")).not_to_contain_text("e2e-secret")  # env keys only

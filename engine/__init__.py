@@ -23,15 +23,19 @@ from .decoding.thinking import EFFORT_BUDGETS, effort_budget
 from .decoding.tools import ToolRequest, tool_request
 from .events import (Channel, Event, FinishReason, RequestState, Timings, TokenLogprob, ToolCall,
                      TopLogprob, Usage)
-from .loading.bundled import import_wheel as import_bundled_wheel
-from .loading.hub import DownloadProgress, parse_spec as parse_pull_spec, pull as pull_model
+from .loading.bundled import BUNDLED_NAME as BUNDLED_MODEL, import_wheel as import_bundled_wheel
+from .loading.hub import parse_spec as parse_pull_spec, pull as pull_model
 from .loading.hub import remove as remove_model
+from .loading.progress import LOAD_STAGES, DownloadProgress, LoadProgress, LoadStage
 from .loading.registry import ModelInfo, list_models
 from .paths import cache_dir, data_dir
 from .scheduling.embedding_queue import (MAX_INPUTS as EMBEDDING_MAX_INPUTS, EmbeddingHandle,
                                          Embeddings)
 from .scheduling.keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
 from .scheduling.requests import RequestHandle
+from .scheduling.speech import MAX_TEXT as SPEECH_MAX_TEXT, SpeechHandle, SpeechStream
+from .loading.speech import INPUT_RATE as SPEECH_INPUT_RATE, SUGGESTED as SPEECH_SUGGESTED
+from .decoding.speech import Segment as TranscriptSegment, Transcript, Word as TranscriptWord
 from .scheduling.rerank import Ranking, RerankHandle
 from .scheduling.stats import EngineStats, Histogram
 from .scheduling.service import Engine, EngineStatus
@@ -41,13 +45,15 @@ from .decoding.vision import ImageInput
 from .decoding.fim import Infill
 
 __all__ = [
-    "Cluster", "DEFAULTABLE", "DEFAULT_KEEP_ALIVE_S", "DEFAULT_SOURCES", "DEVICES", "KERNELS_ENV",
+    "BUNDLED_MODEL", "Cluster", "DEFAULTABLE", "DEFAULT_KEEP_ALIVE_S", "DEFAULT_SOURCES", "DEVICES", "KERNELS_ENV",
     "KV_BITS_ENV", "MESSAGE_ROLES", "PRESETS",
     "SAMPLING_OPTIONS",
     "EMBEDDING_MAX_INPUTS", "EmbeddingHandle", "Embeddings",
+    "SPEECH_INPUT_RATE", "SPEECH_MAX_TEXT", "SPEECH_SUGGESTED", "SpeechHandle", "SpeechStream",
+    "Transcript", "TranscriptSegment", "TranscriptWord",
     "Channel", "Default", "DownloadCancelled", "DownloadError", "DownloadProgress", "DraftChoice",
     "Engine", "EngineError", "EngineStats", "EngineStatus", "Event", "FinishReason", "Histogram",
-    "InvalidRequest",
+    "InvalidRequest", "LOAD_STAGES", "LoadProgress", "LoadStage",
     "ImageInput", "Infill", "ModelDefaults", "ModelDescription", "ModelInfo", "ModelLoadError",
     "Overloaded", "Ranking", "RequestHandle", "RequestState", "RerankHandle", "SamplingOption",
     "SamplingParams", "SpeculativeOptions",

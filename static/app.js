@@ -206,4 +206,96 @@
   document.addEventListener("htmx:wsAfterMessage", syncTitle);
   document.addEventListener("DOMContentLoaded", opened);
   document.addEventListener("htmx:afterSwap", (e) => { if (e.target === document.body) opened(); });
+  // --- Voice (app/ui/voice.py): the microphone fills the composer with a transcript to edit and
+  // send; "Listen" reads an answer aloud, streamed. The page asks for the microphone only when
+  // the button is pressed, and says which model to pull when none is installed.
+  let voice = null;  // GET /voice: the installed speech models, or the `mlxchat pull` line
+  const voiceStatus = () => voice || (voice = fetch("/voice").then((r) => r.json()).catch(() => ({})));
+  async function missing(kind) {
+    const pull = ((await voiceStatus())[kind] || {}).pull;
+    if (pull) notice(`No ${kind === "speech" ? "text-to-speech" : "speech-to-text"} model is installed: run \`${pull}\`, then reload the page.`);
+    return Boolean(pull);
+  }
+  async function errorText(response) {
+    try { return (await response.json()).error.message; } catch (_) { return `failed (${response.status})`; }
+  }
+  let recorder = null;
+  function setMic(state) {
+    const button = document.getElementById("mic");
+    if (!button) return;
+    button.dataset.state = state;
+    button.setAttribute("aria-pressed", String(state === "recording"));
+    button.textContent = { recording: "Stop", transcribing: "Transcribing…" }[state] || "Speak";
+    button.disabled = state === "transcribing";
+  }
+  async function transcribe(blob) {
+    setMic("transcribing");
+    const form = new FormData();
+    form.append("file", blob, blob.type.includes("ogg") ? "speech.ogg" : "speech.webm");
+    form.append("model", "whisper-1");
+    try {
+      const response = await fetch("/v1/audio/transcriptions", { method: "POST", body: form });
+      if (!response.ok) { notice(`Transcription: ${await errorText(response)}`); return; }
+      const text = (await response.json()).text.trim();
+      const prompt = document.getElementById("prompt");
+      if (prompt && text) prompt.value = prompt.value.trim() ? `${prompt.value.trimEnd()} ${text}` : text;
+      if (prompt) prompt.focus();
+    } catch (_) {
+      notice("The recording did not reach the server.");
+    } finally {
+      setMic("idle");
+    }
+  }
+  async function toggleMic() {
+    if (recorder) { recorder.stop(); return; }
+    if (await missing("transcription")) return;
+    let stream;
+    try {
+      stream = await navigator.mediaDevices.getUserMedia({ audio: true });
+    } catch (err) {
+      notice(`The microphone is not available (${err.message || err.name}).`);
+      return;
+    }
+    const chunks = [];
+    recorder = new MediaRecorder(stream);
+    recorder.addEventListener("dataavailable", (e) => { if (e.data.size) chunks.push(e.data); });
+    recorder.addEventListener("stop", () => {
+      stream.getTracks().forEach((t) => t.stop());
+      const type = recorder.mimeType;
+      recorder = null;
+      transcribe(new Blob(chunks, { type }));
+    });
+    recorder.start();
+    setMic("recording");
+  }
+  const player = new Audio();
+  let speaking = null;  // the "Listen" button of the answer being read
+  function stopSpeaking() {
+    player.pause();
+    player.removeAttribute("src");
+    if (speaking) { speaking.textContent = "Listen"; speaking.setAttribute("aria-pressed", "false"); }
+    speaking = null;
+  }
+  player.addEventListener("ended", stopSpeaking);
+  player.addEventListener("error", async () => {
+    if (!speaking) return;
+    const url = speaking.dataset.speech;
+    stopSpeaking();
+    notice(`Read aloud: ${await errorText(await fetch(url))}`);
+  });
+  async function toggleSpeak(button) {
+    const again = speaking === button;
+    stopSpeaking();
+    if (again || await missing("speech")) return;
+    speaking = button;
+    button.textContent = "Stop";
+    button.setAttribute("aria-pressed", "true");
+    player.src = button.dataset.speech;
+    player.play().catch(() => {});
+  }
+  document.addEventListener("click", (e) => {
+    const t = e.target instanceof Element ? e.target.closest("#mic, .speak") : null;
+    if (t && t.id === "mic") toggleMic();
+    else if (t) toggleSpeak(t);
+  });
 })();

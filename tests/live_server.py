@@ -79,6 +79,37 @@ def linked_home(path: Path, *names: str) -> Path:
     return path
 
 
+def mlxchat_serve(home: Path, log: Path, *args: str, env: dict[str, str] | None = None,
+                  index_url: str | None = None) -> subprocess.Popen:
+    """`mlxchat serve --no-browser ARGS` in a child process as a user runs it (no waiting for the
+    model), MLXCHAT_HOME=`home`, its output into `log`; `proc.url` is its address. With
+    `index_url`, pip finds packages there only (a stand-in for PyPI, tests/pypi_standin.py)."""
+    port = free_port()
+    child = {k: v for k, v in os.environ.items() if k != "PIP_FIND_LINKS"} if index_url \
+        else dict(os.environ)
+    child.update(MLXCHAT_HOME=str(home), **(env or {}))
+    if index_url:
+        child.update(PIP_INDEX_URL=index_url, PIP_CONFIG_FILE=os.devnull, PIP_NO_CACHE_DIR="1",
+                     MLXCHAT_BUNDLED_WHEEL="")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--no-browser",
+                                 "--port", str(port), *args], cwd=REPO, env=child, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    proc.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    return proc
+
+
+def answering(url: str, timeout: float = START_TIMEOUT_S) -> dict:
+    """Wait until the server at `url` answers (whatever the model's state); its /health then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return httpx.get(f"{url}/health", timeout=2).json()
+        except httpx.HTTPError:
+            assert time.monotonic() < deadline, f"no server answered at {url}"
+            time.sleep(0.05)
+
+
 class ServerProcess:
     """`app.server.serve()` in a child process, as `mlxchat serve --no-browser` runs it."""
 

@@ -209,23 +209,27 @@ def test_the_model_picker_downloads_with_progress_and_deletes(hub, tmp_path):
         assert r.status_code == 200 and 'sse-connect="/models/download/progress"' in r.text
         progress, done = [], ""
         with http.stream("GET", "/models/download/progress") as events:
-            kind = None
+            kind, data = None, []
             for line in events.iter_lines():
                 if line.startswith("event: "):
-                    kind = line[7:]
-                elif line.startswith("data: ") and kind == "progress":
-                    progress.append(line[6:])
-                elif line.startswith("data: ") and kind == "done":
-                    done += line[6:]
+                    kind, data = line[7:], []
+                elif line.startswith("data: "):
+                    data.append(line[6:])
+                elif not line and kind == "progress":  # one event: the progress element
+                    progress.append("\n".join(data))
                 elif not line and kind == "done":
+                    done = "\n".join(data)
                     break
-        assert progress and all(p.startswith("Downloading test/tiny") for p in progress)
+        assert progress and all('<p class="progress-text">Downloading test/tiny' in p
+                                for p in progress)
+        assert any('<progress max="1" value="' in p for p in progress)  # the bar, once sized
         assert "Downloaded test/tiny." in done and ">test/tiny<" in done
         assert 'hx-confirm="Delete test/tiny' in done  # deleting asks first
         r = http.post("/models/delete", data={"name": "test/tiny"})
         assert "Deleted test/tiny." in r.text and ">test/tiny<" not in r.text
-        r = http.post("/models/switch", data={"name": engine.model_name})  # the picker again
-        assert r.status_code == 200 and "Deleted test/tiny." not in r.text  # a notice shows once
+        r = http.post("/models/download/cancel")  # Settings › Model again, nothing running
+        assert r.status_code == 200 and 'id="model-settings"' in r.text
+        assert "Deleted test/tiny." not in r.text  # a notice shows once
         r = http.post("/models/download", data={"spec": "test/missing"})
         with http.stream("GET", "/models/download/progress") as events:
             text = "".join(events.iter_lines())

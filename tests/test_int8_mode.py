@@ -5,6 +5,7 @@ shares snapshots between the two modes, and the model picker's checkbox does it 
 real server. On a tiny random llama quantized to 4 bits by mlx-lm's own `convert`, loaded
 through the real registry (tests/tiny_models.py)."""
 
+import re
 import time
 
 import httpx
@@ -110,6 +111,11 @@ def compute(http: httpx.Client) -> str:
     return health["device"]["compute_path"]
 
 
+def path_named(settings: str) -> str:
+    """The compute path Settings › Model names."""
+    return re.search(r'<p class="compute-path">(.*?)</p>', settings, re.S).group(1)
+
+
 def switched(http: httpx.Client) -> str:
     """The picker once the model switch in progress is done: the `done` event of its progress
     stream, as the page reads it."""
@@ -122,18 +128,20 @@ def switched(http: httpx.Client) -> str:
 
 
 def test_the_checkbox_reloads_the_model_into_the_int8_path_and_back(server, http):
-    page = http.get("/", follow_redirects=True).text
-    assert 'name="int8_activations"' in page and "Faster CPU decoding: int8 activations" in page
+    page = http.get("/settings").text  # Settings › Model
+    assert 'name="int8_activations"' in page and "Faster answers on this CPU (int8 activations)" in page
     assert 'id="int8-activations" checked' not in page
-    assert "Runs on quantized CPU kernels (" in page and "int8 activations)" not in page
+    assert "runs on quantized CPU kernels (" in path_named(page)
+    assert "int8 activations)" not in path_named(page)
     assert "int8" not in compute(http)
 
     for on in (True, False):
         r = http.post("/models/options", data={"int8_activations": "on"} if on else {})
         assert r.status_code == 200 and 'class="progress"' in r.text  # loading, as a switch shows
-        picker = switched(http)
+        assert 'id="load-status"' in switched(http)  # the load status, swapped as it ends
+        picker = http.get("/settings").text
         assert ('id="int8-activations" checked' in picker) is on
-        assert ("int8 activations)" in picker) is on  # the path the page names
+        assert ("int8 activations)" in path_named(picker)) is on  # the path the page names
         assert compute(http).startswith("quantized CPU kernels") and \
             ("int8 activations" in compute(http)) is on
         assert int8_layers(server.engine.lm.model) == {on}
@@ -161,9 +169,10 @@ def test_a_model_off_the_kernels_shows_no_option_and_ignores_the_post(tiny_engin
     assert tiny_engine.int8_activations is None
     with app_serving(tiny_engine, tmp_path / "db.sqlite") as dense, \
             httpx.Client(base_url=dense.url, timeout=60) as client:
-        page = client.get("/", follow_redirects=True).text
+        assert 'id="models"' in client.get("/", follow_redirects=True).text  # the model menu
+        page = client.get("/settings").text
         assert 'id="models"' in page and 'name="int8_activations"' not in page
-        assert "Runs on " in page
+        assert " runs on " in page
         r = client.post("/models/options", data={"int8_activations": "on"})
         assert r.status_code == 200 and 'class="progress"' not in r.text
         assert tiny_engine.int8_activations is None

@@ -33,7 +33,7 @@ def logged_in(server) -> Iterator[httpx.Client]:
 
 def test_logout_clears_the_session_and_leads_to_the_login_page(server):
     with logged_in(server) as client:
-        page = client.get("/", follow_redirects=True)
+        page = client.get("/settings")  # Settings › API key
         assert 'action="/logout"' in page.text and "Log out" in page.text
         r = client.post("/logout", headers={"Origin": server.url})
         assert r.status_code == 303 and r.headers["location"] == "/login"

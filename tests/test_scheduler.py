@@ -286,9 +286,9 @@ def test_switching_models_waits_for_or_cancels_running_requests(llama, qwen):
         prompt = dict(prompt_tokens=list(range(100, 140)))
         running = engine.submit(params=SamplingParams(max_tokens=40), **prompt)
         stages = []
-        engine.switch_model("qwen", progress=stages.append)
+        engine.switch_model("qwen", progress=lambda p: stages.append(p.stage))
         assert running.state == "finished" and len(tokens(running)) == 40
-        assert engine.model_name == qwen.name and stages == ["loading", "ready"]
+        assert engine.model_name == qwen.name and stages == ["ready"]
         params = SamplingParams(max_tokens=8)
         assert tokens(engine.submit(params=params, **prompt)) == alone(qwen, params, **prompt)
 

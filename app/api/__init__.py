@@ -7,6 +7,7 @@ docstring is the contract an adapter follows):
 - `anthropic.py`: Anthropic Messages `/v1/messages`; `responses.py`: OpenAI Responses
   `/v1/responses`; `ollama.py`: Ollama's `/api/*`.
 - `embeddings.py`: OpenAI `/v1/embeddings` (and the `embed` Ollama's `/api/embed` shares).
+- `audio.py`: OpenAI `/v1/audio/transcriptions`, `/translations` and `/speech` (voice).
 - `infill.py`: llama.cpp's `/infill` (fill-in-the-middle); `rerank.py`: `/v1/rerank` (Jina/Cohere,
   and llama.cpp's `/rerank` paths).
 - `models.py`: `/v1/models` and the model a request runs on; `health.py`: `/health` and
@@ -14,8 +15,9 @@ docstring is the contract an adapter follows):
 - `errors.py`: `ApiError` (written in each protocol's shape, app/api/error_shapes.py).
 """
 
-from . import anthropic, chat, completions, embeddings, health, infill, models, ollama, rerank, responses
+from . import (anthropic, audio, chat, completions, embeddings, health, infill, models, ollama,
+               rerank, responses)
 
 routes = [*health.routes, *models.routes, *chat.routes, *completions.routes, *anthropic.routes,
           *ollama.routes, *responses.routes, *embeddings.routes,
-          *infill.routes, *rerank.routes]
+          *infill.routes, *rerank.routes, *audio.routes]

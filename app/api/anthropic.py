@@ -14,12 +14,22 @@ Tolerant as its clients need: fields and block types that ask for nothing this s
 (`cache_control`, `metadata`, `thinking: adaptive`, `output_config`, `context_management`, server
 tools ...) are accepted and ignored; `max_tokens` is clamped to the context the prompt leaves; any
 model name runs on the loaded model unless an alias (`--model-alias`) or a local model's own name
-says otherwise. Images: `image` blocks with a base64 source in user turns (limits in
-app/api/images.py). Not supported: documents (a clear 400).
+says otherwise. Images: `image` blocks with a base64 source in user turns and inside
+`tool_result` (limits in app/api/images.py; a tool result's images follow the tool results as a
+user turn, where every vision model's template takes them). Documents: `document` blocks (a base64
+PDF, a text source, a content source) in user turns and inside `tool_result`, read as
+app/api/documents.py says.
+
+Per-request noise never reaches the prompt (app/api/prompt_noise.py): Claude Code's
+`x-anthropic-billing-header:` system block, whose `cch` changes on every request, is dropped, so
+every round of a session reuses the one before it from the prefix cache. A prompt longer than the
+context is refused at once with the error Claude Code compacts on: 400 `invalid_request_error`,
+"prompt is too long: N tokens > M maximum".
 """
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from typing import Any, Callable, Iterable
@@ -32,8 +42,10 @@ from engine import EngineError, Event, InvalidRequest, Usage, count_tokens, tool
 
 from ..sse import sse
 from ..state import app_state
+from . import documents
 from .errors import ApiError
 from .openai_request import parse_messages
+from .prompt_noise import without_noise, without_noise_blocks
 from .serving import (Choice, finished, parse_by_cost, public_error, read_body, stream, submit,
                       use_named_model)
 
@@ -57,11 +69,19 @@ def _text(value: Any, where: str) -> str:
             if not isinstance(block, dict):
                 raise _bad(f"{where} must hold content blocks (objects)", where)
             if block.get("type") in ("image", "document"):
-                raise _bad(f"{where} holds an {block['type']} block: this server reads text only",
+                raise _bad(f"{where} holds an {block['type']} block: only text is read here",
                            where)
         return "".join(b["text"] for b in value if b.get("type") == "text"
                        and isinstance(b.get("text"), str))
     raise _bad(f"{where} must be a string or an array of content blocks", where)
+
+
+def _system_text(value: Any, where: str) -> str:
+    """System text (a string or text blocks) without per-request noise."""
+    if isinstance(value, list):
+        value = without_noise_blocks(value)
+    text = _text(value, where)
+    return without_noise(text)
 
 
 def _turn(i: int, message: Any) -> list[dict[str, Any]]:
@@ -73,19 +93,26 @@ def _turn(i: int, message: Any) -> list[dict[str, Any]]:
     if role not in ("user", "assistant", "system"):
         raise _bad(f"{where}.role must be \"user\" or \"assistant\"", f"{where}.role")
     content = message.get("content")
-    if isinstance(content, str) or role == "system":
-        return [{"role": role, "content": _text(content, f"{where}.content")}]
+    if role == "system":
+        return [{"role": role, "content": _system_text(content, f"{where}.content")}]
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
     if not isinstance(content, list):
         raise _bad(f"{where}.content must be a string or an array of content blocks",
                    f"{where}.content")
     texts, calls, results = _blocks(where, role, content)
     out = list(results)
     if texts or calls or not results:
-        text_only = all(isinstance(t, str) for t in texts)
-        parts = [{"type": "text", "text": t} if isinstance(t, str) else t for t in texts]
-        out.append({"role": role, "content": "".join(texts) if text_only else parts,
+        out.append({"role": role, "content": _joined(texts),
                     **({"tool_calls": calls} if calls else {})})
     return out
+
+
+def _joined(parts: list[Any]) -> Any:
+    """Texts (strings) and parts as a message's content: one string when all are text."""
+    if all(isinstance(p, str) for p in parts):
+        return "".join(parts)
+    return [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
 
 
 def _image(at: str, block: dict[str, Any]) -> dict[str, Any]:
@@ -102,10 +129,40 @@ def _image(at: str, block: dict[str, Any]) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{source['data']}"}}
 
 
+def _document(at: str, block: dict[str, Any]) -> list[dict[str, Any]]:
+    """A `document` block as parts (app/api/documents.py): a base64 source (a PDF; an image's
+    media type makes it an image), a text source, a content source (its text one document, its
+    images image parts); a URL or file source is refused (nothing is fetched)."""
+    source, name = block.get("source"), block.get("title")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media = source.get("media_type") if isinstance(source.get("media_type"), str) else ""
+        return [documents.from_base64(source.get("data"), media, name, f"{at}.source.data", at)]
+    if kind == "text":
+        return [documents.from_text(source.get("data"), name, f"{at}.source.data", at)]
+    if kind == "content":
+        content = source.get("content")
+        if isinstance(content, str):
+            return [documents.from_text(content, name, f"{at}.source.content", at)]
+        if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
+            raise _bad(f"{at}.source.content must be a string or an array of content blocks", at)
+        text = "\n\n".join(b["text"] for b in content if b.get("type") == "text"
+                            and isinstance(b.get("text"), str))
+        images = [_image(f"{at}.source.content[{k}]", b) for k, b in enumerate(content)
+                  if b.get("type") == "image"]
+        return ([documents.from_text(text, name, f"{at}.source.content", at)] if text else []) \
+            + images
+    if kind in ("url", "file"):
+        raise documents.url_refused(at)
+    raise _bad(f"{at}.source must be {{\"type\": \"base64\" | \"text\" | \"content\", ...}}",
+               at)
+
+
 def _blocks(where: str, role: str, content: list[Any]) -> tuple[list[Any], list[dict[str, Any]],
                                                                list[dict[str, Any]]]:
-    """(texts and image parts, tool calls, tool results) of a message's content blocks."""
-    texts, calls, results = [], [], []
+    """(texts with image and document parts, tool calls, tool results) of a message's content
+    blocks; the images of tool results come first among the texts (they follow the results)."""
+    texts, calls, results, shown = [], [], [], []
     for j, block in enumerate(content):
         at = f"{where}.content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
@@ -116,14 +173,18 @@ def _blocks(where: str, role: str, content: list[Any]) -> tuple[list[Any], list[
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_use(at, block))
         elif kind == "tool_result" and role == "user":
-            results.append(_tool_result(at, block))
+            result, images = _tool_result(at, block)
+            results.append(result)
+            shown += images
         elif kind == "image" and role == "user":
             texts.append(_image(at, block))
+        elif kind == "document" and role == "user":
+            texts += _document(at, block)
         elif kind in ("image", "document"):
-            raise _bad(f"{at} is an {kind} block: this server reads text and user images only", at)
+            raise _bad(f"{at} is an {kind} block: only user turns and tool results carry them", at)
         elif kind not in _SKIPPED_BLOCKS and isinstance(block.get("text"), str):
             texts.append(block["text"])  # an unknown block type that carries text
-    return texts, calls, results
+    return shown + texts, calls, results
 
 
 def _tool_use(at: str, block: dict[str, Any]) -> dict[str, Any]:
@@ -134,20 +195,39 @@ def _tool_use(at: str, block: dict[str, Any]) -> dict[str, Any]:
             "function": {"name": block["name"], "arguments": json.dumps(block.get("input", {}))}}
 
 
-def _tool_result(at: str, block: dict[str, Any]) -> dict[str, Any]:
-    """A `tool_result` block as a tool message."""
+def _tool_result(at: str, block: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A `tool_result` block as a tool message (its text and documents), and its images, which go
+    into the user turn after the tool results."""
     if not isinstance(block.get("tool_use_id"), str):
         raise _bad(f"{at}.tool_use_id (a string) is required", at)
-    text = _text(block.get("content", ""), f"{at}.content")
+    content = block.get("content", "")
+    parts: list[Any] = []
+    images: list[dict[str, Any]] = []
+    if isinstance(content, list):
+        for k, item in enumerate(content):
+            where = f"{at}.content[{k}]"
+            kind = item.get("type") if isinstance(item, dict) else None
+            if kind == "image":
+                images.append(_image(where, item))
+            elif kind == "document":
+                found = _document(where, item)
+                parts += [p for p in found if p.get("type") != "image_url"]
+                images += [p for p in found if p.get("type") == "image_url"]
+            elif kind == "text" and isinstance(item.get("text"), str):
+                parts.append(item["text"])
+            elif kind is None:
+                raise _bad(f"{where} must be a content block with a 'type'", where)
+    else:
+        parts.append(_text(content, f"{at}.content"))
     if block.get("is_error"):
-        text = f"Error: {text}"
-    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": text}
+        parts.insert(0, "Error: ")
+    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": _joined(parts)}, images
 
 
 def _system(value: Any) -> list[dict[str, Any]]:
     if value is None:
         return []
-    text = _text(value, "system")
+    text = _system_text(value, "system")
     return [{"role": "system", "content": text}] if text else []
 
 
@@ -285,6 +365,21 @@ def _content(choice: Choice) -> list[dict[str, Any]]:
     return blocks
 
 
+# The engine's refusal of a prompt longer than the context: "the prompt has N tokens; this
+# model's context is M tokens".
+_TOO_LONG = re.compile(r"(\d+) tokens;\D+(\d+) tokens")
+
+
+def too_long(exc: ApiError) -> ApiError:
+    """A prompt over the context as Anthropic words it, which Claude Code compacts on: 400
+    `invalid_request_error`, "prompt is too long: N tokens > M maximum"; other errors as they are."""
+    found = _TOO_LONG.search(exc.message) if exc.code == "context_length_exceeded" else None
+    if found is None:
+        return exc
+    return ApiError(400, f"prompt is too long: {found[1]} tokens > {found[2]} maximum", exc.param,
+                    exc.code)
+
+
 async def messages_endpoint(request: Request) -> Response:
     engine = app_state(request).engine
     try:
@@ -295,8 +390,12 @@ async def messages_endpoint(request: Request) -> Response:
             params = engine.defaults.params(sampling)
         except InvalidRequest as exc:
             raise ApiError(400, public_error(str(exc)), exc.field, exc.code) from None
-        handles = await submit(engine, messages, params, tools=tools, split_reasoning=True,
-                               fit_max_tokens=True)
+        messages = await documents.read_documents(app_state(request), messages)
+        try:
+            handles = await submit(engine, messages, params, tools=tools, split_reasoning=True,
+                                   fit_max_tokens=True)
+        except ApiError as exc:
+            raise too_long(exc) from None
         message_id = f"msg_{uuid.uuid4().hex[:24]}"
         if streamed:
             return stream(request, handles, MessageEncoder(message_id, model, lambda: handles[0].usage))
@@ -403,6 +502,7 @@ async def count_tokens_endpoint(request: Request) -> Response:
             body = {"max_tokens": 1, **body}
         messages, _, tools, _ = await parse_by_cost(request, parse, body)
         await use_named_model(request, body.get("model"))
+        messages = await documents.read_documents(app_state(request), messages)
         try:
             n = await asyncio.to_thread(count_tokens, engine, messages=messages, tools=tools)
         except EngineError as exc:

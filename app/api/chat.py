@@ -1,6 +1,9 @@
 """OpenAI's `/v1/chat/completions` (JSON or SSE), an adapter over the serving core
 (app/api/serving.py): `parse_chat_request` turns a body into a `ChatRequest`, `ChatEncoder` writes
-the engine's events as `chat.completion.chunk`s, and `chat_completions` joins them."""
+the engine's events as `chat.completion.chunk`s, and `chat_completions` joins them. `file` parts
+(PDF and text documents as data URLs) are read as app/api/documents.py says; a prompt longer than
+the context is refused at once with `context_length_exceeded` (400), unless the request asks for
+`"truncate": "oldest"`."""
 
 import asyncio
 import json
@@ -20,6 +23,7 @@ from ..context_window import TRUNCATE_MODES, drop_oldest
 from ..sse import sse
 from ..state import app_state
 from .choices import logprobs_body, message_body, system_fingerprint, tool_call_deltas, total_usage
+from .documents import read_documents
 from .errors import ApiError, check_fields
 from .openai_request import (SAMPLING, check_model, choice_count, parse_messages, sampling_fields,
                              stream_fields, typed, usage_body)
@@ -136,15 +140,16 @@ def parse_speculative(value: Any) -> SpeculativeOptions | None:
         raise ApiError(400, str(exc), exc.field, "invalid_value") from None
 
 
-def _truncated(engine: Engine, mode: Any, chat: ChatRequest) -> list[dict[str, Any]]:
-    """The request's messages, the oldest dropped to fit if it asked (`"truncate": "oldest"`)."""
+def _truncated(engine: Engine, mode: Any, chat: ChatRequest,
+               messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's `messages`, the oldest dropped to fit if it asked (`"truncate": "oldest"`)."""
     if mode is None:
-        return chat.messages
+        return messages
     if mode not in TRUNCATE_MODES:
         raise ApiError(400, f"'truncate' must be one of {', '.join(TRUNCATE_MODES)}", "truncate",
                        "invalid_value")
     try:
-        return drop_oldest(engine, chat.messages, chat.params.max_tokens, chat.tools)
+        return drop_oldest(engine, messages, chat.params.max_tokens, chat.tools)
     except InvalidRequest as exc:
         raise ApiError(400, str(exc), engine_param(exc), exc.code) from None
 
@@ -201,7 +206,9 @@ async def chat_completions(request: Request) -> Response:
         # tool schemas compile, and a long conversation is fitted, off the event loop
         chat = await asyncio.to_thread(parse_chat_request, body, model, engine.defaults)
         speculative = parse_speculative(body.get("speculative"))
-        messages = await asyncio.to_thread(_truncated, engine, body.get("truncate"), chat)
+        messages = await read_documents(app_state(request), chat.messages)  # `file` parts
+        messages = await asyncio.to_thread(_truncated, engine, body.get("truncate"), chat,
+                                           messages)
         handles = await submit(engine, messages, chat.params, chat.n, speculative,
                                tools=chat.tools, split_reasoning=chat.split_reasoning,
                                keep_alive=chat.keep_alive)

@@ -30,7 +30,8 @@ from engine import Embeddings, Engine, EngineError
 from ..state import app_state
 from .errors import ApiError, check_fields
 from .openai_request import typed
-from .serving import aliased, cancel_on_disconnect, engine_refusal, model_loading, read_body
+from .serving import (aliased, cancel_on_disconnect, engine_refusal, model_loading, read_body,
+                      wait_for_model)
 
 ENCODINGS = ("float", "base64")
 INPUT_TYPES = ("query", "document")
@@ -85,6 +86,7 @@ async def embeddings(request: Request) -> Response:
         model = typed(body, "model", str)
         if model is not None:  # `--model-alias text-embedding-*=...` for clients' own names
             model = aliased(state.aliases, model)
+        await wait_for_model(request)  # a model that is loading: wait for it a while
         result = await embed(engine, body["input"], model=model,
                              dimensions=typed(body, "dimensions", int),
                              truncate=bool(typed(body, "truncate", bool)),

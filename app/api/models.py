@@ -4,6 +4,7 @@ model picker uses too (app/model_jobs.py: one load at a time, after the running 
 as Ollama and LM Studio do; a name no local model has is a 404 listing the ones there are."""
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -32,13 +33,39 @@ def local_models(engine: Engine) -> list[ModelInfo]:
     return sorted(found, key=lambda m: m.name != engine.model_name)
 
 
+def model_config(model: ModelInfo) -> dict[str, Any]:
+    """A model folder's config.json ({} for a GGUF file, a model not fetched, a damaged file)."""
+    path = Path(model.path) if model.path else None
+    try:
+        return json.loads((path / "config.json").read_text()) if path and path.is_dir() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def context_length(model: ModelInfo, engine: Engine | None = None) -> int | None:
+    """The longest prompt plus answer `model` takes, in tokens: the loaded model's as the engine
+    runs it; another's as its config.json declares it (its text model's, for a vision model);
+    None when unknown until it loads (a GGUF file)."""
+    if engine is not None and engine.model is not None and model.name == engine.model_name:
+        return engine.model.context_length
+    config = model_config(model)
+    text = config.get("text_config", config)
+    found = next((text[k] for k in ("max_position_embeddings", "max_seq_len", "seq_length")
+                  if isinstance(text.get(k), int)), None)
+    return found
+
+
 def model_object(model: ModelInfo, engine: Engine | None = None) -> dict[str, Any]:
     """A model as OpenAI's `/v1/models` describes one; `created` is when its files were written.
-    The loaded model also says what it can do (`capabilities`, an extension: completion, tools,
+    Extensions: `context_length` (tokens, where known: coding agents size their sessions and
+    compact by it), and for the loaded model what it can do (`capabilities`: completion, tools,
     thinking, embedding — engine.loading.registry.CAPABILITIES)."""
     path = Path(model.path) if model.path else None
     created = int(path.stat().st_mtime) if path is not None and path.exists() else STARTED
-    out = {"id": model.name, "object": "model", "created": created, "owned_by": "mlxchat"}
+    out: dict[str, Any] = {"id": model.name, "object": "model", "created": created,
+                           "owned_by": "mlxchat"}
+    if (context := context_length(model, engine)) is not None:
+        out["context_length"] = context
     if engine is not None and engine.model is not None and model.name == engine.model_name:
         out["capabilities"] = list(engine.model.capabilities)
     return out

@@ -35,10 +35,10 @@ from engine import (DownloadError, Engine, EngineError, Event, Infill, InvalidRe
 from ..state import app_state
 from .embeddings import embed as embed_vectors
 from .errors import ApiError
-from .models import local_models
+from .models import context_length, local_models, model_config
 from .openai_request import parse_messages
-from .serving import (Choice, aliased, finished, parse_by_cost, public_error, read_body, stream, submit,
-                      use_named_model)
+from .serving import (Choice, aliased, finished, parse_by_cost, public_error, read_body, stream,
+                      submit, use_named_model, wait_for_model)
 
 # The Ollama version we answer as: clients check it (codex --oss needs >= 0.13.4).
 VERSION = "0.13.5"
@@ -114,14 +114,6 @@ async def ps(request: Request) -> Response:
          "context_length": engine.model.context_length} for m in running]})
 
 
-def _config(m: ModelInfo) -> dict[str, Any]:
-    path = Path(m.path) if m.path else None
-    try:
-        return json.loads((path / "config.json").read_text()) if path and path.is_dir() else {}
-    except (OSError, ValueError):
-        return {}
-
-
 async def _named(request: Request) -> tuple[str, str] | Response:
     """(the name a show/delete body gives, the local model it names); else the error answer."""
     try:
@@ -143,9 +135,9 @@ async def show(request: Request) -> Response:
     name, found = named
     m = next(m for m in local_models(engine) if m.name == found)
     described = engine.model if found == engine.model_name else None
-    config = _config(m)
+    config = model_config(m)
     family = described.family if described else config.get("model_type", "")
-    context = described.context_length if described else config.get("max_position_embeddings")
+    context = context_length(m, engine)  # as /v1/models reports it
     info = {"general.architecture": family, "general.basename": m.name}
     if context:
         info[f"{family}.context_length"] = context
@@ -550,6 +542,7 @@ async def embed(request: Request) -> Response:
         if inputs is None:
             raise ApiError(400, f"'{'prompt' if legacy else 'input'}' is required")
         dimensions = body.get("dimensions")
+        await wait_for_model(request)  # a model that is loading: wait for it a while
         result = await embed_vectors(
             app_state(request).engine, inputs, model=_embedding_model(request, body.get("model")),
             dimensions=dimensions if isinstance(dimensions, int) else None,

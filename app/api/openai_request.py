@@ -11,11 +11,12 @@ import json
 import math
 from typing import Any
 
-from engine import MESSAGE_ROLES, SAMPLING_OPTIONS, Usage
+from engine import MESSAGE_ROLES, SAMPLING_OPTIONS, ImageInput, Usage
 
+from . import documents
 from .choices import MAX_CHOICES
 from .errors import ApiError
-from .images import check_count, check_pixels, image_part, images_of, read_url
+from .images import check_count, check_pixels, count_images, image_part, images_of, read_url
 from .tool_messages import tool_fields
 
 # The roles a message may have (the engine's), and OpenAI's "developer", which is a system message.
@@ -90,15 +91,33 @@ def stream_fields(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, bool(options.get("include_usage"))
 
 
+def _file(p: dict[str, Any], where: str, param: str) -> dict[str, Any]:
+    """A `file` part (`{"file": {"filename", "file_data": <data URL>}}`) as a document part
+    (app/api/documents.py); a `file_id` alone is refused (no Files API here)."""
+    spec = p.get("file")
+    if not isinstance(spec, dict):
+        raise ApiError(400, f"{where}.file must be an object with 'file_data'", param,
+                       "invalid_document")
+    if spec.get("file_data") is None and spec.get("file_id") is not None:
+        raise documents.url_refused(f"{where}.file", param)
+    return documents.from_data(spec.get("file_data"), spec.get("filename"), f"{where}.file", param)
+
+
+def _is_decoded(p: dict[str, Any]) -> bool:
+    """A part an adapter decoded already (an image, a document); never from JSON."""
+    return documents.is_document(p) or (p.get("type") == "image"
+                                        and isinstance(p.get("image"), ImageInput))
+
+
 def _content(i: int, content: Any) -> str | list[dict[str, Any]]:
     """A message's content: a string, or OpenAI's list of parts: text parts alone are joined into
-    a string; with `image_url` parts (data URLs, app/api/images.py) it stays a list of text and
-    image parts, in order."""
+    a string; with `image_url` parts (data URLs, app/api/images.py) or `file` parts (documents,
+    app/api/documents.py) it stays a list of text, image and document parts, in order."""
     if isinstance(content, str):
         return content
     where = f"messages[{i}].content"
     if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
-        raise ApiError(400, f"{where} must be a string or a list of text and image_url parts",
+        raise ApiError(400, f"{where} must be a string or a list of text, image_url and file parts",
                        where)
     parts: list[dict[str, Any]] = []
     for j, p in enumerate(content):
@@ -108,9 +127,13 @@ def _content(i: int, content: Any) -> str | list[dict[str, Any]]:
             url = p.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
             parts.append(image_part(read_url(url, f"{where}[{j}].image_url", where)))
+        elif p.get("type") == "file":
+            parts.append(_file(p, f"{where}[{j}]", where))
+        elif _is_decoded(p):
+            parts.append(p)
         else:
-            raise ApiError(400, f"{where}[{j}] must be a text or image_url part (audio and files "
-                                "are not supported)", where)
+            raise ApiError(400, f"{where}[{j}] must be a text, image_url or file part (audio is "
+                                "not supported)", where)
     if all(p["type"] == "text" for p in parts):
         return "".join(p["text"] for p in parts)
     return parts
@@ -135,7 +158,9 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
             content = ""
         out.append({"role": ROLES[role], "content": _content(i, content),
                     **tool_fields(i, role, m)})
+    check_count(count_images(out))  # with the images of documents and tool results
     check_pixels(images_of(out))  # each image's header read, none decoded
+    documents.check_count(documents.count_documents(out))
     return out
 
 

@@ -29,7 +29,7 @@ from engine import Engine, EngineError, Ranking
 from ..state import app_state
 from .errors import ApiError
 from .openai_request import typed
-from .serving import aliased, engine_refusal, model_loading, read_body
+from .serving import aliased, engine_refusal, model_loading, read_body, wait_for_model
 
 
 def _documents(body: dict[str, Any], name: str) -> list[str]:
@@ -95,6 +95,7 @@ async def rerank(request: Request) -> Response:
         echo = (not tei) if echo is None else echo
         if options["model"] is not None:  # `--model-alias` for clients' own names
             options["model"] = aliased(state.aliases, options["model"])
+        await wait_for_model(request)  # a model that is loading: wait for it a while
         ranking = await rank(engine, query, documents, **options)
     except ApiError as err:
         return err.response(request.url.path)

@@ -9,13 +9,17 @@ output items (reasoning, message, function_call) and OpenAI's stream events. `st
 default) keeps the response and its conversation in SQLite so that `previous_response_id`
 continues it; `store: false` keeps nothing. Fields that ask for nothing this server must do
 (`include`, `prompt_cache_key`, `truncation`, `user`, `service_tier` ...) and hosted tool types
-(web search, ...) are ignored; `input_image` parts (data URLs) in user messages are images
-(app/api/images.py; stored with the conversation as sent, once each: app/storage/responses.py);
-files are refused with a clear 400. The fields a response echoes (`metadata`, `text`,
-`reasoning`, `tool_choice`, hosted `tools` ...) are checked and bounded as OpenAI bounds them,
-since they are stored; stored responses expire (`--responses-ttl`) and the store has a cap. Without
+(web search, ...) are ignored; `input_image` parts (data URLs) in user messages and function call
+outputs are images (app/api/images.py; stored with the conversation as sent, once each:
+app/storage/responses.py); `input_file` parts (a PDF or text as `file_data`) are documents
+(app/api/documents.py). The fields a response echoes (`metadata`, `text`, `reasoning`,
+`tool_choice`, hosted `tools` ...) are checked and bounded as OpenAI bounds them, since they are
+stored; stored responses expire (`--responses-ttl`) and the store has a cap. Without
 `max_output_tokens` the answer may use the context the prompt leaves. Model names that are no
 local model run on the loaded one (`--model-alias` applies).
+Per-request noise (a billing line in `instructions`, app/api/prompt_noise.py) never reaches the
+prompt; a prompt longer than the context is refused at once with `context_length_exceeded` (400),
+which Codex compacts on.
 """
 
 import json
@@ -34,9 +38,12 @@ from ..sse import sse
 from ..state import app_state
 from ..storage import StoredResponses
 from ..submission import by_cost, costly_body
+from . import documents
 from .errors import ApiError
 from .images import storable
 from .openai_request import parse_messages
+from .prompt_noise import without_noise
+from .tool_messages import add_tool_result
 from .response_format import json_schema
 from .serving import (Choice, finished, public_error, read_body, stream, submit,
                       use_named_model)
@@ -53,9 +60,10 @@ def _bad(message: str, param: str | None = None, code: str = "invalid_value") ->
 
 
 def _text(content: Any, where: str, images: bool = False) -> str | list[dict[str, Any]]:
-    """A content's text; with `images` (a message's content), `input_image` parts (an
-    `image_url` data URL) make it a list of text and OpenAI `image_url` parts, which
-    parse_messages decodes (limits: app/api/images.py)."""
+    """A content's text; with `images` (a user message's content, a function call's output),
+    `input_image` parts (an `image_url` data URL) and `input_file` parts (a document as
+    `file_data`, app/api/documents.py) make it a list of text, OpenAI `image_url` parts (which
+    parse_messages decodes; limits: app/api/images.py) and document parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -67,9 +75,11 @@ def _text(content: Any, where: str, images: bool = False) -> str | list[dict[str
             parts.append(part["text"])
         elif kind == "input_image" and images and part.get("image_url") is not None:
             parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        elif kind == "input_file" and images:
+            parts.append(_file(part, f"{where}[{j}]", where))
         elif kind in ("input_image", "input_file", "input_audio"):
-            raise _bad(f"{where}[{j}] is {kind}: this server reads text and images given as "
-                       "`image_url` data URLs only", where)
+            raise _bad(f"{where}[{j}] is {kind}: this server reads text here, and images and "
+                       "files in user messages and function call outputs", where)
         elif kind is None:
             raise _bad(f"{where}[{j}] must be a content part with a 'type'", where)
     if all(isinstance(p, str) for p in parts):
@@ -77,13 +87,24 @@ def _text(content: Any, where: str, images: bool = False) -> str | list[dict[str
     return [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
 
 
+def _file(part: dict[str, Any], where: str, param: str) -> dict[str, Any]:
+    """An `input_file` part as a document part; a file id or URL is refused (nothing fetched)."""
+    if part.get("file_data") is None and (part.get("file_id") or part.get("file_url")):
+        raise documents.url_refused(where, param)
+    return documents.from_data(part.get("file_data"), part.get("filename"), f"{where}.file_data",
+                               param)
+
+
 def input_messages(value: Any, instructions: Any) -> list[dict[str, Any]]:
-    """`instructions` and `input` as engine (OpenAI chat) messages."""
+    """`instructions` and `input` as engine (OpenAI chat) messages, per-request noise dropped from
+    the instructions (app/api/prompt_noise.py)."""
     out: list[dict[str, Any]] = []
     if instructions is not None:
         if not isinstance(instructions, str):
             raise _bad("'instructions' must be a string", "instructions")
-        out.append({"role": "system", "content": instructions})
+        instructions = without_noise(instructions)
+        if instructions.strip():
+            out.append({"role": "system", "content": instructions})
     if isinstance(value, str):
         return out + [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
@@ -95,16 +116,13 @@ def input_messages(value: Any, instructions: Any) -> list[dict[str, Any]]:
 
 def _add_item(out: list[dict[str, Any]], where: str, item: Any) -> None:
     """Input item `item` appended to `out` as engine messages (a function call joins the
-    assistant turn before it)."""
+    assistant turn before it; a function call output's images follow the outputs as a user
+    turn)."""
     if not isinstance(item, dict):
         raise _bad(f"{where} must be an object", where)
     kind = item.get("type", "message" if "role" in item else None)
     if kind == "message":
-        role = {"developer": "system"}.get(item.get("role"), item.get("role"))
-        if role not in ("user", "assistant", "system"):
-            raise _bad(f"{where}.role must be user, assistant, system or developer", where)
-        out.append({"role": role, "content": _text(item.get("content", ""), f"{where}.content",
-                                                   images=role == "user")})
+        out.append(_message(where, item))
     elif kind == "function_call":
         if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
             raise _bad(f"{where} needs 'name' and 'call_id'", where)
@@ -117,10 +135,21 @@ def _add_item(out: list[dict[str, Any]], where: str, item: Any) -> None:
     elif kind == "function_call_output":
         if not isinstance(item.get("call_id"), str):
             raise _bad(f"{where}.call_id is required", where)
-        out.append({"role": "tool", "tool_call_id": item["call_id"],
-                    "content": _text(item.get("output", ""), f"{where}.output")})
+        output = _text(item.get("output", ""), f"{where}.output", images=True)
+        add_tool_result(out, item["call_id"], output)
     elif kind not in _SKIPPED_ITEMS:
         raise _bad(f"{where}.type {json.dumps(kind)} is not supported here", where)
+
+
+def _message(where: str, item: dict[str, Any]) -> dict[str, Any]:
+    """A message item as an engine message (per-request noise dropped from system text)."""
+    role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+    if role not in ("user", "assistant", "system"):
+        raise _bad(f"{where}.role must be user, assistant, system or developer", where)
+    content = _text(item.get("content", ""), f"{where}.content", images=role == "user")
+    if role == "system" and isinstance(content, str):
+        content = without_noise(content)
+    return {"role": role, "content": content}
 
 
 def _functions(tools: Any) -> list[dict[str, Any]]:
@@ -349,6 +378,7 @@ async def create(request: Request) -> Response:
             params = engine.defaults.params(parsed.sampling)
         except InvalidRequest as exc:
             raise ApiError(400, public_error(str(exc)), exc.field, exc.code) from None
+        parsed.messages = await documents.read_documents(app_state(request), parsed.messages)
         handles = await submit(engine, parsed.messages, params, tools=parsed.tools,
                                split_reasoning=True, fit_max_tokens=True)
         envelope = parsed.envelope(_new("resp"), model, "in_progress")

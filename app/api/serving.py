@@ -9,7 +9,8 @@ embeddings.py):
 2. Choose the model: `require_model` (strict, OpenAI: a name no local model has is a 404, and the
    request is parsed before anything loads) or `use_named_model` (lenient, for clients that send
    their own vendor's names, with `--model-alias`). Both switch the loaded model through the shared
-   model-switch service (app/model_jobs.py) and answer 503 while none is loaded.
+   model-switch service (app/model_jobs.py); while a model loads they wait for it a bounded
+   while (`wait_for_model`), then answer 503 with Retry-After.
 3. Parse the request into engine messages (or a raw prompt) + `SamplingParams` + `ToolRequest`;
    refuse bad input by raising `ApiError` (status, message, field, code).
 4. `submit` the engine requests (`n` choices; `fit_max_tokens=True` for clients that ask for more
@@ -31,6 +32,7 @@ import contextlib
 import fnmatch
 import json
 import math
+import os
 import random
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterable, Protocol, Sequence, TypeVar
@@ -41,6 +43,7 @@ from starlette.responses import StreamingResponse
 from engine import (Engine, EngineError, Event, InvalidRequest, ModelLoadError, Overloaded, RequestHandle,
                     SamplingParams, SpeculativeOptions, TokenLogprob)
 
+from ..model_jobs import ModelSwitch, model_loaded
 from ..state import app_state
 from ..submission import INLINE_BODY_BYTES, by_cost, costly_body, start
 from .errors import ApiError
@@ -50,6 +53,12 @@ from .models import use_model
 T = TypeVar("T")
 # Deeper JSON is refused before anything walks it recursively (schemas, the chat template).
 MAX_DEPTH = 64
+# A request that needs the model waits this long for one that is loading (MLXCHAT_LOAD_WAIT
+# seconds, as Ollama's OLLAMA_LOAD_TIMEOUT), then gets 503 with Retry-After (a first run downloads
+# and converts for a minute or more; clients retry).
+LOAD_WAIT_ENV = "MLXCHAT_LOAD_WAIT"
+MODEL_WAIT_S = 30.0
+RETRY_AFTER_S = 5
 
 
 # --- the body -----------------------------------------------------------------------------------
@@ -119,10 +128,31 @@ def _load_sized(raw: bytes, path: str) -> Any:
 
 # --- the model ----------------------------------------------------------------------------------
 
-def model_loading() -> ApiError:
-    """The 503 (with Retry-After) while no model is loaded."""
-    return ApiError(503, "a model is loading; try again shortly", type_="server_error",
-                    code="model_loading", headers={"Retry-After": "5"})
+def model_loading(switch: ModelSwitch | None = None) -> ApiError:
+    """The 503 while no model is loaded: with Retry-After while one loads (its stage said), or
+    the reason the last load failed."""
+    if switch is not None and not switch.loading and switch.error:
+        return ApiError(503, switch.error, "model", "model_load_failed", type_="server_error")
+    stage = f" ({switch.progress.describe()})" if switch and switch.progress else ""
+    return ApiError(503, f"a model is loading{stage}; try again shortly", type_="server_error",
+                    code="model_loading", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+async def wait_for_model(request: Request) -> None:
+    """Return once a model is loaded: a request that comes while one loads (the server's first,
+    or a switch) waits for it up to MODEL_WAIT_S (MLXCHAT_LOAD_WAIT); raises `model_loading`'s
+    ApiError after that."""
+    state = app_state(request)
+    if not await model_loaded(state.switch, state.engine, load_wait_s()):
+        raise model_loading(state.switch)
+
+
+def load_wait_s() -> float:
+    """MLXCHAT_LOAD_WAIT seconds (a number >= 0), else MODEL_WAIT_S."""
+    try:
+        return max(0.0, float(os.environ.get(LOAD_WAIT_ENV) or MODEL_WAIT_S))
+    except ValueError:
+        return MODEL_WAIT_S
 
 
 async def require_model(request: Request, body: Any, check: Any = None) -> str:
@@ -131,8 +161,7 @@ async def require_model(request: Request, body: Any, check: Any = None) -> str:
     the request against the named model before anything loads, so a bad request loads nothing.
     Raises ApiError: 503 while no model is loaded, 404 for a name no local model has."""
     engine = app_state(request).engine
-    if engine.model_name is None:
-        raise model_loading()
+    await wait_for_model(request)
     wanted = body.get("model") if isinstance(body, dict) else None
     if isinstance(wanted, str) and wanted != engine.model_name:
         if check is not None:  # off the event loop: parsing may compile tool schemas
@@ -171,8 +200,7 @@ async def use_named_model(request: Request, name: Any) -> str:
         target = aliased(state.aliases, name)
         if target != engine.model_name and target in {m.name for m in engine.list_models()}:
             await use_model(request, target)
-    if engine.model_name is None:
-        raise model_loading()
+    await wait_for_model(request)
     return engine.model_name
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from engine import EngineError, Event, RequestHandle, SamplingParams, SpeculativeOptions, ToolRequest
 
 from ..mcp import rounds as mcp_rounds
+from ..model_jobs import model_loaded
 from ..state import AppState
 from ..storage import Conversation, Message, Storage
 from ..submission import start
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 FLUSH_EVERY_S = 0.05  # coalesce tokens into one swap at most this often
 SAVE_EVERY_S = 1.0  # how much streamed text a crash can lose at most
 DELETED = "This conversation has been deleted."
+WAITING = "The model is still loading: your message goes out as soon as it is ready."
 
 
 @dataclass
@@ -93,6 +95,9 @@ async def respond(state: AppState, cid: int, action: str, data: dict[str, Any],
     page of the conversation."""
     pages = state.pages
     try:
+        if not await _model_ready(state, cid, gen):
+            await pages.send(cid, _idle() + render("_notice.html", text=""))
+            return
         turn = await record(state, cid, action, data)
         if isinstance(turn, str):  # too long for the context: nothing is recorded, the user chooses
             await pages.send(cid, turn + _idle())
@@ -113,6 +118,23 @@ async def respond(state: AppState, cid: int, action: str, data: dict[str, Any],
         await pages.send(cid, render("_notice.html", text=f"The answer failed: {exc}") + _idle())
     finally:
         pages.release(cid, gen)
+
+
+async def _model_ready(state: AppState, cid: int, gen: RunningTurn) -> bool:
+    """Wait for the model when one is loading (the server's first run, a switch), saying so on
+    the conversation's pages, Stop ready; False when Stop was pressed meanwhile. Raises Refused
+    when no model could load."""
+    if state.engine.model is not None:
+        return True
+    await state.pages.send(cid, render("_notice.html", text=WAITING)
+                           + render("_composer_actions.html", generating=True, oob=True))
+    while not await model_loaded(state.switch, state.engine, 0.5):
+        if gen.stop_requested:
+            return False
+        if not state.switch.loading:
+            raise Refused(state.switch.error or "No model is loaded: choose one in Settings.")
+    await state.pages.send(cid, render("_notice.html", text=""))
+    return not gen.stop_requested
 
 
 async def record(state: AppState, cid: int, action: str, data: dict[str, Any]) -> Recorded | str:

@@ -44,7 +44,7 @@ async def conversation_page(request: Request) -> Response:
     html = await asyncio.to_thread(lambda: render(  # a long conversation renders off the loop
         "chat.html", conversations=storage.list_conversations(), current_id=conv.id,
         q="", views=message_views(storage, storage.active_path(conv.id)), generating=False,
-        logout=bool(state.api_key), draft_uploads=draft_uploads(storage, conv),
+        draft_uploads=draft_uploads(storage, conv),
         **settings_context(conv, engine=state.engine), **models_context(request),
     ))
     # Boosted navigation: make the address bar show the conversation (also after a redirect).

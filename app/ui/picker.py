@@ -1,22 +1,79 @@
-"""The model picker: switch the loaded model, reload it with other load-time options (int8
-activations on the CPU kernels), download one from a hub and delete a downloaded one, with
-progress sent as server-sent events."""
+"""The model picker: switch the loaded model (the model menu, `_models.html`), reload it with
+other load-time options (int8 activations on the CPU kernels), download one from a hub and
+delete a downloaded one (Settings › Model, `_model_settings.html`). A load in progress (the
+server's first, or a switch) shows above the conversation (`_load_status.html`); a load's and a
+download's progress go out as server-sent events, each in the one progress element
+(`_progress.html`, `progress_view`)."""
 
 import asyncio
 import copy
+import os
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
+from urllib.parse import urlsplit
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine import (DownloadCancelled, DownloadProgress, EngineError, compute_path, list_models,
-                    pull_model, remove_model)
+from engine import (KV_BITS_ENV, LOAD_STAGES, DownloadCancelled, DownloadProgress, EngineError,
+                    LoadStage, compute_path, list_models, pull_model, remove_model)
 
-from ..model_jobs import ModelDownload, begin_switch
+from ..model_jobs import ModelDownload, ModelSwitch, begin_switch
 from ..sse import sse
 from ..state import app_state
 from .views import read_form, render
+
+# How often a progress stream looks for news (it sends only what changed).
+PROGRESS_POLL_S = 0.25
+STAGE_LABELS: dict[LoadStage, str] = {
+    "downloading": "Download", "converting": "Convert to MLX", "building kernels":
+    "Build the CPU kernels (first time only)", "loading": "Load the weights",
+    "warming up": "Warm up", "ready": "Ready"}
+
+
+@dataclass(frozen=True)
+class StageView:
+    stage: LoadStage
+    label: str
+    state: str  # "done", "current" or "pending"
+
+
+@dataclass(frozen=True)
+class ProgressView:
+    """What the progress element shows: text, a fraction for the bar (None: unknown), stages."""
+
+    text: str
+    label: str  # the bar's accessible name
+    fraction: float | None = None
+    stages: tuple[StageView, ...] = ()
+
+
+def load_view(switch: ModelSwitch) -> ProgressView:
+    """A model load as the progress element shows it: its stages in order, each done, current
+    or still to come (those a later stage skipped, having nothing to do, left out); the bytes
+    while downloading."""
+    current = switch.stage
+    reached = max((LOAD_STAGES.index(s) for s in switch.passed), default=-1)
+    stages = []
+    for i, stage in enumerate(LOAD_STAGES[:-1]):  # "ready" ends the load: the element goes
+        if stage not in switch.passed and i < reached:
+            continue
+        state = "current" if stage == current else "done" if stage in switch.passed else "pending"
+        stages.append(StageView(stage, STAGE_LABELS[stage], state))
+    download = switch.progress.download if switch.progress is not None else None
+    fraction = (download.done_bytes / download.total_bytes
+                if download is not None and current == "downloading" and download.total_bytes
+                else None)
+    text = (f"{switch.name} is ready (loaded in {switch.took:.0f} s)." if current == "ready"
+            else switch.describe())
+    return ProgressView(text, f"Loading {switch.name}", fraction, tuple(stages))
+
+
+def download_view(download: ModelDownload) -> ProgressView:
+    p = download.progress
+    fraction = p.done_bytes / p.total_bytes if p is not None and p.total_bytes else None
+    return ProgressView(download.describe(), f"Downloading {download.spec}", fraction)
 
 
 async def switch_model(request: Request) -> Response:
@@ -25,11 +82,12 @@ async def switch_model(request: Request) -> Response:
     switch = state.switch
     name = str((await read_form(request)).get("name", ""))
     if not switch.loading and name != engine.model_name:
-        if name not in {m.name for m in engine.list_models()}:
+        # a listed model, or the last load's own name again (Try again: it may be a path)
+        if name not in {m.name for m in engine.list_models()} and name != switch.name:
             switch.error = f"Unknown model {name!r}."
         else:
             begin_switch(switch, engine, name)
-    return HTMLResponse(render("_models.html", **models_context(request)))
+    return _with_status(request, "_models.html")
 
 
 async def load_options(request: Request) -> Response:
@@ -43,23 +101,49 @@ async def load_options(request: Request) -> Response:
     current = engine.int8_activations
     if not switch.loading and current is not None and wanted != current:
         begin_switch(switch, engine, engine.model_name, int8_activations=wanted)
-    return HTMLResponse(render("_models.html", **models_context(request)))
+    return _with_status(request, "_model_settings.html")
+
+
+def _with_status(request: Request, template: str) -> HTMLResponse:
+    """`template` as the picker is now, and the load status (out of band): a load just began."""
+    context = models_context(request)
+    return HTMLResponse(render(template, **context) + _status(context))
+
+
+def _status(context: dict[str, Any]) -> str:
+    """The load status and the model's name, out of band."""
+    return (render("_load_status.html", oob=True, **context)
+            + render("_model_name.html", oob=True, **context))
 
 
 async def model_progress(request: Request) -> Response:
-    """Server-sent events while a model loads: `progress` text, then `done` with the new picker."""
+    """Server-sent events while a model loads: its progress element at each change, then `done`
+    with the load status as it ends (and the model menu, out of band)."""
     switch = app_state(request).switch
-    return _progress(request, lambda: switch.loading, switch.describe)
+
+    def done() -> str:
+        context = models_context(request)
+        return (render("_load_status.html", just_loaded=True, **context)
+                + render("_models.html", oob=True, **context)
+                + render("_model_name.html", oob=True, **context)
+                + (render("_model_settings.html", oob=True, **context)
+                   if context["on_settings"] else ""))
+    return _progress(lambda: switch.loading, lambda: load_view(switch), done)
 
 
-def _progress(request: Request, busy: Callable[[], bool], describe: Callable[[], str]) -> Response:
-    """Server-sent events while `busy()`: `describe()` as `progress` every half second, then
-    `done` with the picker as it is then."""
+def _progress(busy: Callable[[], bool], view: Callable[[], ProgressView],
+              done: Callable[[], str]) -> Response:
+    """Server-sent events while `busy()`: the progress element each time it changes (looked at
+    every PROGRESS_POLL_S, so a stage is sent as it begins), then `done()` as `done`."""
     async def events() -> AsyncIterator[str]:
+        shown = None
         while busy():
-            yield sse(describe(), "progress")
-            await asyncio.sleep(0.5)
-        yield sse(render("_models.html", **models_context(request)), "done")
+            html = render("_progress.html", view=view())
+            if html != shown:
+                yield sse(html, "progress")
+                shown = html
+            await asyncio.sleep(PROGRESS_POLL_S)
+        yield sse(done(), "done")
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
@@ -86,7 +170,7 @@ async def start_download(request: Request) -> Response:
                 fresh.error = str(exc)
 
         fresh.task = asyncio.create_task(run())
-    return HTMLResponse(render("_models.html", **models_context(request)))
+    return HTMLResponse(render("_model_settings.html", **models_context(request)))
 
 
 async def cancel_download(request: Request) -> Response:
@@ -94,13 +178,15 @@ async def cancel_download(request: Request) -> Response:
     download.cancel.set()
     if download.task is not None:
         await asyncio.wait([download.task], timeout=30)
-    return HTMLResponse(render("_models.html", **models_context(request)))
+    return HTMLResponse(render("_model_settings.html", **models_context(request)))
 
 
 async def download_progress(request: Request) -> Response:
-    """Server-sent events while a download runs: `progress` text, then `done` with the picker."""
+    """Server-sent events while a download runs: its progress element, then `done` with
+    Settings › Model as it is then."""
     download = app_state(request).download
-    return _progress(request, lambda: download.active, download.describe)
+    return _progress(lambda: download.active, lambda: download_view(download),
+                     lambda: render("_model_settings.html", **models_context(request)))
 
 
 async def delete_model(request: Request) -> Response:
@@ -121,7 +207,7 @@ async def delete_model(request: Request) -> Response:
             download.error, download.finished = None, f"Deleted {name}."
         except EngineError as exc:
             download.error = str(exc)
-    return HTMLResponse(render("_models.html", **models_context(request)))
+    return HTMLResponse(render("_model_settings.html", **models_context(request)))
 
 
 def _shown_once(download: ModelDownload) -> ModelDownload:
@@ -138,13 +224,22 @@ def models_context(request: Request) -> dict[str, Any]:
     state = app_state(request)
     engine = state.engine
     cluster = state.cluster  # a sharded model (engine/distributed/)
+    loaded = engine.model_name is not None
+    download = _shown_once(state.download)
+    # asked from (or for) the Settings page, whose Model section a load's end renders anew too
+    on_settings = (request.url.path == "/settings" or request.query_params.get("page") == "settings"
+                   or urlsplit(request.headers.get("hx-current-url", "")).path == "/settings")
     return {"models": engine.list_models(), "current_model": engine.model_name,
-            "switch": state.switch, "download": _shown_once(state.download),
+            "switch": state.switch, "load_view": load_view(state.switch),
+            "download": download, "download_view": download_view(download),
             "resident": engine.status().resident,
             # None where the model does not run on the CPU kernels: the option is not shown
             "int8_activations": engine.int8_activations,
-            "compute_path": compute_path(engine.int8_activations),
-            "sharded_over": cluster.health()["world_size"] if cluster else None}
+            # read once a model is loaded: before, it could build the CPU kernels right here
+            "compute_path": compute_path(engine.int8_activations) if loaded else None,
+            "kv_bits": os.environ.get(KV_BITS_ENV) or None,
+            "sharded_over": cluster.health()["world_size"] if cluster else None,
+            "on_settings": on_settings}
 
 
 routes = [

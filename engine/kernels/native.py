@@ -243,3 +243,9 @@ def status() -> Status:
 
 def kernels() -> ModuleType | None:
     return status().module
+
+
+def needs_build() -> bool:
+    """Whether `status()` would compile the kernels first (a minute): they are on, not loaded in
+    this process yet, and no build for this mlx, CPU and source is cached."""
+    return not _turned_off() and _status is None and _built(build_dir()) is None

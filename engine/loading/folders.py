@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from .gguf import convert_gguf
+from .progress import report
 from ..paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -33,5 +34,6 @@ def gguf_to_folder(gguf: Path) -> Path:
     folder = converted_folder(gguf)
     if not (folder / "config.json").exists():
         log.info("converting %s to an mlx-lm folder at %s", gguf, folder)
+        report("converting")
         convert_gguf(gguf, folder)
     return folder

@@ -24,6 +24,7 @@ from typing import Any, Callable
 from ..errors import DownloadCancelled, DownloadError
 from .folders import converted_folder, hub_cache_dir
 from .memory import shortfall
+from .progress import DownloadProgress
 
 # owner/name as the hub allows them: letters, digits, '-', '_', '.'; no '--' or '..'.
 _PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
@@ -77,21 +78,6 @@ class Plan:
     @property
     def weights_bytes(self) -> int:
         return sum(f.size for f in self.files if f.name.endswith((".safetensors", ".gguf")))
-
-
-@dataclass(frozen=True)
-class DownloadProgress:
-    done_bytes: int
-    total_bytes: int
-    speed: float  # bytes per second over this session
-    eta_s: float | None
-    file: str  # the file being fetched
-    finished: bool = False
-
-    def describe(self) -> str:
-        eta = f", {self.eta_s:.0f} s left" if self.eta_s is not None else ""
-        return (f"{self.done_bytes / 1e6:.1f} of {self.total_bytes / 1e6:.1f} MB "
-                f"({self.speed / 1e6:.1f} MB/s{eta})")
 
 
 def parse_spec(text: str) -> PullSpec:
@@ -159,12 +145,15 @@ def _choose(spec: PullSpec, files: list[RemoteFile]) -> tuple[PullSpec, list[Rem
         raise DownloadError(f"{spec.repo} is neither an mlx-lm model folder (no config.json) nor "
                             "a repository of GGUF files")
     weights = [f for f in files if f.name.endswith(".safetensors") and "/" not in f.name]
+    # a text-to-speech model's voice packs (engine/loading/speech.py)
+    voices = [f for f in files if f.name.startswith("voices/") and f.name.endswith(".safetensors")
+              and f.name.count("/") == 1]
     if not weights:
         pickled = [f.name for f in files if f.name.endswith(PICKLED)]
         raise DownloadError(f"{spec.repo} has no safetensors weights"
                             + (f" (only pickled ones: {', '.join(pickled[:4])}), which mlxchat "
                                "never loads because they can run code" if pickled else ""))
-    return spec, [by_name[n] for n in FOLDER_FILES if n in by_name] + weights
+    return spec, [by_name[n] for n in FOLDER_FILES if n in by_name] + weights + voices
 
 
 def plan(spec: PullSpec) -> Plan:

@@ -19,8 +19,12 @@ from . import bundled
 from ..errors import ModelLoadError
 from .folders import gguf_to_folder, hub_cache_dir
 from .memory import shortfall, weight_files_bytes
+from .progress import report
+from .speech import refuse_speech_as_chat, speech_kind
 from .vision import is_vision_folder
+from .warm_up import warm_up
 from ..model_cache import LOCAL, CacheOps
+from ..kernels import native
 from ..kernels.fastest import AS_LOADED, fastest_layout
 from ..kernels.gated_delta import use_chunked_prefill
 from ..kernels.kv8 import kv_bits, use_kv_bits
@@ -38,6 +42,7 @@ class ModelInfo:
     path: str | None
     size_bytes: int | None
     vision: bool = False  # a vision-language model's folder (engine/loading/vision.py)
+    speech: str | None = None  # "transcription" or "speech": a speech model (loading/speech.py)
 
 
 # What a model can do, as clients ask (Ollama's /api/show, /v1/models, the picker): one
@@ -156,7 +161,7 @@ def _hf_cache_models() -> list[ModelInfo]:
         if snapshots and any(snapshots[-1].parent.glob("*.safetensors")):
             folder = snapshots[-1].parent
             found.append(ModelInfo(name, "hf-cache", str(folder), _dir_size(folder.resolve()),
-                                   vision=is_vision_folder(folder)))
+                                   vision=is_vision_folder(folder), speech=speech_kind(folder)))
         for gguf in sorted((repo / "snapshots").glob("*/**/*.gguf")):
             if gguf.is_file():
                 file = gguf.relative_to(repo / "snapshots").as_posix().split("/", 1)[1]
@@ -257,8 +262,11 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
         why = shortfall(display, weight_files_bytes(folder.glob("*")))
         if why:
             raise ModelLoadError(f"not loading: {why}", code="insufficient_memory")
+        _prepare_kernels()
+        report("loading")
         if is_vision_folder(folder):
             return _load_vision_model(display, folder, group)
+        refuse_speech_as_chat(display, folder)
         try:
             # mlx_lm.load's two steps, with Gemma 2's sliding window (gemma2_window.py)
             model, config = mlx_lm_load_model(folder, get_model_classes=model_classes)
@@ -285,8 +293,28 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
     # Materialise the weights here: lazy arrays belong to this thread's MLX stream, and the
     # scheduler thread that runs the model cannot evaluate them.
     mx.eval(model.parameters())
+    _warm_up(model, group)
     return LoadedModel(name=display, model=model, tokenizer=tokenizer, config=config, path=folder,
                        compute=compute)
+
+
+def _warm_up(model: nn.Module, group: mx.distributed.Group | None) -> None:
+    """The model's first steps, now (engine/loading/warm_up.py); not for a sharded model, whose
+    every step runs on all its ranks at once."""
+    if group is None:
+        report("warming up")
+        warm_up(model)
+
+
+def _prepare_kernels() -> None:
+    """On the CPU, load our kernels before the weights (every model samples on them), building
+    them first where this machine has no build yet: a stage of its own, not a minute hidden
+    inside the load or the first answer."""
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return
+    if native.needs_build():
+        report("building kernels")
+    native.status()
 
 
 def _load_vision_model(display: str, folder: Path,

@@ -25,6 +25,7 @@ from ..errors import EngineError, InvalidRequest, Overloaded
 from ..decoding.fim import Infill
 from ..decoding.generate import Generation, build_prompt
 from ..decoding.prompt_size import check_prompt_size
+from ..loading.progress import LoadCallback
 from ..loading.registry import LoadedModel, ModelInfo, load_model
 from ..decoding.defaults import ModelDefaults
 from ..decoding.sampling import SamplingParams
@@ -32,6 +33,7 @@ from ..decoding.tools import ToolRequest
 from .budget import MemoryBudget, mib
 from .draft_loader import DraftLoader
 from .embedding_queue import EmbeddingHandle, EmbeddingInput, EmbeddingQueue
+from .speech import SpeechHandle, SpeechQueue, SpeechStream
 from .keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
 from .rerank import RerankHandle, submit_rerank
 from .stats import EngineStats, MemoryUse, PrefixCacheUse, StatsRecorder
@@ -62,6 +64,7 @@ class EngineStatus:
     reserved_bytes: int  # of the budget: admitted requests' model caches, embedding models' weights
     resident: bool = False  # the model's weights are in memory (not unloaded after an idle time)
     embedding_models: tuple[str, ...] = ()  # dedicated embedding models loaded beside it
+    speech_models: tuple[str, ...] = ()  # speech models loaded beside it (scheduling/speech.py)
 
 
 class Engine:
@@ -107,21 +110,27 @@ class Engine:
         self.scheduler = Scheduler(self.slot, self.budget, batching=batching,
                                    max_running=max_running if max_running is not None
                                    else MAX_RUNNING_ROWS, stats=self._stats,
-                                   on_halt=lambda reason: self.embeddings.fail(reason))
+                                   on_halt=self._fail_queues)
         self.embeddings = EmbeddingQueue(self.scheduler, self.budget, self.keep_alive)
+        self.speech = SpeechQueue(self.budget, self.keep_alive,
+                                  halted=lambda: self.scheduler.halted)
         self._ids = itertools.count(1)
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def start(self, progress: Callable[[str], None] | None = None) -> "Engine":
-        """Load the model (on the scheduler thread) and start serving; blocks until loaded."""
+    def start(self, progress: LoadCallback | None = None, *, load: bool = True) -> "Engine":
+        """Load the model (on the scheduler thread, its stages reported to `progress`) and start
+        serving; blocks until loaded. `load=False` starts serving with no model: requests are
+        refused until `switch_model` has loaded one (a server that answers while its first model
+        loads)."""
         # Every token is handed from the scheduler thread to readers in other threads; with
         # Python's default 5 ms switch interval the scheduler waits for the GIL after each device
         # sync (bench/results/cuda-h200-2026-12-02-concurrency-switchinterval-only.json).
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self.scheduler.start()
         self.drafts.start()
-        self.scheduler.call(lambda: self.slot.install(self.requested_model, progress,
-                                                      self.keep_alive))
+        if load:
+            self.scheduler.call(lambda: self.slot.install(self.requested_model, progress,
+                                                          self.keep_alive))
         return self
 
     def stop(self) -> None:
@@ -131,6 +140,7 @@ class Engine:
         self.scheduler.stop()
         self.drafts.stop()
         self.embeddings.close()
+        self.speech.close()
         self.slot.persist()  # so that reopening the app continues long conversations without re-prefill
 
     def halt(self, reason: str) -> None:
@@ -139,6 +149,11 @@ class Engine:
         recover from, such as a rank of a sharded model gone: that thread may stay blocked in a
         collective that never returns, so this does not wait for it."""
         self.scheduler.halt(reason)
+
+    def _fail_queues(self, reason: str) -> None:
+        """The engine halted: the embedding and speech requests fail with `reason`."""
+        self.embeddings.fail(reason)
+        self.speech.fail(reason)
 
     @property
     def halted(self) -> str | None:
@@ -211,7 +226,8 @@ class Engine:
             loading_drafts=load.preparing, batch_rows=load.batch_rows,
             drafts=self.drafts.identities(), memory_budget=self.budget.total,
             reserved_bytes=load.reserved_bytes, resident=self.slot.resident,
-            embedding_models=tuple(self.embeddings.resident_models()))
+            embedding_models=tuple(self.embeddings.resident_models()),
+            speech_models=tuple(self.speech.resident_models()))
 
     def stats(self) -> EngineStats:
         """A reading for monitoring (engine/scheduling/stats.py): the load now, the running
@@ -219,6 +235,7 @@ class Engine:
         the scheduler's lock only to copy a few numbers."""
         status = self.status()
         weights = dict(self.embeddings.resident_weights())
+        weights.update(self.speech.resident_weights())
         lm = self.lm
         if lm is not None and self.slot.resident:
             weights[lm.name] = _weight_bytes(lm)
@@ -240,7 +257,7 @@ class Engine:
         """The model-cache memory a plain request of this size reserves while admitted."""
         return self.slot.footprint.bytes_for(prompt_tokens + max_tokens)
 
-    def switch_model(self, name: str, progress: Callable[[str], None] | None = None,
+    def switch_model(self, name: str, progress: LoadCallback | None = None,
                      cancel_running: bool = False, *, int8_activations: bool | None = None) -> None:
         """Load another model (a name `list_models` gives, or a path; the current one's name
         reloads it) once running and queued requests end (or are cancelled, if asked); meanwhile
@@ -281,9 +298,9 @@ class Engine:
         check_prompt_size(lm, messages, text, tools, infill)  # before tokenising anything
         prompt = build_prompt(lm, messages=messages, prompt_tokens=prompt_tokens, text=text,
                               tools=tools, infill=infill)
-        if fit_max_tokens and len(prompt.tokens) < lm.context_length:
-            params = params.with_(max_tokens=min(params.max_tokens,
-                                                 lm.context_length - len(prompt.tokens)))
+        if fit_max_tokens:  # no room left: max_tokens 1, refused as too long (not over budget)
+            params = params.with_(max_tokens=max(1, min(params.max_tokens,
+                                                        lm.context_length - len(prompt.tokens))))
         factory = self._resident_draft(lm, speculative)
 
         def generation(factory: SpeculatorFactory | None) -> Generation:
@@ -365,6 +382,36 @@ class Engine:
         InvalidRequest or Overloaded at once. Its chunks run between scheduler ticks."""
         return self.embeddings.submit(inputs, model=model, dimensions=dimensions,
                                       truncate=truncate, query=query, keep_alive=keep_alive)
+
+    # -- speech (engine/scheduling/speech.py: its own thread, beside the scheduler) -------------
+    def transcribe(self, samples, *, model: str | None = None, task: str = "transcribe",
+                   language: str | None = None, prompt: str | None = None,
+                   temperature: float | None = None, fallback: bool = True,
+                   word_timestamps: bool = False,
+                   keep_alive: float | str | None = None) -> SpeechHandle:
+        """Queue a transcription ("translate": into English) of float32 mono samples at
+        SPEECH_INPUT_RATE on a speech-to-text model (None: the first installed); raises
+        InvalidRequest or Overloaded at once. `fallback`: Whisper's retries at higher
+        temperatures (engine/decoding/speech.py)."""
+        return self.speech.transcribe(samples, model=model, task=task, language=language,
+                                       prompt=prompt, temperature=temperature, fallback=fallback,
+                                       word_timestamps=word_timestamps, keep_alive=keep_alive)
+
+    def speak(self, text: str, *, model: str | None = None, voice: str | None = None,
+              speed: float = 1.0, keep_alive: float | str | None = None) -> SpeechStream:
+        """Queue speech for `text` on a text-to-speech model (None: the first installed) in one
+        of its voices (None: its first); its waveforms stream as they are made."""
+        return self.speech.speak(text, model=model, voice_name=voice, speed=speed,
+                                  keep_alive=keep_alive)
+
+    def speech_models(self, kind: str) -> list[str]:
+        """The installed speech models of `kind`: "transcription" or "speech"."""
+        return self.speech.installed(kind)  # type: ignore[arg-type]
+
+    def speech_voices(self, model: str | None = None) -> tuple[str, ...]:
+        """The voices of a text-to-speech model (None: the first installed); raises
+        InvalidRequest."""
+        return self.speech.voices(model)
 
     def rerank(self, query: str, documents: Sequence[str], *, model: str | None = None,
                instruction: str | None = None, truncate: bool = True,

@@ -20,6 +20,7 @@ from ..decoding.drafts import DraftChoice, draft_choices
 from ..errors import EngineError
 from ..kernels.layout import int8_activations_of
 from ..loading.memory import weight_files_bytes
+from ..loading.progress import LoadCallback, report, reporting
 from ..loading.registry import LoadedModel, ModelInfo, capabilities, list_models
 from .batch import DecodeBatch, KVFootprint, kv_footprint
 
@@ -92,16 +93,20 @@ class ModelSlot:
         return list(found.values())
 
     # -- loading and switching -------------------------------------------------------------------
-    def install(self, name: str | None, progress: Callable[[str], None] | None,
+    def install(self, name: str | None, progress: LoadCallback | None,
                 keep_alive: float | None, int8_activations: bool | None = None) -> None:
         """Replace the model by `name`, with int8 activations on or off from now on where given
-        (None: as before); a model that cannot load raises its EngineError with the previous
-        model loaded again, as it was."""
-        report = progress or (lambda stage: None)
+        (None: as before), its stages reported to `progress` (engine/loading/progress.py); a
+        model that cannot load raises its EngineError with the previous model loaded again, as
+        it was."""
+        with reporting(progress):
+            self._install(name, keep_alive, int8_activations)
+
+    def _install(self, name: str | None, keep_alive: float | None,
+                 int8_activations: bool | None) -> None:
         choice = self.int8_activations
         if int8_activations is not None:
             self.int8_activations = int8_activations
-        report("loading")
         previous = self._loaded_name if self.lm is not None else _NONE
         old, self.lm, self.prefix_cache, self.batch = self.lm, None, None, None
         self._on_release()
@@ -115,7 +120,8 @@ class ModelSlot:
             self.int8_activations = choice
             if previous is not _NONE:  # keep serving the model that was loaded, then say why
                 log.warning("could not load %s; reloading %s", name, previous)
-                self.install(previous, None, keep_alive)  # type: ignore[arg-type]
+                with reporting(None):
+                    self._install(previous, keep_alive, None)  # type: ignore[arg-type]
             raise
         # Our own record of it: an idle unload empties its `model`, never the caller's object.
         self.lm = lm = dataclasses.replace(loaded)

@@ -51,30 +51,37 @@ __device__ __forceinline__ float dot_word(const uint4 w, const float* x) {
   return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
-template <typename T, int K, int XN>
-__device__ __forceinline__ void stage_x(const T* x, const T* nw, const float* ne, float* xsh) {
-  // x (K values) into shared memory as floats, the whole block; XN 2: RMS-normalised as MLX's
-  // rms_norm rounds it: T(w * T(x * rsqrt(mean(x^2) + eps)))
-  constexpr int PER = (K + 127) / 128;
-  __shared__ float red[32];
-  float v[PER], ss = 0.f;
+template <typename T, int K, int THREADS, int XN>
+__device__ __forceinline__ float load_x(const T* x, const float* ne, float* v) {
+  // this thread's values of x (k = threadIdx.x + THREADS i) into v; returns the RMS norm's
+  // 1 / rms (XN 2: the whole block's sum of squares; else 1)
+  constexpr int PER = (K + THREADS - 1) / THREADS;
+  __shared__ float red[THREADS / 32];
+  float ss = 0.f;
   #pragma unroll
   for (int i = 0; i < PER; ++i) {
-    const int k = threadIdx.x + 128 * i;
+    const int k = threadIdx.x + THREADS * i;
     v[i] = k < K ? static_cast<float>(x[k]) : 0.f;
     ss += v[i] * v[i];
   }
-  float rn = 1.f;
-  if constexpr (XN == 2) {
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    ss = 0.f;
-    #pragma unroll
-    for (int w = 0; w < 4; ++w) ss += red[w];
-    rn = rsqrtf(ss / K + ne[0]);
-  }
+  if constexpr (XN != 2) return 1.f;
+  #pragma unroll
+  for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  ss = 0.f;
+  #pragma unroll
+  for (int w = 0; w < THREADS / 32; ++w) ss += red[w];
+  return rsqrtf(ss / K + ne[0]);
+}
+
+template <typename T, int K, int XN>
+__device__ __forceinline__ void stage_x(const T* x, const T* nw, const float* ne, float* xsh) {
+  // x (K values) into shared memory as floats, the whole block of 128 threads; XN 2:
+  // RMS-normalised as MLX's rms_norm rounds it: T(w * T(x * rsqrt(mean(x^2) + eps)))
+  constexpr int PER = (K + 127) / 128;
+  float v[PER];
+  const float rn = load_x<T, K, 128, XN>(x, ne, v);
   #pragma unroll
   for (int i = 0; i < PER; ++i) {
     const int k = threadIdx.x + 128 * i;
@@ -382,26 +389,9 @@ __device__ __forceinline__ void qmma4_impl(const T* x, const uint32_t* w, const 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   {  // x into shared memory as T (RMS-normalised as MLX rounds it when XN == 2), its chunk sums
-    __shared__ float red[KW];
     constexpr int PER = (K + 32 * KW - 1) / (32 * KW);
-    float v[PER], ss = 0.f;
-    #pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const int k = threadIdx.x + 32 * KW * i;
-      v[i] = k < K ? static_cast<float>(x[k]) : 0.f;
-      ss += v[i] * v[i];
-    }
-    float rn = 1.f;
-    if constexpr (XN == 2) {
-      #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-      if (lane == 0) red[warp] = ss;
-      __syncthreads();
-      ss = 0.f;
-      #pragma unroll
-      for (int i = 0; i < KW; ++i) ss += red[i];
-      rn = rsqrtf(ss / K + ne[0]);
-    }
+    float v[PER];
+    const float rn = load_x<T, K, 32 * KW, XN>(x, ne, v);
     #pragma unroll
     for (int i = 0; i < PER; ++i) {
       const int k = threadIdx.x + 32 * KW * i;
