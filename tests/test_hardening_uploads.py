@@ -47,8 +47,9 @@ def test_a_small_file_is_read_while_large_ones_are_still_reading():
     readers = ReaderThreads()
     release = threading.Event()
     try:
-        large = [readers.submit(SMALL_FILE_BYTES * 30, release.wait, 30) for _ in range(2)]
-        small = readers.submit(1000, time.monotonic)
+        large = [readers.for_size(SMALL_FILE_BYTES * 30).submit(release.wait, 30)
+                 for _ in range(2)]
+        small = readers.for_size(1000).submit(time.monotonic)
         assert small.result(timeout=10)  # not behind the two large ones
         assert not any(f.done() for f in large)
     finally:

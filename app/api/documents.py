@@ -228,8 +228,9 @@ async def read_documents(state: AppState, messages: list[dict[str, Any]]) -> lis
             doc: DocumentInput = p["document"]
             if doc.sha256 not in reads:
                 try:
-                    reads[doc.sha256] = await loop.run_in_executor(
-                        state.readers, read_request_file, state, doc.name, doc.data, doc.sha256)
+                    reads[doc.sha256] = await loop.run_in_executor(  # its size class's
+                        state.readers.for_size(len(doc.data)), read_request_file, state,
+                        doc.name, doc.data, doc.sha256)
                 except NotAttachable as exc:
                     raise ApiError(400, f"{doc.where} cannot be read: {exc}", doc.param,
                                    "unreadable_document") from None

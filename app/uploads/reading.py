@@ -16,7 +16,7 @@ def start_reading(state: AppState, up: Upload) -> None:
     """Read the stored file (its kind's `process`) on the app's own reader thread of its size
     class, keeping the task: uploads queue there, never taking the threads chat turns prepare
     their prompts on, and a small file never waits behind large ones."""
-    task = asyncio.wrap_future(state.readers.submit(up.size, read_file, state, up))
+    task = asyncio.wrap_future(state.readers.for_size(up.size).submit(read_file, state, up))
     state.reading.add(task)
     task.add_done_callback(state.reading.discard)
 
