@@ -31,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine import (SPEECH_INPUT_RATE, EngineError, SpeechStream, Transcript, TranscriptSegment)
+from engine import (SPEECH_INPUT_RATE, Engine, EngineError, SpeechStream, Transcript, TranscriptSegment)
 
 from .audio_codec import MAX_AUDIO_BYTES, SPEECH_FORMATS, AudioError, Encoder, decode
 from ..state import app_state
@@ -261,7 +261,7 @@ async def speech(request: Request) -> Response:
     return StreamingResponse(encoded(waves, encoder), media_type=encoder.content_type)
 
 
-async def start_speech(engine: Any, text: str, *, model: str | None, voice: str | None,
+async def start_speech(engine: Engine, text: str, *, model: str | None, voice: str | None,
                        speed: float, keep_alive: Any = None) -> SpeechStream:
     """A speech stream for `text` (OpenAI voice names mapped where the model has them); the
     engine's refusals as ApiErrors (for the API here and the page's read-aloud button)."""
@@ -275,7 +275,7 @@ async def start_speech(engine: Any, text: str, *, model: str | None, voice: str 
         raise engine_refusal(exc) from None
 
 
-def _voices_of(engine: Any, model: str | None) -> tuple[str, ...]:
+def _voices_of(engine: Engine, model: str | None) -> tuple[str, ...]:
     return engine.speech_voices(model)
 
 
