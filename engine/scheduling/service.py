@@ -24,6 +24,7 @@ from ..device import memory_budget as device_memory_budget
 from ..errors import EngineError, InvalidRequest, Overloaded
 from ..decoding.fim import Infill
 from ..decoding.generate import Generation, build_prompt
+from ..decoding.prompt_size import check_prompt_size
 from ..loading.progress import LoadCallback
 from ..loading.registry import LoadedModel, ModelInfo, load_model
 from ..decoding.defaults import ModelDefaults
@@ -160,6 +161,11 @@ class Engine:
         return self.scheduler.halted
 
     @property
+    def busy_s(self) -> float:
+        """How long the scheduler's current tick or embedding chunk has run (0: between them)."""
+        return self.scheduler.busy_s()
+
+    @property
     def max_running(self) -> int:
         """At most this many requests run at once (`max_running`, or MAX_RUNNING_ROWS)."""
         return self.scheduler.max_running
@@ -289,6 +295,7 @@ class Engine:
         fill-in-the-middle prompt instead of messages or text (engine/decoding/fim.py)."""
         lm = self._serving()
         params = params or SamplingParams()
+        check_prompt_size(lm, messages, text, tools, infill)  # before tokenising anything
         prompt = build_prompt(lm, messages=messages, prompt_tokens=prompt_tokens, text=text,
                               tools=tools, infill=infill)
         if fit_max_tokens:  # no room left: max_tokens 1, refused as too long (not over budget)
