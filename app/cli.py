@@ -292,13 +292,16 @@ def models(import_wheel: str | None, as_json: bool) -> None:
 @click.option("--document-embeddings", metavar="MODEL",
               help="Index attached documents with this embedding model too (its name or folder, "
                    "as /v1/embeddings takes it); retrieval then fuses its vectors with BM25.")
+@click.option("--responses-ttl", type=click.FloatRange(0, 36500, min_open=True), default=30.0,
+              show_default=True, metavar="DAYS",
+              help="Keep a stored /v1/responses answer (for previous_response_id) this many days.")
 def serve(host: str = "127.0.0.1", port: int = 8321, models: tuple[str, ...] = (),
-          max_loaded: int | None = None, device: str = "auto", no_browser: bool = False, allow_remote: bool = False,
-          api_key: str | None = None, no_api_key: bool = False,
+          max_loaded: int | None = None, device: str = "auto", no_browser: bool = False,
+          allow_remote: bool = False, api_key: str | None = None, no_api_key: bool = False,
           keep_alive: float | None = DEFAULT_KEEP_ALIVE_S,
           model_aliases: tuple[str, ...] = (), allow_origins: tuple[str, ...] = (),
           allow_hosts: tuple[str, ...] = (), max_running: int | None = None,
-          document_embeddings: str | None = None) -> None:
+          document_embeddings: str | None = None, responses_ttl: float = 30.0) -> None:
     """Start the chat server (and open the browser unless --no-browser).
 
     Under `mlx.launch` every rank runs this: rank 0 serves, the others hold their shard of the
@@ -323,7 +326,8 @@ def serve(host: str = "127.0.0.1", port: int = 8321, models: tuple[str, ...] = (
                    allow_remote=allow_remote, api_key=api_key, no_api_key=no_api_key,
                    keep_alive=-1 if keep_alive is None else keep_alive, cluster=cluster,
                    aliases=aliases, allowed_origins=allow_origins, extra_hosts=allow_hosts,
-                   max_running=max_running, document_embeddings=document_embeddings)
+                   max_running=max_running, document_embeddings=document_embeddings,
+                   responses_ttl_days=responses_ttl)
     except (EngineError, DatabaseTooNew) as exc:
         _fail(exc)
 

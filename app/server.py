@@ -21,7 +21,6 @@ import sys
 import threading
 import time
 import webbrowser
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -52,11 +51,11 @@ from .security.header_timeout import HeaderTimeoutProtocol
 from .security.key_access import KeyAccess
 from .security.socket_limits import WS_MAX_BYTES
 from .state import AppState
-from .storage import Storage
+from .storage import DEFAULT_TTL_DAYS, Storage, StoredResponses
 from .storage.folder_lock import FolderBusy, FolderLock
 from .ui import routes as ui_routes
 from .ui import uploads
-from .uploads.reading import READERS
+from .uploads.reader_threads import ReaderThreads
 from .uploads.store import UploadStore
 
 STATIC_DIR = Path(static.__file__).parent
@@ -72,7 +71,8 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
                api_key: str | None = None, storage: Storage | None = None,
                aliases: dict[str, str] | None = None,
                allowed_origins: Iterable[str] = (), mcp_edit: bool = True,
-               document_embeddings: str | None = None, cluster: Cluster | None = None) -> Starlette:
+               document_embeddings: str | None = None, cluster: Cluster | None = None,
+               responses_ttl_days: float = DEFAULT_TTL_DAYS) -> Starlette:
     """The whole app around a started `engine`. `allowed_hosts=None` accepts any Host header.
     `aliases`: model names clients send (`claude-*`) and the local model each stands for.
     `allowed_origins`: browser origins (patterns) that may call the APIs (`--allow-origin`).
@@ -80,6 +80,7 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     `--allow-remote`. mcp.json lives beside the database.
     `document_embeddings`: the embedding model that indexes uploaded documents besides BM25.
     `cluster`: the cluster of a sharded model, served as its rank 0.
+    `responses_ttl_days`: how long a stored Responses answer is kept (`--responses-ttl`).
     The app's `state` is an `AppState` (app/state.py)."""
     storage = storage or Storage(db_path)
     mcp = McpServers(storage.path.parent / MCP_FILE)
@@ -105,13 +106,15 @@ def create_app(engine: Engine, db_path: Path | None = None, *,
     )
     upload_store = UploadStore(storage)
     upload_store.interrupted()  # files a stopped server was reading: refused, attach again
-    upload_store.sweep()
+    upload_store.sweep(starting=True)  # and the parts of uploads a stopped server was receiving
+    responses = StoredResponses(storage, ttl_s=responses_ttl_days * 86400)
+    responses.expire()
     app.state = AppState(
         engine=engine, storage=storage, access=access, mcp=mcp, uploads=upload_store,
         chunks=ChunkStore(storage),
-        readers=ThreadPoolExecutor(READERS, thread_name_prefix="upload-reader"),
-        metrics=counts, aliases=dict(aliases or {}), mcp_edit=mcp_edit,
-        document_embeddings=document_embeddings, cluster=cluster)
+        readers=ReaderThreads(), metrics=counts, responses=responses,
+        aliases=dict(aliases or {}), mcp_edit=mcp_edit, document_embeddings=document_embeddings,
+        cluster=cluster)
     return app
 
 
@@ -226,7 +229,8 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
           cluster: Cluster | None = None, aliases: dict[str, str] | None = None,
           allowed_origins: Iterable[str] = (), extra_hosts: Iterable[str] = (),
           max_running: int | None = None, document_embeddings: str | None = None,
-          pinned: Sequence[str] = (), max_loaded: int | None = None) -> None:
+          responses_ttl_days: float = DEFAULT_TTL_DAYS, pinned: Sequence[str] = (),
+          max_loaded: int | None = None) -> None:
     """Serve the UI and the API until Ctrl-C or SIGTERM/SIGHUP, loading `model` (None: the
     bundled one; then the `pinned` ones, kept loaded; `max_loaded`: at most this many models in
     memory at once, engine/scheduling/pool.py) in the background from the moment the server
@@ -234,7 +238,7 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
     reloaded by the next request. With a `cluster`, serve as its rank 0 (the only rank that opens the data folder).
     `aliases`, `allowed_origins`: see `create_app`; `extra_hosts`: Host names accepted besides
     the bound one and loopback (`--allow-host`, e.g. host.docker.internal);
-    `document_embeddings`: see `create_app`."""
+    `document_embeddings`, `responses_ttl_days`: see `create_app`."""
     _check_remote(host, allow_remote, api_key, no_api_key)
     try:
         folder = data_dir()
@@ -250,7 +254,8 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
              {"max_running": max_running, "pinned": tuple(pinned), "max_loaded": max_loaded},
              {"aliases": aliases or {}, "allowed_origins": tuple(allowed_origins),
               "mcp_edit": host == "127.0.0.1" and not allow_remote,
-              "document_embeddings": document_embeddings},
+              "document_embeddings": document_embeddings,
+              "responses_ttl_days": responses_ttl_days},
              tuple(extra_hosts))
     finally:
         lock.release()

@@ -6,7 +6,6 @@ New shared state is a field here (with a default where `create_app` need not pas
 attribute set on the app elsewhere."""
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from starlette.requests import HTTPConnection
@@ -19,8 +18,9 @@ from .metrics import Metrics
 from .model_jobs import ModelDownload, ModelSwitch
 from .runs import Runs
 from .security.key_access import KeyAccess
-from .storage import Storage
+from .storage import Storage, StoredResponses
 from .ui.conversation_pages import ConversationPages
+from .uploads.reader_threads import ReaderThreads
 from .uploads.store import UploadStore
 
 
@@ -34,8 +34,9 @@ class AppState:
     mcp: McpServers  # the MCP servers of mcp.json, beside the database
     uploads: UploadStore
     chunks: ChunkStore  # uploaded documents' index
-    readers: ThreadPoolExecutor  # the threads uploads are read on (app/uploads/reading.py)
+    readers: ReaderThreads  # the threads uploads are read on (app/uploads/reading.py)
     metrics: Metrics  # this app's Prometheus registry (GET /metrics)
+    responses: StoredResponses  # stored Responses API answers (expiring, capped)
     aliases: dict[str, str] = field(default_factory=dict)  # `--model-alias`: a name -> a local model
     mcp_edit: bool = True  # whether the page may add MCP servers (run commands)
     document_embeddings: str | None = None  # the model that embeds uploaded documents besides BM25
@@ -45,6 +46,8 @@ class AppState:
     switch: ModelSwitch = field(default_factory=ModelSwitch)  # the one model load
     download: ModelDownload = field(default_factory=ModelDownload)  # the one model download
     reading: set[asyncio.Future[None]] = field(default_factory=set)  # uploads being read
+    # full-size upload images decoded at once (app/ui/uploads.py; thumbnails are stored)
+    full_images: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
 
     @property
     def api_key(self) -> str | None:

@@ -8,6 +8,7 @@
 Errors as the hub sends them (401 + X-Error-Code: RepoNotFound, 403 + GatedRepo). Each request is
 logged; a file can be set to break off once after some bytes (an interrupted transfer)."""
 
+import asyncio
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,7 @@ class HubStandIn:
         self.repos = repos
         self.log: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
         self.break_after: dict[str, int] = {}  # file -> bytes sent before the connection drops
+        self.pace_s = 0.0  # a pause before each of a file's first 8 chunks of 64 KB (a download to watch)
         self.app = Starlette(routes=[
             Route("/health", lambda r: JSONResponse({"status": "ok"})),
             Route("/api/models/{owner}/{name}", self.info),
@@ -115,6 +117,8 @@ class HubStandIn:
             for i in range(0, len(body), 1 << 16):
                 if cut is not None and i >= cut:
                     raise ConnectionAbortedError("stand-in: transfer interrupted on purpose")
+                if self.pace_s and i < 8 << 16:
+                    await asyncio.sleep(self.pace_s)
                 yield body[i:i + (1 << 16)]
 
         return StreamingResponse(chunks(), status_code=status, headers=headers)

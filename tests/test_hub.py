@@ -203,6 +203,7 @@ def test_the_model_picker_downloads_with_progress_and_deletes(hub, tmp_path):
 
     folder = build_folder(LLAMA, seed=0)
     engine = Engine(str(folder)).start()
+    hub.pace_s = 0.15  # the download spans several of the page's progress polls
     with serving(engine, tmp_path / "db.sqlite") as server:
         http = httpx.Client(base_url=server.url, timeout=60)
         r = http.post("/models/download", data={"spec": "test/tiny"})

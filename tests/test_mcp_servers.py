@@ -168,3 +168,40 @@ def test_an_mcp_json_edited_by_hand_is_read_again(tmp_path):
         await servers.stop()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.slow  # two servers, 4 MB through each
+def test_a_huge_result_is_capped_as_it_arrives_never_held_whole(tmp_path):
+    """Issue 54 M7: a 50 MB result was read whole before the 16,000-character cap (145 s on the
+    event loop, 770 MB kept after). Over stdio and HTTP, a 4 MB answer now reaches the app cut to
+    the cap, its notice counting every character left out, and this process never holds it."""
+    import tracemalloc
+
+    from app.mcp.servers import MAX_RESULT_CHARS
+
+    with http_server("big", token=None) as url:
+        config.save(tmp_path / "mcp.json", config.parse(json.dumps({"mcpServers": {
+            "local": stdio_entry("big,add", tmp_path), "web": {"url": url}}})))
+
+        async def scenario():
+            servers = McpServers(tmp_path / "mcp.json")
+            servers.ensure_started()
+            try:
+                await servers.wait_ready(["local", "web"])
+                for name in ("local", "web"):
+                    tracemalloc.start()
+                    try:
+                        result = await servers.call(name, "big", {"megabytes": 4})
+                        peak = tracemalloc.get_traced_memory()[1]
+                    finally:
+                        tracemalloc.stop()
+                    assert result.truncated and not result.is_error, (name, result.text[-200:])
+                    assert result.text.startswith("y" * MAX_RESULT_CHARS), name
+                    assert result.text.endswith(
+                        f"[… truncated: {4_000_000 - MAX_RESULT_CHARS} more characters]"), name
+                    assert peak < 4_000_000, (name, peak)  # the 4 MB answer was never held whole
+                assert (await servers.call("local", "add", {"a": 1, "b": 2})).text == "3"
+            finally:
+                await servers.stop()
+
+        asyncio.run(scenario())

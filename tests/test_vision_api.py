@@ -8,12 +8,14 @@ import base64
 import io
 
 import httpx
+import numpy as np
 import pytest
 
 pytest.importorskip("mlx_vlm")
 
 from PIL import Image  # noqa: E402
 
+from app.api import images as images_api  # noqa: E402
 from app.api.errors import ApiError  # noqa: E402
 from app.api.images import MAX_IMAGES, decode_image  # noqa: E402
 from engine.decoding.generate import build_prompt  # noqa: E402
@@ -228,3 +230,82 @@ def test_an_image_larger_than_the_json_body_limit_goes_through_the_image_routes(
     huge = httpx.post(f"{server.url}/v1/messages", content=b"{" + b" " * (65 * 1024 * 1024),
                       headers={"content-type": "application/json"}, timeout=60)
     assert huge.status_code == 413 and str(64 * 1024 * 1024) in huge.text
+
+
+# --- issue 54: decoding off the event loop (M2), stored images kept as sent (M3) -----------------
+
+def test_images_are_decoded_off_the_event_loop_on_every_api(server, lm, monkeypatch):
+    """Issue 54 M2: /v1/messages, /v1/responses and /api/chat decoded images on the event loop
+    (eight 88-Mpx PNGs blocked /health 8.8-13.5 s; 100,000 1×1 PNGs 10-15 s): each image is now
+    decoded once, where the engine needs its pixels, on a thread that is not the event loop's."""
+    import threading
+
+    decoded = []
+    real = images_api._decode
+    monkeypatch.setattr(images_api, "_decode",
+                        lambda *a: decoded.append(threading.current_thread()) or real(*a))
+    raws = [png(i, (96, 64)) for i in range(8)]
+    shapes = {
+        "/v1/messages": {"max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(r).decode()}} for r in raws]}]},
+        "/v1/responses": {"max_output_tokens": 1, "store": False, "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": data_url(r)} for r in raws]}]},
+        "/api/chat": {"stream": False, "options": {"num_predict": 1}, "messages": [
+            {"role": "user", "content": "x", "images": [base64.b64encode(r).decode() for r in raws]}]}}
+    for path, body in shapes.items():
+        decoded.clear()
+        r = httpx.post(f"{server.url}{path}", json={"model": lm.name, **body}, timeout=300)
+        assert r.status_code == 200, (path, r.text)
+        assert len(decoded) == 8 and server.thread not in decoded, path  # once each, off the loop
+
+
+def noise_jpeg(size=(3200, 2200)) -> bytes:
+    """A 7 Mpx photo-sized JPEG (~6 MB) whose pixels as PNG would be over the 20 MB limit."""
+    pixels = np.random.RandomState(5).randint(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+def database_bytes(server) -> int:
+    """The database file's size with its write-ahead log folded in."""
+    server.storage._query("PRAGMA wal_checkpoint(TRUNCATE)")
+    return server.storage.path.stat().st_size
+
+
+@pytest.mark.slow
+def test_a_stored_response_keeps_its_jpeg_as_sent_and_can_be_continued(server, lm):
+    """Issue 54 M3: a stored Response with a 5.7 MB JPEG blocked /health 58 s, grew the database
+    173 MB, and could never be continued (its pixels were stored as a PNG over the 20 MB limit):
+    the JPEG is kept once, as sent, off the loop; the follow-up decodes the same pixels."""
+    from loop_probe import assert_responsive, health_probe, idle_worst
+
+    raw = noise_jpeg()
+    assert 4_000_000 < len(raw) < images_api.MAX_IMAGE_BYTES
+    idle = idle_worst(server.url)
+    before = database_bytes(server)
+    with health_probe(server.url) as probe:
+        first = httpx.post(f"{server.url}/v1/responses", timeout=300, json={
+            "model": lm.name, "max_output_tokens": 2, "input": [{"role": "user", "content": [
+                {"type": "input_image", "image_url": data_url(raw, "image/jpeg")},
+                {"type": "input_text", "text": "Describe it."}]}]})
+    assert first.status_code == 200, first.text
+    assert_responsive(probe, idle)
+    grown = database_bytes(server) - before
+    assert grown <= 2 * len(raw), (grown, len(raw))
+    with health_probe(server.url) as probe:
+        second = httpx.post(f"{server.url}/v1/responses", timeout=300, json={
+            "model": lm.name, "max_output_tokens": 2, "input": "And the colours?",
+            "previous_response_id": first.json()["id"]})
+    assert second.status_code == 200, second.text
+    assert_responsive(probe, idle)
+    usage = second.json()["usage"]
+    assert usage["input_tokens"] > first.json()["usage"]["input_tokens"]
+    assert usage["input_tokens_details"]["cached_tokens"] > 0  # the same pixels: the same keys
+    # the two stored responses hold the JPEG once, as it was sent
+    import hashlib
+
+    rows = server.storage._query("SELECT data FROM response_images WHERE sha256 = ?",
+                                 (hashlib.sha256(raw).hexdigest(),))
+    assert len(rows) == 1 and rows[0]["data"] == raw

@@ -46,7 +46,7 @@ from . import documents
 from .errors import ApiError
 from .openai_request import parse_messages
 from .prompt_noise import without_noise, without_noise_blocks
-from .serving import (Choice, finished, public_error, read_body, stream, submit,
+from .serving import (Choice, finished, parse_by_cost, public_error, read_body, stream, submit,
                       use_named_model)
 
 PATH = "/v1/messages"
@@ -384,7 +384,7 @@ async def messages_endpoint(request: Request) -> Response:
     engine = app_state(request).engine
     try:
         body = await read_body(request)
-        messages, sampling, tools, streamed = parse(body)
+        messages, sampling, tools, streamed = await parse_by_cost(request, parse, body)
         model = await use_named_model(request, body.get("model"))
         engine = engine.on(model)  # its defaults, context and requests (issue 49)
         try:
@@ -501,7 +501,7 @@ async def count_tokens_endpoint(request: Request) -> Response:
         body = await read_body(request)
         if isinstance(body, dict):
             body = {"max_tokens": 1, **body}
-        messages, _, tools, _ = parse(body)
+        messages, _, tools, _ = await parse_by_cost(request, parse, body)
         engine = engine.on(await use_named_model(request, body.get("model")))  # issue 49
         messages = await documents.read_documents(app_state(request), messages)
         try:

@@ -46,7 +46,7 @@ from ..state import AppState
 from ..uploads.documents import NotAttachable, with_documents
 from ..uploads.request_files import ReadFile, read_request_file
 from .errors import ApiError
-from .images import decode_base64, image_part
+from .images import image_part, read_base64
 
 MAX_DOCUMENT_BYTES = 32 * 1000 * 1000  # as Anthropic's own request limit; the body allows it
 MAX_DOCUMENTS = 8
@@ -110,7 +110,7 @@ def from_base64(value: Any, media: str, name: Any, where: str,
     param = param or where
     media = (media or "").lower()
     if media.startswith("image/"):
-        return image_part(decode_base64(value, where, param))
+        return image_part(read_base64(value, where, param))  # checked; decoded when needed
     _check_media(media, where, param)
     if not isinstance(value, str):
         raise ApiError(400, f"{where} must be a base64 string", param, "invalid_document")
@@ -228,8 +228,9 @@ async def read_documents(state: AppState, messages: list[dict[str, Any]]) -> lis
             doc: DocumentInput = p["document"]
             if doc.sha256 not in reads:
                 try:
-                    reads[doc.sha256] = await loop.run_in_executor(
-                        state.readers, read_request_file, state, doc.name, doc.data, doc.sha256)
+                    reads[doc.sha256] = await loop.run_in_executor(  # its size class's
+                        state.readers.for_size(len(doc.data)), read_request_file, state,
+                        doc.name, doc.data, doc.sha256)
                 except NotAttachable as exc:
                     raise ApiError(400, f"{doc.where} cannot be read: {exc}", doc.param,
                                    "unreadable_document") from None

@@ -30,7 +30,8 @@ from engine import Embeddings, Engine, EngineError
 from ..state import app_state
 from .errors import ApiError, check_fields
 from .openai_request import typed
-from .serving import aliased, engine_refusal, model_loading, read_body, wait_for_model
+from .serving import (aliased, cancel_on_disconnect, engine_refusal, model_loading, read_body,
+                      wait_for_model)
 
 ENCODINGS = ("float", "base64")
 INPUT_TYPES = ("query", "document")
@@ -40,16 +41,23 @@ _FIELDS = {"model", "input", "encoding_format", "dimensions", "user", "input_typ
 
 async def embed(engine: Engine, inputs: Any, *, model: str | None, dimensions: int | None = None,
                 truncate: bool = False, query: bool = False,
-                keep_alive: Any = None) -> Embeddings:
+                keep_alive: Any = None, request: Request | None = None) -> Embeddings:
     """The vectors of `inputs`, engine refusals and failures as ApiErrors (for every API that
-    embeds: OpenAI's here, Ollama's /api/embed)."""
+    embeds: OpenAI's here, Ollama's /api/embed). A client that leaves (`request`) cancels the
+    request: the engine runs none of its chunks after that."""
     if engine.model_name is None:
         raise model_loading()
     try:
         # tokenising a few thousand inputs (or naming a model not yet seen) takes a while
         handle = await asyncio.to_thread(engine.embed, inputs, model=model, dimensions=dimensions,
                                          truncate=truncate, query=query, keep_alive=keep_alive)
-        return await handle.wait()
+        if request is None:
+            return await handle.wait()
+        watcher = asyncio.create_task(cancel_on_disconnect(request, [handle]))
+        try:
+            return await handle.wait()
+        finally:
+            watcher.cancel()
     except EngineError as exc:
         raise engine_refusal(exc) from None
 
@@ -82,7 +90,8 @@ async def embeddings(request: Request) -> Response:
         result = await embed(engine, body["input"], model=model,
                              dimensions=typed(body, "dimensions", int),
                              truncate=bool(typed(body, "truncate", bool)),
-                             query=input_type == "query", keep_alive=body.get("keep_alive"))
+                             query=input_type == "query", keep_alive=body.get("keep_alive"),
+                             request=request)
     except ApiError as err:
         return err.response()
     return JSONResponse({

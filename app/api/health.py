@@ -1,6 +1,7 @@
 """`/health`: whether the engine serves (ok; loading, with the load's stage; failed: 503 with
-the reason), which model, how many requests are generating, the device, and a sharded model's
-cluster. `/metrics`: Prometheus' text format (app/metrics.py)."""
+the reason; stalled: the scheduler has been in one tick or one embedding chunk for more than
+STALLED_S, with `scheduler_busy_s`), which model, how many requests are generating, the device,
+and a sharded model's cluster. `/metrics`: Prometheus' text format (app/metrics.py)."""
 
 import asyncio
 from typing import Any
@@ -15,6 +16,8 @@ from engine import device_report
 from ..model_jobs import ModelSwitch
 from ..state import app_state
 
+STALLED_S = 30.0  # one tick or chunk of the scheduler longer than this: /health says "stalled"
+
 
 async def health(request: Request) -> JSONResponse:
     state = app_state(request)
@@ -22,7 +25,9 @@ async def health(request: Request) -> JSONResponse:
     switch = state.switch
     error = engine.halted or (switch.error if engine.model_name is None and not switch.loading
                               else None)
-    status = "failed" if error else "ok" if engine.model_name else "loading"
+    busy = engine.busy_s
+    status = "failed" if error else "loading" if not engine.model_name else \
+        "stalled" if busy > STALLED_S else "ok"
     cluster = state.cluster  # a sharded model (engine/distributed/)
     # The device's compute path is read once a model is loaded: before, asking for it could
     # build the CPU kernels here, on the event loop, while the load builds them too.
@@ -31,6 +36,7 @@ async def health(request: Request) -> JSONResponse:
                          "generating": len(state.runs), "device": device,
                          **({"loading": _loading(switch)} if status == "loading" else {}),
                          **({"error": error} if error else {}),
+                         **({"scheduler_busy_s": round(busy, 1)} if status == "stalled" else {}),
                          **({"distributed": cluster.health()} if cluster else {})},
                         status_code=503 if error else 200)
 

@@ -42,8 +42,8 @@ from .embeddings import embed as embed_vectors
 from .errors import ApiError
 from .models import context_length, described, iso_time, local_models, model_config
 from .openai_request import parse_messages
-from .serving import (Choice, aliased, finished, public_error, read_body, stream, submit,
-                      use_named_model, wait_for_model)
+from .serving import (Choice, aliased, finished, parse_by_cost, public_error, read_body, stream,
+                      submit, use_named_model, wait_for_model)
 
 # The Ollama version we answer as: clients check it (codex --oss needs >= 0.13.4).
 VERSION = "0.13.5"
@@ -415,8 +415,8 @@ async def chat(request: Request) -> Response:
         if not messages:  # Ollama's way to load (or with keep_alive 0 unload) a model
             return await _load_or_unload(request, body, {"message": {"role": "assistant",
                                                                      "content": ""}})
-        messages = parse_messages(messages)
-        tools = _tools(body)
+        messages, tools = await parse_by_cost(
+            request, lambda b: (parse_messages(messages), _tools(b)), body)
         handles, meta, started = await _run(request, messages, body, tools)
     except ApiError as exc:
         return _from(exc)
@@ -445,7 +445,8 @@ async def generate(request: Request) -> Response:
         else:
             messages = ([{"role": "system", "content": system}] if system else []) + \
                 [{"role": "user", "content": _with_images("the request", body.get("images"), prompt)}]
-            handles, meta, started = await _run(request, parse_messages(messages), body, None)
+            messages = await parse_by_cost(request, lambda b: parse_messages(messages), body)
+            handles, meta, started = await _run(request, messages, body, None)
     except ApiError as exc:
         return _from(exc)
     return await _answer(request, handles, meta, started, streamed, chat=False)
@@ -599,7 +600,8 @@ async def embed(request: Request) -> Response:
         result = await embed_vectors(
             app_state(request).engine, inputs, model=_embedding_model(request, body.get("model")),
             dimensions=dimensions if isinstance(dimensions, int) else None,
-            truncate=body.get("truncate", True) is not False, keep_alive=body.get("keep_alive"))
+            truncate=body.get("truncate", True) is not False, keep_alive=body.get("keep_alive"),
+            request=request)
     except ApiError as exc:
         return _from(exc)
     vectors = [v.tolist() for v in result.vectors]

@@ -16,7 +16,7 @@ from engine import MESSAGE_ROLES, SAMPLING_OPTIONS, ImageInput, Usage
 from . import documents
 from .choices import MAX_CHOICES
 from .errors import ApiError
-from .images import check_count, count_images, decode_url, image_part
+from .images import check_count, check_pixels, count_images, image_part, images_of, read_url
 from .tool_messages import tool_fields
 
 # The roles a message may have (the engine's), and OpenAI's "developer", which is a system message.
@@ -126,7 +126,7 @@ def _content(i: int, content: Any) -> str | list[dict[str, Any]]:
         elif p.get("type") == "image_url":
             url = p.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
-            parts.append(image_part(decode_url(url, f"{where}[{j}].image_url", where)))
+            parts.append(image_part(read_url(url, f"{where}[{j}].image_url", where)))
         elif p.get("type") == "file":
             parts.append(_file(p, f"{where}[{j}]", where))
         elif _is_decoded(p):
@@ -143,6 +143,8 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
     """OpenAI chat messages as engine messages (roles mapped, text joined, tool fields kept)."""
     if not isinstance(value, list) or not value:
         raise ApiError(400, "'messages' must be a non-empty array", "messages")
+    check_count(sum(1 for m in value if isinstance(m, dict) and isinstance(m.get("content"), list)
+                    for p in m["content"] if isinstance(p, dict) and p.get("type") == "image_url"))
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, dict):
@@ -156,7 +158,8 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
             content = ""
         out.append({"role": ROLES[role], "content": _content(i, content),
                     **tool_fields(i, role, m)})
-    check_count(count_images(out))
+    check_count(count_images(out))  # with the images of documents and tool results
+    check_pixels(images_of(out))  # each image's header read, none decoded
     documents.check_count(documents.count_documents(out))
     return out
 

@@ -8,12 +8,15 @@ function decode under the grammar), `text.format` a JSON schema; the engine's ev
 output items (reasoning, message, function_call) and OpenAI's stream events. `store` (the
 default) keeps the response and its conversation in SQLite so that `previous_response_id`
 continues it; `store: false` keeps nothing. Fields that ask for nothing this server must do
-(`include`, `prompt_cache_key`, `truncation`, `metadata`, `user`, `service_tier` ...) and hosted
-tool types (web search, ...) are ignored; `input_image` parts (data URLs) in user messages and
-function call outputs are images (app/api/images.py; stored with the conversation as PNG data
-URLs, EXIF stripped); `input_file` parts (a PDF or text as `file_data`) are documents
-(app/api/documents.py). Without `max_output_tokens` the answer may use the context the prompt
-leaves. Model names that are no local model run on the loaded one (`--model-alias` applies).
+(`include`, `prompt_cache_key`, `truncation`, `user`, `service_tier` ...) and hosted tool types
+(web search, ...) are ignored; `input_image` parts (data URLs) in user messages and function call
+outputs are images (app/api/images.py; stored with the conversation as sent, once each:
+app/storage/responses.py); `input_file` parts (a PDF or text as `file_data`) are documents
+(app/api/documents.py). The fields a response echoes (`metadata`, `text`, `reasoning`,
+`tool_choice`, hosted `tools` ...) are checked and bounded as OpenAI bounds them, since they are
+stored; stored responses expire (`--responses-ttl`) and the store has a cap. Without
+`max_output_tokens` the answer may use the context the prompt leaves. Model names that are no
+local model run on the loaded one (`--model-alias` applies).
 Per-request noise (a billing line in `instructions`, app/api/prompt_noise.py) never reaches the
 prompt; a prompt longer than the context is refused at once with `context_length_exceeded` (400),
 which Codex compacts on.
@@ -33,7 +36,8 @@ from engine import Event, InvalidRequest, effort_budget, tool_request
 from .error_shapes import api_error
 from ..sse import sse
 from ..state import app_state
-from ..storage import Storage
+from ..storage import StoredResponses
+from ..submission import by_cost, costly_body
 from . import documents
 from .errors import ApiError
 from .images import storable
@@ -242,12 +246,75 @@ def _usage(final: Event | None) -> dict[str, Any]:
             "total_tokens": prompt + out}
 
 
+# --- the echoed fields: checked and bounded, since a stored response keeps them -------------------
+
+METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512  # OpenAI's limits
+ECHO_BYTES = 16 * 1024  # one hosted tool's or a tool_choice's JSON
+VERBOSITY = ("low", "medium", "high")
+SUMMARIES = ("auto", "concise", "detailed")
+
+
+def check_echoed(body: dict[str, Any]) -> None:
+    """The fields a response echoes (and a stored one keeps) are what OpenAI allows, bounded;
+    raises a 400 naming the field."""
+    _check_metadata(body.get("metadata"))
+    text = body.get("text")
+    if text is not None and (not isinstance(text, dict) or set(text) - {"format", "verbosity"}
+                             or text.get("verbosity") not in (None, *VERBOSITY)):
+        raise _bad("'text' must be an object with 'format' and optionally 'verbosity' (low, medium, "
+                   "high)", "text")
+    _check_reasoning(body.get("reasoning"))
+    if not isinstance(body.get("parallel_tool_calls", True), (bool, type(None))):
+        raise ApiError(400, "'parallel_tool_calls' must be a boolean", "parallel_tool_calls",
+                       "invalid_type")
+    choice = body.get("tool_choice")
+    if choice is not None and not (isinstance(choice, str) or isinstance(choice, dict)
+                                   and _small(choice)):
+        raise _bad("'tool_choice' must be a string or a small object", "tool_choice")
+    tools = body.get("tools")
+    for i, tool in enumerate(tools if isinstance(tools, list) else ()):
+        if isinstance(tool, dict) and tool.get("type") not in ("function", "namespace") \
+                and not _small(tool):
+            raise _bad(f"tools[{i}] (a hosted tool, not used here) is larger than {ECHO_BYTES} "
+                       "bytes", f"tools[{i}]")
+
+
+def _check_metadata(metadata: Any) -> None:
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict) or len(metadata) > METADATA_PAIRS:
+        raise _bad(f"'metadata' must be an object of at most {METADATA_PAIRS} pairs", "metadata")
+    for key, value in metadata.items():
+        if len(key) > METADATA_KEY or not isinstance(value, str) or len(value) > METADATA_VALUE:
+            raise _bad(f"'metadata' keys are at most {METADATA_KEY} characters and its values "
+                       f"strings of at most {METADATA_VALUE}", f"metadata.{key[:METADATA_KEY]}")
+
+
+def _check_reasoning(reasoning: Any) -> None:
+    if reasoning is None:
+        return
+    if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary", "generate_summary"}:
+        raise _bad("'reasoning' must be an object with 'effort' and optionally 'summary'",
+                   "reasoning")
+    if not isinstance(reasoning.get("effort"), (str, type(None))):
+        raise _bad("'reasoning.effort' must be a string", "reasoning.effort")
+    for key in ("summary", "generate_summary"):
+        if reasoning.get(key) not in (None, *SUMMARIES):
+            raise _bad(f"'reasoning.{key}' must be one of {', '.join(SUMMARIES)}",
+                       f"reasoning.{key}")
+
+
+def _small(value: Any) -> bool:
+    return len(json.dumps(value)) <= ECHO_BYTES
+
+
 class _Request:
     """A parsed Responses request."""
 
-    def __init__(self, body: Any, storage: Storage):
+    def __init__(self, body: Any, stored: StoredResponses):
         if not isinstance(body, dict):
             raise _bad("the request body must be a JSON object")
+        check_echoed(body)
         self.body = body
         self.stream = body.get("stream", False)
         if not isinstance(self.stream, bool):
@@ -256,7 +323,7 @@ class _Request:
         previous: list[dict[str, Any]] = []
         self.previous_id = body.get("previous_response_id")
         if self.previous_id is not None:
-            found = storage.get_response(self.previous_id) if isinstance(self.previous_id, str) \
+            found = stored.get(self.previous_id) if isinstance(self.previous_id, str) \
                 else None
             if found is None:
                 raise ApiError(400, f"Previous response with id '{self.previous_id}' not found.",
@@ -282,7 +349,7 @@ class _Request:
                 "metadata": b.get("metadata") or {}}
 
     def finish(self, envelope: dict[str, Any], items: list[dict[str, Any]], final: Event,
-               storage: Storage) -> dict[str, Any]:
+               stored: StoredResponses) -> dict[str, Any]:
         """The completed response; stored with its conversation unless `store` is false."""
         incomplete = final.finish_reason == "length"
         done = {**envelope, "status": "incomplete" if incomplete else "completed",
@@ -294,14 +361,18 @@ class _Request:
                       "function": {"name": i["name"], "arguments": i["arguments"]}}
                      for i in items if i["type"] == "function_call"]
             answer = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
-            storage.save_response(done["id"], done, storable(self.messages + [answer]))
+            stored.save(done["id"], done, *storable(self.messages + [answer]))
         return done
 
 
 async def create(request: Request) -> Response:
-    engine, storage = app_state(request).engine, app_state(request).storage
+    engine, stored = app_state(request).engine, app_state(request).responses
     try:
-        parsed = _Request(await read_body(request), storage)
+        body = await read_body(request)
+        # images' headers, tool schemas and a stored conversation: off the event loop by cost
+        parsed = await by_cost(costly_body(body, len(await request.body()))
+                               or isinstance(body, dict) and "previous_response_id" in body,
+                               _Request, body, stored)
         model = await use_named_model(request, parsed.body.get("model"))
         engine = engine.on(model)  # its defaults, context and requests (issue 49)
         try:
@@ -313,13 +384,13 @@ async def create(request: Request) -> Response:
                                split_reasoning=True, fit_max_tokens=True)
         envelope = parsed.envelope(_new("resp"), model, "in_progress")
         if parsed.stream:
-            return stream(request, handles, ResponseEncoder(parsed, envelope, storage))
+            return stream(request, handles, ResponseEncoder(parsed, envelope, stored))
         choice: Choice = (await finished(request, handles))[0]
     except ApiError as exc:
         return exc.response(request.url.path)
     final = choice.final
     items = _items("".join(choice.reasoning), "".join(choice.content), final)
-    return JSONResponse(parsed.finish(envelope, items, final, storage))
+    return JSONResponse(parsed.finish(envelope, items, final, stored))
 
 
 class ResponseEncoder:
@@ -328,8 +399,8 @@ class ResponseEncoder:
     `response.completed` (the response's own status says "incomplete" when the limit cut it: the
     SDK's stream helper and Codex wait for that event alone), or `response.failed`."""
 
-    def __init__(self, parsed: _Request, envelope: dict[str, Any], storage: Storage) -> None:
-        self.parsed, self.envelope, self.storage = parsed, envelope, storage
+    def __init__(self, parsed: _Request, envelope: dict[str, Any], stored: StoredResponses) -> None:
+        self.parsed, self.envelope, self.stored = parsed, envelope, stored
         self.seq = 0
         self.items: list[dict[str, Any]] = []
         self.current: dict[str, Any] | None = None  # the item being streamed: reasoning or message
@@ -418,7 +489,7 @@ class ResponseEncoder:
         out += self._close()
         for call in event.tool_calls:
             out += self._function_call(call)
-        done = self.parsed.finish(self.envelope, self.items, event, self.storage)
+        done = self.parsed.finish(self.envelope, self.items, event, self.stored)
         out.append(self._event("response.completed", response=done))
         return out
 
@@ -427,7 +498,7 @@ class ResponseEncoder:
 
 
 async def retrieve(request: Request) -> Response:
-    found = app_state(request).storage.get_response(request.path_params["rid"])
+    found = app_state(request).responses.get(request.path_params["rid"])
     if found is None:
         return api_error(404, f"Response with id '{request.path_params['rid']}' not found.",
                          "invalid_request_error", "not_found")
@@ -436,7 +507,7 @@ async def retrieve(request: Request) -> Response:
 
 async def delete(request: Request) -> Response:
     rid = request.path_params["rid"]
-    if not app_state(request).storage.delete_response(rid):
+    if not app_state(request).responses.delete(rid):
         return api_error(404, f"Response with id '{rid}' not found.", "invalid_request_error",
                          "not_found")
     return JSONResponse({"id": rid, "object": "response", "deleted": True})

@@ -37,7 +37,7 @@ import math
 import os
 import random
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterable, Protocol, Sequence
+from typing import Any, AsyncIterator, Callable, Iterable, Protocol, Sequence, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -47,14 +47,14 @@ from engine import (Engine, EngineError, Event, InvalidRequest, ModelLoadError, 
 
 from ..model_jobs import ModelSwitch, model_loaded
 from ..state import app_state
-from ..submission import start
+from ..submission import INLINE_BODY_BYTES, by_cost, costly_body, start
 from .errors import ApiError
+from .images import check_text_share
 from .models import use_model
 
+T = TypeVar("T")
 # Deeper JSON is refused before anything walks it recursively (schemas, the chat template).
 MAX_DEPTH = 64
-# Bodies from this size on are parsed and checked off the event loop.
-INLINE_BODY_BYTES = 64 * 1024
 # A request that needs the model waits this long for one that is loading (MLXCHAT_LOAD_WAIT
 # seconds, as Ollama's OLLAMA_LOAD_TIMEOUT), then gets 503 with Retry-After (a first run downloads
 # and converts for a minute or more; clients retry).
@@ -107,9 +107,25 @@ def _check_text(text: str, where: str) -> None:
 
 
 async def read_body(request: Request) -> Any:
-    """The request's JSON body, checked (depth, Unicode); large bodies are parsed in a thread."""
+    """The request's JSON body, checked (depth, Unicode; on an image route, a body larger than
+    the text limit must owe it to its images: app/api/images.py); bodies from
+    INLINE_BODY_BYTES on (app/submission.py) are parsed in a thread."""
     raw = await request.body()
-    return load_body(raw) if len(raw) < INLINE_BODY_BYTES else await asyncio.to_thread(load_body, raw)
+    if len(raw) < INLINE_BODY_BYTES:
+        return load_body(raw)
+    return await asyncio.to_thread(_load_sized, raw, request.url.path)
+
+
+async def parse_by_cost(request: Request, parse: Callable[..., T], body: Any, *args: Any) -> T:
+    """`parse(body, *args)` (an adapter's parsing: images' headers, tool schemas), off the event
+    loop when the body makes it costly (app/submission.py `costly_body`)."""
+    return await by_cost(costly_body(body, len(await request.body())), parse, body, *args)
+
+
+def _load_sized(raw: bytes, path: str) -> Any:
+    body = load_body(raw)
+    check_text_share(body, len(raw), path)
+    return body
 
 
 # --- the model ----------------------------------------------------------------------------------

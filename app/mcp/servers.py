@@ -6,27 +6,37 @@ A server that crashes, fails its handshake or does not answer within `start_time
 failed; the chat goes on with the others. A call's result is plain text, size-capped
 (`MAX_RESULT_CHARS`, truncated with a notice); a call that fails comes back as an error result,
 never as an exception, except cancellation (Stop), which propagates.
+
+A result is capped as it arrives, never read whole: a stdio server runs behind app/mcp/relay.py
+(its own process, which cuts each long string of a message to the cap as it streams through),
+and an HTTP server's responses pass through the same pruning (`BoundedTransport`), so a tool
+that answers 50 MB costs the app what 16,000 characters cost.
 """
 
 import asyncio
 import logging
+import re
+import sys
 import tempfile
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+import httpx2
 from mcp_types import CONNECTION_CLOSED
 from starlette.applications import Starlette
 
 from . import config
+from . import relay
 from .config import ConfigError, ServerConfig
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 30.0
 CALL_TIMEOUT_S = 300.0
-MAX_RESULT_CHARS = 16_000
+MAX_RESULT_CHARS = relay.STRING_CHARS
+_NOTICE = re.compile(r"\n\[… truncated: (\d+) more characters\]\Z")
 
 
 @dataclass(frozen=True)
@@ -67,10 +77,14 @@ class Server:
 
 
 def capped(text: str, limit: int = MAX_RESULT_CHARS) -> tuple[str, bool]:
-    """`text` cut to `limit` characters with a notice saying how much was left out."""
-    if len(text) <= limit:
+    """`text` cut to `limit` characters with a notice saying how much was left out (counting
+    what the relay left out already: its notice ends the text)."""
+    cut = _NOTICE.search(text)
+    more = int(cut.group(1)) if cut else 0
+    text = text[:cut.start()] if cut else text
+    if len(text) <= limit and not more:
         return text, False
-    return text[:limit] + f"\n[… truncated: {len(text) - limit} more characters]", True
+    return text[:limit] + relay.notice(more + max(len(text) - limit, 0)), True
 
 
 def _reason(exc: BaseException) -> str:
@@ -95,6 +109,54 @@ def _result_text(result: Any) -> str:
 
         parts.append(json.dumps(result.structured_content, ensure_ascii=False))
     return "\n".join(parts)
+
+
+class BoundedTransport(httpx2.AsyncBaseTransport):
+    """An HTTP transport (httpx2's, as the SDK uses) whose responses are pruned as they arrive:
+    a JSON body through one `relay.JsonPruner`, server-sent events line by line."""
+
+    def __init__(self, inner: httpx2.AsyncBaseTransport):
+        self.inner = inner
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        response = await self.inner.handle_async_request(request)
+        kind = response.headers.get("content-type", "")
+        if "json" not in kind and "event-stream" not in kind:
+            return response
+        return httpx2.Response(response.status_code, headers=response.headers,
+                               stream=_Pruned(response.stream, "event-stream" in kind),
+                               extensions=response.extensions, request=request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    async def __aenter__(self) -> "BoundedTransport":
+        await self.inner.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.inner.__aexit__(*exc)
+
+
+class _Pruned(httpx2.AsyncByteStream):
+    """A response body stream pruned on its way (see `BoundedTransport`)."""
+
+    def __init__(self, inner: httpx2.AsyncByteStream, events: bool):
+        self.inner, self.ready = inner, []
+        self.feed = relay.LinePruner(self.ready.append, prefix="data:").feed if events \
+            else relay.DocumentPruner(self.ready.append).feed
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self.inner:
+            self.feed(chunk)
+            while self.ready:
+                yield self.ready.pop(0).encode("utf-8")
+        self.feed(b"", final=True)
+        while self.ready:
+            yield self.ready.pop(0).encode("utf-8")
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 class McpServers:
@@ -175,16 +237,20 @@ class McpServers:
             from mcp.client.stdio import StdioServerParameters, stdio_client
 
             server.errlog = tempfile.TemporaryFile("w+", prefix="mlxchat-mcp-")
-            params = StdioServerParameters(command=cfg.command, args=list(cfg.args),
+            params = StdioServerParameters(command=sys.executable,
+                                           args=[relay.__file__, "--", cfg.command, *cfg.args],
                                            env=dict(cfg.env) or None, cwd=cfg.cwd)
             return stdio_client(params, errlog=server.errlog)
         from mcp.client.streamable_http import streamable_http_client
-        from mcp.shared._httpx_utils import create_mcp_http_client
+        from mcp.shared._httpx_utils import MCP_DEFAULT_SSE_READ_TIMEOUT, MCP_DEFAULT_TIMEOUT
 
         headers = dict(cfg.headers)
         if cfg.token:
             headers["Authorization"] = f"Bearer {cfg.token}"
-        return streamable_http_client(cfg.url, http_client=create_mcp_http_client(headers=headers))
+        client = httpx2.AsyncClient(  # as the SDK's create_mcp_http_client makes it, pruned
+            headers=headers, transport=BoundedTransport(httpx2.AsyncHTTPTransport()),
+            timeout=httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=MCP_DEFAULT_SSE_READ_TIMEOUT))
+        return streamable_http_client(cfg.url, http_client=client)
 
     @staticmethod
     def _stderr_tail(server: Server) -> str:

@@ -52,6 +52,14 @@ def _origin_netloc(origin: str) -> str | None:
         return None
 
 
+def same_origin(scope: Scope, origin: str, host: str) -> bool:
+    """Whether `origin` is this server's own: its host[:port] is the request's `Host` and its
+    scheme the one this request came by (`https://127.0.0.1:PORT` is another origin than the
+    `http://` one this server serves)."""
+    scheme = "https" if scope.get("scheme") in ("https", "wss") else "http"
+    return origin.lower().startswith(f"{scheme}://") and _origin_netloc(origin) == host.lower()
+
+
 # The UI never needs inline script, framing, or anything from another origin. `frame-ancestors`
 # stops a hostile page from framing the UI to trick clicks (clickjacking). Other sites get no
 # referrer; our own pages keep theirs, because under `no-referrer` a browser sends `Origin: null`
@@ -134,7 +142,7 @@ class OriginGuard(Guard):
             if self.allows(scope, origin):
                 return None
             if headers.get("sec-fetch-site") == "cross-site" or \
-                    (origin is not None and _origin_netloc(origin) != host.lower()):
+                    (origin is not None and not same_origin(scope, origin, host)):
                 return refusal(scope, 403, "Cross-origin request refused", "cross_origin")
         return None
 

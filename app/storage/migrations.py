@@ -171,8 +171,36 @@ _V8 = """
         ALTER TABLE messages ADD COLUMN retrieved TEXT;
 """
 
+# Bounded storage (issue 54): an image upload's thumbnail, made once when the file is read
+# (`files.thumbnail`, PNG); stored Responses carry their size and expire oldest first
+# (`responses.size`, the index on `created`), and their images are kept once each, as sent
+# (`response_images`, content-addressed by the sha256 of the bytes), referenced by the responses
+# that hold them (`response_image_refs`): an image no response refers to any more goes with the
+# last one.
+_V9 = """
+        ALTER TABLE files ADD COLUMN thumbnail BLOB;
+        ALTER TABLE responses ADD COLUMN size INTEGER NOT NULL DEFAULT 0;
+        UPDATE responses SET size = length(body) + length(messages);
+        CREATE INDEX responses_created ON responses(created);
+        CREATE TABLE response_images (
+            sha256 TEXT PRIMARY KEY,
+            media_type TEXT NOT NULL,
+            data BLOB NOT NULL
+        );
+        CREATE TABLE response_image_refs (
+            response_id TEXT NOT NULL REFERENCES responses(id) ON DELETE CASCADE,
+            sha256 TEXT NOT NULL REFERENCES response_images(sha256),
+            PRIMARY KEY (response_id, sha256)
+        );
+        CREATE INDEX response_image_refs_sha256 ON response_image_refs(sha256);
+        CREATE TRIGGER response_images_unused AFTER DELETE ON response_image_refs
+        WHEN NOT EXISTS (SELECT 1 FROM response_image_refs WHERE sha256 = old.sha256) BEGIN
+            DELETE FROM response_images WHERE sha256 = old.sha256;
+        END;
+"""
+
 # Append only: the schema version of a database (PRAGMA user_version) is how many have run.
-MIGRATIONS: list[str] = [_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8]
+MIGRATIONS: list[str] = [_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

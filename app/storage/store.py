@@ -158,21 +158,6 @@ class Storage:
                 raise
             self._db.execute("COMMIT")
 
-    # stored Responses API answers
-
-    def save_response(self, rid: str, body: dict[str, Any], messages: list[dict[str, Any]]) -> None:
-        self._write("INSERT OR REPLACE INTO responses (id, created, body, messages) VALUES (?,?,?,?)",
-                    (rid, time.time(), json.dumps(body), json.dumps(messages)))
-
-    def get_response(self, rid: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
-        """(the response as sent, the conversation it ends) or None."""
-        rows = self._query("SELECT body, messages FROM responses WHERE id = ?", (rid,))
-        return (json.loads(rows[0]["body"]), json.loads(rows[0]["messages"])) if rows else None
-
-    def delete_response(self, rid: str) -> bool:
-        with self._transaction() as db:
-            return db.execute("DELETE FROM responses WHERE id = ?", (rid,)).rowcount > 0
-
     # conversations
 
     def create_conversation(self, model: str | None = None, settings: dict[str, Any] | None = None,

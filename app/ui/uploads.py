@@ -8,12 +8,15 @@ app/uploads/kinds.py such as images):
   within `IDLE_TIMEOUT_S` and the whole within `UPLOAD_TIMEOUT_S` (408).
   The kind comes from the content (415 when no kind accepts it). Answers 201 with
   `{id, kind, name, size, status, ...}` (`Upload.public`), or, to htmx (`HX-Request`), the chip.
-  Reading the file (a PDF's text, the index) then runs on one of `READERS` reader threads
+  Reading the file (a PDF's text, the index) then runs on the reader thread of its size class
   (app/uploads/reading.py).
 - `GET /c/{cid}/uploads/{id}`: the same JSON, or the chip, which polls this route while the file
   is being read (its stage and progress) and then shows its size and tokens, or why it was refused.
-- `GET /c/{cid}/uploads/{id}/image` (`?thumb=1`: a thumbnail): an image upload re-encoded as PNG
-  from its pixels (app/uploads/image_uploads.py), so no EXIF ever leaves the data folder.
+- `GET /c/{cid}/uploads/{id}/image` (`?thumb=1`: its thumbnail, stored when the file was read):
+  an image upload re-encoded as PNG from its pixels (app/uploads/image_uploads.py), so no EXIF
+  ever leaves the data folder. Served with limits: only to this app's own pages (a page of
+  another site gets 403, and `Cross-Origin-Resource-Policy` keeps browsers from showing it
+  there), and one full-size image decoded at a time.
 
 Messages refer to uploads by id (app/ui/user_turn.py); the file's text never travels in a form.
 Every route is guarded like the rest (Host, Origin, the API key); the JSON body limit
@@ -32,7 +35,7 @@ from starlette.routing import Route
 from ..state import app_state
 from ..uploads import receiving
 from ..uploads.documents import NotAttachable
-from ..uploads.image_uploads import load as load_image, png_bytes
+from ..uploads.image_uploads import full_png, thumbnail
 from ..uploads.kinds import HEAD_BYTES, kind_of
 from ..uploads.reading import start_reading
 from ..uploads.store import PART_PREFIX, Upload
@@ -124,20 +127,30 @@ async def show(request: Request) -> Response:
 
 
 async def show_image(request: Request) -> Response:
-    """`GET /c/{cid}/uploads/{id}/image`: the image as PNG (pixels only)."""
-    store = app_state(request).uploads
-    up = store.get(int(request.path_params["uid"]), int(request.path_params["cid"]))
+    """`GET /c/{cid}/uploads/{id}/image`: the image as PNG (pixels only): its stored thumbnail
+    with `?thumb=1`, else the whole image, one at a time."""
+    if request.headers.get("sec-fetch-site") == "cross-site":  # another site's <img>
+        return Response("images are shown on this app's pages only", status_code=403,
+                        media_type="text/plain")
+    state = app_state(request)
+    store = state.uploads
+    up = await asyncio.to_thread(store.get, int(request.path_params["uid"]),
+                                 int(request.path_params["cid"]))
     if up is None or up.kind != "image" or up.status != "ready":
         return Response("no such image in this conversation", status_code=404,
                         media_type="text/plain")
-    thumb = request.query_params.get("thumb") == "1"
     try:
-        body = await run_in_threadpool(lambda: png_bytes(load_image(store.blob(up.sha256), up.name), thumb))
+        if request.query_params.get("thumb") == "1":
+            body = await run_in_threadpool(thumbnail, store, up)
+        else:
+            async with state.full_images:
+                body = await run_in_threadpool(full_png, store, up)
     except (NotAttachable, OSError):
         return Response("the image can no longer be read", status_code=410, media_type="text/plain")
     return Response(body, media_type="image/png",
                     headers={"Cache-Control": "private, max-age=3600",
-                             "Content-Security-Policy": "default-src 'none'"})
+                             "Content-Security-Policy": "default-src 'none'",
+                             "Cross-Origin-Resource-Policy": "same-origin"})
 
 
 routes = [Route("/c/{cid:int}/uploads", create, methods=["POST"]),

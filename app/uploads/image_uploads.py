@@ -1,16 +1,20 @@
 """Images as uploads of a conversation (the upload endpoint of app/ui/uploads.py): the `image` kind,
 the PNG a page is shown, and how a user turn's images enter the prompt.
 
-- Kind: PNG, JPEG, WebP and GIF, told by their first bytes; reading one decodes it with the limits
-  of app/api/images.py (a corrupt file, a decompression bomb, more than 20 MB: the chip says why and
-  the bytes are removed). The file stays content-addressed in the data folder
-  (`uploads/<sha256>`) and goes when no conversation uses it (app/uploads/store.py).
-- Shown (`GET /c/{cid}/uploads/{id}/image` in app/ui/uploads.py; a thumbnail at most THUMB_PX on
-  its longest side): the image re-encoded as PNG from its pixels (`png_bytes`), orientation
-  applied, so no EXIF (GPS included) ever leaves the data folder.
-- Prompt: a user turn's image references (`kind == "image"`) are resolved to decoded images
-  (`resolve_images`) and the turn's content becomes text and image parts (`with_images`), which
-  the engine takes for a vision model and refuses clearly for a text-only one.
+- Kind: PNG, JPEG, WebP and GIF, told by their first bytes; reading one checks its header with the
+  limits of app/api/images.py before decoding anything (more than 20 MB, too many pixels or
+  frames, a corrupt file: the chip says why and the bytes are removed), then decodes it once to
+  make its thumbnail (at most THUMB_PX on its longest side, PNG), stored in the database. The file
+  stays content-addressed in the data folder (`uploads/<sha256>`) and goes when no conversation
+  uses it (app/uploads/store.py).
+- Shown (`GET /c/{cid}/uploads/{id}/image` in app/ui/uploads.py): the stored thumbnail
+  (`thumbnail`: made once, also for an image read before thumbnails were stored), or the full
+  image re-encoded as PNG from its pixels (`png_bytes`), one at a time; orientation applied, so
+  no EXIF (GPS included) ever leaves the data folder.
+- Prompt: a user turn's image references (`kind == "image"`) are resolved to checked images
+  (`resolve_images`, decoded only when a vision model needs the pixels) and the turn's content
+  becomes text and image parts (`with_images`), which the engine takes for a vision model and
+  refuses clearly, before decoding, for a text-only one.
 - Export / import: an exported message carries its images as `images: [{name, data_url}]` (PNG
   data URLs of the pixels, no EXIF) instead of upload references, which mean nothing elsewhere
   (`export_images`); importing stores them as uploads of the new conversation again
@@ -30,10 +34,10 @@ from typing import Any
 from engine import ImageInput
 
 from ..api.errors import ApiError
-from ..api.images import decode_image, decode_url, image_part, to_data_url
+from ..api.images import SentImage, image_part, read_image, read_url, to_data_url
 from ..storage import Message, Storage
 from .kinds import FileKind, NotAttachable, Processed, Processing, register_kind
-from .store import UploadStore
+from .store import Upload, UploadStore
 
 THUMB_PX = 256
 _MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a")
@@ -44,23 +48,51 @@ def is_image(head: bytes, name: str) -> bool:
     return head.startswith(_MAGIC) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")
 
 
-def load(path: Path, name: str) -> ImageInput:
-    """The stored image, decoded with the API's limits; NotAttachable with the reason if not."""
+def load(path: Path, name: str) -> SentImage:
+    """The stored image, its header checked with the API's limits (decoded when first needed);
+    NotAttachable with the reason if not."""
     try:
-        return decode_image(path.read_bytes(), name)
+        return read_image(path.read_bytes(), name)
     except ApiError as exc:
         raise NotAttachable(exc.message) from None
 
 
-def read_image(job: Processing) -> Processed:
-    """Check the stored image decodes; its size for the chip."""
-    job.progress("decoding", 0.5)
-    image = load(job.path, job.name).image
-    return Processed(summary=f"{image.width}×{image.height}",
-                     meta={"width": image.width, "height": image.height})
+def decoded(image: SentImage) -> ImageInput:
+    """The image's pixels; NotAttachable with the reason when they cannot be decoded."""
+    try:
+        return image.decode()
+    except ApiError as exc:
+        raise NotAttachable(exc.message) from None
 
 
-register_kind(FileKind("image", is_image, read_image), first=True)
+def process_image(job: Processing) -> Processed:
+    """Check the stored image (header first, then its pixels, decoded once) and store its
+    thumbnail; its size for the chip."""
+    job.progress("checking", 0.2)
+    image = decoded(load(job.path, job.name))
+    job.progress("thumbnail", 0.6)
+    job.uploads.set_thumbnail(job.sha256, png_bytes(image, thumb=True))
+    width, height = image.image.size
+    return Processed(summary=f"{width}×{height}", meta={"width": width, "height": height})
+
+
+register_kind(FileKind("image", is_image, process_image), first=True)
+
+
+def thumbnail(store: UploadStore, up: Upload) -> bytes:
+    """The upload's stored thumbnail; made and stored now for an image read before thumbnails
+    were kept (NotAttachable, OSError: it can no longer be read)."""
+    found = store.thumbnail(up.sha256)
+    if found is None:
+        found = png_bytes(decoded(load(store.blob(up.sha256), up.name)), thumb=True)
+        store.set_thumbnail(up.sha256, found)
+    return found
+
+
+def full_png(store: UploadStore, up: Upload) -> bytes:
+    """The whole image as PNG, re-encoded from its pixels (NotAttachable, OSError: it can no
+    longer be read)."""
+    return png_bytes(decoded(load(store.blob(up.sha256), up.name)))
 
 
 def png_bytes(image: ImageInput, thumb: bool = False) -> bytes:
@@ -125,8 +157,8 @@ def export_images(storage: Storage, data: dict[str, Any], cid: int) -> dict[str,
             up = store.get(a["upload"], cid)
             if up is not None and up.status == "ready":
                 try:
-                    images.append({"name": up.name,
-                                   "data_url": to_data_url(load(store.blob(up.sha256), up.name))})
+                    images.append({"name": up.name, "data_url": to_data_url(
+                        decoded(load(store.blob(up.sha256), up.name)))})
                 except (NotAttachable, OSError):
                     pass
         rest = [a for a in out.get("attachments") or [] if not _is_ref(a)]
@@ -157,7 +189,7 @@ def import_images(storage: Storage, cid: int, data: dict[str, Any]) -> None:
             if not isinstance(item, dict):
                 raise ValueError(f"{where} must be an object with name and data_url")
             try:
-                image = decode_url(item.get("data_url"), where)
+                image = read_url(item.get("data_url"), where).decode()
             except ApiError as exc:
                 raise ValueError(exc.message) from None
             body = png_bytes(image)
@@ -168,6 +200,7 @@ def import_images(storage: Storage, cid: int, data: dict[str, Any]) -> None:
                                   len(body))
             if fresh or up.status != "ready":
                 w, h = image.image.size
+                store.set_thumbnail(sha, png_bytes(image, thumb=True))
                 store.ready(sha, summary=f"{w}×{h}", tokens=None, pages=None, text=None,
                             meta={"width": w, "height": h})
             refs.append((store.get(up.id) or up).reference())

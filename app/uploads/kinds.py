@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from engine import Engine
 
 from .documents import NotAttachable
+from .store import UploadStore
 
 if TYPE_CHECKING:  # the index's package registers its kinds here: a type only, no import
     from ..doc_index.store import ChunkStore
@@ -31,6 +32,7 @@ class Processing:
     name: str
     kind: str
     progress: Callable[[str, float], None]
+    uploads: UploadStore | None = None  # where the file's rows are (a kind may store more there)
     index: "ChunkStore | None" = None  # for kinds that are chunked and searched
     embedding_model: str | None = None  # the model that embeds chunks (None: BM25 only)
 

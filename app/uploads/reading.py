@@ -1,5 +1,6 @@
 """Reading a stored upload (its kind's `process`: a PDF's text, the document index, an image's
-checks) on the app's own reader threads, and recording what it gave or why it failed."""
+checks) on the app's own reader threads (a queue per size class: app/uploads/reader_threads.py),
+and recording what it gave or why it failed."""
 
 import asyncio
 import logging
@@ -11,13 +12,11 @@ from .store import Upload
 
 log = logging.getLogger(__name__)
 
-READERS = 2  # files read at once (AppState.readers)
-
-
 def start_reading(state: AppState, up: Upload) -> None:
-    """Read the stored file (its kind's `process`) on the app's own reader threads, keeping the
-    task: uploads queue there, never taking the threads chat turns prepare their prompts on."""
-    task = asyncio.wrap_future(state.readers.submit(read_file, state, up))
+    """Read the stored file (its kind's `process`) on the app's own reader thread of its size
+    class, keeping the task: uploads queue there, never taking the threads chat turns prepare
+    their prompts on, and a small file never waits behind large ones."""
+    task = asyncio.wrap_future(state.readers.for_size(up.size).submit(read_file, state, up))
     state.reading.add(task)
     task.add_done_callback(state.reading.discard)
 
@@ -29,7 +28,7 @@ def read_file(state: AppState, up: Upload) -> None:
     job = Processing(engine=state.engine, path=store.blob(up.sha256), sha256=up.sha256,
                      name=up.name, kind=up.kind,
                      progress=lambda stage, fraction: store.progress(up.sha256, stage, fraction),
-                     index=state.chunks, embedding_model=state.document_embeddings)
+                     uploads=store, index=state.chunks, embedding_model=state.document_embeddings)
     try:
         if kind is None:
             raise NotAttachable(f"no reader for {up.kind} files")

@@ -113,10 +113,18 @@ class UploadStore:
             " text = ?, meta = ? WHERE sha256 = ?",
             (tokens, pages, text, json.dumps({**meta, "summary": summary}), sha256))
 
+    def set_thumbnail(self, sha256: str, png: bytes) -> None:
+        """Keep an image's thumbnail (PNG), made once when the file is read."""
+        self.storage._write("UPDATE files SET thumbnail = ? WHERE sha256 = ?", (png, sha256))
+
+    def thumbnail(self, sha256: str) -> bytes | None:
+        rows = self.storage._query("SELECT thumbnail FROM files WHERE sha256 = ?", (sha256,))
+        return rows[0]["thumbnail"] if rows else None
+
     def refused(self, sha256: str, reason: str) -> None:
         """Reading failed: the chip says why; the bytes are removed (an upload again retries)."""
         self.storage._write("UPDATE files SET status = 'refused', stage = NULL, error = ?, "
-                            "text = NULL WHERE sha256 = ?", (reason, sha256))
+                            "text = NULL, thumbnail = NULL WHERE sha256 = ?", (reason, sha256))
         with self.storage._transaction() as db:
             db.execute("DELETE FROM chunks WHERE sha256 = ?", (sha256,))
         self.blob(sha256).unlink(missing_ok=True)
@@ -129,16 +137,19 @@ class UploadStore:
             self.refused(row["sha256"], "reading it was interrupted by a restart; attach it again")
         return len(rows)
 
-    def sweep(self) -> int:
+    def sweep(self, starting: bool = False) -> int:
         """Remove bytes no `files` row refers to (their conversations were deleted) and uploads
-        that never finished arriving; returns how many files went."""
+        that never finished arriving: a part file an hour old, or any when `starting` (no upload
+        can be arriving before the server serves; one server per data folder); returns how many
+        files went."""
         if not self.folder.is_dir():
             return 0
         known = {r["sha256"] for r in self.storage._query("SELECT sha256 FROM files")}
         gone = 0
         for path in self.folder.iterdir():
             if path.name not in known and path.is_file():
-                if path.name.startswith(PART_PREFIX) and time.time() - path.stat().st_mtime < 3600:
+                if path.name.startswith(PART_PREFIX) and not starting \
+                        and time.time() - path.stat().st_mtime < 3600:
                     continue  # may still be arriving
                 path.unlink(missing_ok=True)
                 gone += 1

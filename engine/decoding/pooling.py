@@ -14,6 +14,9 @@ Two kinds of model embed (which one a folder holds: engine/loading/embedding_rec
 
 A batch is padded on the right: under the causal mask a real token never attends to a later pad,
 so each row's hidden states are those of the row alone, and pooling reads only its real tokens.
+An input longer than one model call takes (engine/scheduling/embedding_queue.py) goes through in
+segments with a model cache (`pool_segment`, one per scheduler tick), each segment attending to
+those before it as in one call, its pooled state carried over; `finish_pooled` normalises it.
 
     recipe = embedding_recipe(folder, config)
     vectors = embed_batch(model, [[1, 2, 3], [4, 5]], recipe)     # mx.array (2, hidden), unit rows
@@ -53,5 +56,27 @@ def embed_batch(model: nn.Module, rows: list[list[int]], recipe: EmbeddingRecipe
         pooled = pooled[:, :dimensions]
     norms = mx.linalg.norm(pooled, axis=1, keepdims=True)
     out = pooled / mx.maximum(norms, 1e-12)
+    mx.eval(out)
+    return out
+
+
+def pool_segment(model: nn.Module, tokens: list[int], cache: list, recipe: EmbeddingRecipe,
+                 pooled: mx.array | None) -> mx.array:
+    """One segment of a long input, after the segments already in `cache`: the running sum of
+    the hidden states (mean pooling) or the segment's last one (last-token pooling)."""
+    hidden = backbone(model)(mx.array([tokens]), cache=cache)[0].astype(mx.float32)
+    out = hidden[-1] if recipe.pooling == "last" else \
+        hidden.sum(axis=0) + (pooled if pooled is not None else 0.0)
+    mx.eval(out)
+    return out
+
+
+def finish_pooled(pooled: mx.array, length: int, recipe: EmbeddingRecipe,
+                  dimensions: int | None = None) -> mx.array:
+    """A long input's vector from its pooled state (`length` tokens): shape (1, width), unit."""
+    vector = pooled if recipe.pooling == "last" else pooled / length
+    if dimensions is not None:
+        vector = vector[:dimensions]
+    out = (vector / mx.maximum(mx.linalg.norm(vector), 1e-12))[None]
     mx.eval(out)
     return out

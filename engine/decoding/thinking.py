@@ -21,7 +21,7 @@ EFFORT_BUDGETS: dict[str, int | None] = {"none": 0, "minimal": 256, "low": 1024,
 
 def effort_budget(effort: object, field: str = "reasoning_effort") -> int | None:
     """The budget for a named effort; raises InvalidRequest naming `field` for another value."""
-    if effort not in EFFORT_BUDGETS:
+    if not isinstance(effort, str) or effort not in EFFORT_BUDGETS:  # (an object is no name)
         raise InvalidRequest(f"{field} must be one of {', '.join(EFFORT_BUDGETS)}, got "
                              f"{str(effort)[:40]!r}", field=field, code="invalid_value")
     return EFFORT_BUDGETS[effort]  # type: ignore[index]

@@ -22,6 +22,7 @@ calls that must be made are valid by construction.
 
 import json
 import re
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -40,8 +41,12 @@ FALLBACK_INSTRUCTIONS = (
     + '{{"name": <function name>, "arguments": <arguments object>}}' + FALLBACK_CLOSE + "."
 )
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-# Most functions one request may offer (each schema is compiled to a grammar: ~7 ms apiece here).
+# Most functions one request may offer (each schema is compiled to a grammar: ~2-7 ms apiece here,
+# once: compiled grammars are kept by the schema's hash, engine/decoding/constrained.py).
 MAX_TOOLS = 1_000
+# The most time compiling one request's new tool schemas may take (each compile is bounded by the
+# grammar engine's own limits; this bounds their sum).
+COMPILE_BUDGET_S = 10.0
 CHOICES = ("auto", "none", "required")
 
 
@@ -94,6 +99,19 @@ def _check_tool(i: int, tool: Any) -> dict[str, Any]:
     return {"type": "function", "function": {**fn, "parameters": params}}
 
 
+def _check_tools(tools: list[Any]) -> list[dict[str, Any]]:
+    """Each tool checked and its schema compiled, within COMPILE_BUDGET_S in all."""
+    deadline = time.monotonic() + COMPILE_BUDGET_S
+    checked = []
+    for i, tool in enumerate(tools):
+        checked.append(_check_tool(i, tool))
+        if time.monotonic() > deadline:
+            raise _invalid(f"'tools' took more than {COMPILE_BUDGET_S:.0f} s to compile "
+                           f"({i + 1} of {len(tools)} schemas): offer fewer or simpler tools",
+                           "tools")
+    return checked
+
+
 def tool_request(tools: Any, tool_choice: Any = None, parallel: bool | None = None) -> ToolRequest | None:
     """Validate OpenAI's `tools` (at most MAX_TOOLS), `tool_choice` and `parallel_tool_calls`;
     raises InvalidRequest with the offending field. None: no tools offered. CPU-bound (every
@@ -106,7 +124,7 @@ def tool_request(tools: Any, tool_choice: Any = None, parallel: bool | None = No
         raise _invalid("'tools' must be a non-empty array of functions", "tools")
     if len(tools) > MAX_TOOLS:
         raise _invalid(f"'tools' may offer at most {MAX_TOOLS} functions, got {len(tools)}", "tools")
-    checked = tuple(_check_tool(i, t) for i, t in enumerate(tools))
+    checked = _check_tools(tools)
     names = [t["function"]["name"] for t in checked]
     if len(set(names)) != len(names):
         raise _invalid("'tools' names each function once", "tools")
@@ -125,7 +143,7 @@ def tool_request(tools: Any, tool_choice: Any = None, parallel: bool | None = No
         raise _invalid('\'tool_choice\' must be "auto", "none", "required" or {"type": '
                        f'"function", "function": {{"name": ...}}}}, got {json.dumps(choice)}',
                        "tool_choice")
-    return ToolRequest(checked, choice, name, True if parallel is None else parallel)
+    return ToolRequest(tuple(checked), choice, name, True if parallel is None else parallel)
 
 
 # --- the prompt -----------------------------------------------------------------------------------
@@ -185,21 +203,57 @@ def prepare(tokenizer: Any, messages: Sequence[dict[str, Any]],
 
 # --- decoding -------------------------------------------------------------------------------------
 
+def _rooted(schema: Any, base: str) -> Any:
+    """`schema` with each local `$ref` ("#", "#/$defs/x", "#/properties/y") rewritten to point
+    under `base` (a JSON pointer), where the schema now sits."""
+    if isinstance(schema, dict):
+        return {k: base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                else _rooted(v, base) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rooted(v, base) for v in schema]
+    return schema
+
+
+def _has_ref(schema: Any) -> bool:
+    return '"$ref"' in json.dumps(schema)
+
+
 def call_schema(tools: ToolRequest) -> dict[str, Any]:
-    """The JSON Schema of one call to an allowed function."""
+    """The JSON Schema of one call to an allowed function. A function's parameters that use local
+    `$ref`s (`$defs`, as pydantic writes them, or `#` itself) move to the root's `$defs` under the
+    function's name, their references rewritten, so they resolve inside the combined schema."""
     allowed = [f for f in tools.functions if tools.name in (None, f["name"])]
-    options = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                 "arguments": f["parameters"]},
-                "required": ["name", "arguments"], "additionalProperties": False}
-               for f in allowed]
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    defs: dict[str, Any] = {}
+    options = []
+    for f in allowed:
+        arguments = f["parameters"]
+        if _has_ref(arguments):
+            defs[f["name"]] = _rooted(arguments, f"#/$defs/{f['name']}")
+            arguments = {"$ref": f"#/$defs/{f['name']}"}
+        options.append({"type": "object", "properties": {"name": {"const": f["name"]},
+                                                         "arguments": arguments},
+                        "required": ["name", "arguments"], "additionalProperties": False})
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "$defs": defs} if defs else schema
 
 
 def forced_schema(tools: ToolRequest) -> dict[str, Any]:
     """What a forced answer must be: one call, or a list of calls where several are allowed."""
     if tools.choice == "required" and tools.parallel:
-        return {"type": "array", "items": call_schema(tools), "minItems": 1}
+        call = call_schema(tools)
+        defs = call.pop("$defs", None)
+        return {"type": "array", "items": call, "minItems": 1, **({"$defs": defs} if defs else {})}
     return call_schema(tools)
+
+
+def _tools_grammar(schema: dict[str, Any]) -> str:
+    """The grammar of the calls' schema; refused naming `tools` (not the JSON mode's field)."""
+    try:
+        return check_schema(schema)
+    except InvalidRequest as exc:
+        raise _invalid(f"'tools' cannot be enforced together: "
+                       f"{str(exc).removeprefix('json_schema is not a supported JSON Schema: ')}; "
+                       "offer fewer or smaller tools", "tools") from None
 
 
 def markers(tokenizer: Any) -> tuple[str, str]:
@@ -232,7 +286,7 @@ def calls_grammar(tokenizer: Any, tools: ToolRequest) -> str:
     each closed and the next opened (`</tool_call>`, an optional newline, `<tool_call>`) before
     the answer ends."""
     schema = call_schema(tools)
-    grammar = check_schema(schema)
+    grammar = _tools_grammar(schema)
     opener, closer = markers(tokenizer)
     if not (tools.parallel and closer):
         return grammar
@@ -267,7 +321,8 @@ class LazyCallConstraint:
 def constraint(tokenizer: Any, tools: ToolRequest, prompt_length: int) -> Any:
     """The logits processor that keeps this request's calls valid, or None (calls unconstrained)."""
     if tools.forced:
-        return JsonConstraint(ll_tokenizer(tokenizer), check_schema(forced_schema(tools)), prompt_length)
+        return JsonConstraint(ll_tokenizer(tokenizer), _tools_grammar(forced_schema(tools)),
+                              prompt_length)
     if tools.choice == "auto" and json_calls(tokenizer):
         return LazyCallConstraint(tokenizer, calls_grammar(tokenizer, tools), prompt_length)
     return None

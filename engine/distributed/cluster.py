@@ -59,9 +59,11 @@ class Cluster:
 
     def stop(self) -> None:
         """Rank 0, after the engine stopped: let every follower leave its loop (skipped when a
-        rank is gone; the followers end when rank 0's heartbeat connection closes)."""
+        rank is gone; the followers end when rank 0's heartbeat connection closes). When the
+        model was refused before any rank loaded it (it cannot be split over this group), the
+        followers leave with that reason, each printing the one line rank 0 prints."""
         if self.coordinator is not None and not (self.watchdog and self.watchdog.dead):
-            self.coordinator.send(Plan(Op.STOP))
+            self.coordinator.send(Plan(Op.STOP, name=self.coordinator.refused))
 
     def follow(self) -> int:
         """Ranks other than 0: run rank 0's plans until it stops; returns how many were run."""

@@ -7,6 +7,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..model_cache import LOCAL
+from ..errors import ModelLoadError
 from ..loading.registry import LoadedModel, load_model
 from .group import World
 from .plan import Op, Plan, broadcast
@@ -56,6 +57,8 @@ class _Follower:
             self.caches.pop(cache_id, None)
         if plan.op == Op.STOP:
             self.files.close()
+            if plan.name:  # rank 0 refused the model before any rank loaded it
+                raise ModelLoadError(plan.name, code="not_shardable")
             return False
         if plan.op == Op.LOAD:
             self._load(plan.name)

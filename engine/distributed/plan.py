@@ -25,7 +25,7 @@ FileWork = tuple[int, list[int] | str]  # (cache id, tokens): write its shard; (
 class Op(IntEnum):
     FORWARD = 1  # run the model on `tokens` (rows x columns) with cache `cache_id`
     LOAD = 2  # load model `name` (and shard it); every cache is dropped
-    STOP = 3  # leave the follower loop
+    STOP = 3  # leave the follower loop (with `name`: as refused, that reason its error)
     COPY = 4  # cache `target` := a compact copy of cache `cache_id` (a prefix-cache snapshot)
     RESTORE = 5  # cache `target` := the first `length` tokens of snapshot `cache_id`
     MERGE = 6  # cache `target` := mlx-lm's batch cache of one row, cache `cache_id`

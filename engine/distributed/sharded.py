@@ -14,6 +14,7 @@ model and caches, and the verify step's rollback of rejected tokens, have no pla
 """
 
 import itertools
+import json
 import threading
 import weakref
 from typing import Any, Callable, Sequence
@@ -22,9 +23,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..errors import EngineError
+from ..errors import EngineError, ModelLoadError
 from ..model_cache import LOCAL, Cache, LocalCaches
 from ..loading.registry import LoadedModel, load_model, resolve
+from ..loading.shardable import check_shardable
 from .group import World
 from .plan import FileWork, Op, Plan, broadcast
 from .snapshots import SnapshotShards
@@ -116,6 +118,7 @@ class Coordinator:
         # its id under it
         self._lock = threading.RLock()
         self.steps = 0  # plans sent
+        self.refused = ""  # why the last load was refused before any follower loaded (one line)
 
     def new_cache(self, model: nn.Module) -> MirroredCache:
         return self.adopt(make_prompt_cache(model))
@@ -187,6 +190,15 @@ def sharded_loader(world: World, coordinator: Coordinator) -> Callable[..., Load
     def load(name: str | None, *, fallback_to_default: bool = False,
              int8_activations: bool | None = None) -> LoadedModel:  # shards take no CPU layout
         display, folder = resolve(name)  # a bad name fails here, before any follower loads
+        try:  # and a model the group cannot split: every rank leaves with the same line
+            config = json.loads((folder / "config.json").read_text())
+            check_shardable(display, config, world.size)
+        except ModelLoadError as exc:
+            coordinator.refused = str(exc)
+            raise
+        except (OSError, ValueError):
+            pass  # load_model says what is wrong with the folder
+        coordinator.refused = ""
         coordinator.use_files(None)  # the file work queued so far rides along with the LOAD
         coordinator.send(Plan(Op.LOAD, name=str(folder)))
         lm = load_model(str(folder), group=world.group)

@@ -187,26 +187,40 @@ def known_vision_models() -> list[str]:
 
 
 def _starts_with_gguf_magic(path: Path) -> bool:
-    with path.open("rb") as f:
-        return f.read(4) == b"GGUF"
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:  # a file that cannot be read (/proc/self/mem): no model
+        return False
+
+
+def _local_path(name: str) -> Path | None:
+    """`name` as a local path, if it names a file or folder that is there (a name no path can
+    have, too long or holding NUL, is none)."""
+    try:
+        path = Path(name).expanduser()
+        return path if path.exists() else None
+    except (OSError, ValueError):
+        return None
 
 
 def resolve(name: str | None) -> tuple[str, Path]:
     """Map a model name or path to (display name, mlx-lm folder); raises ModelLoadError."""
     if name in (None, "", DEFAULT_MODEL, "default"):
         return DEFAULT_MODEL, gguf_to_folder(bundled.ensure_bundled_gguf())
-    path = Path(name).expanduser()
-    if path.is_file() or path.is_dir():
-        return _local(path)
+    local = _local_path(name)
+    if local is not None:
+        return _local(local)
     cached = next((info for info in _hf_cache_models() if info.name == name), None)
     if cached is not None:  # owner/name (a folder), or owner/name:FILE.gguf (converted once)
         found = Path(cached.path)
         return cached.name, gguf_to_folder(found) if found.is_file() else found
-    if path.suffix == ".gguf":
-        raise ModelLoadError(f"GGUF file not found: {path}")
+    if name.endswith(".gguf"):
+        raise ModelLoadError(f"GGUF file not found: {name[:300]}")
     known = ", ".join(m.name for m in list_models())
-    raise ModelLoadError(f"unknown model {name!r}: not a file or folder, not in the local cache "
-                         f"(available: {known}); `mlxchat pull {name}` downloads a hub model",
+    shown = name if len(name) <= 300 else name[:300] + "…"
+    raise ModelLoadError(f"unknown model {shown!r}: not a file or folder, not in the local cache "
+                         f"(available: {known}); `mlxchat pull {shown}` downloads a hub model",
                          code="model_not_found")
 
 

@@ -1,10 +1,16 @@
 """Embedding requests, scheduled beside chat on the engine's one scheduler thread.
 
 `Engine.embed` (service.py) hands a request to `EmbeddingQueue.submit`, which validates it at
-once in the caller's thread (InvalidRequest for bad input, Overloaded past MAX_PENDING requests)
-and queues it. The scheduler thread (ticks.py, `Scheduler.soon`) then runs one chunk (at most
-CHUNK_TOKENS padded tokens, one model call) between two of its ticks, so a running chat stream
-waits at most one chunk for its next token; requests run in arrival order.
+once in the caller's thread (InvalidRequest for bad input or more than MAX_REQUEST_TOKENS tokens
+in all, Overloaded past MAX_PENDING requests) and queues it. The scheduler thread (ticks.py,
+`Scheduler.soon`) then runs one chunk, one model call, between two of its ticks. While chat
+requests decode, a chunk holds as many padded tokens as the model embeds in TICK_S (its speed
+measured on the chunks before; FIRST_TOKENS until it is known), at most the model's prefill chunk
+(engine/scheduling/prefill_policy.py); while nothing decodes, up to CHUNK_TOKENS. An input longer
+than that goes through in segments, one per tick, with a model cache (engine/decoding/pooling.py
+`pool_segment`), so a running chat stream waits about TICK_S for its next token whatever the
+embedding request holds; requests run in arrival order. A cancelled handle
+(its client left) ends at its next chunk.
 
 The model: a chat model of the engine's pool (mean pooling, engine/decoding/pooling.py) when the
 request names it (no name: the default model), or a dedicated embedding model (Qwen3-Embedding)
@@ -21,23 +27,28 @@ similarity; a job's `run` is the model call its chunks make.
 
 import asyncio
 import concurrent.futures
+import functools
 import json
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence, Union
 
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
 
-from ..decoding.pooling import embed_batch
+from ..decoding.generate import default_prefill_chunk
+from ..decoding.pooling import embed_batch, finish_pooled, pool_segment
 from ..loading.embedding_recipe import EmbeddingRecipe, embedding_recipe
 from ..loading.rerank_recipe import rerank_recipe
 from ..errors import EngineError, InvalidRequest, ModelLoadError, Overloaded
 from ..loading.registry import LoadedModel, context_length, resolve
 from .keep_alive import keep_alive_seconds
 from .pool import ModelPool
+from .prefill_policy import tick_budget
 from .slot import ModelSlot
 from .ticks import Scheduler
 
@@ -45,8 +56,16 @@ log = logging.getLogger(__name__)
 
 MAX_INPUTS = 2048  # inputs in one request (OpenAI's own limit)
 MAX_PENDING = 8  # embedding requests admitted at once; past it, Overloaded (HTTP 429)
-CHUNK_TOKENS = 2048  # padded tokens in one model call (one chunk between two scheduler ticks)
+CHUNK_TOKENS = 2048  # padded tokens in one model call at most (one chunk between two ticks)
 CHUNK_ROWS = 64  # inputs in one model call
+# While chat requests decode, an embedding chunk may take this long (sized by the model's measured
+# speed), starting at FIRST_TOKENS; never fewer than MIN_TOKENS (a model call has a fixed cost).
+TICK_S = 0.5
+FIRST_TOKENS = 64
+MIN_TOKENS = 16
+# Tokens one request may hold in all (every input together): its work is bounded, whatever the
+# inputs; OpenAI's own limit is 300,000 per request on models of larger context.
+MAX_REQUEST_TOKENS = 65_536
 
 # An input: a string, or token ids.
 EmbeddingInput = Union[str, Sequence[int]]
@@ -67,6 +86,12 @@ class EmbeddingHandle:
 
     id: str
     _future: "concurrent.futures.Future[Embeddings]" = field(default_factory=concurrent.futures.Future)
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        """Stop the request (its client left): it ends at its next chunk, failing with
+        EngineError, and a request not started yet never runs."""
+        self.cancelled = True
 
     def result(self, timeout: float | None = None) -> Embeddings:
         """Block for the vectors; raises the EngineError that failed the request."""
@@ -91,6 +116,24 @@ class _Model:
     asked: str  # how the pool is asked for it (a chat model's name, a dedicated model's folder)
     dedicated: bool = False  # loaded by the queue's own loader (`load_model`)
 
+    @functools.cached_property
+    def token_chars(self) -> int:
+        """The most characters one token stands for (its tokenizer's longest entry)."""
+        vocab = getattr(self.tokenizer, "vocab", None) or {}
+        return max((len(t) for t in vocab), default=0) or 1 << 10
+
+
+@dataclass(eq=False)
+class _Long:
+    """An input longer than one chunk, embedded a segment per tick (`done` tokens so far) into
+    `cache`, its pooled state so far in `pooled`; `reserved`: its cache's bytes in the budget."""
+
+    index: int
+    cache: list[Any]
+    reserved: int
+    done: int = 0
+    pooled: Any = None
+
 
 @dataclass(eq=False)
 class _Job:
@@ -105,6 +148,7 @@ class _Job:
     vectors: np.ndarray | None = None
     # the model call of a chunk: (model, rows) -> one row of floats each (None: embed them)
     run: Callable[[Any, list[list[int]]], Any] | None = None
+    long: _Long | None = None  # the input being embedded in segments, if one is
 
 
 def _text_config(config: dict) -> dict:
@@ -130,6 +174,7 @@ class EmbeddingQueue:
         self._posted = False  # a chunk is waiting on the scheduler thread
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlxchat-embed-load")
         self._ids = 0
+        self._speed: dict[Path, float] = {}  # padded tokens per second, by model folder
 
     # -- any thread ------------------------------------------------------------------------------
     def submit(self, inputs: EmbeddingInput | Sequence[EmbeddingInput], *, model: str | None = None,
@@ -161,6 +206,7 @@ class EmbeddingQueue:
         """Queue validated token rows for `target` (`run`: the model call of each chunk, None to
         embed); raises Overloaded past MAX_PENDING requests."""
         keep = keep_alive_seconds(keep_alive, _MODEL_DEFAULT)  # type: ignore[arg-type]
+        check_request_tokens(sum(map(len, rows)))
         with self._lock:
             if self._scheduler.halted is not None:
                 raise EngineError(self._scheduler.halted)
@@ -239,6 +285,9 @@ class EmbeddingQueue:
         """The token rows of a request's inputs on `target` (`query`: with its query prompt);
         raises InvalidRequest naming `field` (and the input's index in it)."""
         items = _items(inputs, field)
+        texts = sum(len(item) for item in items if isinstance(item, str))
+        if not truncate and texts > MAX_REQUEST_TOKENS * target.token_chars:  # before encoding
+            check_request_tokens(texts // target.token_chars)
         prompt = target.recipe.prompt(query)
         return [_row(target, item, field if len(items) == 1 else f"{field}[{i}]", field, prompt,
                      truncate) for i, item in enumerate(items)]
@@ -259,6 +308,10 @@ class EmbeddingQueue:
             job = self._jobs[0] if self._jobs else None
         if job is None:
             return
+        if job.handle.cancelled:  # its client left: no more of its chunks
+            self._finish(job, EngineError("the embedding request was cancelled"))
+            self._kick()
+            return
         try:
             model = self._resident(job)
             if model is None:  # its model loading: the loader posts the next chunk
@@ -271,11 +324,37 @@ class EmbeddingQueue:
             self._finish(job, failure)
         self._kick()
 
+    def _chunk_tokens(self, job: _Job) -> int:
+        """Padded tokens in this chunk's model call: while chat requests decode, what the model
+        embeds in TICK_S (at most its prefill chunk); CHUNK_TOKENS when none does."""
+        assert job.slot is not None  # held by `_resident`
+        lm = job.slot.lm
+        chunk = min(CHUNK_TOKENS, default_prefill_chunk(lm))
+        if self._scheduler.load().running == 0:
+            return min(CHUNK_TOKENS, tick_budget(chunk, decoding=False))
+        speed = self._speed.get(job.model.folder)
+        tokens = FIRST_TOKENS if speed is None else int(speed * TICK_S)
+        return max(MIN_TOKENS, min(chunk, tokens))
+
+    def _timed(self, job: _Job, tokens: int, call: Callable[[], Any]) -> Any:
+        """`call()` (a model call over `tokens` padded tokens), its speed noted for the model."""
+        started = time.monotonic()
+        out = call()
+        speed = tokens / max(time.monotonic() - started, 1e-6)
+        known = self._speed.get(job.model.folder)
+        self._speed[job.model.folder] = speed if known is None else (known + speed) / 2
+        return out
+
     def _step(self, job: _Job, model: Any) -> None:
-        picked = next_chunk(job.rows, job.order[job.done:])
+        budget = self._chunk_tokens(job)
+        if job.run is None and (job.long is not None or len(job.rows[job.order[job.done]]) > budget):
+            self._segment(job, model, budget)
+            return
+        picked = next_chunk(job.rows, job.order[job.done:], budget)
         rows = [job.rows[i] for i in picked]
-        vectors = np.array(job.run(model, rows) if job.run is not None else
-                           embed_batch(model, rows, job.model.recipe, job.dimensions))
+        vectors = np.array(self._timed(job, max(map(len, rows)) * len(rows), lambda: (
+            job.run(model, rows) if job.run is not None else
+            embed_batch(model, rows, job.model.recipe, job.dimensions))))
         if job.vectors is None:
             job.vectors = np.empty((len(job.rows), vectors.shape[1]), dtype=np.float32)
         job.vectors[picked] = vectors
@@ -283,7 +362,38 @@ class EmbeddingQueue:
         if job.done == len(job.rows):
             self._finish(job, None)
 
+    def _segment(self, job: _Job, model: Any, budget: int) -> None:
+        """The next segment of the job's input too long for one chunk (its cache reserved in the
+        memory budget on the chat model, from the first segment to the last)."""
+        if job.long is None:
+            index = job.order[job.done]
+            assert job.slot is not None  # held by `_resident`
+            reserved = job.slot.footprint.bytes_for(len(job.rows[index]))  # (a dedicated: 0)
+            self._pool.reserve(reserved, "this embedding input")
+            job.long = _Long(index, make_prompt_cache(model), reserved)
+        long, row = job.long, job.rows[job.long.index]
+        piece = row[long.done:long.done + budget]
+        long.pooled = self._timed(job, len(piece), lambda: pool_segment(
+            model, piece, long.cache, job.model.recipe, long.pooled))
+        long.done = min(long.done + budget, len(row))
+        if long.done < len(row):
+            return
+        vector = np.array(finish_pooled(long.pooled, len(row), job.model.recipe, job.dimensions))
+        self._release_long(job)
+        if job.vectors is None:
+            job.vectors = np.empty((len(job.rows), vector.shape[1]), dtype=np.float32)
+        job.vectors[long.index] = vector[0]
+        job.done += 1
+        if job.done == len(job.rows):
+            self._finish(job, None)
+
+    def _release_long(self, job: _Job) -> None:
+        if job.long is not None:
+            self._pool.budget.release(job.long.reserved)
+            job.long = None
+
     def _finish(self, job: _Job, failure: Exception | None) -> None:
+        self._release_long(job)
         with self._lock:
             self._jobs.remove(job)
         if job.slot is not None:  # the model may leave memory once idle past its keep-alive
@@ -387,14 +497,23 @@ def _row(target: _Model, item: Any, where: str, field: str, prompt: str, truncat
     return ids
 
 
-def next_chunk(rows: Sequence[Sequence[int]], order: Sequence[int]) -> list[int]:
+def check_request_tokens(tokens: int) -> None:
+    """Raise InvalidRequest (field `input`) for a request over MAX_REQUEST_TOKENS tokens."""
+    if tokens > MAX_REQUEST_TOKENS:
+        raise InvalidRequest(f"the request's inputs hold {tokens:,} tokens; at most "
+                             f"{MAX_REQUEST_TOKENS:,} in one request: send them in several",
+                             field="input", code="too_many_tokens")
+
+
+def next_chunk(rows: Sequence[Sequence[int]], order: Sequence[int],
+               budget: int = CHUNK_TOKENS) -> list[int]:
     """The rows (indices, taken from the front of `order`) of the next model call: as many as
-    fit CHUNK_TOKENS once padded to the longest of them, at most CHUNK_ROWS, at least one."""
+    fit `budget` tokens once padded to the longest of them, at most CHUNK_ROWS, at least one."""
     picked: list[int] = []
     width = 0
     for i in order:
         width = max(width, len(rows[i]))
-        if picked and (width * (len(picked) + 1) > CHUNK_TOKENS or len(picked) >= CHUNK_ROWS):
+        if picked and (width * (len(picked) + 1) > budget or len(picked) >= CHUNK_ROWS):
             break
         picked.append(i)
     return picked

@@ -33,6 +33,7 @@ from ..device import memory_budget as device_memory_budget
 from ..errors import EngineError, InvalidRequest, Overloaded
 from ..decoding.fim import Infill
 from ..decoding.generate import Generation, build_prompt, check_fits
+from ..decoding.prompt_size import check_prompt_size
 from ..loading.progress import LoadCallback, report, reporting
 from ..loading.registry import LoadedModel, ModelInfo, load_model
 from ..decoding.defaults import ModelDefaults
@@ -213,6 +214,11 @@ class Engine:
     def halted(self) -> str | None:
         """Why the engine stopped serving for good, or None."""
         return self.scheduler.halted
+
+    @property
+    def busy_s(self) -> float:
+        """How long the scheduler's current tick or embedding chunk has run (0: between them)."""
+        return self.scheduler.busy_s()
 
     @property
     def max_running(self) -> int:
@@ -424,6 +430,7 @@ class Engine:
         lm = slot.lm
         assert lm is not None
         params = params or SamplingParams()
+        check_prompt_size(lm, messages, text, tools, infill)  # before tokenising anything
         prompt = build_prompt(lm, messages=messages, prompt_tokens=prompt_tokens, text=text,
                               tools=tools, infill=infill)
         if fit_max_tokens:  # no room left: max_tokens 1, refused as too long (not over budget)

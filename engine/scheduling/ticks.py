@@ -101,6 +101,7 @@ class Scheduler:
         self._stopping = False
         self._halted: str | None = None  # why serving stopped for good (see `halt`)
         self._next_expiry_check = 0.0
+        self._busy_since: float | None = None  # when the tick or task running now began
 
     # -- from any thread -------------------------------------------------------------------------
     def start(self) -> None:
@@ -125,6 +126,13 @@ class Scheduler:
     def halted(self) -> str | None:
         """Why serving stopped for good, or None."""
         return self._halted
+
+    def busy_s(self) -> float:
+        """How long the tick or between-ticks task (an embedding chunk) running now has run (0
+        when none is): a scheduler stuck in one piece of work shows here (`/health`). Control
+        tasks (a model switch) are not counted: the engine reports those as loading."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def halt(self, reason: str) -> None:
         """Fail every admitted request with `reason` and stop serving; safe from any thread. For
@@ -322,7 +330,9 @@ class Scheduler:
         requests)."""
         while self._halted is None:
             for _ in range(self._soon.qsize()):  # those posted before this tick: one chunk each
+                self._busy_since = time.monotonic()
                 self._soon.get()()
+                self._busy_since = None
             work = self._next_work()
             if work is _STOP:
                 return
@@ -331,7 +341,9 @@ class Scheduler:
             elif callable(work):
                 work()
             elif work:
+                self._busy_since = time.monotonic()
                 self._serve_tick(work)
+                self._busy_since = None
 
     def _next_work(self) -> "object | Callable[[], None] | list[RequestHandle]":
         """Under the lock, once there is something to do: _STOP, _UNLOAD, a control task, or the

@@ -1,5 +1,6 @@
 """A real MCP server for the tests, written with the official SDK (`MCPServer`): a calculator, a
-reader of files in one folder, a tool that sleeps, one that fails and one that ends the process.
+reader of files in one folder, a tool that sleeps, one that fails, one that ends the process and
+one that answers millions of characters.
 
     python tests/mcp_servers/tools_server.py stdio [--tools add,fail] [--folder DIR]
     python tests/mcp_servers/tools_server.py http PORT [--token TOKEN] [--tools ...] [--folder DIR]
@@ -51,13 +52,18 @@ def crash(code: Annotated[int, Field(ge=1, le=9)]) -> str:
     os._exit(code)
 
 
+def big(megabytes: Annotated[int, Field(ge=1, le=64)]) -> str:
+    """A text of that many million characters (a tool that answers far more than is shown)."""
+    return "y" * (megabytes * 1_000_000)
+
+
 def env(name: Annotated[str, Field(max_length=8)]) -> str:
     """The environment variable MCP_TEST_ECHO_ENV names."""
     return os.environ.get(os.environ.get("MCP_TEST_ECHO_ENV", ""), "")
 
 
 TOOLS = {"add": (add, READ_ONLY), "read_file": (read_file, READ_ONLY), "sleep": (sleep, None),
-         "fail": (fail, None), "crash": (crash, None), "env": (env, None)}
+         "fail": (fail, None), "crash": (crash, None), "env": (env, None), "big": (big, None)}
 
 
 def build(names: list[str]) -> MCPServer:
