@@ -167,6 +167,28 @@ def test_room_for_something_besides_the_models_evicts_an_idle_one(models):
         engine.stop()
 
 
+def test_pinned_models_load_at_start_and_serve_takes_them(models, monkeypatch):
+    engine = Engine("A", load=lambda name, **_: models[name], pinned=("A", "B")).start()
+    try:
+        assert {(m.name, m.pinned, m.expires_at) for m in engine.loaded_models()} == \
+            {("A", True, None), ("B", True, None)}  # never evicted, no idle unload
+        assert engine.model_name == "A"
+    finally:
+        engine.stop()
+    from click.testing import CliRunner
+
+    import app.server
+    from app.cli import cli
+
+    seen: dict = {}
+    monkeypatch.setattr(app.server, "serve", lambda **options: seen.update(options))
+    r = CliRunner().invoke(cli, ["serve", "-m", "a", "--model", "b", "--max-loaded", "2",
+                                 "--no-browser"])
+    assert r.exit_code == 0, r.output
+    assert (seen["model"], seen["pinned"], seen["max_loaded"]) == ("a", ("a", "b"), 2)
+    assert CliRunner().invoke(cli, ["serve", "--max-loaded", "0"]).exit_code == 2
+
+
 def test_max_loaded_caps_the_models_in_memory(models):
     engine = Engine("A", load=lambda name, **_: models[name], max_loaded=2).start()
     try:
