@@ -251,7 +251,13 @@ def models(import_wheel: str | None, as_json: bool) -> None:
 @cli.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8321, show_default=True, type=click.IntRange(1, 65535))
-@model_option
+@click.option("--model", "-m", "models", multiple=True, metavar="MODEL",
+              help="Model name, GGUF file or mlx-lm folder, loaded at start and kept loaded "
+                   "(pinned); repeatable: the first is the default for requests that name none. "
+                   "Other models load when a request names them.")
+@click.option("--max-loaded", type=click.IntRange(1, 64), default=None,
+              help="Keep at most this many models in memory at once (default: as many as the "
+                   "memory budget holds); the least recently used idle one leaves first.")
 @device_option
 @kv_bits_option
 @int8_option
@@ -266,8 +272,9 @@ def models(import_wheel: str | None, as_json: bool) -> None:
                    "the address can read your chats).")
 @click.option("--keep-alive", default=f"{DEFAULT_KEEP_ALIVE_S / 60:.0f}m", show_default=True,
               callback=lambda ctx, param, value: _keep_alive(value),
-              help="Unload the model after this idle time (seconds, or e.g. 90s, 30m, 1h; "
-                   "negative: never); the next request reloads it.")
+              help="Unload a model after this idle time (seconds, or e.g. 90s, 30m, 1h; "
+                   "negative: never), unless its settings or a request say otherwise; the next "
+                   "request reloads it.")
 @click.option("--model-alias", "model_aliases", multiple=True, metavar="NAME=MODEL",
               help="A model name clients send (Claude Code's claude-*, Codex's gpt-*; * matches "
                    "any text) and the local model it stands for; repeatable. On /v1/messages and "
@@ -288,9 +295,9 @@ def models(import_wheel: str | None, as_json: bool) -> None:
 @click.option("--responses-ttl", type=click.FloatRange(0, 36500, min_open=True), default=30.0,
               show_default=True, metavar="DAYS",
               help="Keep a stored /v1/responses answer (for previous_response_id) this many days.")
-def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
-          device: str = "auto", no_browser: bool = False, allow_remote: bool = False,
-          api_key: str | None = None, no_api_key: bool = False,
+def serve(host: str = "127.0.0.1", port: int = 8321, models: tuple[str, ...] = (),
+          max_loaded: int | None = None, device: str = "auto", no_browser: bool = False,
+          allow_remote: bool = False, api_key: str | None = None, no_api_key: bool = False,
           keep_alive: float | None = DEFAULT_KEEP_ALIVE_S,
           model_aliases: tuple[str, ...] = (), allow_origins: tuple[str, ...] = (),
           allow_hosts: tuple[str, ...] = (), max_running: int | None = None,
@@ -314,7 +321,8 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
         if cluster is not None and cluster.rank != 0:
             cluster.follow()
             return
-        run_server(host=host, port=port, model=model, open_browser=not no_browser,
+        run_server(host=host, port=port, model=models[0] if models else None, pinned=models,
+                   max_loaded=max_loaded, open_browser=not no_browser,
                    allow_remote=allow_remote, api_key=api_key, no_api_key=no_api_key,
                    keep_alive=-1 if keep_alive is None else keep_alive, cluster=cluster,
                    aliases=aliases, allowed_origins=allow_origins, extra_hosts=allow_hosts,

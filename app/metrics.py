@@ -147,15 +147,15 @@ class EngineCollector(Collector):
 
     def _memory(self, s: EngineStats) -> Iterable[Metric]:
         p = PREFIX
-        weights = GaugeMetricFamily(f"{p}_model_weights_bytes", "Resident weights by model",
+        weights = GaugeMetricFamily(f"{p}_model_weights_bytes", "Weights in memory by model",
                                     labels=["model"])
         for model, size in sorted(s.memory.weights.items()):
             weights.add_metric([model], size)
         yield weights
         yield _gauge(f"{p}_kv_reserved_bytes", "Model-cache bytes the admitted requests "
                      "reserve", s.memory.reserved_kv)
-        yield _gauge(f"{p}_memory_budget_bytes", "The engine's memory budget for model caches "
-                     "and the prefix cache", s.memory.memory_budget)
+        yield _gauge(f"{p}_memory_budget_bytes", "The engine's memory budget for the loaded "
+                     "models' weights, model caches and the prefix caches", s.memory.memory_budget)
 
     def _prefix_cache(self, s: EngineStats) -> Iterable[Metric]:
         p, c = PREFIX, s.prefix_cache

@@ -1,9 +1,10 @@
-"""The model jobs that run behind the model picker (app/ui/picker.py): the one model load in
-progress, shared with the API (a request naming another local model loads it) and with the
-server's start (`mlxchat serve` listens at once and loads its first model this way) —
-`begin_switch` starts loading a model in a worker thread, `ModelSwitch` describes the load while
-it runs (its stages: engine.LOAD_STAGES), `model_loaded` waits for it — and the one download
-(`ModelDownload`). `StageLines` writes a load's stages to the terminal, a line each."""
+"""The model jobs that run behind the model picker (app/ui/picker.py): the picker's model load in
+progress, also the server's start (`mlxchat serve` listens at once and loads its first model this
+way) — `begin_switch` loads a model into the engine's model pool in a thread of its own and makes
+it the default (the other models stay loaded while the memory budget allows; API requests load
+the models they name through the pool directly, app/api/models.py), `ModelSwitch` describes the
+load while it runs (its stages: engine.LOAD_STAGES), `model_loaded` waits for it — and the one
+download (`ModelDownload`). `StageLines` writes a load's stages to the terminal, a line each."""
 
 import asyncio
 import sys
@@ -17,8 +18,8 @@ from engine import DownloadProgress, Engine, EngineError, LoadProgress, LoadStag
 
 @dataclass
 class ModelSwitch:
-    """The one model load that may be in progress (or the last one, until another begins), as
-    the page shows it: its stages so far, the current one with its bytes while downloading."""
+    """The picker's model load that may be in progress (or the last one, until another begins),
+    as the page shows it: its stages so far, the current one with its bytes while downloading."""
 
     name: str | None = None
     progress: LoadProgress | None = None  # the latest stage reported
@@ -58,10 +59,10 @@ class ModelSwitch:
 def begin_switch(switch: ModelSwitch, engine: Engine, name: str, *,
                  int8_activations: bool | None = None,
                  echo: "StageLines | None" = None) -> asyncio.Task:
-    """Start loading `name` as the one model load (`int8_activations`: on the CPU kernels, with
-    int8 activations from now on or not; None: as the current model), its stages also written
-    by `echo`; the task's result is the EngineError that stopped it (also kept in
-    `switch.error`), or None once loaded."""
+    """Start loading `name` as the picker's model load, to be the default model
+    (`int8_activations`: on the CPU kernels, with int8 activations from now on or not; None: as
+    its settings say), its stages also written by `echo`; the task's result is the EngineError
+    that stopped it (also kept in `switch.error`), or None once loaded."""
     switch.name, switch.progress, switch.started, switch.error = name, None, time.time(), None
     switch.passed = []
 

@@ -23,7 +23,7 @@ import time
 import webbrowser
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import uvicorn
 from starlette.applications import Starlette
@@ -33,8 +33,8 @@ from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
 import static
-from engine import (BUNDLED_MODEL, DEFAULT_KEEP_ALIVE_S, Cluster, Engine, LoadProgress, data_dir,
-                    describe_device)
+from engine import (BUNDLED_MODEL, DEFAULT_KEEP_ALIVE_S, MODEL_SETTINGS_FILE, Cluster, Engine,
+                    LoadProgress, ModelSettingsFile, data_dir, describe_device)
 
 from . import api, metrics
 from .api import audio, images
@@ -229,11 +229,13 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
           cluster: Cluster | None = None, aliases: dict[str, str] | None = None,
           allowed_origins: Iterable[str] = (), extra_hosts: Iterable[str] = (),
           max_running: int | None = None, document_embeddings: str | None = None,
-          responses_ttl_days: float = DEFAULT_TTL_DAYS) -> None:
+          responses_ttl_days: float = DEFAULT_TTL_DAYS, pinned: Sequence[str] = (),
+          max_loaded: int | None = None) -> None:
     """Serve the UI and the API until Ctrl-C or SIGTERM/SIGHUP, loading `model` (None: the
-    bundled one) in the background from the moment the server listens; the model's weights are
-    unloaded after `keep_alive` idle seconds (None: never) and reloaded by the next
-    request. With a `cluster`, serve as its rank 0 (the only rank that opens the data folder).
+    bundled one; then the `pinned` ones, kept loaded; `max_loaded`: at most this many models in
+    memory at once, engine/scheduling/pool.py) in the background from the moment the server
+    listens; a model's weights are unloaded after `keep_alive` idle seconds (None: never) and
+    reloaded by the next request. With a `cluster`, serve as its rank 0 (the only rank that opens the data folder).
     `aliases`, `allowed_origins`: see `create_app`; `extra_hosts`: Host names accepted besides
     the bound one and loopback (`--allow-host`, e.g. host.docker.internal);
     `document_embeddings`, `responses_ttl_days`: see `create_app`."""
@@ -249,7 +251,7 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
         raise SystemExit(str(exc)) from None
     try:
         _run(_bind(host, port), host, port, model, open_browser, api_key, keep_alive, cluster,
-             max_running,
+             {"max_running": max_running, "pinned": tuple(pinned), "max_loaded": max_loaded},
              {"aliases": aliases or {}, "allowed_origins": tuple(allowed_origins),
               "mcp_edit": host == "127.0.0.1" and not allow_remote,
               "document_embeddings": document_embeddings,
@@ -261,15 +263,18 @@ def serve(host: str = "127.0.0.1", port: int = 8321, model: str | None = None,
 
 def _run(sock: socket.socket, host: str, port: int, model: str | None, open_browser: bool,
          api_key: str | None, keep_alive: float | str | None, cluster: Cluster | None,
-         max_running: int | None,
+         pool_options: dict[str, Any],
          app_options: dict[str, Any], extra_hosts: tuple[str, ...]) -> None:
     storage = Storage()
     if storage.moved_aside is not None:
         print(f"The database was damaged: kept it as {storage.moved_aside} and started a new one.",
               file=sys.stderr)
+    # models.json beside the database: each model's settings (engine/scheduling/model_settings.py)
+    settings = ModelSettingsFile(storage.path.parent / MODEL_SETTINGS_FILE)
     # A sharded model stays loaded: its followers cannot unload and reload in step yet.
-    engine = Engine(model=model, max_running=max_running, **(cluster.engine_options() if cluster else
-                                    {"persist_prefix_cache": True, "keep_alive": keep_alive}))
+    engine = Engine(model=model, model_settings=settings, **{
+        **pool_options, **(cluster.engine_options() if cluster else
+                           {"persist_prefix_cache": True, "keep_alive": keep_alive})})
     if cluster is not None:
         cluster.watch(engine)
     echo = _Ready(engine, model or BUNDLED_MODEL)

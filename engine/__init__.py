@@ -18,7 +18,7 @@ from .kernels import active_path as compute_path, describe_device, device_report
 from .kernels.kv8 import ENV as KV_BITS_ENV
 from .kernels.native import ENV as KERNELS_ENV
 from .errors import (DownloadCancelled, DownloadError, EngineError, InvalidRequest, ModelLoadError,
-                     Overloaded, UnsupportedArchitecture)
+                     NoRoom, Overloaded, UnsupportedArchitecture)
 from .decoding.thinking import EFFORT_BUDGETS, effort_budget
 from .decoding.tools import ToolRequest, tool_request
 from .events import (Channel, Event, FinishReason, RequestState, Timings, TokenLogprob, ToolCall,
@@ -32,6 +32,8 @@ from .paths import cache_dir, data_dir
 from .scheduling.embedding_queue import (MAX_INPUTS as EMBEDDING_MAX_INPUTS, EmbeddingHandle,
                                          Embeddings)
 from .scheduling.keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
+from .scheduling.model_settings import FILE_NAME as MODEL_SETTINGS_FILE, ModelSettings, ModelSettingsFile
+from .scheduling.pool import ResidentModel
 from .scheduling.requests import RequestHandle
 from .scheduling.speech import MAX_TEXT as SPEECH_MAX_TEXT, SpeechHandle, SpeechStream
 from .loading.speech import INPUT_RATE as SPEECH_INPUT_RATE, SUGGESTED as SPEECH_SUGGESTED
@@ -45,8 +47,8 @@ from .decoding.vision import ImageInput
 from .decoding.fim import Infill
 
 __all__ = [
-    "BUNDLED_MODEL", "Cluster", "DEFAULTABLE", "DEFAULT_KEEP_ALIVE_S", "DEFAULT_SOURCES", "DEVICES", "KERNELS_ENV",
-    "KV_BITS_ENV", "MESSAGE_ROLES", "PRESETS",
+    "BUNDLED_MODEL", "Cluster", "DEFAULTABLE", "DEFAULT_KEEP_ALIVE_S", "DEFAULT_SOURCES",
+    "DEVICES", "KERNELS_ENV", "KV_BITS_ENV", "MESSAGE_ROLES", "MODEL_SETTINGS_FILE", "PRESETS",
     "SAMPLING_OPTIONS",
     "EMBEDDING_MAX_INPUTS", "EmbeddingHandle", "Embeddings",
     "SPEECH_INPUT_RATE", "SPEECH_MAX_TEXT", "SPEECH_SUGGESTED", "SpeechHandle", "SpeechStream",
@@ -55,7 +57,8 @@ __all__ = [
     "Engine", "EngineError", "EngineStats", "EngineStatus", "Event", "FinishReason", "Histogram",
     "InvalidRequest", "LOAD_STAGES", "LoadProgress", "LoadStage",
     "ImageInput", "Infill", "ModelDefaults", "ModelDescription", "ModelInfo", "ModelLoadError",
-    "Overloaded", "Ranking", "RequestHandle", "RequestState", "RerankHandle", "SamplingOption",
+    "ModelSettings", "ModelSettingsFile", "NoRoom", "Overloaded", "ResidentModel", "Ranking",
+    "RequestHandle", "RequestState", "RerankHandle", "SamplingOption",
     "SamplingParams", "SpeculativeOptions",
     "Timings", "TokenLogprob", "ToolCall", "ToolRequest", "TopLogprob", "UnsupportedArchitecture",
     "Usage",

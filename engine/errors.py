@@ -34,6 +34,15 @@ class Overloaded(EngineError):
         self.retry_after = retry_after
 
 
+class NoRoom(Overloaded):
+    """A model cannot be loaded now: the memory budget (or `--max-loaded`) is held by models
+    with running requests; try again after `retry_after` seconds (a 503, not a 429)."""
+
+    def __init__(self, message: str, retry_after: float = 5.0):
+        super().__init__(message, retry_after)
+        self.code = "models_busy"
+
+
 class DownloadError(EngineError):
     """A model could not be downloaded: offline, not found, gated, too big, disk full, bad hash."""
 

@@ -87,7 +87,7 @@ def test_segments_give_the_dedicated_models_last_token_vector(engine, monkeypatc
     ids = [[(i * 7) % 900 + 3 for i in range(500)]]  # its context is 512
     segmented = engine.embed(ids, model=folder).result(120).vectors
     target = engine.embeddings.target(folder)
-    whole = pooling.embed_batch(target.loaded.model, ids, target.recipe)
+    whole = pooling.embed_batch(engine.pool.find(folder).lm.model, ids, target.recipe)
     assert np.abs(segmented - np.array(whole)).max() < 1e-4
     assert [n for _, n, _ in calls] == [128, 128, 128, 116]
 

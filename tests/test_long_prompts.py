@@ -144,11 +144,11 @@ def test_a_failing_tick_fails_its_requests_and_serving_goes_on(tmp_path):
     engine = Engine(lm.name, load=lambda name, **_: lm).start()
     tick, broken = engine.scheduler._tick, threading.Event()
 
-    def failing_tick(running):
+    def failing_tick(slot, running):
         if not broken.is_set():
             broken.set()
             raise RuntimeError("injected")
-        return tick(running)
+        return tick(slot, running)
 
     engine.scheduler._tick = failing_tick
     try:

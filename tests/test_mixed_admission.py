@@ -26,8 +26,9 @@ def test_requests_that_fit_the_memory_budget_run_together_up_to_the_cap(llama, s
     target = watched(llama)
     probe = serve(llama)
     need = probe.request_bytes(len(PROMPT), 12)
+    weights = probe.status().weight_bytes  # the budget holds the model's weights too
     engine = serve(target, max_running=cap, max_queued=0 if cap is None else 8,
-                   prefix_cache=False, memory_budget=int(need * 6.5))
+                   prefix_cache=False, memory_budget=weights + int(need * 6.5))
     assert engine.max_running == (cap or MAX_RUNNING_ROWS)
     target.model.gate.clear()  # all six are admitted before the first model call
     handles = [engine.submit(prompt_tokens=PROMPT[i:] + PROMPT[:i], params=SamplingParams(max_tokens=12))

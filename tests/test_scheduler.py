@@ -266,7 +266,8 @@ def test_batched_requests_reuse_and_fill_the_prefix_cache(llama, serve):
 def test_requests_over_the_memory_budget_are_refused_before_any_work(llama, serve):
     probe = serve(llama)
     per_request = probe.request_bytes(40, 8)
-    engine = serve(llama, max_running=4, memory_budget=int(per_request * 2.5))
+    weights = probe.status().weight_bytes  # the budget holds the model's weights too
+    engine = serve(llama, max_running=4, memory_budget=weights + int(per_request * 2.5))
     long = dict(prompt_tokens=list(range(100, 140)), params=SamplingParams(max_tokens=2000))
     with pytest.raises(InvalidRequest, match="memory budget"):
         engine.submit(**long)
@@ -279,7 +280,9 @@ def test_requests_over_the_memory_budget_are_refused_before_any_work(llama, serv
                                     params=SamplingParams(max_tokens=8)))) == 8
 
 
-def test_switching_models_waits_for_or_cancels_running_requests(llama, qwen):
+def test_switching_models_keeps_the_running_requests_or_cancels_them(llama, qwen):
+    """The default model changes while the other model's requests run on (both stay loaded),
+    or after every running request is cancelled, if asked."""
     models = {"llama": llama, "qwen": qwen}
     engine = Engine("llama", load=lambda name, **_: models[name]).start()
     try:
@@ -287,15 +290,17 @@ def test_switching_models_waits_for_or_cancels_running_requests(llama, qwen):
         running = engine.submit(params=SamplingParams(max_tokens=40), **prompt)
         stages = []
         engine.switch_model("qwen", progress=lambda p: stages.append(p.stage))
-        assert running.state == "finished" and len(tokens(running)) == 40
         assert engine.model_name == qwen.name and stages == ["ready"]
         params = SamplingParams(max_tokens=8)
         assert tokens(engine.submit(params=params, **prompt)) == alone(qwen, params, **prompt)
+        assert len(tokens(running)) == 40 and running.state == "finished"
+        assert set(engine.status().loaded) == {llama.name, qwen.name}
 
         running = engine.submit(params=SamplingParams(max_tokens=4000), **prompt)
         while running.state != "decoding":
             time.sleep(0.001)
         engine.switch_model("llama", cancel_running=True)
+        assert len(tokens(running)) < 4000  # its events end with the cancellation
         assert running.state == "cancelled" and running.finish_reason == "cancelled"
         assert tokens(engine.submit(params=params, **prompt)) == alone(llama, params, **prompt)
     finally:

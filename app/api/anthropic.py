@@ -386,6 +386,7 @@ async def messages_endpoint(request: Request) -> Response:
         body = await read_body(request)
         messages, sampling, tools, streamed = await parse_by_cost(request, parse, body)
         model = await use_named_model(request, body.get("model"))
+        engine = engine.on(model)  # its defaults, context and requests (issue 49)
         try:
             params = engine.defaults.params(sampling)
         except InvalidRequest as exc:
@@ -501,7 +502,7 @@ async def count_tokens_endpoint(request: Request) -> Response:
         if isinstance(body, dict):
             body = {"max_tokens": 1, **body}
         messages, _, tools, _ = await parse_by_cost(request, parse, body)
-        await use_named_model(request, body.get("model"))
+        engine = engine.on(await use_named_model(request, body.get("model")))  # issue 49
         messages = await documents.read_documents(app_state(request), messages)
         try:
             n = await asyncio.to_thread(count_tokens, engine, messages=messages, tools=tools)

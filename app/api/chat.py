@@ -203,6 +203,7 @@ async def chat_completions(request: Request) -> Response:
         body = await read_body(request)
         model = await require_model(request, body,  # a bad request loads nothing
                                     lambda b, name: parse_chat_request(b, name, engine.defaults))
+        engine = engine.on(model)  # its defaults, context and requests (issue 49)
         # tool schemas compile, and a long conversation is fitted, off the event loop
         chat = await asyncio.to_thread(parse_chat_request, body, model, engine.defaults)
         speculative = parse_speculative(body.get("speculative"))

@@ -146,6 +146,7 @@ async def completions(request: Request) -> Response:
     try:
         body = await read_body(request)
         model = await require_model(request, body, parse)  # a bad request loads nothing
+        engine = engine.on(model)  # its defaults, context and requests (issue 49)
         prompt, params, n, streamed, include_usage = parse(body, model)
         handles = await submit(engine, None, params, n, **_prompt_option(prompt))
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",

@@ -153,6 +153,7 @@ async def infill(request: Request) -> Response:
         body = await read_body(request)
         parsed, sampling, streamed = parse(body)
         model = await use_named_model(request, body.get("model"))
+        engine = engine.on(model)  # its defaults, context and requests (issue 49)
         try:
             params = engine.params(sampling)
         except InvalidRequest as exc:

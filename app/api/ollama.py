@@ -11,13 +11,17 @@ Names: Ollama clients write `name:tag`. A name matches a local model by dropping
 run on the loaded model, as on `/v1/messages` (aliases from `--model-alias` apply first).
 `/api/embed` and `/api/embeddings` run through the engine's embedding queue (app/api/embeddings.py).
 `prompt_eval_count` counts only the prompt tokens actually computed, so the prefix cache's reuse
-shows; durations are nanoseconds. A `suffix` on generate fills in the middle (the model's FIM
+shows; durations are nanoseconds. Several models stay loaded at once (the engine's model pool):
+`/api/ps` lists those in memory with the bytes of their weights and when each unloads if still
+idle; a chat with no messages (or a generate with an empty prompt) loads the model, and with
+`keep_alive: 0` unloads it instead, as in Ollama. A `suffix` on generate fills in the middle (the model's FIM
 tokens, engine `Infill`; 400 for a model without them, as Ollama's "does not support insert").
 Accepted and ignored: `options.num_ctx` (the model's own
 context is used), `template`, and `raw` on chat.
 """
 
 import asyncio
+import functools
 import hashlib
 import json
 import time
@@ -30,12 +34,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine import (DownloadError, Engine, EngineError, Event, Infill, InvalidRequest, ModelInfo,
-                    effort_budget, parse_pull_spec, pull_model, remove_model, tool_request)
+                    device_report, effort_budget, keep_alive_seconds, parse_pull_spec, pull_model,
+                    remove_model, tool_request)
 
 from ..state import app_state
 from .embeddings import embed as embed_vectors
 from .errors import ApiError
-from .models import context_length, local_models, model_config
+from .models import context_length, described, iso_time, local_models, model_config
 from .openai_request import parse_messages
 from .serving import (Choice, aliased, finished, parse_by_cost, public_error, read_body, stream,
                       submit, use_named_model, wait_for_model)
@@ -82,7 +87,7 @@ def _digest(m: ModelInfo) -> str:
 
 
 def _details(engine: Engine, m: ModelInfo) -> dict[str, Any]:
-    loaded = engine.model if m.name == engine.model_name else None
+    loaded = described(engine, m.name)
     return {"parent_model": "", "format": "gguf" if m.source == "gguf" else "safetensors",
             "family": loaded.family if loaded else "", "families": [loaded.family] if loaded else [],
             "parameter_size": "", "quantization_level": ""}
@@ -106,12 +111,31 @@ async def tags(request: Request) -> Response:
     return JSONResponse({"models": [_entry(engine, m) for m in local_models(engine)]})
 
 
+# What /api/ps says of a model that stays loaded until told otherwise (Ollama's own far date).
+FOREVER = "2318-01-01T00:00:00Z"
+
+
+@functools.cache
+def _on_gpu() -> bool:
+    """Whether the models run on a GPU (their weights then count as `size_vram`)."""
+    return device_report().get("device") not in (None, "cpu")
+
+
 async def ps(request: Request) -> Response:
+    """The models in memory, most recently used first: `size` is the bytes of their weights
+    (reserved in the memory budget; on a GPU as `size_vram` too), `expires_at` when each unloads
+    if still idle."""
     engine = app_state(request).engine
-    running = [m for m in local_models(engine) if m.name == engine.model_name]
-    return JSONResponse({"models": [
-        {**_entry(engine, m), "expires_at": "2318-01-01T00:00:00Z", "size_vram": 0,
-         "context_length": engine.model.context_length} for m in running]})
+    local = {m.name: m for m in local_models(engine)}
+    on_gpu = _on_gpu()
+    out = []
+    for r in engine.loaded_models():
+        m = local.get(r.name) or ModelInfo(r.name, "folder", None, r.weight_bytes)
+        out.append({**_entry(engine, m), "size": r.weight_bytes,
+                    "size_vram": r.weight_bytes if on_gpu else 0,
+                    "expires_at": iso_time(r.expires_at) or FOREVER,
+                    "context_length": r.context_length})
+    return JSONResponse({"models": out})
 
 
 async def _named(request: Request) -> tuple[str, str] | Response:
@@ -134,16 +158,16 @@ async def show(request: Request) -> Response:
         return named
     name, found = named
     m = next(m for m in local_models(engine) if m.name == found)
-    described = engine.model if found == engine.model_name else None
+    known = described(engine, found)
     config = model_config(m)
-    family = described.family if described else config.get("model_type", "")
+    family = known.family if known else config.get("model_type", "")
     context = context_length(m, engine)  # as /v1/models reports it
     info = {"general.architecture": family, "general.basename": m.name}
     if context:
         info[f"{family}.context_length"] = context
     return JSONResponse({"modelfile": "", "parameters": "", "template": "",
                          "details": _details(engine, m), "model_info": info,
-                         "capabilities": list(described.capabilities if described
+                         "capabilities": list(known.capabilities if known
                                               else ("completion",)),
                          "modified_at": _entry(engine, m)["modified_at"]})
 
@@ -265,9 +289,9 @@ async def _run(request: Request, messages: list[dict[str, Any]] | None, body: di
                tools: Any, text: str | None = None,
                infill: Infill | None = None) -> tuple[list, dict[str, Any], float]:
     """Submit; returns (handles, what the answers need to know, when it started)."""
-    engine = app_state(request).engine
     started = time.perf_counter()
     model = await use_named_model(request, body.get("model"))
+    engine = app_state(request).engine.on(model)
     loaded_at = time.perf_counter()
     sampling = _sampling(body)
     try:
@@ -388,13 +412,11 @@ async def chat(request: Request) -> Response:
             raise ApiError(400, "the request body must be a JSON object")
         streamed = _stream_flag(body)
         messages = _chat_messages(body.get("messages", []))
-        if not messages:  # Ollama's way to load a model without asking anything
-            model = await use_named_model(request, body.get("model"))
-            return JSONResponse({"model": ollama_name(model), "created_at": _now(),
-                                 "message": {"role": "assistant", "content": ""},
-                                 "done": True, "done_reason": "load"})
-        messages, tools = await parse_by_cost(request, lambda b: (parse_messages(messages), _tools(b)),
-                                              body)
+        if not messages:  # Ollama's way to load (or with keep_alive 0 unload) a model
+            return await _load_or_unload(request, body, {"message": {"role": "assistant",
+                                                                     "content": ""}})
+        messages, tools = await parse_by_cost(
+            request, lambda b: (parse_messages(messages), _tools(b)), body)
         handles, meta, started = await _run(request, messages, body, tools)
     except ApiError as exc:
         return _from(exc)
@@ -410,10 +432,8 @@ async def generate(request: Request) -> Response:
         prompt, system = body.get("prompt", ""), body.get("system")
         if not isinstance(prompt, str) or (system is not None and not isinstance(system, str)):
             raise ApiError(400, "'prompt' and 'system' must be strings")
-        if not prompt:
-            model = await use_named_model(request, body.get("model"))
-            return JSONResponse({"model": ollama_name(model), "created_at": _now(),
-                                 "response": "", "done": True, "done_reason": "load"})
+        if not prompt:  # Ollama's way to load (or with keep_alive 0 unload) a model
+            return await _load_or_unload(request, body, {"response": ""})
         suffix = body.get("suffix")
         if suffix not in (None, ""):  # fill in the middle (a model without FIM tokens: 400)
             if not isinstance(suffix, str):
@@ -430,6 +450,38 @@ async def generate(request: Request) -> Response:
     except ApiError as exc:
         return _from(exc)
     return await _answer(request, handles, meta, started, streamed, chat=False)
+
+
+async def _load_or_unload(request: Request, body: dict[str, Any],
+                          empty: dict[str, Any]) -> Response:
+    """A request with nothing to answer: `keep_alive` 0 unloads the model it names (at once, or
+    once its running requests end), anything else loads it and sets how long it stays."""
+    if _unloads(body.get("keep_alive")):
+        engine = app_state(request).engine
+        name = local_id(request, aliased(app_state(request).aliases, body.get("model") or "")) \
+            if isinstance(body.get("model"), str) else None
+        name = name or engine.model_name
+        if name is not None:
+            engine.unload_model(name)
+        return JSONResponse({"model": ollama_name(name or ""), "created_at": _now(), **empty,
+                             "done": True, "done_reason": "unload"})
+    model = await use_named_model(request, body.get("model"))
+    keep = body.get("keep_alive")
+    if keep is not None:  # how long it stays loaded from now, as a request's would
+        try:
+            app_state(request).engine.on(model).touch(keep)
+        except InvalidRequest as exc:
+            raise ApiError(400, str(exc), "keep_alive") from None
+    return JSONResponse({"model": ollama_name(model), "created_at": _now(), **empty,
+                         "done": True, "done_reason": "load"})
+
+
+def _unloads(keep_alive: Any) -> bool:
+    """Whether a `keep_alive` asks to unload now (0, "0", "0s", "0m"...)."""
+    try:
+        return keep_alive is not None and keep_alive_seconds(keep_alive) == 0
+    except InvalidRequest:
+        return False
 
 
 def _hub_spec(name: str) -> str:
@@ -511,8 +563,10 @@ async def delete(request: Request) -> Response:
     if isinstance(named, Response):
         return named
     name, found = named
-    if found == app_state(request).engine.model_name:
-        return _error(409, f"model '{name}' is loaded; load another model first")
+    engine = app_state(request).engine
+    if found == engine.model_name or found in {m.name for m in engine.loaded_models()}:
+        return _error(409, f"model '{name}' is loaded; unload it first (keep_alive 0) or load "
+                           f"another model")
     try:
         await asyncio.to_thread(remove_model, found)
     except (DownloadError, EngineError) as exc:

@@ -374,6 +374,7 @@ async def create(request: Request) -> Response:
                                or isinstance(body, dict) and "previous_response_id" in body,
                                _Request, body, stored)
         model = await use_named_model(request, parsed.body.get("model"))
+        engine = engine.on(model)  # its defaults, context and requests (issue 49)
         try:
             params = engine.defaults.params(parsed.sampling)
         except InvalidRequest as exc:

@@ -8,9 +8,11 @@ embeddings.py):
    errors, nesting deeper than `MAX_DEPTH` and lone surrogates raise `ApiError` 400).
 2. Choose the model: `require_model` (strict, OpenAI: a name no local model has is a 404, and the
    request is parsed before anything loads) or `use_named_model` (lenient, for clients that send
-   their own vendor's names, with `--model-alias`). Both switch the loaded model through the shared
-   model-switch service (app/model_jobs.py); while a model loads they wait for it a bounded
-   while (`wait_for_model`), then answer 503 with Retry-After.
+   their own vendor's names, with `--model-alias`). Both load the named model into the engine's
+   model pool beside the others (app/api/models.py `use_model`: 503 with Retry-After when every
+   model holding the memory is busy); while the first model loads they wait for it a bounded
+   while (`wait_for_model`), then answer 503 with Retry-After. The adapter then runs on the
+   engine bound to that model (`engine.on(model)`: its defaults, context and requests).
 3. Parse the request into engine messages (or a raw prompt) + `SamplingParams` + `ToolRequest`;
    refuse bad input by raising `ApiError` (status, message, field, code).
 4. `submit` the engine requests (`n` choices; `fit_max_tokens=True` for clients that ask for more
@@ -40,8 +42,8 @@ from typing import Any, AsyncIterator, Callable, Iterable, Protocol, Sequence, T
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from engine import (Engine, EngineError, Event, InvalidRequest, ModelLoadError, Overloaded, RequestHandle,
-                    SamplingParams, SpeculativeOptions, TokenLogprob)
+from engine import (Engine, EngineError, Event, InvalidRequest, ModelLoadError, NoRoom, Overloaded,
+                    RequestHandle, SamplingParams, SpeculativeOptions, TokenLogprob)
 
 from ..model_jobs import ModelSwitch, model_loaded
 from ..state import app_state
@@ -157,9 +159,10 @@ def load_wait_s() -> float:
 
 async def require_model(request: Request, body: Any, check: Any = None) -> str:
     """The name of the model that serves `body` under OpenAI's strict rules: its `model` field
-    names a local model (loaded first) or is absent (the loaded one). `check(body, name)` parses
-    the request against the named model before anything loads, so a bad request loads nothing.
-    Raises ApiError: 503 while no model is loaded, 404 for a name no local model has."""
+    names a local model (loaded first, beside the others) or is absent (the default one).
+    `check(body, name)` parses the request against the named model before anything loads, so a
+    bad request loads nothing. Raises ApiError: 503 while no model is loaded or none can be now,
+    404 for a name no local model has."""
     engine = app_state(request).engine
     await wait_for_model(request)
     wanted = body.get("model") if isinstance(body, dict) else None
@@ -167,6 +170,7 @@ async def require_model(request: Request, body: Any, check: Any = None) -> str:
         if check is not None:  # off the event loop: parsing may compile tool schemas
             await asyncio.to_thread(check, body, wanted)
         await use_model(request, wanted)
+        return wanted
     return engine.model_name
 
 
@@ -192,14 +196,15 @@ def aliased(aliases: dict[str, str], name: str) -> str:
 async def use_named_model(request: Request, name: Any) -> str:
     """Load the model a lenient client names and return the name that serves it: an alias
     (`--model-alias`), or a local model's own name, loads that model; any other name (Claude Code's
-    `claude-*`, Codex's `gpt-*`) runs on the loaded model. Raises ApiError (503) while none is
-    loaded."""
+    `claude-*`, Codex's `gpt-*`) runs on the default model. Raises ApiError (503) while none is
+    loaded, or the named one cannot be now."""
     state = app_state(request)
     engine = state.engine
     if isinstance(name, str):
         target = aliased(state.aliases, name)
         if target != engine.model_name and target in {m.name for m in engine.list_models()}:
             await use_model(request, target)
+            return target
     await wait_for_model(request)
     return engine.model_name
 
@@ -305,10 +310,14 @@ async def submit(engine: Engine, messages: list[dict[str, Any]] | None, params: 
 
 def engine_refusal(exc: EngineError) -> ApiError:
     """An engine's refusal as the client's error: invalid input 400 (an unknown model 404),
-    `Overloaded` 429 with Retry-After, a model that failed to load or none loaded 503."""
+    `Overloaded` 429 with Retry-After, a model that failed to load or none loaded 503 (with
+    Retry-After when no model can be loaded now: `NoRoom`)."""
     if isinstance(exc, InvalidRequest):
         status = 404 if exc.code == "model_not_found" else 400
         return ApiError(status, public_error(str(exc)), engine_param(exc), exc.code)
+    if isinstance(exc, NoRoom):
+        return ApiError(503, str(exc), "model", exc.code, type_="server_error",
+                        headers={"Retry-After": str(math.ceil(exc.retry_after))})
     if isinstance(exc, Overloaded):
         return ApiError(429, str(exc), type_="rate_limit_exceeded", code="rate_limit_exceeded",
                         headers={"Retry-After": str(math.ceil(exc.retry_after))})

@@ -98,6 +98,7 @@ async def respond(state: AppState, cid: int, action: str, data: dict[str, Any],
         if not await _model_ready(state, cid, gen):
             await pages.send(cid, _idle() + render("_notice.html", text=""))
             return
+        state = await on_its_model(state, cid)
         turn = await record(state, cid, action, data)
         if isinstance(turn, str):  # too long for the context: nothing is recorded, the user chooses
             await pages.send(cid, turn + _idle())
@@ -118,6 +119,24 @@ async def respond(state: AppState, cid: int, action: str, data: dict[str, Any],
         await pages.send(cid, render("_notice.html", text=f"The answer failed: {exc}") + _idle())
     finally:
         pages.release(cid, gen)
+
+
+async def on_its_model(state: AppState, cid: int) -> AppState:
+    """`state` with its engine bound to the conversation's model (the default one when it has
+    none that is here), loaded into the engine's model pool if it is not in memory: two
+    conversations on two models answer at the same time. Raises Refused when it cannot load."""
+    engine = state.engine
+    conv = state.storage.get_conversation(cid)
+    name = conv.model if conv is not None else None
+    if not name or name not in {m.name for m in engine.list_models()}:
+        name = engine.model_name
+    if name is None:
+        return state
+    try:
+        bound = await asyncio.to_thread(engine.use, name)
+    except EngineError as exc:
+        raise Refused(f"Could not load {name}: {exc}") from None
+    return dataclasses.replace(state, engine=bound)
 
 
 async def _model_ready(state: AppState, cid: int, gen: RunningTurn) -> bool:

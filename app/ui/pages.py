@@ -45,7 +45,7 @@ async def conversation_page(request: Request) -> Response:
         "chat.html", conversations=storage.list_conversations(), current_id=conv.id,
         q="", views=message_views(storage, storage.active_path(conv.id)), generating=False,
         draft_uploads=draft_uploads(storage, conv),
-        **settings_context(conv, engine=state.engine), **models_context(request),
+        **settings_context(conv, engine=state.engine), **models_context(request, conv.id),
     ))
     # Boosted navigation: make the address bar show the conversation (also after a redirect).
     return HTMLResponse(html, headers={"HX-Push-Url": f"/c/{conv.id}"} if

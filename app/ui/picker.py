@@ -1,6 +1,8 @@
-"""The model picker: switch the loaded model (the model menu, `_models.html`), reload it with
-other load-time options (int8 activations on the CPU kernels), download one from a hub and
-delete a downloaded one (Settings › Model, `_model_settings.html`). A load in progress (the
+"""The model picker: pick the open conversation's model (the model menu, `_models.html`; loaded
+into the engine's model pool beside the others and made the default for new conversations and
+requests that name none), reload it with other load-time options (int8 activations on the CPU
+kernels), see the models in memory and edit a model's own settings (app/ui/model_pool.py),
+download one from a hub and delete a downloaded one (Settings › Model, `_model_settings.html`). A load in progress (the
 server's first, or a switch) shows above the conversation (`_load_status.html`); a load's and a
 download's progress go out as server-sent events, each in the one progress element
 (`_progress.html`, `progress_view`)."""
@@ -20,6 +22,7 @@ from engine import (KV_BITS_ENV, LOAD_STAGES, DownloadCancelled, DownloadProgres
                     LoadStage, compute_path, list_models, pull_model, remove_model)
 
 from ..model_jobs import ModelDownload, ModelSwitch, begin_switch
+from .model_pool import pool_context, save_settings
 from ..sse import sse
 from ..state import app_state
 from .views import read_form, render
@@ -77,17 +80,36 @@ def download_view(download: ModelDownload) -> ProgressView:
 
 
 async def switch_model(request: Request) -> Response:
+    """Pick `name` for the conversation `conversation` (when given) and load it, the other models
+    staying loaded while the memory budget allows."""
     state = app_state(request)
     engine = state.engine
     switch = state.switch
-    name = str((await read_form(request)).get("name", ""))
+    form = await read_form(request)
+    name, cid = str(form.get("name", "")), _conversation_id(form.get("conversation"))
+    # a listed model, or the last load's own name again (Try again: it may be a path)
+    known = name in {m.name for m in engine.list_models()} or name == switch.name
+    if known and cid is not None and state.storage.get_conversation(cid) is not None:
+        state.storage.update_conversation(cid, model=name)
     if not switch.loading and name != engine.model_name:
-        # a listed model, or the last load's own name again (Try again: it may be a path)
-        if name not in {m.name for m in engine.list_models()} and name != switch.name:
+        if not known:
             switch.error = f"Unknown model {name!r}."
         else:
             begin_switch(switch, engine, name)
-    return _with_status(request, "_models.html")
+    return _with_status(request, "_models.html", cid)
+
+
+async def model_settings(request: Request) -> Response:
+    """Save a model's own settings (app/ui/model_pool.py); Settings › Model shows them."""
+    form = await read_form(request)
+    notice, failure = save_settings(app_state(request).engine, form)
+    return HTMLResponse(render("_model_settings.html", **models_context(
+        request, settings_of=form.get("name") or None), settings_notice=notice,
+        settings_failure=failure))
+
+
+def _conversation_id(value: object) -> int | None:
+    return int(value) if isinstance(value, str) and value.isdigit() else None
 
 
 async def load_options(request: Request) -> Response:
@@ -104,9 +126,10 @@ async def load_options(request: Request) -> Response:
     return _with_status(request, "_model_settings.html")
 
 
-def _with_status(request: Request, template: str) -> HTMLResponse:
+def _with_status(request: Request, template: str,
+                 conversation: int | None = None) -> HTMLResponse:
     """`template` as the picker is now, and the load status (out of band): a load just began."""
-    context = models_context(request)
+    context = models_context(request, conversation)
     return HTMLResponse(render(template, **context) + _status(context))
 
 
@@ -220,7 +243,10 @@ def _shown_once(download: ModelDownload) -> ModelDownload:
     return shown
 
 
-def models_context(request: Request) -> dict[str, Any]:
+def models_context(request: Request, conversation: int | None = None,
+                   settings_of: str | None = None) -> dict[str, Any]:
+    """The picker's context; with a `conversation`, its model is the one shown as picked; the
+    model settings shown are `settings_of`'s (default: the picked model's)."""
     state = app_state(request)
     engine = state.engine
     cluster = state.cluster  # a sharded model (engine/distributed/)
@@ -229,7 +255,12 @@ def models_context(request: Request) -> dict[str, Any]:
     # asked from (or for) the Settings page, whose Model section a load's end renders anew too
     on_settings = (request.url.path == "/settings" or request.query_params.get("page") == "settings"
                    or urlsplit(request.headers.get("hx-current-url", "")).path == "/settings")
-    return {"models": engine.list_models(), "current_model": engine.model_name,
+    models = engine.list_models()
+    conv = state.storage.get_conversation(conversation) if conversation is not None else None
+    current = conv.model if conv is not None and conv.model in {m.name for m in models} \
+        else engine.model_name
+    return {"models": models, "current_model": current, "conversation_id": conversation,
+            **pool_context(engine, settings_of or current),
             "switch": state.switch, "load_view": load_view(state.switch),
             "download": download, "download_view": download_view(download),
             "resident": engine.status().resident,
@@ -244,6 +275,7 @@ def models_context(request: Request) -> dict[str, Any]:
 
 routes = [
     Route("/models/switch", switch_model, methods=["POST"]),
+    Route("/models/settings", model_settings, methods=["POST"]),
     Route("/models/options", load_options, methods=["POST"]),
     Route("/models/progress", model_progress),
     Route("/models/download", start_download, methods=["POST"]),

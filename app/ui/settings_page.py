@@ -18,7 +18,8 @@ async def settings_page(request: Request) -> Response:
     latest = state.storage.list_conversations(limit=1)
     html = render("settings.html", api_key=bool(state.api_key), logout=bool(state.api_key),
                   back=f"/c/{latest[0].id}" if latest else "/", remote=not state.mcp_edit,
-                  **models_context(request), **servers_context(request))
+                  **models_context(request, settings_of=request.query_params.get("model")),
+                  **servers_context(request))
     return HTMLResponse(html)
 
 

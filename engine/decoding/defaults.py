@@ -1,7 +1,7 @@
 """Per-model sampling defaults, each with where it came from.
 
 One value per sampling option, from the first layer that has it:
-  the model's own files (`generation_config.json` of an mlx-lm folder, or a GGUF's
+  the model's settings (models.json, engine/scheduling/model_settings.py) > the model's own files (`generation_config.json` of an mlx-lm folder, or a GGUF's
   `general.sampling.*` keys) > mlxchat's table of known models > mlxchat's global default.
 A conversation's own settings and a request's explicit fields sit above all of these (`params`).
 
@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 # How the settings panel names each source.
 SOURCES = {
     "explicit": "set here",
+    "settings": "from this model's settings",
     "generation_config": "from the model's generation_config.json",
     "gguf": "from the model's GGUF metadata",
     "table": "mlxchat's preset for this model",
@@ -161,9 +162,11 @@ def table_values(name: str, family: str | None) -> dict[str, Any]:
     return dict(KNOWN_FAMILIES.get(family or "", {}))
 
 
-def resolve_defaults(name: str, folder: Path | None, family: str | None) -> ModelDefaults:
-    """The defaults of the model called `name` whose mlx-lm folder is `folder`."""
-    layers: list[tuple[str, dict[str, Any]]] = []
+def resolve_defaults(name: str, folder: Path | None, family: str | None,
+                     settings: Mapping[str, Any] | None = None) -> ModelDefaults:
+    """The defaults of the model called `name` whose mlx-lm folder is `folder`; `settings`: the
+    values its own settings declare, over everything else."""
+    layers: list[tuple[str, dict[str, Any]]] = [("settings", dict(settings or {}))]
     if folder is not None:
         layers.append(("generation_config", generation_config_values(folder)))
         gguf = source_gguf(folder)

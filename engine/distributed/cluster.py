@@ -44,7 +44,7 @@ class Cluster:
         assert self.coordinator is not None
         return {"load": sharded_loader(self.world, self.coordinator), "prefix_cache": True,
                 "persist_prefix_cache": True, "batching": True,
-                "speculation": False, "keep_alive": None}
+                "speculation": False, "keep_alive": None, "max_loaded": 1}
 
     def watch(self, engine: Haltable) -> None:
         """Rank 0: halt `engine` (fail its requests, refuse new ones) once a rank is gone."""

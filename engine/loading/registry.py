@@ -94,6 +94,9 @@ class LoadedModel:
     extras: dict[str, Any] = field(default_factory=dict)
     caches: CacheOps = LOCAL  # how the engine copies, restores and batches its caches
     compute: str = AS_LOADED  # the compute path `load_model` gave it (engine/kernels/fastest.py)
+    # A shorter context than the config's, set by the model's settings
+    # (engine/scheduling/model_settings.py); None: the config's own.
+    context_limit: int | None = None
 
     @functools.cached_property
     def weights_digest(self) -> str:
@@ -106,7 +109,8 @@ class LoadedModel:
 
     @property
     def context_length(self) -> int:
-        return context_length(self.config)
+        own = context_length(self.config)
+        return min(own, self.context_limit) if self.context_limit else own
 
 
 def context_length(config: dict[str, Any]) -> int:
@@ -235,7 +239,11 @@ def _local(path: Path) -> tuple[str, Path]:
 Transform = Callable[[nn.Module], nn.Module]
 
 
-def _kv_bits() -> int | None:
+def _kv_bits(asked: int | None) -> int | None:
+    """The KV cache's bits for a load: `asked` (8, or 16 for the full cache), else the process's
+    default (MLXCHAT_KV_BITS)."""
+    if asked is not None:
+        return None if asked == 16 else asked
     try:
         return kv_bits()
     except ValueError as exc:
@@ -245,13 +253,15 @@ def _kv_bits() -> int | None:
 def load_model(name: str | None = None, *, fallback_to_default: bool = False,
                transform: Transform | None = None,
                group: mx.distributed.Group | None = None,
-               int8_activations: bool | None = None) -> LoadedModel:
+               int8_activations: bool | None = None, kv_bits: int | None = None) -> LoadedModel:
     """Load a model by name or path. With `fallback_to_default`, a model that cannot load is
     logged with its reason and the bundled model is loaded instead; otherwise the error is raised.
     With a distributed `group`, keep only this rank's tensor-parallel shard (engine/distributed/);
     the shard stays in mlx-lm's own sharded layers, without the CPU layout. `int8_activations`:
     on our CPU kernels, take the lossy int8-activation path (None: the process's default,
-    `--int8-activations`); a model that does not run on them ignores it."""
+    `--int8-activations`); a model that does not run on them ignores it. `kv_bits`: 8 for the
+    8-bit KV cache, 16 for the full one (None: the process's default, MLXCHAT_KV_BITS).
+    A model's settings (engine/scheduling/model_settings.py) pass both on every load."""
     from mlx_lm.utils import load_model as mlx_lm_load_model, load_tokenizer
 
     from .gemma2_window import model_classes
@@ -276,7 +286,8 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
     except ModelLoadError as exc:
         if fallback_to_default and name not in (None, DEFAULT_MODEL):
             log.warning("model %r failed to load (%s); falling back to %s", name, exc, DEFAULT_MODEL)
-            return load_model(None, transform=transform, int8_activations=int8_activations)
+            return load_model(None, transform=transform, int8_activations=int8_activations,
+                              kv_bits=kv_bits)
         raise
     if group is not None:
         check_shardable(display, config, group.size())
@@ -288,7 +299,7 @@ def load_model(name: str | None = None, *, fallback_to_default: bool = False,
     compute = AS_LOADED
     if group is None:
         model, compute = fastest_layout(model, config, int8_activations=int8_activations)
-        use_kv_bits(model, config, _kv_bits())  # the 8-bit KV cache where asked for
+        use_kv_bits(model, config, _kv_bits(kv_bits))  # the 8-bit KV cache where asked for
     use_chunked_prefill(model)  # Qwen3.5 / Qwen3-Next: chunked linear-attention prefill
     # Materialise the weights here: lazy arrays belong to this thread's MLX stream, and the
     # scheduler thread that runs the model cannot evaluate them.

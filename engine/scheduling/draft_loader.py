@@ -2,7 +2,7 @@
 
 One loader thread loads drafts one at a time, and one draft is kept resident per engine (every
 spelling of a model is one draft, found by `draft_identity`); a draft is kept only for the model
-it was loaded for, and dropped when that model is replaced or unloaded.
+it was loaded for, and dropped when that model leaves memory.
 """
 
 import threading
@@ -21,9 +21,9 @@ class DraftLoader:
     """The resident draft (at most one), by identity, the spellings known to name it, and the
     loader thread. Thread-safe."""
 
-    def __init__(self, current: Callable[[], LoadedModel | None]):
-        """`current()`: the engine's model now; a draft is kept only while its model is it."""
-        self._current = current
+    def __init__(self, alive: Callable[[LoadedModel], bool]):
+        """`alive(lm)`: whether `lm`'s weights are in memory; a draft is kept only while they are."""
+        self._alive = alive
         self._lock = threading.Lock()
         self._drafts: dict[str, tuple[LoadedModel, SpeculatorFactory]] = {}
         self._spellings: dict[str, str] = {}
@@ -48,15 +48,17 @@ class DraftLoader:
             entry = self._drafts.get(self._spellings.get(draft, ""))
         return entry[1] if entry is not None and entry[0] is lm else None
 
-    def identities(self) -> tuple[str, ...]:
+    def identities(self, lm: LoadedModel | None = None) -> tuple[str, ...]:
+        """The resident draft's identity (only if it was loaded for `lm`, when given)."""
         with self._lock:
-            return tuple(self._drafts)
+            return tuple(i for i, (owner, _) in self._drafts.items() if lm is None or owner is lm)
 
-    def clear(self) -> None:
-        """Drop the resident draft (its model is replaced or unloaded)."""
+    def drop(self, lm: LoadedModel | None) -> None:
+        """Drop the resident draft if it was loaded for `lm` (whose weights leave memory)."""
         with self._lock:
-            self._drafts.clear()
-            self._spellings.clear()
+            if any(owner is lm for owner, _ in self._drafts.values()):
+                self._drafts.clear()
+                self._spellings.clear()
 
     def load(self, lm: LoadedModel, draft: str, *, cancelled: Callable[[], bool],
              prepare: Callable[[], None], done: Done) -> None:
@@ -78,8 +80,8 @@ class DraftLoader:
         done(factory, failure)
 
     def _find(self, lm: LoadedModel, draft: str) -> SpeculatorFactory:
-        if self._current() is not lm:
-            raise Overloaded(f"switching models: {lm.name} is being replaced", retry_after=5.0)
+        if not self._alive(lm):
+            raise Overloaded(f"{lm.name} left memory while its draft loaded", retry_after=5.0)
         identity = draft_identity(draft)
         with self._lock:
             entry = self._drafts.get(identity)
@@ -89,7 +91,7 @@ class DraftLoader:
         if entry is None or entry[0] is not lm:
             entry = (lm, load_draft(lm, identity))
         with self._lock:
-            if self._current() is lm:
+            if self._alive(lm):
                 self._drafts = {identity: entry}
                 self._spellings = {**self._spellings, draft: identity}
         return entry[1]

@@ -12,11 +12,13 @@ than that goes through in segments, one per tick, with a model cache (engine/dec
 embedding request holds; requests run in arrival order. A cancelled handle
 (its client left) ends at its next chunk.
 
-The model: the loaded chat model (mean pooling, engine/decoding/pooling.py) when the request
-names it or no model, or a dedicated embedding model (Qwen3-Embedding) named by the request. A
-dedicated model loads on a loader thread when the queue reaches its first request, its weight
-files are reserved in the engine's one memory budget (budget.py) while it is loaded (at most one
-at a time), and it is unloaded after its keep-alive like a chat model.
+The model: a chat model of the engine's pool (mean pooling, engine/decoding/pooling.py) when the
+request names it (no name: the default model), or a dedicated embedding model (Qwen3-Embedding)
+named by the request. Either is a member of the engine's model pool (engine/scheduling/pool.py):
+one that is not in memory loads on this queue's loader thread when the queue reaches its first
+request (its weights reserved in the one memory budget, idle models evicted where it needs room),
+a job holds its model in memory while it runs (`Scheduler.hold`: it is never evicted under it),
+and an idle model leaves memory after its keep-alive like any other.
 
 Reranking (engine/scheduling/rerank.py) runs through this same queue: its rows are (query,
 document) prompts scored by an LLM reranker, or the query and documents embedded for cosine
@@ -43,11 +45,11 @@ from ..decoding.pooling import embed_batch, finish_pooled, pool_segment
 from ..loading.embedding_recipe import EmbeddingRecipe, embedding_recipe
 from ..loading.rerank_recipe import rerank_recipe
 from ..errors import EngineError, InvalidRequest, ModelLoadError, Overloaded
-from ..loading.memory import weight_files_bytes
-from ..loading.registry import LoadedModel, context_length, load_model, resolve
-from .budget import MemoryBudget
+from ..loading.registry import LoadedModel, context_length, resolve
 from .keep_alive import keep_alive_seconds
+from .pool import ModelPool
 from .prefill_policy import tick_budget
+from .slot import ModelSlot
 from .ticks import Scheduler
 
 log = logging.getLogger(__name__)
@@ -101,7 +103,7 @@ class EmbeddingHandle:
 
 @dataclass(eq=False)
 class _Model:
-    """A model embeddings run on: the chat model (`chat`) or a dedicated one, with what
+    """A model embeddings run on: a chat model of the pool or a dedicated one, with what
     validating a request needs (tokenizer, vocabulary, context) known before it loads."""
 
     name: str
@@ -111,11 +113,8 @@ class _Model:
     vocab_size: int
     context_length: int
     hidden_size: int
-    chat: LoadedModel | None = None  # the engine's chat model this runs on
-    loaded: LoadedModel | None = None  # a dedicated model's weights, while resident
-    weight_bytes: int = 0
-    idle_since: float = 0.0
-    keep_alive: float | None = None
+    asked: str  # how the pool is asked for it (a chat model's name, a dedicated model's folder)
+    dedicated: bool = False  # loaded by the queue's own loader (`load_model`)
 
     @functools.cached_property
     def token_chars(self) -> int:
@@ -142,8 +141,9 @@ class _Job:
     model: _Model
     rows: list[list[int]]
     dimensions: int | None
-    keep_alive: float | None
+    keep_alive: float | None | str  # seconds; _MODEL_DEFAULT: the model's own (pool.default_keep)
     order: list[int] = field(default_factory=list)  # rows by length: less padding per chunk
+    slot: ModelSlot | None = None  # the pool's model, held in memory while the job runs
     done: int = 0  # rows of `order` embedded
     vectors: np.ndarray | None = None
     # the model call of a chunk: (model, rows) -> one row of floats each (None: embed them)
@@ -158,21 +158,22 @@ def _text_config(config: dict) -> dict:
 class EmbeddingQueue:
     """The engine's embedding requests and dedicated embedding models (see the module's doc)."""
 
-    def __init__(self, scheduler: Scheduler, budget: MemoryBudget, keep_alive: float | None):
-        """Chunks run on `scheduler`'s thread, on the chat model of its slot or on a dedicated
-        model whose weights `budget` holds; `keep_alive`: the default for requests that give none
-        (seconds; None: no unload)."""
+    def __init__(self, scheduler: Scheduler, pool: ModelPool, keep_alive: float | None,
+                 load: Callable[..., LoadedModel]):
+        """Chunks run on `scheduler`'s thread, on members of `pool` (a dedicated model loaded by
+        `load`); `keep_alive`: the server's default idle time (seconds; None: no unload), which a
+        model's settings or a request may change."""
         self._scheduler = scheduler
-        self._budget = budget
+        self._pool = pool
         self._keep_alive = keep_alive
+        self._load_fn = load
         self._lock = threading.Lock()
         self._jobs: deque[_Job] = deque()
         self._dedicated: dict[Path, _Model] = {}  # by folder, once named by a request
-        self._loading: _Model | None = None
+        self._loading: set[str] = set()  # models (as asked) the loader thread loads
         self._posted = False  # a chunk is waiting on the scheduler thread
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlxchat-embed-load")
         self._ids = 0
-        self._timer: threading.Timer | None = None  # the next keep-alive check
         self._speed: dict[Path, float] = {}  # padded tokens per second, by model folder
 
     # -- any thread ------------------------------------------------------------------------------
@@ -204,7 +205,7 @@ class EmbeddingQueue:
               run: Callable[[Any, list[list[int]]], Any] | None = None) -> EmbeddingHandle:
         """Queue validated token rows for `target` (`run`: the model call of each chunk, None to
         embed); raises Overloaded past MAX_PENDING requests."""
-        keep = keep_alive_seconds(keep_alive, self._keep_alive)
+        keep = keep_alive_seconds(keep_alive, _MODEL_DEFAULT)  # type: ignore[arg-type]
         check_request_tokens(sum(map(len, rows)))
         with self._lock:
             if self._scheduler.halted is not None:
@@ -227,9 +228,7 @@ class EmbeddingQueue:
             job.handle._future.set_exception(EngineError(reason))
 
     def close(self) -> None:
-        """The engine stops: no more keep-alive checks; the loader thread ends."""
-        if self._timer is not None:
-            self._timer.cancel()
+        """The engine stops: the loader thread ends."""
         self._loader.shutdown(wait=True, cancel_futures=True)
 
     def pending(self) -> int:
@@ -237,13 +236,16 @@ class EmbeddingQueue:
             return len(self._jobs)
 
     def target(self, name: str | None, reranker: bool = False) -> _Model:
-        """The model a request names (the loaded chat model by default); `reranker`: an LLM
+        """The model a request names (the default model when none); `reranker`: an LLM
         reranker's folder is also a dedicated model (engine/loading/rerank_recipe.py)."""
-        lm = self._scheduler.slot.lm
-        if lm is not None and name in (None, "", "default", lm.name):
-            return self._chat_model(lm)
-        if name in (None, "", "default"):
+        unnamed = name in (None, "", "default")
+        slot = self._pool.default if unnamed else self._pool.find(name)
+        if slot is not None and slot.lm is not None and not slot.embedding_only:
+            return self._chat_model(slot.lm)
+        if unnamed:
             raise EngineError("no model is loaded yet")
+        if slot is not None and slot.lm is not None:  # a dedicated model the pool knows
+            name = str(slot.lm.path)
         try:
             display, folder = resolve(name)
         except ModelLoadError as exc:
@@ -255,10 +257,11 @@ class EmbeddingQueue:
             return known
         recipe = embedding_recipe(folder)
         if not recipe.dedicated and not (reranker and rerank_recipe(folder) is not None):
-            chat = lm.name if lm else None
+            default = self._pool.default
+            chat = default.name if default is not None else None
             raise InvalidRequest(f"{display} is not an embedding model (it has no "
-                                 f"sentence-transformers pooling); name an embedding model or the "
-                                 f"loaded chat model {chat!r}, which embeds by mean "
+                                 f"sentence-transformers pooling); name an embedding model or a "
+                                 f"loaded chat model such as {chat!r}, which embeds by mean "
                                  f"pooling", field="model", code="model_not_embedding")
         from mlx_lm.utils import load_tokenizer
 
@@ -266,15 +269,16 @@ class EmbeddingQueue:
         text = _text_config(config)
         tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
         target = _Model(display, folder, recipe, tokenizer, int(text["vocab_size"]),
-                        context_length(config), int(text["hidden_size"]),
-                        weight_bytes=weight_files_bytes(folder.glob("*")))
+                        context_length(config), int(text["hidden_size"]), asked=str(folder),
+                        dedicated=True)
         with self._lock:
             return self._dedicated.setdefault(folder, target)
 
     def _chat_model(self, lm: LoadedModel) -> _Model:
         text = _text_config(lm.config)
         return _Model(lm.name, lm.path, embedding_recipe(lm.path), lm.tokenizer,
-                      int(text["vocab_size"]), lm.context_length, int(text["hidden_size"]), chat=lm)
+                      int(text["vocab_size"]), lm.context_length, int(text["hidden_size"]),
+                      asked=lm.name)
 
     def tokenize(self, target: _Model, inputs: Any, truncate: bool, query: bool,
                  field: str = "input") -> list[list[int]]:
@@ -309,8 +313,8 @@ class EmbeddingQueue:
             self._kick()
             return
         try:
-            model = self._resident(job.model)
-            if model is None:  # a dedicated model loading: its loader posts the next chunk
+            model = self._resident(job)
+            if model is None:  # its model loading: the loader posts the next chunk
                 return
             self._step(job, model)
         except Exception as exc:  # this request fails alone; the queue goes on
@@ -323,7 +327,8 @@ class EmbeddingQueue:
     def _chunk_tokens(self, job: _Job) -> int:
         """Padded tokens in this chunk's model call: while chat requests decode, what the model
         embeds in TICK_S (at most its prefill chunk); CHUNK_TOKENS when none does."""
-        lm = job.model.chat or job.model.loaded
+        assert job.slot is not None  # held by `_resident`
+        lm = job.slot.lm
         chunk = min(CHUNK_TOKENS, default_prefill_chunk(lm))
         if self._scheduler.load().running == 0:
             return min(CHUNK_TOKENS, tick_budget(chunk, decoding=False))
@@ -362,9 +367,9 @@ class EmbeddingQueue:
         memory budget on the chat model, from the first segment to the last)."""
         if job.long is None:
             index = job.order[job.done]
-            reserved = self._scheduler.slot.footprint.bytes_for(len(job.rows[index])) \
-                if job.model.chat is not None else 0
-            self._budget.reserve(reserved, "this embedding input")
+            assert job.slot is not None  # held by `_resident`
+            reserved = job.slot.footprint.bytes_for(len(job.rows[index]))  # (a dedicated: 0)
+            self._pool.reserve(reserved, "this embedding input")
             job.long = _Long(index, make_prompt_cache(model), reserved)
         long, row = job.long, job.rows[job.long.index]
         piece = row[long.done:long.done + budget]
@@ -384,104 +389,63 @@ class EmbeddingQueue:
 
     def _release_long(self, job: _Job) -> None:
         if job.long is not None:
-            self._budget.release(job.long.reserved)
+            self._pool.budget.release(job.long.reserved)
             job.long = None
 
     def _finish(self, job: _Job, failure: Exception | None) -> None:
         self._release_long(job)
         with self._lock:
             self._jobs.remove(job)
-        target = job.model
-        if target.chat is not None:
-            self._scheduler.touch(job.keep_alive)
-        else:
-            target.idle_since, target.keep_alive = time.monotonic(), job.keep_alive
-            if job.keep_alive is not None:
-                if self._timer is not None:
-                    self._timer.cancel()
-                self._timer = threading.Timer(job.keep_alive + 0.05,
-                                              lambda: self._scheduler.soon(self._expire))
-                self._timer.daemon = True
-                self._timer.start()
+        if job.slot is not None:  # the model may leave memory once idle past its keep-alive
+            keep = self._pool.default_keep(job.slot) if job.keep_alive is _MODEL_DEFAULT \
+                else job.keep_alive
+            self._scheduler.unhold(job.slot, keep)  # type: ignore[arg-type]
+            job.slot = None
         if failure is not None:
             job.handle._future.set_exception(failure)
         else:
             assert job.vectors is not None
             job.handle._future.set_result(Embeddings(job.vectors, sum(map(len, job.rows)),
-                                                     target.name))
+                                                     job.model.name))
 
-    def _resident(self, target: _Model) -> Any:
-        """The module to run `target` on now, or None while its weights load."""
-        if target.chat is not None:
-            slot = self._scheduler.slot
-            if slot.lm is not target.chat:
-                raise Overloaded(f"switching models: {target.name} was replaced", retry_after=5.0)
-            self._scheduler.ensure_resident()
-            return slot.lm.model
-        if target.loaded is not None:
-            return target.loaded.model
-        if self._loading is None:
-            for other in list(self._dedicated.values()):  # one dedicated model at a time
-                if other.loaded is not None:
-                    self._unload(other)
-            self._budget.reserve(target.weight_bytes, f"loading {target.name}")
-            self._loading = target
-            self._loader.submit(self._load, target)
-        return None
+    def _resident(self, job: _Job) -> Any:
+        """The module to run `job` on now (its model held in memory until the job ends), or None
+        while the model loads (the loader posts the next chunk)."""
+        if job.slot is None:
+            target = job.model
+            slot = self._pool.find(target.asked)
+            if slot is None or slot.lm is None or not self._scheduler.hold(slot):
+                if target.asked not in self._loading:
+                    self._loading.add(target.asked)
+                    self._loader.submit(self._load, target)
+                return None
+            job.slot = slot
+        assert job.slot.lm is not None
+        return job.slot.lm.model
 
     def _load(self, target: _Model) -> None:
-        """On the loader thread: load a dedicated model's weights, then resume the queue."""
+        """On the loader thread: bring `target` into the pool's memory, then resume the queue."""
+        failure: Exception | None = None
         try:
-            loaded: LoadedModel | Exception = load_model(str(target.folder))
+            self._pool.acquire(target.asked, load=self._load_fn if target.dedicated else None)
         except Exception as exc:  # every request waiting for it fails
-            loaded = exc
-        self._scheduler.soon(lambda: self._loaded(target, loaded))
+            failure = exc if isinstance(exc, EngineError) else ModelLoadError(
+                f"cannot load {target.name}: {exc}")
+        self._scheduler.soon(lambda: self._loaded(target, failure))
 
-    def _loaded(self, target: _Model, loaded: "LoadedModel | Exception") -> None:
-        self._loading = None
-        if isinstance(loaded, Exception):
-            self._budget.release(target.weight_bytes)
-            failure = loaded if isinstance(loaded, EngineError) else ModelLoadError(
-                f"cannot load {target.name}: {loaded}")
+    def _loaded(self, target: _Model, failure: Exception | None) -> None:
+        self._loading.discard(target.asked)
+        if failure is not None:
             with self._lock:
-                waiting = [j for j in self._jobs if j.model is target]
+                waiting = [j for j in self._jobs if j.model.asked == target.asked]
             for job in waiting:
                 self._finish(job, failure)
         else:
-            log.info("embedding model %s loaded", target.name)
-            target.loaded = loaded
-            target.idle_since = time.monotonic()
+            log.info("embedding model %s in memory", target.name)
         self._kick()
 
-    def _expire(self) -> None:
-        """Unload the dedicated models idle past their keep-alive with nothing queued for them."""
-        now = time.monotonic()
-        with self._lock:
-            wanted = {id(j.model) for j in self._jobs}
-        for target in list(self._dedicated.values()):
-            if target.loaded is not None and id(target) not in wanted and \
-                    target.keep_alive is not None and now - target.idle_since >= target.keep_alive:
-                self._unload(target)
 
-    def _unload(self, target: _Model) -> None:
-        log.info("unloading embedding model %s", target.name)
-        target.loaded = None
-        self._budget.release(target.weight_bytes)
-        import gc
-
-        import mlx.core as mx
-
-        gc.collect()
-        mx.clear_cache()
-
-    def resident_weights(self) -> list[tuple[str, int]]:
-        """(name, weight-file bytes) of each dedicated model whose weights are loaded now."""
-        return [(t.name, t.weight_bytes) for t in list(self._dedicated.values())
-                if t.loaded is not None]
-
-    def resident_models(self) -> list[str]:
-        """The dedicated embedding models whose weights are loaded now."""
-        return [t.name for t in list(self._dedicated.values()) if t.loaded is not None]
+_MODEL_DEFAULT = "model-default"  # a job's keep_alive when its request gave none
 
 
 def _items(inputs: Any, field: str) -> list[EmbeddingInput]:

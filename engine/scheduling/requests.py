@@ -7,10 +7,13 @@ import concurrent.futures
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator
 
 from ..decoding.generate import Generation
 from ..events import FINAL_STATES, Event, FinishReason, RequestState, Usage
+
+if TYPE_CHECKING:
+    from .slot import ModelSlot
 
 
 @dataclass(eq=False)
@@ -19,6 +22,7 @@ class RequestHandle:
 
     id: str
     generation: Generation | None  # None while its draft loads
+    slot: "ModelSlot | None" = None  # the pool's model it runs on (engine/scheduling/slot.py)
     kv_bytes: int = 0  # estimated model-cache memory at full length, reserved while admitted
     state: RequestState = "queued"
     times: dict[str, float] = field(default_factory=dict)  # queued, started, first_token, last_token, ended

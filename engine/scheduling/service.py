@@ -1,18 +1,26 @@
 """The engine as a service: callers in any thread (or an asyncio loop) submit requests and read
-their events, while one scheduler thread owns the model and all MLX work
-(engine/scheduling/ticks.py).
+their events, while one scheduler thread runs every loaded model and all MLX work of their
+requests (engine/scheduling/ticks.py).
+
+Several models may be loaded at once (engine/scheduling/pool.py): each request runs on the model
+it names (`submit(model=...)`, or a view bound to one, `on` / `use`), or on the default model.
+A model not loaded yet loads on the first request naming it (`use`), evicting idle models where
+the memory budget needs room; each model's own settings apply on every load
+(engine/scheduling/model_settings.py).
 
 Every request has one lifecycle, `[loading_draft ->] queued -> prefill -> decoding -> finished |
 cancelled | failed`, recorded with the time of each transition, and always ends with exactly one
 `done` event, whatever happens inside. `submit` never waits: a speculative request whose draft is
 not loaded yet starts in `loading_draft` while a loader thread loads it (one draft at a time, and
-one kept per engine: every spelling of a model is one draft) and the scheduler serves the others.
+one kept per engine: every spelling of a model is one draft) and the scheduler serves the others;
+a request whose model left memory waits queued while it loads again.
 Admission is by memory (the model-cache bytes each admitted request may grow to, reserved in the
-engine's one memory budget, engine/scheduling/budget.py; a running cap only if asked, and a queue
-cap); requests that decode at the same time share one model call per step
-(engine/scheduling/batch.py).
+engine's one memory budget, engine/scheduling/budget.py, beside every loaded model's weights; a
+running cap only if asked, and a queue cap); requests of one model that decode at the same time
+share one model call per step (engine/scheduling/batch.py).
 """
 
+import copy
 import itertools
 import sys
 import time
@@ -20,12 +28,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..decoding.drafts import SpeculativeOptions, SpeculatorFactory, check_draft
+from ..decoding.exclusions import check_exclusions
 from ..device import memory_budget as device_memory_budget
 from ..errors import EngineError, InvalidRequest, Overloaded
 from ..decoding.fim import Infill
-from ..decoding.generate import Generation, build_prompt
+from ..decoding.generate import Generation, build_prompt, check_fits
 from ..decoding.prompt_size import check_prompt_size
-from ..loading.progress import LoadCallback
+from ..loading.progress import LoadCallback, report, reporting
 from ..loading.registry import LoadedModel, ModelInfo, load_model
 from ..decoding.defaults import ModelDefaults
 from ..decoding.sampling import SamplingParams
@@ -35,6 +44,8 @@ from .draft_loader import DraftLoader
 from .embedding_queue import EmbeddingHandle, EmbeddingInput, EmbeddingQueue
 from .speech import SpeechHandle, SpeechQueue, SpeechStream
 from .keep_alive import DEFAULT_KEEP_ALIVE_S, keep_alive_seconds
+from .model_settings import ModelSettingsFile
+from .pool import ModelPool, ResidentModel
 from .rerank import RerankHandle, submit_rerank
 from .stats import EngineStats, MemoryUse, PrefixCacheUse, StatsRecorder
 from .requests import RequestHandle
@@ -48,32 +59,42 @@ SWITCH_INTERVAL_S = 2e-4
 # Admitted by memory (no `max_running`), at most this many requests run at once: a batched step's
 # host work grows with its rows (bench.concurrency_step: 32 rows on the H200 still gained).
 MAX_RUNNING_ROWS = 64
+# The memory budget's share of the device's memory: every loaded model's weights, the admitted
+# requests' model caches and the prefix caches' snapshots.
+MEMORY_FRACTION = 0.75
 
 
 @dataclass(frozen=True)
 class EngineStatus:
     """A consistent reading of the scheduler's load."""
 
-    model: str | None
+    model: str | None  # the default model (requests that name none run on it)
     running: int
     queued: int
     loading_drafts: int
-    batch_rows: int  # decoding requests sharing the batched model call
-    drafts: tuple[str, ...]  # the draft kept for the current model (at most one), by identity
+    batch_rows: int  # decoding requests sharing a batched model call
+    drafts: tuple[str, ...]  # the draft kept for the default model (at most one), by identity
     memory_budget: int
-    reserved_bytes: int  # of the budget: admitted requests' model caches, embedding models' weights
-    resident: bool = False  # the model's weights are in memory (not unloaded after an idle time)
-    embedding_models: tuple[str, ...] = ()  # dedicated embedding models loaded beside it
-    speech_models: tuple[str, ...] = ()  # speech models loaded beside it (scheduling/speech.py)
+    reserved_bytes: int  # of the budget: the admitted requests' model caches
+    resident: bool = False  # the default model's weights are in memory
+    embedding_models: tuple[str, ...] = ()  # dedicated embedding models in memory
+    speech_models: tuple[str, ...] = ()  # speech models in memory (scheduling/speech.py)
+    loaded: tuple[str, ...] = ()  # every model of the pool in memory, most recently used first
+    weight_bytes: int = 0  # of the budget: the weights of the pool's models in memory
 
 
 class Engine:
-    """The engine's façade: validates and admits requests, and starts, switches and stops the
-    model. It holds the `Scheduler` that runs every request on one thread
-    (engine/scheduling/ticks.py), the `ModelSlot` with the model (engine/scheduling/slot.py), the
-    `MemoryBudget` they share with the prefix cache and the embedding queue
-    (engine/scheduling/budget.py), the loader of drafts for speculative requests
-    (engine/scheduling/draft_loader.py) and the `EmbeddingQueue` (engine/scheduling/embedding_queue.py).
+    """The engine's façade: validates and admits requests, and loads, unloads and describes the
+    models. It holds the `ModelPool` with the loaded models, each a `ModelSlot`
+    (engine/scheduling/pool.py, slot.py), the `Scheduler` that runs every request on one thread
+    (engine/scheduling/ticks.py), the `MemoryBudget` they share with the prefix caches and the
+    embedding queue (engine/scheduling/budget.py), the loader of drafts for speculative requests
+    (engine/scheduling/draft_loader.py) and the `EmbeddingQueue`
+    (engine/scheduling/embedding_queue.py).
+
+    `on(name)` and `use(name)` give this engine bound to one model: the same object's methods
+    and properties (`submit`, `defaults`, `model`, `lm`...) then read that model instead of the
+    default one; everything else is shared.
     """
 
     def __init__(self, model: str | None = None, *, max_running: int | None = None, max_queued: int = 8,
@@ -82,46 +103,62 @@ class Engine:
                  load: Callable[..., LoadedModel] = load_model, batching: bool = True,
                  memory_budget: int | None = None,
                  keep_alive: float | str | None = DEFAULT_KEEP_ALIVE_S, speculation: bool = True,
-                 int8_activations: bool | None = None):
-        """`max_running`: None admits requests by memory: they run together (one batched step)
-        as long as the model-cache bytes each may grow to fit `memory_budget`, up to
-        MAX_RUNNING_ROWS; a number caps the requests running at once (`mlxchat serve
-        --max-running`). `max_queued`: requests waiting beyond those. `keep_alive`: unload the
-        model's weights after it has been idle this long (seconds or a duration such as "30m";
-        None or negative: never); the next request reloads them. `speculation=False` refuses
-        speculative requests (a sharded model). `int8_activations`: on our CPU kernels, models
-        load on the lossy int8-activation path (None: the process's default,
-        `--int8-activations`); `switch_model` may change it."""
+                 int8_activations: bool | None = None, max_loaded: int | None = None,
+                 pinned: Sequence[str] = (), model_settings: ModelSettingsFile | None = None):
+        """`model`: the default model, loaded by `start` (None: the bundled one). `pinned`:
+        models loaded by `start` too and never evicted to make room (`mlxchat serve --model`).
+        `max_loaded`: at most this many models in memory at once (None: as many as
+        `memory_budget` holds: every loaded model's weights, the admitted requests' model caches
+        and the prefix caches; default MEMORY_FRACTION of the device's memory).
+        `max_running`: None admits requests by memory: they run together (one batched step a
+        model) as long as the model-cache bytes each may grow to fit, up to MAX_RUNNING_ROWS; a
+        number caps the requests running at once (`mlxchat serve --max-running`). `max_queued`:
+        requests waiting beyond those. `keep_alive`: unload a model's weights after it has been
+        idle this long (seconds or a duration such as "30m"; None or negative: never), unless its
+        settings or a request say otherwise; the next request reloads them.
+        `speculation=False` refuses speculative requests (a sharded model). `int8_activations`:
+        on our CPU kernels, models whose settings make no choice load on the lossy
+        int8-activation path (None: the process's default, `--int8-activations`).
+        `model_settings`: each model's settings (default: models.json in the data folder)."""
         self.requested_model = model
+        self.pinned = tuple(pinned)
+        self.fallback_to_default = fallback_to_default
         self.keep_alive = keep_alive_seconds(keep_alive)
         self.max_queued = max_queued
         self.speculation = speculation  # off for a sharded model (engine/distributed/)
-        # One budget for the model caches of admitted requests, a dedicated embedding model's
-        # weights and the prefix cache's snapshots, which may hold what the others do not reserve.
+        self.model_settings = model_settings if model_settings is not None else ModelSettingsFile()
+        # One budget for every loaded model's weights, the model caches of admitted requests and
+        # the prefix caches' snapshots, which may hold what the others do not reserve.
         self.budget = MemoryBudget(memory_budget if memory_budget is not None
-                                   else device_memory_budget())
-        self.drafts = DraftLoader(current=lambda: self.lm)
+                                   else device_memory_budget(MEMORY_FRACTION))
+        self.drafts = DraftLoader(alive=self._in_memory)
         self._stats = StatsRecorder()  # running totals for monitoring (`stats`)
-        self.slot = ModelSlot(self._stats.counted(load), fallback_to_default=fallback_to_default,
-                              prefix_cache=prefix_cache, persist_prefix_cache=persist_prefix_cache,
-                              cache_budget=self.budget.room,
-                              on_release=self.drafts.clear, int8_activations=int8_activations)
-        self.slot.touch(self.keep_alive)
-        self.scheduler = Scheduler(self.slot, self.budget, batching=batching,
+        self.pool = ModelPool(self.budget, self._stats.counted(load),
+                              settings=self.model_settings, keep_alive=self.keep_alive,
+                              max_loaded=max_loaded, prefix_cache=prefix_cache,
+                              persist_prefix_cache=persist_prefix_cache,
+                              int8_activations=int8_activations,
+                              on_release=lambda slot: self.drafts.drop(slot.lm))
+        self.scheduler = Scheduler(self.pool, self.budget, batching=batching,
                                    max_running=max_running if max_running is not None
                                    else MAX_RUNNING_ROWS, stats=self._stats,
                                    on_halt=self._fail_queues)
-        self.embeddings = EmbeddingQueue(self.scheduler, self.budget, self.keep_alive)
+        self.pool.attach(self.scheduler)
+        self.embeddings = EmbeddingQueue(self.scheduler, self.pool, self.keep_alive,
+                                         self._stats.counted(load_model))
+        # speech models reserve their weights through the pool (idle models leave for them)
         self.speech = SpeechQueue(self.budget, self.keep_alive,
-                                  halted=lambda: self.scheduler.halted)
+                                  halted=lambda: self.scheduler.halted, reserve=self.pool.reserve)
         self._ids = itertools.count(1)
+        self._bound: str | None = None  # the model this view is bound to (`on`), else the default
+        self._pinned_loaded = False
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self, progress: LoadCallback | None = None, *, load: bool = True) -> "Engine":
-        """Load the model (on the scheduler thread, its stages reported to `progress`) and start
-        serving; blocks until loaded. `load=False` starts serving with no model: requests are
-        refused until `switch_model` has loaded one (a server that answers while its first model
-        loads)."""
+        """Load the default model and the pinned ones (their stages reported to `progress`) and
+        start serving; blocks until loaded. `load=False` starts serving with no model: requests
+        are refused until `switch_model` has loaded one (a server that answers while its first
+        model loads), and the pinned ones load then."""
         # Every token is handed from the scheduler thread to readers in other threads; with
         # Python's default 5 ms switch interval the scheduler waits for the GIL after each device
         # sync (bench/results/cuda-h200-2026-12-02-concurrency-switchinterval-only.json).
@@ -129,9 +166,27 @@ class Engine:
         self.scheduler.start()
         self.drafts.start()
         if load:
-            self.scheduler.call(lambda: self.slot.install(self.requested_model, progress,
-                                                          self.keep_alive))
+            self._load_first(progress)
         return self
+
+    def _load_first(self, progress: LoadCallback | None) -> None:
+        """The default model (its stages reported to `progress`), then the pinned ones."""
+        with reporting(progress):
+            first = self.pool.acquire(self.requested_model,
+                                      pin=self.requested_model in self.pinned,
+                                      fallback_to_default=self.fallback_to_default)
+            self.pool.default = first
+            report("ready")
+        self._load_pinned()
+
+    def _load_pinned(self) -> None:
+        """The pinned models, once: after the first model loaded (by `start`, or the first
+        `switch_model` of an engine started without one)."""
+        if self._pinned_loaded:
+            return
+        self._pinned_loaded = True
+        for name in self.pinned:
+            self.pool.acquire(name, pin=True)
 
     def stop(self) -> None:
         """Cancel everything running or queued, let each end with its final event, then stop."""
@@ -141,7 +196,7 @@ class Engine:
         self.drafts.stop()
         self.embeddings.close()
         self.speech.close()
-        self.slot.persist()  # so that reopening the app continues long conversations without re-prefill
+        self.pool.close()  # so that reopening the app continues long conversations without re-prefill
 
     def halt(self, reason: str) -> None:
         """Fail every admitted request (and embedding request) with `reason` and refuse new ones
@@ -175,40 +230,98 @@ class Engine:
         """The memory budget's bytes (`budget` holds its reservations)."""
         return self.budget.total
 
+    # -- the models ------------------------------------------------------------------------------
+    def on(self, name: str) -> "Engine":
+        """This engine bound to the loaded model `name` (as loaded or as asked for): its
+        properties and `submit` read that model. Raises InvalidRequest when no model of that name
+        was loaded (`use` loads it)."""
+        slot = self.pool.find(name)
+        if slot is None:
+            raise InvalidRequest(f"the model {name!r} is not loaded", field="model",
+                                 code="model_not_loaded")
+        bound = copy.copy(self)
+        bound._bound = slot.name
+        return bound
+
+    def use(self, name: str, progress: LoadCallback | None = None) -> "Engine":
+        """`on(name)`, the model loaded first if it is not in memory (blocks while it loads; call
+        it off the event loop): once, however many ask at the same time, idle models evicted
+        where the memory budget needs room. Raises ModelLoadError (no such model, it cannot
+        load, it cannot fit) or NoRoom (every model holding the budget is busy: retry later)."""
+        if self.halted is not None:
+            raise EngineError(self.halted)
+        with reporting(progress):
+            slot = self.pool.acquire(name)
+            report("ready")
+        bound = copy.copy(self)
+        bound._bound = slot.name
+        return bound
+
+    def unload_model(self, name: str) -> bool:
+        """Unload `name`'s weights now, or as soon as its running requests end (Ollama's
+        `keep_alive: 0`); False when it is not in memory. The next request loads it again."""
+        return self.pool.unload(name)
+
+    def touch(self, keep_alive: float | str | None) -> None:
+        """The model stays loaded `keep_alive` from now when idle (seconds or a duration; None:
+        as its settings or the server say), as a request's `keep_alive` would set it; raises
+        InvalidRequest for a bad value."""
+        slot = self._serving_slot()
+        slot.touch(keep_alive_seconds(keep_alive, self.pool.default_keep(slot)))
+        self.scheduler.wake()
+
+    def loaded_models(self) -> list[ResidentModel]:
+        """The models in memory, most recently used first: weights, context, expiry."""
+        return self.pool.in_memory()
+
+    @property
+    def slot(self) -> ModelSlot | None:
+        """The pool's slot of this view's model (the default model unless bound)."""
+        if self._bound is not None:
+            return self.pool.find(self._bound)
+        return self.pool.default
+
+    def _in_memory(self, lm: LoadedModel) -> bool:
+        return any(s.lm is lm and s.resident for s in self.pool.members())
+
     @property
     def lm(self) -> LoadedModel | None:
-        return self.slot.lm
+        slot = self.slot
+        return slot.lm if slot is not None else None
 
     @property
     def prefix_cache(self) -> "PrefixCache | None":
-        """The current model's prefix cache (None while its weights are unloaded, or when off)."""
-        return self.slot.prefix_cache
+        """The model's prefix cache (None while its weights are unloaded, or when off)."""
+        slot = self.slot
+        return slot.prefix_cache if slot is not None else None
 
     @property
     def model_name(self) -> str | None:
-        return self.lm.name if self.lm else None
+        lm = self.lm
+        return lm.name if lm is not None else None
 
     @property
     def model(self) -> ModelDescription | None:
-        """The current model (also while unloaded after an idle time), or None while none is."""
-        return self.slot.described if self.lm is not None else None
+        """The model (also while unloaded after an idle time), or None while none is."""
+        slot = self.slot
+        return slot.described if slot is not None and slot.lm is not None else None
 
     @property
     def int8_activations(self) -> bool | None:
-        """Whether the current model takes int8 activations on our CPU kernels; None where it
-        does not run on them, or while no model is loaded (`switch_model` changes it)."""
+        """Whether the model takes int8 activations on our CPU kernels; None where it does not
+        run on them, or while no model is loaded (`switch_model` changes it)."""
         model = self.model
         return model.int8_activations if model is not None else None
 
     @property
     def defaults(self) -> ModelDefaults | None:
-        """The current model's sampling defaults, each with its source."""
+        """The model's sampling defaults, each with its source."""
         model = self.model
         return model.defaults if model is not None else None
 
     def params(self, explicit: dict | None = None) -> SamplingParams:
-        """SamplingParams for the current model: `explicit` values (a request's fields, a
-        conversation's settings) over the model's defaults; raises InvalidRequest."""
+        """SamplingParams for the model: `explicit` values (a request's fields, a conversation's
+        settings) over the model's defaults; raises InvalidRequest."""
         defaults = self.defaults
         if defaults is None:
             raise EngineError("no model is loaded yet")
@@ -216,29 +329,32 @@ class Engine:
 
     def list_models(self) -> list[ModelInfo]:
         """The local models (bundled, downloaded), then those this engine loaded from a folder or
-        GGUF path: any of them can be named to `switch_model`."""
-        return self.slot.list_models()
+        GGUF path: any of them can be named to `use` or `switch_model`."""
+        return self.pool.known()
 
     def status(self) -> EngineStatus:
         load = self.scheduler.load()
+        slot = self.slot
+        resident = self.pool.resident()
+        weights = sum(s.weight_bytes for s in resident)
         return EngineStatus(
             model=self.model_name, running=load.running, queued=load.queued,
             loading_drafts=load.preparing, batch_rows=load.batch_rows,
-            drafts=self.drafts.identities(), memory_budget=self.budget.total,
-            reserved_bytes=load.reserved_bytes, resident=self.slot.resident,
-            embedding_models=tuple(self.embeddings.resident_models()),
-            speech_models=tuple(self.speech.resident_models()))
+            drafts=self.drafts.identities(self.lm), memory_budget=self.budget.total,
+            reserved_bytes=max(load.reserved_bytes - weights - self.speech.reserved(), 0),
+            resident=slot is not None and slot.resident,
+            embedding_models=tuple(s.name for s in resident if s.embedding_only),
+            speech_models=tuple(self.speech.resident_models()),
+            loaded=tuple(m.name for m in self.pool.in_memory()), weight_bytes=weights)
 
     def stats(self) -> EngineStats:
         """A reading for monitoring (engine/scheduling/stats.py): the load now, the running
         totals, memory by model and the prefix cache's counters. Safe from any thread; it takes
         the scheduler's lock only to copy a few numbers."""
         status = self.status()
-        weights = dict(self.embeddings.resident_weights())
+        weights = {s.name: s.weight_bytes for s in self.pool.resident()}
         weights.update(self.speech.resident_weights())
         lm = self.lm
-        if lm is not None and self.slot.resident:
-            weights[lm.name] = _weight_bytes(lm)
         cache = self.prefix_cache
         use = None
         if cache is not None and lm is not None:
@@ -255,22 +371,35 @@ class Engine:
 
     def request_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         """The model-cache memory a plain request of this size reserves while admitted."""
-        return self.slot.footprint.bytes_for(prompt_tokens + max_tokens)
+        slot = self._serving_slot()
+        return slot.footprint.bytes_for(prompt_tokens + max_tokens)
 
     def switch_model(self, name: str, progress: LoadCallback | None = None,
                      cancel_running: bool = False, *, int8_activations: bool | None = None) -> None:
-        """Load another model (a name `list_models` gives, or a path; the current one's name
-        reloads it) once running and queued requests end (or are cancelled, if asked); meanwhile
-        new requests are refused with Overloaded. A model that cannot load raises ModelLoadError
-        with the previous model loaded again. `int8_activations`: on our CPU kernels, take the
-        lossy int8-activation path from now on, or the exact one (None: as the current model;
-        `model.int8_activations` says which the loaded model took)."""
-        name = self.slot.path_of(name)
+        """Make `name` the default model (a name `list_models` gives, or a path), loading it if it
+        is not in memory; the other models stay loaded while the budget allows (an idle pinned
+        one leaves too where nothing else can), and their running requests go on (or are all
+        cancelled, if asked). A model that cannot load raises
+        ModelLoadError and the default stays as it was. `int8_activations`: on our CPU kernels,
+        load `name` on the lossy int8-activation path from now on, or the exact one (None: as its
+        settings say); a model in memory with the other choice reloads once its requests and
+        every other running request end (new ones are refused meanwhile)."""
         if cancel_running:
             for h in self.scheduler.admitted():  # cancelling a queued request takes the lock
                 h.cancel()
-        self.scheduler.call(lambda: self.slot.install(name, progress, self.keep_alive,
-                                                      int8_activations))
+        slot = self.pool.find(name)
+        if slot is not None and int8_activations is not None:
+            slot.int8_activations = int8_activations
+            described = slot.described
+            if slot.resident and described is not None and \
+                    described.int8_activations not in (None, int8_activations):
+                self.scheduler.call(lambda: self.pool.reload(slot))
+        with reporting(progress):
+            slot = self.pool.acquire(name, int8_activations=int8_activations,
+                                     evict_pinned=True, pin=name in self.pinned)
+            self.pool.default = slot
+            report("ready")
+        self._load_pinned()
 
     def run_on_scheduler(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the scheduler thread once no request is running or queued, and wait for it
@@ -282,18 +411,24 @@ class Engine:
                *, prompt_tokens: Sequence[int] | None = None, text: str | None = None,
                speculative: SpeculativeOptions | None = None, tools: ToolRequest | None = None,
                split_reasoning: bool = False, keep_alive: float | str | None = None,
-               fit_max_tokens: bool = False, infill: Infill | None = None) -> RequestHandle:
+               fit_max_tokens: bool = False, infill: Infill | None = None,
+               model: str | None = None) -> RequestHandle:
         """Validate and enqueue a request without waiting; raises InvalidRequest or Overloaded at
-        once. `speculative` opts in to speculative decoding (engine/decoding/drafts.py; the default
-        is plain): a draft not loaded yet loads on the loader thread while the request is in
-        `loading_draft`; if it cannot load, the request ends `failed` and `accepted()` raises.
+        once. `model`: a loaded model's name (None: this view's model, or the default one).
+        `speculative` opts in to speculative decoding (engine/decoding/drafts.py; the default is
+        plain, or the draft the model's settings name where the request allows it): a draft not
+        loaded yet loads on the loader thread while the request is in `loading_draft`; if it
+        cannot load, the request ends `failed` and `accepted()` raises.
         `tools` and `split_reasoning`: see `Generation` (engine/decoding/generate.py).
-        A model unloaded after an idle time is reloaded before the request runs; `keep_alive`
-        (like Ollama's) sets how long it stays loaded after this request. `fit_max_tokens`:
-        lower `max_tokens` to the context the prompt leaves instead of refusing (clients such as
-        Claude Code always ask for 32,000; the prompt is tokenised once, here). `infill`: a
-        fill-in-the-middle prompt instead of messages or text (engine/decoding/fim.py)."""
-        lm = self._serving()
+        A model that left memory (idle, or evicted) is loaded again before the request runs;
+        `keep_alive` (like Ollama's) sets how long it stays loaded after this request.
+        `fit_max_tokens`: lower `max_tokens` to the context the prompt leaves instead of refusing
+        (clients such as Claude Code always ask for 32,000; the prompt is tokenised once, here).
+        `infill`: a fill-in-the-middle prompt instead of messages or text
+        (engine/decoding/fim.py)."""
+        slot = self._serving_slot(model)
+        lm = slot.lm
+        assert lm is not None
         params = params or SamplingParams()
         check_prompt_size(lm, messages, text, tools, infill)  # before tokenising anything
         prompt = build_prompt(lm, messages=messages, prompt_tokens=prompt_tokens, text=text,
@@ -301,37 +436,72 @@ class Engine:
         if fit_max_tokens:  # no room left: max_tokens 1, refused as too long (not over budget)
             params = params.with_(max_tokens=max(1, min(params.max_tokens,
                                                         lm.context_length - len(prompt.tokens))))
+        check_fits(lm, prompt, params)  # now, also for a request that waits for its draft
+        if speculative is None:
+            speculative = self._settings_draft(slot, params, tools, prompt.vision is not None)
         factory = self._resident_draft(lm, speculative)
 
         def generation(factory: SpeculatorFactory | None) -> Generation:
             speculator = factory(speculative.config()) if factory and speculative else None
-            return Generation(lm, prompt, params, prefix_cache=self.prefix_cache,
+            return Generation(lm, prompt, params, prefix_cache=slot.prefix_cache,
                               speculator=speculator, tools=tools, split_reasoning=split_reasoning)
 
         # A speculative request also grows its draft's cache: at most the target's again.
-        need = self._cache_need(len(prompt.tokens), params.max_tokens,
+        need = self._cache_need(slot, len(prompt.tokens), params.max_tokens,
                                 2 if speculative is not None else 1)
         handle = RequestHandle(id=f"req-{next(self._ids)}", generation=None, kv_bytes=need,
-                               keep_alive=keep_alive_seconds(keep_alive, self.keep_alive),
+                               slot=slot,
+                               keep_alive=keep_alive_seconds(keep_alive,
+                                                             self.pool.default_keep(slot)),
                                _on_cancel=self.scheduler.cancelled)
         if speculative is None or factory is not None:
             handle.generation = generation(factory)
             self._admit(handle)
+            if not slot.resident:  # it waits queued while the weights load again
+                self.pool.load_soon(slot, lambda loaded, failure: self._reloaded(slot, failure))
         else:
             self._admit(handle, lambda: self.drafts.load(
                 lm, speculative.draft, cancelled=lambda: handle.cancel_requested,
-                prepare=self.scheduler.ensure_resident,
+                prepare=lambda: self.pool.acquire(lm.name),
                 done=lambda f, failure: self.scheduler.soon(
-                    lambda: self._draft_ready(handle, lm, f, failure, generation))))
+                    lambda: self._draft_ready(handle, slot, lm, f, failure, generation))))
         return handle
 
-    def _serving(self) -> LoadedModel:
-        """The model new requests run on; raises EngineError when there is none."""
+    def _reloaded(self, slot: ModelSlot, failure: Exception | None) -> None:
+        """A model that left memory was loaded again for waiting requests, or could not be."""
+        if failure is not None:
+            self.scheduler.fail_waiting(slot, failure)
+
+    def _serving_slot(self, model: str | None = None) -> ModelSlot:
+        """The model a new request runs on (`model`, else this view's, else the default); raises
+        EngineError when there is none, InvalidRequest for one that does not chat."""
         if self.halted is not None:
             raise EngineError(self.halted)
-        if self.lm is None:
+        slot = self.on(model).slot if model is not None else self.slot
+        if slot is None or slot.lm is None:
             raise EngineError("no model is loaded yet")
-        return self.lm
+        if slot.embedding_only:
+            raise InvalidRequest(f"{slot.name} is an embedding model: it embeds and ranks, it "
+                                 f"does not generate text", field="model",
+                                 code="model_not_generative")
+        return slot
+
+    def _settings_draft(self, slot: ModelSlot, params: SamplingParams, tools: ToolRequest | None,
+                        images: bool) -> SpeculativeOptions | None:
+        """The speculative draft the model's settings name, for a request that can take it (none
+        of the options speculative decoding excludes, engine/decoding/exclusions.py); else None:
+        the request runs plain."""
+        draft = slot.default_draft() if self.speculation else None
+        if draft is None:
+            return None
+        try:
+            check_exclusions(speculative=True, logprobs=params.logprobs is not None,
+                             tools=tools is not None and tools.choice != "none", images=images,
+                             thinking_budget=params.thinking_budget is not None,
+                             json_schema=params.json_schema is not None)
+        except InvalidRequest:
+            return None
+        return SpeculativeOptions(draft)
 
     def _resident_draft(self, lm: LoadedModel,
                         speculative: SpeculativeOptions | None) -> SpeculatorFactory | None:
@@ -347,14 +517,17 @@ class Engine:
         check_draft(lm, speculative.draft)
         return self.drafts.resident(lm, speculative.draft)
 
-    def _cache_need(self, prompt_tokens: int, max_tokens: int, caches: int) -> int:
+    def _cache_need(self, slot: ModelSlot, prompt_tokens: int, max_tokens: int,
+                    caches: int) -> int:
         """The model-cache bytes a request reserves; raises InvalidRequest over the budget."""
-        need = self.slot.footprint.bytes_for(prompt_tokens + max_tokens) * caches
-        if need > self.memory_budget:
+        need = slot.footprint.bytes_for(prompt_tokens + max_tokens) * caches
+        room = self.memory_budget - slot.weight_bytes  # the most it could ever have
+        if need > room:
             raise InvalidRequest(
                 f"this request would need about {mib(need)} of model cache (prompt "
-                f"{prompt_tokens} tokens + max_tokens {max_tokens}), over the memory "
-                f"budget of {mib(self.memory_budget)}; shorten the prompt or lower max_tokens",
+                f"{prompt_tokens} tokens + max_tokens {max_tokens}), over the {mib(room)} the "
+                f"memory budget of {mib(self.memory_budget)} leaves beside {slot.name}'s "
+                f"weights; shorten the prompt or lower max_tokens",
                 field="max_tokens", code="over_memory_budget")
         return need
 
@@ -366,8 +539,8 @@ class Engine:
 
     def _check_room(self, load: Load) -> None:
         """Raise Overloaded while a model switch drains the requests, or past the caps."""
-        if load.switching:  # accepted requests drain first, on the current model
-            raise Overloaded(f"switching models: {self.model_name} is finishing its requests",
+        if load.switching:  # accepted requests drain first (a model reloads with other options)
+            raise Overloaded("reloading a model: the running requests are finishing",
                              retry_after=5.0)
         if load.admitted >= self.max_running + self.max_queued:
             raise Overloaded(f"server busy: {load.running} requests running and "
@@ -377,9 +550,12 @@ class Engine:
     def embed(self, inputs: EmbeddingInput | Sequence[EmbeddingInput], *, model: str | None = None,
               dimensions: int | None = None, truncate: bool = False, query: bool = False,
               keep_alive: float | str | None = None) -> EmbeddingHandle:
-        """Queue an embedding request without waiting (engine/scheduling/embedding_queue.py): on the
-        loaded chat model (`model` None or its name) or a dedicated embedding model; raises
-        InvalidRequest or Overloaded at once. Its chunks run between scheduler ticks."""
+        """Queue an embedding request without waiting (engine/scheduling/embedding_queue.py): on a
+        loaded chat model (`model` its name; None: this view's model, or the default one) or a
+        dedicated embedding model, loaded into the pool if it is not; raises InvalidRequest or
+        Overloaded at once. Its chunks run between scheduler ticks."""
+        if model is None and self._bound is not None:
+            model = self._bound
         return self.embeddings.submit(inputs, model=model, dimensions=dimensions,
                                       truncate=truncate, query=query, keep_alive=keep_alive)
 
@@ -417,33 +593,27 @@ class Engine:
                instruction: str | None = None, truncate: bool = True,
                keep_alive: float | str | None = None) -> RerankHandle:
         """Queue a rerank request without waiting (engine/scheduling/rerank.py): `documents`
-        scored against `query` by a reranker or an embedding model (`model`; None: the loaded
-        one), on the embedding queue; raises InvalidRequest or Overloaded at once."""
+        scored against `query` by a reranker or an embedding model (`model`; None: this view's
+        model, or the default one), on the embedding queue; raises InvalidRequest or Overloaded at
+        once."""
+        if model is None and self._bound is not None:
+            model = self._bound
         return submit_rerank(self.embeddings, query, documents, model=model,
                              instruction=instruction, truncate=truncate, keep_alive=keep_alive)
 
-    def _draft_ready(self, handle: RequestHandle, lm: LoadedModel,
+    def _draft_ready(self, handle: RequestHandle, slot: ModelSlot, lm: LoadedModel,
                      factory: SpeculatorFactory | None, failure: Exception | None,
                      generation: Callable[[SpeculatorFactory], Generation]) -> None:
         """On the scheduler thread, between ticks: queue the request whose draft is loaded, or end
-        it if that failed, it was cancelled or the model changed meanwhile."""
+        it if that failed, it was cancelled or its model left memory meanwhile."""
         gen = None
         try:
             if factory is not None and not handle.cancel_requested:
-                if self.lm is not lm:
-                    raise Overloaded(f"switching models: {lm.name} is being replaced",
+                if not slot.resident or slot.lm is not lm:
+                    raise Overloaded(f"{lm.name} left memory while its draft loaded",
                                      retry_after=5.0)
                 gen = generation(factory)
         except Exception as exc:
             failure = exc if isinstance(exc, EngineError) else EngineError(
                 f"{type(exc).__name__}: {exc}")
         self.scheduler.prepared(handle, gen, failure)
-
-
-def _weight_bytes(lm: LoadedModel) -> int:
-    """The bytes of a loaded model's weights (counted once per load, kept in `lm.extras`)."""
-    if "weight_bytes" not in lm.extras:
-        from mlx.utils import tree_flatten
-
-        lm.extras["weight_bytes"] = sum(p.nbytes for _, p in tree_flatten(lm.model.parameters()))
-    return lm.extras["weight_bytes"]

@@ -147,11 +147,15 @@ class SpeechQueue:
     """The engine's speech requests and speech models (see the module's doc)."""
 
     def __init__(self, budget: MemoryBudget, keep_alive: float | None,
-                 halted: Callable[[], str | None] = lambda: None):
-        """Speech models' weights reserve in `budget` while loaded; `keep_alive`: the default
-        for requests that give none (seconds; None: no unload); `halted()`: why the engine
-        stopped serving, if it did (new requests are refused with it)."""
+                 halted: Callable[[], str | None] = lambda: None,
+                 reserve: Callable[[int, str], None] | None = None):
+        """Speech models' weights reserve in `budget` while loaded, through `reserve(nbytes,
+        what)` where given (the engine's model pool: idle chat models leave memory for them,
+        engine/scheduling/pool.py; it raises Overloaded when nothing can); `keep_alive`: the
+        default for requests that give none (seconds; None: no unload); `halted()`: why the
+        engine stopped serving, if it did (new requests are refused with it)."""
         self._budget = budget
+        self._reserve = reserve or budget.reserve
         self._keep_alive = keep_alive
         self._halted = halted
         self._lock = threading.Condition()
@@ -242,6 +246,10 @@ class SpeechQueue:
         """The speech models whose weights are loaded now (only the speech thread changes
         them; read without the lock, which the engine's own lock never waits for)."""
         return [r.model.name for r in list(self._resident.values())]
+
+    def reserved(self) -> int:
+        """Bytes the resident speech models reserve in the memory budget."""
+        return sum(r.reserved for r in list(self._resident.values()))
 
     def resident_weights(self) -> list[tuple[str, int]]:
         """(name, bytes of weights) of each speech model loaded now."""
@@ -388,7 +396,7 @@ class SpeechQueue:
         if not self._budget.fits(guess):
             raise ModelLoadError(f"{target.name} needs about {mib(guess)}, over the memory "
                                  f"budget of {mib(self._budget.total)}", code="insufficient_memory")
-        self._budget.reserve(guess, f"loading {target.name}")
+        self._reserve(guess, f"loading {target.name}")
         try:
             sm = load_speech(target.name, target.folder)
         except BaseException:
@@ -397,10 +405,12 @@ class SpeechQueue:
         # the weights as loaded (float32 on the CPU) replace the guess
         if sm.weight_bytes < guess:
             self._budget.release(guess - sm.weight_bytes)
-        elif not self._budget.try_reserve(sm.weight_bytes - guess):
-            self._budget.release(guess)
-            raise Overloaded(f"server busy: {target.name} takes {mib(sm.weight_bytes)} loaded, "
-                             f"more than the memory budget has room for now", retry_after=2.0)
+        elif sm.weight_bytes > guess:
+            try:
+                self._reserve(sm.weight_bytes - guess, f"{target.name} as loaded")
+            except Overloaded:
+                self._budget.release(guess)
+                raise
         log.info("speech model %s loaded (%d MiB)", sm.name, sm.weight_bytes >> 20)
         with self._lock:
             self._resident[target.kind] = _Resident(sm, sm.weight_bytes, time.monotonic())

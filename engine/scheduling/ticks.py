@@ -1,18 +1,25 @@
-"""The scheduler: one thread owns the model and all MLX work, and moves the admitted requests on,
-one tick at a time.
+"""The scheduler: one thread runs every model of the pool (engine/scheduling/pool.py) and all MLX
+work of their requests, and moves the admitted requests on, one tick at a time.
 
 The `Engine` (engine/scheduling/service.py) validates and admits requests and hands them here; the
-`Scheduler` holds them (`loading_draft`, queued, running), runs the loop on its thread and ends
-each request with exactly one `done` event. Besides ticks, the loop runs control tasks once no
-request is running or queued (`call`: a model switch, a measurement), short tasks between two
-ticks (`soon`: a loaded draft, an embedding chunk), and the idle unload of the model's weights.
+`Scheduler` holds them (`loading_draft`, queued, running), each with the pool's model it runs on
+(`handle.slot`), runs the loop on its thread and ends each request with exactly one `done` event.
+Besides ticks, the loop runs control tasks once no request is running or queued (`call`: a
+measurement, a reload with other load-time options), short tasks between two ticks (`soon`: a
+loaded draft, an embedding chunk), and the idle unload of models past their keep-alive. A request
+whose model is loading waits queued; it starts once the weights are in memory.
 
-Each tick prefills up to a budget of prompt tokens (oldest request first, short prompts that wait
+Its lock is also the pool's residency lock: a model leaves memory (`retire`) only while no
+admitted request and no other user (`hold`) has it, checked and decided under this lock, so that
+admission and eviction never cross.
+
+Each tick, for each model with running requests, prefills up to a budget of prompt tokens (oldest request first, short prompts that wait
 together in shared model calls; engine/scheduling/prefill_policy.py), runs the solo steps that
 cannot be batched (cancellations, speculative decoding, a lone decoder) and one batched decode
-step for every other decoding request (engine/scheduling/batch.py). The requests' model caches
-are reserved in the engine's `MemoryBudget` (engine/scheduling/budget.py) from admission to their
-end, when the scheduler releases them.
+step for every other decoding request of that model (engine/scheduling/batch.py): two models'
+streams take turns tick by tick. The requests' model caches are reserved in the engine's
+`MemoryBudget` (engine/scheduling/budget.py) from admission to their end, when the scheduler
+releases them; where the budget has no room, the pool evicts idle models first.
 """
 
 import logging
@@ -21,7 +28,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .batch import DecodeBatch, can_prefill_together, prefill_together
 from .budget import MemoryBudget
@@ -30,8 +37,11 @@ from .requests import RequestHandle
 from .slot import ModelSlot
 from .stats import StatsRecorder
 from ..decoding.generate import Generation
-from ..errors import EngineError
+from ..errors import EngineError, Overloaded
 from ..events import FINAL_STATES, Event, FinishReason, RequestState, Timings
+
+if TYPE_CHECKING:
+    from .pool import ModelPool
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +52,8 @@ WAIT_MAX_S = 3600.0
 # most ADMIT_WAIT_S, so that the burst prefills in shared calls and decodes as one batch.
 ADMIT_QUIET_S = 5e-4
 ADMIT_WAIT_S = 5e-3
+# While requests run, idle models past their keep-alive are looked for this often.
+EXPIRY_CHECK_S = 0.5
 
 Rider = tuple[Generation, list[int]]  # a prompt chunk riding in the batch's decode step
 
@@ -53,7 +65,7 @@ class Load:
     running: int
     queued: int
     preparing: int  # loading_draft
-    batch_rows: int  # decoding requests sharing the batched model call
+    batch_rows: int  # decoding requests sharing a batched model call (every model's)
     reserved_bytes: int  # the memory budget's reservations
     switching: bool  # a control task (a model switch) waits for the requests to drain
 
@@ -63,15 +75,15 @@ class Load:
 
 
 class Scheduler:
-    """The admitted requests of the model `slot` holds and the thread that serves them."""
+    """The admitted requests of the pool's models and the thread that serves them."""
 
-    def __init__(self, slot: ModelSlot, budget: MemoryBudget, *, max_running: int,
+    def __init__(self, pool: "ModelPool", budget: MemoryBudget, *, max_running: int,
                  batching: bool = True, stats: StatsRecorder | None = None,
                  on_halt: Callable[[str], None] = lambda reason: None):
-        """`max_running`: at most this many requests run (and share a batched step) at once, the
+        """`max_running`: at most this many requests run (and share batched steps) at once, the
         others wait queued. `stats`: records each request as it ends (engine/scheduling/stats.py).
         `on_halt(reason)`: called once if the engine halts (see `halt`)."""
-        self.slot = slot
+        self.pool = pool
         self.budget = budget
         self.stats = stats if stats is not None else StatsRecorder()
         self.max_running = max_running
@@ -88,6 +100,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._halted: str | None = None  # why serving stopped for good (see `halt`)
+        self._next_expiry_check = 0.0
         self._busy_since: float | None = None  # when the tick or task running now began
 
     # -- from any thread -------------------------------------------------------------------------
@@ -145,10 +158,9 @@ class Scheduler:
             return self._load()
 
     def _load(self) -> Load:
-        batch = self.slot.batch
+        rows = sum(len(b) for b in (s.batch for s in self.pool.resident()) if b is not None)
         return Load(running=len(self._running), queued=len(self._queued),
-                    preparing=len(self._preparing),
-                    batch_rows=len(batch) if batch is not None else 0,
+                    preparing=len(self._preparing), batch_rows=rows,
                     reserved_bytes=self.budget.reserved, switching=not self._control.empty())
 
     def admitted(self) -> list[RequestHandle]:
@@ -159,15 +171,18 @@ class Scheduler:
     def admit(self, handle: RequestHandle, admission: Callable[[Load], None],
               prepare: Callable[[], None] | None = None) -> None:
         """Admit `handle`: `admission(load)` (under the lock, with the requests as they are)
-        raises to refuse it, then its `kv_bytes` are reserved in the memory budget (or Overloaded
-        is raised). A handle with its generation is queued and accepted at once; otherwise it waits
-        in `loading_draft` while `prepare()` (called under the lock) arranges for its generation,
-        and `prepared` queues it."""
+        raises to refuse it, then its `kv_bytes` are reserved in the memory budget, idle models
+        evicted first where it has no room (else Overloaded is raised). A handle with its
+        generation is queued and accepted at once; otherwise it waits in `loading_draft` while
+        `prepare()` (called under the lock) arranges for its generation, and `prepared` queues
+        it."""
         with self._wake:
             if self._halted is not None:
                 raise EngineError(self._halted)
             admission(self._load())
-            self.budget.reserve(handle.kv_bytes, "this request")
+            if not self.budget.try_reserve(handle.kv_bytes):
+                self.pool.evict_for(handle.kv_bytes, handle.slot)  # under this lock
+                self.budget.reserve(handle.kv_bytes, "this request")
             if prepare is None:
                 handle._enter("queued")
                 self._queued.append(handle)
@@ -209,6 +224,11 @@ class Scheduler:
                                                       usage=handle.usage, timings=Timings())])
             self._wake.notify_all()
 
+    def wake(self) -> None:
+        """Have the loop look again (a model's keep-alive changed)."""
+        with self._wake:
+            self._wake.notify_all()
+
     def soon(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the scheduler thread between two ticks; returns at once."""
         with self._wake:
@@ -240,21 +260,57 @@ class Scheduler:
         if failure:
             raise failure[0]
 
-    def touch(self, keep_alive: float | None) -> None:
-        """The model was just used (e.g. for embeddings): it stays loaded `keep_alive` seconds."""
-        with self._lock:
-            self.slot.touch(keep_alive)
+    # -- the pool's residency, under the lock ----------------------------------------------------
+    def busy(self, slot: ModelSlot) -> bool:
+        """Under the lock: whether a request admitted and not ended runs on `slot`, or another
+        user holds it."""
+        return slot.holds > 0 or any(h.slot is slot for h in self._preparing) or \
+            any(h.slot is slot for h in self._queued) or any(h.slot is slot for h in self._running)
 
-    def ensure_resident(self) -> None:
-        """Reload the weights of a model unloaded after an idle time, and give the requests that
-        waited for them its new prefix cache."""
-        if not self.slot.ensure_resident():
-            return
+    def retire(self, slot: ModelSlot) -> bool:
+        """If `slot`'s weights are in memory and nothing uses them, mark them gone (the caller
+        then unloads them, `ModelSlot.unload`); False when they stay."""
         with self._lock:
-            waiting = list(self._queued) + self._running
-        for handle in waiting:
-            if handle.generation is not None and handle.generation.lm is self.slot.lm:
-                handle.generation.prefix_cache = self.slot.prefix_cache
+            return self.retire_locked(slot)
+
+    def retire_locked(self, slot: ModelSlot) -> bool:
+        """`retire` for a caller that holds the lock."""
+        return not self.busy(slot) and slot.retire()
+
+    def hold(self, slot: ModelSlot) -> bool:
+        """Keep `slot`'s weights in memory for a user besides the requests (an embedding job)
+        until `unhold`; False (nothing held) when they are not in memory."""
+        with self._lock:
+            if not slot.resident:
+                return False
+            slot.holds += 1
+            return True
+
+    def unhold(self, slot: ModelSlot, keep_alive: float | None) -> None:
+        """The user of `hold` is done: the model stays loaded `keep_alive` seconds from now."""
+        with self._wake:
+            slot.holds -= 1
+            slot.touch(keep_alive)
+            self._wake.notify_all()
+
+    def loaded(self, slot: ModelSlot) -> None:
+        """`slot`'s weights came (on a loader thread): start the requests that waited for them,
+        with its new prefix cache."""
+        with self._wake:
+            for handle in list(self._queued) + self._preparing:
+                if handle.slot is slot and handle.generation is not None:
+                    handle.generation.prefix_cache = slot.prefix_cache
+            self._wake.notify_all()
+
+    def fail_waiting(self, slot: ModelSlot, failure: Exception) -> None:
+        """`slot`'s weights could not load: the queued requests that waited for them fail."""
+        with self._wake:
+            waiting = [h for h in self._queued if h.slot is slot]
+            for h in waiting:
+                self._queued.remove(h)
+                self._end(h, "failed", [Event("done", finish_reason="failed", error=str(failure),
+                                              usage=h.usage, timings=Timings())])
+            self._wake.notify_all()
 
     # -- the scheduler thread --------------------------------------------------------------------
     def _run(self) -> None:
@@ -281,7 +337,7 @@ class Scheduler:
             if work is _STOP:
                 return
             if work is _UNLOAD:
-                self.slot.unload()
+                self.pool.expire()
             elif callable(work):
                 work()
             elif work:
@@ -303,29 +359,44 @@ class Scheduler:
                 return self._control.get()
             if not self._running and self._queued:
                 self._settle()
-            while self._queued and len(self._running) < self.max_running:
-                handle = self._queued.popleft()
-                handle._enter("prefill")
-                self._running.append(handle)
+            if self._queued and len(self._running) < self.max_running:
+                for handle in list(self._queued):  # those whose model is in memory, in order
+                    if len(self._running) >= self.max_running:
+                        break
+                    if handle.slot is None or handle.slot.resident:
+                        self._queued.remove(handle)
+                        handle._enter("prefill")
+                        self._running.append(handle)
             return list(self._running)
 
+    def _startable(self) -> bool:
+        """Under the lock: a queued request whose model is in memory waits."""
+        return any(h.slot is None or h.slot.resident for h in self._queued)
+
     def _idle_wait(self) -> bool:
-        """Under the lock: wait until there is work; True when the idle model should unload."""
+        """Under the lock: wait until there is work; True when an idle model should unload (also
+        while other models run, checked every EXPIRY_CHECK_S)."""
+        if self._running and time.monotonic() >= self._next_expiry_check:
+            self._next_expiry_check = time.monotonic() + EXPIRY_CHECK_S
+            left = self._until_unload()
+            if left is not None and left <= 0:
+                return True
         # Stopping waits for the drafts being loaded: each request ends with its event.
-        while not ((self._stopping and not self._preparing) or self._queued or self._running
-                   or not self._control.empty() or not self._soon.empty()):
-            wait_s = None if self._preparing else self._until_unload()
+        while not ((self._stopping and not self._preparing) or self._startable() or self._running
+                   or (not self._control.empty() and not self._queued)
+                   or not self._soon.empty()):
+            wait_s = self._until_unload()
             if wait_s is not None and wait_s <= 0:
                 return True
             self._wake.wait(None if wait_s is None else min(wait_s, WAIT_MAX_S))
         return False
 
     def _until_unload(self) -> float | None:
-        """Under the lock, with nothing queued or running: seconds until the idle model should be
-        unloaded (<= 0: now), or None when it stays (also while drafts load or serving stops)."""
-        if self._preparing or self._stopping:
+        """Under the lock, with nothing running: seconds until an idle model should be unloaded
+        (<= 0: now), or None when every model stays (also while serving stops)."""
+        if self._stopping:
             return None
-        return self.slot.until_unload()
+        return self.pool.until_expiry()
 
     def _settle(self) -> None:
         """Under the lock: wait while requests keep arriving (see ADMIT_QUIET_S)."""
@@ -339,44 +410,44 @@ class Scheduler:
                 return
 
     def _serve_tick(self, running: list[RequestHandle]) -> None:
-        """One tick of the running requests, their weights reloaded first if they were unloaded;
-        a failure of either fails these requests and serving goes on."""
-        try:
-            self.ensure_resident()
-        except Exception as exc:  # the weights cannot come back: these requests fail
-            for h in running:
-                self._advance(h, exc)
-            return
-        try:
-            self._tick(running)
-        except Exception as exc:  # a tick-wide failure: its requests fail, serving goes on
-            log.error("a scheduler tick failed", exc_info=exc)
-            for h in running:
-                if h.state not in FINAL_STATES:
-                    self._advance(h, exc)
+        """One tick of the running requests, model by model (two models' requests take turns,
+        tick by tick); a tick-wide failure fails that model's requests and serving goes on."""
+        first = running[0].slot
+        groups = [running] if all(h.slot is first for h in running) else _by_slot(running)
+        for handles in groups:
+            slot = handles[0].slot
+            try:
+                if not slot.resident:  # never: a model with requests is not unloaded
+                    raise EngineError(f"{slot.name} is not loaded")
+                self._tick(slot, handles)
+            except Exception as exc:  # its requests fail, serving goes on
+                log.error("a scheduler tick failed", exc_info=exc)
+                for h in handles:
+                    if h.state not in FINAL_STATES:
+                        self._advance(h, exc)
 
-    def _tick(self, running: list[RequestHandle]) -> None:
-        solo = self._regroup(running)
+    def _tick(self, slot: ModelSlot, running: list[RequestHandle]) -> None:
+        solo = self._regroup(slot, running)
         prefilling = [h for h in solo if h.generation.in_prefill and not h.cancel_requested]
         decoding = len(prefilling) < len(running)
         rider = None
         if prefilling:
             chunk = prefilling[0].generation.prefill_chunk
             budget = tick_budget(chunk, decoding)
-            rider = self._rider(prefilling[0], budget) if decoding else None
+            rider = self._rider(slot, prefilling[0], budget) if decoding else None
             if rider is None:
                 self._prefill(prefilling, budget, chunk)
         for h in solo:
             if h not in prefilling:
                 self._step(h)
-        if len(self.slot.batch):
-            self._step_batch(running, rider)
+        if len(slot.batch):
+            self._step_batch(slot, running, rider)
 
-    def _rider(self, handle: RequestHandle, budget: int) -> Rider | None:
+    def _rider(self, slot: ModelSlot, handle: RequestHandle, budget: int) -> Rider | None:
         """The oldest waiting prompt's next chunk (at most `budget` tokens), to ride in the batch's
         step (a mixed step: engine/decoding/mixed.py), or None when it cannot (no batch, a model or
         cache the mixed step does not know, batching off): then it prefills in calls of its own."""
-        batch, gen = self.slot.batch, handle.generation
+        batch, gen = slot.batch, handle.generation
         if not (self.batching and batch is not None and batch.mixed and len(batch)) or gen.done:
             return None
         try:
@@ -386,14 +457,14 @@ class Scheduler:
             return None
         return (gen, tokens) if batch.can_carry(gen) else None
 
-    def _regroup(self, running: list[RequestHandle]) -> list[RequestHandle]:
-        """Move the decoders that can share the batched step into the batch and the others out of
-        it; returns the requests that step alone this tick."""
-        batch = self.slot.batch
+    def _regroup(self, slot: ModelSlot, running: list[RequestHandle]) -> list[RequestHandle]:
+        """Move the decoders that can share the batched step into `slot`'s batch and the others
+        out of it; returns the requests that step alone this tick."""
+        batch = slot.batch
         # each request's state read once per tick (this runs for every token)
         states = [(h, h.generation.batchable, h.generation in batch) for h in running]
         # A lone decoder runs solo: its plain cache and pipelined step beat a one-row batch.
-        use_batch = self.batching and self.slot.footprint.batchable and \
+        use_batch = self.batching and slot.footprint.batchable and \
             sum(ok for _, ok, _ in states) >= 2
         joining, leaving, solo = [], [], []
         for h, ok, inside in states:
@@ -410,19 +481,21 @@ class Scheduler:
             batch.join(joining)
         return solo
 
-    def _step_batch(self, running: list[RequestHandle], rider: Rider | None = None) -> None:
-        """One batched decode step (carrying `rider`'s prefill chunk, if any); a failing shared
-        model call fails every row and the rider, and the engine serves on with a fresh batch."""
-        batch = self.slot.batch
+    def _step_batch(self, slot: ModelSlot, running: list[RequestHandle],
+                    rider: Rider | None = None) -> None:
+        """One batched decode step of `slot`'s batch (carrying `rider`'s prefill chunk, if any); a
+        failing shared model call fails every row and the rider, and the engine serves on with a
+        fresh batch."""
+        batch = slot.batch
         by_gen = {id(h.generation): h for h in running}
         try:
             results = batch.step(rider)
         except Exception as exc:  # the shared model call: every row fails, the engine serves on
             results = [(gen, exc) for gen in batch.rows + ([rider[0]] if rider else [])]
-            self.slot.batch = DecodeBatch(batch.model, batch.caches)
-        finished = [gen for gen, _ in results if gen.done and gen in self.slot.batch]
+            slot.batch = DecodeBatch(batch.model, batch.caches)
+        finished = [gen for gen, _ in results if gen.done and gen in slot.batch]
         if finished:
-            self.slot.batch.leave(finished)
+            slot.batch.leave(finished)
         for gen, outcome in results:
             self._advance(by_gen[id(gen)], outcome)
 
@@ -490,7 +563,7 @@ class Scheduler:
             return
         if not group:
             return
-        lm = self.slot.lm
+        lm = group[0][0].slot.lm
         try:
             failures = prefill_together(lm.model, lm.caches, [(h.generation, t) for h, t in group])
             outcomes: list[list[Event] | Exception] = [f if f is not None else [] for f in failures]
@@ -530,7 +603,7 @@ class Scheduler:
             for event in events:
                 handle._publish(event)
             return
-        batch = self.slot.batch
+        batch = handle.slot.batch
         if batch is not None and gen in batch:
             batch.leave([gen])
         gen.release()
@@ -543,13 +616,22 @@ class Scheduler:
         """Under the lock: the request leaves admission (its reservation is released), its last
         events are published."""
         self.budget.release(handle.kv_bytes)
-        self.slot.touch(handle.keep_alive)
+        if handle.slot is not None:
+            handle.slot.touch(handle.keep_alive)
         handle.error = events[-1].error if events else None
         handle.finish_reason = events[-1].finish_reason if events else state
         handle._enter(state)
         self.stats.record(state, events[-1].usage if events else handle.usage, handle.times)
         for event in events:
             handle._publish(event)
+
+
+def _by_slot(running: list[RequestHandle]) -> list[list[RequestHandle]]:
+    """The running requests grouped by their model, in order."""
+    groups: dict[int, list[RequestHandle]] = {}
+    for h in running:
+        groups.setdefault(id(h.slot), []).append(h)
+    return list(groups.values())
 
 
 _STOP, _UNLOAD = object(), object()  # the loop's work besides tasks and ticks
