@@ -3,7 +3,6 @@ Code's per-request billing line never splits the prefix cache (every later round
 read from it), documents (PDF, text) and images wherever the clients put them, the error each
 client compacts on when a prompt outgrows the context, the context length in the model lists."""
 
-import asyncio
 import base64
 import hashlib
 import io
@@ -18,6 +17,7 @@ import pytest
 from app.api import documents as api_documents
 from app.api.prompt_noise import without_noise, without_noise_blocks
 from bench.document_corpus import FACT, FILLER, pdf_of_pages
+from event_loop import run
 from live_server import anthropic_client, openai_client, tiny_serving
 from tiny_models import tiny_llama
 
@@ -240,12 +240,12 @@ def test_a_document_larger_than_half_the_context_is_given_by_retrieval(server):
         api_documents.from_base64(b64(raw), "application/pdf", "report.pdf", "messages[0]"),
         {"type": "text", "text": "What is the vault access code for the Zephyr archive?"}]}]
     state = server.app.state
-    out = asyncio.run(api_documents.read_documents(state, messages))
+    out = run(api_documents.read_documents(state, messages))
     text = out[0]["content"]
     whole = state.uploads.text(hashlib.sha256(raw).hexdigest())
     assert isinstance(text, str) and FACT in text and "[page 41]" in text
     assert len(whole) > 2 * CONTEXT and len(text) < len(whole) / 2  # excerpts, not the report
-    again = asyncio.run(api_documents.read_documents(state, messages))
+    again = run(api_documents.read_documents(state, messages))
     assert again == out  # the same prompt every round: the prefix cache holds
 
 

@@ -12,6 +12,7 @@ import pytest
 from app.mcp import config
 from app.mcp.config import ConfigError
 from app.mcp.servers import McpServers, capped
+from event_loop import run
 from mcp_fixtures import SECRET_ENV, SECRET_TOKEN, http_server, stdio_entry
 
 pytestmark = pytest.mark.fast
@@ -121,7 +122,7 @@ def test_servers_over_stdio_and_http_list_call_fail_and_cancel(tmp_path, http_ur
         finally:
             await servers.stop()
 
-    asyncio.run(scenario())
+    run(scenario())
 
 
 def test_a_server_that_never_answers_is_failed_after_the_start_timeout(tmp_path):
@@ -137,7 +138,7 @@ def test_a_server_that_never_answers_is_failed_after_the_start_timeout(tmp_path)
         assert servers.tools(["mute"]) == []
         await servers.stop()
 
-    asyncio.run(scenario())
+    run(scenario())
 
 
 def test_an_mcp_json_edited_by_hand_is_read_again(tmp_path):
@@ -167,7 +168,7 @@ def test_an_mcp_json_edited_by_hand_is_read_again(tmp_path):
         assert servers.servers == {} and "not JSON" in servers.error
         await servers.stop()
 
-    asyncio.run(scenario())
+    run(scenario())
 
 
 @pytest.mark.slow  # two servers, 4 MB through each
@@ -204,4 +205,4 @@ def test_a_huge_result_is_capped_as_it_arrives_never_held_whole(tmp_path):
             finally:
                 await servers.stop()
 
-        asyncio.run(scenario())
+        run(scenario())
