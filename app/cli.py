@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from engine import (DEFAULT_KEEP_ALIVE_S, DEVICES, KERNELS_ENV, KV_BITS_ENV, PRESETS, SAMPLING_OPTIONS, Engine,
-                    EngineError, SamplingOption, SamplingParams, keep_alive_seconds, preset)
+                    EngineError, InvalidRequest, SamplingOption, SamplingParams, keep_alive_seconds, preset)
 
 from .launch import launch
 
@@ -129,6 +129,8 @@ def cli(ctx: click.Context, verbose: bool) -> None:
 def generate(prompt: str, model: str | None, device: str, system: str | None, raw: bool,
              **opts: Any) -> None:
     """Generate a reply to PROMPT and stream it to stdout."""
+    if not prompt.strip():  # said before the model loads, not after
+        _fail(InvalidRequest("the prompt is empty"))
     try:
         engine = _engine(model, device)
         params = _params(engine, opts)

@@ -65,7 +65,7 @@ def test_bad_input_is_a_clear_error_without_traceback(lm, args, message):
     assert "Traceback" not in result.stderr
 
 
-def test_empty_prompt_is_refused(lm):
+def test_empty_prompt_is_refused_before_the_model_loads():
     result = run("generate", "   ")
     assert result.returncode == 1 and "empty" in result.stderr and "Traceback" not in result.stderr
 

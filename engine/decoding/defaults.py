@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 from ..errors import InvalidRequest
 from ..loading.gguf import source_gguf
+from ..loading.gguf_metadata import scalar_metadata
 from .sampling import OPTIONS_BY_NAME, SAMPLING_OPTIONS, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -139,18 +140,9 @@ def generation_config_values(folder: Path) -> dict[str, Any]:
 
 def gguf_sampling_values(gguf: Path) -> dict[str, Any]:
     """Sampling values from a GGUF's `general.sampling.*` metadata keys, as llama.cpp reads them."""
-    from gguf import GGUFReader
-
-    try:
-        fields = GGUFReader(gguf).fields
-    except (OSError, ValueError, IndexError, KeyError):
-        return {}
-    found = {}
-    for key, option in _GGUF.items():
-        field = fields.get(f"general.sampling.{key}")
-        if field is not None:
-            found[option] = field.contents()
-    return found
+    metadata = scalar_metadata(gguf)
+    return {option: metadata[f"general.sampling.{key}"] for key, option in _GGUF.items()
+            if f"general.sampling.{key}" in metadata}
 
 
 def table_values(name: str, family: str | None) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from mlx_lm.models import llama, qwen2, qwen3, qwen3_next
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import scaled_dot_product_attention
 
+from ..mlx_lm_adapter import text_model
 from . import qmv_cuda, smallmm_cuda
 
 ATTENTION = (llama.Attention, qwen2.Attention, qwen3.Attention)
@@ -151,7 +152,7 @@ _EVAL_CLASSES: dict[type, type] = {}
 
 def eval_each_layer(model: nn.Module) -> None:
     """Give each of `model`'s decoder layers the EvalEachLayer behaviour (in place)."""
-    inner = getattr(model, "language_model", model)
+    inner = text_model(model)
     for layer in getattr(getattr(inner, "model", inner), "layers", None) or getattr(inner, "layers", []):
         cls = type(layer)
         if issubclass(cls, EvalEachLayer):

@@ -7,10 +7,11 @@ How a FIM prompt is laid out from them: engine/decoding/fim.py.
     tokens = fim_tokens(lm.tokenizer, lm.path)   # FimTokens, or None: the model has no FIM
 """
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from .gguf_metadata import scalar_metadata
 
 # Where the suffix goes: before the middle (prefix, suffix, middle) or first (suffix, prefix).
 Order = Literal["psm", "spm"]
@@ -87,30 +88,15 @@ def _vocab(tokenizer: Any) -> dict[str, int]:
 
 
 def _from_gguf(folder: Path) -> FimTokens | None:
+    """The FIM token ids the metadata of the folder's source GGUF declares, if it names all three."""
     from .gguf import source_gguf
 
     gguf = source_gguf(folder)
     if gguf is None:
         return None
-    stat = gguf.stat()
-    ids = _gguf_ids(str(gguf), stat.st_size, stat.st_mtime_ns)
+    metadata = scalar_metadata(gguf)
+    ids = {name: int(metadata[f"tokenizer.ggml.{key}_token_id"]) for key, name in GGUF_KEYS.items()
+           if f"tokenizer.ggml.{key}_token_id" in metadata}
     if ids.get("prefix") is None or ids.get("suffix") is None or ids.get("middle") is None:
         return None
     return FimTokens("gguf", **ids)
-
-
-@functools.lru_cache(maxsize=8)
-def _gguf_ids(path: str, size: int, mtime_ns: int) -> dict[str, int]:
-    """The FIM token ids a GGUF's metadata declares (read once per version of the file)."""
-    from gguf import GGUFReader
-
-    try:
-        fields = GGUFReader(path).fields
-    except (OSError, ValueError, IndexError, KeyError):
-        return {}
-    found = {}
-    for key, name in GGUF_KEYS.items():
-        field = fields.get(f"tokenizer.ggml.{key}_token_id")
-        if field is not None:
-            found[name] = int(field.contents())
-    return found
