@@ -304,6 +304,13 @@ def _llama_worker(gguf, job):
 
 
 # ------------------------------------------------------------------------------ driver
+def llama_worker_command(python: str, gguf: str) -> list[str]:
+    """The llama.cpp row's child: `python` (llama-cpp-python's venv, which has none of our
+    packages) runs this module as `bench.decode` from the repository's root (`_sub`'s cwd), so
+    the worker's own imports of `bench` resolve without PYTHONPATH."""
+    return [python, "-m", "bench.decode", "--worker", "llama.cpp", "--model-path", gguf]
+
+
 def _sub(cmd, env_extra, job):
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
@@ -419,8 +426,7 @@ def main(argv=None):
                     return {"skipped": f"no {name}: run `{how}` (makes {py})"}
                 gguf = str(bundled.ensure_bundled_gguf() if model == "bundled"
                            else random_gguf(Path(folder), llama_py if os.path.exists(llama_py) else py))
-                r = _sub([py, str(Path(__file__).resolve()), "--worker", "llama.cpp",
-                          "--model-path", gguf], {}, job)
+                r = _sub(llama_worker_command(py, gguf), {}, job)
                 return {**r, "python": py, "gguf": gguf}
             raise SystemExit(f"unknown row {name}")
 
