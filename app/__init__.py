@@ -2,7 +2,7 @@
 the engine's public API (`engine/__init__.py`).
 
 - `server.py` builds the app (`create_app`: routes, the security middleware, the `AppState`) and
-  runs it (`serve`); `cli.py` is the `mlxchat` command.
+  runs it (`serve`); `cli/` is the `mlxchat` command.
 - `state.py`: `AppState`, everything the routes share, read through `app_state(request)`.
 - `api/`: the programmatic APIs (OpenAI, Anthropic, Responses, Ollama), each an adapter over one
   serving core; `ui/`: the chat UI's pages, fragments and WebSocket.

@@ -21,10 +21,10 @@ def mlxchat_options(*args: str, home: Path) -> subprocess.CompletedProcess:
     while it parses the options (`--help`, a value out of range), before any code of ours runs,
     so nothing differs from a child process but the ~2 s a child spends importing mlx-lm and
     transformers. Refusals our code raises (`SystemExit` turned into an `Error:` line by
-    `app.cli.main`) and the program name `main` gives need `mlxchat` and a child process."""
+    `app.cli.commands.main`) and the program name `main` gives need `mlxchat` and a child process."""
     from click.testing import CliRunner
 
-    from app.cli import cli
+    from app.cli.commands import cli
 
     result = CliRunner().invoke(cli, list(args), prog_name="mlxchat",
                                 env={"MLXCHAT_HOME": str(home)})

@@ -261,7 +261,7 @@ def test_the_cli_option_loads_the_model_with_the_8bit_cache(monkeypatch, caplog)
 
     from click.testing import CliRunner
 
-    from app.cli import cli
+    from app.cli.commands import cli
 
     monkeypatch.setenv("MLXCHAT_KV_BITS", "")  # restored (unset) after the test: the option sets it
     folder = str(tiny_llama(**KV8).path)

@@ -95,7 +95,7 @@ def launch(*args: str, home: Path, path: Path, out: Path, key: str | None = KEY,
            exit_code: int = 0):
     env = {"HOME": str(home), "PATH": str(path), "STANDIN_OUT": str(out),
            "STANDIN_EXIT": str(exit_code), "MLXCHAT_API_KEY": key}
-    from app.cli import cli
+    from app.cli.commands import cli
 
     return CliRunner().invoke(cli, ["launch", *args], env=env, prog_name="mlxchat")
 

@@ -44,7 +44,7 @@ def test_requests_that_fit_the_memory_budget_run_together_up_to_the_cap(llama, s
 def test_serve_takes_a_max_running_override_and_refuses_a_bad_one():
     from click.testing import CliRunner
 
-    from app.cli import cli
+    from app.cli.commands import cli
 
     runner = CliRunner()
     assert "--max-running" in runner.invoke(cli, ["serve", "--help"]).output

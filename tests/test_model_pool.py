@@ -178,7 +178,7 @@ def test_pinned_models_load_at_start_and_serve_takes_them(models, monkeypatch):
     from click.testing import CliRunner
 
     import app.server
-    from app.cli import cli
+    from app.cli.commands import cli
 
     seen: dict = {}
     monkeypatch.setattr(app.server, "serve", lambda **options: seen.update(options))

@@ -7,7 +7,7 @@ from click.testing import CliRunner
 from app.api.chat import parse_chat_request
 from app.api.errors import ApiError
 from app.ui.settings import SAMPLING_FIELDS, parse_settings_form, sampling_params
-from app.cli import cli
+from app.cli.commands import cli
 from engine import SAMPLING_OPTIONS, InvalidRequest, SamplingParams
 
 pytestmark = pytest.mark.fast

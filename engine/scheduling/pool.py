@@ -24,7 +24,6 @@ it are accepted and wait while it loads again.
 
 import logging
 import threading
-import time
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -212,18 +211,14 @@ class ModelPool:
                 with self._lock:
                     self._pending.pop(name, None)
 
-    def load_soon(self, slot: ModelSlot,
-                  done: Callable[[ModelSlot | None, Exception | None], None]) -> None:
+    def load_soon(self, slot: ModelSlot, failed: Callable[[ModelSlot, Exception], None]) -> None:
         """Load `slot`'s weights again on a thread of its own (for requests admitted while they
-        were out of memory); `done(slot, None)` once in memory, `done(None, failure)` if not."""
+        were out of memory); `failed(slot, failure)` if they cannot load."""
         def run() -> None:
             try:
-                loaded: ModelSlot | None = self.acquire(slot.asked if slot.lm is None
-                                                        else slot.lm.name)
-                failure = None
+                self.acquire(slot.asked if slot.lm is None else slot.lm.name)
             except Exception as exc:  # the waiting requests fail with it
-                loaded, failure = None, exc
-            done(loaded, failure)
+                failed(slot, exc)
 
         threading.Thread(target=run, name="mlxchat-model-load", daemon=True).start()
 

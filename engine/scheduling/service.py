@@ -27,10 +27,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from ..decoding.drafts import SpeculativeOptions, SpeculatorFactory, check_draft
-from ..decoding.exclusions import check_exclusions
+from ..decoding.drafts import SpeculativeOptions, SpeculatorFactory
 from ..device import memory_budget as device_memory_budget
-from ..errors import EngineError, InvalidRequest, Overloaded
+from ..errors import EngineError, InvalidRequest
 from ..decoding.fim import Infill
 from ..decoding.generate import Generation, build_prompt, check_fits
 from ..decoding.prompt_size import check_prompt_size
@@ -39,7 +38,8 @@ from ..loading.registry import LoadedModel, ModelInfo, load_model
 from ..decoding.defaults import ModelDefaults
 from ..decoding.sampling import SamplingParams
 from ..decoding.tools import ToolRequest
-from .budget import MemoryBudget, mib
+from .admission import cache_need, check_room, draft_ready, resident_draft, settings_draft
+from .budget import MemoryBudget
 from .draft_loader import DraftLoader
 from .embedding_queue import EmbeddingHandle, EmbeddingInput, EmbeddingQueue
 from .speech import SpeechHandle, SpeechQueue, SpeechStream
@@ -50,7 +50,7 @@ from .rerank import RerankHandle, submit_rerank
 from .stats import EngineStats, MemoryUse, PrefixCacheUse, StatsRecorder
 from .requests import RequestHandle
 from .slot import ModelDescription, ModelSlot
-from .ticks import Load, Scheduler
+from .ticks import Scheduler
 
 if TYPE_CHECKING:
     from ..prefix_cache.store import PrefixCache
@@ -84,13 +84,11 @@ class EngineStatus:
 
 
 class Engine:
-    """The engine's façade: validates and admits requests, and loads, unloads and describes the
-    models. It holds the `ModelPool` with the loaded models, each a `ModelSlot`
-    (engine/scheduling/pool.py, slot.py), the `Scheduler` that runs every request on one thread
-    (engine/scheduling/ticks.py), the `MemoryBudget` they share with the prefix caches and the
-    embedding queue (engine/scheduling/budget.py), the loader of drafts for speculative requests
-    (engine/scheduling/draft_loader.py) and the `EmbeddingQueue`
-    (engine/scheduling/embedding_queue.py).
+    """The engine's façade: validates and admits requests (admission.py), and loads, unloads and
+    describes the models. It holds, in engine/scheduling/, the `ModelPool` of loaded models, each
+    a `ModelSlot` (pool.py, slot.py), the `Scheduler` that runs every request on one thread
+    (ticks.py), the `MemoryBudget` they share with the prefix caches and the embedding and speech
+    queues (budget.py, embedding_queue.py, speech.py) and the loader of drafts (draft_loader.py).
 
     `on(name)` and `use(name)` give this engine bound to one model: the same object's methods
     and properties (`submit`, `defaults`, `model`, `lm`...) then read that model instead of the
@@ -131,7 +129,8 @@ class Engine:
         # the prefix caches' snapshots, which may hold what the others do not reserve.
         self.budget = MemoryBudget(memory_budget if memory_budget is not None
                                    else device_memory_budget(MEMORY_FRACTION))
-        self.drafts = DraftLoader(alive=self._in_memory)
+        self.drafts = DraftLoader(alive=lambda lm: any(s.lm is lm and s.resident
+                                                       for s in self.pool.members()))
         self._stats = StatsRecorder()  # running totals for monitoring (`stats`)
         self.pool = ModelPool(self.budget, self._stats.counted(load),
                               settings=self.model_settings, keep_alive=self.keep_alive,
@@ -281,9 +280,6 @@ class Engine:
             return self.pool.find(self._bound)
         return self.pool.default
 
-    def _in_memory(self, lm: LoadedModel) -> bool:
-        return any(s.lm is lm and s.resident for s in self.pool.members())
-
     @property
     def lm(self) -> LoadedModel | None:
         slot = self.slot
@@ -354,14 +350,8 @@ class Engine:
         status = self.status()
         weights = {s.name: s.weight_bytes for s in self.pool.resident()}
         weights.update(self.speech.resident_weights())
-        lm = self.lm
-        cache = self.prefix_cache
-        use = None
-        if cache is not None and lm is not None:
-            c = cache.stats()
-            use = PrefixCacheUse(lm.name, c.entries, c.bytes, c.disk_entries, c.hits, c.misses,
-                                 c.saves, c.evictions, c.file_reads, c.file_writes,
-                                 c.reused_tokens)
+        lm, cache = self.lm, self.prefix_cache
+        use = PrefixCacheUse.of(lm.name, cache.stats()) if cache is not None and lm is not None else None
         return EngineStats(at=time.time(), model=status.model, running=status.running,
                            queued=status.queued + status.loading_drafts,
                            embedding_queue=self.embeddings.pending(),
@@ -438,8 +428,9 @@ class Engine:
                                                         lm.context_length - len(prompt.tokens))))
         check_fits(lm, prompt, params)  # now, also for a request that waits for its draft
         if speculative is None:
-            speculative = self._settings_draft(slot, params, tools, prompt.vision is not None)
-        factory = self._resident_draft(lm, speculative)
+            speculative = settings_draft(slot, params, tools, prompt.vision is not None,
+                                         self.speculation)
+        factory = resident_draft(self.drafts, lm, speculative, self.speculation)
 
         def generation(factory: SpeculatorFactory | None) -> Generation:
             speculator = factory(speculative.config()) if factory and speculative else None
@@ -447,8 +438,8 @@ class Engine:
                               speculator=speculator, tools=tools, split_reasoning=split_reasoning)
 
         # A speculative request also grows its draft's cache: at most the target's again.
-        need = self._cache_need(slot, len(prompt.tokens), params.max_tokens,
-                                2 if speculative is not None else 1)
+        need = cache_need(slot, self.memory_budget, len(prompt.tokens), params.max_tokens,
+                          2 if speculative is not None else 1)
         handle = RequestHandle(id=f"req-{next(self._ids)}", generation=None, kv_bytes=need,
                                slot=slot,
                                keep_alive=keep_alive_seconds(keep_alive,
@@ -458,19 +449,14 @@ class Engine:
             handle.generation = generation(factory)
             self._admit(handle)
             if not slot.resident:  # it waits queued while the weights load again
-                self.pool.load_soon(slot, lambda loaded, failure: self._reloaded(slot, failure))
+                self.pool.load_soon(slot, self.scheduler.fail_waiting)
         else:
             self._admit(handle, lambda: self.drafts.load(
                 lm, speculative.draft, cancelled=lambda: handle.cancel_requested,
                 prepare=lambda: self.pool.acquire(lm.name),
                 done=lambda f, failure: self.scheduler.soon(
-                    lambda: self._draft_ready(handle, slot, lm, f, failure, generation))))
+                    lambda: draft_ready(self.scheduler, handle, slot, lm, f, failure, generation))))
         return handle
-
-    def _reloaded(self, slot: ModelSlot, failure: Exception | None) -> None:
-        """A model that left memory was loaded again for waiting requests, or could not be."""
-        if failure is not None:
-            self.scheduler.fail_waiting(slot, failure)
 
     def _serving_slot(self, model: str | None = None) -> ModelSlot:
         """The model a new request runs on (`model`, else this view's, else the default); raises
@@ -486,66 +472,12 @@ class Engine:
                                  code="model_not_generative")
         return slot
 
-    def _settings_draft(self, slot: ModelSlot, params: SamplingParams, tools: ToolRequest | None,
-                        images: bool) -> SpeculativeOptions | None:
-        """The speculative draft the model's settings name, for a request that can take it (none
-        of the options speculative decoding excludes, engine/decoding/exclusions.py); else None:
-        the request runs plain."""
-        draft = slot.default_draft() if self.speculation else None
-        if draft is None:
-            return None
-        try:
-            check_exclusions(speculative=True, logprobs=params.logprobs is not None,
-                             tools=tools is not None and tools.choice != "none", images=images,
-                             thinking_budget=params.thinking_budget is not None,
-                             json_schema=params.json_schema is not None)
-        except InvalidRequest:
-            return None
-        return SpeculativeOptions(draft)
-
-    def _resident_draft(self, lm: LoadedModel,
-                        speculative: SpeculativeOptions | None) -> SpeculatorFactory | None:
-        """For a speculative request, its draft's factory if the draft is resident (else None:
-        it loads while the request waits); raises InvalidRequest for a draft it cannot use."""
-        if speculative is None:
-            return None
-        if not self.speculation:
-            raise InvalidRequest("speculative decoding is not available with a model sharded "
-                                 "over several processes: the other ranks do not mirror the "
-                                 "draft model's cache or the rollback of rejected draft tokens",
-                                 field="speculative")
-        check_draft(lm, speculative.draft)
-        return self.drafts.resident(lm, speculative.draft)
-
-    def _cache_need(self, slot: ModelSlot, prompt_tokens: int, max_tokens: int,
-                    caches: int) -> int:
-        """The model-cache bytes a request reserves; raises InvalidRequest over the budget."""
-        need = slot.footprint.bytes_for(prompt_tokens + max_tokens) * caches
-        room = self.memory_budget - slot.weight_bytes  # the most it could ever have
-        if need > room:
-            raise InvalidRequest(
-                f"this request would need about {mib(need)} of model cache (prompt "
-                f"{prompt_tokens} tokens + max_tokens {max_tokens}), over the {mib(room)} the "
-                f"memory budget of {mib(self.memory_budget)} leaves beside {slot.name}'s "
-                f"weights; shorten the prompt or lower max_tokens",
-                field="max_tokens", code="over_memory_budget")
-        return need
-
     def _admit(self, handle: RequestHandle, prepare: Callable[[], None] | None = None) -> None:
         """Admit `handle` (its `kv_bytes` reserved in the memory budget) or raise Overloaded; see
         `Scheduler.admit` (a handle without its generation waits while `prepare()` loads its
         draft)."""
-        self.scheduler.admit(handle, self._check_room, prepare)
-
-    def _check_room(self, load: Load) -> None:
-        """Raise Overloaded while a model switch drains the requests, or past the caps."""
-        if load.switching:  # accepted requests drain first (a model reloads with other options)
-            raise Overloaded("reloading a model: the running requests are finishing",
-                             retry_after=5.0)
-        if load.admitted >= self.max_running + self.max_queued:
-            raise Overloaded(f"server busy: {load.running} requests running and "
-                             f"{load.admitted - load.running} queued (limits "
-                             f"{self.max_running} + {self.max_queued})", retry_after=2.0)
+        self.scheduler.admit(handle, lambda load: check_room(load, self.max_running, self.max_queued),
+                             prepare)
 
     def embed(self, inputs: EmbeddingInput | Sequence[EmbeddingInput], *, model: str | None = None,
               dimensions: int | None = None, truncate: bool = False, query: bool = False,
@@ -600,20 +532,3 @@ class Engine:
             model = self._bound
         return submit_rerank(self.embeddings, query, documents, model=model,
                              instruction=instruction, truncate=truncate, keep_alive=keep_alive)
-
-    def _draft_ready(self, handle: RequestHandle, slot: ModelSlot, lm: LoadedModel,
-                     factory: SpeculatorFactory | None, failure: Exception | None,
-                     generation: Callable[[SpeculatorFactory], Generation]) -> None:
-        """On the scheduler thread, between ticks: queue the request whose draft is loaded, or end
-        it if that failed, it was cancelled or its model left memory meanwhile."""
-        gen = None
-        try:
-            if factory is not None and not handle.cancel_requested:
-                if not slot.resident or slot.lm is not lm:
-                    raise Overloaded(f"{lm.name} left memory while its draft loaded",
-                                     retry_after=5.0)
-                gen = generation(factory)
-        except Exception as exc:
-            failure = exc if isinstance(exc, EngineError) else EngineError(
-                f"{type(exc).__name__}: {exc}")
-        self.scheduler.prepared(handle, gen, failure)

@@ -134,6 +134,12 @@ class PrefixCacheUse:
     file_writes: int
     reused_tokens: int
 
+    @classmethod
+    def of(cls, model: str, c) -> "PrefixCacheUse":
+        """From a prefix cache's `stats()` (its CacheStats)."""
+        return cls(model, c.entries, c.bytes, c.disk_entries, c.hits, c.misses, c.saves,
+                   c.evictions, c.file_reads, c.file_writes, c.reused_tokens)
+
 
 @dataclass(frozen=True)
 class EngineStats:

@@ -37,7 +37,7 @@ from .requests import RequestHandle
 from .slot import ModelSlot
 from .stats import StatsRecorder
 from ..decoding.generate import Generation
-from ..errors import EngineError, Overloaded
+from ..errors import EngineError
 from ..events import FINAL_STATES, Event, FinishReason, RequestState, Timings
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 """The `mlxchat` command: serve the chat app (default), generate, chat in the terminal, list models,
-run a coding agent against it (`launch`, app/launch.py)."""
+run a coding agent against it (`launch`, app/cli/launch.py)."""
 
 import logging
 import os
@@ -387,9 +387,7 @@ cli.add_command(launch)
 
 
 def main() -> None:
-    from engine import restart_with_blas
-
-    restart_with_blas("app.cli")
+    """Run the CLI (after app/cli/__main__.py has settled the OpenBLAS preload) and leave."""
     code: int | str | None = 0
     try:
         cli(prog_name="mlxchat")  # not "python -m app.cli": main() may start again as that
@@ -403,6 +401,3 @@ def main() -> None:
     sys.stderr.flush()
     os._exit(code if isinstance(code, int) else (0 if code is None else 1))
 
-
-if __name__ == "__main__":
-    main()
