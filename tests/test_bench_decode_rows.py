@@ -10,22 +10,25 @@ import sys
 
 import pytest
 
-from bench.decode import LLAMA_VENV
+from bench.decode import LLAMA_VENV, LLAMA_VENV_AVX512
 from live_server import REPO
 
-LLAMA_PYTHON = LLAMA_VENV / "bin" / "python"
+# Each row whose venv is built here: (its name in bench.decode, the venv).
+BUILT = [(row, venv) for row, venv in (("llama.cpp", LLAMA_VENV), ("llama.cpp-avx512", LLAMA_VENV_AVX512))
+         if (venv / "bin" / "python").exists()]
 
 
-@pytest.mark.skipif(not LLAMA_PYTHON.exists(), reason="no llama.cpp venv: bash bench/setup-llamacpp")
+@pytest.mark.skipif(not BUILT, reason="no llama.cpp venv: bash bench/setup-llamacpp [avx512]")
 def test_the_llama_cpp_row_runs_without_pythonpath(tmp_path):
+    name, _ = BUILT[0]
     out = tmp_path / "decode.json"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     run = subprocess.run([sys.executable, "-m", "bench.decode", "--models", "bundled", "--rows",
-                          "llama.cpp", "--reps", "1", "--prompt-tokens", "32", "--gen-tokens", "4",
+                          name, "--reps", "1", "--prompt-tokens", "32", "--gen-tokens", "4",
                           "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
-    row = json.loads(out.read_text())["models"]["bundled"]["rows"]["llama.cpp"]
+    row = json.loads(out.read_text())["models"]["bundled"]["rows"][name]
     assert "error" not in row, row.get("error")
     assert row["decode_tps"] > 0 and row["prefill_tps"] > 0 and len(row["tokens"]) >= 4
     assert row["peak_rss_mb"] > 0  # the worker's own memory figure: the import that failed
