@@ -238,7 +238,8 @@ def test_a_full_attention_models_tokens_do_not_depend_on_where_its_prompt_is_cut
     """What a per-tick prefill budget below one chunk would need on the CPU: a llama's request
     gives the same tokens (greedy and seeded) whether its prompt is prefilled in one call or cut
     into calls of 8 or 5 tokens. (The Qwen3.5 hybrid does not: its linear attention's chunked
-    prefill and its per-token path round differently, docs/gpu.md "The same row on the CPU".)"""
+    prefill and its per-token path round differently, bench/results/HISTORY-gpu.md "The same row
+    on the CPU".)"""
     from engine.decoding.generate import Generation
 
     tokens, sampling = prompt(37, 900), params(i, 12)
