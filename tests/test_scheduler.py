@@ -17,7 +17,8 @@ import pytest
 from engine.errors import InvalidRequest
 from engine.decoding.generate import build_prompt, generate
 from engine.decoding.sampling import SamplingParams
-from engine.scheduling.service import Engine, Overloaded
+from engine import Overloaded
+from engine.scheduling.service import Engine
 from tiny_models import tiny_llama, tiny_qwen3_5
 from watched_model import watched
 
