@@ -117,10 +117,17 @@ def pytest_configure(config):
 
 
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected
-def pytest_collection_modifyitems(items):
-    """Longest modules first (tests/durations.py), so that xdist's workers end together."""
+def pytest_collection_modifyitems(config, items):
+    """Longest modules first (tests/durations.py), so that xdist's workers end together; tests
+    marked `extended` (another variant of a path a default test already proves) skipped unless
+    `-m` names them."""
     from durations import longest_modules_first
 
+    if "extended" not in (config.getoption("markexpr") or ""):
+        skip = pytest.mark.skip(reason="opt-in: pytest -m extended")
+        for item in items:
+            if item.get_closest_marker("extended"):
+                item.add_marker(skip)
     longest_modules_first(items)
 
 
