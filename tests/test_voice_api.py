@@ -106,8 +106,8 @@ def test_speech_streams_each_format(server):
             pieces = list(response.iter_bytes())
             assert response.headers["content-type"].startswith(("audio/", "audio/ogg"))
         data = b"".join(pieces)
-        # sound that decodes: the tiny random-weight model's clip for two words can be a few
-        # hundred samples long (its predicted durations sit near their rounding points)
+        # sound that decodes: the tiny random-weight model's clip of two words is sometimes only
+        # a few hundred samples long (a CI run: 676 for opus)
         assert decode(data, 24000).size > 0, fmt
     # a sentence at a time: the first reaches the client before the last is made
     with httpx.stream("POST", f"{server.url}/v1/audio/speech", timeout=60,
