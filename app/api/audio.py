@@ -36,7 +36,7 @@ from engine import (SPEECH_INPUT_RATE, Engine, EngineError, SpeechStream, Transc
 from .audio_codec import MAX_AUDIO_BYTES, SPEECH_FORMATS, AudioError, Encoder, decode
 from ..state import app_state
 from .errors import ApiError, check_fields
-from .openai_request import typed
+from .openai_request import one_of, typed
 from .serving import aliased, engine_refusal, read_body
 
 TRANSCRIPTION_PATH, TRANSLATION_PATH, SPEECH_PATH = (
@@ -90,10 +90,7 @@ async def _speech_to_text(request: Request, task: str) -> Response:
     try:
         fields, upload = await _form(request, _TRANSCRIBE_FIELDS if task == "transcribe"
                                      else _TRANSLATE_FIELDS)
-        fmt = fields.get("response_format") or "json"
-        if fmt not in TEXT_FORMATS:
-            raise ApiError(400, f"'response_format' must be one of {', '.join(TEXT_FORMATS)}",
-                           "response_format", "invalid_value")
+        fmt = one_of(fields, "response_format", TEXT_FORMATS, "json")
         if fields.get("stream") not in (None, "", "false", "False"):
             raise ApiError(400, "streamed transcription is not supported: send stream=false",
                            "stream", "unsupported_value")
@@ -236,14 +233,8 @@ async def speech(request: Request) -> Response:
         text = typed(body, "input", str)
         if text is None:
             raise ApiError(400, "'input' is required", "input", "missing_required_parameter")
-        fmt = typed(body, "response_format", str) or "mp3"
-        if fmt not in SPEECH_FORMATS:
-            raise ApiError(400, f"'response_format' must be one of {', '.join(SPEECH_FORMATS)}",
-                           "response_format", "invalid_value")
-        stream_format = typed(body, "stream_format", str) or "audio"
-        if stream_format not in ("audio", "sse"):
-            raise ApiError(400, "'stream_format' must be audio or sse", "stream_format",
-                           "invalid_value")
+        fmt = one_of(body, "response_format", SPEECH_FORMATS, "mp3")
+        stream_format = one_of(body, "stream_format", ("audio", "sse"), "audio")
         if typed(body, "instructions", str):
             raise ApiError(400, "'instructions' (a voice's style) is not supported by the local "
                                 "speech models", "instructions", "unsupported_parameter")

@@ -25,7 +25,7 @@ from ..state import app_state
 from .choices import logprobs_body, message_body, system_fingerprint, tool_call_deltas, total_usage
 from .documents import read_documents
 from .errors import ApiError, check_fields
-from .openai_request import (SAMPLING, check_model, choice_count, parse_messages, sampling_fields,
+from .openai_request import (SAMPLING, check_model, choice_count, one_of, parse_messages, sampling_fields,
                              stream_fields, typed, usage_body)
 from .response_format import json_schema
 from .serving import (engine_param, finished, public_error, read_body, require_model, stream,
@@ -101,10 +101,7 @@ def parse_chat_request(body: Any, model_name: str | None,
         raise ApiError(400, public_error(str(exc)), engine_param(exc),
                        exc.code or "invalid_value") from None
     n = choice_count(body)
-    reasoning = typed(body, "reasoning_format", str) or "auto"
-    if reasoning not in REASONING_FORMATS:
-        raise ApiError(400, f"'reasoning_format' must be one of {', '.join(REASONING_FORMATS)}",
-                       "reasoning_format", "invalid_value")
+    reasoning = one_of(body, "reasoning_format", REASONING_FORMATS, "auto")
     streamed, include_usage = stream_fields(body)
     return ChatRequest(messages=messages, params=params, stream=streamed,
                        include_usage=include_usage, n=n, tools=tools,

@@ -29,7 +29,7 @@ from engine import Embeddings, Engine, EngineError
 
 from ..state import app_state
 from .errors import ApiError, check_fields
-from .openai_request import typed
+from .openai_request import one_of, typed
 from .serving import (aliased, cancel_on_disconnect, engine_refusal, model_loading, read_body,
                       wait_for_model)
 
@@ -75,14 +75,8 @@ async def embeddings(request: Request) -> Response:
         body = check_fields(await read_body(request), _FIELDS)
         if body.get("input") is None:
             raise ApiError(400, "'input' is required", "input", "missing_required_parameter")
-        encoding = typed(body, "encoding_format", str) or "float"
-        if encoding not in ENCODINGS:
-            raise ApiError(400, f"'encoding_format' must be one of {', '.join(ENCODINGS)}",
-                           "encoding_format", "invalid_value")
-        input_type = typed(body, "input_type", str) or "document"
-        if input_type not in INPUT_TYPES:
-            raise ApiError(400, f"'input_type' must be one of {', '.join(INPUT_TYPES)}",
-                           "input_type", "invalid_value")
+        encoding = one_of(body, "encoding_format", ENCODINGS, "float")
+        input_type = one_of(body, "input_type", INPUT_TYPES, "document")
         model = typed(body, "model", str)
         if model is not None:  # `--model-alias text-embedding-*=...` for clients' own names
             model = aliased(state.aliases, model)

@@ -9,6 +9,7 @@ Ranges of sampling values are checked once, by `SamplingParams`.
 
 import json
 import math
+from collections.abc import Collection
 from typing import Any
 
 from engine import MESSAGE_ROLES, SAMPLING_OPTIONS, ImageInput, Usage
@@ -68,6 +69,14 @@ def sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
     if bias := typed(body, "logit_bias", dict):
         sampling["logit_bias"] = bias
     return sampling
+
+
+def one_of(body: dict[str, Any], name: str, options: Collection[str], default: str) -> str:
+    """`body[name]`, a string among `options` (`default` when absent); else a 400 naming them."""
+    value = typed(body, name, str) or default
+    if value not in options:
+        raise ApiError(400, f"'{name}' must be one of {', '.join(options)}", name, "invalid_value")
+    return value
 
 
 def choice_count(body: dict[str, Any]) -> int:
