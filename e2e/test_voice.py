@@ -11,6 +11,7 @@ from playwright.sync_api import expect
 from app.api.audio_codec import decode
 from bench.speech_shapes import kokoro_folder, whisper_folder
 from engine import SPEECH_SUGGESTED
+from chat_page import new_chat
 from voice_models import KOKORO, QUESTION_WAV, WHISPER, install
 
 
@@ -28,7 +29,7 @@ def mic_page(chromium_with, server):
 
 def test_speak_a_question_and_hear_the_answer(mic_page, hf_cache, shot):
     page = mic_page
-    page.goto("/")
+    new_chat(page, max_tokens=16)  # a short answer: a short clip to make and play
     page.click("#mic")  # no speech model installed yet
     expect(page.locator("#notice")).to_contain_text(
         f"mlxchat pull {SPEECH_SUGGESTED['transcription']}")
@@ -39,11 +40,10 @@ def test_speak_a_question_and_hear_the_answer(mic_page, hf_cache, shot):
     try:
         page.reload()
         mic = page.locator("#mic")
-        mic.focus()
-        page.keyboard.press("Enter")  # keyboard: the button records...
+        mic.press("Enter")  # keyboard (focus, then Enter): the button records...
         expect(mic).to_have_attribute("aria-pressed", "true")
         page.wait_for_timeout(3000)
-        page.keyboard.press("Enter")  # ...and stops
+        mic.press("Enter")  # ...and stops
         expect(mic).to_have_text("Speak")
         prompt = page.locator("#prompt")
         expect(prompt).not_to_have_value("")
@@ -57,10 +57,12 @@ def test_speak_a_question_and_hear_the_answer(mic_page, hf_cache, shot):
             listen.click()
         response = spoken.value
         assert response.status == 200 and response.headers["content-type"] == "audio/mpeg"
-        expect(listen).to_have_text("Listen")  # played to its end (or stopped by an error:)
-        expect(page.locator("#notice")).not_to_contain_text("Read aloud")
-        # a short answer is a short clip, but it is sound that decodes
+        # the whole clip (the stream's end) is sound that decodes; the page played it to its end
+        # (or stopped on an error, which says "Read aloud: ...")
         assert decode(response.body(), 24_000, name="the answer's speech").size > 0
+        expect(listen).to_have_text("Listen")
+        expect(listen).to_have_attribute("aria-pressed", "false")
+        expect(page.locator("#notice")).not_to_contain_text("Read aloud")
         shot(page, "voice")
     finally:
         for folder in installed:
