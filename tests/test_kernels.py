@@ -506,14 +506,16 @@ def test_converted_weights_sit_on_huge_pages(kern):
     assert mx.allclose(model(x), before, rtol=1e-4, atol=1e-4).item()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_weight_rows_taken_together_give_the_same_bits(kern, isa, rows):
-    """The 4- and 8-bit kernels take 2-4 weight rows at a time (independent accumulator chains);
-    each output is summed in the same order as one row at a time, so the bits do not move (output
-    counts that leave a tail of single rows included)."""
-    for n, bits in ((203, 4), (64, 4), (203, 8), (64, 8)):
-        w, s, b = quantized(n, 512, bits, 32, seed=n + rows)
-        x = mx.random.normal((rows, 512))
+    """The 4- and 8-bit kernels take 2-4 weight rows at a time (independent accumulator chains;
+    3-4 rows of x only where x outgrows its share of L1, so K = 2048 too); each output is summed
+    in the same order as one row at a time, so the bits do not move (output counts that leave a
+    tail of single rows included)."""
+    for n, k, bits in ((203, 512, 4), (64, 512, 4), (203, 512, 8), (64, 512, 8), (203, 2048, 4),
+                       (70, 2048, 8)):
+        w, s, b = quantized(n, k, bits, 32, seed=n + rows)
+        x = mx.random.normal((rows, k))
         assert kern.interleave_rows()
         together = kern.quantized_matmul(x, w, s, b, 32, bits)
         try:
