@@ -68,7 +68,10 @@ def measure(rows: int, context: int, reps: int, layers: int, heads: int, dim: in
     from engine.scheduling.batch import DecodeBatch
 
     batch = DecodeBatch(nn.Module(), LOCAL)
-    state = lambda: mx.eval([layer.state for layer in batch.cache])  # noqa: E731
+
+    def state():
+        mx.eval([layer.state for layer in batch.cache])
+
     # rows of slightly different lengths, as requests admitted at different times are
     batch.join([_gen(_row_cache(layers, heads, dim, context + i, dtype, i)) for i in range(rows)])
     state()
@@ -93,7 +96,6 @@ def measure(rows: int, context: int, reps: int, layers: int, heads: int, dim: in
             state()
 
         ms2, mb2 = _timed(leave)
-        del leaving
         if r:  # the first round warms up
             joins.append(ms)
             leaves.append(ms2)
@@ -104,8 +106,6 @@ def measure(rows: int, context: int, reps: int, layers: int, heads: int, dim: in
            "join_ms": statistics.median(joins), "join_spread": common.spread(joins),
            "leave_ms": statistics.median(leaves), "leave_spread": common.spread(leaves),
            "join_extra_mb": round(max(join_mb), 1), "leave_extra_mb": round(max(leave_mb), 1)}
-    del batch
-    common.fresh_memory()
     return out
 
 
@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     for context in a.contexts:
         for rows in a.rows:
             row = measure(rows, context, a.reps, a.layers, a.kv_heads, a.head_dim, dtype)
+            common.fresh_memory()  # the last batch's memory gone
             results.append(row)
             print(f"{rows:3d} rows x {context:5d} tokens ({row['batch_cache_mb']:7.1f} MB): "
                   f"join {row['join_ms']:8.2f} ms ({row['join_spread']}, +{row['join_extra_mb']} MB)"
