@@ -39,7 +39,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-ROOM_ROWS = 4  # free slots a growth leaves at least
+ROOM_ROWS = 2  # free slots a growth leaves at least
 
 
 def slots_for(rows: int) -> int:
@@ -225,12 +225,13 @@ def filter_rows(layers: Sequence[SlotKVCache], batch_indices: mx.array | Sequenc
     moves = [(to, row) for to, row in enumerate(keep) if to != row]
     held = [layer for layer in layers if layer.keys is not None]
     if moves and held:
-        to, rows = mx.array([m[0] for m in moves]), mx.array([m[1] for m in moves])
+        rows = mx.array([row for _, row in moves])
         moved = [(layer.keys[rows], layer.values[rows]) for layer in held]
         mx.eval(moved)
         for layer, (keys, values) in zip(held, moved):
-            layer.keys[to] = keys
-            layer.values[to] = values
+            for i, (to, _) in enumerate(moves):  # a slice update each (a scatter is ~10x slower)
+                layer.keys[to : to + 1] = keys[i : i + 1]
+                layer.values[to : to + 1] = values[i : i + 1]
     for layer in layers:
         layer.padding = [layer.padding[i] for i in keep]
         if layer._oversized():
