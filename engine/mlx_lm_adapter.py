@@ -3,18 +3,11 @@ and where its multimodal models keep their text model. An mlx-lm release that mo
 breaks here, in one place (read from mlx-lm 0.32).
 """
 
-from typing import Any, Sequence
+from typing import Any
 
 import mlx.nn as nn
-from mlx_lm.generate import _merge_caches
 from mlx_lm.tokenizer_utils import _byte_decoder
 from mlx_lm.utils import _get_classes
-
-
-def merge_caches(caches: Sequence[Sequence[Any]]) -> list[Any]:
-    """One batch cache per layer from several rows' model caches, as mlx-lm's `BatchGenerator`
-    builds its batch (left-padded keys and values, stacked recurrent state)."""
-    return _merge_caches(list(caches))
 
 
 def model_classes(config: dict[str, Any]) -> tuple[type, type]:

@@ -9,7 +9,9 @@ a sharded model's mirrored one (engine/distributed/sharded.py), which makes ever
 rank. A new kind of cache is a new `LayerKind` or a new `CacheOps`, never a type switch at the
 callers (the 8-bit KV cache, kv8.py, is the `KV8` kind).
 
-mlx-lm's batch caches are merged by its own helper (engine/mlx_lm_adapter.py `merge_caches`).
+A batch's keys and values are our `SlotKVCache` (engine/slot_cache.py; `SlotKV8Cache` for the
+8-bit cache): rows joining and leaving copy only themselves. Other layers' batch caches are
+mlx-lm's (`ArraysCache` stacks recurrent state).
 """
 
 from typing import Any, Iterator, Protocol, Sequence
@@ -17,8 +19,8 @@ from typing import Any, Iterator, Protocol, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, QuantizedKVCache
 
-from .kernels.kv8 import BITS, GROUP_SIZE, BatchKV8Cache, KV8Cache
-from .mlx_lm_adapter import merge_caches
+from .kernels.kv8 import BITS, GROUP_SIZE, KV8Cache, SlotKV8Cache
+from .slot_cache import SlotKVCache, filter_rows
 
 Cache = list[Any]  # one mlx-lm cache object per layer
 # one layer's arrays as a snapshot file stores them: its kind's name and the arrays
@@ -176,20 +178,22 @@ def kind_of(layer: Any) -> LayerKind | None:
     return KINDS.get(type(layer))
 
 
-# The batch KV caches (rows left-padded to a common length) and the cache one row becomes.
-ROW_CACHE: dict[type, type] = {BatchKVCache: KVCache, BatchKV8Cache: KV8Cache}
+# The decode batch's cache of each kind of one sequence's keys and values (the kind each gives a
+# row back as: its `row_cache`).
+BATCH_CACHE: dict[type, type] = {c.row_cache: c for c in (SlotKVCache, SlotKV8Cache)}
 
 
 def plain_kv(layer: Any) -> bool:
     """Exactly mlx-lm's `KVCache` or our 8-bit `KV8Cache` (one sequence's keys and values; not
     another subclass, mlx-lm's quantized or rotating cache), whose layout our attention kernels
     know."""
-    return type(layer) in ROW_CACHE.values()
+    return type(layer) in BATCH_CACHE
 
 
 def batch_kv(layer: Any) -> bool:
-    """Exactly mlx-lm's `BatchKVCache` or our `BatchKV8Cache` (`ROW_CACHE`)."""
-    return type(layer) in ROW_CACHE
+    """Exactly mlx-lm's `BatchKVCache` or one of ours (`BATCH_CACHE`): rows right-aligned at a
+    shared index, each from its `left_padding` on, whose layout our attention kernels know."""
+    return type(layer) is BatchKVCache or type(layer) in BATCH_CACHE.values()
 
 
 def trimmable(cache: Sequence[Any]) -> bool:
@@ -281,27 +285,24 @@ class LocalCaches:
         return [KINDS[type(c)].restore(c, length) for c in snapshot]
 
     def merge(self, caches: Sequence[Sequence[Any]]) -> Cache:
-        return merge_caches(caches)
+        """Each layer's rows merged by its batch cache (`BATCH_CACHE`, else mlx-lm's: the layer's
+        own `merge`)."""
+        layers = [[cache[i] for cache in caches] for i in range(len(caches[0]))] if caches else []
+        return [BATCH_CACHE[type(rows[0])].merge(rows) if plain_kv(rows[0]) else rows[0].merge(rows)
+                for rows in layers]
 
     def extend(self, batch: Cache, rows: Cache) -> None:
         for batch_layer, row_layer in zip(batch, rows):
-            if type(batch_layer) is BatchKVCache and type(row_layer) is BatchKVCache:
-                _extend_kv(batch_layer, row_layer)
-            else:
-                batch_layer.extend(row_layer)
+            batch_layer.extend(row_layer)
 
     def extract(self, batch: Cache, i: int) -> Cache:
-        padding = _left_padding(batch)
-        return [_extract_kv(layer, i, padding) if batch_kv(layer) else layer.extract(i)
-                for layer in batch]
+        return [layer.extract(i) for layer in batch]
 
     def filter(self, batch: Cache, keep: list[int]) -> None:
+        filter_rows([layer for layer in batch if isinstance(layer, SlotKVCache)], keep)
         rows = mx.array(keep)
-        padding = _left_padding(batch)
         for layer in batch:
-            if batch_kv(layer):
-                _filter_kv(layer, rows, [padding[i] for i in keep])
-            else:
+            if not isinstance(layer, SlotKVCache):
                 layer.filter(rows)
 
     def trimmable(self, cache: Sequence[Any]) -> bool:
@@ -312,77 +313,6 @@ class LocalCaches:
 
 
 LOCAL = LocalCaches()
-
-
-# Rows joining and leaving the batch. Joining: mlx-lm's `BatchKVCache.extend` copies every row twice
-# (`_extend_kv` once). Leaving: mlx-lm's `BatchKVCache.filter` and `.extract` read the rows' left
-# padding back from the device in every layer (36 reads for an 8B model, each one waiting behind
-# the step in flight on a GPU): a row joining and leaving cost as much as a decode step on the
-# H200 (bench/results/cuda-h200-2026-issue33-8b-run1.json). Every `BatchKVCache` layer of a batch
-# holds the same padding (its rows were merged from the same caches), so it is read once.
-
-def _left_padding(batch: Cache) -> list[int]:
-    """The rows' left padding, read once for every `BatchKVCache` layer of `batch` ([] if none)."""
-    first = next((layer for layer in batch if batch_kv(layer)), None)
-    return first.left_padding.tolist() if first is not None else []
-
-
-def _filter_kv(layer: BatchKVCache, rows: mx.array, padding: list[int]) -> None:
-    """`BatchKVCache.filter(rows)` given the kept rows' padding (no device read)."""
-    if layer.keys is not None:
-        layer.keys, layer.values = layer.keys[rows], layer.values[rows]
-    layer.offset = layer.offset[rows]
-    shift = min(padding)
-    layer.left_padding = mx.array([p - shift for p in padding])
-    if shift > 0:  # drop the columns every row pads
-        if layer.keys is not None:
-            layer.keys = layer.keys[..., shift:, :]
-            layer.values = layer.values[..., shift:, :]
-        layer._idx -= shift
-
-
-def _extend_kv(layer: BatchKVCache, other: BatchKVCache) -> None:
-    """`BatchKVCache.extend(other)` with each row's keys and values copied once. When the joining
-    rows are longer than the batch's, mlx-lm pads the batch's arrays to the new common length (a
-    copy of every row), pads the joining rows', then concatenates both (a second copy of every
-    row): a long prompt joining short rows widens every row to its length twice over. Here each
-    array is then one new buffer of zeros into which every row's held tokens are written once,
-    right-aligned at the common index as mlx-lm aligns them (the columns past it, never read
-    before they are written, are zeros). When the batch needs no widening, mlx-lm's extend
-    already copies each row once, in fewer ops: it runs as it is (on the H200 a 192-token row
-    joining 8 rows took 3.3 ms that way against 4.9 ms here; a 4,000-token row 6.6 vs 5.3 ms, and
-    at 32 rows 18.3 vs 9.4 ms: bench/results/cuda-h200-2026-issue33-8b-run6.log)."""
-    if layer.keys is None or other.keys is None or (
-            layer._idx >= other._idx and layer.keys.shape[2] >= other.keys.shape[2]):
-        layer.extend(other)
-        return
-    rows, joining = layer.keys.shape[0], other.keys.shape[0]
-    idx = max(layer._idx, other._idx)
-    width = max(layer.keys.shape[2], other.keys.shape[2])
-
-    def joined(mine: mx.array, theirs: mx.array) -> mx.array:
-        _, heads, _, dim = mine.shape
-        out = mx.zeros((rows + joining, heads, width, dim), mine.dtype)
-        out[:rows, :, idx - layer._idx : idx, :] = mine[..., : layer._idx, :]
-        out[rows:, :, idx - other._idx : idx, :] = theirs[..., : other._idx, :]
-        return out
-
-    layer.keys = joined(layer.keys, other.keys)
-    layer.values = joined(layer.values, other.values)
-    layer.offset = mx.concatenate([layer.offset, other.offset])
-    layer.left_padding = mx.concatenate([layer.left_padding + (idx - layer._idx),
-                                         other.left_padding + (idx - other._idx)])
-    layer._idx = idx
-
-
-def _extract_kv(layer: BatchKVCache, i: int, padding: list[int]) -> KVCache:
-    """`BatchKVCache.extract(i)` given the rows' padding (no device read), as its row's cache
-    class (`ROW_CACHE`: a row of an 8-bit batch stays 8-bit)."""
-    cache = ROW_CACHE[type(layer)]()
-    cache.keys = mx.contiguous(layer.keys[i : i + 1, :, padding[i] : layer._idx])
-    cache.values = mx.contiguous(layer.values[i : i + 1, :, padding[i] : layer._idx])
-    cache.offset = cache.keys.shape[2]
-    return cache
 
 
 def _arrays(cache: Sequence[Any]) -> Iterator[mx.array]:

@@ -10,7 +10,8 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from bench.profile_decode import two_op_step
-from engine.kernels.kv8 import BatchKV8Cache, KV8Cache
+from engine.kernels.kv8 import KV8Cache, SlotKV8Cache
+from engine.slot_cache import SlotKVCache
 from tiny_models import tiny_llama_pair
 
 pytestmark = pytest.mark.fast
@@ -68,10 +69,10 @@ def test_one_op_steps_leave_the_cache_as_mlx_lms_update_across_a_buffer_growth(k
 
 
 @pytest.mark.parametrize("padding", [[3, 0], [0, 5, 2, 9]])
-@pytest.mark.parametrize("kv8", [False, True])
-def test_batched_one_op_steps_leave_the_cache_as_mlx_lms_update_across_a_buffer_growth(kern, padding, kv8):
-    """The scheduler's batch (mlx-lm's BatchKVCache) of 2 and 4 rows, each left-padded
-    differently: a 250-position prompt, then 10 one-token steps (the buffers grow from 256 to 512
+@pytest.mark.parametrize("kind", [BatchKVCache, SlotKVCache, SlotKV8Cache])
+def test_batched_one_op_steps_leave_the_cache_as_mlx_lms_update_across_a_buffer_growth(kern, padding, kind):
+    """A batch (mlx-lm's BatchKVCache; the scheduler's SlotKVCache, full or 8-bit) of 2 and 4
+    rows, each left-padded differently: a 250-position prompt, then 10 one-token steps (the buffers grow from 256 to 512
     positions on the 7th). Every step's logits equal the two-op path's bit for bit (each row's
     RoPE at its own offset, its keys from its padding on), and each layer's whole keys and values
     buffers, per-row offsets and write index equal what mlx-lm's update leaves; each layer is one
@@ -80,7 +81,6 @@ def test_batched_one_op_steps_leave_the_cache_as_mlx_lms_update_across_a_buffer_
     B = len(padding)
     prompt = mx.array([[0] * p + [(7 * i + r) % 300 + 1 for i in range(250 - p)]
                        for r, p in enumerate(padding)])
-    kind = BatchKV8Cache if kv8 else BatchKVCache
     fused = [kind(padding) for _ in ours.layers]
     reference = [kind(padding) for _ in ours.layers]
     mx.eval(ours(prompt, cache=fused), ours(prompt, cache=reference))

@@ -18,7 +18,7 @@ from engine.errors import ModelLoadError
 from engine.kernels import active_path
 from engine.decoding.sampling import SamplingParams
 from engine.model_cache import LOCAL, held_layers
-from engine.kernels.kv8 import (GROUP_SIZE, BatchKV8Cache, KV8Cache, kv_format, pack, unpack,
+from engine.kernels.kv8 import (GROUP_SIZE, SlotKV8Cache, KV8Cache, kv_format, pack, unpack,
                                 use_kv_bits)
 from engine.scheduling.batch import kv_footprint
 from engine.scheduling.service import Engine
@@ -118,7 +118,7 @@ def test_cache_bytes_are_under_a_third_of_the_full_cache(kern):
 
 def test_a_rows_logits_do_not_depend_on_its_batch(kern):
     """Rows prefilled alone (KV8Caches), then decoded greedily together (merged into a
-    BatchKV8Cache, left-padded, as the engine's decode batch does): each row's logits are, bit for
+    SlotKV8Cache, left-padded, as the engine's decode batch does): each row's logits are, bit for
     bit, the ones it gets decoding alone, in either batch composition."""
     ours, _ = kv8_pair()
     prefilled = []
@@ -128,7 +128,7 @@ def test_a_rows_logits_do_not_depend_on_its_batch(kern):
 
     def decode(rows, steps=6):
         cache = LOCAL.merge([LOCAL.restore(prefilled[r][0], len(PROMPTS[r])) for r in rows])
-        assert type(cache[0]) is BatchKV8Cache
+        assert type(cache[0]) is SlotKV8Cache
         logits, out = mx.concatenate([prefilled[r][1] for r in rows]), []
         for _ in range(steps):
             out.append(logits)
@@ -159,7 +159,7 @@ def test_a_padded_prefill_of_rows_keeps_the_8bit_format(kern, held):
         copy = LOCAL.restore(LOCAL.copy(start), held) if held else make_prompt_cache(ours)
         alone.append(ours(mx.array([prompt]), cache=copy)[:, -1])
     merged = LOCAL.merge(starts)
-    assert all(type(layer) is BatchKV8Cache for layer in merged)
+    assert all(type(layer) is SlotKV8Cache for layer in merged)
     lengths, width = [len(p) for p in prompts], max(map(len, prompts))
     for layer in merged:
         layer.prepare(lengths=lengths, right_padding=[width - n for n in lengths])
@@ -202,7 +202,7 @@ def monkey_module():
 
 
 def test_the_engine_batches_snapshots_and_restores_the_8bit_cache(lm8):
-    """Two requests decode as one batch over BatchKV8Caches; the prefix cache's snapshot of
+    """Two requests decode as one batch over SlotKV8Caches; the prefix cache's snapshot of
     KV8Caches serves a third; the answers are the ones each gets alone."""
     assert kv_format(lm8.model) == f"kv8-affine-g{GROUP_SIZE}"
     assert all(type(c) is KV8Cache for c in make_prompt_cache(lm8.model))

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.fast
 
 ROOT = Path(__file__).resolve().parent.parent
 # Lowest first; a module may import its own layer or lower ones.
-LAYERS = [("errors", "events", "paths", "device", "mlx_lm_adapter"), ("kernels", "model_cache"),
+LAYERS = [("errors", "events", "paths", "device", "mlx_lm_adapter"),
+          ("kernels", "model_cache", "slot_cache"),
           ("loading",), ("decoding",), ("prefix_cache",), ("scheduling",), ("distributed",),
           ("__init__",)]
 

@@ -5,8 +5,8 @@ A decode step of a few rows is bound by reading the weights; a prefill chunk of 
 tokens reads the same weights once more. Fed together, every matmul reads its weights once for
 both: the rows' tokens and the chunk's are one flattened sequence of `rows + C` tokens through the
 embedding, the norms, the projections and the MLP, and only attention is split: the rows attend
-to their own rows of the batch cache (mlx-lm's `BatchKVCache`, one query each), the chunk to its
-prompt's own cache (causal). On the H200 (Qwen3-8B bf16, bench/results/cuda-h200-2026-issue33-*)
+to their own rows of the batch cache (engine/slot_cache.py's `SlotKVCache`, one query each), the
+chunk to its prompt's own cache (causal). On the H200 (Qwen3-8B bf16, bench/results/cuda-h200-2026-issue33-*)
 8 decode rows (11 ms) and a 512-token chunk (17 ms) cost 19 ms in one call against 28 ms apart.
 
 Each row's and the chunk's results are those of their own calls up to the order a kernel sums
@@ -27,6 +27,7 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ..kernels.head import split_head
+from ..slot_cache import SlotKVCache
 
 BODIES = (llama.LlamaModel, qwen2.Qwen2Model, qwen3.Qwen3Model)
 
@@ -51,7 +52,7 @@ def supports(model: nn.Module) -> bool:
 
 def cache_fits(batch_cache: list[Any], chunk_cache: list[Any]) -> bool:
     """Whether the caches are the kinds a mixed step updates (plain keys and values)."""
-    return all(type(b) is BatchKVCache for b in batch_cache) and \
+    return all(type(b) in (BatchKVCache, SlotKVCache) for b in batch_cache) and \
         all(type(c) is KVCache for c in chunk_cache)
 
 

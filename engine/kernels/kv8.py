@@ -4,10 +4,10 @@ quantization, the layout mlx-lm's `QuantizedKVCache` keeps), about 0.28-0.31 of 
 bytes and 0.56-0.63 of an fp16 one's.
 
 On the CPU, where activations are fp32 (our kernel layout, engine/kernels/layout.py, and the fp32
-layout, cpu_layout.py), each layer's cache is a `KV8Cache` (one sequence) or a `BatchKV8Cache`
-(the decode batch): mlx-lm's `KVCache` / `BatchKVCache` whose arrays hold one packed uint32 row
-per position (`pack`: the D / 4 words of codes, then the D / GROUP_SIZE fp32 scales, then the
-biases, bit for bit). So every cache edit mlx-lm makes on the position axis (growing, trimming,
+layout, cpu_layout.py), each layer's cache is a `KV8Cache` (one sequence) or a `SlotKV8Cache`
+(the decode batch): mlx-lm's `KVCache` / our `SlotKVCache` (engine/slot_cache.py, mlx-lm's
+`BatchKVCache` layout) whose arrays hold one packed uint32 row per position (`pack`: the D / 4
+words of codes, then the D / GROUP_SIZE fp32 scales, then the biases, bit for bit). So every cache edit mlx-lm makes on the position axis (growing, trimming,
 merging rows left-padded, extending, filtering, extracting a row, the padded prefill's roll) and
 every edit of the prefix cache and the snapshot files works on them unchanged. Our attention
 kernels read the packed rows directly (`store`, then the kernels' decode, prefill and fused-layer
@@ -35,7 +35,9 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
-from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from ..slot_cache import SlotKVCache
 
 log = logging.getLogger(__name__)
 
@@ -97,26 +99,20 @@ class KV8Cache(_Packed, KVCache):
     """One sequence's 8-bit keys and values (mlx-lm's `KVCache` holding packed rows)."""
 
     @classmethod
-    def merge(cls, caches: list[Any]) -> "BatchKV8Cache":
-        return BatchKV8Cache.merge(caches)
+    def merge(cls, caches: list[Any]) -> "SlotKV8Cache":
+        return SlotKV8Cache.merge(caches)
 
 
-class BatchKV8Cache(_Packed, BatchKVCache):
-    """The decode batch's 8-bit keys and values (mlx-lm's `BatchKVCache` holding packed rows)."""
+class SlotKV8Cache(_Packed, SlotKVCache):
+    """The decode batch's 8-bit keys and values (engine/slot_cache.py's `SlotKVCache` holding
+    packed rows)."""
 
-    @classmethod
-    def merge(cls, caches: list[Any]) -> "BatchKV8Cache":
-        if max(c.size() for c in caches) == 0:  # mlx-lm's merge makes a plain BatchKVCache then
-            return cls([0] * len(caches))
-        return super().merge(caches)
-
-    def extract(self, idx: int) -> KV8Cache:
-        return KV8Cache.from_state(super().extract(idx).state)
+    row_cache = KV8Cache
 
 
 def packed_kv(layer: Any) -> bool:
     """Whether `layer` is one of our 8-bit caches (its `store` gives packed rows)."""
-    return type(layer) in (KV8Cache, BatchKV8Cache)
+    return type(layer) in (KV8Cache, SlotKV8Cache)
 
 
 def _float_dtypes(model: nn.Module) -> list[mx.Dtype]:

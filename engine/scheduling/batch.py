@@ -2,10 +2,13 @@
 
 Rows join the batch after their prefill and leave it before anything that needs their own cache
 (their last token, cancellation, failure, finishing: a request that ends inside a batched step is
-saved to the prefix cache when it leaves). Their model caches are merged into mlx-lm's
-batch caches (`BatchKVCache` left-pads keys to a common length, `ArraysCache` stacks recurrent
-state) on joining and extracted back on leaving, so outside the batch a `Generation` owns a normal
-cache again: prefix-cache saves and solo steps work unchanged.
+saved to the prefix cache when it leaves). Their model caches are merged into the batch's caches
+(keys and values in our `SlotKVCache`, engine/slot_cache.py: rows right-aligned at a common
+length in buffers with free row slots; mlx-lm's `ArraysCache` stacks recurrent state) on joining
+and extracted back on leaving, so outside the batch a `Generation` owns a normal cache again:
+prefix-cache saves and solo steps work unchanged. A row joining is written into a free slot and
+rows leaving leave holes that the last rows fill (`keep_order`), so neither copies the rows that
+stay where they are; the batch's row order is the cache's.
 
 Each row is sampled as its own `TokenSampler` would sample it alone (`sample_rows`: the greedy rows
 in one op, the others from their own slice of the logits), so a seeded request draws the same keys
@@ -23,6 +26,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..events import Event
 from ..model_cache import CacheOps
+from ..slot_cache import keep_order
 from ..decoding.generate import Generation, PrefixStore
 from ..decoding.mixed import cache_fits, mixed_call, supports as supports_mixed
 from ..decoding.sampling import sample_rows
@@ -142,8 +146,9 @@ class DecodeBatch:
 
     def leave(self, gens: list[Generation]) -> None:
         """Hand each of `gens` its row of the cache back and drop their rows from the batch in one
-        edit (rows that finish in the same step leave together, as in mlx-lm's `BatchGenerator`).
-        A finished row whose cache nothing will save gets no copy of its row."""
+        edit (rows that finish in the same step leave together, as in mlx-lm's `BatchGenerator`);
+        the last rows fill the holes (`keep_order`). A finished row whose cache nothing will save
+        gets no copy of its row."""
         leaving = {id(g) for g in gens}
         for i, gen in enumerate(self.rows):
             if id(gen) not in leaving:
@@ -157,7 +162,7 @@ class DecodeBatch:
             gen.prefix_cache = store
             if gen.done and saves:
                 store.save(list(gen.fed), gen.cache)  # the save its finish skipped
-        keep = [j for j, g in enumerate(self.rows) if id(g) not in leaving]
+        keep = keep_order(len(self.rows), [j for j, g in enumerate(self.rows) if id(g) in leaving])
         self.rows = [self.rows[j] for j in keep]
         if self.rows:
             self.caches.filter(self.cache, keep)

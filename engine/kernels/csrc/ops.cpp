@@ -1464,8 +1464,9 @@ mx::array block_out(const mx::array& h, const mx::array& q, const mx::array& k, 
 // Slice for each of keys and values), so a layer's step is one graph node instead of six.
 //
 // Inputs: h (B, 1, Dm) and the cache's keys and values buffers (B, Hk, capacity, D float32; the
-// new position `offset` < capacity); for a batched cache (mlx-lm's BatchKVCache: every row
-// written at the shared `offset`, its `_idx`) also each row's RoPE position and first visible
+// new position `offset` < capacity); for a batched cache (mlx-lm's BatchKVCache layout: every row
+// written at the shared `offset`, its `_idx`; the buffers may have more rows, free slots that the
+// step leaves as they are, engine/slot_cache.py) also each row's RoPE position and first visible
 // key, (B,) int32 each (`rows`: the cache's per-row offset and left padding), and then a fourth
 // output, the offsets + 1 (what mlx-lm's update leaves in the cache's `offset`). The layer's weights (FusedLayer's, evaluated once) the op
 // holds itself: norm1, the q, k and v products (weight, scales, biases each), o's three arrays,
@@ -1647,10 +1648,13 @@ class FusedLayer {
       throw std::invalid_argument("h must be (B, 1, D) float32");
     for (auto* a : {&keys, &values}) {
       const bool packed = a->dtype() == mx::uint32 && a->ndim() == 4 && packed_group(a->shape(3), d_);
-      if ((a->dtype() != mx::float32 && !packed) || a->ndim() != 4 || a->shape(0) != h.shape(0) ||
-          a->shape(1) != kv_heads_ || (!packed && a->shape(3) != d_))
-        throw std::invalid_argument("keys and values must be (B, kv heads, capacity, head dim) "
-                                    "float32, or the 8-bit cache's packed rows");
+      // a batched cache's buffers may hold more rows than the step (free slots, slot_cache.py):
+      // the step reads and writes rows 0..B-1 only
+      if ((a->dtype() != mx::float32 && !packed) || a->ndim() != 4 || a->shape(0) < h.shape(0) ||
+          (!offsets && a->shape(0) != h.shape(0)) || a->shape(1) != kv_heads_ ||
+          (!packed && a->shape(3) != d_))
+        throw std::invalid_argument("keys and values must be (B or more rows, kv heads, capacity, "
+                                    "head dim) float32, or the 8-bit cache's packed rows");
     }
     if (keys.shape() != values.shape() || keys.dtype() != values.dtype() || offset < 0 ||
         offset >= keys.shape(2))
