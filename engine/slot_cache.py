@@ -39,7 +39,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-ROOM_ROWS = 2  # free slots a growth leaves at least
+ROOM_ROWS = 1  # free slots a growth leaves at least
 
 
 def slots_for(rows: int) -> int:
