@@ -331,21 +331,30 @@ def _timed(fn, reps: int) -> float:
     return common.median(out)
 
 
-def _join_ms(caches, singles: list, joining, reps: int) -> dict:
-    """Median ms of the batch of `singles` taking the merged row `joining`, evaluated (the batch
-    merged afresh and evaluated before each timed join): ours (`caches.extend`, each row copied
-    once) and mlx-lm's `BatchKVCache.extend` per layer, interleaved."""
+def _mlx_merge(singles: list) -> list:
+    """The rows' caches merged as mlx-lm merges them (its own batch classes, `BatchKVCache`)."""
+    return [type(layers[0]).merge(list(layers)) for layers in zip(*singles)]
+
+
+def _join_ms(model, caches, singles: list, joining: list, reps: int) -> dict:
+    """Median ms of the batch of `singles` taking the row cache `joining`, evaluated (before each
+    timed join the batch is merged afresh and takes one decode step, as a decoding batch has):
+    ours (the engine's batch caches, `caches.merge` / `caches.extend`: a free slot takes the row)
+    and mlx-lm's (`BatchKVCache` and its `extend`, which builds every row anew), interleaved."""
     state = lambda cache: [layer.state for layer in cache]  # noqa: E731
-    sides = {"ours": caches.extend,
-             "mlx": lambda batch, rows: [a.extend(b) for a, b in zip(batch, rows)]}
+    sides = {"ours": (caches.merge, lambda batch: caches.extend(batch, caches.merge([joining]))),
+             "mlx": (_mlx_merge, lambda batch: [a.extend(b) for a, b in
+                                                zip(batch, _mlx_merge([joining]))])}
     runs: dict[str, list[float]] = {side: [] for side in sides}
     for i in range(reps + 1):
         for side in (list(sides) if i % 2 == 0 else list(reversed(sides))):
-            batch = caches.merge(singles)
+            merge, join = sides[side]
+            batch = merge(singles)
+            mx.eval(model(mx.array([[5]] * len(singles)), cache=batch))
             mx.eval(state(batch))
             mx.synchronize()
             t = time.perf_counter()
-            sides[side](batch, joining)
+            join(batch)
             mx.eval(state(batch))
             if i:  # the first round warms up
                 runs[side].append((time.perf_counter() - t) * 1e3)
@@ -388,12 +397,12 @@ def part_cache(lm, rows_list: list[int], context: int, reps: int, long_prompt: i
                "extend_then_filter_ms": extend_ms,
                "extract_ms": _timed(lambda: mx.eval(state(caches.extract(batch, n // 2))), reps),
                "decode_step_ms": _timed(step, reps),
-               "join_ms": _join_ms(caches, singles[:n], caches.merge([singles[n]]), reps)}
+               "join_ms": _join_ms(model, caches, singles[:n], singles[n], reps)}
         if long_prompt:
             long = make_prompt_cache(model)
             mx.eval(model(mx.array([prompt_ids(long_prompt, vocab, seed=77)]), cache=long))
             row["long_prompt"] = long_prompt
-            row["join_long_ms"] = _join_ms(caches, singles[:n], caches.merge([long]), reps)
+            row["join_long_ms"] = _join_ms(model, caches, singles[:n], long, reps)
             del long
         out.append(row)
         print(f"  cache ops at {n} rows of {context}+ tokens: merge {row['merge_ms']:.2f} ms, "

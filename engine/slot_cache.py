@@ -15,7 +15,8 @@ the batch's rows are the buffers' first `rows` rows (slots); the slots past them
 - A row joining is written into the first free slot, right-aligned at `_idx`: only its own keys
   and values are copied. Every row moves (one copy, into new buffers) only when the joining row
   holds more tokens than `_idx` (every row must then start further right) or no slot is free
-  (the buffers then get `slots_for` rows: a quarter more, at least ROOM_ROWS more).
+  (the buffers then get `slots_for` rows: a quarter more, at least ROOM_ROWS more). `merge`
+  leaves no free slot; a decode step's growth of the token axis (below) adds them.
 - Rows leaving free their slots: `filter` keeps rows in any order, copying only the rows whose
   slot changes, and `keep_order` is the order that moves fewest (each hole below the new row
   count takes one of the last rows), which the decode batch asks for. The buffers are rebuilt to
@@ -23,7 +24,8 @@ the batch's rows are the buffers' first `rows` rows (slots); the slots past them
   would get, or more unused columns, before every row's first token, than used ones), so one copy
   follows many leaves.
 - The token axis grows by mlx-lm's step (256 positions) when `_idx` reaches the end. That growth
-  copies every row, as mlx-lm's does, and drops the columns no row uses (what a longer row that
+  copies every row, as mlx-lm's does (a one-token step's growth also makes `slots_for` slots),
+  and drops the columns no row uses (what a longer row that
   left had held): the width follows the longest row, not how long the batch has been decoding.
 
 Each row's `padding` is kept on the host, so no edit reads the device (mlx-lm's `filter` and
@@ -112,8 +114,10 @@ class SlotKVCache(BatchKVCache):
         values up to it. Buffers without room grow by mlx-lm's step (dropping unused columns)."""
         tokens = keys.shape[2]
         if self.keys is None or self._idx + tokens > self.keys.shape[2]:
-            longest = self._longest()
-            self._rebuild(max(self.slots, self.rows), longest, self._width(longest, tokens),
+            # a decode step's growth (one token) also leaves free slots, so that the batch's first
+            # join after it forms (`merge` leaves none) writes in place; a prompt chunk's does not
+            longest, rows = self._longest(), slots_for(self.rows) if tokens == 1 else self.rows
+            self._rebuild(max(self.slots, rows), longest, self._width(longest, tokens),
                           (keys, values))
         prev, rows = self._idx, self.rows
         self._idx += tokens

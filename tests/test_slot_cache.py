@@ -88,10 +88,11 @@ def test_a_row_joining_writes_only_itself_into_a_free_slot():
     measure sees that copy)."""
     rows = random_rows([500, 480, 450, 490, 470, 460, 300, 20, 400, 490])
     batch = LOCAL.merge(rows[:8])
-    step(batch)  # the buffers grow to room past the index
-    LOCAL.extend(batch, LOCAL.merge([rows[8]]))  # no free slot yet: the buffers grow
+    assert batch[0].slots == 8  # merged: no free slot
+    step(batch)  # a decode step's growth: room past the index, and free slots
+    assert batch[0].slots == slots_for(8) > 9
+    LOCAL.extend(batch, LOCAL.merge([rows[8]]))
     mx.eval([layer.state for layer in batch])
-    assert batch[0].slots == slots_for(9) > 9
     before = [[copied(layer, i) for i in range(9)] for layer in batch]
     where = [(address(layer.keys), address(layer.values)) for layer in batch]
     joining = LOCAL.merge([rows[9]])
