@@ -43,6 +43,7 @@ class HealthProbe:
         self.url = url
         self.latencies: list[float] = []
         self._stop = threading.Event()
+        self.polling = threading.Event()  # set once the first round trip is in
 
     def _run(self) -> None:
         with httpx.Client(timeout=120) as client:
@@ -50,6 +51,7 @@ class HealthProbe:
                 t = time.perf_counter()
                 client.get(f"{self.url}/health")
                 self.latencies.append(time.perf_counter() - t)
+                self.polling.set()
                 time.sleep(0.01)
 
     @property
@@ -62,7 +64,9 @@ def health_probe(url: str) -> Iterator[HealthProbe]:
     probe = HealthProbe(url)
     thread = threading.Thread(target=probe._run, daemon=True)
     thread.start()
-    time.sleep(0.05)
+    # the case starts once the probe polls: a case over in milliseconds (a request refused from
+    # its header) could otherwise end before a loaded machine had made the probe's client
+    probe.polling.wait(timeout=30)
     try:
         yield probe
     finally:
