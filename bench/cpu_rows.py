@@ -1,15 +1,16 @@
 """What a product over several rows of x costs against one row, on our CPU kernels: the decode
 batch's products (rows = streams decoding together).
 
-    python -m bench.cpu_rows [--shapes bundled-gate,1b-gate,1b-down] [--rows 1,2,4]
+    python -m bench.cpu_rows [--models bundled,llama-1b] [--matrices gate/up,down] [--rows 1,2,4]
                              [--threads 1] [--int8] [--reps 5] [--out FILE]
 
-Per shape (the weight's rows x columns and group size of a model's matrix, random 4-bit weights;
-enough distinct copies, ~40 MB, that the caches do not hold them) and rows of x: the process's
-CPU time per product (all threads; median of `--reps` passes of 10 products over every copy,
-with the spread), ns per weight, and its ratio to the one-row product. CPU time rather than wall
-time: other load on the machine moves it less. Compare two commits by running it in each
-checkout, alternately.
+Matrices as bench.matvec builds them (a model's decode-step products, `bench.matvec.
+decode_matrices`; random 4-bit weights, group 32, fp16 scales), each in enough distinct copies
+(~40 MB) that the caches do not hold them. Per matrix and rows of x: the process's CPU time per
+product (all threads; median of `--reps` passes of 10 products over every copy, with the
+spread), ns per weight, and its ratio to the one-row product. CPU time rather than wall time:
+other load on the machine moves it less. Compare two commits by running it in each checkout,
+alternately.
 """
 
 from __future__ import annotations
@@ -22,21 +23,16 @@ from pathlib import Path
 
 import mlx.core as mx
 
-SHAPES = {  # name: (weight rows N, columns K, group size)
-    "bundled-gate": (1536, 576, 32),
-    "bundled-down": (576, 1536, 32),
-    "1b-gate": (8192, 2048, 64),
-    "1b-down": (2048, 8192, 64),
-}
+GROUP_SIZE = 32  # as bench.matvec's and bench/decode.py's random models
 
 
-def product_us(kernels, x: mx.array, copies: list, gs: int, int8: bool, reps: int) -> list[float]:
+def product_us(kernels, x: mx.array, copies: list, int8: bool, reps: int) -> list[float]:
     """CPU µs per product of `x` with each copy in turn, one figure per pass."""
     runs = []
     for _ in range(reps):
         t = time.process_time()
         for _ in range(10):
-            mx.eval([kernels.quantized_matmul(x, w, s, b, gs, 4, int8) for w, s, b in copies])
+            mx.eval([kernels.quantized_matmul(x, w, s, b, GROUP_SIZE, 4, int8) for w, s, b in copies])
         runs.append((time.process_time() - t) / (10 * len(copies)) * 1e6)
     return runs
 
@@ -44,8 +40,12 @@ def product_us(kernels, x: mx.array, copies: list, gs: int, int8: bool, reps: in
 def main() -> None:
     from engine.kernels import native
 
+    from .matvec import decode_matrices, model_shape
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default="bundled-gate,1b-gate,1b-down")
+    parser.add_argument("--models", default="bundled,llama-1b")
+    parser.add_argument("--matrices", default="gate/up,down", help="of bench.matvec's: q, k/v, "
+                        "o, gate/up, down, head")
     parser.add_argument("--rows", default="1,2,4")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--int8", action="store_true", help="the int8-activation products")
@@ -59,29 +59,33 @@ def main() -> None:
     mx.random.seed(0)
     results = []
     print(f"{kernels.isa()}, {a.threads} thread(s), {'int8' if a.int8 else 'exact'} path")
-    for name in a.shapes.split(","):
-        n, k, gs = SHAPES[name]
-        copies = [mx.quantize(mx.random.normal((n, k)), group_size=gs, bits=4)
-                  for _ in range(max(1, int(40e6 / (n * k / 2))))]
+    pairs = [(m, name) for m in a.models.split(",") for name in a.matrices.split(",")]
+    for model, matrix in pairs:
+        n, k = decode_matrices(model_shape(model))[matrix]
+        copies = []
+        for _ in range(max(1, int(40e6 / (n * k / 2)))):
+            w, scales, biases = mx.quantize(mx.random.normal((n, k)) * 0.02, group_size=GROUP_SIZE,
+                                            bits=4)
+            copies.append((w, scales.astype(mx.float16), biases.astype(mx.float16)))
         mx.eval(copies)
         one = None
         for rows in (int(r) for r in a.rows.split(",")):
             x = mx.random.normal((rows, k))
             mx.eval(x)
-            runs = product_us(kernels, x, copies, gs, a.int8, a.reps)
+            runs = product_us(kernels, x, copies, a.int8, a.reps)
             us = statistics.median(runs)
             one = us if rows == 1 else one
-            row = {"shape": name, "n": n, "k": k, "group_size": gs, "rows": rows, "us": round(us, 1),
-                   "spread": [round(min(runs), 1), round(max(runs), 1)],
+            row = {"model": model, "matrix": matrix, "n": n, "k": k, "rows": rows,
+                   "us": round(us, 1), "spread": [round(min(runs), 1), round(max(runs), 1)],
                    "ns_per_weight": round(us * 1e3 / (n * k), 4),
                    "x_one_row": round(us / one, 3) if one else None}
             results.append(row)
             ratio = f"{row['x_one_row']:.2f}x one row" if one else ""
-            print(f"  {name:13s} {rows} row(s): {us:9.1f} us ({min(runs):.0f}-{max(runs):.0f}), "
+            print(f"  {model} {matrix:8s} {rows} row(s): {us:9.1f} us ({min(runs):.0f}-{max(runs):.0f}), "
                   f"{row['ns_per_weight']:.4f} ns/weight  {ratio}", flush=True)
     if a.out:
         a.out.write_text(json.dumps({"isa": kernels.isa(), "threads": a.threads, "int8": a.int8,
-                                     "results": results}, indent=1))
+                                     "group_size": GROUP_SIZE, "results": results}, indent=1))
         print(f"wrote {a.out}")
 
 

@@ -36,7 +36,16 @@ RESULTS = Path(__file__).resolve().parent / "results" / "matvec-cpu.json"
 BUNDLED = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536)
 
 
-def _matrices(shape: dict) -> dict[str, tuple[int, int]]:
+def model_shape(model: str) -> dict:
+    """`bundled` (the bundled model's shapes) or one of bench/decode.py's random models'."""
+    if model == "bundled":
+        return BUNDLED
+    from .decode import RANDOM_MODELS
+
+    return RANDOM_MODELS[model]
+
+
+def decode_matrices(shape: dict) -> dict[str, tuple[int, int]]:
     """(rows, columns) of each product of a decode step."""
     hidden, heads, kv = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
     head_dim = shape.get("head_dim") or hidden // heads
@@ -77,7 +86,7 @@ def main(argv=None) -> None:
 
     from engine.kernels import native
 
-    from .decode import RANDOM_MODELS, read_bandwidth
+    from .decode import read_bandwidth
 
     kernels = native.kernels()
     if kernels is None:
@@ -89,8 +98,7 @@ def main(argv=None) -> None:
     print(f"{'model':<10} {'matrix':<8} {'shape':>13} {'MB':>7} {'pages':>5} {'loop':>9} "
           f"{'product GB/s':>12} {'read GB/s':>9} {'fraction':>8} {'numpy GB/s':>10}")
     for model in a.models.split(","):
-        shape = BUNDLED if model == "bundled" else RANDOM_MODELS[model]
-        for name, (n, k) in _matrices(shape).items():
+        for name, (n, k) in decode_matrices(model_shape(model)).items():
             w, s, b = mx.quantize(mx.random.normal((n, k)) * 0.02, group_size=32, bits=4)
             s, b = s.astype(mx.float16), b.astype(mx.float16)
             x = mx.random.normal((1, k))

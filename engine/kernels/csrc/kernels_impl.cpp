@@ -253,7 +253,8 @@ void rows_at(const QMat& W, const float* xp, int64_t n, int64_t step, float* sc,
 // Weight rows taken at once for M rows of x: enough independent accumulator chains to hide the
 // multiply-add latency, within the registers (32 with AVX-512, 16 with AVX2). Three or four rows
 // of x take two weight rows where x's rows outgrow a share of the L1 cache (each step's loads of
-// x then serve two weight rows; 4 rows of the 1B shape's down product, K = 8192: 1.6x faster),
+// x then serve two weight rows; 4 rows of the 1B shape's down product, K = 8192: 1.6x faster at
+// group 64, 1.1x at group 32, bench.cpu_rows),
 // one where they fit (two cost 17% on the bundled model's K = 576).
 template <int M>
 constexpr int weight_rows() {
