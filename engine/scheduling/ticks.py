@@ -477,9 +477,36 @@ class Scheduler:
                 solo.append(h)
         if leaving:
             batch.leave(leaving)
+            self._release_padding(slot)
         if joining:
-            batch.join(joining)
+            taken = self._reserve_padding(slot, joining)
+            solo += [h for h in running if h.generation in joining and h.generation not in taken]
+            if taken:
+                batch.join(taken)
         return solo
+
+    def _reserve_padding(self, slot: ModelSlot, joining: list[Generation]) -> list[Generation]:
+        """The joiners whose padding the memory budget has room for, the batch's reservation grown
+        to hold it (`DecodeBatch.padding_need`), shortest first (a long row beside short ones is
+        the padding); the others step alone (their own reservation holds their cache) and try
+        again next tick."""
+        batch, taken = slot.batch, []
+        for gen in sorted(joining, key=lambda g: len(g.fed) + g.params.max_tokens - len(g.generated)):
+            need = batch.padding_need(slot.footprint, taken + [gen])
+            if need <= batch.reserved or self.budget.try_reserve(need - batch.reserved):
+                batch.reserved = max(batch.reserved, need)
+                taken.append(gen)
+        return taken
+
+    def _release_padding(self, slot: ModelSlot) -> None:
+        """Give back the part of the batch's reservation its rows no longer need."""
+        batch = slot.batch
+        if batch is None:
+            return
+        need = batch.padding_need(slot.footprint) if len(batch) else 0
+        if need < batch.reserved:
+            self.budget.release(batch.reserved - need)
+            batch.reserved = need
 
     def _step_batch(self, slot: ModelSlot, running: list[RequestHandle],
                     rider: Rider | None = None) -> None:
@@ -492,10 +519,12 @@ class Scheduler:
             results = batch.step(rider)
         except Exception as exc:  # the shared model call: every row fails, the engine serves on
             results = [(gen, exc) for gen in batch.rows + ([rider[0]] if rider else [])]
+            self.budget.release(batch.reserved)
             slot.batch = DecodeBatch(batch.model, batch.caches)
         finished = [gen for gen, _ in results if gen.done and gen in slot.batch]
         if finished:
             slot.batch.leave(finished)
+            self._release_padding(slot)
         for gen, outcome in results:
             self._advance(by_gen[id(gen)], outcome)
 
@@ -606,6 +635,7 @@ class Scheduler:
         batch = handle.slot.batch
         if batch is not None and gen in batch:
             batch.leave([gen])
+            self._release_padding(handle.slot)
         gen.release()
         state = {"cancelled": "cancelled", "failed": "failed"}.get(gen.finish_reason, "finished")
         with self._wake:
