@@ -61,9 +61,10 @@ LONG = [100 + (i * 7) % 300 for i in range(400)]
 def test_a_long_row_joins_short_ones_only_where_the_budget_holds_its_padding(llama, serve, room_for_padding):
     """A decode batch keeps every row as wide as its longest (mlx-lm's layout): a 400-token row
     beside three 32-token ones makes all four 408 tokens wide, more than their own reservations
-    hold. The batch reserves that padding in the memory budget; where the budget has no room for
-    it, the long row decodes alone beside the batch of short ones. Either way each answer is the
-    one it gets alone, and every byte is given back at the end."""
+    hold, and so does the call that feeds the four prompts' last tokens together. Both reserve that
+    padding in the memory budget; where the budget has no room for it, the long row runs alone
+    beside the short ones. Either way each answer is the one it gets alone, and every byte is
+    given back at the end."""
     target = watched(llama)
     probe = serve(llama)
     weights = probe.status().weight_bytes
@@ -80,10 +81,10 @@ def test_a_long_row_joins_short_ones_only_where_the_budget_holds_its_padding(lla
     target.model.gate.set()
     assert [tokens_of(h) for h in handles] == [alone[tuple(p)] for p in prompts]
     steps = Counter(rows for rows, tokens in target.model.shapes if tokens == 1)
-    # the four prompts' last tokens go through one 4-row call (prefill_together); the 7 steps
-    # after the first token are the batch's, of 4 rows, or 3 beside the long row's own
+    # the prompts' last tokens go through one call together (prefill_together, its merged cache
+    # as padded), then 7 batched steps: of 4 rows, or of the 3 short ones beside the long one's own
     if room_for_padding:
-        assert steps[4] >= 7 and steps[3] == 0, steps
+        assert steps[4] == 8 and steps[3] == 0, steps
     else:
-        assert steps[4] <= 1 and steps[3] >= 7, steps
+        assert steps[4] == 0 and steps[3] == 8, steps
     assert engine.status().reserved_bytes == 0

@@ -586,11 +586,23 @@ class Scheduler:
         return max(budget, 0)
 
     def _run_together(self, group: list[tuple[RequestHandle, list[int]]]) -> None:
+        """One call for `group`'s chunks; its merged cache is every row as long as the longest
+        (left-padded), beyond what the rows' own reservations hold: that padding is reserved in
+        the memory budget for the call, and where the budget has no room the longest prompt's
+        chunk runs alone first (and so on)."""
         if len(group) == 1:  # alone it runs as its own prefill step does
             h, tokens = group[0]
             self._step(h, prefill_limit=len(tokens))
             return
         if not group:
+            return
+        footprint = group[0][0].slot.footprint
+        lengths = [len(h.generation.fed) + len(t) for h, t in group]
+        padding = sum(footprint.bytes_for(max(lengths)) - footprint.bytes_for(n) for n in lengths)
+        if padding > 0 and not self.budget.try_reserve(padding):
+            longest = lengths.index(max(lengths))
+            self._run_together([group[longest]])
+            self._run_together(group[:longest] + group[longest + 1:])
             return
         lm = group[0][0].slot.lm
         try:
@@ -598,6 +610,8 @@ class Scheduler:
             outcomes: list[list[Event] | Exception] = [f if f is not None else [] for f in failures]
         except Exception as exc:  # the shared model call: every request in it fails
             outcomes = [exc] * len(group)
+        finally:
+            self.budget.release(max(padding, 0))
         for (h, _), outcome in zip(group, outcomes):
             self._advance(h, outcome)
 
