@@ -238,8 +238,10 @@ def attention(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: 
     cap = keys.shape[2]
     s, ch = splits(cap)
     norm = layer.q_norm is not None
-    qn = layer.q_norm.weight if norm else layer.inv_freq  # unread without NORM
-    kn = layer.k_norm.weight if norm else layer.inv_freq
+    # without NORM they are unread, but typed as the kernel's T (MLX declares each input by its
+    # dtype): the layer's input norm weight stands in
+    qn = layer.q_norm.weight if norm else layer.norm_in
+    kn = layer.k_norm.weight if norm else layer.norm_in
     kernel = _kernel("attention", ["qkv", "qn", "kn", "invf", "fp", "pos", "kc", "vc", "cnt"],
                      ["pm", "pl", "pa", "y"], _ATTENTION)
     out = kernel(
