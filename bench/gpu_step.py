@@ -215,36 +215,14 @@ def program_off(program, fn):
 
 def decode_gate(model, prompt, steps: int = 8) -> dict[str, Any]:
     """The compiled decode step's logits against the model's own forward over `steps` greedy
-    tokens from `prompt` (each side its own cache, fed the same tokens): the largest difference
-    over the largest logit, and the greedy tokens they agree on. Turns the step off (for this
-    process) when they part by more than the model's dtype explains (5%)."""
+    tokens from `prompt` (engine/kernels/decode_step.py `check`, which the loader runs too);
+    turns the step off (for this process) when they part by more than its GATE."""
+    from engine.kernels.decode_step import check
+
     program = model.decode_program
-    try:
-        return _gate(model, program, prompt, steps)
-    except Exception as exc:  # a kernel that does not compile or run: the model's own forward
-        program.enabled = False
-        return {"program": True, "error": f"{type(exc).__name__}: {exc}"[:2000], "kept": False}
-
-
-def _gate(model, program, prompt, steps: int) -> dict[str, Any]:
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    caches = make_prompt_cache(model), make_prompt_cache(model)
-    x = mx.array([list(prompt)], dtype=mx.uint32)
-    model(x, cache=caches[0])
-    program_off(program, lambda: model(x, cache=caches[1]))
-    token, worst, same = prompt[-1], 0.0, 0
-    for _ in range(steps):
-        y = mx.array([[token]], dtype=mx.uint32)
-        a = model(y, cache=caches[0]).astype(mx.float32)
-        b = program_off(program, lambda: model(y, cache=caches[1])).astype(mx.float32)
-        worst = max(worst, (mx.abs(a - b).max() / mx.abs(b).max()).item())
-        same += int(mx.argmax(a).item() == mx.argmax(b).item())
-        token = int(mx.argmax(b).item())
-    ok = worst < 0.05
-    program.enabled = ok
-    return {"program": True, "rel_diff": worst, "same_argmax": f"{same}/{steps}", "kept": ok}
+    gate = check(model, program, list(prompt), steps)
+    program.enabled = gate["kept"]
+    return gate
 
 
 def _rel(ours, ref) -> dict[str, float]:
