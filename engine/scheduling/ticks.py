@@ -496,6 +496,9 @@ class Scheduler:
             if need <= batch.reserved or self.budget.try_reserve(need - batch.reserved):
                 batch.reserved = max(batch.reserved, need)
                 taken.append(gen)
+        if not len(batch) and len(taken) == 1:  # a lone decoder runs solo (see _regroup)
+            self._release_padding(slot)
+            return []
         return taken
 
     def _release_padding(self, slot: ModelSlot) -> None:
