@@ -81,27 +81,58 @@ def _share_tokenizers() -> None:
     mlx_lm.utils.load_tokenizer = load_tokenizer
 
 
+def _share_vocabularies() -> None:
+    """A loaded tokenizer builds its vocabulary dict once per process, not at every ask.
+
+    transformers' `get_vocab()` (and the `vocab` property, which calls it) converts the Rust
+    tokenizer's whole vocabulary into a new Python dict each time: ~30 ms for the bundled 49,152
+    entries, and the engine asks at every model load (`capabilities` -> `fim_tokens`, the prompt
+    size check's longest entry) and at every embedding request (the longest entry again): ~900
+    times in the fast tier, 25 s of its 280 s of CPU in one process. The tokenizers are shared and
+    read-only once loaded (`_share_tokenizers`), so each keeps the dict it built, keyed by its
+    size with added tokens (a tokenizer given more tokens builds it anew), and every caller gets
+    a copy of it (~0.4 ms), equal to what `get_vocab()` returns, free to change it."""
+    import weakref
+
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    get_vocab = TokenizersBackend.get_vocab
+    built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def shared_get_vocab(self) -> dict[str, int]:
+        size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        found = built.get(self)
+        if found is None or found[0] != size:
+            found = built[self] = (size, get_vocab(self))
+        return dict(found[1])
+
+    TokenizersBackend.get_vocab = shared_get_vocab
+
+
 def _share_ssl_context() -> None:
     """Every httpx client of a test process gets one default SSL context.
 
-    httpx builds a new `ssl.create_default_context(cafile=certifi.where())` for each client, and
-    `httpx.get(...)` makes a client per call: reading certifi's bundle is ~20 ms of CPU, 25 times
-    the request itself on 127.0.0.1, and the suite makes thousands (the key-guessing and protocol
-    fuzzers, the SDK clients, the app's own clients). No test speaks TLS (every server is
-    http://127.0.0.1), so the default context (verify on, no client certificate, no SSL_CERT_*
-    override) is built once and shared; any other argument is httpx's own path."""
+    httpx builds a new default context for each client (`ssl.create_default_context` on certifi's
+    bundle, or on the bundle SSL_CERT_FILE / the folder SSL_CERT_DIR names), and `httpx.get(...)`
+    makes a client per call: reading a bundle is ~20-70 ms of CPU, 25 times the request itself on
+    127.0.0.1, and the suite makes thousands (the key-guessing and protocol fuzzers, the SDK
+    clients, the app's own clients). No test speaks TLS (every server is http://127.0.0.1), so
+    the default context (verify on, no client certificate) is built once per value of the
+    variables that pick its certificates (this VM sets SSL_CERT_FILE and SSL_CERT_DIR: a memo
+    that skipped them built a context for every client, 39 s of the fast tier's 280 s of CPU in
+    one process) and shared; any other argument is httpx's own path."""
     import httpx._transports.default as transport
 
     create = transport.create_ssl_context
-    shared: list = []
+    shared: dict = {}
 
     def create_ssl_context(verify=True, cert=None, trust_env=True):
-        if verify is not True or cert or (trust_env and (os.environ.get("SSL_CERT_FILE")
-                                                          or os.environ.get("SSL_CERT_DIR"))):
+        if verify is not True or cert:
             return create(verify=verify, cert=cert, trust_env=trust_env)
-        if not shared:
-            shared.append(create(verify=verify, cert=cert, trust_env=trust_env))
-        return shared[0]
+        key = (os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR")) if trust_env else None
+        if key not in shared:
+            shared[key] = create(verify=verify, cert=cert, trust_env=trust_env)
+        return shared[key]
 
     transport.create_ssl_context = create_ssl_context
 
@@ -113,6 +144,7 @@ def pytest_configure(config):
         return
     _hypothesis_profiles()
     _share_tokenizers()
+    _share_vocabularies()
     _share_ssl_context()
 
 
