@@ -102,6 +102,11 @@ def kv_footprint(model: nn.Module, caches: CacheOps) -> KVFootprint:
     return KVFootprint(per_token, fixed, caches.mergeable(cache))
 
 
+def row_extent(gen: Generation) -> int:
+    """The most tokens `gen`'s cache may hold: those it holds now and those it may still add."""
+    return len(gen.fed) + max(gen.params.max_tokens - len(gen.generated), 0)
+
+
 class DecodeBatch:
     """The generations decoding together on one model, in row order."""
 
@@ -136,7 +141,7 @@ class DecodeBatch:
         rows = list(self.rows) + list(joining)
         if not rows:
             return 0
-        width = max(max(len(g.fed) + max(g.params.max_tokens - len(g.generated), 0) for g in rows),
+        width = max(max(map(row_extent, rows)),
                     max((getattr(c, "_idx", 0) for c in self.cache), default=0))
         held = max((getattr(c, "slots", 0) for c in self.cache), default=0)  # SlotKVCache's
         slots = held if len(rows) <= held else (slots_for(len(rows)) if held else len(rows))

@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from .batch import DecodeBatch, can_prefill_together, prefill_together
+from .batch import DecodeBatch, can_prefill_together, prefill_together, row_extent
 from .budget import MemoryBudget
 from .prefill_policy import tick_budget
 from .requests import RequestHandle
@@ -476,8 +476,7 @@ class Scheduler:
             elif not inside:
                 solo.append(h)
         if leaving:
-            batch.leave(leaving)
-            self._release_padding(slot)
+            self._leave(slot, leaving)
         if joining:
             taken = self._reserve_padding(slot, joining)
             solo += [h for h in running if h.generation in joining and h.generation not in taken]
@@ -491,7 +490,7 @@ class Scheduler:
         the padding); the others step alone (their own reservation holds their cache) and try
         again next tick."""
         batch, taken = slot.batch, []
-        for gen in sorted(joining, key=lambda g: len(g.fed) + g.params.max_tokens - len(g.generated)):
+        for gen in sorted(joining, key=row_extent):
             need = batch.padding_need(slot.footprint, taken + [gen])
             if need <= batch.reserved or self.budget.try_reserve(need - batch.reserved):
                 batch.reserved = max(batch.reserved, need)
@@ -500,6 +499,11 @@ class Scheduler:
             self._release_padding(slot)
             return []
         return taken
+
+    def _leave(self, slot: ModelSlot, gens: list[Generation]) -> None:
+        """`gens` leave `slot`'s batch, and the padding they no longer need is given back."""
+        slot.batch.leave(gens)
+        self._release_padding(slot)
 
     def _release_padding(self, slot: ModelSlot) -> None:
         """Give back the part of the batch's reservation its rows no longer need."""
@@ -526,8 +530,7 @@ class Scheduler:
             slot.batch = DecodeBatch(batch.model, batch.caches)
         finished = [gen for gen, _ in results if gen.done and gen in slot.batch]
         if finished:
-            slot.batch.leave(finished)
-            self._release_padding(slot)
+            self._leave(slot, finished)
         for gen, outcome in results:
             self._advance(by_gen[id(gen)], outcome)
 
@@ -614,7 +617,7 @@ class Scheduler:
         except Exception as exc:  # the shared model call: every request in it fails
             outcomes = [exc] * len(group)
         finally:
-            self.budget.release(max(padding, 0))
+            self.budget.release(padding)
         for (h, _), outcome in zip(group, outcomes):
             self._advance(h, outcome)
 
@@ -651,8 +654,7 @@ class Scheduler:
             return
         batch = handle.slot.batch
         if batch is not None and gen in batch:
-            batch.leave([gen])
-            self._release_padding(handle.slot)
+            self._leave(handle.slot, [gen])
         gen.release()
         state = {"cancelled": "cancelled", "failed": "failed"}.get(gen.finish_reason, "finished")
         with self._wake:
