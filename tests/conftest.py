@@ -120,21 +120,27 @@ def _share_ssl_context() -> None:
     the default context (verify on, no client certificate) is built once per value of the
     variables that pick its certificates (this VM sets SSL_CERT_FILE and SSL_CERT_DIR: a memo
     that skipped them built a context for every client, 39 s of the fast tier's 280 s of CPU in
-    one process) and shared; any other argument is httpx's own path."""
-    import httpx._transports.default as transport
+    one process) and shared; any other argument is httpx's own path. The same for `httpx2`, the
+    fork the OpenAI and Anthropic SDKs build their clients on."""
+    import importlib
 
-    create = transport.create_ssl_context
-    shared: dict = {}
+    for package in ("httpx", "httpx2"):
+        try:
+            transport = importlib.import_module(f"{package}._transports.default")
+        except ImportError:
+            continue
+        create = transport.create_ssl_context
+        shared: dict = {}
 
-    def create_ssl_context(verify=True, cert=None, trust_env=True):
-        if verify is not True or cert:
-            return create(verify=verify, cert=cert, trust_env=trust_env)
-        key = (os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR")) if trust_env else None
-        if key not in shared:
-            shared[key] = create(verify=verify, cert=cert, trust_env=trust_env)
-        return shared[key]
+        def create_ssl_context(verify=True, cert=None, trust_env=True, create=create, shared=shared):
+            if verify is not True or cert:
+                return create(verify=verify, cert=cert, trust_env=trust_env)
+            key = (os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR")) if trust_env else None
+            if key not in shared:
+                shared[key] = create(verify=verify, cert=cert, trust_env=trust_env)
+            return shared[key]
 
-    transport.create_ssl_context = create_ssl_context
+        transport.create_ssl_context = create_ssl_context
 
 
 def pytest_configure(config):
