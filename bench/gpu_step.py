@@ -215,36 +215,14 @@ def program_off(program, fn):
 
 def decode_gate(model, prompt, steps: int = 8) -> dict[str, Any]:
     """The compiled decode step's logits against the model's own forward over `steps` greedy
-    tokens from `prompt` (each side its own cache, fed the same tokens): the largest difference
-    over the largest logit, and the greedy tokens they agree on. Turns the step off (for this
-    process) when they part by more than the model's dtype explains (5%)."""
+    tokens from `prompt` (engine/kernels/decode_step.py `check`, which the loader runs too);
+    turns the step off (for this process) when they part by more than its GATE."""
+    from engine.kernels.decode_step import check
+
     program = model.decode_program
-    try:
-        return _gate(model, program, prompt, steps)
-    except Exception as exc:  # a kernel that does not compile or run: the model's own forward
-        program.enabled = False
-        return {"program": True, "error": f"{type(exc).__name__}: {exc}"[:2000], "kept": False}
-
-
-def _gate(model, program, prompt, steps: int) -> dict[str, Any]:
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    caches = make_prompt_cache(model), make_prompt_cache(model)
-    x = mx.array([list(prompt)], dtype=mx.uint32)
-    model(x, cache=caches[0])
-    program_off(program, lambda: model(x, cache=caches[1]))
-    token, worst, same = prompt[-1], 0.0, 0
-    for _ in range(steps):
-        y = mx.array([[token]], dtype=mx.uint32)
-        a = model(y, cache=caches[0]).astype(mx.float32)
-        b = program_off(program, lambda: model(y, cache=caches[1])).astype(mx.float32)
-        worst = max(worst, (mx.abs(a - b).max() / mx.abs(b).max()).item())
-        same += int(mx.argmax(a).item() == mx.argmax(b).item())
-        token = int(mx.argmax(b).item())
-    ok = worst < 0.05
-    program.enabled = ok
-    return {"program": True, "rel_diff": worst, "same_argmax": f"{same}/{steps}", "kept": ok}
+    gate = check(model, program, list(prompt), steps)
+    program.enabled = gate["kept"]
+    return gate
 
 
 def _rel(ours, ref) -> dict[str, float]:
@@ -271,7 +249,8 @@ def part_kernels(lm, shape: str, a) -> list[common.Row]:
 
 def _sweep(layers, products, shape: str, rnd) -> list[common.Row]:
     """The matvec kernel's weight-read rate over all layers at each (rows per warp, words loaded
-    before computing), against the launch floor of as many trivial kernels."""
+    before computing, first words loaded before x is staged or after: P), against the launch
+    floor of as many trivial kernels."""
     import mlx.core as mx
 
     from engine.kernels import fused_cuda as C
@@ -291,12 +270,15 @@ def _sweep(layers, products, shape: str, rnd) -> list[common.Row]:
                          if t is not None) for lay in layers)
         for r in (1, 2, 4):
             for u in (4, 8):
-                def run(r=r, u=u):
-                    return [C.matvec(x, q.w, q.scales, q.biases, q.bits, q.group_size, ep, res,
-                                     (getattr(lay, norm), lay.eps_in) if norm else None, rows=r, unroll=u)
-                            for lay in layers for q in (getattr(lay, attr),)]
-                t = _timed_eval(run, reps=5)
-                out[f"{label} R{r} U{u}"] = {"gbps": nbytes / t / 1e9, "gbps_less_floor": nbytes / max(t - floor, 1e-9) / 1e9}
+                for pf in (False, True):
+                    def run(r=r, u=u, pf=pf):
+                        return [C.matvec(x, q.w, q.scales, q.biases, q.bits, q.group_size, ep, res,
+                                         (getattr(lay, norm), lay.eps_in) if norm else None, rows=r, unroll=u,
+                                         prefetch=pf)
+                                for lay in layers for q in (getattr(lay, attr),)]
+                    t = _timed_eval(run, reps=5)
+                    out[f"{label} R{r} U{u}{' P' if pf else ''}"] = {
+                        "gbps": nbytes / t / 1e9, "gbps_less_floor": nbytes / max(t - floor, 1e-9) / 1e9}
         best = max((k for k in out if k.startswith(label)), key=lambda k: out[k]["gbps"])
         rows.append(common.Row("kernels", shape, f"{label}: best of the sweep ({best})", "GB/s", out[best]["gbps"],
                                None, "", "", f"less the launch floor ({floor * 1e3:.3f} ms for {len(layers)}): "

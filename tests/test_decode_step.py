@@ -130,3 +130,39 @@ def test_tensor_core_kernels_fragment_layout_computes_the_product(group_size):
     ref = mx.quantized_matmul(x[None], w, scales, biases, transpose=True, group_size=group_size, bits=4)[0]
     got = fused_cuda.emulate_qmma4(np.array(x), np.array(w), np.array(scales), np.array(biases), group_size)
     assert np.abs(got - np.array(ref)).max() <= 1e-4 * np.abs(np.array(ref)).max()
+
+
+def kernels_with(**changes):
+    """fused_ref.py with some of its functions replaced: kernels that fail, or compute wrongly."""
+    import types
+
+    module = types.ModuleType("changed_kernels")
+    module.__dict__.update({k: v for k, v in vars(fused_ref).items() if not k.startswith("__")})
+    module.__dict__.update(changes)
+    return module
+
+
+def broken_attention(*_):
+    raise RuntimeError("no kernel image is available for execution on the device")
+
+
+def wrong_attention(layer, qkv, pos, keys, values):
+    out, keys, values = fused_ref.attention(layer, qkv, pos, keys, values)
+    return out * 3, keys, values
+
+
+@pytest.mark.parametrize("kernels,attached", [(fused_ref, True), (kernels_with(attention=broken_attention), False),
+                                              (kernels_with(attention=wrong_attention), False)])
+def test_the_loader_attaches_a_program_only_where_it_runs_and_agrees(kernels, attached, caplog):
+    """The loader checks the program on the model before attaching it (decode_step.check): a kernel
+    that fails on the device, or logits that part from the model's own, leave the model on its own
+    forward with a warning saying why, and its tokens are mlx-lm's either way."""
+    config, bits = CONFIGS["qwen3"]
+    shape = Shape("qwen3", config, bits=bits)
+    plain = build_module(shape, dtype=None, seed=3)
+    model = to_gpu_layout(build_module(shape, dtype=None, seed=3))
+    with caplog.at_level("WARNING", logger="engine.kernels.decode_step"):
+        assert decode_step.attach(model, kernels, cap_step=8, checked=True) is attached
+    assert hasattr(model, "decode_program") is attached
+    assert ("one-token steps run the model's own forward" in caplog.text) is (not attached)
+    assert greedy(model, 12) == greedy(plain, 12)

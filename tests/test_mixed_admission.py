@@ -3,6 +3,8 @@ model cache fits the memory budget runs at once, in one batched step; the budget
 refuses the next one; `max_running` still caps the rows when given (`mlxchat serve --max-running`).
 Tiny random-weight llama (tests/tiny_models.py)."""
 
+from collections import Counter
+
 import pytest
 
 from engine.decoding.sampling import SamplingParams
@@ -50,3 +52,39 @@ def test_serve_takes_a_max_running_override_and_refuses_a_bad_one():
     assert "--max-running" in runner.invoke(cli, ["serve", "--help"]).output
     bad = runner.invoke(cli, ["serve", "--max-running", "0", "--no-browser"])
     assert bad.exit_code == 2 and "--max-running" in bad.output
+
+
+LONG = [100 + (i * 7) % 300 for i in range(400)]
+
+
+@pytest.mark.parametrize("room_for_padding", [False, True])
+def test_a_long_row_joins_short_ones_only_where_the_budget_holds_its_padding(llama, serve, room_for_padding):
+    """A decode batch keeps every row as wide as its longest (mlx-lm's layout): a 400-token row
+    beside three 32-token ones makes all four 408 tokens wide, more than their own reservations
+    hold, and so does the call that feeds the four prompts' last tokens together. Both reserve that
+    padding in the memory budget; where the budget has no room for it, the long row runs alone
+    beside the short ones. Either way each answer is the one it gets alone, and every byte is
+    given back at the end."""
+    target = watched(llama)
+    probe = serve(llama)
+    weights = probe.status().weight_bytes
+    own = probe.request_bytes(len(LONG), 8) + 3 * probe.request_bytes(len(PROMPT), 8)
+    together = 4 * probe.request_bytes(len(LONG), 8)  # every row as wide as the long one
+    alone = {}
+    for prompt in [LONG] + [PROMPT[i:] + PROMPT[:i] for i in range(3)]:
+        alone[tuple(prompt)] = tokens_of(probe.submit(prompt_tokens=prompt, params=SamplingParams(max_tokens=8)))
+    budget = weights + (together if room_for_padding else own) + 1024
+    engine = serve(target, prefix_cache=False, memory_budget=budget)
+    target.model.gate.clear()  # all four are admitted before the first model call
+    prompts = [LONG] + [PROMPT[i:] + PROMPT[:i] for i in range(3)]
+    handles = [engine.submit(prompt_tokens=p, params=SamplingParams(max_tokens=8)) for p in prompts]
+    target.model.gate.set()
+    assert [tokens_of(h) for h in handles] == [alone[tuple(p)] for p in prompts]
+    steps = Counter(rows for rows, tokens in target.model.shapes if tokens == 1)
+    # the prompts' last tokens go through one call together (prefill_together, its merged cache
+    # as padded), then 7 batched steps: of 4 rows, or of the 3 short ones beside the long one's own
+    if room_for_padding:
+        assert steps[4] == 8 and steps[3] == 0, steps
+    else:
+        assert steps[4] == 0 and steps[3] == 8, steps
+    assert engine.status().reserved_bytes == 0

@@ -26,6 +26,7 @@ kernels in MLX ops, and compare its tokens with mlx-lm's (tests/test_decode_step
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ from mlx_lm.models.rope_utils import Llama3RoPE
 
 from .. import device
 from .gpu_layout import StackedAttention, StackedMLP
+
+log = logging.getLogger(__name__)
 
 SWITCH = "MLXCHAT_CUDA_DECODE"
 CAP_STEP = 1024  # the cache buffers grow by this many positions; the graph is traced per length
@@ -277,9 +280,14 @@ class FusedDecode:
 _CLASSES: dict[type, type] = {}
 
 
-def attach(model: nn.Module, kernels: ModuleType | None = None, cap_step: int = CAP_STEP) -> bool:
+def attach(model: nn.Module, kernels: ModuleType | None = None, cap_step: int = CAP_STEP,
+           checked: bool | None = None) -> bool:
     """Give `model` a DecodeProgram on `kernels` (default: fused_cuda.py on CUDA, nothing
-    elsewhere) when it can run one; returns whether it did."""
+    elsewhere) when it can run one; returns whether it did. `checked` (default: for the default
+    kernels): the program is checked on the model first (`check`); one whose kernels do not
+    compile or run on this device, or whose logits part from the model's own, is not attached
+    (the model runs its own forward, and the log says why)."""
+    checked = kernels is None if checked is None else checked
     if kernels is None:
         how = mode()
         if how == "off":
@@ -291,6 +299,13 @@ def attach(model: nn.Module, kernels: ModuleType | None = None, cap_step: int = 
     program = DecodeProgram.build(model, kernels, cap_step)
     if program is None:
         return False
+    if checked:
+        gate = check(model, program)
+        if not gate["kept"]:
+            log.warning("one-token steps run the model's own forward: the compiled step %s",
+                        f"failed ({gate['error']})" if "error" in gate else
+                        f"parts from it by {gate['rel_diff']:.3g} of the largest logit")
+            return False
     cls = type(model)
     if cls not in _CLASSES:
         base = cls.__bases__[-1] if issubclass(cls, FusedDecode) else cls
@@ -298,6 +313,39 @@ def attach(model: nn.Module, kernels: ModuleType | None = None, cap_step: int = 
     model.__class__ = _CLASSES[cls]
     object.__setattr__(model, "decode_program", program)
     return True
+
+
+GATE = 0.05  # the most the program's logits may part from the model's own, of the largest logit
+
+
+def check(model: nn.Module, program: DecodeProgram, prompt: list[int] | None = None,
+          steps: int = 2) -> dict[str, Any]:
+    """The program's logits against the model's own forward (`model` not yet attached, or with
+    the program turned off) over `steps` greedy one-token steps after `prompt` (default: 8 token
+    ids every vocabulary has), each side on its own cache fed the same tokens: the largest
+    difference over the largest logit, the greedy tokens they agree on, and whether it is within
+    GATE (`kept`). A kernel that does not compile or run gives `kept` False and the `error`."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    prompt = list(prompt or range(1, 9))
+    enabled, program.enabled = program.enabled, False
+    try:
+        mine, theirs = make_prompt_cache(model), make_prompt_cache(model)
+        x = mx.array([prompt], dtype=mx.uint32)
+        mx.eval(model(x, cache=mine), model(x, cache=theirs))
+        token, worst, same = prompt[-1], 0.0, 0
+        for _ in range(steps):
+            y = mx.array([[token]], dtype=mx.uint32)
+            a = program(y, mine).astype(mx.float32)
+            b = model(y, cache=theirs).astype(mx.float32)
+            worst = max(worst, (mx.abs(a - b).max() / mx.abs(b).max()).item())
+            same += int(mx.argmax(a).item() == mx.argmax(b).item())
+            token = int(mx.argmax(b).item())
+    except Exception as exc:  # noqa: BLE001 - a kernel that does not compile or run here
+        return {"program": True, "error": f"{type(exc).__name__}: {exc}"[:2000], "kept": False}
+    finally:
+        program.enabled = enabled
+    return {"program": True, "rel_diff": worst, "same_argmax": f"{same}/{steps}", "kept": worst < GATE}
 
 
 def mode() -> str:

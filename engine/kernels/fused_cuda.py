@@ -59,7 +59,7 @@ def _matvec_source(quantized: bool, add: bool, norm: bool) -> str:
     """The kernel body calling matvec_impl with the inputs this variant has (nullptr for others)."""
     w = "w" if quantized else "reinterpret_cast<const uint32_t*>(w)"
     scales = "scales, biases" if quantized else "(const T*)nullptr, (const T*)nullptr"
-    return (f"matvec_impl<T, {'ST' if quantized else 'T'}, BITS, GS, K, N, R, E, XN, U>(x, {w}, {scales}, "
+    return (f"matvec_impl<T, {'ST' if quantized else 'T'}, BITS, GS, K, N, R, E, XN, U, PF>(x, {w}, {scales}, "
             f"{'a' if add else '(const T*)nullptr'}, {'nw' if norm else '(const T*)nullptr'}, "
             f"{'ne' if norm else '(const float*)nullptr'}, y);")
 
@@ -114,13 +114,14 @@ def rows_per_warp(n: int) -> int:
 def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array | None,
            bits: int, group_size: int, epilogue: int = 0, a: mx.array | None = None,
            norm: tuple[mx.array, float] | None = None, rows: int | None = None,
-           unroll: int = UNROLL) -> mx.array:
+           unroll: int = UNROLL, prefetch: bool = True) -> mx.array:
     """y = x @ W.T for one row x (any leading shape of size 1, last dim K), W (N, K) dense
     (`bits` 16) or (N, K * bits / 32) packed (4, 8: MLX's affine layout); `epilogue` 1 adds `a`
     (N,), 2 takes SwiGLU of W's halves (N / 2 outputs); `norm` (weight, eps): x RMS-normalised
-    first, as mx.fast.rms_norm(x, weight, eps) would. `rows` (output units per warp) and `unroll`
-    (words a lane loads before it computes) override the defaults, for the bench. Output: x's
-    leading shape, the outputs."""
+    first, as mx.fast.rms_norm(x, weight, eps) would. `rows` (output units per warp), `unroll`
+    (words a lane loads before it computes) and `prefetch` (the first words loaded before x is
+    staged; False: after) override the defaults, for the bench. Output: x's leading shape, the
+    outputs."""
     k, n = x.shape[-1], w.shape[0]
     if rows is None and mma_wanted(bits, group_size, k, x.size // k):
         return qmma4(x, w, scales, biases, group_size, epilogue, a, norm)
@@ -141,7 +142,8 @@ def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array |
         inputs=arrays,
         template=[("T", x.dtype), ("ST", scales.dtype if quantized else x.dtype),
                   ("BITS", bits if quantized else 16), ("GS", group_size if quantized else 8),
-                  ("K", k), ("N", n), ("R", r), ("E", epilogue), ("XN", xn), ("U", unroll)],
+                  ("K", k), ("N", n), ("R", r), ("E", epilogue), ("XN", xn), ("U", unroll),
+                  ("PF", int(prefetch))],
         grid=(-(-threads // block) * block, 1, 1), threadgroup=(block, 1, 1),
         output_shapes=[(*x.shape[:-1], out)], output_dtypes=[x.dtype])[0]
 
@@ -236,8 +238,10 @@ def attention(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: 
     cap = keys.shape[2]
     s, ch = splits(cap)
     norm = layer.q_norm is not None
-    qn = layer.q_norm.weight if norm else layer.inv_freq  # unread without NORM
-    kn = layer.k_norm.weight if norm else layer.inv_freq
+    # without NORM they are unread, but typed as the kernel's T (MLX declares each input by its
+    # dtype): the layer's input norm weight stands in
+    qn = layer.q_norm.weight if norm else layer.norm_in
+    kn = layer.k_norm.weight if norm else layer.norm_in
     kernel = _kernel("attention", ["qkv", "qn", "kn", "invf", "fp", "pos", "kc", "vc", "cnt"],
                      ["pm", "pl", "pa", "y"], _ATTENTION)
     out = kernel(

@@ -18,7 +18,7 @@ qwen3_5, with rows of different lengths). With OpenBLAS, fp32 matmul results can
 bits with the number of rows; tests/test_scheduler.py checks that no token changes.
 """
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,7 +26,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..events import Event
 from ..model_cache import CacheOps
-from ..slot_cache import keep_order
+from ..slot_cache import keep_order, slots_for
 from ..decoding.generate import Generation, PrefixStore
 from ..decoding.mixed import cache_fits, mixed_call, supports as supports_mixed
 from ..decoding.sampling import sample_rows
@@ -110,6 +110,7 @@ class DecodeBatch:
         self.caches = caches
         self.rows: list[Generation] = []
         self.cache: list[Any] = []
+        self.reserved = 0  # bytes of the memory budget its padding holds (the scheduler's)
         self._stores: dict[int, PrefixStore | None] = {}
         # the tokens the last step sampled (evaluating) and the rows they belong to, in order
         self._sampled: mx.array | None = None
@@ -121,6 +122,26 @@ class DecodeBatch:
         batch's next step (engine/decoding/mixed.py)."""
         return (self.mixed and bool(self.rows) and can_prefill_together(gen)
                 and cache_fits(self.cache, gen.cache))
+
+    def padding_need(self, footprint: KVFootprint, joining: Sequence[Generation] = ()) -> int:
+        """The bytes this batch's cache may take beyond its rows' own reservations once `joining`
+        join (each request reserves its own cache at full length, `bytes_for(prompt + max_tokens)`,
+        at admission). A batch cache keeps mlx-lm's layout: every row as wide as the longest, so a
+        long row beside short ones makes each of them as long (and a free slot as well). The
+        widest the rows may grow to is fixed at a join (each step adds a token to every row and
+        takes one from what each may still add); the columns a longer row that left had held stay
+        until the buffers next grow (engine/slot_cache.py), so the width is never less than the
+        buffers' now. Slots: the buffers' (a join past them makes `slots_for` rows); the free slots
+        a decode step's growth adds (a quarter of the rows) are not counted."""
+        rows = list(self.rows) + list(joining)
+        if not rows:
+            return 0
+        width = max(max(len(g.fed) + max(g.params.max_tokens - len(g.generated), 0) for g in rows),
+                    max((getattr(c, "_idx", 0) for c in self.cache), default=0))
+        held = max((getattr(c, "slots", 0) for c in self.cache), default=0)  # SlotKVCache's
+        slots = held if len(rows) <= held else (slots_for(len(rows)) if held else len(rows))
+        own = sum(footprint.bytes_for(len(g.prompt.tokens) + g.params.max_tokens) for g in rows)
+        return max(0, slots * footprint.bytes_for(width) - own)
 
     def __contains__(self, gen: Generation) -> bool:
         return id(gen) in self._stores  # every row has its entry there

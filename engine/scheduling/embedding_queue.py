@@ -42,6 +42,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..decoding.generate import default_prefill_chunk
 from ..decoding.pooling import embed_batch, finish_pooled, pool_segment
+from ..decoding.prompt_size import max_token_chars
 from ..loading.embedding_recipe import EmbeddingRecipe, embedding_recipe
 from ..loading.rerank_recipe import rerank_recipe
 from ..errors import EngineError, InvalidRequest, ModelLoadError, Overloaded
@@ -115,10 +116,14 @@ class _Model:
     hidden_size: int
     asked: str  # how the pool is asked for it (a chat model's name, a dedicated model's folder)
     dedicated: bool = False  # loaded by the queue's own loader (`load_model`)
+    longest: int = 0  # its tokenizer's longest entry, where known (a chat model's, kept by it)
 
     @functools.cached_property
     def token_chars(self) -> int:
-        """The most characters one token stands for (its tokenizer's longest entry)."""
+        """The most characters one token stands for (its tokenizer's longest entry: reading the
+        vocabulary takes ~30 ms, once per model)."""
+        if self.longest:
+            return self.longest
         vocab = getattr(self.tokenizer, "vocab", None) or {}
         return max((len(t) for t in vocab), default=0) or 1 << 10
 
@@ -278,7 +283,7 @@ class EmbeddingQueue:
         text = _text_config(lm.config)
         return _Model(lm.name, lm.path, embedding_recipe(lm.path), lm.tokenizer,
                       int(text["vocab_size"]), lm.context_length, int(text["hidden_size"]),
-                      asked=lm.name)
+                      asked=lm.name, longest=max_token_chars(lm))
 
     def tokenize(self, target: _Model, inputs: Any, truncate: bool, query: bool,
                  field: str = "input") -> list[list[int]]:

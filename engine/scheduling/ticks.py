@@ -477,9 +477,39 @@ class Scheduler:
                 solo.append(h)
         if leaving:
             batch.leave(leaving)
+            self._release_padding(slot)
         if joining:
-            batch.join(joining)
+            taken = self._reserve_padding(slot, joining)
+            solo += [h for h in running if h.generation in joining and h.generation not in taken]
+            if taken:
+                batch.join(taken)
         return solo
+
+    def _reserve_padding(self, slot: ModelSlot, joining: list[Generation]) -> list[Generation]:
+        """The joiners whose padding the memory budget has room for, the batch's reservation grown
+        to hold it (`DecodeBatch.padding_need`), shortest first (a long row beside short ones is
+        the padding); the others step alone (their own reservation holds their cache) and try
+        again next tick."""
+        batch, taken = slot.batch, []
+        for gen in sorted(joining, key=lambda g: len(g.fed) + g.params.max_tokens - len(g.generated)):
+            need = batch.padding_need(slot.footprint, taken + [gen])
+            if need <= batch.reserved or self.budget.try_reserve(need - batch.reserved):
+                batch.reserved = max(batch.reserved, need)
+                taken.append(gen)
+        if not len(batch) and len(taken) == 1:  # a lone decoder runs solo (see _regroup)
+            self._release_padding(slot)
+            return []
+        return taken
+
+    def _release_padding(self, slot: ModelSlot) -> None:
+        """Give back the part of the batch's reservation its rows no longer need."""
+        batch = slot.batch
+        if batch is None:
+            return
+        need = batch.padding_need(slot.footprint) if len(batch) else 0
+        if need < batch.reserved:
+            self.budget.release(batch.reserved - need)
+            batch.reserved = need
 
     def _step_batch(self, slot: ModelSlot, running: list[RequestHandle],
                     rider: Rider | None = None) -> None:
@@ -492,10 +522,12 @@ class Scheduler:
             results = batch.step(rider)
         except Exception as exc:  # the shared model call: every row fails, the engine serves on
             results = [(gen, exc) for gen in batch.rows + ([rider[0]] if rider else [])]
+            self.budget.release(batch.reserved)
             slot.batch = DecodeBatch(batch.model, batch.caches)
         finished = [gen for gen, _ in results if gen.done and gen in slot.batch]
         if finished:
             slot.batch.leave(finished)
+            self._release_padding(slot)
         for gen, outcome in results:
             self._advance(by_gen[id(gen)], outcome)
 
@@ -557,11 +589,23 @@ class Scheduler:
         return max(budget, 0)
 
     def _run_together(self, group: list[tuple[RequestHandle, list[int]]]) -> None:
+        """One call for `group`'s chunks; its merged cache is every row as long as the longest
+        (left-padded), beyond what the rows' own reservations hold: that padding is reserved in
+        the memory budget for the call, and where the budget has no room the longest prompt's
+        chunk runs alone first (and so on)."""
         if len(group) == 1:  # alone it runs as its own prefill step does
             h, tokens = group[0]
             self._step(h, prefill_limit=len(tokens))
             return
         if not group:
+            return
+        footprint = group[0][0].slot.footprint
+        lengths = [len(h.generation.fed) + len(t) for h, t in group]
+        padding = sum(footprint.bytes_for(max(lengths)) - footprint.bytes_for(n) for n in lengths)
+        if padding > 0 and not self.budget.try_reserve(padding):
+            longest = lengths.index(max(lengths))
+            self._run_together([group[longest]])
+            self._run_together(group[:longest] + group[longest + 1:])
             return
         lm = group[0][0].slot.lm
         try:
@@ -569,6 +613,8 @@ class Scheduler:
             outcomes: list[list[Event] | Exception] = [f if f is not None else [] for f in failures]
         except Exception as exc:  # the shared model call: every request in it fails
             outcomes = [exc] * len(group)
+        finally:
+            self.budget.release(max(padding, 0))
         for (h, _), outcome in zip(group, outcomes):
             self._advance(h, outcome)
 
@@ -606,6 +652,7 @@ class Scheduler:
         batch = handle.slot.batch
         if batch is not None and gen in batch:
             batch.leave([gen])
+            self._release_padding(handle.slot)
         gen.release()
         state = {"cancelled": "cancelled", "failed": "failed"}.get(gen.finish_reason, "finished")
         with self._wake:

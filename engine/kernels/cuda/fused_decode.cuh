@@ -90,7 +90,7 @@ __device__ __forceinline__ void stage_x(const T* x, const T* nw, const float* ne
   __syncthreads();
 }
 
-template <typename T, typename ST, int BITS, int GS, int K, int N, int R, int E, int XN, int UNROLL>
+template <typename T, typename ST, int BITS, int GS, int K, int N, int R, int E, int XN, int UNROLL, int PF = 1>
 __device__ __forceinline__ void matvec_impl(const T* x, const uint32_t* w, const ST* scales,
                                             const ST* biases, const T* a, const T* nw,
                                             const float* ne, T* y) {
@@ -105,10 +105,8 @@ __device__ __forceinline__ void matvec_impl(const T* x, const uint32_t* w, const
   constexpr int RR = (E == 2) ? 2 * R : R;
   constexpr int GROUPS = (BITS == 16) ? 1 : K / GS;
   __shared__ __align__(16) float xsh[XN ? K : 4];
-  if constexpr (XN != 0) stage_x<T, K, XN>(x, nw, ne, xsh);
   const int lane = threadIdx.x & 31;
   const int unit0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-  if (unit0 >= OUT) return;  // the whole warp: its lanes share the units
   int row[RR];
   #pragma unroll
   for (int r = 0; r < R; ++r) {
@@ -120,16 +118,33 @@ __device__ __forceinline__ void matvec_impl(const T* x, const uint32_t* w, const
   #pragma unroll
   for (int r = 0; r < RR; ++r) acc[r] = 0.f;
   const uint4* w4 = reinterpret_cast<const uint4*>(w);
-  #pragma unroll 1
-  for (int v0 = 0; v0 < PER_LANE; v0 += UNROLL) {
-    uint4 wv[UNROLL][RR];
+  // a round's weight words (UNROLL per lane and row), loaded before any of them is used; the
+  // first round's loads go out before x is staged, so the weights' memory latency overlaps the
+  // staging (and the RMS norm) instead of following it; each word's scale and bias with it
+  uint4 wv[UNROLL][RR];
+  ST sv[UNROLL][RR], bv[UNROLL][RR];
+  auto load_round = [&](int v0) {
     #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int v = (v0 + u) * 32 + lane;
+      const bool in = v < VECS && unit0 < OUT;
       #pragma unroll
-      for (int r = 0; r < RR; ++r)
-        wv[u][r] = (v < VECS) ? __ldg(w4 + (size_t)row[r] * VECS + v) : make_uint4(0u, 0u, 0u, 0u);
+      for (int r = 0; r < RR; ++r) {
+        wv[u][r] = in ? __ldg(w4 + (size_t)row[r] * VECS + v) : make_uint4(0u, 0u, 0u, 0u);
+        if constexpr (BITS != 16) {
+          const size_t at = (size_t)row[r] * GROUPS + (in ? (v * VALS) / GS : 0);
+          sv[u][r] = scales[at];
+          bv[u][r] = biases[at];
+        }
+      }
     }
+  };
+  if constexpr (PF != 0) load_round(0);  // PF 0: after the staging (the bench's comparison)
+  if constexpr (XN != 0) stage_x<T, K, XN>(x, nw, ne, xsh);
+  if (unit0 >= OUT) return;  // the whole warp: its lanes share the units
+  #pragma unroll 1
+  for (int v0 = 0; v0 < PER_LANE; v0 += UNROLL) {
+    if (v0 > 0 || PF == 0) load_round(v0);
     #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int v = (v0 + u) * 32 + lane;
@@ -151,12 +166,10 @@ __device__ __forceinline__ void matvec_impl(const T* x, const uint32_t* w, const
           float sx = 0.f;
           #pragma unroll
           for (int j = 0; j < VALS; ++j) sx += xs[j];
-          const int g = (v * VALS) / GS;
           #pragma unroll
           for (int r = 0; r < RR; ++r) {
             const float qx = dot_word<BITS, T>(wv[u][r], xs);
-            const size_t at = (size_t)row[r] * GROUPS + g;
-            acc[r] += static_cast<float>(scales[at]) * qx + static_cast<float>(biases[at]) * sx;
+            acc[r] += static_cast<float>(sv[u][r]) * qx + static_cast<float>(bv[u][r]) * sx;
           }
         }
       }
@@ -388,6 +401,37 @@ __device__ __forceinline__ void qmma4_impl(const T* x, const uint32_t* w, const 
   __shared__ float part[TPW][KW][16];  // [tile][warp][row]: x's row (column 0 of the products)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
+  float acc[TPW][2];  // rows g and g + 8 of each tile, x's row 0 (lanes t == 0 hold it)
+  #pragma unroll
+  for (int i = 0; i < TPW; ++i) acc[i][0] = acc[i][1] = 0.f;
+  int rlo[TPW], rhi[TPW];
+  #pragma unroll
+  for (int i = 0; i < TPW; ++i) {
+    const int tile = min(blockIdx.x * TPW + i, TILES - 1);
+    if constexpr (E == 2) {
+      const int u = min(tile * 8 + g, OUT - 1);
+      rlo[i] = u;
+      rhi[i] = u + OUT;
+    } else {
+      rlo[i] = min(tile * 16 + g, N - 1);
+      rhi[i] = min(tile * 16 + g + 8, N - 1);
+    }
+  }
+  // a round's weights (U chunks per warp), loaded before any is used; the first round's loads go
+  // out before x is staged, so their memory latency overlaps the staging and the RMS norm
+  uint2 lo[U][TPW], hi[U][TPW];
+  auto load_round = [&](int c0) {
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = min(c0 + u * KW, CHUNKS - 1);
+      #pragma unroll
+      for (int i = 0; i < TPW; ++i) {
+        lo[u][i] = __ldg(reinterpret_cast<const uint2*>(w + (size_t)rlo[i] * WORDS + c * 8) + t);
+        hi[u][i] = __ldg(reinterpret_cast<const uint2*>(w + (size_t)rhi[i] * WORDS + c * 8) + t);
+      }
+    }
+  };
+  load_round(warp);
   {  // x into shared memory as T (RMS-normalised as MLX rounds it when XN == 2), its chunk sums
     constexpr int PER = (K + 32 * KW - 1) / (32 * KW);
     float v[PER];
@@ -406,34 +450,9 @@ __device__ __forceinline__ void qmma4_impl(const T* x, const uint32_t* w, const 
     __syncthreads();
   }
   const unsigned short* xb = reinterpret_cast<const unsigned short*>(xs);
-  float acc[TPW][2];  // rows g and g + 8 of each tile, x's row 0 (lanes t == 0 hold it)
-  #pragma unroll
-  for (int i = 0; i < TPW; ++i) acc[i][0] = acc[i][1] = 0.f;
-  int rlo[TPW], rhi[TPW];
-  #pragma unroll
-  for (int i = 0; i < TPW; ++i) {
-    const int tile = min(blockIdx.x * TPW + i, TILES - 1);
-    if constexpr (E == 2) {
-      const int u = min(tile * 8 + g, OUT - 1);
-      rlo[i] = u;
-      rhi[i] = u + OUT;
-    } else {
-      rlo[i] = min(tile * 16 + g, N - 1);
-      rhi[i] = min(tile * 16 + g + 8, N - 1);
-    }
-  }
   #pragma unroll 1
   for (int c0 = warp; c0 < CHUNKS; c0 += KW * U) {
-    uint2 lo[U][TPW], hi[U][TPW];
-    #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = min(c0 + u * KW, CHUNKS - 1);
-      #pragma unroll
-      for (int i = 0; i < TPW; ++i) {
-        lo[u][i] = __ldg(reinterpret_cast<const uint2*>(w + (size_t)rlo[i] * WORDS + c * 8) + t);
-        hi[u][i] = __ldg(reinterpret_cast<const uint2*>(w + (size_t)rhi[i] * WORDS + c * 8) + t);
-      }
-    }
+    if (c0 != warp) load_round(c0);
     #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + u * KW;

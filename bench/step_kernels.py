@@ -1,0 +1,110 @@
+"""Each kernel of a batch-1 decode step, timed by Nsight Compute: where a step's device time goes.
+
+    ncu --nvtx --nvtx-include "steps/" --clock-control none --csv \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size,launch__registers_per_thread \
+        python -m bench.step_kernels --device gpu --shape qwen3-8b-4bit --steps 2 > kernels.csv
+    python -m bench.step_kernels --summarize kernels.csv --steps 2
+
+The first command builds the shape's random model, prefills 64 tokens, takes 8 warm-up steps and
+then `--steps` steps inside an NVTX range named "steps", which is all ncu profiles (each kernel
+alone, so the sum is the device's work with no launch gaps). The second groups the rows by kernel
+(per step: count, µs, GB read, GB/s) against the step's whole weight read. Without ncu the first
+command still prints the steps' wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+
+def run(shape: str, steps: int, warm: int) -> None:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from .shapes import build, prompt_ids, vocab_size
+
+    lm = build(shape)
+    model = lm.model
+    prompt = prompt_ids(64, vocab_size(shape), seed=1)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([prompt], dtype=mx.uint32), cache=cache))
+    y = mx.array([[int(prompt[-1])]], dtype=mx.uint32)
+    for _ in range(warm):
+        mx.eval(model(y, cache=cache))
+    mx.synchronize()
+    try:
+        from torch.cuda import nvtx  # the device image's PyTorch: NVTX ranges for ncu's filter
+    except Exception:  # noqa: BLE001 - no PyTorch: ncu then profiles every kernel
+        nvtx = None
+    if nvtx:
+        nvtx.range_push("steps")
+    t = time.perf_counter()
+    for _ in range(steps):
+        mx.eval(model(y, cache=cache))
+    mx.synchronize()
+    ms = (time.perf_counter() - t) / steps * 1e3
+    if nvtx:
+        nvtx.range_pop()
+    program = getattr(model, "decode_program", None)
+    print(f"# {shape}: {steps} steps, {ms:.2f} ms a step (wall, under the profiler if any); "
+          f"decode program {'on' if program is not None and program.enabled else 'off'}", file=sys.stderr)
+
+
+def summarize(path: str, steps: int) -> None:
+    rows = []
+    with open(path) as f:
+        lines = [ln for ln in f if ln.startswith('"')]
+    for r in csv.DictReader(lines):
+        rows.append(r)
+    per: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
+    for r in rows:
+        key = (r["ID"], r["Kernel Name"])
+        unit, val = r["Metric Unit"], float(r["Metric Value"].replace(",", "") or 0)
+        name = r["Metric Name"]
+        if name == "gpu__time_duration.sum":
+            val *= {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(unit, 1.0)
+        elif name == "dram__bytes_read.sum":
+            val *= {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}.get(unit, 1.0)
+        per[key][name] = val
+        per[key]["grid"] = r.get("Grid Size", "")
+    groups: dict[str, list[dict[str, float]]] = defaultdict(list)
+    for (_, name), m in per.items():
+        short = name.split("(")[0].split("<")[0]
+        groups[short + " " + str(m.get("grid", ""))].append(m)
+    total_us = sum(m.get("gpu__time_duration.sum", 0) for m in per.values()) / steps
+    total_b = sum(m.get("dram__bytes_read.sum", 0) for m in per.values()) / steps
+    print(f"{'kernel (grid)':60s} {'n/step':>7s} {'us/step':>9s} {'med us':>8s} {'MB read':>9s} {'GB/s':>7s}")
+    for k, ms in sorted(groups.items(), key=lambda kv: -sum(m.get("gpu__time_duration.sum", 0) for m in kv[1])):
+        us = [m.get("gpu__time_duration.sum", 0) for m in ms]
+        b = sum(m.get("dram__bytes_read.sum", 0) for m in ms)
+        print(f"{k[:60]:60s} {len(ms) / steps:7.1f} {sum(us) / steps:9.1f} {statistics.median(us):8.2f} "
+              f"{b / steps / 1e6:9.2f} {b / max(sum(us), 1e-9) / 1e3:7.0f}")
+    print(f"{'all kernels':60s} {len(per) / steps:7.1f} {total_us:9.1f} {'':8s} {total_b / 1e6:9.2f} "
+          f"{total_b / max(total_us, 1e-9) / 1e3:7.0f}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="qwen3-8b-4bit")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--warm", type=int, default=8)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--summarize", help="an ncu --csv report to group by kernel")
+    a = ap.parse_args(argv)
+    if a.summarize:
+        summarize(a.summarize, a.steps)
+        return 0
+    from engine import device
+
+    device.select_device(a.device)
+    run(a.shape, a.steps, a.warm)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

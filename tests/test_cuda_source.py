@@ -1,0 +1,95 @@
+"""The CUDA kernels of the one-token decode step (engine/kernels/fused_cuda.py) compile as MLX would
+compile them, here, without a GPU: each kernel the step launches is recorded on the CPU (a stand-in
+for `mx.fast.cuda_kernel` that keeps the source, the inputs' dtypes and the template arguments, and
+returns zeros), its source written out the way MLX's CUDA backend writes a custom kernel
+(mlx/backend/cuda/custom_kernel.cpp `build_kernel`: each input `const <its dtype>*`, each output
+`<dtype>*`, the template arguments as `constexpr` / `using` lines before the body), and nvcc
+compiles it for sm_90. A kernel that does not compile would fail the first decode step of every
+request on an NVIDIA GPU; this finds it before a device call. Skipped where nvcc is missing."""
+
+import shutil
+import subprocess
+
+import mlx.core as mx
+import pytest
+
+from bench.shapes import Shape, build_module
+from engine.kernels import decode_step, fused_cuda
+from engine.kernels.gpu_layout import to_gpu_layout
+from tiny_models import LLAMA
+
+NVCC = shutil.which("nvcc")
+pytestmark = [pytest.mark.skipif(NVCC is None, reason="nvcc is not installed"), pytest.mark.timeout(300)]
+
+CTYPE = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float", mx.uint32: "uint32_t",
+         mx.int32: "int32_t"}
+# a model the kernels take (head dim 64, 16-bit): llama (no q/k norms, RoPE's frequencies only),
+# qwen2 (projection biases), qwen3 (q/k norms), in bf16 and fp16, dense and 4- and 8-bit
+WIDE = {**LLAMA, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64}
+KINDS = [("llama", None, mx.bfloat16), ("qwen2", None, mx.float16), ("qwen3", None, mx.bfloat16),
+         ("llama", 4, mx.bfloat16), ("qwen3", 4, mx.float16), ("qwen3", 8, mx.bfloat16)]
+
+
+class Recorder:
+    """Stands in for `mx.fast.cuda_kernel`: every launch's kernel source as MLX would write it."""
+
+    def __init__(self):
+        self.sources: dict[str, str] = {}
+
+    def __call__(self, name, input_names, output_names, source, header="", **_):
+        def launch(inputs, output_shapes, output_dtypes, template=(), **__):
+            args = "_".join(str(v) for _, v in template)
+            lines = [f"const {CTYPE[a.dtype]}* {n}" for n, a in zip(input_names, inputs)]
+            lines += [f"{CTYPE[d]}* {n}" for n, d in zip(output_names, output_dtypes)]
+            consts = []
+            for key, value in template:
+                if isinstance(value, bool):
+                    consts.append(f"  constexpr bool {key} = {'true' if value else 'false'};")
+                elif isinstance(value, int):
+                    consts.append(f"  constexpr int {key} = {value};")
+                else:
+                    consts.append(f"  using {key} = {CTYPE[value]};")
+            signature = ",\n    ".join(lines) + ") {\n" + "\n".join(consts) + "\n" + source
+            key = f"{name}_{args}({', '.join(lines)})"
+            if key not in self.sources:  # each kernel named as MLX names it, made unique here
+                self.sources[key] = (
+                    f"{header}\nnamespace mlx::core::cu {{\nnamespace cg = cooperative_groups;\n"
+                    f"__global__ void kernel_{len(self.sources)}(\n    {signature}\n}}\n}}\n")
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+        return launch
+
+
+def test_every_kernel_the_decode_step_launches_compiles(tmp_path, monkeypatch):
+    recorder = Recorder()
+    monkeypatch.setattr(fused_cuda.mx.fast, "cuda_kernel", recorder)
+    monkeypatch.setattr(fused_cuda, "_KERNELS", {})
+    monkeypatch.setattr(fused_cuda, "_HEADER", [f'#include "{fused_cuda.DEVICE_CODE}"\n'])
+    for kind, bits, dtype in KINDS:
+        model = to_gpu_layout(build_module(Shape(kind, {**WIDE, "model_type": kind}, bits=bits),
+                                           dtype=dtype, seed=1))
+        program = decode_step.DecodeProgram.build(model, fused_cuda)
+        assert program is not None, (kind, bits, dtype)
+        layer = program.layers[0]
+        kv = [mx.zeros((1, layer.kv_heads, 1024, layer.head_dim), dtype) for _ in range(2 * len(program.layers))]
+        program._forward(mx.array([[3]]), mx.array([5], dtype=mx.int32), *kv)
+        for variant in ({"prefetch": False}, {"rows": 1, "unroll": 8}):  # the bench's sweep
+            q = program.layers[0].o
+            fused_cuda.matvec(mx.zeros((1, 1, q.inputs), dtype), q.w, q.scales, q.biases, q.bits,
+                              q.group_size, 1, mx.zeros((q.w.shape[0],), dtype), **variant)
+        if bits == 4:  # the tensor-core variant (MLXCHAT_CUDA_MV=mma)
+            q = program.layers[0].gate_up
+            fused_cuda.qmma4(mx.zeros((1, 1, q.inputs), dtype), q.w, q.scales, q.biases, q.group_size, 2,
+                             norm=(program.layers[0].norm_post, 1e-5))
+    assert len(recorder.sources) >= 20
+    prelude = ("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cstdint>\n"
+               "#include <cooperative_groups.h>\n")
+    # one translation unit (the device code is included once): one nvcc run, to PTX (what NVRTC
+    # makes of it)
+    unit = tmp_path / "kernels.cu"
+    unit.write_text(prelude + "\n".join(recorder.sources.values()))
+    out = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", "-ptx", "-diag-suppress", "128,177",
+                          "-o", str(tmp_path / "kernels.ptx"), str(unit)], capture_output=True, text=True,
+                         timeout=280)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
+    assert out.stdout.count("error") == 0
