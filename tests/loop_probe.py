@@ -1,5 +1,5 @@
 """How long `/health` takes to answer while something else runs: the event loop's stalls seen from
-outside. A thread polls `/health` back to back and records each round trip."""
+outside. A thread polls `/health` every POLL_GAP_S and records each round trip."""
 
 import threading
 import time
@@ -36,6 +36,14 @@ def assert_responsive(probe: "HealthProbe", idle: float) -> None:
     assert probe.worst < idle + STALL_S, f"/health stalled {probe.worst:.2f} s (idle {idle:.2f} s)"
 
 
+# The pause between one round trip's end and the next request. A stall of the event loop holds
+# the request in flight, or the next one (sent at most this much later), until it ends: a stall of
+# S seconds shows in `worst` as at least S - POLL_GAP_S, and STALL_S is 60 times this gap. Polled back to back
+# (10 ms), the probe and the server's answers (each /health reads the device's report) took a
+# share of the CPU from the very case they watched, and from the other test workers.
+POLL_GAP_S = 0.05
+
+
 class HealthProbe:
     """Round trips of `/health` in seconds (`latencies`), polled until the `with` block ends."""
 
@@ -52,7 +60,7 @@ class HealthProbe:
                 client.get(f"{self.url}/health")
                 self.latencies.append(time.perf_counter() - t)
                 self.polling.set()
-                time.sleep(0.01)
+                time.sleep(POLL_GAP_S)
 
     @property
     def worst(self) -> float:
