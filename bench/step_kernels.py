@@ -1,4 +1,4 @@
-"""Each kernel of a batch-1 decode step, timed by Nsight Compute: where a step's device time goes.
+"""Each kernel of a decode step (batch 1, or `--rows N` over the engine's batch cache), timed by Nsight Compute: where a step's device time goes.
 
     ncu --nvtx --nvtx-include "steps/" --clock-control none --csv \
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size,launch__registers_per_thread \
@@ -22,7 +22,7 @@ import time
 from collections import defaultdict
 
 
-def run(shape: str, steps: int, warm: int) -> None:
+def run(shape: str, steps: int, warm: int, rows: int = 1) -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -30,10 +30,18 @@ def run(shape: str, steps: int, warm: int) -> None:
 
     lm = build(shape)
     model = lm.model
-    prompt = prompt_ids(64, vocab_size(shape), seed=1)
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.array([prompt], dtype=mx.uint32), cache=cache))
-    y = mx.array([[int(prompt[-1])]], dtype=mx.uint32)
+    caches = []
+    for r in range(rows):  # prompts of 48-79 tokens: the rows' lengths differ, as a batch's do
+        prompt = prompt_ids(48 + (r * 13) % 32, vocab_size(shape), seed=1 + r)
+        caches.append(make_prompt_cache(model))
+        mx.eval(model(mx.array([prompt], dtype=mx.uint32), cache=caches[-1]))
+    if rows == 1:
+        cache = caches[0]
+    else:  # the engine's batch cache (SlotKVCache), merged as a decode batch's join does
+        from engine.model_cache import LocalCaches
+
+        cache = LocalCaches().merge(caches)
+    y = mx.array([[int(prompt[-1])]] * rows, dtype=mx.uint32)
     for _ in range(warm):
         mx.eval(model(y, cache=cache))
     mx.synchronize()
@@ -43,15 +51,19 @@ def run(shape: str, steps: int, warm: int) -> None:
         nvtx = None
     if nvtx:
         nvtx.range_push("steps")
-    t = time.perf_counter()
+    t, built = time.perf_counter(), 0.0
     for _ in range(steps):
-        mx.eval(model(y, cache=cache))
+        b = time.perf_counter()
+        out = model(y, cache=cache)
+        built += time.perf_counter() - b
+        mx.eval(out)
     mx.synchronize()
     ms = (time.perf_counter() - t) / steps * 1e3
     if nvtx:
         nvtx.range_pop()
     program = getattr(model, "decode_program", None)
-    print(f"# {shape}: {steps} steps, {ms:.2f} ms a step (wall, under the profiler if any); "
+    print(f"# {shape}, {rows} row(s): {steps} steps, {ms:.2f} ms a step (wall, under the profiler if any), "
+          f"{built / steps * 1e3:.2f} ms of it building the graph in Python; "
           f"decode program {'on' if program is not None and program.enabled else 'off'}", file=sys.stderr)
 
 
@@ -93,6 +105,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="qwen3-8b-4bit")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warm", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=1, help="rows of a batched step (the engine's batch cache)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--summarize", help="an ncu --csv report to group by kernel")
     a = ap.parse_args(argv)
@@ -102,7 +115,7 @@ def main(argv=None) -> int:
     from engine import device
 
     device.select_device(a.device)
-    run(a.shape, a.steps, a.warm)
+    run(a.shape, a.steps, a.warm, a.rows)
     return 0
 
 
