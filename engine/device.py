@@ -121,13 +121,19 @@ OPENBLAS_PATHS = (
 )
 
 
+_blas_seen = False  # a library once mapped stays: only "not loaded" is read again
+
+
 def fast_blas_loaded() -> bool:
     """Whether an optimised BLAS is mapped into this process (so fp32 weights pay on the CPU)."""
-    try:
-        with open("/proc/self/maps") as f:
-            return any("libopenblas" in line or "libmkl" in line for line in f)
-    except OSError:
-        return False
+    global _blas_seen
+    if not _blas_seen:
+        try:
+            with open("/proc/self/maps") as f:
+                _blas_seen = any("libopenblas" in line or "libmkl" in line for line in f)
+        except OSError:
+            pass
+    return _blas_seen
 
 
 def restart_with_blas(module: str) -> None:
