@@ -79,7 +79,7 @@ def summarize(path: str, steps: int) -> None:
         unit, val = r["Metric Unit"], float(r["Metric Value"].replace(",", "") or 0)
         name = r["Metric Name"]
         if name == "gpu__time_duration.sum":
-            val *= {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(unit, 1.0)
+            val *= {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}.get(unit, 1.0)
         elif name == "dram__bytes_read.sum":
             val *= {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}.get(unit, 1.0)
         per[key][name] = val

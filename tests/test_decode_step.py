@@ -166,3 +166,27 @@ def test_the_loader_attaches_a_program_only_where_it_runs_and_agrees(kernels, at
     assert hasattr(model, "decode_program") is attached
     assert ("one-token steps run the model's own forward" in caplog.text) is (not attached)
     assert greedy(model, 12) == greedy(plain, 12)
+
+
+def test_a_program_built_in_one_thread_steps_in_another():
+    """MLX's streams are per thread: the arrays the program makes (the CUDA attention reads its
+    counters, RoPE frequencies and parameters) are evaluated where it is built, so the scheduler's
+    thread can step a model the loading thread built."""
+    import threading
+
+    plain, fused = models("qwen3")
+    out: dict = {}
+
+    def run():
+        try:
+            layer = fused.decode_program.layers[0]
+            mx.eval(layer.counters + 1, layer.inv_freq * 2, layer.params * 2)
+            out["tokens"] = greedy(fused, 8)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            out["error"] = repr(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert "error" not in out, out
+    assert out["tokens"] == greedy(plain, 8)

@@ -193,6 +193,10 @@ class DecodeProgram:
         self.in_place = kernels.IN_PLACE
         self.enabled = True  # the bench turns it off to measure the model's own forward
         self._step = mx.compile(self._forward)
+        # MLX's streams are per thread: an array left unevaluated here would be bound to this
+        # thread's stream and fail in the thread that steps ("There is no Stream(gpu, 0) in
+        # current thread"), where models are built in one thread and served in another
+        mx.eval([a for layer in layers for a in (layer.inv_freq, layer.params, layer.counters)])
 
     @classmethod
     def build(cls, model: nn.Module, kernels: ModuleType, cap_step: int = CAP_STEP) -> "DecodeProgram | None":

@@ -23,9 +23,10 @@ kernels that step needs besides MLX's RMSNorm, each doing what several MLX ops d
   RMSNorm of q and k (when the model has it), RoPE at the step's position, the new key and value
   written into the KV cache's buffers at that position, in place, and single-query attention over
   the first `pos + 1` positions (grouped-query heads sharing each key and value load): what
-  mlx-lm does in ~15 ops. The keys are cut into splits of `CH` positions, one block each (online
-  softmax, flash-decoding); the last block of a head group to finish adds the splits up (a
-  counter per kv head, reset by that block). The position comes from an array, so the step's
+  mlx-lm does in ~15 ops. The step's keys are cut into `splits` equal shares, one block each
+  (online softmax, flash-decoding; a warp loads a few keys before it scores them); the last
+  block of a head group to finish adds the splits up (a counter per kv head, reset by that
+  block). The position comes from an array, so the step's
   graph has the same shapes at every position (engine/kernels/decode_step.py compiles it once
   per buffer size).
 
@@ -47,8 +48,8 @@ import numpy as np
 
 WARPS = 4  # warps per block of matvec and attend
 UNROLL = 4  # 128-bit words of a row a lane loads before it computes
-MAX_SPLITS = 64  # blocks a head's keys are cut into, at most
-MIN_SPLIT = 256  # keys per split, at least
+MAX_SPLITS = 64  # blocks a kv head's keys are cut into, at most
+ATTENTION_BLOCKS = 256  # the attention's blocks (splits x kv heads) aimed at: ~2 per SM
 MAX_GROUP_DIMS = 2048  # query heads per kv head x head dim: the attention's shared memory
 IN_PLACE = True  # `attention` writes the cache buffers it is given
 
@@ -65,13 +66,14 @@ def _matvec_source(quantized: bool, add: bool, norm: bool) -> str:
 
 
 # Template: T, D (head dim), G (query heads per kv head), HKV, ROT (rotated dims), TRAD, NORM,
-# CAP (cache buffer length), CH (keys per split), S (splits). Inputs: qkv (one row of the
+# CAP (cache buffer length), S (splits: each an equal share of the step's keys), KU (keys a warp
+# loads at once). Inputs: qkv (one row of the
 # stacked product), qn, kn (q/k norm weights; unread without NORM), invf (ROT/2 inverse
 # frequencies), fp (q/k norm eps, RoPE position scale, attention scale), pos (1,), kc, vc (the
 # cache buffers: the new key and value written in place), cnt (HKV int32 counters, zero between
 # launches). Outputs: per (head, split) the largest score pm, the sum of exp(score - pm) pl and
 # the values weighted by it pa; y (HQ * D), the attention's output.
-_ATTENTION = ("attention_impl<T, D, G, HKV, ROT, TRAD, NORM, CAP, CH, S, WARPS>"
+_ATTENTION = ("attention_impl<T, D, G, HKV, ROT, TRAD, NORM, CAP, S, KU, WARPS>"
               "(qkv, qn, kn, invf, fp, pos, kc, vc, cnt, pm, pl, pa, y);")
 
 DEVICE_CODE = Path(__file__).parent / "cuda" / "fused_decode.cuh"
@@ -111,10 +113,21 @@ def rows_per_warp(n: int) -> int:
     return max(1, min(4, n // 2048))
 
 
+def launch_shape(bits: int, k: int, out: int, epilogue: int) -> tuple[int, int]:
+    """(output units per warp, words a lane loads before it computes) by default. 4-bit: 4 units
+    and 8 words (4 where rows are longer than 8,192 inputs): the best or within the noise of the
+    best of `bench.gpu_step --parts kernels --sweep` on every Qwen3-8B product (H100, 2026-12-07:
+    o_proj 375 -> 702 GB/s, q/k/v 561 -> 605, gate/up and down unchanged); else as many units as
+    fill the device (pairs for SwiGLU) and UNROLL words."""
+    if bits == 4:
+        return 4, (8 if k <= 8192 else UNROLL)
+    return (rows_per_warp(out) if epilogue != 2 else min(2, rows_per_warp(out))), UNROLL
+
+
 def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array | None,
            bits: int, group_size: int, epilogue: int = 0, a: mx.array | None = None,
            norm: tuple[mx.array, float] | None = None, rows: int | None = None,
-           unroll: int = UNROLL, prefetch: bool = True) -> mx.array:
+           unroll: int | None = None, prefetch: bool = True) -> mx.array:
     """y = x @ W.T for one row x (any leading shape of size 1, last dim K), W (N, K) dense
     (`bits` 16) or (N, K * bits / 32) packed (4, 8: MLX's affine layout); `epilogue` 1 adds `a`
     (N,), 2 takes SwiGLU of W's halves (N / 2 outputs); `norm` (weight, eps): x RMS-normalised
@@ -126,7 +139,8 @@ def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array |
     if rows is None and mma_wanted(bits, group_size, k, x.size // k):
         return qmma4(x, w, scales, biases, group_size, epilogue, a, norm)
     out = n // 2 if epilogue == 2 else n
-    r = rows or (rows_per_warp(out) if epilogue != 2 else min(2, rows_per_warp(out)))
+    r, u = launch_shape(bits, k, out, epilogue)
+    r, unroll = rows or r, unroll or u
     quantized = bits in (4, 8)
     xn = 2 if norm is not None else (1 if k <= MAX_STAGED else 0)
     names = ["x", "w"] + (["scales", "biases"] if quantized else []) + (["nw", "ne"] if norm else []) \
@@ -220,10 +234,18 @@ def emulate_qmma4(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.n
     return y
 
 
-def splits(cap: int) -> tuple[int, int]:
-    """(splits, keys per split) for a cache buffer of `cap` positions."""
-    s = max(1, min(MAX_SPLITS, cap // MIN_SPLIT))
-    return s, -(-cap // s)
+def splits(kv_heads: int, cap: int) -> int:
+    """How many splits the attention cuts a kv head's keys into: enough blocks for the whole
+    device (ATTENTION_BLOCKS over the kv heads), at most MAX_SPLITS and the buffer's length. Each
+    split takes an equal share of the keys the step attends over (the kernel divides them by the
+    position), so every block has work at any length."""
+    return max(1, min(MAX_SPLITS, cap, -(-ATTENTION_BLOCKS // kv_heads)))
+
+
+def keys_at_once(head_dim: int, group: int) -> int:
+    """Keys a warp loads before it scores them (their loads in flight together): 4, or 2 where
+    the group's queries and sums take many registers."""
+    return 4 if (head_dim // 32) * group <= 32 else 2
 
 
 def attention(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: mx.array
@@ -236,7 +258,7 @@ def attention(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: 
     `params` = (q/k norm eps, RoPE position scale, attention scale), `counters`)."""
     heads, kv, dim = layer.heads, layer.kv_heads, layer.head_dim
     cap = keys.shape[2]
-    s, ch = splits(cap)
+    s = splits(kv, cap)
     norm = layer.q_norm is not None
     # without NORM they are unread, but typed as the kernel's T (MLX declares each input by its
     # dtype): the layer's input norm weight stands in
@@ -247,7 +269,8 @@ def attention(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: 
     out = kernel(
         inputs=[qkv, qn, kn, layer.inv_freq, layer.params, pos, keys, values, layer.counters],
         template=[("T", qkv.dtype), ("D", dim), ("G", heads // kv), ("HKV", kv), ("ROT", layer.rotated),
-                  ("TRAD", layer.traditional), ("NORM", norm), ("CAP", cap), ("CH", ch), ("S", s)],
+                  ("TRAD", layer.traditional), ("NORM", norm), ("CAP", cap), ("S", s),
+                  ("KU", keys_at_once(dim, heads // kv))],
         grid=(s * WARPS * 32, kv, 1), threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(heads * s,), (heads * s,), (heads * s * dim,), (1, 1, heads * dim)],
         output_dtypes=[mx.float32, mx.float32, mx.float32, qkv.dtype])

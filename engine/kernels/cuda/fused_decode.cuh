@@ -244,18 +244,40 @@ __device__ __forceinline__ void head_rope(const T* src, const T* wn, float eps, 
   __syncwarp();
 }
 
-template <typename T, int D, int G, int HKV, int ROT, bool TRAD, bool NORM, int CAP, int CH, int S, int WARPS>
+template <typename T, int DPL>
+__device__ __forceinline__ void load_row(const T* p, float* out) {
+  // DPL (2, 4 or 8) consecutive 16-bit values as floats, in one 32/64/128-bit load
+  if constexpr (DPL == 8) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) { const float2 f = pair_f<T>(w[j]); out[2 * j] = f.x; out[2 * j + 1] = f.y; }
+  } else if constexpr (DPL == 4) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    const float2 a = pair_f<T>(u.x), b = pair_f<T>(u.y);
+    out[0] = a.x; out[1] = a.y; out[2] = b.x; out[3] = b.y;
+  } else {
+    const float2 a = pair_f<T>(*reinterpret_cast<const uint32_t*>(p));
+    out[0] = a.x; out[1] = a.y;
+  }
+}
+
+template <typename T, int D, int G, int HKV, int ROT, bool TRAD, bool NORM, int CAP, int S, int KU, int WARPS>
 __device__ __forceinline__ void attention_impl(const T* qkv, const T* qn, const T* kn, const float* invf,
                                                const float* fp, const int32_t* pos, const T* kc,
                                                const T* vc, const int32_t* cnt, float* pm, float* pl,
                                                float* pa, T* y) {
-
+  // Grid (S blocks, HKV): block (split, j) takes kv head j's G query heads over its split of the
+  // p + 1 positions (an equal share, ceil((p + 1) / S) keys, so every block has work at any
+  // length); its WARPS warps take keys start + warp, + WARPS, ..., KU at a time (the KU keys'
+  // loads issued before any is used, and one softmax update for the KU scores).
   constexpr int HQ = HKV * G;
   constexpr int DPL = D / 32;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int split = blockIdx.x, j = blockIdx.y;
   const int p = pos[0];
-  const int start = split * CH, end = min(start + CH, p + 1);
+  const int ch = (p + S) / S;  // ceil((p + 1) / S)
+  const int start = split * ch, end = min(start + ch, p + 1);
   const bool has_new = start <= p && p < end;
   __shared__ float qs[G][D];
   __shared__ float nk[2][D];
@@ -285,28 +307,55 @@ __device__ __forceinline__ void attention_impl(const T* qkv, const T* qn, const 
     m[g] = -INFINITY;
     l[g] = 0.f;
   }
-  for (int t = start + warp; t < end; t += WARPS) {
-    float kf[DPL], vf[DPL];
-    if (t == p) {
-      #pragma unroll
-      for (int d = 0; d < DPL; ++d) { kf[d] = nk[0][lane * DPL + d]; vf[d] = nk[1][lane * DPL + d]; }
-    } else {
-      const size_t o = ((size_t)j * CAP + t) * D + lane * DPL;
-      #pragma unroll
-      for (int d = 0; d < DPL; ++d) { kf[d] = static_cast<float>(kc[o + d]); vf[d] = static_cast<float>(vc[o + d]); }
+  for (int t0 = start + warp; t0 < end; t0 += WARPS * KU) {
+    float kf[KU][DPL], vf[KU][DPL];
+    #pragma unroll
+    for (int u = 0; u < KU; ++u) {  // the KU keys' loads first (a key past the split: zeros, masked)
+      const int t = t0 + u * WARPS;
+      if (t == p && has_new) {  // the new key and value: this block's own, not yet read back
+        #pragma unroll
+        for (int d = 0; d < DPL; ++d) { kf[u][d] = nk[0][lane * DPL + d]; vf[u][d] = nk[1][lane * DPL + d]; }
+      } else if (t < end) {
+        const size_t o = ((size_t)j * CAP + t) * D + lane * DPL;
+        load_row<T, DPL>(kc + o, kf[u]);
+        load_row<T, DPL>(vc + o, vf[u]);
+      } else {
+        #pragma unroll
+        for (int d = 0; d < DPL; ++d) kf[u][d] = vf[u][d] = 0.f;
+      }
     }
     #pragma unroll
     for (int g = 0; g < G; ++g) {
-      float sc = 0.f;
+      float sc[KU];
       #pragma unroll
-      for (int d = 0; d < DPL; ++d) sc = fmaf(qf[g][d], kf[d], sc);
+      for (int u = 0; u < KU; ++u) {
+        sc[u] = 0.f;
+        #pragma unroll
+        for (int d = 0; d < DPL; ++d) sc[u] = fmaf(qf[g][d], kf[u][d], sc[u]);
+      }
       #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, off);
-      const float mn = fmaxf(m[g], sc);
-      const float corr = expf(m[g] - mn), e = expf(sc - mn);
-      l[g] = l[g] * corr + e;
+      for (int off = 16; off > 0; off >>= 1) {
+        #pragma unroll
+        for (int u = 0; u < KU; ++u) sc[u] += __shfl_xor_sync(0xffffffffu, sc[u], off);
+      }
+      float mn = m[g];
       #pragma unroll
-      for (int d = 0; d < DPL; ++d) acc[g][d] = fmaf(e, vf[d], acc[g][d] * corr);
+      for (int u = 0; u < KU; ++u) {
+        if (t0 + u * WARPS >= end) sc[u] = -INFINITY;
+        mn = fmaxf(mn, sc[u]);
+      }
+      const float corr = expf(m[g] - mn);
+      float e[KU], es = 0.f;
+      #pragma unroll
+      for (int u = 0; u < KU; ++u) { e[u] = expf(sc[u] - mn); es += e[u]; }
+      l[g] = l[g] * corr + es;
+      #pragma unroll
+      for (int d = 0; d < DPL; ++d) {
+        float a = acc[g][d] * corr;
+        #pragma unroll
+        for (int u = 0; u < KU; ++u) a = fmaf(e[u], vf[u][d], a);
+        acc[g][d] = a;
+      }
       m[g] = mn;
     }
   }
@@ -341,12 +390,13 @@ __device__ __forceinline__ void attention_impl(const T* qkv, const T* qn, const 
   for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
     const int g = i / D, d = i % D, h = j * G + g;
     float M = -INFINITY;
+    #pragma unroll 8
     for (int s = 0; s < S; ++s) M = fmaxf(M, __ldcg(pm + h * S + s));
     float ls = 0.f, a = 0.f;
+    #pragma unroll 8
     for (int s = 0; s < S; ++s) {
       const float ms = __ldcg(pm + h * S + s);
-      if (ms == -INFINITY) continue;
-      const float e = expf(ms - M);
+      const float e = ms == -INFINITY ? 0.f : expf(ms - M);
       ls += __ldcg(pl + h * S + s) * e;
       a += __ldcg(pa + ((size_t)h * S + s) * D + d) * e;
     }
