@@ -15,6 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from bench.shapes import Shape, build_module
 from engine.decoding.sampling import SamplingParams
+from engine.kernels import batch_attention
 from engine.kernels.gpu_layout import StackedAttention, StackedMLP, to_gpu_layout
 from tiny_models import LLAMA, QWEN3_5, tiny_llama
 
@@ -91,6 +92,33 @@ def test_engine_on_a_stacked_model_answers_with_mlx_lm_tokens(serve):
     handles = [engine.submit(prompt_tokens=p, params=SamplingParams(max_tokens=n)) for p in prompts]
     got = [[e.token for e in h.events(timeout=60) if e.kind == "token"] for h in handles]
     assert got == expected and all(len(t) > 2 for t in got)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_batched_steps_attending_each_rows_own_keys_give_mlx_lm_tokens(serve, monkeypatch, kind):
+    """The batched steps' attention without a mask (batch_attention.py's reference, what its CUDA
+    kernel computes): each row over its own columns of the decode batch's cache."""
+    monkeypatch.setenv(batch_attention.SWITCH, "ref")
+    batch_attention.reset()
+    rows = []
+    ref = batch_attention.attend_rows_ref
+    monkeypatch.setattr(batch_attention, "attend_rows_ref", lambda *a: rows.append(a[0].shape[0]) or ref(*a))
+    base = tiny_llama()
+    plain, stacked_model = pair(kind)
+    stacked = dataclasses.replace(base, model=stacked_model)
+    prompts = [[5, 17, 300, 42, 9], [1000, 77, 3], [8, 8, 120, 4500, 61, 2, 19], [44] * 11]
+    n = 12
+    expected = [[int(t) for t, _ in generate_step(mx.array(p), plain, max_tokens=n)] for p in prompts]
+    eos = set(base.tokenizer.eos_token_ids)
+    expected = [t[:next((i for i, x in enumerate(t) if x in eos), n)] for t in expected]
+    try:
+        engine = serve(stacked, max_running=len(prompts), prefix_cache=False)
+        handles = [engine.submit(prompt_tokens=p, params=SamplingParams(max_tokens=n)) for p in prompts]
+        got = [[e.token for e in h.events(timeout=60) if e.kind == "token"] for h in handles]
+    finally:
+        batch_attention.reset()
+    assert got == expected and all(len(t) > 2 for t in got)
+    assert rows and max(rows) == len(prompts)  # the batched steps took it, with every row
 
 
 def test_snapshot_files_tell_the_gpu_layout_apart(monkeypatch):

@@ -32,7 +32,8 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import scaled_dot_product_attention
 
 from ..mlx_lm_adapter import text_model
-from . import qmv_cuda, smallmm_cuda
+from ..slot_cache import SlotKVCache
+from . import batch_attention, qmv_cuda, smallmm_cuda
 
 ATTENTION = (llama.Attention, qwen2.Attention, qwen3.Attention)
 MLP = (llama.MLP, qwen2.MLP, qwen3.MLP, qwen3_next.Qwen3NextMLP)
@@ -99,7 +100,15 @@ class StackedAttention(nn.Module):
         if cache is not None:
             queries = self.rope(queries, offset=cache.offset)
             keys = self.rope(keys, offset=cache.offset)
+            rows_attention = L == 1 and type(cache) is SlotKVCache and batch_attention.enabled()
             keys, values = cache.update_and_fetch(keys, values)
+            if rows_attention == "kernel":  # each row's own keys, no mask (batch_attention.py)
+                out = batch_attention.attend_rows(queries, cache.keys, cache.values, cache.left_padding,
+                                                  cache.offset, self.scale)
+                return self.o_proj(out)
+            if rows_attention == "ref":
+                return self.o_proj(batch_attention.attend_rows_ref(queries, cache.keys, cache.values, cache.padding,
+                                                                   cache._idx, self.scale))
         else:
             queries, keys = self.rope(queries), self.rope(keys)
         output = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale,

@@ -566,3 +566,128 @@ __device__ __forceinline__ void qmma4_impl(const T* x, const uint32_t* w, const 
     }
   }
 }
+
+template <typename T, int D, int G, int HKV, int S, int KU, int WARPS>
+__device__ __forceinline__ void attend_rows_impl(const T* q, const T* kc, const T* vc, const int32_t* lp,
+                                                 const int32_t* off, const int32_t* dims, const float* fp,
+                                                 float* pm, float* pl, float* pa, T* y) {
+  // A batched decode step's attention over a SlotKVCache (engine/slot_cache.py): row r's one
+  // query per head (q: rows x HQ x D, after RoPE) against its own keys, buffer columns lp[r] ..
+  // lp[r] + off[r] - 1 of slot r (buffers: slots x HKV x dims[0] x D), no mask and no work on
+  // the padding. Grid (S, HKV, rows): block (split, j, r) takes kv head j's G query heads over
+  // its equal share of row r's keys, as attention_impl does. S == 1: the block writes y (rows x
+  // HQ * D, the layout o_proj reads); else its partial sums go to pm / pl / pa (rows x HQ x S)
+  // for combine_rows_impl.
+  constexpr int HQ = HKV * G;
+  constexpr int DPL = D / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int split = blockIdx.x, j = blockIdx.y, r = blockIdx.z;
+  const int width = dims[0];
+  const int first = lp[r], n = off[r];
+  const int ch = (n + S - 1) / S;
+  const int start = first + split * ch, end = first + min((split + 1) * ch, n);
+  __shared__ float sm_m[WARPS][G], sm_l[WARPS][G], sm_a[WARPS][G][D];
+  const float scale = fp[0];
+  float qf[G][DPL], m[G], l[G], acc[G][DPL];
+  #pragma unroll
+  for (int g = 0; g < G; ++g) {
+    load_row<T, DPL>(q + ((size_t)r * HQ + j * G + g) * D + lane * DPL, qf[g]);
+    #pragma unroll
+    for (int d = 0; d < DPL; ++d) { qf[g][d] *= scale; acc[g][d] = 0.f; }
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+  }
+  const size_t base = ((size_t)r * HKV + j) * width;
+  for (int t0 = start + warp; t0 < end; t0 += WARPS * KU) {
+    float kf[KU][DPL], vf[KU][DPL];
+    #pragma unroll
+    for (int u = 0; u < KU; ++u) {
+      const int t = t0 + u * WARPS;
+      if (t < end) {
+        const size_t o = (base + t) * D + lane * DPL;
+        load_row<T, DPL>(kc + o, kf[u]);
+        load_row<T, DPL>(vc + o, vf[u]);
+      } else {
+        #pragma unroll
+        for (int d = 0; d < DPL; ++d) kf[u][d] = vf[u][d] = 0.f;
+      }
+    }
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float sc[KU];
+      #pragma unroll
+      for (int u = 0; u < KU; ++u) {
+        sc[u] = 0.f;
+        #pragma unroll
+        for (int d = 0; d < DPL; ++d) sc[u] = fmaf(qf[g][d], kf[u][d], sc[u]);
+      }
+      #pragma unroll
+      for (int o2 = 16; o2 > 0; o2 >>= 1) {
+        #pragma unroll
+        for (int u = 0; u < KU; ++u) sc[u] += __shfl_xor_sync(0xffffffffu, sc[u], o2);
+      }
+      float mn = m[g];
+      #pragma unroll
+      for (int u = 0; u < KU; ++u) {
+        if (t0 + u * WARPS >= end) sc[u] = -INFINITY;
+        mn = fmaxf(mn, sc[u]);
+      }
+      const float corr = expf(m[g] - mn);
+      float e[KU], es = 0.f;
+      #pragma unroll
+      for (int u = 0; u < KU; ++u) { e[u] = expf(sc[u] - mn); es += e[u]; }
+      l[g] = l[g] * corr + es;
+      #pragma unroll
+      for (int d = 0; d < DPL; ++d) {
+        float a = acc[g][d] * corr;
+        #pragma unroll
+        for (int u = 0; u < KU; ++u) a = fmaf(e[u], vf[u][d], a);
+        acc[g][d] = a;
+      }
+      m[g] = mn;
+    }
+  }
+  #pragma unroll
+  for (int g = 0; g < G; ++g) {
+    if (lane == 0) { sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }
+    #pragma unroll
+    for (int d = 0; d < DPL; ++d) sm_a[warp][g][lane * DPL + d] = acc[g][d];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
+    const int g = i / D, d = i % D, h = j * G + g;
+    float M = -INFINITY;
+    #pragma unroll
+    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sm_m[w][g]);
+    float ls = 0.f, a = 0.f;
+    if (M != -INFINITY) {
+      #pragma unroll
+      for (int w = 0; w < WARPS; ++w) { const float e = expf(sm_m[w][g] - M); ls += sm_l[w][g] * e; a += sm_a[w][g][d] * e; }
+    }
+    if constexpr (S == 1) {
+      y[((size_t)r * HQ + h) * D + d] = static_cast<T>(a / ls);
+    } else {
+      const size_t at = ((size_t)r * HQ + h) * S + split;
+      pa[at * D + d] = a;
+      if (d == 0) { pm[at] = M; pl[at] = ls; }
+    }
+  }
+}
+
+template <typename T, int D, int HQ, int S>
+__device__ __forceinline__ void combine_rows_impl(const float* pm, const float* pl, const float* pa, T* y) {
+  // attend_rows_impl's S splits of each (row, head) added up: block (r * HQ + h), thread d
+  const int rh = blockIdx.x, d = threadIdx.x;
+  float M = -INFINITY;
+  #pragma unroll 8
+  for (int s = 0; s < S; ++s) M = fmaxf(M, pm[(size_t)rh * S + s]);
+  float ls = 0.f, a = 0.f;
+  #pragma unroll 8
+  for (int s = 0; s < S; ++s) {
+    const float ms = pm[(size_t)rh * S + s];
+    const float e = ms == -INFINITY ? 0.f : expf(ms - M);
+    ls += pl[(size_t)rh * S + s] * e;
+    a += pa[((size_t)rh * S + s) * D + d] * e;
+  }
+  y[(size_t)rh * D + d] = static_cast<T>(a / ls);
+}

@@ -1,0 +1,160 @@
+"""A batched decode step's attention over the decode batch's cache, one kernel a layer on CUDA.
+
+A batched step over `SlotKVCache` (engine/slot_cache.py) gives each row one query against its
+own keys: columns `left_padding[r]` to `left_padding[r] + offset[r] - 1` of slot r. mlx-lm passes
+the rows' padding to `scaled_dot_product_attention` as an array mask, and MLX's CUDA backend has
+no fused kernel for a masked single-query attention: it runs the unfused ops (two batched
+matrix-vector products, the mask's `where`, a softmax, copies: ~10 kernels a layer; on an H100 at
+32 rows of Qwen3-8B, ~2.5 ms of a 15 ms step, measured with Nsight Compute). `attend_rows` is one
+kernel (two where a row's keys are split further) that reads each row's own keys only, with no
+mask and no work on the padding: split single-query attention, online softmax, grouped-query heads
+sharing each key load (the device code: `attend_rows_impl` in cuda/fused_decode.cuh), writing the
+output in the layout the output projection reads.
+
+`attend_rows_ref` is the same computation in MLX ops on any device (each row's slice of the
+buffers). `enabled()` says whether the GPU layout's attention takes the kernel: on CUDA, once
+`check()` found it equal to the reference on this device (a kernel that does not compile or that
+differs leaves the unfused ops in place, with a warning); `MLXCHAT_CUDA_BATCH_ATTENTION=0` turns it
+off, `=ref` runs the reference instead on any device (for tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import mlx.core as mx
+
+from .. import device
+
+log = logging.getLogger(__name__)
+
+SWITCH = "MLXCHAT_CUDA_BATCH_ATTENTION"
+WARPS = 4
+BLOCKS = 256  # blocks aimed at (splits x kv heads x rows): ~2 per SM
+MAX_SPLITS = 32
+TOLERANCE = 2e-2  # of the reference's largest output, the check's bound (16-bit outputs)
+
+_KERNELS: dict[str, Any] = {}
+_STATE: dict[str, Any] = {}
+
+
+def splits(rows: int, kv_heads: int) -> int:
+    """How many shares each row's keys are cut into: enough blocks for the device."""
+    return max(1, min(MAX_SPLITS, -(-BLOCKS // (rows * kv_heads))))
+
+
+def _kernel(name: str, inputs: list[str], outputs: list[str], source: str) -> Any:
+    from .fused_cuda import _header
+
+    if name not in _KERNELS:
+        _KERNELS[name] = mx.fast.cuda_kernel(name=f"mlxchat_{name}", input_names=inputs, output_names=outputs,
+                                             source=f"  constexpr int WARPS = {WARPS};\n" + source,
+                                             header=_header())
+    return _KERNELS[name]
+
+
+def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, left_padding: mx.array,
+                offset: mx.array, scale: float) -> mx.array:
+    """Attention of `queries` (rows, heads, 1, D) over each row's keys in the buffers `keys` /
+    `values` (slots >= rows, kv_heads, width, D), row r at slot r, columns `left_padding[r]` ..
+    `left_padding[r] + offset[r] - 1` (both (rows,) int32, on the device). Returns (rows, 1,
+    heads * D)."""
+    from .fused_cuda import keys_at_once
+
+    rows, heads, _, dim = queries.shape
+    kv, width = keys.shape[1], keys.shape[2]
+    s = splits(rows, kv)
+    group = heads // kv
+    fp = mx.array([scale], dtype=mx.float32)
+    dims = mx.array([width], dtype=mx.int32)
+    template = [("T", queries.dtype), ("D", dim), ("G", group), ("HKV", kv), ("S", s),
+                ("KU", keys_at_once(dim, group))]
+    kernel = _kernel("attend_rows", ["q", "kc", "vc", "lp", "off", "dims", "fp"], ["pm", "pl", "pa", "y"],
+                     "attend_rows_impl<T, D, G, HKV, S, KU, WARPS>(q, kc, vc, lp, off, dims, fp, pm, pl, pa, y);")
+    parts = 1 if s == 1 else rows * heads * s
+    pm, pl, pa, y = kernel(
+        inputs=[queries, keys, values, left_padding.astype(mx.int32), offset.astype(mx.int32), dims, fp],
+        template=template, grid=(s * WARPS * 32, kv, rows), threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(parts,), (parts,), (parts * dim,), (rows, 1, heads * dim)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32, queries.dtype])
+    if s == 1:
+        return y
+    combine = _kernel("combine_rows", ["pm", "pl", "pa"], ["y"], "combine_rows_impl<T, D, HQ, S>(pm, pl, pa, y);")
+    return combine(inputs=[pm, pl, pa], template=[("T", queries.dtype), ("D", dim), ("HQ", heads), ("S", s)],
+                   grid=(rows * heads * dim, 1, 1), threadgroup=(dim, 1, 1),
+                   output_shapes=[(rows, 1, heads * dim)], output_dtypes=[queries.dtype])[0]
+
+
+def attend_rows_ref(queries: mx.array, keys: mx.array, values: mx.array, padding: list[int],
+                    length: int, scale: float) -> mx.array:
+    """`attend_rows` in MLX ops: row r over buffer columns `padding[r]` .. `length - 1` (the
+    cache's write index; host integers), grouped-query heads repeated, softmax in fp32."""
+    rows, heads, _, dim = queries.shape
+    group = heads // keys.shape[1]
+    out = []
+    for r, first in enumerate(padding):
+        k = mx.repeat(keys[r, :, first:length, :], group, axis=0).astype(mx.float32)
+        v = mx.repeat(values[r, :, first:length, :], group, axis=0).astype(mx.float32)
+        q = queries[r].astype(mx.float32) * scale  # (heads, 1, D)
+        w = mx.softmax(q @ k.transpose(0, 2, 1), axis=-1)
+        out.append((w @ v).astype(queries.dtype).reshape(1, heads * dim))
+    return mx.stack(out)
+
+
+def mode() -> str:
+    """"off", "ref" (the reference on any device) or "on" (the kernel; CUDA only), read once a
+    process by `enabled()` (tests call `reset()` after changing it)."""
+    value = os.environ.get(SWITCH, "").strip().lower()
+    if value == "ref":
+        return "ref"
+    if value == "0" or device.backend() != "cuda":
+        return "off"
+    return "on"
+
+
+def enabled() -> str | None:
+    """Which attention the GPU layout's batched decode steps take: "kernel" (checked once on this
+    device), "ref", or None (mlx-lm's masked attention)."""
+    how = _STATE.get("mode") or _STATE.setdefault("mode", mode())
+    if how == "ref":
+        return "ref"
+    if how == "off":
+        return None
+    if "checked" not in _STATE:
+        result = check()
+        _STATE["checked"] = result["kept"]
+        if not result["kept"]:
+            log.warning("batched decode attention runs MLX's ops: its kernel %s",
+                        f"failed ({result['error']})" if "error" in result else
+                        f"parts from the reference by {result['rel_diff']:.3g}")
+    return "kernel" if _STATE["checked"] else None
+
+
+def reset() -> None:
+    """Forget the switch's value and the check's outcome (both are read once a process)."""
+    _STATE.clear()
+
+
+def check(dtype: mx.Dtype = mx.bfloat16) -> dict[str, Any]:
+    """The kernel against `attend_rows_ref` on random rows of different lengths (with and without
+    splits, head dims 64 and 128): the largest difference over the reference's largest value,
+    `kept` when within TOLERANCE; a kernel that does not compile or run gives the `error`."""
+    worst = 0.0
+    try:
+        key = mx.random.key(7)
+        for rows, heads, kv, dim, padding, length in ((3, 8, 2, 64, [0, 5, 11], 40),
+                                                      (20, 32, 8, 128, [i % 7 for i in range(20)], 29)):
+            k1, k2, k3, key = mx.random.split(key, 4)
+            q = mx.random.normal((rows, heads, 1, dim), key=k1).astype(dtype)
+            keys = mx.random.normal((rows + 2, kv, length + 8, dim), key=k2).astype(dtype)
+            values = mx.random.normal((rows + 2, kv, length + 8, dim), key=k3).astype(dtype)
+            lp = mx.array(padding, dtype=mx.int32)
+            off = mx.array([length - p for p in padding], dtype=mx.int32)
+            got = attend_rows(q, keys, values, lp, off, dim ** -0.5).astype(mx.float32)
+            ref = attend_rows_ref(q, keys, values, padding, length, dim ** -0.5).astype(mx.float32)
+            worst = max(worst, (mx.abs(got - ref).max() / mx.abs(ref).max()).item())
+    except Exception as exc:  # noqa: BLE001 - a kernel that does not compile or run here
+        return {"error": f"{type(exc).__name__}: {exc}"[:2000], "kept": False}
+    return {"rel_diff": worst, "kept": worst < TOLERANCE}
