@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -192,7 +193,7 @@ class DecodeProgram:
         self.kernels, self.cap_step = kernels, cap_step
         self.in_place = kernels.IN_PLACE
         self.enabled = True  # the bench turns it off to measure the model's own forward
-        self._step = mx.compile(self._forward)
+        self._compiled: dict[int, Any] = {}  # per thread: MLX's streams are (see _step)
         # MLX's streams are per thread: an array left unevaluated here would be bound to this
         # thread's stream and fail in the thread that steps ("There is no Stream(gpu, 0) in
         # current thread"), where models are built in one thread and served in another
@@ -228,6 +229,15 @@ class DecodeProgram:
             written += [keys, values]
         logits = self.head(k, h, norm=(self.norm, self.eps))
         return (logits,) if self.in_place else (logits, *written)
+
+    def _step(self, *args: mx.array) -> tuple[mx.array, ...]:
+        """The compiled step, traced once per thread that calls it: a traced graph's kernels keep
+        the stream of the thread that traced it, and MLX's streams are per thread (the loader's
+        check runs in one thread, the scheduler's steps in another)."""
+        fn = self._compiled.get(threading.get_ident())
+        if fn is None:
+            fn = self._compiled[threading.get_ident()] = mx.compile(self._forward)
+        return fn(*args)
 
     def accepts(self, inputs: mx.array, cache: Any) -> bool:
         """A one-token step of one sequence over mlx-lm's plain KV caches, one per layer."""
