@@ -6,6 +6,7 @@ folder. No bundled model is needed, but the file runs in the real-model tier: th
 servers and a few thousand collectives take minutes, over the fast tier's budget.
 """
 
+import os
 import signal
 import threading
 import time
@@ -51,9 +52,8 @@ def text(answer: dict) -> str:
     return answer["choices"][0]["message"]["content"]
 
 
-# First in the module, before any test asks for the module's servers: an idle follower rank
-# spins in its collective (MLX's ring backend polls), so the module's sharded server kept a core
-# busy through these two tests' own servers.
+# First in the module, before any test asks for the module's servers: these two tests start
+# servers of their own, and two sharded servers at once crowd a 2-core machine.
 @pytest.mark.parametrize("how", ["killed", "stalled"])
 def test_a_dead_rank_fails_the_answer_and_new_requests_get_503(model, tmp_path, how):
     server = ShardedServer(tmp_path, model, ranks=2).start()
@@ -118,6 +118,27 @@ def test_greedy_answers_equal_one_process(sharded, single, prompt):
     mine, theirs = ask(sharded, messages), ask(single, messages)
     assert text(mine) == text(theirs) and mine["usage"] == theirs["usage"]
     assert mine["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far (/proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_follower_sleeps_until_rank_0_rings(sharded):
+    """Between requests the follower waits for rank 0's next plan on its doorbell (asleep), not
+    inside the collective, where the ring backend's polling kept a core busy for as long as the
+    server was idle; its next plan still runs at once."""
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    first = text(ask(sharded, messages, max_tokens=8))
+    time.sleep(0.5)
+    follower = sharded.procs[1].pid
+    before, t0 = cpu_seconds(follower), time.monotonic()
+    time.sleep(3)
+    used, wall = cpu_seconds(follower) - before, time.monotonic() - t0
+    assert used < 0.25 * wall, f"the idle follower used {used:.2f} s of CPU in {wall:.1f} s"
+    assert text(ask(sharded, messages, max_tokens=8)) == first
 
 
 def test_concurrent_streams_and_a_cancellation_keep_ranks_in_step(sharded, single):

@@ -50,6 +50,8 @@ class Cluster:
         """Rank 0: halt `engine` (fail its requests, refuse new ones) once a rank is gone."""
         self.watchdog = Watchdog(self.world, lambda rank, reason: engine.halt(
             f"the sharded model lost {reason}; restart the server"))
+        assert self.coordinator is not None
+        self.coordinator.ring = self.watchdog.ring
 
     def health(self) -> dict[str, Any]:
         alive = self.watchdog.alive() if self.watchdog else [self.rank]
@@ -67,5 +69,4 @@ class Cluster:
 
     def follow(self) -> int:
         """Ranks other than 0: run rank 0's plans until it stops; returns how many were run."""
-        beat(self.world)
-        return follow(self.world)
+        return follow(self.world, beat(self.world))

@@ -10,6 +10,7 @@ from ..model_cache import LOCAL
 from ..errors import ModelLoadError
 from ..loading.registry import LoadedModel, load_model
 from .group import World
+from .heartbeat import Doorbell
 from .plan import Op, Plan, broadcast
 from .sharded import batch_edit, cache_offset
 from .snapshots import FollowerFiles
@@ -17,13 +18,16 @@ from .snapshots import FollowerFiles
 log = logging.getLogger(__name__)
 
 
-def follow(world: World) -> int:
+def follow(world: World, bell: Doorbell | None = None) -> int:
     """The follower loop; returns the number of plans run. Never decides anything itself: a
     plan that does not fit this rank's state (an unknown cache at a nonzero offset, an offset
-    that differs) is a bug that would desynchronise the ranks, so it raises."""
+    that differs) is a bug that would desynchronise the ranks, so it raises. With `bell`, it
+    sleeps until rank 0 rings each plan instead of spinning in the collective (heartbeat.py)."""
     rank = _Follower(world)
     steps = 0
     while True:
+        if bell is not None:
+            bell.wait_for(steps + 1)
         plan = broadcast(world.group, None)
         steps += 1
         if not rank.run(plan):

@@ -1,4 +1,4 @@
-"""A side channel that tells rank 0 within seconds when another rank is gone.
+"""A side channel between rank 0 and each follower: heartbeats one way, a doorbell the other.
 
 A collective with a dead peer often does not return on this MLX (the ring backend logs its
 send/recv errors and the call stays blocked; now and then it fails the call instead), so rank 0
@@ -6,10 +6,19 @@ cannot count on learning it from the model call. Each follower
 keeps a TCP connection to rank 0 and writes a byte every BEAT_S; rank 0's watchdog declares a
 rank dead when its connection closes (the process ended) or stays silent for SILENT_S (stalled),
 or when it never connects within JOIN_S. A follower whose connection breaks exits: rank 0 is gone.
+
+The doorbell: a follower waiting for rank 0's next plan inside the collective spins a core (the
+ring backend polls its sockets), for as long as the server is idle. So rank 0 rings before each
+plan, sending the plan's number down every registered connection, and a follower waits for that
+number on the socket (asleep) before it enters the collective. On registering a connection rank
+0 first sends the number of the last plan it rang; every later plan is rung to that follower, so
+it waits only for plans past that number (the plans before, or a follower whose connection is not
+registered yet, go straight into the collective as before).
 """
 
 import logging
 import os
+import select
 import socket
 import struct
 import threading
@@ -37,6 +46,8 @@ class Watchdog:
         self.seen: dict[int, float] = {}
         self.dead: dict[int, str] = {}
         self._lock = threading.Lock()
+        self._bells: dict[int, socket.socket] = {}  # the doorbell's connections, by rank
+        self._rung = 0  # the number of the last plan rung
         self._started = time.monotonic()
         self._server = socket.create_server(world.heartbeat, reuse_port=False)
         threading.Thread(target=self._accept, name="mlxchat-heartbeat", daemon=True).start()
@@ -60,10 +71,30 @@ class Watchdog:
             (rank,) = struct.unpack("!i", head)
             with self._lock:
                 self.seen[rank] = time.monotonic()
-            while conn.recv(64):
-                with self._lock:
-                    self.seen[rank] = time.monotonic()
+                self._send(rank, conn, self._rung)  # every plan after this one is rung to it
+            try:
+                while conn.recv(64):
+                    with self._lock:
+                        self.seen[rank] = time.monotonic()
+            except OSError:  # reset: the doorbell wrote to a connection the peer's end had closed
+                pass
         self._declare(rank, f"rank {rank} is gone (its connection closed)")
+
+    def ring(self, plan: int) -> None:
+        """Before rank 0 broadcasts plan number `plan`: tell every registered follower."""
+        with self._lock:
+            self._rung = plan
+            for rank, conn in list(self._bells.items()):
+                self._send(rank, conn, plan)
+
+    def _send(self, rank: int, conn: socket.socket, plan: int) -> None:
+        """One number down `conn` (the lock held); a broken connection leaves the doorbell (its
+        reader declares the rank gone)."""
+        try:
+            conn.sendall(struct.pack("!i", plan))
+            self._bells[rank] = conn
+        except OSError:
+            self._bells.pop(rank, None)
 
     def _watch(self) -> None:
         while not self.dead:
@@ -88,10 +119,45 @@ class Watchdog:
         self.on_dead(rank, reason)
 
 
-def beat(world: World) -> None:
+class Doorbell:
+    """A follower's end of the doorbell (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.conn: socket.socket | None = None  # set once connected to rank 0
+        self.registered: int | None = None  # rank 0's last plan rung when it registered us
+        self.rung = 0  # the highest plan number heard
+        self._buffer = b""
+
+    def wait_for(self, plan: int) -> None:
+        """Sleep until rank 0 rings plan number `plan` (returns at once for a plan it may not
+        ring: before this follower is registered, or up to the number it registered with)."""
+        while self.conn is not None and (self.registered is None or plan > self.registered):
+            if self.registered is not None and self.rung >= plan:
+                return
+            if self.registered is None and not select.select([self.conn], [], [], 0)[0]:
+                return  # not registered yet: rank 0 does not ring us; the collective waits
+            try:
+                data = self.conn.recv(4096)
+            except OSError:
+                return
+            if not data:  # rank 0 is gone (the heartbeat thread ends the process)
+                self.conn = None
+                return
+            self._buffer += data
+            while len(self._buffer) >= 4:
+                (number,) = struct.unpack("!i", self._buffer[:4])
+                self._buffer = self._buffer[4:]
+                if self.registered is None:
+                    self.registered = number
+                self.rung = max(self.rung, number)
+
+
+def beat(world: World) -> Doorbell:
     """A follower: connect to rank 0's watchdog and beat until the process ends; if rank 0 goes
-    away, end this process (a collective with rank 0 gone would never return)."""
+    away, end this process (a collective with rank 0 gone would never return). Returns the
+    follower's doorbell on the same connection."""
     assert world.heartbeat is not None
+    bell = Doorbell()
 
     def run() -> None:
         deadline = time.monotonic() + JOIN_S
@@ -105,7 +171,9 @@ def beat(world: World) -> None:
                     os._exit(1)
                 time.sleep(0.2)
         try:
+            conn.settimeout(None)
             conn.sendall(struct.pack("!i", world.rank))
+            bell.conn = conn
             while True:
                 time.sleep(BEAT_S)
                 conn.sendall(b".")
@@ -114,3 +182,4 @@ def beat(world: World) -> None:
             os._exit(1)
 
     threading.Thread(target=run, name="mlxchat-heartbeat", daemon=True).start()
+    return bell
