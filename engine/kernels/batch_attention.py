@@ -114,22 +114,22 @@ def mode() -> str:
     return "on"
 
 
-def enabled() -> str | None:
-    """Which attention the GPU layout's batched decode steps take: "kernel" (checked once on this
-    device), "ref", or None (mlx-lm's masked attention)."""
+def enabled(dtype: mx.Dtype = mx.bfloat16) -> str | None:
+    """Which attention the GPU layout's batched decode steps in `dtype` take: "kernel" (checked
+    once per dtype on this device), "ref", or None (mlx-lm's masked attention)."""
     how = _STATE.get("mode") or _STATE.setdefault("mode", mode())
     if how == "ref":
         return "ref"
-    if how == "off":
+    if how == "off" or dtype not in (mx.bfloat16, mx.float16):
         return None
-    if "checked" not in _STATE:
-        result = check()
-        _STATE["checked"] = result["kept"]
+    if dtype not in _STATE:
+        result = check(dtype)
+        _STATE[dtype] = result["kept"]
         if not result["kept"]:
             log.warning("batched decode attention runs MLX's ops: its kernel %s",
                         f"failed ({result['error']})" if "error" in result else
                         f"parts from the reference by {result['rel_diff']:.3g}")
-    return "kernel" if _STATE["checked"] else None
+    return "kernel" if _STATE[dtype] else None
 
 
 def reset() -> None:
@@ -138,14 +138,16 @@ def reset() -> None:
 
 
 def check(dtype: mx.Dtype = mx.bfloat16) -> dict[str, Any]:
-    """The kernel against `attend_rows_ref` on random rows of different lengths (with and without
-    splits, head dims 64 and 128): the largest difference over the reference's largest value,
-    `kept` when within TOLERANCE; a kernel that does not compile or run gives the `error`."""
+    """The kernel against `attend_rows_ref` on random rows of different lengths (split in many,
+    in two and not at all; head dims 64 and 128): the largest difference over the reference's
+    largest value, `kept` when within TOLERANCE; a kernel that does not compile or run gives the
+    `error`."""
     worst = 0.0
     try:
         key = mx.random.key(7)
         for rows, heads, kv, dim, padding, length in ((3, 8, 2, 64, [0, 5, 11], 40),
-                                                      (20, 32, 8, 128, [i % 7 for i in range(20)], 29)):
+                                                      (20, 32, 8, 128, [i % 7 for i in range(20)], 29),
+                                                      (32, 32, 8, 128, [i % 5 for i in range(32)], 9)):
             k1, k2, k3, key = mx.random.split(key, 4)
             q = mx.random.normal((rows, heads, 1, dim), key=k1).astype(dtype)
             keys = mx.random.normal((rows + 2, kv, length + 8, dim), key=k2).astype(dtype)

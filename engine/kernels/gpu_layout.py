@@ -100,7 +100,7 @@ class StackedAttention(nn.Module):
         if cache is not None:
             queries = self.rope(queries, offset=cache.offset)
             keys = self.rope(keys, offset=cache.offset)
-            rows_attention = L == 1 and type(cache) is SlotKVCache and batch_attention.enabled()
+            rows_attention = L == 1 and type(cache) is SlotKVCache and batch_attention.enabled(queries.dtype)
             keys, values = cache.update_and_fetch(keys, values)
             if rows_attention == "kernel":  # each row's own keys, no mask (batch_attention.py)
                 out = batch_attention.attend_rows(queries, cache.keys, cache.values, cache.left_padding,
