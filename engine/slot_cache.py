@@ -25,8 +25,10 @@ the batch's rows are the buffers' first `rows` rows (slots); the slots past them
   follows many leaves.
 - The token axis grows by mlx-lm's step (256 positions) when `_idx` reaches the end. That growth
   copies every row, as mlx-lm's does (a one-token step's growth also makes `slots_for` slots),
-  and drops the columns no row uses (what a longer row that
-  left had held): the width follows the longest row, not how long the batch has been decoding.
+  keeping every row where it is: it happens inside a model call, after mlx-lm's model built the
+  step's mask from the layout as it was. (Moving the rows left there, over columns no row uses,
+  had given a mask wider than the keys once the longest row had left.) Those columns go when
+  rows leave and the buffers are far too large (`_oversized`).
 
 Each row's `padding` is kept on the host, so no edit reads the device (mlx-lm's `filter` and
 `extract` read `left_padding` back, a wait behind the step in flight on a GPU). A row's arithmetic
@@ -116,8 +118,10 @@ class SlotKVCache(BatchKVCache):
         if self.keys is None or self._idx + tokens > self.keys.shape[2]:
             # a decode step's growth (one token) also leaves free slots, so that the batch's first
             # join after it forms (`merge` leaves none) writes in place; a prompt chunk's does not
-            longest, rows = self._longest(), slots_for(self.rows) if tokens == 1 else self.rows
-            self._rebuild(max(self.slots, rows), longest, self._width(longest, tokens),
+            # the rows stay where they are (`_idx` kept): mlx-lm's model built this step's mask
+            # from the layout before its first layer got here
+            rows = slots_for(self.rows) if tokens == 1 else self.rows
+            self._rebuild(max(self.slots, rows), self._idx, self._width(self._idx, tokens),
                           (keys, values))
         prev, rows = self._idx, self.rows
         self._idx += tokens

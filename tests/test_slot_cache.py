@@ -235,3 +235,36 @@ def test_rows_joining_and_leaving_decode_as_alone_and_as_in_mlx_lms_batch(kernel
         for i in order:
             last[i] = int(mx.argmax(a[order.index(i)]).item())
     assert free_slots_stepped or not kernels
+
+
+def test_rows_decode_across_a_growth_after_the_longest_row_left():
+    """The longest row leaves (every kept row then has padding), and the kept rows decode past
+    the buffers' end: the growth keeps the rows where they are, so the mask mlx-lm built for that
+    step (before the layers grew the buffers) and the rows' `left_padding` still match the keys,
+    and every row's logits stay those of the row decoding alone (MLX's ops, fp32)."""
+    model = tiny_llama().model
+    vocab = model.args.vocab_size
+    lengths = [200, 230, 190]
+    caches, last = [], []
+    for i, n in enumerate(lengths):
+        cache = make_prompt_cache(model)
+        logits = model(mx.array([[(11 * i + 5 * j) % (vocab - 1) + 1 for j in range(n)]]), cache=cache)
+        mx.eval(logits)
+        caches.append(cache)
+        last.append(int(mx.argmax(logits[0, -1]).item()))
+    alone = [LOCAL.restore(LOCAL.copy(c), n) for c, n in zip(caches, lengths)]
+    batch = LOCAL.merge([LOCAL.restore(c, n) for c, n in zip(caches, lengths)])
+    LOCAL.filter(batch, keep_order(3, [1]))  # the long row leaves; rows 0 and 2 keep padding
+    order = [0, 2]
+    assert min(batch[0].padding) > 0
+    width, grew = batch[0].keys.shape[2], False
+    for _ in range(width - batch[0]._idx + 3):
+        a = _logits(model, batch, [last[i] for i in order])
+        mx.eval(a)
+        grew = grew or batch[0].keys.shape[2] > width
+        for row, i in enumerate(order):
+            solo = _logits(model, alone[i], [last[i]])
+            assert mx.allclose(a[row], solo[0], atol=1e-4).item(), (i, batch[0]._idx)
+            last[i] = int(mx.argmax(a[row]).item())
+        assert batch[0].left_padding.tolist() == batch[0].padding
+    assert grew
