@@ -262,61 +262,26 @@ __device__ __forceinline__ void load_row(const T* p, float* out) {
   }
 }
 
-template <typename T, int D, int G, int HKV, int ROT, bool TRAD, bool NORM, int CAP, int S, int KU, int WARPS>
-__device__ __forceinline__ void attention_impl(const T* qkv, const T* qn, const T* kn, const float* invf,
-                                               const float* fp, const int32_t* pos, const T* kc,
-                                               const T* vc, const int32_t* cnt, float* pm, float* pl,
-                                               float* pa, T* y) {
-  // Grid (S blocks, HKV): block (split, j) takes kv head j's G query heads over its split of the
-  // p + 1 positions (an equal share, ceil((p + 1) / S) keys, so every block has work at any
-  // length); its WARPS warps take keys start + warp, + WARPS, ..., KU at a time (the KU keys'
-  // loads issued before any is used, and one softmax update for the KU scores).
-  constexpr int HQ = HKV * G;
-  constexpr int DPL = D / 32;
+template <typename T, int DPL, int G, int KU, int WARPS>
+__device__ __forceinline__ void attend_keys(const float (&qf)[G][DPL], float (&m)[G], float (&l)[G],
+                                            float (&acc)[G][DPL], const T* kc, const T* vc, size_t base,
+                                            int start, int end, int fresh, const float* fk, const float* fv) {
+  // One warp's keys start + warp, + WARPS, ... (< end) of the rows at kc / vc + (base + t) * D:
+  // KU keys' loads issued before any is scored, one online-softmax update for the KU scores of
+  // each of the G queries (qf, already scaled), into m / l / acc. The key at `fresh` (if any)
+  // comes from fk / fv (this block's own new key and value, not read back from the cache).
+  constexpr int D = DPL * 32;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int split = blockIdx.x, j = blockIdx.y;
-  const int p = pos[0];
-  const int ch = (p + S) / S;  // ceil((p + 1) / S)
-  const int start = split * ch, end = min(start + ch, p + 1);
-  const bool has_new = start <= p && p < end;
-  __shared__ float qs[G][D];
-  __shared__ float nk[2][D];
-  __shared__ float sm_m[WARPS][G], sm_l[WARPS][G], sm_a[WARPS][G][D];
-  __shared__ int last;
-  const float at = fp[1] * static_cast<float>(p);
-  // the block's queries (and, in the split holding p, the new key) normed and rotated; warp w
-  // takes heads w, w + WARPS, ...; the new key is also written into the cache at p
-  for (int hh = warp; hh < G + (has_new ? 1 : 0); hh += WARPS) {
-    const bool is_k = hh == G;
-    const T* src = qkv + (size_t)(is_k ? HQ + j : j * G + hh) * D;
-    T* gout = is_k ? const_cast<T*>(kc) + ((size_t)j * CAP + p) * D : nullptr;
-    head_rope<T, D, ROT, TRAD, NORM>(src, is_k ? kn : qn, fp[0], at, invf, is_k ? nk[0] : qs[hh], gout, lane);
-  }
-  if (has_new) {  // the new value, as it is, into the cache at p
-    const T* vs = qkv + (size_t)(HQ + HKV + j) * D;
-    T* vo = const_cast<T*>(vc) + ((size_t)j * CAP + p) * D;
-    for (int e = threadIdx.x; e < D; e += WARPS * 32) { vo[e] = vs[e]; nk[1][e] = static_cast<float>(vs[e]); }
-  }
-  __syncthreads();
-  const float scale = fp[2];
-  float qf[G][DPL], m[G], l[G], acc[G][DPL];
-  #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    #pragma unroll
-    for (int d = 0; d < DPL; ++d) { qf[g][d] = qs[g][lane * DPL + d] * scale; acc[g][d] = 0.f; }
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-  }
   for (int t0 = start + warp; t0 < end; t0 += WARPS * KU) {
     float kf[KU][DPL], vf[KU][DPL];
     #pragma unroll
-    for (int u = 0; u < KU; ++u) {  // the KU keys' loads first (a key past the split: zeros, masked)
+    for (int u = 0; u < KU; ++u) {  // a key past the end: zeros, masked below
       const int t = t0 + u * WARPS;
-      if (t == p && has_new) {  // the new key and value: this block's own, not yet read back
+      if (t == fresh) {
         #pragma unroll
-        for (int d = 0; d < DPL; ++d) { kf[u][d] = nk[0][lane * DPL + d]; vf[u][d] = nk[1][lane * DPL + d]; }
+        for (int d = 0; d < DPL; ++d) { kf[u][d] = fk[lane * DPL + d]; vf[u][d] = fv[lane * DPL + d]; }
       } else if (t < end) {
-        const size_t o = ((size_t)j * CAP + t) * D + lane * DPL;
+        const size_t o = (base + t) * D + lane * DPL;
         load_row<T, DPL>(kc + o, kf[u]);
         load_row<T, DPL>(vc + o, vf[u]);
       } else {
@@ -359,24 +324,109 @@ __device__ __forceinline__ void attention_impl(const T* qkv, const T* qn, const 
       m[g] = mn;
     }
   }
-  #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    if (lane == 0) { sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }
+}
+
+template <int G, int D, int WARPS>
+struct BlockSums {
+  // The block's warps' online-softmax partials, in shared memory, added up per (query, dim).
+  float m[WARPS][G], l[WARPS][G], a[WARPS][G][D];
+
+  template <int DPL>
+  __device__ __forceinline__ void put(const float (&wm)[G], const float (&wl)[G], const float (&wa)[G][DPL]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     #pragma unroll
-    for (int d = 0; d < DPL; ++d) sm_a[warp][g][lane * DPL + d] = acc[g][d];
+    for (int g = 0; g < G; ++g) {
+      if (lane == 0) { m[warp][g] = wm[g]; l[warp][g] = wl[g]; }
+      #pragma unroll
+      for (int d = 0; d < DPL; ++d) a[warp][g][lane * DPL + d] = wa[g][d];
+    }
+    __syncthreads();
   }
-  __syncthreads();
-  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {  // the block's warps, one split's part
-    const int g = i / D, d = i % D;
-    float M = -INFINITY;
+
+  // query g's largest score M, its sum of exp(score - M) and element d of its weighted values
+  __device__ __forceinline__ void get(int g, int d, float& M, float& ls, float& av) const {
+    M = -INFINITY;
     #pragma unroll
-    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sm_m[w][g]);
-    float ls = 0.f, a = 0.f;
+    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, m[w][g]);
+    ls = 0.f;
+    av = 0.f;
     if (M != -INFINITY) {
       #pragma unroll
-      for (int w = 0; w < WARPS; ++w) { const float e = expf(sm_m[w][g] - M); ls += sm_l[w][g] * e; a += sm_a[w][g][d] * e; }
+      for (int w = 0; w < WARPS; ++w) { const float e = expf(m[w][g] - M); ls += l[w][g] * e; av += a[w][g][d] * e; }
     }
-    const int h = j * G + g;
+  }
+};
+
+template <int S>
+__device__ __forceinline__ float add_splits(const float* pm, const float* pl, const float* pa, int D, int d) {
+  // One (row, head)'s S split partials (pm / pl: S values, pa: S x D) added up: element d of the
+  // attention's output. __ldcg: other blocks wrote them (L2, not this SM's L1).
+  float M = -INFINITY;
+  #pragma unroll 8
+  for (int s = 0; s < S; ++s) M = fmaxf(M, __ldcg(pm + s));
+  float ls = 0.f, a = 0.f;
+  #pragma unroll 8
+  for (int s = 0; s < S; ++s) {
+    const float ms = __ldcg(pm + s);
+    const float e = ms == -INFINITY ? 0.f : expf(ms - M);
+    ls += __ldcg(pl + s) * e;
+    a += __ldcg(pa + (size_t)s * D + d) * e;
+  }
+  return a / ls;
+}
+
+template <typename T, int D, int G, int HKV, int ROT, bool TRAD, bool NORM, int CAP, int S, int KU, int WARPS>
+__device__ __forceinline__ void attention_impl(const T* qkv, const T* qn, const T* kn, const float* invf,
+                                               const float* fp, const int32_t* pos, const T* kc,
+                                               const T* vc, const int32_t* cnt, float* pm, float* pl,
+                                               float* pa, T* y) {
+  // Grid (S blocks, HKV): block (split, j) takes kv head j's G query heads over its split of the
+  // p + 1 positions (an equal share, ceil((p + 1) / S) keys, so every block has work at any
+  // length); its WARPS warps take keys start + warp, + WARPS, ..., KU at a time (the KU keys'
+  // loads issued before any is used, and one softmax update for the KU scores).
+  constexpr int HQ = HKV * G;
+  constexpr int DPL = D / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int split = blockIdx.x, j = blockIdx.y;
+  const int p = pos[0];
+  const int ch = (p + S) / S;  // ceil((p + 1) / S)
+  const int start = split * ch, end = min(start + ch, p + 1);
+  const bool has_new = start <= p && p < end;
+  __shared__ float qs[G][D];
+  __shared__ float nk[2][D];
+  __shared__ int last;
+  const float at = fp[1] * static_cast<float>(p);
+  // the block's queries (and, in the split holding p, the new key) normed and rotated; warp w
+  // takes heads w, w + WARPS, ...; the new key is also written into the cache at p
+  for (int hh = warp; hh < G + (has_new ? 1 : 0); hh += WARPS) {
+    const bool is_k = hh == G;
+    const T* src = qkv + (size_t)(is_k ? HQ + j : j * G + hh) * D;
+    T* gout = is_k ? const_cast<T*>(kc) + ((size_t)j * CAP + p) * D : nullptr;
+    head_rope<T, D, ROT, TRAD, NORM>(src, is_k ? kn : qn, fp[0], at, invf, is_k ? nk[0] : qs[hh], gout, lane);
+  }
+  if (has_new) {  // the new value, as it is, into the cache at p
+    const T* vs = qkv + (size_t)(HQ + HKV + j) * D;
+    T* vo = const_cast<T*>(vc) + ((size_t)j * CAP + p) * D;
+    for (int e = threadIdx.x; e < D; e += WARPS * 32) { vo[e] = vs[e]; nk[1][e] = static_cast<float>(vs[e]); }
+  }
+  __syncthreads();
+  const float scale = fp[2];
+  float qf[G][DPL], m[G], l[G], acc[G][DPL];
+  #pragma unroll
+  for (int g = 0; g < G; ++g) {
+    #pragma unroll
+    for (int d = 0; d < DPL; ++d) { qf[g][d] = qs[g][lane * DPL + d] * scale; acc[g][d] = 0.f; }
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+  }
+  attend_keys<T, DPL, G, KU, WARPS>(qf, m, l, acc, kc, vc, (size_t)j * CAP, start, end, has_new ? p : -1,
+                                    nk[0], nk[1]);
+  __shared__ BlockSums<G, D, WARPS> sums;
+  sums.put<DPL>(m, l, acc);
+  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {  // the block's warps, one split's part
+    const int g = i / D, d = i % D, h = j * G + g;
+    float M, ls, a;
+    sums.get(g, d, M, ls, a);
     pa[((size_t)h * S + split) * D + d] = a;
     if (d == 0) { pm[h * S + split] = M; pl[h * S + split] = ls; }
   }
@@ -388,19 +438,8 @@ __device__ __forceinline__ void attention_impl(const T* qkv, const T* qn, const 
   if (!last) return;
   __threadfence();
   for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
-    const int g = i / D, d = i % D, h = j * G + g;
-    float M = -INFINITY;
-    #pragma unroll 8
-    for (int s = 0; s < S; ++s) M = fmaxf(M, __ldcg(pm + h * S + s));
-    float ls = 0.f, a = 0.f;
-    #pragma unroll 8
-    for (int s = 0; s < S; ++s) {
-      const float ms = __ldcg(pm + h * S + s);
-      const float e = ms == -INFINITY ? 0.f : expf(ms - M);
-      ls += __ldcg(pl + h * S + s) * e;
-      a += __ldcg(pa + ((size_t)h * S + s) * D + d) * e;
-    }
-    y[h * D + d] = static_cast<T>(a / ls);
+    const int d = i % D, h = j * G + i / D;
+    y[h * D + d] = static_cast<T>(add_splits<S>(pm + h * S, pl + h * S, pa + (size_t)h * S * D, D, d));
   }
   if (threadIdx.x == 0) const_cast<int*>(cnt)[j] = 0;
 }
@@ -580,13 +619,11 @@ __device__ __forceinline__ void attend_rows_impl(const T* q, const T* kc, const 
   // for combine_rows_impl.
   constexpr int HQ = HKV * G;
   constexpr int DPL = D / 32;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
   const int split = blockIdx.x, j = blockIdx.y, r = blockIdx.z;
-  const int width = dims[0];
   const int first = lp[r], n = off[r];
   const int ch = (n + S - 1) / S;
   const int start = first + split * ch, end = first + min((split + 1) * ch, n);
-  __shared__ float sm_m[WARPS][G], sm_l[WARPS][G], sm_a[WARPS][G][D];
   const float scale = fp[0];
   float qf[G][DPL], m[G], l[G], acc[G][DPL];
   #pragma unroll
@@ -597,73 +634,14 @@ __device__ __forceinline__ void attend_rows_impl(const T* q, const T* kc, const 
     m[g] = -INFINITY;
     l[g] = 0.f;
   }
-  const size_t base = ((size_t)r * HKV + j) * width;
-  for (int t0 = start + warp; t0 < end; t0 += WARPS * KU) {
-    float kf[KU][DPL], vf[KU][DPL];
-    #pragma unroll
-    for (int u = 0; u < KU; ++u) {
-      const int t = t0 + u * WARPS;
-      if (t < end) {
-        const size_t o = (base + t) * D + lane * DPL;
-        load_row<T, DPL>(kc + o, kf[u]);
-        load_row<T, DPL>(vc + o, vf[u]);
-      } else {
-        #pragma unroll
-        for (int d = 0; d < DPL; ++d) kf[u][d] = vf[u][d] = 0.f;
-      }
-    }
-    #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float sc[KU];
-      #pragma unroll
-      for (int u = 0; u < KU; ++u) {
-        sc[u] = 0.f;
-        #pragma unroll
-        for (int d = 0; d < DPL; ++d) sc[u] = fmaf(qf[g][d], kf[u][d], sc[u]);
-      }
-      #pragma unroll
-      for (int o2 = 16; o2 > 0; o2 >>= 1) {
-        #pragma unroll
-        for (int u = 0; u < KU; ++u) sc[u] += __shfl_xor_sync(0xffffffffu, sc[u], o2);
-      }
-      float mn = m[g];
-      #pragma unroll
-      for (int u = 0; u < KU; ++u) {
-        if (t0 + u * WARPS >= end) sc[u] = -INFINITY;
-        mn = fmaxf(mn, sc[u]);
-      }
-      const float corr = expf(m[g] - mn);
-      float e[KU], es = 0.f;
-      #pragma unroll
-      for (int u = 0; u < KU; ++u) { e[u] = expf(sc[u] - mn); es += e[u]; }
-      l[g] = l[g] * corr + es;
-      #pragma unroll
-      for (int d = 0; d < DPL; ++d) {
-        float a = acc[g][d] * corr;
-        #pragma unroll
-        for (int u = 0; u < KU; ++u) a = fmaf(e[u], vf[u][d], a);
-        acc[g][d] = a;
-      }
-      m[g] = mn;
-    }
-  }
-  #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    if (lane == 0) { sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }
-    #pragma unroll
-    for (int d = 0; d < DPL; ++d) sm_a[warp][g][lane * DPL + d] = acc[g][d];
-  }
-  __syncthreads();
+  attend_keys<T, DPL, G, KU, WARPS>(qf, m, l, acc, kc, vc, ((size_t)r * HKV + j) * dims[0], start, end, -1,
+                                    nullptr, nullptr);
+  __shared__ BlockSums<G, D, WARPS> sums;
+  sums.put<DPL>(m, l, acc);
   for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
     const int g = i / D, d = i % D, h = j * G + g;
-    float M = -INFINITY;
-    #pragma unroll
-    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sm_m[w][g]);
-    float ls = 0.f, a = 0.f;
-    if (M != -INFINITY) {
-      #pragma unroll
-      for (int w = 0; w < WARPS; ++w) { const float e = expf(sm_m[w][g] - M); ls += sm_l[w][g] * e; a += sm_a[w][g][d] * e; }
-    }
+    float M, ls, a;
+    sums.get(g, d, M, ls, a);
     if constexpr (S == 1) {
       y[((size_t)r * HQ + h) * D + d] = static_cast<T>(a / ls);
     } else {
@@ -677,17 +655,6 @@ __device__ __forceinline__ void attend_rows_impl(const T* q, const T* kc, const 
 template <typename T, int D, int HQ, int S>
 __device__ __forceinline__ void combine_rows_impl(const float* pm, const float* pl, const float* pa, T* y) {
   // attend_rows_impl's S splits of each (row, head) added up: block (r * HQ + h), thread d
-  const int rh = blockIdx.x, d = threadIdx.x;
-  float M = -INFINITY;
-  #pragma unroll 8
-  for (int s = 0; s < S; ++s) M = fmaxf(M, pm[(size_t)rh * S + s]);
-  float ls = 0.f, a = 0.f;
-  #pragma unroll 8
-  for (int s = 0; s < S; ++s) {
-    const float ms = pm[(size_t)rh * S + s];
-    const float e = ms == -INFINITY ? 0.f : expf(ms - M);
-    ls += pl[(size_t)rh * S + s] * e;
-    a += pa[((size_t)rh * S + s) * D + d] * e;
-  }
-  y[(size_t)rh * D + d] = static_cast<T>(a / ls);
+  const size_t rh = blockIdx.x;
+  y[rh * D + threadIdx.x] = static_cast<T>(add_splits<S>(pm + rh * S, pl + rh * S, pa + rh * S * D, D, threadIdx.x));
 }
