@@ -81,7 +81,6 @@ def test_every_kernel_the_decode_step_launches_compiles(tmp_path, monkeypatch):
             q = program.layers[0].gate_up
             fused_cuda.qmma4(mx.zeros((1, 1, q.inputs), dtype), q.w, q.scales, q.biases, q.group_size, 2,
                              norm=(program.layers[0].norm_post, 1e-5))
-    monkeypatch.setattr(batch_attention, "_KERNELS", {})
     for rows, heads, kv, dim, dtype in ((3, 8, 2, 64, mx.bfloat16), (40, 32, 8, 128, mx.float16)):
         # a batched step's attention: split (3 rows, then the combine) and not (40 rows)
         batch_attention.attend_rows(mx.zeros((rows, heads, 1, dim), dtype), mx.zeros((rows + 1, kv, 256, dim), dtype),

@@ -12,7 +12,7 @@ sharing each key load (the device code: `attend_rows_impl` in cuda/fused_decode.
 output in the layout the output projection reads.
 
 `attend_rows_ref` is the same computation in MLX ops on any device (each row's slice of the
-buffers). `enabled()` says whether the GPU layout's attention takes the kernel: on CUDA, once
+buffers), taking the same arguments. `enabled()` says whether the GPU layout's attention takes the kernel: on CUDA, once
 `check()` found it equal to the reference on this device (a kernel that does not compile or that
 differs leaves the unfused ops in place, with a warning); `MLXCHAT_CUDA_BATCH_ATTENTION=0` turns it
 off, `=ref` runs the reference instead on any device (for tests).
@@ -31,28 +31,9 @@ from .. import device
 log = logging.getLogger(__name__)
 
 SWITCH = "MLXCHAT_CUDA_BATCH_ATTENTION"
-WARPS = 4
-BLOCKS = 256  # blocks aimed at (splits x kv heads x rows): ~2 per SM
-MAX_SPLITS = 32
 TOLERANCE = 2e-2  # of the reference's largest output, the check's bound (16-bit outputs)
 
-_KERNELS: dict[str, Any] = {}
 _STATE: dict[str, Any] = {}
-
-
-def splits(rows: int, kv_heads: int) -> int:
-    """How many shares each row's keys are cut into: enough blocks for the device."""
-    return max(1, min(MAX_SPLITS, -(-BLOCKS // (rows * kv_heads))))
-
-
-def _kernel(name: str, inputs: list[str], outputs: list[str], source: str) -> Any:
-    from .fused_cuda import _header
-
-    if name not in _KERNELS:
-        _KERNELS[name] = mx.fast.cuda_kernel(name=f"mlxchat_{name}", input_names=inputs, output_names=outputs,
-                                             source=f"  constexpr int WARPS = {WARPS};\n" + source,
-                                             header=_header())
-    return _KERNELS[name]
 
 
 def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, left_padding: mx.array,
@@ -61,11 +42,11 @@ def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, left_paddin
     `values` (slots >= rows, kv_heads, width, D), row r at slot r, columns `left_padding[r]` ..
     `left_padding[r] + offset[r] - 1` (both (rows,) int32, on the device). Returns (rows, 1,
     heads * D)."""
-    from .fused_cuda import keys_at_once
+    from .fused_cuda import WARPS, _kernel, keys_at_once, splits
 
     rows, heads, _, dim = queries.shape
     kv, width = keys.shape[1], keys.shape[2]
-    s = splits(rows, kv)
+    s = splits(rows * kv, width)
     group = heads // kv
     fp = mx.array([scale], dtype=mx.float32)
     dims = mx.array([width], dtype=mx.int32)
@@ -87,16 +68,16 @@ def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, left_paddin
                    output_shapes=[(rows, 1, heads * dim)], output_dtypes=[queries.dtype])[0]
 
 
-def attend_rows_ref(queries: mx.array, keys: mx.array, values: mx.array, padding: list[int],
-                    length: int, scale: float) -> mx.array:
-    """`attend_rows` in MLX ops: row r over buffer columns `padding[r]` .. `length - 1` (the
-    cache's write index; host integers), grouped-query heads repeated, softmax in fp32."""
+def attend_rows_ref(queries: mx.array, keys: mx.array, values: mx.array, left_padding: mx.array,
+                    offset: mx.array, scale: float) -> mx.array:
+    """`attend_rows` in MLX ops (the same arguments; the rows' columns read back to the host):
+    grouped-query heads repeated, softmax in fp32."""
     rows, heads, _, dim = queries.shape
     group = heads // keys.shape[1]
     out = []
-    for r, first in enumerate(padding):
-        k = mx.repeat(keys[r, :, first:length, :], group, axis=0).astype(mx.float32)
-        v = mx.repeat(values[r, :, first:length, :], group, axis=0).astype(mx.float32)
+    for r, (first, n) in enumerate(zip(left_padding.tolist(), offset.tolist())):
+        k = mx.repeat(keys[r, :, first:first + n, :], group, axis=0).astype(mx.float32)
+        v = mx.repeat(values[r, :, first:first + n, :], group, axis=0).astype(mx.float32)
         q = queries[r].astype(mx.float32) * scale  # (heads, 1, D)
         w = mx.softmax(q @ k.transpose(0, 2, 1), axis=-1)
         out.append((w @ v).astype(queries.dtype).reshape(1, heads * dim))
@@ -155,7 +136,7 @@ def check(dtype: mx.Dtype = mx.bfloat16) -> dict[str, Any]:
             lp = mx.array(padding, dtype=mx.int32)
             off = mx.array([length - p for p in padding], dtype=mx.int32)
             got = attend_rows(q, keys, values, lp, off, dim ** -0.5).astype(mx.float32)
-            ref = attend_rows_ref(q, keys, values, padding, length, dim ** -0.5).astype(mx.float32)
+            ref = attend_rows_ref(q, keys, values, lp, off, dim ** -0.5).astype(mx.float32)
             worst = max(worst, (mx.abs(got - ref).max() / mx.abs(ref).max()).item())
     except Exception as exc:  # noqa: BLE001 - a kernel that does not compile or run here
         return {"error": f"{type(exc).__name__}: {exc}"[:2000], "kept": False}

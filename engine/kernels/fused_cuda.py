@@ -49,7 +49,7 @@ import numpy as np
 WARPS = 4  # warps per block of matvec and attend
 UNROLL = 4  # 128-bit words of a row a lane loads before it computes
 MAX_SPLITS = 64  # blocks a kv head's keys are cut into, at most
-ATTENTION_BLOCKS = 256  # the attention's blocks (splits x kv heads) aimed at: ~2 per SM
+ATTENTION_BLOCKS = 256  # an attention's blocks (splits x kv heads x rows) aimed at: ~2 per SM
 MAX_GROUP_DIMS = 2048  # query heads per kv head x head dim: the attention's shared memory
 IN_PLACE = True  # `attention` writes the cache buffers it is given
 
@@ -234,12 +234,13 @@ def emulate_qmma4(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.n
     return y
 
 
-def splits(kv_heads: int, cap: int) -> int:
-    """How many splits the attention cuts a kv head's keys into: enough blocks for the whole
-    device (ATTENTION_BLOCKS over the kv heads), at most MAX_SPLITS and the buffer's length. Each
-    split takes an equal share of the keys the step attends over (the kernel divides them by the
-    position), so every block has work at any length."""
-    return max(1, min(MAX_SPLITS, cap, -(-ATTENTION_BLOCKS // kv_heads)))
+def splits(groups: int, cap: int) -> int:
+    """How many splits an attention cuts each of its `groups` (kv heads, times rows in a batched
+    step) keys into: enough blocks for the whole device (ATTENTION_BLOCKS over the groups), at
+    most MAX_SPLITS and the buffer's length `cap`. Each split takes an equal share of the keys
+    the step attends over (the kernel divides them by the position), so every block has work at
+    any length."""
+    return max(1, min(MAX_SPLITS, cap, -(-ATTENTION_BLOCKS // groups)))
 
 
 def keys_at_once(head_dim: int, group: int) -> int:

@@ -102,13 +102,10 @@ class StackedAttention(nn.Module):
             keys = self.rope(keys, offset=cache.offset)
             rows_attention = L == 1 and type(cache) is SlotKVCache and batch_attention.enabled(queries.dtype)
             keys, values = cache.update_and_fetch(keys, values)
-            if rows_attention == "kernel":  # each row's own keys, no mask (batch_attention.py)
-                out = batch_attention.attend_rows(queries, cache.keys, cache.values, cache.left_padding,
-                                                  cache.offset, self.scale)
-                return self.o_proj(out)
-            if rows_attention == "ref":
-                return self.o_proj(batch_attention.attend_rows_ref(queries, cache.keys, cache.values, cache.padding,
-                                                                   cache._idx, self.scale))
+            if rows_attention:  # each row's own keys, no mask (batch_attention.py)
+                attend = batch_attention.attend_rows if rows_attention == "kernel" else batch_attention.attend_rows_ref
+                return self.o_proj(attend(queries, cache.keys, cache.values, cache.left_padding, cache.offset,
+                                          self.scale))
         else:
             queries, keys = self.rope(queries), self.rope(keys)
         output = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale,

@@ -137,8 +137,9 @@ class DecodeBatch:
         takes one from what each may still add); the columns a longer row that left had held stay
         until rows leave buffers far too wide (engine/slot_cache.py), so the width is never less
         than the buffers' now. (Not counted: a short row with a long answer beside a long row
-        ends further right than either's own extent where those columns stay.) Slots: the buffers' (a join past them makes `slots_for` rows); the free slots
-        a decode step's growth adds (a quarter of the rows) are not counted."""
+        ends further right than either's own extent where those columns stay.) Slots: the
+        buffers' (a join past them makes `slots_for` rows); the free slots a decode step's growth
+        adds (a quarter of the rows) are not counted."""
         rows = list(self.rows) + list(joining)
         if not rows:
             return 0
