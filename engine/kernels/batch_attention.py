@@ -20,6 +20,7 @@ off, `=ref` runs the reference instead on any device (for tests).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -48,15 +49,14 @@ def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, left_paddin
     kv, width = keys.shape[1], keys.shape[2]
     s = splits(rows * kv, width)
     group = heads // kv
-    fp = mx.array([scale], dtype=mx.float32)
-    dims = mx.array([width], dtype=mx.int32)
+    fp, dims = _constant(scale, mx.float32), _constant(width, mx.int32)
     template = [("T", queries.dtype), ("D", dim), ("G", group), ("HKV", kv), ("S", s),
                 ("KU", keys_at_once(dim, group))]
     kernel = _kernel("attend_rows", ["q", "kc", "vc", "lp", "off", "dims", "fp"], ["pm", "pl", "pa", "y"],
                      "attend_rows_impl<T, D, G, HKV, S, KU, WARPS>(q, kc, vc, lp, off, dims, fp, pm, pl, pa, y);")
     parts = 1 if s == 1 else rows * heads * s
     pm, pl, pa, y = kernel(
-        inputs=[queries, keys, values, left_padding.astype(mx.int32), offset.astype(mx.int32), dims, fp],
+        inputs=[queries, keys, values, _int32(left_padding), _int32(offset), dims, fp],
         template=template, grid=(s * WARPS * 32, kv, rows), threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(parts,), (parts,), (parts * dim,), (rows, 1, heads * dim)],
         output_dtypes=[mx.float32, mx.float32, mx.float32, queries.dtype])
@@ -66,6 +66,16 @@ def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, left_paddin
     return combine(inputs=[pm, pl, pa], template=[("T", queries.dtype), ("D", dim), ("HQ", heads), ("S", s)],
                    grid=(rows * heads * dim, 1, 1), threadgroup=(dim, 1, 1),
                    output_shapes=[(rows, 1, heads * dim)], output_dtypes=[queries.dtype])[0]
+
+
+@functools.lru_cache(maxsize=256)
+def _constant(value: float, dtype: mx.Dtype) -> mx.array:
+    """A one-element kernel input, made once (a step's layers share their scale and width)."""
+    return mx.array([value], dtype=dtype)
+
+
+def _int32(a: mx.array) -> mx.array:
+    return a if a.dtype == mx.int32 else a.astype(mx.int32)
 
 
 def attend_rows_ref(queries: mx.array, keys: mx.array, values: mx.array, left_padding: mx.array,
