@@ -69,7 +69,9 @@ def test_a_long_row_joins_short_ones_only_where_the_budget_holds_its_padding(lla
     probe = serve(llama)
     weights = probe.status().weight_bytes
     own = probe.request_bytes(len(LONG), 8) + 3 * probe.request_bytes(len(PROMPT), 8)
-    together = 4 * probe.request_bytes(len(LONG), 8)  # every row as wide as the long one
+    # every row as wide as the long one, with a step to spare: where the long prompt's last token
+    # goes through a call of its own before the others join, the rows end a column further right
+    together = 4 * probe.request_bytes(len(LONG) + 1, 8)
     alone = {}
     for prompt in [LONG] + [PROMPT[i:] + PROMPT[:i] for i in range(3)]:
         alone[tuple(prompt)] = tokens_of(probe.submit(prompt_tokens=prompt, params=SamplingParams(max_tokens=8)))
@@ -87,4 +89,37 @@ def test_a_long_row_joins_short_ones_only_where_the_budget_holds_its_padding(lla
         assert steps[4] == 8 and steps[3] == 0, steps
     else:
         assert steps[4] == 0 and steps[3] == 8, steps
+    assert engine.status().reserved_bytes == 0
+
+
+@pytest.mark.parametrize("room", ["the rows' extents", "the column they end at"])
+def test_the_padding_counts_how_far_right_a_short_row_with_a_long_answer_ends(llama, serve, room):
+    """Rows are right-aligned at one column: three 250-token prompts that may answer 100 tokens
+    beside a 400-token one that answers 8 end at column 500, not at the longest row's own extent
+    (408) or theirs (350); once the long row leaves, their columns stay (too few unused ones to
+    make the buffers shrink). A budget that holds only the rows' extents keeps the long row out of
+    the batch; one that holds the column they end at lets all four decode together."""
+    target = watched(llama)
+    probe = serve(llama)
+    weights = probe.status().weight_bytes
+    mid = [[(7 * i + 3 * j) % 400 + 50 for j in range(250)] for i in range(3)]
+    prompts, budgets = [LONG] + mid, [8, 100, 100, 100]
+    own = sum(probe.request_bytes(len(p), m) for p, m in zip(prompts, budgets))
+    # the long row may take its 8 steps alone while the others still prefill, and join after any
+    widest = 400 + 8 + 100 if room == "the column they end at" else max(400 + 8, 250 + 100)
+    padding = 4 * probe.request_bytes(widest, 0) - own
+    alone = {tuple(p): tokens_of(probe.submit(prompt_tokens=p, params=SamplingParams(max_tokens=m)))
+             for p, m in zip(prompts, budgets)}
+    # room for the merged prompts' call (every row as wide as the long prompt) in both cases
+    prefill = 4 * probe.request_bytes(len(LONG) + 1, 0) - own
+    engine = serve(target, prefix_cache=False, memory_budget=weights + own + max(padding, prefill) + 1024)
+    target.model.gate.clear()
+    handles = [engine.submit(prompt_tokens=p, params=SamplingParams(max_tokens=m)) for p, m in zip(prompts, budgets)]
+    target.model.gate.set()
+    assert [tokens_of(h) for h in handles] == [alone[tuple(p)] for p in prompts]
+    steps = Counter(rows for rows, tokens in target.model.shapes if tokens == 1)
+    if room == "the column they end at":
+        assert steps[4] > 0, steps
+    else:
+        assert steps[4] == 0, steps
     assert engine.status().reserved_bytes == 0

@@ -102,9 +102,14 @@ def kv_footprint(model: nn.Module, caches: CacheOps) -> KVFootprint:
     return KVFootprint(per_token, fixed, caches.mergeable(cache))
 
 
+def still_to_add(gen: Generation) -> int:
+    """The most tokens `gen` may still add to its cache."""
+    return max(gen.params.max_tokens - len(gen.generated), 0)
+
+
 def row_extent(gen: Generation) -> int:
     """The most tokens `gen`'s cache may hold: those it holds now and those it may still add."""
-    return len(gen.fed) + max(gen.params.max_tokens - len(gen.generated), 0)
+    return len(gen.fed) + still_to_add(gen)
 
 
 class DecodeBatch:
@@ -132,19 +137,19 @@ class DecodeBatch:
         """The bytes this batch's cache may take beyond its rows' own reservations once `joining`
         join (each request reserves its own cache at full length, `bytes_for(prompt + max_tokens)`,
         at admission). A batch cache keeps mlx-lm's layout: every row as wide as the longest, so a
-        long row beside short ones makes each of them as long (and a free slot as well). The
-        widest the rows may grow to is fixed at a join (each step adds a token to every row and
-        takes one from what each may still add); the columns a longer row that left had held stay
-        until rows leave buffers far too wide (engine/slot_cache.py), so the width is never less
-        than the buffers' now. (Not counted: a short row with a long answer beside a long row
-        ends further right than either's own extent where those columns stay.) Slots: the
-        buffers' (a join past them makes `slots_for` rows); the free slots a decode step's growth
-        adds (a quarter of the rows) are not counted."""
+        long row beside short ones makes each of them as long (and a free slot as well). Rows are
+        right-aligned at one column (the buffers' write index, or the longest row's length where
+        that is further right), and each step moves it by one for every row, so the widest the
+        rows may grow to is that column plus the most any row may still add: a short row with a
+        long answer beside a long row ends further right than either's own extent. The columns a
+        longer row that left had held stay until rows leave buffers far too wide
+        (engine/slot_cache.py). Slots: the buffers' (a join past them makes `slots_for` rows); the
+        free slots a decode step's growth adds (a quarter of the rows) are not counted."""
         rows = list(self.rows) + list(joining)
         if not rows:
             return 0
-        width = max(max(map(row_extent, rows)),
-                    max((getattr(c, "_idx", 0) for c in self.cache), default=0))
+        right = max([getattr(c, "_idx", 0) for c in self.cache] + [len(g.fed) for g in rows])
+        width = right + max(map(still_to_add, rows))
         held = max((getattr(c, "slots", 0) for c in self.cache), default=0)  # SlotKVCache's
         slots = held if len(rows) <= held else (slots_for(len(rows)) if held else len(rows))
         own = sum(footprint.bytes_for(len(g.prompt.tokens) + g.params.max_tokens) for g in rows)
