@@ -213,7 +213,7 @@ def emulate_qmma4(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.n
     y = np.zeros(n, np.float32)
     for c in range(k // 64):
         sx = np.float32(x[c * 64:(c + 1) * 64].sum(dtype=np.float32))
-        cc = np.zeros(n, np.float32)  # column 0 of each row's chunk product
+        halves = np.zeros((2, n), np.float32)  # column 0 of each row's chunk product, per half
         for hh in range(2):
             for h in range(2):
                 # logical k (0..15) of this mma -> nibble j of lane t's uint32 (physical k = base + j,
@@ -228,7 +228,8 @@ def emulate_qmma4(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.n
                                        (2 * t + 9, 2 * h + 5)):
                         a[:, logical] = 128.0 + nib(j)
                         b[logical] = x[base + j]
-                cc += (a * b[None, :]).sum(axis=1, dtype=np.float32)
+                halves[hh] += (a * b[None, :]).sum(axis=1, dtype=np.float32)
+        cc = halves[0] + halves[1]
         q = c * 64 // group_size
         y += s_all[:, q] * (cc - np.float32(128.0) * sx) + b_all[:, q] * sx
     return y

@@ -506,17 +506,24 @@ __device__ __forceinline__ void qmma4_impl(const T* x, const uint32_t* w, const 
       rhi[i] = min(tile * 16 + g + 8, N - 1);
     }
   }
-  // a round's weights (U chunks per warp), loaded before any is used; the first round's loads go
-  // out before x is staged, so their memory latency overlaps the staging and the RMS norm
+  // a round's weights (U chunks per warp) and their groups' scales and biases, loaded before any
+  // is used (a scale loaded where it is used stalled every chunk on its latency); the first
+  // round's loads go out before x is staged, so their latency overlaps the staging and the norm
   uint2 lo[U][TPW], hi[U][TPW];
+  ST sl[U][TPW], bl[U][TPW], sh[U][TPW], bh[U][TPW];
   auto load_round = [&](int c0) {
     #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = min(c0 + u * KW, CHUNKS - 1);
+      const int q = c * 64 / GS;  // the quantization group
       #pragma unroll
       for (int i = 0; i < TPW; ++i) {
         lo[u][i] = __ldg(reinterpret_cast<const uint2*>(w + (size_t)rlo[i] * WORDS + c * 8) + t);
         hi[u][i] = __ldg(reinterpret_cast<const uint2*>(w + (size_t)rhi[i] * WORDS + c * 8) + t);
+        sl[u][i] = scales[(size_t)rlo[i] * (K / GS) + q];
+        bl[u][i] = biases[(size_t)rlo[i] * (K / GS) + q];
+        sh[u][i] = scales[(size_t)rhi[i] * (K / GS) + q];
+        bh[u][i] = biases[(size_t)rhi[i] * (K / GS) + q];
       }
     }
   };
@@ -531,10 +538,14 @@ __device__ __forceinline__ void qmma4_impl(const T* x, const uint32_t* w, const 
       if (k < K) xs[k] = XN == 2 ? static_cast<T>(nw[k] * static_cast<T>(v[i] * rn)) : static_cast<T>(v[i]);
     }
     __syncthreads();
-    for (int c = threadIdx.x; c < CHUNKS; c += 32 * KW) {
-      float s = 0.f;
-      for (int k = 0; k < 64; ++k) s += static_cast<float>(xs[c * 64 + k]);
-      sxs[c] = s;
+    // each chunk's sum by one warp: two values a lane, then a butterfly (a thread summing a
+    // chunk's 64 alone kept the block waiting on 64 dependent adds)
+    #pragma unroll 4
+    for (int c = warp; c < CHUNKS; c += KW) {
+      float s = static_cast<float>(xs[c * 64 + lane]) + static_cast<float>(xs[c * 64 + 32 + lane]);
+      #pragma unroll
+      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+      if (lane == 0) sxs[c] = s;
     }
     __syncthreads();
   }
@@ -559,7 +570,9 @@ __device__ __forceinline__ void qmma4_impl(const T* x, const uint32_t* w, const 
       const float sx = sxs[c];
       #pragma unroll
       for (int i = 0; i < TPW; ++i) {
-        float cc[4] = {0.f, 0.f, 0.f, 0.f};
+        // the chunk's two halves into accumulators of their own, so that their mmas do not wait
+        // on one another (a chain of four mmas per chunk)
+        float cc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
         #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const uint32_t wl = hh ? lo[u][i].y : lo[u][i].x, wh = hh ? hi[u][i].y : hi[u][i].x;
@@ -568,15 +581,11 @@ __device__ __forceinline__ void qmma4_impl(const T* x, const uint32_t* w, const 
           for (int j = 0; j < 4; ++j) { al[j] = nib_pair(wl >> (4 * j), MAGIC); ah[j] = nib_pair(wh >> (4 * j), MAGIC); }
           #pragma unroll
           for (int h = 0; h < 2; ++h)
-            mma_16816<BF16>(cc, al[2 * h], ah[2 * h], al[2 * h + 1], ah[2 * h + 1], b[hh][h][0], b[hh][h][1]);
+            mma_16816<BF16>(cc[hh], al[2 * h], ah[2 * h], al[2 * h + 1], ah[2 * h + 1], b[hh][h][0], b[hh][h][1]);
         }
-        const int q = c * 64 / GS;  // the quantization group
-        const float slo = static_cast<float>(scales[(size_t)rlo[i] * (K / GS) + q]);
-        const float blo = static_cast<float>(biases[(size_t)rlo[i] * (K / GS) + q]);
-        const float shi = static_cast<float>(scales[(size_t)rhi[i] * (K / GS) + q]);
-        const float bhi = static_cast<float>(biases[(size_t)rhi[i] * (K / GS) + q]);
-        acc[i][0] += slo * (cc[0] - OFF * sx) + blo * sx;  // column 0: x's row (lanes t == 0)
-        acc[i][1] += shi * (cc[2] - OFF * sx) + bhi * sx;
+        const float clo = cc[0][0] + cc[1][0], chi = cc[0][2] + cc[1][2];  // column 0: x's row (lanes t == 0)
+        acc[i][0] += static_cast<float>(sl[u][i]) * (clo - OFF * sx) + static_cast<float>(bl[u][i]) * sx;
+        acc[i][1] += static_cast<float>(sh[u][i]) * (chi - OFF * sx) + static_cast<float>(bh[u][i]) * sx;
       }
     }
   }
