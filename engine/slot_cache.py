@@ -115,20 +115,30 @@ class SlotKVCache(BatchKVCache):
         """mlx-lm's: append `keys` and `values` (one entry per row) at `_idx`; every row's keys and
         values up to it. Buffers without room grow by mlx-lm's step (dropping unused columns)."""
         tokens = keys.shape[2]
+        self.reserve(tokens, (keys, values))
+        prev, rows = self._idx, self.rows
+        self.advance(tokens)
+        self.keys[:rows, :, prev : self._idx, :] = keys
+        self.values[:rows, :, prev : self._idx, :] = values
+        return self.keys_and_values()
+
+    def reserve(self, tokens: int, like: tuple[mx.array, mx.array]) -> None:
+        """Room in the buffers for `tokens` more columns at `_idx` (`like`: keys and values of
+        the new tokens, for the heads, head size and dtype where there are no buffers yet). A
+        kernel writing the new column in place itself (engine/kernels/batch_attention.py's
+        `attention_rows`) calls this, then `advance`."""
         if self.keys is None or self._idx + tokens > self.keys.shape[2]:
             # a decode step's growth (one token) also leaves free slots, so that the batch's first
             # join after it forms (`merge` leaves none) writes in place; a prompt chunk's does not
             # the rows stay where they are (`_idx` kept): mlx-lm's model built this step's mask
             # from the layout before its first layer got here
             rows = slots_for(self.rows) if tokens == 1 else self.rows
-            self._rebuild(max(self.slots, rows), self._idx, self._width(self._idx, tokens),
-                          (keys, values))
-        prev, rows = self._idx, self.rows
+            self._rebuild(max(self.slots, rows), self._idx, self._width(self._idx, tokens), like)
+
+    def advance(self, tokens: int) -> None:
+        """Every row holds `tokens` more (written at the old `_idx`)."""
         self._idx += tokens
         self.offset = self.offset + tokens
-        self.keys[:rows, :, prev : self._idx, :] = keys
-        self.values[:rows, :, prev : self._idx, :] = values
-        return self.keys_and_values()
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         rows = self.rows

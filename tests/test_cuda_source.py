@@ -86,6 +86,11 @@ def test_every_kernel_the_decode_step_launches_compiles(tmp_path, monkeypatch):
         batch_attention.attend_rows(mx.zeros((rows, heads, 1, dim), dtype), mx.zeros((rows + 1, kv, 256, dim), dtype),
                                     mx.zeros((rows + 1, kv, 256, dim), dtype), mx.zeros((rows,), mx.int32),
                                     mx.ones((rows,), mx.int32), dim ** -0.5)
+        for norm in (True, False):  # and the same step's one attention call (norms, RoPE, the new column)
+            layer = batch_attention._random_layer(heads, kv, dim, norm, dtype, mx.random.key(0))
+            cache = batch_attention._slot_cache(mx.zeros((rows + 1, kv, 256, dim), dtype),
+                                                mx.zeros((rows + 1, kv, 256, dim), dtype), [0] * rows, 1)
+            batch_attention.attention_rows(layer, mx.zeros((rows, 1, (heads + 2 * kv) * dim), dtype), cache)
     assert len(recorder.sources) >= 20
     prelude = ("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cstdint>\n"
                "#include <cooperative_groups.h>\n")

@@ -121,6 +121,33 @@ def test_batched_steps_attending_each_rows_own_keys_give_mlx_lm_tokens(serve, mo
     assert rows and max(rows) == len(prompts)  # the batched steps took it, with every row
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_batched_steps_through_one_attention_call_give_mlx_lm_tokens(serve, monkeypatch, kind):
+    """Where the batch attention kernel is taken, a batched step's attention is one call a layer
+    from the stacked q/k/v product (batch_attention.attention_rows: q/k norms, RoPE at each row's
+    position, the new column written into the cache, each row over its own keys). Here its MLX-ops
+    reference stands in for the CUDA kernel (what `check` holds the kernel to on a GPU): the
+    engine answers with mlx-lm's tokens, and every batched step took it, with every row."""
+    monkeypatch.setattr(batch_attention, "enabled", lambda dtype=None: "kernel")
+    rows = []
+    ref = batch_attention.attention_rows_ref
+    monkeypatch.setattr(batch_attention, "attention_rows",
+                        lambda layer, qkv, cache: rows.append(qkv.shape[0]) or ref(layer, qkv, cache))
+    base = tiny_llama()
+    plain, stacked_model = pair(kind)
+    stacked = dataclasses.replace(base, model=stacked_model)
+    prompts = [[5, 17, 300, 42, 9], [1000, 77, 3], [8, 8, 120, 4500, 61, 2, 19], [44] * 11]
+    n = 12
+    expected = [[int(t) for t, _ in generate_step(mx.array(p), plain, max_tokens=n)] for p in prompts]
+    eos = set(base.tokenizer.eos_token_ids)
+    expected = [t[:next((i for i, x in enumerate(t) if x in eos), n)] for t in expected]
+    engine = serve(stacked, max_running=len(prompts), prefix_cache=False)
+    handles = [engine.submit(prompt_tokens=p, params=SamplingParams(max_tokens=n)) for p in prompts]
+    got = [[e.token for e in h.events(timeout=60) if e.kind == "token"] for h in handles]
+    assert got == expected and all(len(t) > 2 for t in got)
+    assert rows and max(rows) == len(prompts)
+
+
 def test_snapshot_files_tell_the_gpu_layout_apart(monkeypatch):
     """A snapshot saved by a model in the GPU layout is not read back by one as loaded (their
     bf16 K/V differ), as CPU-layout snapshots are kept apart already: the layout that

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -60,12 +61,91 @@ def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, left_paddin
         template=template, grid=(s * WARPS * 32, kv, rows), threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(parts,), (parts,), (parts * dim,), (rows, 1, heads * dim)],
         output_dtypes=[mx.float32, mx.float32, mx.float32, queries.dtype])
-    if s == 1:
-        return y
+    return y if s == 1 else _combine(pm, pl, pa, rows, heads, dim, s, queries.dtype)
+
+
+@dataclass(frozen=True)
+class RowsLayer:
+    """What `attention_rows` reads of an attention module besides its cache: the q/k norms'
+    weights (any array of the activations' dtype where the model has none: unread), RoPE's
+    inverse frequencies per rotated pair (float32) and (norm eps, RoPE's position scale, the
+    attention's scale) as float32 arrays, the rotated dims and RoPE's kind."""
+
+    qn: mx.array
+    kn: mx.array
+    inv_freq: mx.array
+    params: mx.array
+    heads: int
+    kv_heads: int
+    rotated: int
+    traditional: bool
+    norm: bool
+
+    @classmethod
+    def of(cls, attn: Any, dtype: mx.Dtype) -> "RowsLayer | None":
+        """For a StackedAttention (engine/kernels/gpu_layout.py) in activations of `dtype`, or None
+        where its RoPE is of a kind the kernel does not compute."""
+        from .decode_step import inverse_frequencies
+
+        freqs = inverse_frequencies(attn.rope)
+        if freqs is None:
+            return None
+        norm = "q_norm" in attn
+        unread = mx.zeros((1,), dtype)
+        layer = cls(attn.q_norm.weight if norm else unread, attn.k_norm.weight if norm else unread,
+                    mx.array(freqs[0]), mx.array([attn.q_norm.eps if norm else 0.0, freqs[1], attn.scale],
+                                                 dtype=mx.float32),
+                    attn.n_heads, attn.n_kv_heads, attn.rope.dims, bool(attn.rope.traditional), norm)
+        # evaluated here: an array left lazy is bound to this thread's stream (MLX's streams are
+        # per thread), and the steps may run in another
+        mx.eval(layer.qn, layer.kn, layer.inv_freq, layer.params)
+        return layer
+
+
+def attention_rows(layer: RowsLayer, qkv: mx.array, cache: Any) -> mx.array:
+    """A batched decode step's attention in one kernel (two where rows are split, as
+    `attend_rows`): from the stacked q/k/v product `qkv` (rows, 1, (heads + 2 kv_heads) * D) over
+    a SlotKVCache (engine/slot_cache.py), each row's queries and new key normed (Qwen3) and
+    rotated at its position, its new key and value written into the cache's buffers in place at
+    its next column, and its queries attended over its own keys (attention_rows_impl in
+    cuda/fused_decode.cuh): what q/k norms, RoPE, the cache update and `attend_rows` do in five
+    or more kernels. Returns (rows, 1, heads * D)."""
+    from .fused_cuda import WARPS, _kernel, keys_at_once, splits
+
+    rows = qkv.shape[0]
+    heads, kv = layer.heads, layer.kv_heads
+    dim = qkv.shape[-1] // (heads + 2 * kv)
+    cache.reserve(1, (cache.keys, cache.values))
+    keys, values = cache.keys, cache.values
+    width = keys.shape[2]
+    s = splits(rows * kv, width)
+    group = heads // kv
+    kernel = _kernel("attention_rows", ["qkv", "qn", "kn", "invf", "fp", "lp", "off", "dims", "kc", "vc"],
+                     ["pm", "pl", "pa", "y"],
+                     "attention_rows_impl<T, D, G, HKV, ROT, TRAD, NORM, S, KU, WARPS>"
+                     "(qkv, qn, kn, invf, fp, lp, off, dims, kc, vc, pm, pl, pa, y);")
+    parts = 1 if s == 1 else rows * heads * s
+    pm, pl, pa, y = kernel(
+        inputs=[qkv, layer.qn, layer.kn, layer.inv_freq, layer.params, _int32(cache.left_padding),
+                _int32(cache.offset), _constant(width, mx.int32), keys, values],
+        template=[("T", qkv.dtype), ("D", dim), ("G", group), ("HKV", kv), ("ROT", layer.rotated),
+                  ("TRAD", layer.traditional), ("NORM", layer.norm), ("S", s), ("KU", keys_at_once(dim, group))],
+        grid=(s * WARPS * 32, kv, rows), threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(parts,), (parts,), (parts * dim,), (rows, 1, heads * dim)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32, qkv.dtype])
+    cache.advance(1)
+    return y if s == 1 else _combine(pm, pl, pa, rows, heads, dim, s, qkv.dtype)
+
+
+def _combine(pm: mx.array, pl: mx.array, pa: mx.array, rows: int, heads: int, dim: int, s: int,
+             dtype: mx.Dtype) -> mx.array:
+    """The S splits' partial sums of each (row, head) added up: (rows, 1, heads * dim)."""
+    from .fused_cuda import _kernel
+
     combine = _kernel("combine_rows", ["pm", "pl", "pa"], ["y"], "combine_rows_impl<T, D, HQ, S>(pm, pl, pa, y);")
-    return combine(inputs=[pm, pl, pa], template=[("T", queries.dtype), ("D", dim), ("HQ", heads), ("S", s)],
+    return combine(inputs=[pm, pl, pa], template=[("T", dtype), ("D", dim), ("HQ", heads), ("S", s)],
                    grid=(rows * heads * dim, 1, 1), threadgroup=(dim, 1, 1),
-                   output_shapes=[(rows, 1, heads * dim)], output_dtypes=[queries.dtype])[0]
+                   output_shapes=[(rows, 1, heads * dim)], output_dtypes=[dtype])[0]
 
 
 @functools.lru_cache(maxsize=256)
@@ -92,6 +172,26 @@ def attend_rows_ref(queries: mx.array, keys: mx.array, values: mx.array, left_pa
         w = mx.softmax(q @ k.transpose(0, 2, 1), axis=-1)
         out.append((w @ v).astype(queries.dtype).reshape(1, heads * dim))
     return mx.stack(out)
+
+
+def attention_rows_ref(layer: RowsLayer, qkv: mx.array, cache: Any) -> mx.array:
+    """`attention_rows` in MLX ops, as mlx-lm's attention and the cache's update do it (the same
+    arguments): the q/k norms (mx.fast.rms_norm), RoPE at each row's offset (mx.fast.rope), the
+    cache's `update_and_fetch`, then `attend_rows_ref`."""
+    rows = qkv.shape[0]
+    heads, kv = layer.heads, layer.kv_heads
+    dim = qkv.shape[-1] // (heads + 2 * kv)
+    q, k, v = mx.split(qkv, [heads * dim, (heads + kv) * dim], axis=-1)
+    q, k, v = q.reshape(rows, 1, heads, dim), k.reshape(rows, 1, kv, dim), v.reshape(rows, 1, kv, dim)
+    if layer.norm:
+        eps = layer.params[0].item()
+        q, k = mx.fast.rms_norm(q, layer.qn, eps), mx.fast.rms_norm(k, layer.kn, eps)
+    q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+    rope = functools.partial(mx.fast.rope, dims=layer.rotated, traditional=layer.traditional, base=None,
+                             scale=layer.params[1].item(), offset=cache.offset, freqs=1.0 / layer.inv_freq)
+    q, k = rope(q), rope(k)
+    cache.update_and_fetch(k, v)
+    return attend_rows_ref(q, cache.keys, cache.values, cache.left_padding, cache.offset, layer.params[2].item())
 
 
 def mode() -> str:
@@ -129,10 +229,11 @@ def reset() -> None:
 
 
 def check(dtype: mx.Dtype = mx.bfloat16) -> dict[str, Any]:
-    """The kernel against `attend_rows_ref` on random rows of different lengths (split in many,
-    in two and not at all; head dims 64 and 128): the largest difference over the reference's
-    largest value, `kept` when within TOLERANCE; a kernel that does not compile or run gives the
-    `error`."""
+    """The kernels against their references on random rows of different lengths (split in many,
+    in two and not at all; head dims 64 and 128): `attend_rows`, and `attention_rows` with and
+    without q/k norms, its output and the buffers it wrote; the largest difference over the
+    reference's largest value, `kept` when within TOLERANCE; a kernel that does not compile or
+    run gives the `error`."""
     worst = 0.0
     try:
         key = mx.random.key(7)
@@ -147,7 +248,45 @@ def check(dtype: mx.Dtype = mx.bfloat16) -> dict[str, Any]:
             off = mx.array([length - p for p in padding], dtype=mx.int32)
             got = attend_rows(q, keys, values, lp, off, dim ** -0.5).astype(mx.float32)
             ref = attend_rows_ref(q, keys, values, lp, off, dim ** -0.5).astype(mx.float32)
-            worst = max(worst, (mx.abs(got - ref).max() / mx.abs(ref).max()).item())
+            worst = max(worst, _rel(got, ref))
+            for norm in (True, False):  # the same rows through attention_rows, each side its own cache
+                layer = _random_layer(heads, kv, dim, norm, dtype, key)
+                qkv = mx.random.normal((rows, 1, (heads + 2 * kv) * dim), key=k1).astype(dtype)
+                mine, theirs = (_slot_cache(keys, values, padding, length) for _ in range(2))
+                got = attention_rows(layer, qkv, mine)
+                ref = attention_rows_ref(layer, qkv, theirs)
+                worst = max(worst, _rel(got, ref), _rel(mine.keys[:rows], theirs.keys[:rows]),
+                            _rel(mine.values[:rows], theirs.values[:rows]))
     except Exception as exc:  # noqa: BLE001 - a kernel that does not compile or run here
         return {"error": f"{type(exc).__name__}: {exc}"[:2000], "kept": False}
     return {"rel_diff": worst, "kept": worst < TOLERANCE}
+
+
+def _rel(got: mx.array, ref: mx.array) -> float:
+    """The largest difference over the reference's largest value."""
+    got, ref = got.astype(mx.float32), ref.astype(mx.float32)
+    return (mx.abs(got - ref).max() / mx.abs(ref).max()).item()
+
+
+def _random_layer(heads: int, kv: int, dim: int, norm: bool, dtype: mx.Dtype, key: mx.array) -> RowsLayer:
+    """A RowsLayer of random q/k norm weights, Qwen3's RoPE over 3/4 of the head (half-rotated)."""
+    import numpy as np
+
+    rotated = dim * 3 // 4 // 2 * 2
+    weights = (1.0 + 0.1 * mx.random.normal((2, dim), key=key)).astype(dtype)
+    inv = (1e6 ** -(np.arange(rotated // 2, dtype=np.float32) / (rotated // 2))).astype(np.float32)
+    return RowsLayer(weights[0], weights[1], mx.array(inv), mx.array([1e-6, 1.0, dim ** -0.5], dtype=mx.float32),
+                     heads, kv, rotated, False, norm)
+
+
+def _slot_cache(keys: mx.array, values: mx.array, padding: list[int], length: int) -> Any:
+    """A SlotKVCache of len(padding) rows holding copies of `keys` / `values` (free slots past
+    them), written up to column `length`, row r from column padding[r] on."""
+    from ..slot_cache import SlotKVCache
+
+    cache = SlotKVCache(list(padding))
+    cache.keys, cache.values = keys + 0, values + 0  # buffers of its own: the kernel writes in place
+    mx.eval(cache.keys, cache.values)
+    cache._idx = length
+    cache._sync()
+    return cache

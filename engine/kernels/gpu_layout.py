@@ -87,10 +87,18 @@ class StackedAttention(nn.Module):
             self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
         self.n_heads, self.n_kv_heads, self.scale = attn.n_heads, attn.n_kv_heads, attn.scale
         self.split = _sizes([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.rows_layer: batch_attention.RowsLayer | None | bool = False  # made at the first batched step
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         B, L, _ = x.shape
-        queries, keys, values = mx.split(self.qkv_proj(x), self.split, axis=-1)
+        qkv = self.qkv_proj(x)
+        if cache is not None and L == 1 and type(cache) is SlotKVCache and cache.keys is not None \
+                and batch_attention.enabled(x.dtype) == "kernel":
+            if self.rows_layer is False:
+                self.rows_layer = batch_attention.RowsLayer.of(self, x.dtype)
+            if self.rows_layer is not None:  # norms, RoPE, the cache's new column and attention in one kernel
+                return self.o_proj(batch_attention.attention_rows(self.rows_layer, qkv, cache))
+        queries, keys, values = mx.split(qkv, self.split, axis=-1)
         queries = queries.reshape(B, L, self.n_heads, -1)
         keys = keys.reshape(B, L, self.n_kv_heads, -1)
         if "q_norm" in self:

@@ -661,6 +661,71 @@ __device__ __forceinline__ void attend_rows_impl(const T* q, const T* kc, const 
   }
 }
 
+template <typename T, int D, int G, int HKV, int ROT, bool TRAD, bool NORM, int S, int KU, int WARPS>
+__device__ __forceinline__ void attention_rows_impl(const T* qkv, const T* qn, const T* kn, const float* invf,
+                                                    const float* fp, const int32_t* lp, const int32_t* off,
+                                                    const int32_t* dims, const T* kc, const T* vc, float* pm,
+                                                    float* pl, float* pa, T* y) {
+  // attention_impl for a batched decode step over a SlotKVCache (engine/slot_cache.py): row r's
+  // stacked q/k/v (qkv: rows x (HQ + 2 HKV) x D, as the product leaves it) normed (NORM) and
+  // rotated at the row's position off[r] (its length so far), its new key and value written in
+  // place at its next column, lp[r] + off[r] (every row's is the buffers' write index), and its
+  // queries attended over columns lp[r] .. lp[r] + off[r] of slot r (buffers: slots x HKV x
+  // dims[0] x D), the new key and value from shared memory. Grid (S, HKV, rows): block (split,
+  // j, r) takes kv head j's G query heads over its equal share of the row's keys; the block
+  // whose share holds the new column writes it. S == 1: y (rows x HQ * D, o_proj's layout);
+  // else the partial sums pm / pl / pa (rows x HQ x S) for combine_rows_impl.
+  constexpr int HQ = HKV * G;
+  constexpr int DPL = D / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int split = blockIdx.x, j = blockIdx.y, r = blockIdx.z;
+  const int first = lp[r], p = off[r], col = first + p, n = p + 1;
+  const int ch = (n + S - 1) / S;
+  const int start = first + split * ch, end = first + min((split + 1) * ch, n);
+  const bool has_new = start <= col && col < end;
+  const T* src = qkv + (size_t)r * (HQ + 2 * HKV) * D;
+  __shared__ float qs[G][D];
+  __shared__ float nk[2][D];
+  const float at = fp[1] * static_cast<float>(p);
+  const size_t base = ((size_t)r * HKV + j) * dims[0];
+  for (int hh = warp; hh < G + (has_new ? 1 : 0); hh += WARPS) {
+    const bool is_k = hh == G;
+    T* gout = is_k ? const_cast<T*>(kc) + (base + col) * D : nullptr;
+    head_rope<T, D, ROT, TRAD, NORM>(src + (size_t)(is_k ? HQ + j : j * G + hh) * D, is_k ? kn : qn, fp[0], at, invf,
+                                     is_k ? nk[0] : qs[hh], gout, lane);
+  }
+  if (has_new) {  // the new value, as it is, into the cache
+    const T* vs = src + (size_t)(HQ + HKV + j) * D;
+    T* vo = const_cast<T*>(vc) + (base + col) * D;
+    for (int e = threadIdx.x; e < D; e += WARPS * 32) { vo[e] = vs[e]; nk[1][e] = static_cast<float>(vs[e]); }
+  }
+  __syncthreads();
+  const float scale = fp[2];
+  float qf[G][DPL], m[G], l[G], acc[G][DPL];
+  #pragma unroll
+  for (int g = 0; g < G; ++g) {
+    #pragma unroll
+    for (int d = 0; d < DPL; ++d) { qf[g][d] = qs[g][lane * DPL + d] * scale; acc[g][d] = 0.f; }
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+  }
+  attend_keys<T, DPL, G, KU, WARPS>(qf, m, l, acc, kc, vc, base, start, end, has_new ? col : -1, nk[0], nk[1]);
+  __shared__ BlockSums<G, D, WARPS> sums;
+  sums.put<DPL>(m, l, acc);
+  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
+    const int g = i / D, d = i % D, h = j * G + g;
+    float M, ls, a;
+    sums.get(g, d, M, ls, a);
+    if constexpr (S == 1) {
+      y[((size_t)r * HQ + h) * D + d] = static_cast<T>(a / ls);
+    } else {
+      const size_t o = ((size_t)r * HQ + h) * S + split;
+      pa[o * D + d] = a;
+      if (d == 0) { pm[o] = M; pl[o] = ls; }
+    }
+  }
+}
+
 template <typename T, int D, int HQ, int S>
 __device__ __forceinline__ void combine_rows_impl(const float* pm, const float* pl, const float* pa, T* y) {
   // attend_rows_impl's S splits of each (row, head) added up: block (r * HQ + h), thread d
