@@ -9,13 +9,20 @@ matrix-vector products, the mask's `where`, a softmax, copies: ~10 kernels a lay
 kernel (two where a row's keys are split further) that reads each row's own keys only, with no
 mask and no work on the padding: split single-query attention, online softmax, grouped-query heads
 sharing each key load (the device code: `attend_rows_impl` in cuda/fused_decode.cuh), writing the
-output in the layout the output projection reads.
+output in the layout the output projection reads. `attention_rows` goes further: from the
+stacked q/k/v product, one kernel also norms (Qwen3) and rotates each row's queries and new key
+and writes the new key and value into the cache's buffers in place (attention_rows_impl, the
+batched form of the one-row step's attention_impl), where q/k norms, two RoPEs and the cache's
+two writes were six more kernels a layer; the GPU layout's attention takes it wherever its RoPE
+is one the kernel computes (`RowsLayer.of`), `attend_rows` elsewhere.
 
-`attend_rows_ref` is the same computation in MLX ops on any device (each row's slice of the
-buffers), taking the same arguments. `enabled()` says whether the GPU layout's attention takes the kernel: on CUDA, once
-`check()` found it equal to the reference on this device (a kernel that does not compile or that
-differs leaves the unfused ops in place, with a warning); `MLXCHAT_CUDA_BATCH_ATTENTION=0` turns it
-off, `=ref` runs the reference instead on any device (for tests).
+`attend_rows_ref` and `attention_rows_ref` are the same computations in MLX ops on any device
+(mlx-lm's norms, RoPE and the cache's `update_and_fetch`), taking the same arguments. `enabled()`
+says whether the GPU layout's attention takes the kernels: on CUDA, once `check()` found both
+equal to their references on this device (outputs, and the buffers `attention_rows` wrote; a
+kernel that does not compile or that differs leaves the unfused ops in place, with a warning);
+`MLXCHAT_CUDA_BATCH_ATTENTION=0` turns them off, `=ref` runs the `attend_rows` reference instead
+on any device (for tests).
 """
 
 from __future__ import annotations
