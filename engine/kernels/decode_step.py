@@ -47,6 +47,12 @@ from .gpu_layout import StackedAttention, StackedMLP
 log = logging.getLogger(__name__)
 
 SWITCH = "MLXCHAT_CUDA_DECODE"
+# The precisions (bits of the decoder's products) whose models take the program with the switch
+# unset: where it measured faster than the model's own forward through the engine (H100,
+# 2026-12-07, bench.gpu_step --parts step: 4-bit 177 tok/s against mlx-lm's 171; 8-bit 177
+# against 185 and bf16 135 against 152, its attention kernel's fixed cost: docs/gpu.md).
+# `MLXCHAT_CUDA_DECODE=1` attaches it at every precision.
+DEFAULT_BITS = (4,)
 CAP_STEP = 1024  # the cache buffers grow by this many positions; the graph is traced per length
 MODELS = (llama.Model, qwen2.Model, qwen3.Model)
 
@@ -302,6 +308,7 @@ def attach(model: nn.Module, kernels: ModuleType | None = None, cap_step: int = 
     compile or run on this device, or whose logits part from the model's own, is not attached
     (the model runs its own forward, and the log says why)."""
     checked = kernels is None if checked is None else checked
+    how = "on"
     if kernels is None:
         how = mode()
         if how == "off":
@@ -312,6 +319,10 @@ def attach(model: nn.Module, kernels: ModuleType | None = None, cap_step: int = 
             from . import fused_cuda as kernels
     program = DecodeProgram.build(model, kernels, cap_step)
     if program is None:
+        return False
+    if how == "auto" and program.layers[0].qkv.bits not in DEFAULT_BITS:
+        log.info("one-token steps run the model's own forward at %d bits (%s=1: the compiled step)",
+                 program.layers[0].qkv.bits, SWITCH)
         return False
     if checked:
         gate = check(model, program)
@@ -364,10 +375,11 @@ def check(model: nn.Module, program: DecodeProgram, prompt: list[int] | None = N
 
 def mode() -> str:
     """From `MLXCHAT_CUDA_DECODE`: "off" ("0", or MLX not on CUDA); "ref" (the program on
-    fused_ref.py's MLX ops on any device: for checking it where CUDA is not); else "on"."""
+    fused_ref.py's MLX ops on any device: for checking it where CUDA is not); "on" ("1": every
+    precision); else "auto" (the precisions in DEFAULT_BITS)."""
     value = os.environ.get(SWITCH, "").strip().lower()
     if value == "ref":
         return "ref"
     if device.backend() != "cuda" or value == "0":
         return "off"
-    return "on"
+    return "on" if value == "1" else "auto"
