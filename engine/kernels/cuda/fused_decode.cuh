@@ -375,6 +375,42 @@ __device__ __forceinline__ float add_splits(const float* pm, const float* pl, co
   return a / ls;
 }
 
+template <typename T, int G, int D, int S, int WARPS>
+__device__ __forceinline__ void combine_group(const float* pm, const float* pl, const float* pa, int h0, T* y) {
+  // The S split partials of heads h0 .. h0 + G - 1 added up by one block (add_splits' sum, in
+  // another order): each split's weight exp(pm - M) / sum(pl exp(pm - M)) first, every pm and pl
+  // loaded at once, then each output element's S values of pa, also loaded together (a thread
+  // walking the splits in turn for its elements waited on L2 some 8 times an element).
+  // __ldcg: other blocks wrote them (L2, not this SM's L1).
+  __shared__ float wt[G][S];
+  __shared__ float inv[G];
+  for (int i = threadIdx.x; i < G * S; i += WARPS * 32) wt[i / S][i % S] = __ldcg(pm + (size_t)h0 * S + i);
+  __syncthreads();
+  if (threadIdx.x < G) {
+    const int g = threadIdx.x;
+    float M = -INFINITY;
+    #pragma unroll
+    for (int s = 0; s < S; ++s) M = fmaxf(M, wt[g][s]);
+    float ls = 0.f;
+    #pragma unroll
+    for (int s = 0; s < S; ++s) {
+      const float e = wt[g][s] == -INFINITY ? 0.f : expf(wt[g][s] - M);
+      ls += __ldcg(pl + (size_t)(h0 + g) * S + s) * e;
+      wt[g][s] = e;
+    }
+    inv[g] = 1.f / ls;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
+    const int g = i / D, d = i % D;
+    const float* p = pa + (size_t)(h0 + g) * S * D + d;
+    float a = 0.f;
+    #pragma unroll
+    for (int s = 0; s < S; ++s) a = fmaf(__ldcg(p + (size_t)s * D), wt[g][s], a);
+    y[(h0 + g) * D + d] = static_cast<T>(a * inv[g]);
+  }
+}
+
 template <typename T, int D, int G, int HKV, int ROT, bool TRAD, bool NORM, int CAP, int S, int KU, int WARPS>
 __device__ __forceinline__ void attention_impl(const T* qkv, const T* qn, const T* kn, const float* invf,
                                                const float* fp, const int32_t* pos, const T* kc,
@@ -437,10 +473,7 @@ __device__ __forceinline__ void attention_impl(const T* qkv, const T* qn, const 
   __syncthreads();
   if (!last) return;
   __threadfence();
-  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
-    const int d = i % D, h = j * G + i / D;
-    y[h * D + d] = static_cast<T>(add_splits<S>(pm + h * S, pl + h * S, pa + (size_t)h * S * D, D, d));
-  }
+  combine_group<T, G, D, S, WARPS>(pm, pl, pa, j * G, y);
   if (threadIdx.x == 0) const_cast<int*>(cnt)[j] = 0;
 }
 
