@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 
 from bench.shapes import Shape, build_module
-from engine.kernels import batch_attention, decode_step, fused_cuda
+from engine.kernels import batch_attention, decode_step, fused_cuda, qmm_rows_cuda
 from engine.kernels.gpu_layout import to_gpu_layout
 from tiny_models import LLAMA
 
@@ -91,6 +91,10 @@ def test_every_kernel_the_decode_step_launches_compiles(tmp_path, monkeypatch):
             cache = batch_attention._slot_cache(mx.zeros((rows + 1, kv, 256, dim), dtype),
                                                 mx.zeros((rows + 1, kv, 256, dim), dtype), [0] * rows, 1)
             batch_attention.attention_rows(layer, mx.zeros((rows, 1, (heads + 2 * kv) * dim), dtype), cache)
+    for m, dtype in ((2, mx.bfloat16), (9, mx.float16), (32, mx.bfloat16)):  # a batched step's 4-bit products
+        for gs in (64, 128):
+            w, scales, biases = mx.quantize(mx.zeros((48, 512)), group_size=gs, bits=4)
+            qmm_rows_cuda.qmm4_rows(mx.zeros((m, 1, 512), dtype), w, scales.astype(dtype), biases.astype(dtype), gs)
     assert len(recorder.sources) >= 20
     prelude = ("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cstdint>\n"
                "#include <cooperative_groups.h>\n")

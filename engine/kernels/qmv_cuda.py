@@ -36,6 +36,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .. import device
+from . import qmm_rows_cuda
 
 SWITCH = "MLXCHAT_CUDA_QMV"
 MAX_ROWS = 8  # rows of x one launch serves; more go to mx.quantized_matmul
@@ -194,13 +195,18 @@ def qmv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int,
 
 class QMVLinear(nn.QuantizedLinear):
     """An affine-quantized linear whose products of at most `max_rows` rows in a float dtype run
-    the kernel; anything else runs `nn.QuantizedLinear` (mx.quantized_matmul)."""
+    the kernel, those of a few rows more at 4 bits the tensor-core kernel of qmm_rows_cuda.py
+    (where it is enabled); anything else runs `nn.QuantizedLinear` (mx.quantized_matmul)."""
 
     max_rows: int = MAX_ROWS
 
     def __call__(self, x: mx.array) -> mx.array:
-        if 0 < rows(x) <= self.max_rows and x.dtype in DTYPES:
+        m = rows(x)
+        if 0 < m <= self.max_rows and x.dtype in DTYPES:
             y = qmv(x, self["weight"], self["scales"], self["biases"], self.bits, self.group_size)
+            return y + self["bias"] if "bias" in self else y
+        if qmm_rows_cuda.fits(self.bits, self.group_size, x.shape[-1], m, x.dtype) and qmm_rows_cuda.enabled(x.dtype):
+            y = qmm_rows_cuda.qmm4_rows(x, self["weight"], self["scales"], self["biases"], self.group_size)
             return y + self["bias"] if "bias" in self else y
         return super().__call__(x)
 

@@ -648,6 +648,144 @@ __device__ __forceinline__ void qmma4_impl(const T* x, const uint32_t* w, const 
   }
 }
 
+template <typename T, typename ST, bool BF16, int GS, int K, int N, int M, int KW, int TPW, int U>
+__device__ __forceinline__ void qmm4_rows_impl(const T* x, const uint32_t* w, const ST* scales,
+                                               const ST* biases, T* y) {
+  // y (M x N) = x (M x K, M <= 32 rows) W^T for a 4-bit W in MLX's affine layout (groups of 64
+  // or 128) on the tensor cores: qmma4_impl's fragments, with x's rows as the B operand's 8
+  // columns (MT tiles of 8 rows), so each weight loaded serves every row. A block's KW warps
+  // split K (64-wide chunks w, w + KW, ...) over TPW tiles of 16 output rows. Lane (g, t) loads,
+  // per chunk, 16 nibbles of weight rows g and g + 8 at k = 16 t (two uint32, each the A
+  // registers of two mmas: bf16/fp16 pairs 128 + q, one lop3 each) and x row 8 xt + g at the
+  // same k (one 128-bit load per uint32, its values paired as the A nibbles are). A chunk's
+  // products are summed in fp32 by the tensor cores, then scaled: s * (C - OFF * sum(x)) + b *
+  // sum(x), sum(x) of the chunk's row from the four lanes that loaded it. The warps' sums meet
+  // in shared memory, added in warp order.
+  constexpr uint32_t MAGIC = BF16 ? 0x43004300u : 0x64006400u;
+  constexpr float OFF = BF16 ? 128.f : 1024.f;
+  constexpr int MT = (M + 7) / 8;
+  constexpr int CHUNKS = K / 64;
+  constexpr int WORDS = K / 8;  // uint32 per row
+  constexpr int TILES = (N + 15) / 16;
+  __shared__ float red[TPW][16][MT * 8];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  int rlo[TPW], rhi[TPW];
+  #pragma unroll
+  for (int i = 0; i < TPW; ++i) {
+    const int tile = min(blockIdx.x * TPW + i, TILES - 1);
+    rlo[i] = min(tile * 16 + g, N - 1);
+    rhi[i] = min(tile * 16 + g + 8, N - 1);
+  }
+  float acc[TPW][MT][4];
+  #pragma unroll
+  for (int i = 0; i < TPW; ++i)
+    #pragma unroll
+    for (int m = 0; m < MT; ++m) acc[i][m][0] = acc[i][m][1] = acc[i][m][2] = acc[i][m][3] = 0.f;
+  uint2 lo[U][TPW], hi[U][TPW];
+  ST sl[U][TPW], bl[U][TPW], sh[U][TPW], bh[U][TPW];
+  auto load_round = [&](int c0) {
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = min(c0 + u * KW, CHUNKS - 1);
+      const int q = c * 64 / GS;
+      #pragma unroll
+      for (int i = 0; i < TPW; ++i) {
+        lo[u][i] = __ldg(reinterpret_cast<const uint2*>(w + (size_t)rlo[i] * WORDS + c * 8) + t);
+        hi[u][i] = __ldg(reinterpret_cast<const uint2*>(w + (size_t)rhi[i] * WORDS + c * 8) + t);
+        sl[u][i] = scales[(size_t)rlo[i] * (K / GS) + q];
+        bl[u][i] = biases[(size_t)rlo[i] * (K / GS) + q];
+        sh[u][i] = scales[(size_t)rhi[i] * (K / GS) + q];
+        bh[u][i] = biases[(size_t)rhi[i] * (K / GS) + q];
+      }
+    }
+  };
+  #pragma unroll 1
+  for (int c0 = warp; c0 < CHUNKS; c0 += KW * U) {
+    load_round(c0);
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * KW;
+      if (c >= CHUNKS) break;  // the same for the whole warp
+      // x's B registers for this chunk ([tile of x rows][half][mma][register]) and the lanes'
+      // share of each row's chunk sum
+      uint32_t b[MT][2][2][2];
+      float sx[MT][2];
+      #pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        const int r = m * 8 + g;
+        float part = 0.f;
+        #pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          uint4 v = make_uint4(0u, 0u, 0u, 0u);
+          if (r < M) v = __ldg(reinterpret_cast<const uint4*>(x + (size_t)r * K + c * 64 + 16 * t + 8 * hh));
+          // values 0..7 as pairs in v.x .. v.w; the mma pairs (2h, 2h + 4) and (2h + 1, 2h + 5)
+          b[m][hh][0][0] = __byte_perm(v.x, v.z, 0x5410);
+          b[m][hh][0][1] = __byte_perm(v.x, v.z, 0x7632);
+          b[m][hh][1][0] = __byte_perm(v.y, v.w, 0x5410);
+          b[m][hh][1][1] = __byte_perm(v.y, v.w, 0x7632);
+          float f[8];
+          const uint32_t vs[4] = {v.x, v.y, v.z, v.w};
+          #pragma unroll
+          for (int j = 0; j < 4; ++j) { const float2 p2 = pair_f<T>(vs[j]); f[2 * j] = p2.x; f[2 * j + 1] = p2.y; }
+          #pragma unroll
+          for (int j = 0; j < 8; ++j) part += f[j];
+        }
+        part += __shfl_xor_sync(0xffffffffu, part, 1);
+        part += __shfl_xor_sync(0xffffffffu, part, 2);  // row 8 m + g's chunk sum, in its four lanes
+        sx[m][0] = __shfl_sync(0xffffffffu, part, (2 * t) * 4);  // the rows of this lane's columns
+        sx[m][1] = __shfl_sync(0xffffffffu, part, (2 * t + 1) * 4);
+      }
+      #pragma unroll
+      for (int i = 0; i < TPW; ++i) {
+        uint32_t al[2][4], ah[2][4];
+        #pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const uint32_t wl = hh ? lo[u][i].y : lo[u][i].x, wh = hh ? hi[u][i].y : hi[u][i].x;
+          #pragma unroll
+          for (int j = 0; j < 4; ++j) { al[hh][j] = nib_pair(wl >> (4 * j), MAGIC); ah[hh][j] = nib_pair(wh >> (4 * j), MAGIC); }
+        }
+        const float s0 = static_cast<float>(sl[u][i]), b0 = static_cast<float>(bl[u][i]);
+        const float s1 = static_cast<float>(sh[u][i]), b1 = static_cast<float>(bh[u][i]);
+        #pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          float cc[4] = {0.f, 0.f, 0.f, 0.f};
+          #pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+            #pragma unroll
+            for (int h = 0; h < 2; ++h)
+              mma_16816<BF16>(cc, al[hh][2 * h], ah[hh][2 * h], al[hh][2 * h + 1], ah[hh][2 * h + 1],
+                              b[m][hh][h][0], b[m][hh][h][1]);
+          // c0, c1: weight row g, x rows 2t, 2t + 1; c2, c3: weight row g + 8
+          acc[i][m][0] += s0 * (cc[0] - OFF * sx[m][0]) + b0 * sx[m][0];
+          acc[i][m][1] += s0 * (cc[1] - OFF * sx[m][1]) + b0 * sx[m][1];
+          acc[i][m][2] += s1 * (cc[2] - OFF * sx[m][0]) + b1 * sx[m][0];
+          acc[i][m][3] += s1 * (cc[3] - OFF * sx[m][1]) + b1 * sx[m][1];
+        }
+      }
+    }
+  }
+  for (int v = 0; v < KW; ++v) {  // the warps' sums, in warp order
+    if (warp == v) {
+      #pragma unroll
+      for (int i = 0; i < TPW; ++i)
+        #pragma unroll
+        for (int m = 0; m < MT; ++m)
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = g + (e >> 1) * 8, col = m * 8 + 2 * t + (e & 1);
+            red[i][row][col] = v == 0 ? acc[i][m][e] : red[i][row][col] + acc[i][m][e];
+          }
+    }
+    __syncthreads();
+  }
+  for (int idx = threadIdx.x; idx < TPW * 16 * M; idx += 32 * KW) {
+    const int i = idx / (16 * M), rest = idx % (16 * M), col = rest / 16, row = rest % 16;
+    const int n = (blockIdx.x * TPW + i) * 16 + row;
+    if (blockIdx.x * TPW + i < TILES && n < N) y[(size_t)col * N + n] = static_cast<T>(red[i][row][col]);
+  }
+}
+
 template <typename T, int D, int G, int HKV, int S, int KU, int WARPS>
 __device__ __forceinline__ void attend_rows_impl(const T* q, const T* kc, const T* vc, const int32_t* lp,
                                                  const int32_t* off, const int32_t* dims, const float* fp,

@@ -1,0 +1,77 @@
+"""engine/kernels/qmm_rows_cuda.py: the 4-bit product of 2-32 rows of x on the tensor cores is used
+only once it gave `mx.quantized_matmul`'s output on this device, per dtype; one that raises or
+differs leaves MLX's product in place. The GPU layout's `QMVLinear` sends it the products of 2-32
+rows of a 4-bit layer, and nothing else. (The kernel runs on CUDA only: on the CPU MLX's product
+stands in for it; tests/test_cuda_source.py compiles it for sm_90.)"""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from engine.kernels import qmm_rows_cuda, qmv_cuda
+
+pytestmark = pytest.mark.fast
+
+
+def as_kernel(x, w, scales, biases, group_size):
+    return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=4)
+
+
+@pytest.fixture
+def gated(monkeypatch):
+    monkeypatch.setattr(qmm_rows_cuda, "mode", lambda: "on")
+    monkeypatch.setattr(qmm_rows_cuda, "qmm4_rows", as_kernel)
+    qmm_rows_cuda.reset()
+    yield monkeypatch
+    qmm_rows_cuda.reset()
+
+
+def test_a_kernel_equal_to_mlx_is_taken_once_per_dtype(gated):
+    calls = []
+    gated.setattr(qmm_rows_cuda, "qmm4_rows", lambda *a: calls.append(a[0].shape[0]) or as_kernel(*a))
+    assert qmm_rows_cuda.enabled(mx.bfloat16)
+    assert calls == [2, 9, 32]  # groups of 64 and 128, rows of x from 2 to 32
+    assert qmm_rows_cuda.enabled(mx.bfloat16) and len(calls) == 3
+    assert qmm_rows_cuda.enabled(mx.float16) and len(calls) == 6
+
+
+@pytest.mark.parametrize("wrong", ["raises", "differs"])
+def test_a_kernel_that_fails_or_differs_is_not_taken(gated, caplog, wrong):
+    def kernel(x, w, scales, biases, group_size):
+        if wrong == "raises":
+            raise RuntimeError("nvrtc: error")
+        return as_kernel(x, w, scales, biases, group_size).at[-1, :, :3].add(1.0)  # the last row off
+    gated.setattr(qmm_rows_cuda, "qmm4_rows", kernel)
+    assert not qmm_rows_cuda.enabled(mx.bfloat16)
+    assert "run MLX's quantized_matmul" in caplog.text
+    result = qmm_rows_cuda.check(mx.bfloat16)
+    assert not result["kept"] and (("error" in result) == (wrong == "raises"))
+
+
+def test_off_by_switch(monkeypatch):
+    monkeypatch.setenv(qmm_rows_cuda.SWITCH, "0")
+    qmm_rows_cuda.reset()
+    try:
+        assert not qmm_rows_cuda.enabled(mx.bfloat16)
+    finally:
+        qmm_rows_cuda.reset()
+
+
+@pytest.mark.parametrize("bits, group_size", [(4, 64), (4, 128), (4, 32), (8, 64)])
+def test_qmv_linear_sends_it_the_products_of_a_few_rows_of_a_4bit_layer(gated, bits, group_size):
+    """Rows 2-32 of a 4-bit layer (groups of 64/128) take the kernel; one row takes qmv_cuda's
+    kernel, 33 rows, 8-bit layers and groups of 32 MLX's product; every output is the layer's."""
+    linear = nn.Linear(256, 96, bias=False)
+    linear.set_dtype(mx.bfloat16)
+    layer = nn.QuantizedLinear.from_linear(linear, group_size=group_size, bits=bits)
+    gated.setattr(qmv_cuda, "qmv", lambda x, w, s, b, bits, gs: mx.quantized_matmul(
+        x, w, s, b, transpose=True, group_size=gs, bits=bits))
+    assert qmm_rows_cuda.enabled(mx.bfloat16)
+    calls = []
+    gated.setattr(qmm_rows_cuda, "qmm4_rows", lambda *a: calls.append(a[0].shape[0]) or as_kernel(*a))
+    ours = qmv_cuda.to_qmv(layer, max_rows=1)
+    assert isinstance(ours, qmv_cuda.QMVLinear)
+    for m in (1, 2, 8, 32, 33):
+        x = mx.random.normal((m, 1, 256)).astype(mx.bfloat16)
+        assert mx.array_equal(ours(x), layer(x)).item(), m
+    assert calls == ([2, 8, 32] if bits == 4 and group_size in (64, 128) else [])
