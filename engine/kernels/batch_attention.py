@@ -36,6 +36,7 @@ from typing import Any
 import mlx.core as mx
 
 from .. import device
+from .rope import inverse_frequencies
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +93,6 @@ class RowsLayer:
     def of(cls, attn: Any, dtype: mx.Dtype) -> "RowsLayer | None":
         """For a StackedAttention (engine/kernels/gpu_layout.py) in activations of `dtype`, or None
         where its RoPE is of a kind the kernel does not compute."""
-        from .decode_step import inverse_frequencies
-
         freqs = inverse_frequencies(attn.rope)
         if freqs is None:
             return None

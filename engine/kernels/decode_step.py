@@ -27,7 +27,6 @@ kernels in MLX ops, and compare its tokens with mlx-lm's (tests/test_decode_step
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 from dataclasses import dataclass
@@ -36,13 +35,12 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.models import llama, qwen2, qwen3
 from mlx_lm.models.cache import KVCache
-from mlx_lm.models.rope_utils import Llama3RoPE
 
 from .. import device
 from .gpu_layout import StackedAttention, StackedMLP
+from .rope import inverse_frequencies
 
 log = logging.getLogger(__name__)
 
@@ -116,19 +114,6 @@ class Layer:
     eps_post: float
     gate_up: Proj
     down: Proj
-
-
-def inverse_frequencies(rope: nn.Module) -> tuple[np.ndarray, float] | None:
-    """(1 / frequency per rotated pair, position scale) of a RoPE module as MLX's kernel computes
-    its angles, or None for a kind this program does not know."""
-    half = rope.dims // 2
-    if type(rope) is nn.RoPE:
-        log2_base = np.float32(math.log2(rope.base))
-        d = np.arange(half, dtype=np.float32) / np.float32(half)
-        return np.exp2(-d * log2_base).astype(np.float32), float(rope.scale)
-    if type(rope) is Llama3RoPE:
-        return (1.0 / np.array(rope._freqs, dtype=np.float32)).astype(np.float32), 1.0
-    return None
 
 
 def read_layer(block: nn.Module) -> Layer | None:
