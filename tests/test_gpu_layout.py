@@ -77,20 +77,26 @@ def test_projections_that_do_not_stack_stay_as_loaded():
     assert nn.QuantizedLinear in kinds(model)
 
 
-def test_engine_on_a_stacked_model_answers_with_mlx_lm_tokens(serve):
+def engine_and_mlx_lm_tokens(serve, kind: str, prompts: list[list[int]], n: int = 12
+                             ) -> tuple[list[list[int]], list[list[int]]]:
+    """The engine's greedy tokens for `prompts` decoded together on `kind`'s model in the GPU
+    layout, and mlx-lm's for each alone on the same weights (each ending at EOS)."""
     base = tiny_llama()
-    plain, stacked_model = pair("llama")
+    plain, stacked_model = pair(kind)
     stacked = dataclasses.replace(base, model=stacked_model)
-    prompts = [[5, 17, 300, 42, 9], [1000, 77, 3], [8, 8, 120, 4500, 61, 2, 19]]
-    n = 12
     expected = [[int(t) for t, _ in generate_step(mx.array(p), plain, max_tokens=n)] for p in prompts]
-
     eos = set(base.tokenizer.eos_token_ids)
     expected = [t[:next((i for i, x in enumerate(t) if x in eos), n)] for t in expected]  # ends at EOS
-
     engine = serve(stacked, max_running=len(prompts), prefix_cache=False)
     handles = [engine.submit(prompt_tokens=p, params=SamplingParams(max_tokens=n)) for p in prompts]
-    got = [[e.token for e in h.events(timeout=60) if e.kind == "token"] for h in handles]
+    return [[e.token for e in h.events(timeout=60) if e.kind == "token"] for h in handles], expected
+
+
+ROWS = [[5, 17, 300, 42, 9], [1000, 77, 3], [8, 8, 120, 4500, 61, 2, 19], [44] * 11]
+
+
+def test_engine_on_a_stacked_model_answers_with_mlx_lm_tokens(serve):
+    got, expected = engine_and_mlx_lm_tokens(serve, "llama", ROWS[:3])
     assert got == expected and all(len(t) > 2 for t in got)
 
 
@@ -103,22 +109,12 @@ def test_batched_steps_attending_each_rows_own_keys_give_mlx_lm_tokens(serve, mo
     rows = []
     ref = batch_attention.attend_rows_ref
     monkeypatch.setattr(batch_attention, "attend_rows_ref", lambda *a: rows.append(a[0].shape[0]) or ref(*a))
-    base = tiny_llama()
-    plain, stacked_model = pair(kind)
-    stacked = dataclasses.replace(base, model=stacked_model)
-    prompts = [[5, 17, 300, 42, 9], [1000, 77, 3], [8, 8, 120, 4500, 61, 2, 19], [44] * 11]
-    n = 12
-    expected = [[int(t) for t, _ in generate_step(mx.array(p), plain, max_tokens=n)] for p in prompts]
-    eos = set(base.tokenizer.eos_token_ids)
-    expected = [t[:next((i for i, x in enumerate(t) if x in eos), n)] for t in expected]
     try:
-        engine = serve(stacked, max_running=len(prompts), prefix_cache=False)
-        handles = [engine.submit(prompt_tokens=p, params=SamplingParams(max_tokens=n)) for p in prompts]
-        got = [[e.token for e in h.events(timeout=60) if e.kind == "token"] for h in handles]
+        got, expected = engine_and_mlx_lm_tokens(serve, kind, ROWS)
     finally:
         batch_attention.reset()
     assert got == expected and all(len(t) > 2 for t in got)
-    assert rows and max(rows) == len(prompts)  # the batched steps took it, with every row
+    assert rows and max(rows) == len(ROWS)  # the batched steps took it, with every row
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -133,19 +129,9 @@ def test_batched_steps_through_one_attention_call_give_mlx_lm_tokens(serve, monk
     ref = batch_attention.attention_rows_ref
     monkeypatch.setattr(batch_attention, "attention_rows",
                         lambda layer, qkv, cache: rows.append(qkv.shape[0]) or ref(layer, qkv, cache))
-    base = tiny_llama()
-    plain, stacked_model = pair(kind)
-    stacked = dataclasses.replace(base, model=stacked_model)
-    prompts = [[5, 17, 300, 42, 9], [1000, 77, 3], [8, 8, 120, 4500, 61, 2, 19], [44] * 11]
-    n = 12
-    expected = [[int(t) for t, _ in generate_step(mx.array(p), plain, max_tokens=n)] for p in prompts]
-    eos = set(base.tokenizer.eos_token_ids)
-    expected = [t[:next((i for i, x in enumerate(t) if x in eos), n)] for t in expected]
-    engine = serve(stacked, max_running=len(prompts), prefix_cache=False)
-    handles = [engine.submit(prompt_tokens=p, params=SamplingParams(max_tokens=n)) for p in prompts]
-    got = [[e.token for e in h.events(timeout=60) if e.kind == "token"] for h in handles]
+    got, expected = engine_and_mlx_lm_tokens(serve, kind, ROWS)
     assert got == expected and all(len(t) > 2 for t in got)
-    assert rows and max(rows) == len(prompts)
+    assert rows and max(rows) == len(ROWS)
 
 
 def test_snapshot_files_tell_the_gpu_layout_apart(monkeypatch):

@@ -375,6 +375,47 @@ __device__ __forceinline__ float add_splits(const float* pm, const float* pl, co
   return a / ls;
 }
 
+template <typename T, int D, int G, int ROT, bool TRAD, bool NORM, int KU, int WARPS>
+__device__ __forceinline__ void rotate_write_attend(const T* q, const T* k, const T* v, const T* qn, const T* kn,
+                                                    const float* invf, const float* fp, float position,
+                                                    const T* kc, const T* vc, size_t base, int start, int end,
+                                                    int col, float (&m)[G], float (&l)[G],
+                                                    float (&acc)[G][D / 32]) {
+  // An attention block's work before its partial sums: its G query heads (q: G x D) normed
+  // (NORM) and rotated at `position` (times fp[1]); where its keys start .. end - 1 hold the new
+  // column `col`, the new key (k) normed, rotated and written into the cache at col, and the new
+  // value (v) as it is; then its queries, scaled by fp[2], over those keys (the new key and value
+  // from shared memory, not read back), into m / l / acc (attend_keys). Warp w takes heads w, w +
+  // WARPS, ...; the cache rows are kc / vc + (base + t) * D.
+  constexpr int DPL = D / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const bool has_new = start <= col && col < end;
+  __shared__ float qs[G][D];
+  __shared__ float nk[2][D];
+  const float at = fp[1] * position;
+  for (int hh = warp; hh < G + (has_new ? 1 : 0); hh += WARPS) {
+    const bool is_k = hh == G;
+    T* gout = is_k ? const_cast<T*>(kc) + (base + col) * D : nullptr;
+    head_rope<T, D, ROT, TRAD, NORM>(is_k ? k : q + (size_t)hh * D, is_k ? kn : qn, fp[0], at, invf,
+                                     is_k ? nk[0] : qs[hh], gout, lane);
+  }
+  if (has_new) {  // the new value, as it is, into the cache
+    T* vo = const_cast<T*>(vc) + (base + col) * D;
+    for (int e = threadIdx.x; e < D; e += WARPS * 32) { vo[e] = v[e]; nk[1][e] = static_cast<float>(v[e]); }
+  }
+  __syncthreads();
+  const float scale = fp[2];
+  float qf[G][DPL];
+  #pragma unroll
+  for (int g = 0; g < G; ++g) {
+    #pragma unroll
+    for (int d = 0; d < DPL; ++d) { qf[g][d] = qs[g][lane * DPL + d] * scale; acc[g][d] = 0.f; }
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+  }
+  attend_keys<T, DPL, G, KU, WARPS>(qf, m, l, acc, kc, vc, base, start, end, has_new ? col : -1, nk[0], nk[1]);
+}
+
 template <typename T, int G, int D, int S, int WARPS>
 __device__ __forceinline__ void combine_group(const float* pm, const float* pl, const float* pa, int h0, T* y) {
   // The S split partials of heads h0 .. h0 + G - 1 added up by one block (add_splits' sum, in
@@ -422,41 +463,15 @@ __device__ __forceinline__ void attention_impl(const T* qkv, const T* qn, const 
   // loads issued before any is used, and one softmax update for the KU scores).
   constexpr int HQ = HKV * G;
   constexpr int DPL = D / 32;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int split = blockIdx.x, j = blockIdx.y;
   const int p = pos[0];
   const int ch = (p + S) / S;  // ceil((p + 1) / S)
   const int start = split * ch, end = min(start + ch, p + 1);
-  const bool has_new = start <= p && p < end;
-  __shared__ float qs[G][D];
-  __shared__ float nk[2][D];
   __shared__ int last;
-  const float at = fp[1] * static_cast<float>(p);
-  // the block's queries (and, in the split holding p, the new key) normed and rotated; warp w
-  // takes heads w, w + WARPS, ...; the new key is also written into the cache at p
-  for (int hh = warp; hh < G + (has_new ? 1 : 0); hh += WARPS) {
-    const bool is_k = hh == G;
-    const T* src = qkv + (size_t)(is_k ? HQ + j : j * G + hh) * D;
-    T* gout = is_k ? const_cast<T*>(kc) + ((size_t)j * CAP + p) * D : nullptr;
-    head_rope<T, D, ROT, TRAD, NORM>(src, is_k ? kn : qn, fp[0], at, invf, is_k ? nk[0] : qs[hh], gout, lane);
-  }
-  if (has_new) {  // the new value, as it is, into the cache at p
-    const T* vs = qkv + (size_t)(HQ + HKV + j) * D;
-    T* vo = const_cast<T*>(vc) + ((size_t)j * CAP + p) * D;
-    for (int e = threadIdx.x; e < D; e += WARPS * 32) { vo[e] = vs[e]; nk[1][e] = static_cast<float>(vs[e]); }
-  }
-  __syncthreads();
-  const float scale = fp[2];
-  float qf[G][DPL], m[G], l[G], acc[G][DPL];
-  #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    #pragma unroll
-    for (int d = 0; d < DPL; ++d) { qf[g][d] = qs[g][lane * DPL + d] * scale; acc[g][d] = 0.f; }
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-  }
-  attend_keys<T, DPL, G, KU, WARPS>(qf, m, l, acc, kc, vc, (size_t)j * CAP, start, end, has_new ? p : -1,
-                                    nk[0], nk[1]);
+  float m[G], l[G], acc[G][DPL];
+  rotate_write_attend<T, D, G, ROT, TRAD, NORM, KU, WARPS>(
+      qkv + (size_t)j * G * D, qkv + (size_t)(HQ + j) * D, qkv + (size_t)(HQ + HKV + j) * D, qn, kn, invf, fp,
+      static_cast<float>(p), kc, vc, (size_t)j * CAP, start, end, p, m, l, acc);
   __shared__ BlockSums<G, D, WARPS> sums;
   sums.put<DPL>(m, l, acc);
   for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {  // the block's warps, one split's part
@@ -498,6 +513,35 @@ __device__ __forceinline__ void mma_16816(float* c, uint32_t a0, uint32_t a1, ui
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   }
 }
+
+template <typename ST, int GS, int K, int KW, int TPW, int U>
+struct TileRound {
+  // A warp's round of a 4-bit tensor-core product (qmma4_impl, qmm4_rows_impl): U 64-wide chunks
+  // (c0, c0 + KW, ...) of TPW 16-row weight tiles, lane (g, t) holding 16 nibbles of rows g and
+  // g + 8 at k = 16 t (lo, hi) and the chunk's group's scale and bias of each (sl / bl, sh / bh),
+  // all loaded before any is used.
+  uint2 lo[U][TPW], hi[U][TPW];
+  ST sl[U][TPW], bl[U][TPW], sh[U][TPW], bh[U][TPW];
+
+  __device__ __forceinline__ void load(const uint32_t* w, const ST* scales, const ST* biases, const int (&rlo)[TPW],
+                                       const int (&rhi)[TPW], int c0, int t) {
+    constexpr int CHUNKS = K / 64, WORDS = K / 8;
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = min(c0 + u * KW, CHUNKS - 1);
+      const int q = c * 64 / GS;  // the quantization group
+      #pragma unroll
+      for (int i = 0; i < TPW; ++i) {
+        lo[u][i] = __ldg(reinterpret_cast<const uint2*>(w + (size_t)rlo[i] * WORDS + c * 8) + t);
+        hi[u][i] = __ldg(reinterpret_cast<const uint2*>(w + (size_t)rhi[i] * WORDS + c * 8) + t);
+        sl[u][i] = scales[(size_t)rlo[i] * (K / GS) + q];
+        bl[u][i] = biases[(size_t)rlo[i] * (K / GS) + q];
+        sh[u][i] = scales[(size_t)rhi[i] * (K / GS) + q];
+        bh[u][i] = biases[(size_t)rhi[i] * (K / GS) + q];
+      }
+    }
+  }
+};
 
 template <typename T, typename ST, bool BF16, int GS, int K, int N, int E, int XN, int KW, int TPW, int U>
 __device__ __forceinline__ void qmma4_impl(const T* x, const uint32_t* w, const ST* scales,
@@ -542,24 +586,8 @@ __device__ __forceinline__ void qmma4_impl(const T* x, const uint32_t* w, const 
   // a round's weights (U chunks per warp) and their groups' scales and biases, loaded before any
   // is used (a scale loaded where it is used stalled every chunk on its latency); the first
   // round's loads go out before x is staged, so their latency overlaps the staging and the norm
-  uint2 lo[U][TPW], hi[U][TPW];
-  ST sl[U][TPW], bl[U][TPW], sh[U][TPW], bh[U][TPW];
-  auto load_round = [&](int c0) {
-    #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = min(c0 + u * KW, CHUNKS - 1);
-      const int q = c * 64 / GS;  // the quantization group
-      #pragma unroll
-      for (int i = 0; i < TPW; ++i) {
-        lo[u][i] = __ldg(reinterpret_cast<const uint2*>(w + (size_t)rlo[i] * WORDS + c * 8) + t);
-        hi[u][i] = __ldg(reinterpret_cast<const uint2*>(w + (size_t)rhi[i] * WORDS + c * 8) + t);
-        sl[u][i] = scales[(size_t)rlo[i] * (K / GS) + q];
-        bl[u][i] = biases[(size_t)rlo[i] * (K / GS) + q];
-        sh[u][i] = scales[(size_t)rhi[i] * (K / GS) + q];
-        bh[u][i] = biases[(size_t)rhi[i] * (K / GS) + q];
-      }
-    }
-  };
+  TileRound<ST, GS, K, KW, TPW, U> rd;  // the round's weights, scales and biases
+  auto load_round = [&](int c0) { rd.load(w, scales, biases, rlo, rhi, c0, t); };
   load_round(warp);
   {  // x into shared memory as T (RMS-normalised as MLX rounds it when XN == 2), its chunk sums
     constexpr int PER = (K + 32 * KW - 1) / (32 * KW);
@@ -608,7 +636,7 @@ __device__ __forceinline__ void qmma4_impl(const T* x, const uint32_t* w, const 
         float cc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
         #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          const uint32_t wl = hh ? lo[u][i].y : lo[u][i].x, wh = hh ? hi[u][i].y : hi[u][i].x;
+          const uint32_t wl = hh ? rd.lo[u][i].y : rd.lo[u][i].x, wh = hh ? rd.hi[u][i].y : rd.hi[u][i].x;
           uint32_t al[4], ah[4];
           #pragma unroll
           for (int j = 0; j < 4; ++j) { al[j] = nib_pair(wl >> (4 * j), MAGIC); ah[j] = nib_pair(wh >> (4 * j), MAGIC); }
@@ -617,8 +645,8 @@ __device__ __forceinline__ void qmma4_impl(const T* x, const uint32_t* w, const 
             mma_16816<BF16>(cc[hh], al[2 * h], ah[2 * h], al[2 * h + 1], ah[2 * h + 1], b[hh][h][0], b[hh][h][1]);
         }
         const float clo = cc[0][0] + cc[1][0], chi = cc[0][2] + cc[1][2];  // column 0: x's row (lanes t == 0)
-        acc[i][0] += static_cast<float>(sl[u][i]) * (clo - OFF * sx) + static_cast<float>(bl[u][i]) * sx;
-        acc[i][1] += static_cast<float>(sh[u][i]) * (chi - OFF * sx) + static_cast<float>(bh[u][i]) * sx;
+        acc[i][0] += static_cast<float>(rd.sl[u][i]) * (clo - OFF * sx) + static_cast<float>(rd.bl[u][i]) * sx;
+        acc[i][1] += static_cast<float>(rd.sh[u][i]) * (chi - OFF * sx) + static_cast<float>(rd.bh[u][i]) * sx;
       }
     }
   }
@@ -682,24 +710,8 @@ __device__ __forceinline__ void qmm4_rows_impl(const T* x, const uint32_t* w, co
   for (int i = 0; i < TPW; ++i)
     #pragma unroll
     for (int m = 0; m < MT; ++m) acc[i][m][0] = acc[i][m][1] = acc[i][m][2] = acc[i][m][3] = 0.f;
-  uint2 lo[U][TPW], hi[U][TPW];
-  ST sl[U][TPW], bl[U][TPW], sh[U][TPW], bh[U][TPW];
-  auto load_round = [&](int c0) {
-    #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = min(c0 + u * KW, CHUNKS - 1);
-      const int q = c * 64 / GS;
-      #pragma unroll
-      for (int i = 0; i < TPW; ++i) {
-        lo[u][i] = __ldg(reinterpret_cast<const uint2*>(w + (size_t)rlo[i] * WORDS + c * 8) + t);
-        hi[u][i] = __ldg(reinterpret_cast<const uint2*>(w + (size_t)rhi[i] * WORDS + c * 8) + t);
-        sl[u][i] = scales[(size_t)rlo[i] * (K / GS) + q];
-        bl[u][i] = biases[(size_t)rlo[i] * (K / GS) + q];
-        sh[u][i] = scales[(size_t)rhi[i] * (K / GS) + q];
-        bh[u][i] = biases[(size_t)rhi[i] * (K / GS) + q];
-      }
-    }
-  };
+  TileRound<ST, GS, K, KW, TPW, U> rd;  // the round's weights, scales and biases
+  auto load_round = [&](int c0) { rd.load(w, scales, biases, rlo, rhi, c0, t); };
   #pragma unroll 1
   for (int c0 = warp; c0 < CHUNKS; c0 += KW * U) {
     load_round(c0);
@@ -741,12 +753,12 @@ __device__ __forceinline__ void qmm4_rows_impl(const T* x, const uint32_t* w, co
         uint32_t al[2][4], ah[2][4];
         #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          const uint32_t wl = hh ? lo[u][i].y : lo[u][i].x, wh = hh ? hi[u][i].y : hi[u][i].x;
+          const uint32_t wl = hh ? rd.lo[u][i].y : rd.lo[u][i].x, wh = hh ? rd.hi[u][i].y : rd.hi[u][i].x;
           #pragma unroll
           for (int j = 0; j < 4; ++j) { al[hh][j] = nib_pair(wl >> (4 * j), MAGIC); ah[hh][j] = nib_pair(wh >> (4 * j), MAGIC); }
         }
-        const float s0 = static_cast<float>(sl[u][i]), b0 = static_cast<float>(bl[u][i]);
-        const float s1 = static_cast<float>(sh[u][i]), b1 = static_cast<float>(bh[u][i]);
+        const float s0 = static_cast<float>(rd.sl[u][i]), b0 = static_cast<float>(rd.bl[u][i]);
+        const float s1 = static_cast<float>(rd.sh[u][i]), b1 = static_cast<float>(rd.bh[u][i]);
         #pragma unroll
         for (int m = 0; m < MT; ++m) {
           float cc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -786,6 +798,26 @@ __device__ __forceinline__ void qmm4_rows_impl(const T* x, const uint32_t* w, co
   }
 }
 
+template <typename T, int G, int D, int HQ, int S, int WARPS>
+__device__ __forceinline__ void rows_out(const BlockSums<G, D, WARPS>& sums, int r, int j, int split, float* pm,
+                                         float* pl, float* pa, T* y) {
+  // A batched step's block (split, kv head j, row r) done: S == 1, its G heads' outputs into y
+  // (rows x HQ * D, o_proj's layout); else their partial sums into pm / pl / pa (rows x HQ x S)
+  // for combine_rows_impl.
+  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
+    const int g = i / D, d = i % D, h = j * G + g;
+    float M, ls, a;
+    sums.get(g, d, M, ls, a);
+    if constexpr (S == 1) {
+      y[((size_t)r * HQ + h) * D + d] = static_cast<T>(a / ls);
+    } else {
+      const size_t at = ((size_t)r * HQ + h) * S + split;
+      pa[at * D + d] = a;
+      if (d == 0) { pm[at] = M; pl[at] = ls; }
+    }
+  }
+}
+
 template <typename T, int D, int G, int HKV, int S, int KU, int WARPS>
 __device__ __forceinline__ void attend_rows_impl(const T* q, const T* kc, const T* vc, const int32_t* lp,
                                                  const int32_t* off, const int32_t* dims, const float* fp,
@@ -818,18 +850,7 @@ __device__ __forceinline__ void attend_rows_impl(const T* q, const T* kc, const 
                                     nullptr, nullptr);
   __shared__ BlockSums<G, D, WARPS> sums;
   sums.put<DPL>(m, l, acc);
-  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
-    const int g = i / D, d = i % D, h = j * G + g;
-    float M, ls, a;
-    sums.get(g, d, M, ls, a);
-    if constexpr (S == 1) {
-      y[((size_t)r * HQ + h) * D + d] = static_cast<T>(a / ls);
-    } else {
-      const size_t at = ((size_t)r * HQ + h) * S + split;
-      pa[at * D + d] = a;
-      if (d == 0) { pm[at] = M; pl[at] = ls; }
-    }
-  }
+  rows_out<T, G, D, HQ, S>(sums, r, j, split, pm, pl, pa, y);
 }
 
 template <typename T, int D, int G, int HKV, int ROT, bool TRAD, bool NORM, int S, int KU, int WARPS>
@@ -848,53 +869,18 @@ __device__ __forceinline__ void attention_rows_impl(const T* qkv, const T* qn, c
   // else the partial sums pm / pl / pa (rows x HQ x S) for combine_rows_impl.
   constexpr int HQ = HKV * G;
   constexpr int DPL = D / 32;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int split = blockIdx.x, j = blockIdx.y, r = blockIdx.z;
   const int first = lp[r], p = off[r], col = first + p, n = p + 1;
   const int ch = (n + S - 1) / S;
   const int start = first + split * ch, end = first + min((split + 1) * ch, n);
-  const bool has_new = start <= col && col < end;
   const T* src = qkv + (size_t)r * (HQ + 2 * HKV) * D;
-  __shared__ float qs[G][D];
-  __shared__ float nk[2][D];
-  const float at = fp[1] * static_cast<float>(p);
-  const size_t base = ((size_t)r * HKV + j) * dims[0];
-  for (int hh = warp; hh < G + (has_new ? 1 : 0); hh += WARPS) {
-    const bool is_k = hh == G;
-    T* gout = is_k ? const_cast<T*>(kc) + (base + col) * D : nullptr;
-    head_rope<T, D, ROT, TRAD, NORM>(src + (size_t)(is_k ? HQ + j : j * G + hh) * D, is_k ? kn : qn, fp[0], at, invf,
-                                     is_k ? nk[0] : qs[hh], gout, lane);
-  }
-  if (has_new) {  // the new value, as it is, into the cache
-    const T* vs = src + (size_t)(HQ + HKV + j) * D;
-    T* vo = const_cast<T*>(vc) + (base + col) * D;
-    for (int e = threadIdx.x; e < D; e += WARPS * 32) { vo[e] = vs[e]; nk[1][e] = static_cast<float>(vs[e]); }
-  }
-  __syncthreads();
-  const float scale = fp[2];
-  float qf[G][DPL], m[G], l[G], acc[G][DPL];
-  #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    #pragma unroll
-    for (int d = 0; d < DPL; ++d) { qf[g][d] = qs[g][lane * DPL + d] * scale; acc[g][d] = 0.f; }
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-  }
-  attend_keys<T, DPL, G, KU, WARPS>(qf, m, l, acc, kc, vc, base, start, end, has_new ? col : -1, nk[0], nk[1]);
+  float m[G], l[G], acc[G][DPL];
+  rotate_write_attend<T, D, G, ROT, TRAD, NORM, KU, WARPS>(
+      src + (size_t)j * G * D, src + (size_t)(HQ + j) * D, src + (size_t)(HQ + HKV + j) * D, qn, kn, invf, fp,
+      static_cast<float>(p), kc, vc, ((size_t)r * HKV + j) * dims[0], start, end, col, m, l, acc);
   __shared__ BlockSums<G, D, WARPS> sums;
   sums.put<DPL>(m, l, acc);
-  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
-    const int g = i / D, d = i % D, h = j * G + g;
-    float M, ls, a;
-    sums.get(g, d, M, ls, a);
-    if constexpr (S == 1) {
-      y[((size_t)r * HQ + h) * D + d] = static_cast<T>(a / ls);
-    } else {
-      const size_t o = ((size_t)r * HQ + h) * S + split;
-      pa[o * D + d] = a;
-      if (d == 0) { pm[o] = M; pl[o] = ls; }
-    }
-  }
+  rows_out<T, G, D, HQ, S>(sums, r, j, split, pm, pl, pa, y);
 }
 
 template <typename T, int D, int HQ, int S>
