@@ -21,6 +21,7 @@ engine/kernels/qmv_cuda.py's `QMVLinear` calls it for products of `MIN_ROWS` to 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -61,16 +62,25 @@ def qmm4_rows(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, grou
 
     k, n = x.shape[-1], w.shape[0]
     m = x.size // k
-    tpw = tiles_per_block(m)
+    tiles_of_x = -(-m // 8)
+    tpw = tiles_per_block(8 * tiles_of_x)
     tiles = -(-n // 16)
-    kernel = _kernel("qmm4_rows", ["x", "w", "scales", "biases"], ["y"],
-                     "qmm4_rows_impl<T, ST, BF16, GS, K, N, M, KW, TPW, U>(x, w, scales, biases, y);")
+    kernel = _kernel("qmm4_rows", ["x", "w", "scales", "biases", "rows"], ["y"],
+                     "qmm4_rows_impl<T, ST, BF16, GS, K, N, MT, KW, TPW, U>(x, w, scales, biases, rows, y);")
     return kernel(
-        inputs=[x, w, scales, biases],
+        inputs=[x, w, scales, biases, _rows(m)],
         template=[("T", x.dtype), ("ST", scales.dtype), ("BF16", x.dtype == mx.bfloat16), ("GS", group_size),
-                  ("K", k), ("N", n), ("M", m), ("KW", WARPS), ("TPW", tpw), ("U", UNROLL)],
+                  ("K", k), ("N", n), ("MT", tiles_of_x), ("KW", WARPS), ("TPW", tpw), ("U", UNROLL)],
         grid=(-(-tiles // tpw) * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype])[0]
+
+
+@functools.lru_cache(maxsize=MAX_ROWS)
+def _rows(m: int) -> mx.array:
+    """x's row count as the kernel's one-element input (made once per count): the kernel is
+    compiled per tile of 8 rows, not per count, so a batch growing a row at a time compiles it
+    at most 4 times a shape."""
+    return mx.array([m], dtype=mx.int32)
 
 
 def mode() -> str:

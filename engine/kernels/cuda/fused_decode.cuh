@@ -676,12 +676,13 @@ __device__ __forceinline__ void qmma4_impl(const T* x, const uint32_t* w, const 
   }
 }
 
-template <typename T, typename ST, bool BF16, int GS, int K, int N, int M, int KW, int TPW, int U>
+template <typename T, typename ST, bool BF16, int GS, int K, int N, int MT, int KW, int TPW, int U>
 __device__ __forceinline__ void qmm4_rows_impl(const T* x, const uint32_t* w, const ST* scales,
-                                               const ST* biases, T* y) {
-  // y (M x N) = x (M x K, M <= 32 rows) W^T for a 4-bit W in MLX's affine layout (groups of 64
-  // or 128) on the tensor cores: qmma4_impl's fragments, with x's rows as the B operand's 8
-  // columns (MT tiles of 8 rows), so each weight loaded serves every row. A block's KW warps
+                                               const ST* biases, const int32_t* rows, T* y) {
+  // y (M x N) = x (M x K) W^T, M = rows[0] <= 8 MT, for a 4-bit W in MLX's affine layout (groups
+  // of 64 or 128) on the tensor cores: qmma4_impl's fragments, with x's rows as the B operand's 8
+  // columns (MT tiles of 8 rows), so each weight loaded serves every row. (M is read at run time,
+  // so one compiled kernel serves every count of rows within its tiles.) A block's KW warps
   // split K (64-wide chunks w, w + KW, ...) over TPW tiles of 16 output rows. Lane (g, t) loads,
   // per chunk, 16 nibbles of weight rows g and g + 8 at k = 16 t (two uint32, each the A
   // registers of two mmas: bf16/fp16 pairs 128 + q, one lop3 each) and x row 8 xt + g at the
@@ -691,7 +692,7 @@ __device__ __forceinline__ void qmm4_rows_impl(const T* x, const uint32_t* w, co
   // in shared memory, added in warp order.
   constexpr uint32_t MAGIC = BF16 ? 0x43004300u : 0x64006400u;
   constexpr float OFF = BF16 ? 128.f : 1024.f;
-  constexpr int MT = (M + 7) / 8;
+  const int M = rows[0];
   constexpr int CHUNKS = K / 64;
   constexpr int WORDS = K / 8;  // uint32 per row
   constexpr int TILES = (N + 15) / 16;
@@ -792,7 +793,7 @@ __device__ __forceinline__ void qmm4_rows_impl(const T* x, const uint32_t* w, co
     __syncthreads();
   }
   for (int idx = threadIdx.x; idx < TPW * 16 * M; idx += 32 * KW) {
-    const int i = idx / (16 * M), rest = idx % (16 * M), col = rest / 16, row = rest % 16;
+    const int i = idx / (16 * M), rest = idx % (16 * M), col = rest / 16, row = rest % 16;  // col < M
     const int n = (blockIdx.x * TPW + i) * 16 + row;
     if (blockIdx.x * TPW + i < TILES && n < N) y[(size_t)col * N + n] = static_cast<T>(red[i][row][col]);
   }
