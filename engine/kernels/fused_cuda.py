@@ -238,10 +238,12 @@ def emulate_qmma4(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.n
 def splits(groups: int, cap: int) -> int:
     """How many splits an attention cuts each of its `groups` (kv heads, times rows in a batched
     step) keys into: enough blocks for the whole device (ATTENTION_BLOCKS over the groups), at
-    most MAX_SPLITS and the buffer's length `cap`. Each split takes an equal share of the keys
-    the step attends over (the kernel divides them by the position), so every block has work at
-    any length."""
-    return max(1, min(MAX_SPLITS, cap, -(-ATTENTION_BLOCKS // groups)))
+    most MAX_SPLITS and the buffer's length `cap`, rounded down to a power of two (the kernel is
+    compiled per split count: a batch growing a row at a time meets a handful of them, not one
+    a row count). Each split takes an equal share of the keys the step attends over (the kernel
+    divides them by the position), so every block has work at any length."""
+    most = max(1, min(MAX_SPLITS, cap, -(-ATTENTION_BLOCKS // groups)))
+    return 1 << (most.bit_length() - 1)
 
 
 def keys_at_once(head_dim: int, group: int) -> int:
