@@ -113,7 +113,7 @@ class SlotKVCache(BatchKVCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """mlx-lm's: append `keys` and `values` (one entry per row) at `_idx`; every row's keys and
-        values up to it. Buffers without room grow by mlx-lm's step (dropping unused columns)."""
+        values up to it. Buffers without room grow by mlx-lm's step (`reserve`)."""
         tokens = keys.shape[2]
         self.reserve(tokens, (keys, values))
         prev, rows = self._idx, self.rows

@@ -28,7 +28,6 @@ on any device (for tests).
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -36,14 +35,14 @@ from typing import Any
 import mlx.core as mx
 
 from .. import device
+from .device_check import CheckedPerDtype
+from .inputs import constant, int32
 from .rope import inverse_frequencies
-
-log = logging.getLogger(__name__)
 
 SWITCH = "MLXCHAT_CUDA_BATCH_ATTENTION"
 TOLERANCE = 2e-2  # of the reference's largest output, the check's bound (16-bit outputs)
 
-_STATE: dict[str, Any] = {}
+_STATE: dict[str, Any] = {}  # the switch's value, read once a process
 
 
 def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, left_padding: mx.array,
@@ -52,24 +51,17 @@ def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, left_paddin
     `values` (slots >= rows, kv_heads, width, D), row r at slot r, columns `left_padding[r]` ..
     `left_padding[r] + offset[r] - 1` (both (rows,) int32, on the device). Returns (rows, 1,
     heads * D)."""
-    from .fused_cuda import WARPS, _kernel, keys_at_once, splits
+    from .fused_cuda import keys_at_once, splits
 
     rows, heads, _, dim = queries.shape
     kv, width = keys.shape[1], keys.shape[2]
-    s = splits(rows * kv, width)
-    group = heads // kv
-    fp, dims = _constant(scale, mx.float32), _constant(width, mx.int32)
-    template = [("T", queries.dtype), ("D", dim), ("G", group), ("HKV", kv), ("S", s),
-                ("KU", keys_at_once(dim, group))]
-    kernel = _kernel("attend_rows", ["q", "kc", "vc", "lp", "off", "dims", "fp"], ["pm", "pl", "pa", "y"],
-                     "attend_rows_impl<T, D, G, HKV, S, KU, WARPS>(q, kc, vc, lp, off, dims, fp, pm, pl, pa, y);")
-    parts = 1 if s == 1 else rows * heads * s
-    pm, pl, pa, y = kernel(
-        inputs=[queries, keys, values, _int32(left_padding), _int32(offset), dims, fp],
-        template=template, grid=(s * WARPS * 32, kv, rows), threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(parts,), (parts,), (parts * dim,), (rows, 1, heads * dim)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32, queries.dtype])
-    return y if s == 1 else _combine(pm, pl, pa, rows, heads, dim, s, queries.dtype)
+    s, group = splits(rows * kv, width), heads // kv
+    return _rows_kernel("attend_rows", ["q", "kc", "vc", "lp", "off", "dims", "fp"],
+                        "attend_rows_impl<T, D, G, HKV, S, KU, WARPS>(q, kc, vc, lp, off, dims, fp, pm, pl, pa, y);",
+                        [queries, keys, values, int32(left_padding), int32(offset), constant(width, mx.int32),
+                         constant(scale, mx.float32)],
+                        [("T", queries.dtype), ("D", dim), ("G", group), ("HKV", kv), ("S", s),
+                         ("KU", keys_at_once(dim, group))], rows, heads, kv, dim, s, queries.dtype)
 
 
 @dataclass(frozen=True)
@@ -116,31 +108,38 @@ def attention_rows(layer: RowsLayer, qkv: mx.array, cache: Any) -> mx.array:
     its next column, and its queries attended over its own keys (attention_rows_impl in
     cuda/fused_decode.cuh): what q/k norms, RoPE, the cache update and `attend_rows` do in five
     or more kernels. Returns (rows, 1, heads * D)."""
-    from .fused_cuda import WARPS, _kernel, keys_at_once, splits
+    from .fused_cuda import keys_at_once, splits
 
     rows = qkv.shape[0]
     heads, kv = layer.heads, layer.kv_heads
     dim = qkv.shape[-1] // (heads + 2 * kv)
     cache.reserve(1, (cache.keys, cache.values))
-    keys, values = cache.keys, cache.values
-    width = keys.shape[2]
-    s = splits(rows * kv, width)
-    group = heads // kv
-    kernel = _kernel("attention_rows", ["qkv", "qn", "kn", "invf", "fp", "lp", "off", "dims", "kc", "vc"],
-                     ["pm", "pl", "pa", "y"],
+    width = cache.keys.shape[2]
+    s, group = splits(rows * kv, width), heads // kv
+    y = _rows_kernel("attention_rows", ["qkv", "qn", "kn", "invf", "fp", "lp", "off", "dims", "kc", "vc"],
                      "attention_rows_impl<T, D, G, HKV, ROT, TRAD, NORM, S, KU, WARPS>"
-                     "(qkv, qn, kn, invf, fp, lp, off, dims, kc, vc, pm, pl, pa, y);")
-    parts = 1 if s == 1 else rows * heads * s
-    pm, pl, pa, y = kernel(
-        inputs=[qkv, layer.qn, layer.kn, layer.inv_freq, layer.params, _int32(cache.left_padding),
-                _int32(cache.offset), _constant(width, mx.int32), keys, values],
-        template=[("T", qkv.dtype), ("D", dim), ("G", group), ("HKV", kv), ("ROT", layer.rotated),
-                  ("TRAD", layer.traditional), ("NORM", layer.norm), ("S", s), ("KU", keys_at_once(dim, group))],
-        grid=(s * WARPS * 32, kv, rows), threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(parts,), (parts,), (parts * dim,), (rows, 1, heads * dim)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32, qkv.dtype])
+                     "(qkv, qn, kn, invf, fp, lp, off, dims, kc, vc, pm, pl, pa, y);",
+                     [qkv, layer.qn, layer.kn, layer.inv_freq, layer.params, int32(cache.left_padding),
+                      int32(cache.offset), constant(width, mx.int32), cache.keys, cache.values],
+                     [("T", qkv.dtype), ("D", dim), ("G", group), ("HKV", kv), ("ROT", layer.rotated),
+                      ("TRAD", layer.traditional), ("NORM", layer.norm), ("S", s), ("KU", keys_at_once(dim, group))],
+                     rows, heads, kv, dim, s, qkv.dtype)
     cache.advance(1)
-    return y if s == 1 else _combine(pm, pl, pa, rows, heads, dim, s, qkv.dtype)
+    return y
+
+
+def _rows_kernel(name: str, inputs: list[str], source: str, arrays: list[mx.array], template: list[tuple[str, Any]],
+                 rows: int, heads: int, kv: int, dim: int, s: int, dtype: mx.Dtype) -> mx.array:
+    """A batched step's attention kernel (grid: `s` splits x kv heads x rows) and, where its rows'
+    keys are split, the kernel adding the splits up: (rows, 1, heads * dim) in `dtype`."""
+    from .fused_cuda import WARPS, _kernel
+
+    parts = 1 if s == 1 else rows * heads * s
+    pm, pl, pa, y = _kernel(name, inputs, ["pm", "pl", "pa", "y"], source)(
+        inputs=arrays, template=template, grid=(s * WARPS * 32, kv, rows), threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(parts,), (parts,), (parts * dim,), (rows, 1, heads * dim)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32, dtype])
+    return y if s == 1 else _combine(pm, pl, pa, rows, heads, dim, s, dtype)
 
 
 def _combine(pm: mx.array, pl: mx.array, pa: mx.array, rows: int, heads: int, dim: int, s: int,
@@ -152,16 +151,6 @@ def _combine(pm: mx.array, pl: mx.array, pa: mx.array, rows: int, heads: int, di
     return combine(inputs=[pm, pl, pa], template=[("T", dtype), ("D", dim), ("HQ", heads), ("S", s)],
                    grid=(rows * heads * dim, 1, 1), threadgroup=(dim, 1, 1),
                    output_shapes=[(rows, 1, heads * dim)], output_dtypes=[dtype])[0]
-
-
-@functools.lru_cache(maxsize=256)
-def _constant(value: float, dtype: mx.Dtype) -> mx.array:
-    """A one-element kernel input, made once (a step's layers share their scale and width)."""
-    return mx.array([value], dtype=dtype)
-
-
-def _int32(a: mx.array) -> mx.array:
-    return a if a.dtype == mx.int32 else a.astype(mx.int32)
 
 
 def attend_rows_ref(queries: mx.array, keys: mx.array, values: mx.array, left_padding: mx.array,
@@ -219,19 +208,13 @@ def enabled(dtype: mx.Dtype = mx.bfloat16) -> str | None:
         return "ref"
     if how == "off" or dtype not in (mx.bfloat16, mx.float16):
         return None
-    if dtype not in _STATE:
-        result = check(dtype)
-        _STATE[dtype] = result["kept"]
-        if not result["kept"]:
-            log.warning("batched decode attention runs MLX's ops: its kernel %s",
-                        f"failed ({result['error']})" if "error" in result else
-                        f"parts from the reference by {result['rel_diff']:.3g}")
-    return "kernel" if _STATE[dtype] else None
+    return "kernel" if _CHECKED.passed(dtype) else None
 
 
 def reset() -> None:
     """Forget the switch's value and the check's outcome (both are read once a process)."""
     _STATE.clear()
+    _CHECKED.reset()
 
 
 def check(dtype: mx.Dtype = mx.bfloat16) -> dict[str, Any]:
@@ -296,3 +279,6 @@ def _slot_cache(keys: mx.array, values: mx.array, padding: list[int], length: in
     cache._idx = length
     cache._sync()
     return cache
+
+
+_CHECKED = CheckedPerDtype(lambda dtype: check(dtype), "batched decode attention runs MLX's ops")

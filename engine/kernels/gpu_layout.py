@@ -92,8 +92,9 @@ class StackedAttention(nn.Module):
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         B, L, _ = x.shape
         qkv = self.qkv_proj(x)
-        if cache is not None and L == 1 and type(cache) is SlotKVCache and cache.keys is not None \
-                and batch_attention.enabled(x.dtype) == "kernel":
+        # a batched decode step over the batch's cache: each row over its own keys (batch_attention.py)
+        rows_attention = L == 1 and type(cache) is SlotKVCache and batch_attention.enabled(x.dtype)
+        if rows_attention == "kernel" and cache.keys is not None:
             if self.rows_layer is False:
                 self.rows_layer = batch_attention.RowsLayer.of(self, x.dtype)
             if self.rows_layer is not None:  # norms, RoPE, the cache's new column and attention in one kernel
@@ -108,9 +109,8 @@ class StackedAttention(nn.Module):
         if cache is not None:
             queries = self.rope(queries, offset=cache.offset)
             keys = self.rope(keys, offset=cache.offset)
-            rows_attention = L == 1 and type(cache) is SlotKVCache and batch_attention.enabled(queries.dtype)
             keys, values = cache.update_and_fetch(keys, values)
-            if rows_attention:  # each row's own keys, no mask (batch_attention.py)
+            if rows_attention:
                 attend = batch_attention.attend_rows if rows_attention == "kernel" else batch_attention.attend_rows_ref
                 return self.o_proj(attend(queries, cache.keys, cache.values, cache.left_padding, cache.offset,
                                           self.scale))

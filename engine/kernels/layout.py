@@ -47,6 +47,7 @@ from mlx_lm.models.activations import swiglu
 
 from . import native
 from ..model_cache import batch_kv, plain_kv
+from .inputs import int32
 from .kv8 import packed_kv
 from .cpu_layout import swap_matvec
 
@@ -137,10 +138,6 @@ class KernelRoPE(nn.RoPE):
         return _Run.kernels.rope(x, self.dims, self.traditional, self.base, self.scale, offset)
 
 
-def _int32(a: mx.array) -> mx.array:
-    return a if a.dtype == mx.int32 else a.astype(mx.int32)
-
-
 def _one_token_step(x: mx.array, mask: Any, cache: Any) -> tuple[bool, mx.array | None]:
     """Whether this step is one our decode ops take, and for a `BatchKVCache` each row's first
     visible key (its left padding; None for a plain `KVCache`)."""
@@ -149,7 +146,7 @@ def _one_token_step(x: mx.array, mask: Any, cache: Any) -> tuple[bool, mx.array 
     if plain_kv(cache) and mask is None:
         return True, None
     if batch_kv(cache) and (mask is None or isinstance(mask, mx.array)):
-        return True, _int32(cache.left_padding)
+        return True, int32(cache.left_padding)
     return False, None
 
 
@@ -161,7 +158,7 @@ def _append(cache: Any, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
 
 def _row_offsets(cache: Any) -> mx.array | None:
     """A `BatchKVCache`'s per-row positions of the incoming token (None for a plain cache)."""
-    return _int32(cache.offset) if batch_kv(cache) else None
+    return int32(cache.offset) if batch_kv(cache) else None
 
 
 def _prompt_chunk(x: mx.array, mask: Any, cache: Any) -> bool:
@@ -287,7 +284,7 @@ class KernelLlamaBlock(llama.TransformerBlock):
             cache.offset = at + 1
             return y
         # updates keys and values in place; the offsets + 1 come out of the same op
-        y, cache.offset = fused.batch(x, keys, cache.values, at, _int32(cache.offset), starts)
+        y, cache.offset = fused.batch(x, keys, cache.values, at, int32(cache.offset), starts)
         cache._idx = at + 1
         return y
 

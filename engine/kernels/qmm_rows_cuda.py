@@ -21,16 +21,14 @@ engine/kernels/qmv_cuda.py's `QMVLinear` calls it for products of `MIN_ROWS` to 
 
 from __future__ import annotations
 
-import functools
-import logging
 import os
 from typing import Any
 
 import mlx.core as mx
 
 from .. import device
-
-log = logging.getLogger(__name__)
+from .device_check import CheckedPerDtype
+from .inputs import constant
 
 SWITCH = "MLXCHAT_CUDA_QMM_ROWS"
 MIN_ROWS, MAX_ROWS = 2, 32
@@ -39,7 +37,7 @@ UNROLL = 2  # chunks of 64 a warp loads before it computes
 GROUP_SIZES = (64, 128)
 TOLERANCE = 2e-2  # of the reference's largest output, the check's bound (16-bit outputs)
 
-_STATE: dict[Any, Any] = {}
+_STATE: dict[str, Any] = {}  # the switch's value, read once a process
 
 
 def fits(bits: int, group_size: int, k: int, x_rows: int, dtype: mx.Dtype) -> bool:
@@ -62,25 +60,17 @@ def qmm4_rows(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, grou
 
     k, n = x.shape[-1], w.shape[0]
     m = x.size // k
-    tiles_of_x = -(-m // 8)
+    tiles_of_x = -(-m // 8)  # the kernel is compiled per tile of 8 rows, the count read at run time
     tpw = tiles_per_block(8 * tiles_of_x)
     tiles = -(-n // 16)
     kernel = _kernel("qmm4_rows", ["x", "w", "scales", "biases", "rows"], ["y"],
                      "qmm4_rows_impl<T, ST, BF16, GS, K, N, MT, KW, TPW, U>(x, w, scales, biases, rows, y);")
     return kernel(
-        inputs=[x, w, scales, biases, _rows(m)],
+        inputs=[x, w, scales, biases, constant(m, mx.int32)],
         template=[("T", x.dtype), ("ST", scales.dtype), ("BF16", x.dtype == mx.bfloat16), ("GS", group_size),
                   ("K", k), ("N", n), ("MT", tiles_of_x), ("KW", WARPS), ("TPW", tpw), ("U", UNROLL)],
         grid=(-(-tiles // tpw) * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype])[0]
-
-
-@functools.lru_cache(maxsize=MAX_ROWS)
-def _rows(m: int) -> mx.array:
-    """x's row count as the kernel's one-element input (made once per count): the kernel is
-    compiled per tile of 8 rows, not per count, so a batch growing a row at a time compiles it
-    at most 4 times a shape."""
-    return mx.array([m], dtype=mx.int32)
 
 
 def mode() -> str:
@@ -93,21 +83,13 @@ def mode() -> str:
 def enabled(dtype: mx.Dtype) -> bool:
     """Whether products of `dtype` take the kernel (checked once per dtype on this device)."""
     how = _STATE.get("mode") or _STATE.setdefault("mode", mode())
-    if how == "off":
-        return False
-    if dtype not in _STATE:
-        result = check(dtype)
-        _STATE[dtype] = result["kept"]
-        if not result["kept"]:
-            log.warning("4-bit products of several rows run MLX's quantized_matmul: the kernel %s",
-                        f"failed ({result['error']})" if "error" in result else
-                        f"parts from it by {result['rel_diff']:.3g}")
-    return _STATE[dtype]
+    return how != "off" and _CHECKED.passed(dtype)
 
 
 def reset() -> None:
     """Forget the switch's value and the checks' outcomes."""
     _STATE.clear()
+    _CHECKED.reset()
 
 
 def check(dtype: mx.Dtype = mx.bfloat16) -> dict[str, Any]:
@@ -128,3 +110,6 @@ def check(dtype: mx.Dtype = mx.bfloat16) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - a kernel that does not compile or run here
         return {"error": f"{type(exc).__name__}: {exc}"[:2000], "kept": False}
     return {"rel_diff": worst, "kept": worst < TOLERANCE}
+
+
+_CHECKED = CheckedPerDtype(lambda dtype: check(dtype), "4-bit products of several rows run MLX's quantized_matmul")
