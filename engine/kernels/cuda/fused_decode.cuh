@@ -78,14 +78,32 @@ __device__ __forceinline__ float load_x(const T* x, const float* ne, float* v) {
 template <typename T, int K, int XN>
 __device__ __forceinline__ void stage_x(const T* x, const T* nw, const float* ne, float* xsh) {
   // x (K values) into shared memory as floats, the whole block of 128 threads; XN 2:
-  // RMS-normalised as MLX's rms_norm rounds it: T(w * T(x * rsqrt(mean(x^2) + eps)))
+  // RMS-normalised as MLX's rms_norm rounds it: T(w * T(x * rsqrt(mean(x^2) + eps))). Two passes
+  // over x (the second from L1/L2): no value is held in registers across the block's barrier
   constexpr int PER = (K + 127) / 128;
-  float v[PER];
-  const float rn = load_x<T, K, 128, XN>(x, ne, v);
-  #pragma unroll
+  float rn = 1.f;
+  if constexpr (XN == 2) {
+    __shared__ float red[4];
+    float ss = 0.f;
+    #pragma unroll 8
+    for (int i = 0; i < PER; ++i) {
+      const int k = threadIdx.x + 128 * i;
+      const float v = k < K ? static_cast<float>(x[k]) : 0.f;
+      ss += v * v;
+    }
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    rn = rsqrtf((red[0] + red[1] + red[2] + red[3]) / K + ne[0]);
+  }
+  #pragma unroll 8
   for (int i = 0; i < PER; ++i) {
     const int k = threadIdx.x + 128 * i;
-    if (k < K) xsh[k] = XN == 2 ? static_cast<float>(nw[k] * static_cast<T>(v[i] * rn)) : v[i];
+    if (k < K) {
+      const float v = static_cast<float>(x[k]);
+      xsh[k] = XN == 2 ? static_cast<float>(nw[k] * static_cast<T>(v * rn)) : v;
+    }
   }
   __syncthreads();
 }
