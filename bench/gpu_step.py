@@ -286,6 +286,35 @@ def _sweep(layers, products, shape: str, rnd) -> list[common.Row]:
     return rows
 
 
+def _int8_products(layers, products, shape: str, rnd) -> list[common.Row]:
+    """The int8-activation products (fused_cuda.qdot, `--int8-activations`): each against its
+    reference (fused_ref.int8_product, the CPU int8 path's arithmetic) and its weight-read rate
+    over all layers at each (output units per warp R, words loaded before computing U)."""
+    from engine.kernels import fused_cuda as C
+    from engine.kernels import fused_ref as R
+
+    rows = []
+    for label, (attr, ep, norm) in products.items():
+        p = getattr(layers[0], attr)
+        x = rnd(1, 1, p.inputs)
+        res = rnd(1, 1, p.w.shape[0]) if ep == 1 else None
+        nrm = lambda lay: (getattr(lay, norm), lay.eps_in) if norm else None  # noqa: E731
+        got = _rel(C.qdot(x, p.w, p.scales, p.biases, p.bits, p.group_size, ep, res, nrm(layers[0])),
+                   R.matvec(x, p.w, p.scales, p.biases, p.bits, p.group_size, ep, res, nrm(layers[0]), int8=True))
+        nbytes = sum(sum(t.nbytes for t in (getattr(lay, attr).w, getattr(lay, attr).scales, getattr(lay, attr).biases))
+                     for lay in layers)
+        for r in (1, 2, 4):
+            for u in (2, 4):
+                t = _timed_eval(lambda r=r, u=u: [C.qdot(x, q.w, q.scales, q.biases, q.bits, q.group_size, ep, res,
+                                                         nrm(lay), rows=r, unroll=u)
+                                                  for lay in layers for q in (getattr(lay, attr),)], reps=5)
+                got[f"R{r} U{u}"] = nbytes / t / 1e9
+        best = max((k for k in got if k.startswith("R")), key=lambda k: got[k])
+        rows.append(common.Row("kernels", shape, f"{label}: weight read on int8 activations ({best})", "GB/s",
+                               got[best], None, "", "", f"max diff / int8 ref scale {got['rel']:.2e}", got))
+    return rows
+
+
 def _kernels(program, shape: str, sweep: bool = False) -> list[common.Row]:
     import mlx.core as mx
 
@@ -326,6 +355,8 @@ def _kernels(program, shape: str, sweep: bool = False) -> list[common.Row]:
                                ">= 1.0", f"max diff / ref scale {checks[label]['rel']:.2e}", checks[label]))
     if sweep:
         rows.extend(_sweep(layers, products, shape, rnd))
+    if layer.qkv.bits in (4, 8):
+        rows.extend(_int8_products(layers, products, shape, rnd))
     head, final = program.head, (program.norm, program.eps)
     x = rnd(1, 1, head.inputs)
     checks["norm+head"] = _rel(head(C, x, norm=final), head(R, x, norm=final))

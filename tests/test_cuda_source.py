@@ -77,6 +77,12 @@ def test_every_kernel_the_decode_step_launches_compiles(tmp_path, monkeypatch):
             q = program.layers[0].o
             fused_cuda.matvec(mx.zeros((1, 1, q.inputs), dtype), q.w, q.scales, q.biases, q.bits,
                               q.group_size, 1, mx.zeros((q.w.shape[0],), dtype), **variant)
+        if bits in (4, 8):  # the int8-activation products (--int8-activations): every product and the head
+            int8 = decode_step.DecodeProgram.build(model, fused_cuda, int8=True)
+            int8._forward(mx.array([[3]]), mx.array([5], dtype=mx.int32), *kv)
+            q = int8.layers[0].gate_up
+            fused_cuda.qdot(mx.zeros((1, 1, q.inputs), dtype), q.w, q.scales, q.biases, q.bits, q.group_size, 2,
+                            norm=(int8.layers[0].norm_post, 1e-5), rows=1, unroll=8)  # the bench's sweep
         if bits == 4:  # the tensor-core variant (MLXCHAT_CUDA_MV=mma)
             q = program.layers[0].gate_up
             fused_cuda.qmma4(mx.zeros((1, 1, q.inputs), dtype), q.w, q.scales, q.biases, q.group_size, 2,

@@ -13,7 +13,9 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from bench.shapes import Shape, build_module
 from engine.kernels import decode_step, fused_cuda, fused_ref
+from engine.kernels import cache_variant
 from engine.kernels.gpu_layout import to_gpu_layout
+from engine.kernels.layout import int8_activations_of
 from tiny_models import LLAMA
 
 pytestmark = pytest.mark.fast
@@ -180,6 +182,27 @@ def test_the_loader_attaches_a_program_only_where_it_runs_and_agrees(kernels, at
     assert hasattr(model, "decode_program") is attached
     assert ("one-token steps run the model's own forward" in caplog.text) is (not attached)
     assert greedy(model, 12) == greedy(plain, 12)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_activations_take_the_quantized_products_and_the_model_says_so(bits):
+    """With `int8` (`--int8-activations`) the program's 4/8-bit products multiply int8 activations
+    (fused_ref.int8_product here; fused_cuda.qdot on CUDA): its logits part from the model's own
+    forward by a little, within the loader's gate, where the exact program's do not part at all;
+    the model reports the choice (layout.int8_activations_of), so the prefix cache keeps its
+    snapshots apart; a bf16 model has no product to take it."""
+    shape = Shape("qwen3", {**LLAMA, "model_type": "qwen3"}, bits=bits)
+    exact, lossy = (to_gpu_layout(build_module(shape, dtype=None, seed=3)) for _ in range(2))
+    assert decode_step.attach(exact, fused_ref, cap_step=8, int8=False)
+    assert decode_step.attach(lossy, fused_ref, cap_step=8, checked=True, int8=True)
+    assert lossy.decode_program.int8 and not exact.decode_program.int8
+    assert int8_activations_of(lossy) is True and int8_activations_of(exact) is False
+    assert cache_variant(lossy) == {"activations": "int8"} and cache_variant(exact) == {}
+    gate_exact = decode_step.check(exact, exact.decode_program)
+    gate_lossy = decode_step.check(lossy, lossy.decode_program)
+    assert gate_exact["rel_diff"] < 1e-6 < gate_lossy["rel_diff"] < decode_step.GATE, (gate_exact, gate_lossy)
+    dense = to_gpu_layout(build_module(Shape("qwen3", {**LLAMA, "model_type": "qwen3"}), dtype=None, seed=3))
+    assert decode_step.attach(dense, fused_ref, cap_step=8, int8=True) and not dense.decode_program.int8
 
 
 def test_a_program_built_in_one_thread_steps_in_another():

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from engine.kernels import active_path, describe_device, device_report, native
+from engine.kernels import active_path, describe_device, device_report, fused_ref, native
 from engine.kernels.layout import KernelLinear, to_kernel_layout, unsupported
 from tiny_models import KERNEL_PROMPTS as PROMPTS, tiny_llama_pair
 
@@ -318,6 +318,10 @@ def test_int8_activation_matmul_matches_its_reference(kern, bits, gs, rows):
         ours = kern.quantized_matmul(x, w, s, b, gs, bits, int8=True)
         ref8 = int8_reference(x, w, s, b, gs, bits, centred=kern.isa() != "avx512-vnni")
         assert mx.allclose(ours, ref8, rtol=1e-4, atol=2e-3).item()
+        # the GPU decode step's int8 products (fused_cuda.qdot) are checked against this one
+        gpu_ref = fused_ref.int8_product(x, w, s, b, gs, bits)
+        assert mx.allclose(gpu_ref, int8_reference(x, w, s, b, gs, bits, centred=False), rtol=1e-5, atol=1e-4).item()
+        assert mx.allclose(gpu_ref, ours, rtol=1e-4, atol=2e-3).item()
         exact = kern.quantized_matmul(x, w, s, b, gs, bits)
         assert not mx.array_equal(ours, exact).item()
         # two limbs: x to 15 bits of each block's largest value (one int8 limb gave ~0.6%)

@@ -66,6 +66,7 @@ class Proj:
     bits: int
     group_size: int
     bias: mx.array | None = None
+    int8: bool = False  # multiplies int8 activations (4/8 bits; DecodeProgram.build's `int8`)
 
     @classmethod
     def of(cls, m: nn.Module) -> "Proj | None":
@@ -87,7 +88,8 @@ class Proj:
                  norm: tuple[mx.array, float] | None = None) -> mx.array:
         if epilogue == 0 and self.bias is not None:
             epilogue, a = 1, self.bias
-        return k.matvec(x, self.w, self.scales, self.biases, self.bits, self.group_size, epilogue, a, norm)
+        return k.matvec(x, self.w, self.scales, self.biases, self.bits, self.group_size, epilogue, a, norm,
+                        int8=self.int8)
 
 
 @dataclass
@@ -177,8 +179,12 @@ class DecodeProgram:
     """The compiled one-token step of one model (see the module's docstring)."""
 
     def __init__(self, model: nn.Module, layers: list[Layer], head: Proj, kernels: ModuleType,
-                 cap_step: int = CAP_STEP):
+                 cap_step: int = CAP_STEP, int8: bool = False):
         inner = model.model
+        projections = [head] + [p for layer in layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        for p in projections:
+            p.int8 = int8 and p.bits in (4, 8)
+        self.int8 = any(p.int8 for p in projections)  # some product takes int8 activations
         self.embed, self.layers, self.head = inner.embed_tokens, layers, head
         self.norm, self.eps = inner.norm.weight, inner.norm.eps
         self.kernels, self.cap_step = kernels, cap_step
@@ -191,8 +197,11 @@ class DecodeProgram:
         mx.eval([a for layer in layers for a in (layer.inv_freq, layer.params, layer.counters)])
 
     @classmethod
-    def build(cls, model: nn.Module, kernels: ModuleType, cap_step: int = CAP_STEP) -> "DecodeProgram | None":
-        """The program for `model`, or None when its kind or layers are not one it runs."""
+    def build(cls, model: nn.Module, kernels: ModuleType, cap_step: int = CAP_STEP,
+              int8: bool = False) -> "DecodeProgram | None":
+        """The program for `model`, or None when its kind or layers are not one it runs. `int8`:
+        its 4/8-bit products multiply int8 activations (the lossy path `--int8-activations`
+        chooses, as our CPU kernels' int8 path computes them: fused_ref.int8_product)."""
         if not isinstance(model, MODELS) or getattr(model.model, "sharding_group", None) is not None:
             return None
         if type(model.model.norm) is not nn.RMSNorm:
@@ -205,7 +214,7 @@ class DecodeProgram:
         if head is None or head.bias is not None:
             return None
         if not kernels.IN_PLACE or cuda_fits(layers, head, model.model.norm.weight.dtype):
-            return cls(model, layers, head, kernels, cap_step)
+            return cls(model, layers, head, kernels, cap_step, int8)
         return None
 
     def _forward(self, tokens: mx.array, pos: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
@@ -286,13 +295,17 @@ _CLASSES: dict[type, type] = {}
 
 
 def attach(model: nn.Module, kernels: ModuleType | None = None, cap_step: int = CAP_STEP,
-           checked: bool | None = None) -> bool:
+           checked: bool | None = None, int8: bool | None = None) -> bool:
     """Give `model` a DecodeProgram on `kernels` (default: fused_cuda.py on CUDA, nothing
     elsewhere) when it can run one; returns whether it did. `checked` (default: for the default
     kernels): the program is checked on the model first (`check`); one whose kernels do not
     compile or run on this device, or whose logits part from the model's own, is not attached
-    (the model runs its own forward, and the log says why)."""
+    (the model runs its own forward, and the log says why). `int8`: the program's quantized
+    products take int8 activations (None: the process's default, `--int8-activations`)."""
+    from .native import int8_activations
+
     checked = kernels is None if checked is None else checked
+    int8 = int8_activations() if int8 is None else int8
     how = "on"
     if kernels is None:
         how = mode()
@@ -302,10 +315,10 @@ def attach(model: nn.Module, kernels: ModuleType | None = None, cap_step: int = 
             from . import fused_ref as kernels
         else:
             from . import fused_cuda as kernels
-    program = DecodeProgram.build(model, kernels, cap_step)
+    program = DecodeProgram.build(model, kernels, cap_step, int8)
     if program is None:
         return False
-    if how == "auto" and program.layers[0].qkv.bits not in DEFAULT_BITS:
+    if how == "auto" and program.layers[0].qkv.bits not in DEFAULT_BITS and not program.int8:
         log.info("one-token steps run the model's own forward at %d bits (%s=1: the compiled step)",
                  program.layers[0].qkv.bits, SWITCH)
         return False

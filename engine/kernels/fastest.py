@@ -34,7 +34,8 @@ def fastest_layout(model: nn.Module, config: dict[str, Any], *,
     matmuls go to BLAS. Without a fast BLAS fp32 is slower. A model whose fp32 weights would take
     more than half of the free RAM also stays as loaded. `config` is the model's config.json (its
     "quantization" entry says it is quantized). `int8_activations`: on our kernels, take the lossy
-    int8-activation path (None: the process's default, `--int8-activations`).
+    int8-activation path, and on CUDA the compiled step's products too (None: the process's default,
+    `--int8-activations`).
     Returns the model and its compute path (one of the names above).
     """
     from .cpu_layout import cpu_layout_wanted, fp32_bytes, to_cpu_layout
@@ -44,7 +45,7 @@ def fastest_layout(model: nn.Module, config: dict[str, Any], *,
 
     if device.backend() != "cpu":
         model = to_gpu_layout(model)
-        if attach(model):
+        if attach(model, int8=int8_activations):
             log.info("one-token steps run as one compiled program (%s to turn off)", "MLXCHAT_CUDA_DECODE=0")
             return model, GPU_COMPILED_STEP
         return model, GPU_LAYOUT

@@ -54,6 +54,7 @@ MAX_GROUP_DIMS = 2048  # query heads per kv head x head dim: the attention's sha
 IN_PLACE = True  # `attention` writes the cache buffers it is given
 
 MAX_STAGED = 8192  # inputs staged in shared memory (fp32): at most 32 KB a block
+MAX_Q8_INPUTS = 16384  # inputs an int8-activation product stages (two limbs each: 32 KB a block)
 
 
 def _matvec_source(quantized: bool, add: bool, norm: bool) -> str:
@@ -127,15 +128,18 @@ def launch_shape(bits: int, k: int, out: int, epilogue: int) -> tuple[int, int]:
 def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array | None,
            bits: int, group_size: int, epilogue: int = 0, a: mx.array | None = None,
            norm: tuple[mx.array, float] | None = None, rows: int | None = None,
-           unroll: int | None = None, prefetch: bool = True) -> mx.array:
+           unroll: int | None = None, prefetch: bool = True, int8: bool = False) -> mx.array:
     """y = x @ W.T for one row x (any leading shape of size 1, last dim K), W (N, K) dense
     (`bits` 16) or (N, K * bits / 32) packed (4, 8: MLX's affine layout); `epilogue` 1 adds `a`
     (N,), 2 takes SwiGLU of W's halves (N / 2 outputs); `norm` (weight, eps): x RMS-normalised
     first, as mx.fast.rms_norm(x, weight, eps) would. `rows` (output units per warp), `unroll`
     (words a lane loads before it computes) and `prefetch` (the first words loaded before x is
-    staged; False: after) override the defaults, for the bench. Output: x's leading shape, the
-    outputs."""
+    staged; False: after) override the defaults, for the bench. `int8`: a 4/8-bit W multiplies
+    int8 activations (`qdot`; the lossy path of `--int8-activations`). Output: x's leading shape,
+    the outputs."""
     k, n = x.shape[-1], w.shape[0]
+    if int8 and q8_fits(bits, k):
+        return qdot(x, w, scales, biases, bits, group_size, epilogue, a, norm, rows, unroll)
     if rows is None and mma_wanted(bits, group_size, k, x.size // k):
         return qmma4(x, w, scales, biases, group_size, epilogue, a, norm)
     out = n // 2 if epilogue == 2 else n
@@ -158,6 +162,41 @@ def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array |
                   ("BITS", bits if quantized else 16), ("GS", group_size if quantized else 8),
                   ("K", k), ("N", n), ("R", r), ("E", epilogue), ("XN", xn), ("U", unroll),
                   ("PF", int(prefetch))],
+        grid=(-(-threads // block) * block, 1, 1), threadgroup=(block, 1, 1),
+        output_shapes=[(*x.shape[:-1], out)], output_dtypes=[x.dtype])[0]
+
+
+def q8_fits(bits: int, k: int) -> bool:
+    """Whether `qdot` takes a product: 4/8-bit weights, whole blocks of 32 inputs, at most
+    MAX_Q8_INPUTS of them."""
+    return bits in (4, 8) and k % 32 == 0 and k <= MAX_Q8_INPUTS
+
+
+def qdot(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int,
+         epilogue: int = 0, a: mx.array | None = None, norm: tuple[mx.array, float] | None = None,
+         rows: int | None = None, unroll: int | None = None) -> mx.array:
+    """`matvec` on int8 activations (qdot_impl in cuda/fused_decode.cuh): x, normalised first
+    where `norm` is given, quantized per 32-element block to two int8 limbs as the CPU kernels'
+    int8 path does (fused_ref.int8_product is the same arithmetic in MLX ops), and each 128-bit
+    word of W multiplied with them in int32 (dp4a). `rows` (output units per warp, default 2) and
+    `unroll` (words a lane loads before it computes, default UNROLL) override the defaults."""
+    k, n = x.shape[-1], w.shape[0]
+    out = n // 2 if epilogue == 2 else n
+    r, unroll = rows or 2, unroll or UNROLL
+    names = ["x", "w", "scales", "biases"] + (["nw", "ne"] if norm else []) + (["a"] if epilogue == 1 else [])
+    arrays = [x, w, scales, biases] + ([norm[0], mx.array([norm[1]], dtype=mx.float32)] if norm else []) \
+        + ([a] if epilogue == 1 else [])
+    kind = f"qdot{'_add' if epilogue == 1 else ''}{'_norm' if norm else ''}"
+    body = (f"qdot_impl<T, ST, BITS, GS, K, N, R, E, XN, U>(x, w, scales, biases, "
+            f"{'a' if epilogue == 1 else '(const T*)nullptr'}, {'nw' if norm else '(const T*)nullptr'}, "
+            f"{'ne' if norm else '(const float*)nullptr'}, y);")
+    kernel = _kernel(kind, names, ["y"], body)
+    block = WARPS * 32
+    threads = -(-out // r) * 32
+    return kernel(
+        inputs=arrays,
+        template=[("T", x.dtype), ("ST", scales.dtype), ("BITS", bits), ("GS", group_size), ("K", k), ("N", n),
+                  ("R", r), ("E", epilogue), ("XN", 2 if norm else 1), ("U", unroll)],
         grid=(-(-threads // block) * block, 1, 1), threadgroup=(block, 1, 1),
         output_shapes=[(*x.shape[:-1], out)], output_dtypes=[x.dtype])[0]
 

@@ -16,14 +16,17 @@ import mlx.core as mx
 from mlx_lm.models.activations import swiglu
 
 IN_PLACE = False
+Q8_LEVELS = 16192.0  # v's largest magnitude on the int8 path (kQ8Levels, engine/kernels/csrc/common.h)
 
 
 def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array | None,
            bits: int, group_size: int, epilogue: int = 0, a: mx.array | None = None,
-           norm: tuple[mx.array, float] | None = None) -> mx.array:
+           norm: tuple[mx.array, float] | None = None, int8: bool = False) -> mx.array:
     if norm is not None:
         x = mx.fast.rms_norm(x, norm[0], norm[1])
-    if bits in (4, 8):
+    if int8 and bits in (4, 8) and x.shape[-1] % 32 == 0:
+        y = int8_product(x, w, scales, biases, group_size, bits).astype(x.dtype)
+    elif bits in (4, 8):
         y = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
     else:
         y = x @ w.T
@@ -33,6 +36,25 @@ def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array |
         gate, up = mx.split(y, 2, axis=-1)
         return swiglu(gate, up)
     return y
+
+
+def int8_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+                 bits: int) -> mx.array:
+    """x @ W.T on int8 activations, in fp32, as the CPU kernels' int8 path and fused_cuda.qdot
+    compute it: x per 32-element block as d * v (d = max|x| / Q8_LEVELS, v = round(x / d), which
+    two int8 limbs 128 hi + lo hold exactly), times the weights' codes times their scales, plus
+    their biases times x's sum over each group."""
+    k = x.shape[-1]
+    xf = x.astype(mx.float32).reshape(-1, k)
+    blocks = xf.reshape(-1, k // 32, 32)
+    amax = mx.max(mx.abs(blocks), axis=-1, keepdims=True)
+    v = mx.round(mx.clip(blocks * mx.where(amax > 0, Q8_LEVELS / amax, 0.0), -Q8_LEVELS, Q8_LEVELS))
+    xq = (v * (amax / Q8_LEVELS)).reshape(-1, k)
+    s32, b32 = scales.astype(mx.float32), biases.astype(mx.float32)
+    codes = mx.dequantize(w, mx.ones_like(s32), mx.zeros_like(b32), group_size, bits)
+    group_sums = xf.reshape(-1, k // group_size, group_size).sum(-1)
+    y = xq @ (codes * mx.repeat(s32, group_size, axis=1)).T + group_sums @ b32.T
+    return y.reshape(*x.shape[:-1], w.shape[0])
 
 
 def attention(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: mx.array

@@ -108,6 +108,64 @@ __device__ __forceinline__ void stage_x(const T* x, const T* nw, const float* ne
   __syncthreads();
 }
 
+template <typename ST, int BITS, int GS, int K, int U, int RR>
+struct WordRound {
+  // A lane's round of a one-row product (matvec_impl, qdot_impl): word (v0 + u) * 32 + lane (128
+  // bits: 128 / BITS weights) of each of RR weight rows for u < U, with its group's scale and bias
+  // (4/8 bits; ST), all loaded before any is used.
+  static constexpr int VECS = K * BITS / 128, GROUPS = (BITS == 16) ? 1 : K / GS;
+  uint4 w[U][RR];
+  ST s[U][RR], b[U][RR];
+
+  __device__ __forceinline__ void load(const uint4* w4, const ST* scales, const ST* biases, const int (&row)[RR],
+                                       int v0, int lane, bool live) {
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int v = (v0 + u) * 32 + lane;
+      const bool in = v < VECS && live;
+      #pragma unroll
+      for (int r = 0; r < RR; ++r) {
+        w[u][r] = in ? __ldg(w4 + (size_t)row[r] * VECS + v) : make_uint4(0u, 0u, 0u, 0u);
+        if constexpr (BITS != 16) {
+          const size_t at = (size_t)row[r] * GROUPS + (in ? (v * (128 / BITS)) / GS : 0);
+          s[u][r] = scales[at];
+          b[u][r] = biases[at];
+        }
+      }
+    }
+  }
+};
+
+template <typename T, int R, int E>
+__device__ __forceinline__ void write_units(float* acc, int unit0, int out, const T* a, T* y) {
+  // a warp's R output units from its lanes' partial sums (acc: R, or 2R for E 2: the gate's, then
+  // the up's): summed over the warp, then y = acc (E 0), acc + a (E 1: MLX rounds the product,
+  // then the sum) or mlx-lm's swiglu, silu(g) * up, rounded op by op in T (E 2), by lane 0
+  constexpr int RR = (E == 2) ? 2 * R : R;
+  #pragma unroll
+  for (int r = 0; r < RR; ++r) {
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+  }
+  if ((threadIdx.x & 31) != 0) return;
+  #pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int u = unit0 + r;
+    if (u >= out) break;
+    if constexpr (E == 0) {
+      y[u] = static_cast<T>(acc[r]);
+    } else if constexpr (E == 1) {
+      y[u] = static_cast<T>(static_cast<float>(static_cast<T>(acc[r])) + static_cast<float>(a[u]));
+    } else {
+      const float g = static_cast<float>(static_cast<T>(acc[r]));
+      const float up = static_cast<float>(static_cast<T>(acc[R + r]));
+      const float sig = static_cast<float>(static_cast<T>(1.0f / (1.0f + expf(-g))));
+      const float act = static_cast<float>(static_cast<T>(g * sig));
+      y[u] = static_cast<T>(act * up);
+    }
+  }
+}
+
 template <typename T, typename ST, int BITS, int GS, int K, int N, int R, int E, int XN, int UNROLL, int PF = 1>
 __device__ __forceinline__ void matvec_impl(const T* x, const uint32_t* w, const ST* scales,
                                             const ST* biases, const T* a, const T* nw,
@@ -121,7 +179,6 @@ __device__ __forceinline__ void matvec_impl(const T* x, const uint32_t* w, const
   constexpr int PER_LANE = (VECS + 31) / 32;
   constexpr int OUT = (E == 2) ? N / 2 : N;
   constexpr int RR = (E == 2) ? 2 * R : R;
-  constexpr int GROUPS = (BITS == 16) ? 1 : K / GS;
   __shared__ __align__(16) float xsh[XN ? K : 4];
   const int lane = threadIdx.x & 31;
   const int unit0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
@@ -136,27 +193,10 @@ __device__ __forceinline__ void matvec_impl(const T* x, const uint32_t* w, const
   #pragma unroll
   for (int r = 0; r < RR; ++r) acc[r] = 0.f;
   const uint4* w4 = reinterpret_cast<const uint4*>(w);
-  // a round's weight words (UNROLL per lane and row), loaded before any of them is used; the
-  // first round's loads go out before x is staged, so the weights' memory latency overlaps the
-  // staging (and the RMS norm) instead of following it; each word's scale and bias with it
-  uint4 wv[UNROLL][RR];
-  ST sv[UNROLL][RR], bv[UNROLL][RR];
-  auto load_round = [&](int v0) {
-    #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int v = (v0 + u) * 32 + lane;
-      const bool in = v < VECS && unit0 < OUT;
-      #pragma unroll
-      for (int r = 0; r < RR; ++r) {
-        wv[u][r] = in ? __ldg(w4 + (size_t)row[r] * VECS + v) : make_uint4(0u, 0u, 0u, 0u);
-        if constexpr (BITS != 16) {
-          const size_t at = (size_t)row[r] * GROUPS + (in ? (v * VALS) / GS : 0);
-          sv[u][r] = scales[at];
-          bv[u][r] = biases[at];
-        }
-      }
-    }
-  };
+  // the first round's loads go out before x is staged, so the weights' memory latency overlaps
+  // the staging (and the RMS norm) instead of following it
+  WordRound<ST, BITS, GS, K, UNROLL, RR> rd;
+  auto load_round = [&](int v0) { rd.load(w4, scales, biases, row, v0, lane, unit0 < OUT); };
   if constexpr (PF != 0) load_round(0);  // PF 0: after the staging (the bench's comparison)
   if constexpr (XN != 0) stage_x<T, K, XN>(x, nw, ne, xsh);
   if (unit0 >= OUT) return;  // the whole warp: its lanes share the units
@@ -179,42 +219,187 @@ __device__ __forceinline__ void matvec_impl(const T* x, const uint32_t* w, const
         }
         if constexpr (BITS == 16) {
           #pragma unroll
-          for (int r = 0; r < RR; ++r) acc[r] += dot_word<BITS, T>(wv[u][r], xs);
+          for (int r = 0; r < RR; ++r) acc[r] += dot_word<BITS, T>(rd.w[u][r], xs);
         } else {
           float sx = 0.f;
           #pragma unroll
           for (int j = 0; j < VALS; ++j) sx += xs[j];
           #pragma unroll
           for (int r = 0; r < RR; ++r) {
-            const float qx = dot_word<BITS, T>(wv[u][r], xs);
-            acc[r] += static_cast<float>(sv[u][r]) * qx + static_cast<float>(bv[u][r]) * sx;
+            const float qx = dot_word<BITS, T>(rd.w[u][r], xs);
+            acc[r] += static_cast<float>(rd.s[u][r]) * qx + static_cast<float>(rd.b[u][r]) * sx;
           }
         }
       }
     }
   }
-  #pragma unroll
-  for (int r = 0; r < RR; ++r) {
+  write_units<T, R, E>(acc, unit0, OUT, a, y);
+}
+
+// The int8-activation path (lossy, opt-in: `--int8-activations`): x quantized per 32-element block
+// as the CPU kernels' prep_x8 does (engine/kernels/csrc/kernels_impl.cpp, Q8Rows in common.h):
+// d = max|x| / Q8_LEVELS, v = round(x / d) = 128 hi + lo (two int8 limbs, x to 15 bits of its
+// block's largest value); each limb's dot product with the weights' integer codes exact in int32
+// (dp4a), then s * d * (128 hi + lo) + b * sum(x) in fp32.
+constexpr float Q8_LEVELS = 16192.0f;  // 127 * 128 - 64: v's largest magnitude (kQ8Levels)
+
+__device__ __forceinline__ int dp4a_u8(uint32_t codes, int x, int acc) {
+  // four unsigned 8-bit codes times four signed 8-bit limbs, summed into acc
+  int d;
+  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(codes), "r"(x), "r"(acc));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t pack_s8(int a, int b, int c, int d) {
+  return (uint32_t)(a & 0xff) | ((uint32_t)(b & 0xff) << 8) | ((uint32_t)(c & 0xff) << 16) | ((uint32_t)d << 24);
+}
+
+template <typename T, int BITS, int K, int XN>
+__device__ __forceinline__ void stage_x8(const T* x, const T* nw, const float* ne, uint32_t* xh, uint32_t* xl,
+                                         float* xd, float* xs) {
+  // x (K values, a multiple of 32; XN 2: RMS-normalised as stage_x does) quantized into shared
+  // memory: xh / xl the limbs, four a word (4-bit: per 8 values the even ones, then the odd ones,
+  // as a weight word's low and high nibbles; 8-bit: in order), xd the blocks' d, xs their fp32
+  // sums. 128 threads, 8 values a thread a pass (4 threads a block); no value is held across a
+  // barrier (see stage_x).
+  float rn = 1.f;
+  if constexpr (XN == 2) {
+    __shared__ float red[4];
+    float ss = 0.f;
+    #pragma unroll 8
+    for (int i = 0; i < (K + 127) / 128; ++i) {
+      const int k = threadIdx.x + 128 * i;
+      const float v = k < K ? static_cast<float>(x[k]) : 0.f;
+      ss += v * v;
+    }
     #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    rn = rsqrtf((red[0] + red[1] + red[2] + red[3]) / K + ne[0]);
   }
-  if (lane != 0) return;
-  #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int u = unit0 + r;
-    if (u >= OUT) break;
-    if constexpr (E == 0) {
-      y[u] = static_cast<T>(acc[r]);
-    } else if constexpr (E == 1) {  // MLX rounds the product, then the sum
-      y[u] = static_cast<T>(static_cast<float>(static_cast<T>(acc[r])) + static_cast<float>(a[u]));
-    } else {  // mlx-lm's swiglu, silu(g) * up, rounded op by op in T
-      const float g = static_cast<float>(static_cast<T>(acc[r]));
-      const float up = static_cast<float>(static_cast<T>(acc[R + r]));
-      const float sig = static_cast<float>(static_cast<T>(1.0f / (1.0f + expf(-g))));
-      const float act = static_cast<float>(static_cast<T>(g * sig));
-      y[u] = static_cast<T>(act * up);
+  #pragma unroll 2
+  for (int i = 0; i < (K / 8 + 127) / 128; ++i) {
+    const int k = 8 * (threadIdx.x + 128 * i);
+    const bool in = k < K;  // the same for the 4 threads of a block (K % 32 == 0)
+    float v[8];
+    if (in) {
+      load_f<T, 8>(x + k, v);
+      if constexpr (XN == 2) {
+        float g[8];
+        load_f<T, 8>(nw + k, g);
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = static_cast<float>(static_cast<T>(g[j]) * static_cast<T>(v[j] * rn));
+      }
+    } else {
+      #pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = 0.f;
+    }
+    float amax = 0.f, sum = 0.f;
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) { amax = fmaxf(amax, fabsf(v[j])); sum += v[j]; }
+    #pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+      sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    }
+    const float inv = amax > 0.f ? Q8_LEVELS / amax : 0.f;
+    int h[8], l[8];
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int q = __float2int_rn(fminf(fmaxf(v[j] * inv, -Q8_LEVELS), Q8_LEVELS));
+      h[j] = (q + 64) >> 7;  // floor((q + 64) / 128)
+      l[j] = q - 128 * h[j];
+    }
+    if (in) {
+      if constexpr (BITS == 4) {
+        xh[k / 4] = pack_s8(h[0], h[2], h[4], h[6]); xh[k / 4 + 1] = pack_s8(h[1], h[3], h[5], h[7]);
+        xl[k / 4] = pack_s8(l[0], l[2], l[4], l[6]); xl[k / 4 + 1] = pack_s8(l[1], l[3], l[5], l[7]);
+      } else {
+        xh[k / 4] = pack_s8(h[0], h[1], h[2], h[3]); xh[k / 4 + 1] = pack_s8(h[4], h[5], h[6], h[7]);
+        xl[k / 4] = pack_s8(l[0], l[1], l[2], l[3]); xl[k / 4 + 1] = pack_s8(l[4], l[5], l[6], l[7]);
+      }
+      if ((threadIdx.x & 3) == 0) { xd[k / 32] = amax / Q8_LEVELS; xs[k / 32] = sum; }
     }
   }
+  __syncthreads();
+}
+
+template <typename T, typename ST, int BITS, int GS, int K, int N, int R, int E, int XN, int UNROLL>
+__device__ __forceinline__ void qdot_impl(const T* x, const uint32_t* w, const ST* scales, const ST* biases,
+                                          const T* a, const T* nw, const float* ne, T* y) {
+  // matvec_impl's product (the same units, epilogues E and fused norm XN 2) for a 4- or 8-bit W
+  // on int8 activations: x staged by stage_x8; a lane's 128-bit word of a row (4-bit: 32 weights,
+  // one block of x; 8-bit: 16, half a block) times the block's limbs with dp4a. K <= 16384.
+  constexpr int VALS = 128 / BITS;
+  constexpr int VECS = K / VALS;
+  constexpr int PER_LANE = (VECS + 31) / 32;
+  constexpr int OUT = (E == 2) ? N / 2 : N;
+  constexpr int RR = (E == 2) ? 2 * R : R;
+  __shared__ __align__(16) uint32_t xh[K / 4];
+  __shared__ __align__(16) uint32_t xl[K / 4];
+  __shared__ float xd[K / 32], xs[K / 32];
+  const int lane = threadIdx.x & 31;
+  const int unit0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
+  int row[RR];
+  #pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int u = min(unit0 + r, OUT - 1);
+    row[r] = u;
+    if constexpr (E == 2) row[R + r] = u + OUT;
+  }
+  float acc[RR];
+  #pragma unroll
+  for (int r = 0; r < RR; ++r) acc[r] = 0.f;
+  const uint4* w4 = reinterpret_cast<const uint4*>(w);
+  WordRound<ST, BITS, GS, K, UNROLL, RR> rd;
+  rd.load(w4, scales, biases, row, 0, lane, unit0 < OUT);  // in flight while x is staged
+  stage_x8<T, BITS, K, XN>(x, nw, ne, xh, xl, xd, xs);
+  if (unit0 >= OUT) return;
+  #pragma unroll 1
+  for (int v0 = 0; v0 < PER_LANE; v0 += UNROLL) {
+    if (v0 > 0) rd.load(w4, scales, biases, row, v0, lane, true);
+    #pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int v = (v0 + u) * 32 + lane;
+      if (v < VECS) {
+        constexpr int XW = VALS / 4;  // words of limbs a weight word meets
+        uint32_t hv[XW], lv[XW];
+        #pragma unroll
+        for (int j = 0; j < XW / 4; ++j) {
+          const uint4 hq = reinterpret_cast<const uint4*>(xh + v * XW)[j];
+          const uint4 lq = reinterpret_cast<const uint4*>(xl + v * XW)[j];
+          hv[4 * j] = hq.x; hv[4 * j + 1] = hq.y; hv[4 * j + 2] = hq.z; hv[4 * j + 3] = hq.w;
+          lv[4 * j] = lq.x; lv[4 * j + 1] = lq.y; lv[4 * j + 2] = lq.z; lv[4 * j + 3] = lq.w;
+        }
+        const int blk = v * VALS / 32;
+        const float d = xd[blk];
+        // the biases meet x's sum once a block: 8-bit words in its first half carry it
+        const float sx = (BITS == 4 || (v & 1) == 0) ? xs[blk] : 0.f;
+        #pragma unroll
+        for (int r = 0; r < RR; ++r) {
+          const uint32_t ws[4] = {rd.w[u][r].x, rd.w[u][r].y, rd.w[u][r].z, rd.w[u][r].w};
+          int ah = 0, al = 0;
+          #pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            if constexpr (BITS == 4) {
+              const int lo = static_cast<int>(ws[j] & 0x0f0f0f0fu), hi = static_cast<int>((ws[j] >> 4) & 0x0f0f0f0fu);
+              ah = __dp4a(lo, static_cast<int>(hv[2 * j]), ah);
+              ah = __dp4a(hi, static_cast<int>(hv[2 * j + 1]), ah);
+              al = __dp4a(lo, static_cast<int>(lv[2 * j]), al);
+              al = __dp4a(hi, static_cast<int>(lv[2 * j + 1]), al);
+            } else {
+              ah = dp4a_u8(ws[j], static_cast<int>(hv[j]), ah);
+              al = dp4a_u8(ws[j], static_cast<int>(lv[j]), al);
+            }
+          }
+          const float q = static_cast<float>(128 * ah + al);
+          acc[r] += static_cast<float>(rd.s[u][r]) * (d * q) + static_cast<float>(rd.b[u][r]) * sx;
+        }
+      }
+    }
+  }
+  write_units<T, R, E>(acc, unit0, OUT, a, y);
 }
 
 template <typename T, int D, int ROT, bool TRAD, bool NORM>
