@@ -315,6 +315,38 @@ def _int8_products(layers, products, shape: str, rnd) -> list[common.Row]:
     return rows
 
 
+def _rows_products(layers, products, shape: str, rnd) -> list[common.Row]:
+    """A batched step's 4-bit products of 8 and 32 rows (qmm_rows_cuda.qmm4_rows, as QMVLinear
+    calls them: no norm or epilogue) against MLX's quantized_matmul: each one's check and weight-read
+    rate over all layers at each (16-row weight tiles a block takes, chunks loaded ahead)."""
+    import mlx.core as mx
+
+    from engine.kernels import qmm_rows_cuda as Q
+
+    rows = []
+    for m in (8, 32):
+        for label, (attr, _, _) in products.items():
+            p = getattr(layers[0], attr)
+            x = rnd(m, 1, p.inputs)
+            qmm = lambda q, x=x: mx.quantized_matmul(x, q.w, q.scales, q.biases, transpose=True,  # noqa: E731
+                                                     group_size=q.group_size, bits=4)
+            got = _rel(Q.qmm4_rows(x, p.w, p.scales, p.biases, p.group_size), qmm(p))
+            nbytes = sum(sum(t.nbytes for t in (getattr(lay, attr).w, getattr(lay, attr).scales,
+                                                getattr(lay, attr).biases)) for lay in layers)
+            got["mlx"] = nbytes / _timed_eval(lambda: [qmm(getattr(lay, attr)) for lay in layers], reps=5) / 1e9
+            for tpw in (1, 2, 4):
+                for u in (1, 2):
+                    t = _timed_eval(lambda tpw=tpw, u=u: [Q.qmm4_rows(x, q.w, q.scales, q.biases, q.group_size, tpw, u)
+                                                          for lay in layers for q in (getattr(lay, attr),)], reps=5)
+                    got[f"TPW{tpw} U{u}"] = nbytes / t / 1e9
+            default = f"TPW{Q.tiles_per_block(m)} U{Q.UNROLL}"
+            best = max((k for k in got if k.startswith("TPW")), key=lambda k: got[k])
+            rows.append(common.Row("kernels", shape, f"{label}, {m} rows: weight read ({best}; default {default})",
+                                   "GB/s", got[best], got["mlx"], "mx.quantized_matmul", "",
+                                   f"default {got[default]:.0f} GB/s; max diff / ref scale {got['rel']:.2e}", got))
+    return rows
+
+
 def _kernels(program, shape: str, sweep: bool = False) -> list[common.Row]:
     import mlx.core as mx
 
@@ -357,6 +389,8 @@ def _kernels(program, shape: str, sweep: bool = False) -> list[common.Row]:
         rows.extend(_sweep(layers, products, shape, rnd))
     if layer.qkv.bits in (4, 8):
         rows.extend(_int8_products(layers, products, shape, rnd))
+    if layer.qkv.bits == 4:
+        rows.extend(_rows_products(layers, products, shape, rnd))
     head, final = program.head, (program.norm, program.eps)
     x = rnd(1, 1, head.inputs)
     checks["norm+head"] = _rel(head(C, x, norm=final), head(R, x, norm=final))

@@ -101,6 +101,8 @@ def test_every_kernel_the_decode_step_launches_compiles(tmp_path, monkeypatch):
         for gs in (64, 128):
             w, scales, biases = mx.quantize(mx.zeros((48, 512)), group_size=gs, bits=4)
             qmm_rows_cuda.qmm4_rows(mx.zeros((m, 1, 512), dtype), w, scales.astype(dtype), biases.astype(dtype), gs)
+    qmm_rows_cuda.qmm4_rows(mx.zeros((32, 1, 512), mx.bfloat16), w, scales.astype(mx.bfloat16),  # the bench's sweep
+                            biases.astype(mx.bfloat16), 128, tiles=4, unroll=1)
     assert len(recorder.sources) >= 20
     prelude = ("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cstdint>\n"
                "#include <cooperative_groups.h>\n")

@@ -53,23 +53,26 @@ def tiles_per_block(m: int) -> int:
     return 4 if m <= 8 else 2 if m <= 16 else 1
 
 
-def qmm4_rows(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
+def qmm4_rows(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+              tiles: int | None = None, unroll: int | None = None) -> mx.array:
     """`mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits=4)` for x of 2-32
-    rows (any leading shape; see `fits`): y (..., N) in x's dtype."""
+    rows (any leading shape; see `fits`): y (..., N) in x's dtype. `tiles` (16-row weight tiles a
+    block takes) and `unroll` (chunks a warp loads before it computes) override `tiles_per_block`
+    and UNROLL, for the bench."""
     from .fused_cuda import _kernel
 
     k, n = x.shape[-1], w.shape[0]
     m = x.size // k
     tiles_of_x = -(-m // 8)  # the kernel is compiled per tile of 8 rows, the count read at run time
-    tpw = tiles_per_block(8 * tiles_of_x)
-    tiles = -(-n // 16)
+    tpw = tiles or tiles_per_block(8 * tiles_of_x)
+    weight_tiles = -(-n // 16)
     kernel = _kernel("qmm4_rows", ["x", "w", "scales", "biases", "rows"], ["y"],
                      "qmm4_rows_impl<T, ST, BF16, GS, K, N, MT, KW, TPW, U>(x, w, scales, biases, rows, y);")
     return kernel(
         inputs=[x, w, scales, biases, constant(m, mx.int32)],
         template=[("T", x.dtype), ("ST", scales.dtype), ("BF16", x.dtype == mx.bfloat16), ("GS", group_size),
-                  ("K", k), ("N", n), ("MT", tiles_of_x), ("KW", WARPS), ("TPW", tpw), ("U", UNROLL)],
-        grid=(-(-tiles // tpw) * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
+                  ("K", k), ("N", n), ("MT", tiles_of_x), ("KW", WARPS), ("TPW", tpw), ("U", unroll or UNROLL)],
+        grid=(-(-weight_tiles // tpw) * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype])[0]
 
 
