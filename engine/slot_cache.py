@@ -135,10 +135,11 @@ class SlotKVCache(BatchKVCache):
             rows = slots_for(self.rows) if tokens == 1 else self.rows
             self._rebuild(max(self.slots, rows), self._idx, self._width(self._idx, tokens), like)
 
-    def advance(self, tokens: int) -> None:
-        """Every row holds `tokens` more (written at the old `_idx`)."""
+    def advance(self, tokens: int, offset: mx.array | None = None) -> None:
+        """Every row holds `tokens` more (written at the old `_idx`); `offset`: the rows' new
+        offsets where the kernel that wrote the columns computed them (else one add here)."""
         self._idx += tokens
-        self.offset = self.offset + tokens
+        self.offset = self.offset + tokens if offset is None else offset
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         rows = self.rows

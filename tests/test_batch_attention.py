@@ -48,7 +48,8 @@ def test_kernels_equal_to_the_references_are_taken_once_per_dtype(gated):
 
 @pytest.mark.parametrize("which, wrong", [("attend_rows", "raises"), ("attend_rows", "differs"),
                                           ("attention_rows", "raises"), ("attention_rows", "differs"),
-                                          ("attention_rows", "leaves the new key out")])
+                                          ("attention_rows", "leaves the new key out"),
+                                          ("attention_rows", "miscounts the rows' offsets")])
 def test_a_kernel_that_fails_or_differs_leaves_mlx_lm_attention(gated, caplog, which, wrong):
     def attend(q, keys, values, lp, off, scale):
         if wrong == "raises":
@@ -63,13 +64,16 @@ def test_a_kernel_that_fails_or_differs_leaves_mlx_lm_attention(gated, caplog, w
         if wrong == "leaves the new key out":  # its output right, the cache's new column zeros
             cache.keys = cache.keys.at[:, :, cache._idx - 1].add(-cache.keys[:, :, cache._idx - 1])
             return out
+        if wrong == "miscounts the rows' offsets":  # output and buffers right, offsets one short
+            cache.offset = cache.offset - 1
+            return out
         return out.at[:, :, :4].add(1.0)
 
     gated.setattr(batch_attention, which, attend if which == "attend_rows" else rows)
     assert batch_attention.enabled(mx.bfloat16) is None
     assert "batched decode attention runs MLX's ops" in caplog.text
     result = batch_attention.check(mx.bfloat16)
-    assert not result["kept"] and (("error" in result) == (wrong == "raises"))
+    assert not result["kept"] and (("error" in result) == (wrong in ("raises", "miscounts the rows' offsets")))
 
 
 def test_off_by_switch(monkeypatch):

@@ -116,30 +116,34 @@ def attention_rows(layer: RowsLayer, qkv: mx.array, cache: Any) -> mx.array:
     cache.reserve(1, (cache.keys, cache.values))
     width = cache.keys.shape[2]
     s, group = splits(rows * kv, width), heads // kv
-    y = _rows_kernel("attention_rows", ["qkv", "qn", "kn", "invf", "fp", "lp", "off", "dims", "kc", "vc"],
-                     "attention_rows_impl<T, D, G, HKV, ROT, TRAD, NORM, S, KU, WARPS>"
-                     "(qkv, qn, kn, invf, fp, lp, off, dims, kc, vc, pm, pl, pa, y);",
-                     [qkv, layer.qn, layer.kn, layer.inv_freq, layer.params, int32(cache.left_padding),
-                      int32(cache.offset), constant(width, mx.int32), cache.keys, cache.values],
-                     [("T", qkv.dtype), ("D", dim), ("G", group), ("HKV", kv), ("ROT", layer.rotated),
-                      ("TRAD", layer.traditional), ("NORM", layer.norm), ("S", s), ("KU", keys_at_once(dim, group))],
-                     rows, heads, kv, dim, s, qkv.dtype)
-    cache.advance(1)
+    y, offset = _rows_kernel("attention_rows", ["qkv", "qn", "kn", "invf", "fp", "lp", "off", "dims", "kc", "vc"],
+                             "attention_rows_impl<T, D, G, HKV, ROT, TRAD, NORM, S, KU, WARPS>"
+                             "(qkv, qn, kn, invf, fp, lp, off, dims, kc, vc, pm, pl, pa, y, offn);",
+                             [qkv, layer.qn, layer.kn, layer.inv_freq, layer.params, int32(cache.left_padding),
+                              int32(cache.offset), constant(width, mx.int32), cache.keys, cache.values],
+                             [("T", qkv.dtype), ("D", dim), ("G", group), ("HKV", kv), ("ROT", layer.rotated),
+                              ("TRAD", layer.traditional), ("NORM", layer.norm), ("S", s),
+                              ("KU", keys_at_once(dim, group))],
+                             rows, heads, kv, dim, s, qkv.dtype, offsets=True)
+    cache.advance(1, offset)  # the kernel wrote each row's next offset
     return y
 
 
 def _rows_kernel(name: str, inputs: list[str], source: str, arrays: list[mx.array], template: list[tuple[str, Any]],
-                 rows: int, heads: int, kv: int, dim: int, s: int, dtype: mx.Dtype) -> mx.array:
+                 rows: int, heads: int, kv: int, dim: int, s: int, dtype: mx.Dtype, offsets: bool = False) -> Any:
     """A batched step's attention kernel (grid: `s` splits x kv heads x rows) and, where its rows'
-    keys are split, the kernel adding the splits up: (rows, 1, heads * dim) in `dtype`."""
+    keys are split, the kernel adding the splits up: (rows, 1, heads * dim) in `dtype`; with
+    `offsets`, (that, the rows' next offsets: the kernel's output `offn`, (rows,) int32)."""
     from .fused_cuda import WARPS, _kernel
 
     parts = 1 if s == 1 else rows * heads * s
-    pm, pl, pa, y = _kernel(name, inputs, ["pm", "pl", "pa", "y"], source)(
+    names = ["pm", "pl", "pa", "y"] + (["offn"] if offsets else [])
+    pm, pl, pa, y, *offn = _kernel(name, inputs, names, source)(
         inputs=arrays, template=template, grid=(s * WARPS * 32, kv, rows), threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(parts,), (parts,), (parts * dim,), (rows, 1, heads * dim)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32, dtype])
-    return y if s == 1 else _combine(pm, pl, pa, rows, heads, dim, s, dtype)
+        output_shapes=[(parts,), (parts,), (parts * dim,), (rows, 1, heads * dim)] + ([(rows,)] if offsets else []),
+        output_dtypes=[mx.float32, mx.float32, mx.float32, dtype] + ([mx.int32] if offsets else []))
+    y = y if s == 1 else _combine(pm, pl, pa, rows, heads, dim, s, dtype)
+    return (y, offn[0]) if offsets else y
 
 
 def _combine(pm: mx.array, pl: mx.array, pa: mx.array, rows: int, heads: int, dim: int, s: int,
@@ -246,6 +250,8 @@ def check(dtype: mx.Dtype = mx.bfloat16) -> dict[str, Any]:
                 ref = attention_rows_ref(layer, qkv, theirs)
                 worst = max(worst, _rel(got, ref), _rel(mine.keys[:rows], theirs.keys[:rows]),
                             _rel(mine.values[:rows], theirs.values[:rows]))
+                if not mx.array_equal(mine.offset, theirs.offset).item():  # the rows' next offsets
+                    return {"error": f"offsets {mine.offset.tolist()} where {theirs.offset.tolist()}", "kept": False}
     except Exception as exc:  # noqa: BLE001 - a kernel that does not compile or run here
         return {"error": f"{type(exc).__name__}: {exc}"[:2000], "kept": False}
     return {"rel_diff": worst, "kept": worst < TOLERANCE}

@@ -1061,7 +1061,7 @@ template <typename T, int D, int G, int HKV, int ROT, bool TRAD, bool NORM, int 
 __device__ __forceinline__ void attention_rows_impl(const T* qkv, const T* qn, const T* kn, const float* invf,
                                                     const float* fp, const int32_t* lp, const int32_t* off,
                                                     const int32_t* dims, const T* kc, const T* vc, float* pm,
-                                                    float* pl, float* pa, T* y) {
+                                                    float* pl, float* pa, T* y, int32_t* offn) {
   // attention_impl for a batched decode step over a SlotKVCache (engine/slot_cache.py): row r's
   // stacked q/k/v (qkv: rows x (HQ + 2 HKV) x D, as the product leaves it) normed (NORM) and
   // rotated at the row's position off[r] (its length so far), its new key and value written in
@@ -1070,11 +1070,13 @@ __device__ __forceinline__ void attention_rows_impl(const T* qkv, const T* qn, c
   // dims[0] x D), the new key and value from shared memory. Grid (S, HKV, rows): block (split,
   // j, r) takes kv head j's G query heads over its equal share of the row's keys; the block
   // whose share holds the new column writes it. S == 1: y (rows x HQ * D, o_proj's layout);
-  // else the partial sums pm / pl / pa (rows x HQ x S) for combine_rows_impl.
+  // else the partial sums pm / pl / pa (rows x HQ x S) for combine_rows_impl. offn: each row's
+  // length after the step, off[r] + 1 (the cache's next offset, without a kernel of its own).
   constexpr int HQ = HKV * G;
   constexpr int DPL = D / 32;
   const int split = blockIdx.x, j = blockIdx.y, r = blockIdx.z;
   const int first = lp[r], p = off[r], col = first + p, n = p + 1;
+  if (split == 0 && j == 0 && threadIdx.x == 0) offn[r] = n;
   const int ch = (n + S - 1) / S;
   const int start = first + split * ch, end = first + min((split + 1) * ch, n);
   const T* src = qkv + (size_t)r * (HQ + 2 * HKV) * D;
