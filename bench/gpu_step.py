@@ -347,6 +347,38 @@ def _rows_products(layers, products, shape: str, rnd) -> list[common.Row]:
     return rows
 
 
+def _rows_attention(layer, shape: str, n_layers: int) -> list[common.Row]:
+    """A batched step's attention (batch_attention.attention_rows: norms, RoPE, the new column,
+    attention) of 8 and 32 rows at ~300 positions, `n_layers` calls as a step makes them, at each
+    split count: ms a step, and the rate it reads the rows' keys and values at."""
+    import mlx.core as mx
+
+    from engine.kernels import batch_attention as B
+    from engine.kernels.fused_cuda import splits
+
+    heads, kv, dim, dt = layer.heads, layer.kv_heads, layer.head_dim, layer.norm_in.dtype
+    rl = B._random_layer(heads, kv, dim, layer.q_norm is not None, dt, mx.random.key(3))
+    out = []
+    for m in (8, 32):
+        length, room = 300, 300 + n_layers + 8
+        keys = mx.random.normal((m, kv, room, dim)).astype(dt)
+        values = mx.random.normal((m, kv, room, dim)).astype(dt)
+        qkv = mx.random.normal((m, 1, (heads + 2 * kv) * dim)).astype(dt)
+        padding = [i % 7 for i in range(m)]
+        nbytes = 2 * sum(length - p for p in padding) * kv * dim * dt.size * n_layers
+        got, default = {}, splits(m * kv, room)
+        for s in sorted({1, 2, 4, 8, default}):
+            caches = [B._slot_cache(keys, values, padding, length) for _ in range(n_layers)]
+            t = _timed_eval(lambda s=s: [B.attention_rows(rl, qkv, c, split=s) for c in caches], reps=3)
+            got[f"S{s}"] = {"ms": t * 1e3, "gbps": nbytes / t / 1e9}
+        default = f"S{default}"
+        best = min(got, key=lambda k: got[k]["ms"])
+        out.append(common.Row("kernels", shape, f"batched attention, {m} rows at ~{length} positions, {n_layers} "
+                              f"layers ({best}; default {default})", "ms", got[best]["ms"], got[default]["ms"],
+                              f"the default's {default}", "", f"{got[best]['gbps']:.0f} GB/s of keys and values", got))
+    return out
+
+
 def _kernels(program, shape: str, sweep: bool = False) -> list[common.Row]:
     import mlx.core as mx
 
@@ -391,6 +423,7 @@ def _kernels(program, shape: str, sweep: bool = False) -> list[common.Row]:
         rows.extend(_int8_products(layers, products, shape, rnd))
     if layer.qkv.bits == 4:
         rows.extend(_rows_products(layers, products, shape, rnd))
+    rows.extend(_rows_attention(layer, shape, len(layers)))
     head, final = program.head, (program.norm, program.eps)
     x = rnd(1, 1, head.inputs)
     checks["norm+head"] = _rel(head(C, x, norm=final), head(R, x, norm=final))

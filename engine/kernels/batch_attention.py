@@ -100,14 +100,15 @@ class RowsLayer:
         return layer
 
 
-def attention_rows(layer: RowsLayer, qkv: mx.array, cache: Any) -> mx.array:
+def attention_rows(layer: RowsLayer, qkv: mx.array, cache: Any, split: int | None = None) -> mx.array:
     """A batched decode step's attention in one kernel (two where rows are split, as
     `attend_rows`): from the stacked q/k/v product `qkv` (rows, 1, (heads + 2 kv_heads) * D) over
     a SlotKVCache (engine/slot_cache.py), each row's queries and new key normed (Qwen3) and
     rotated at its position, its new key and value written into the cache's buffers in place at
     its next column, and its queries attended over its own keys (attention_rows_impl in
     cuda/fused_decode.cuh): what q/k norms, RoPE, the cache update and `attend_rows` do in five
-    or more kernels. Returns (rows, 1, heads * D)."""
+    or more kernels. Returns (rows, 1, heads * D). `split` (a power of two) overrides how many
+    splits each row's keys are cut into (`fused_cuda.splits`), for the bench."""
     from .fused_cuda import keys_at_once, splits
 
     rows = qkv.shape[0]
@@ -115,7 +116,7 @@ def attention_rows(layer: RowsLayer, qkv: mx.array, cache: Any) -> mx.array:
     dim = qkv.shape[-1] // (heads + 2 * kv)
     cache.reserve(1, (cache.keys, cache.values))
     width = cache.keys.shape[2]
-    s, group = splits(rows * kv, width), heads // kv
+    s, group = split or splits(rows * kv, width), heads // kv
     y, offset = _rows_kernel("attention_rows", ["qkv", "qn", "kn", "invf", "fp", "lp", "off", "dims", "kc", "vc"],
                              "attention_rows_impl<T, D, G, HKV, ROT, TRAD, NORM, S, KU, WARPS>"
                              "(qkv, qn, kn, invf, fp, lp, off, dims, kc, vc, pm, pl, pa, y, offn);",
