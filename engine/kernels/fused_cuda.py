@@ -166,6 +166,21 @@ def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array |
         output_shapes=[(*x.shape[:-1], out)], output_dtypes=[x.dtype])[0]
 
 
+def _quantized_inputs(name: str, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, epilogue: int,
+                      a: mx.array | None, norm: tuple[mx.array, float] | None
+                      ) -> tuple[list[str], list[mx.array], str, str]:
+    """A quantized product kernel's inputs with its fused norm (`norm`) and residual (`epilogue` 1,
+    `a`) where it has them: their names, the arrays, the kernel's name (`name`, then _add, _norm)
+    and the device function's arguments (nullptr for what it lacks), y last."""
+    names = ["x", "w", "scales", "biases"] + (["nw", "ne"] if norm else []) + (["a"] if epilogue == 1 else [])
+    arrays = [x, w, scales, biases] + ([norm[0], mx.array([norm[1]], dtype=mx.float32)] if norm else []) \
+        + ([a] if epilogue == 1 else [])
+    kind = f"{name}{'_add' if epilogue == 1 else ''}{'_norm' if norm else ''}"
+    args = (f"x, w, scales, biases, {'a' if epilogue == 1 else '(const T*)nullptr'}, "
+            f"{'nw' if norm else '(const T*)nullptr'}, {'ne' if norm else '(const float*)nullptr'}, y")
+    return names, arrays, kind, args
+
+
 def q8_fits(bits: int, k: int) -> bool:
     """Whether `qdot` takes a product: 4/8-bit weights, whole blocks of 32 inputs, at most
     MAX_Q8_INPUTS of them."""
@@ -183,14 +198,8 @@ def qdot(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int
     k, n = x.shape[-1], w.shape[0]
     out = n // 2 if epilogue == 2 else n
     r, unroll = rows or 2, unroll or UNROLL
-    names = ["x", "w", "scales", "biases"] + (["nw", "ne"] if norm else []) + (["a"] if epilogue == 1 else [])
-    arrays = [x, w, scales, biases] + ([norm[0], mx.array([norm[1]], dtype=mx.float32)] if norm else []) \
-        + ([a] if epilogue == 1 else [])
-    kind = f"qdot{'_add' if epilogue == 1 else ''}{'_norm' if norm else ''}"
-    body = (f"qdot_impl<T, ST, BITS, GS, K, N, R, E, XN, U>(x, w, scales, biases, "
-            f"{'a' if epilogue == 1 else '(const T*)nullptr'}, {'nw' if norm else '(const T*)nullptr'}, "
-            f"{'ne' if norm else '(const float*)nullptr'}, y);")
-    kernel = _kernel(kind, names, ["y"], body)
+    names, arrays, kind, tail = _quantized_inputs("qdot", x, w, scales, biases, epilogue, a, norm)
+    kernel = _kernel(kind, names, ["y"], f"qdot_impl<T, ST, BITS, GS, K, N, R, E, XN, U>({tail});")
     block = WARPS * 32
     threads = -(-out // r) * 32
     return kernel(
@@ -220,14 +229,8 @@ def qmma4(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_si
     out = n // 2 if epilogue == 2 else n
     tiles = -(-out // (8 if epilogue == 2 else 16))
     tpw = tiles_per_block or max(1, min(2, tiles // 512))
-    names = ["x", "w", "scales", "biases"] + (["nw", "ne"] if norm else []) + (["a"] if epilogue == 1 else [])
-    arrays = [x, w, scales, biases] + ([norm[0], mx.array([norm[1]], dtype=mx.float32)] if norm else []) \
-        + ([a] if epilogue == 1 else [])
-    kind = f"qmma4{'_add' if epilogue == 1 else ''}{'_norm' if norm else ''}"
-    body = (f"qmma4_impl<T, ST, BF16, GS, K, N, E, XN, KW, TPW, U>(x, w, scales, biases, "
-            f"{'a' if epilogue == 1 else '(const T*)nullptr'}, {'nw' if norm else '(const T*)nullptr'}, "
-            f"{'ne' if norm else '(const float*)nullptr'}, y);")
-    kernel = _kernel(kind, names, ["y"], body)
+    names, arrays, kind, tail = _quantized_inputs("qmma4", x, w, scales, biases, epilogue, a, norm)
+    kernel = _kernel(kind, names, ["y"], f"qmma4_impl<T, ST, BF16, GS, K, N, E, XN, KW, TPW, U>({tail});")
     block = MMA_WARPS * 32
     return kernel(
         inputs=arrays,

@@ -75,28 +75,33 @@ __device__ __forceinline__ float load_x(const T* x, const float* ne, float* v) {
   return rsqrtf(ss / K + ne[0]);
 }
 
+template <typename T, int K>
+__device__ __forceinline__ float block_rms(const T* x, const float* ne) {
+  // 1 / rms of x (K values) and eps ne[0], by the whole block of 128 threads (thread t sums its
+  // squares k = t + 128 i in order, then the warps' sums in warp order); x is read here and
+  // nothing is held in registers past the block's barrier
+  __shared__ float red[4];
+  float ss = 0.f;
+  #pragma unroll 8
+  for (int i = 0; i < (K + 127) / 128; ++i) {
+    const int k = threadIdx.x + 128 * i;
+    const float v = k < K ? static_cast<float>(x[k]) : 0.f;
+    ss += v * v;
+  }
+  #pragma unroll
+  for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  return rsqrtf((red[0] + red[1] + red[2] + red[3]) / K + ne[0]);
+}
+
 template <typename T, int K, int XN>
 __device__ __forceinline__ void stage_x(const T* x, const T* nw, const float* ne, float* xsh) {
   // x (K values) into shared memory as floats, the whole block of 128 threads; XN 2:
   // RMS-normalised as MLX's rms_norm rounds it: T(w * T(x * rsqrt(mean(x^2) + eps))). Two passes
   // over x (the second from L1/L2): no value is held in registers across the block's barrier
   constexpr int PER = (K + 127) / 128;
-  float rn = 1.f;
-  if constexpr (XN == 2) {
-    __shared__ float red[4];
-    float ss = 0.f;
-    #pragma unroll 8
-    for (int i = 0; i < PER; ++i) {
-      const int k = threadIdx.x + 128 * i;
-      const float v = k < K ? static_cast<float>(x[k]) : 0.f;
-      ss += v * v;
-    }
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    rn = rsqrtf((red[0] + red[1] + red[2] + red[3]) / K + ne[0]);
-  }
+  const float rn = XN == 2 ? block_rms<T, K>(x, ne) : 1.f;
   #pragma unroll 8
   for (int i = 0; i < PER; ++i) {
     const int k = threadIdx.x + 128 * i;
@@ -262,22 +267,7 @@ __device__ __forceinline__ void stage_x8(const T* x, const T* nw, const float* n
   // as a weight word's low and high nibbles; 8-bit: in order), xd the blocks' d, xs their fp32
   // sums. 128 threads, 8 values a thread a pass (4 threads a block); no value is held across a
   // barrier (see stage_x).
-  float rn = 1.f;
-  if constexpr (XN == 2) {
-    __shared__ float red[4];
-    float ss = 0.f;
-    #pragma unroll 8
-    for (int i = 0; i < (K + 127) / 128; ++i) {
-      const int k = threadIdx.x + 128 * i;
-      const float v = k < K ? static_cast<float>(x[k]) : 0.f;
-      ss += v * v;
-    }
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    rn = rsqrtf((red[0] + red[1] + red[2] + red[3]) / K + ne[0]);
-  }
+  const float rn = XN == 2 ? block_rms<T, K>(x, ne) : 1.f;
   #pragma unroll 2
   for (int i = 0; i < (K / 8 + 127) / 128; ++i) {
     const int k = 8 * (threadIdx.x + 128 * i);
