@@ -119,11 +119,22 @@ struct WordRound {
   // bits: 128 / BITS weights) of each of RR weight rows for u < U, with its group's scale and bias
   // (4/8 bits; ST), all loaded before any is used.
   static constexpr int VECS = K * BITS / 128, GROUPS = (BITS == 16) ? 1 : K / GS;
+  int row[RR];  // the weight rows of a warp's units (RR = 2R for SwiGLU: the gate's, then the up's)
   uint4 w[U][RR];
   ST s[U][RR], b[U][RR];
 
-  __device__ __forceinline__ void load(const uint4* w4, const ST* scales, const ST* biases, const int (&row)[RR],
-                                       int v0, int lane, bool live) {
+  template <int R, int OUT>
+  __device__ __forceinline__ void aim(int unit0) {
+    // units unit0 .. unit0 + R - 1 of OUT (past the end: the last, computed and not written)
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+      row[r] = min(unit0 + r, OUT - 1);
+      if constexpr (RR == 2 * R) row[R + r] = row[r] + OUT;
+    }
+  }
+
+  __device__ __forceinline__ void load(const uint4* w4, const ST* scales, const ST* biases, int v0, int lane,
+                                       bool live) {
     #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int v = (v0 + u) * 32 + lane;
@@ -187,13 +198,6 @@ __device__ __forceinline__ void matvec_impl(const T* x, const uint32_t* w, const
   __shared__ __align__(16) float xsh[XN ? K : 4];
   const int lane = threadIdx.x & 31;
   const int unit0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-  int row[RR];
-  #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int u = min(unit0 + r, OUT - 1);
-    row[r] = u;
-    if constexpr (E == 2) row[R + r] = u + OUT;
-  }
   float acc[RR];
   #pragma unroll
   for (int r = 0; r < RR; ++r) acc[r] = 0.f;
@@ -201,7 +205,8 @@ __device__ __forceinline__ void matvec_impl(const T* x, const uint32_t* w, const
   // the first round's loads go out before x is staged, so the weights' memory latency overlaps
   // the staging (and the RMS norm) instead of following it
   WordRound<ST, BITS, GS, K, UNROLL, RR> rd;
-  auto load_round = [&](int v0) { rd.load(w4, scales, biases, row, v0, lane, unit0 < OUT); };
+  rd.template aim<R, OUT>(unit0);
+  auto load_round = [&](int v0) { rd.load(w4, scales, biases, v0, lane, unit0 < OUT); };
   if constexpr (PF != 0) load_round(0);  // PF 0: after the staging (the bench's comparison)
   if constexpr (XN != 0) stage_x<T, K, XN>(x, nw, ne, xsh);
   if (unit0 >= OUT) return;  // the whole warp: its lanes share the units
@@ -331,24 +336,18 @@ __device__ __forceinline__ void qdot_impl(const T* x, const uint32_t* w, const S
   __shared__ float xd[K / 32], xs[K / 32];
   const int lane = threadIdx.x & 31;
   const int unit0 = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * R;
-  int row[RR];
-  #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int u = min(unit0 + r, OUT - 1);
-    row[r] = u;
-    if constexpr (E == 2) row[R + r] = u + OUT;
-  }
   float acc[RR];
   #pragma unroll
   for (int r = 0; r < RR; ++r) acc[r] = 0.f;
   const uint4* w4 = reinterpret_cast<const uint4*>(w);
   WordRound<ST, BITS, GS, K, UNROLL, RR> rd;
-  rd.load(w4, scales, biases, row, 0, lane, unit0 < OUT);  // in flight while x is staged
+  rd.template aim<R, OUT>(unit0);
+  rd.load(w4, scales, biases, 0, lane, unit0 < OUT);  // in flight while x is staged
   stage_x8<T, BITS, K, XN>(x, nw, ne, xh, xl, xd, xs);
   if (unit0 >= OUT) return;
   #pragma unroll 1
   for (int v0 = 0; v0 < PER_LANE; v0 += UNROLL) {
-    if (v0 > 0) rd.load(w4, scales, biases, row, v0, lane, true);
+    if (v0 > 0) rd.load(w4, scales, biases, v0, lane, true);
     #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int v = (v0 + u) * 32 + lane;
