@@ -5,7 +5,9 @@ weights and the Qwen3.5 hybrid (its MLPs; its attention stays as loaded), over a
 one-token step and a step of several rows; the engine serving a stacked model answers with the
 tokens mlx-lm's model gives, alone and with several requests decoding in one batch."""
 
+import collections
 import dataclasses
+import io
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -66,6 +68,41 @@ def test_stacked_layers_compute_mlx_lm_logits(kind):
     rows = mx.array([[17], [900], [4000]])
     a, b = plain(rows, cache=make_prompt_cache(plain)), stacked(rows, cache=make_prompt_cache(stacked))
     assert_same(a, b)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_a_layers_residual_adds_ride_in_its_dense_products(monkeypatch, bits):
+    """A stacked llama/qwen3 layer adds its residuals inside the o_proj and down products where they
+    are plain dense linears (mx.addmm): two ops fewer a layer in a step's graph, mlx-lm's logits
+    within float rounding; quantized products keep their adds."""
+    from engine.kernels import gpu_layout
+
+    def graph_ops(model, cache, token):  # a one-token step's primitives, by name
+        logits = model(mx.array([[token]]), cache=cache)
+        f = io.StringIO()
+        mx.export_to_dot(f, logits)
+        return collections.Counter(line.split('label ="', 1)[1].split('"', 1)[0]
+                                   for line in f.getvalue().splitlines() if "shape=rectangle" in line)
+
+    shape = Shape("qwen3", {**LLAMA, "model_type": "qwen3"}, bits=bits)
+    plain, fused = build_module(shape, dtype=None, seed=3), to_gpu_layout(build_module(shape, dtype=None, seed=3))
+    monkeypatch.setattr(gpu_layout, "residual_blocks", lambda model: None)
+    unfused = to_gpu_layout(build_module(shape, dtype=None, seed=3))
+    layers = len(fused.model.layers)
+    assert all(isinstance(layer, gpu_layout.ResidualBlock) for layer in fused.model.layers)
+    assert not any(isinstance(layer, gpu_layout.ResidualBlock) for layer in unfused.model.layers)
+    prompt = mx.array([[5, 17, 300, 42, 9, 1000, 77, 3]])
+    ops = {}
+    for name, model in (("plain", plain), ("fused", fused), ("unfused", unfused)):
+        cache = make_prompt_cache(model)
+        mx.eval(model(prompt, cache=cache))
+        ops[name] = graph_ops(model, cache, 11)
+    addmm = ops["fused"]["AddMM"]
+    assert addmm == (2 * layers if bits is None else 0)
+    assert ops["unfused"]["Add"] - ops["fused"]["Add"] == addmm
+    assert ops["fused"].total() <= ops["unfused"].total() - addmm
+    caches = [make_prompt_cache(plain), make_prompt_cache(fused)]
+    assert_same(plain(prompt, cache=caches[0]), fused(prompt, cache=caches[1]))
 
 
 def test_projections_that_do_not_stack_stay_as_loaded():

@@ -13,6 +13,8 @@ with any change of kernel: the README's GPU table gives how many stayed equal).
 qwen3 classes by `StackedAttention` and each `mlp` of their MLP classes (and Qwen3-Next's, which
 the Qwen3.5 hybrids use) by `StackedMLP`. Their forward is mlx-lm's, restated around the one
 product; every other module (norms, RoPE, o_proj, down_proj, the cache protocol) is the loaded one.
+A layer whose attention and MLP both stacked also adds its two residuals inside the o_proj and
+down products where those are plain dense linears (`ResidualBlock`, `add_product`: `mx.addmm`).
 Plain and affine-quantized linears are both stacked (quantized rows stack with their scales and
 biases). Anything else stays as loaded. Every decoder layer evaluates a long prompt chunk before
 the next is built (`EvalEachLayer`), so a chunk's peak memory is one layer's activations. On CUDA, the quantized linears qmv_cuda.mode() picks
@@ -37,6 +39,16 @@ from . import batch_attention, qmv_cuda, smallmm_cuda
 
 ATTENTION = (llama.Attention, qwen2.Attention, qwen3.Attention)
 MLP = (llama.MLP, qwen2.MLP, qwen3.MLP, qwen3_next.Qwen3NextMLP)
+BLOCKS = (llama.TransformerBlock, qwen2.TransformerBlock, qwen3.TransformerBlock)
+
+
+def add_product(linear: nn.Module, x: mx.array, residual: mx.array) -> mx.array:
+    """`residual + linear(x)`: one op where `linear` is a plain dense `nn.Linear` without a bias
+    (`mx.addmm`: the add in the product's epilogue, the sum rounded once where mlx-lm rounds the
+    product, then the sum), else the product and an add."""
+    if type(linear) is nn.Linear and "bias" not in linear:
+        return mx.addmm(residual, x, linear.weight.T)
+    return residual + linear(x)
 
 
 def stack(linears: list[nn.Module]) -> nn.Module | None:
@@ -89,7 +101,9 @@ class StackedAttention(nn.Module):
         self.split = _sizes([attn.q_proj, attn.k_proj, attn.v_proj])
         self.rows_layer: batch_attention.RowsLayer | None | bool = False  # made at the first batched step
 
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None,
+                 residual: mx.array | None = None) -> mx.array:
+        """mlx-lm's attention; with `residual`, that plus the attention's output (`add_product`)."""
         B, L, _ = x.shape
         qkv = self.qkv_proj(x)
         # a batched decode step over the batch's cache: each row over its own keys (batch_attention.py)
@@ -98,7 +112,7 @@ class StackedAttention(nn.Module):
             if self.rows_layer is False:
                 self.rows_layer = batch_attention.RowsLayer.of(self, x.dtype)
             if self.rows_layer is not None:  # norms, RoPE, the cache's new column and attention in one kernel
-                return self.o_proj(batch_attention.attention_rows(self.rows_layer, qkv, cache))
+                return self._out(batch_attention.attention_rows(self.rows_layer, qkv, cache), residual)
         queries, keys, values = mx.split(qkv, self.split, axis=-1)
         queries = queries.reshape(B, L, self.n_heads, -1)
         keys = keys.reshape(B, L, self.n_kv_heads, -1)
@@ -112,13 +126,16 @@ class StackedAttention(nn.Module):
             keys, values = cache.update_and_fetch(keys, values)
             if rows_attention:
                 attend = batch_attention.attend_rows if rows_attention == "kernel" else batch_attention.attend_rows_ref
-                return self.o_proj(attend(queries, cache.keys, cache.values, cache.left_padding, cache.offset,
-                                          self.scale))
+                return self._out(attend(queries, cache.keys, cache.values, cache.left_padding, cache.offset,
+                                        self.scale), residual)
         else:
             queries, keys = self.rope(queries), self.rope(keys)
         output = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale,
                                               mask=mask)
-        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self._out(output.transpose(0, 2, 1, 3).reshape(B, L, -1), residual)
+
+    def _out(self, attended: mx.array, residual: mx.array | None) -> mx.array:
+        return self.o_proj(attended) if residual is None else add_product(self.o_proj, attended, residual)
 
 
 class StackedMLP(nn.Module):
@@ -130,9 +147,39 @@ class StackedMLP(nn.Module):
         self.down_proj = mlp.down_proj
         self.split = _sizes([mlp.gate_proj, mlp.up_proj])
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
+        """mlx-lm's MLP; with `residual`, that plus the MLP's output (`add_product`)."""
         gate, up = mx.split(self.gate_up_proj(x), self.split, axis=-1)
-        return self.down_proj(swiglu(gate, up))
+        act = swiglu(gate, up)
+        return self.down_proj(act) if residual is None else add_product(self.down_proj, act, residual)
+
+
+class ResidualBlock:
+    """Mixed into a decoder layer of mlx-lm's llama, qwen2 and qwen3 (their `TransformerBlock`)
+    whose attention and MLP are stacked: mlx-lm's block, `h = x + attn(norm(x))`, `h +
+    mlp(norm(h))`, with both adds in the products before them (`add_product`). On a GPU a
+    batched step or a prompt chunk is bound by the host's work per op (docs/gpu.md): a 36-layer
+    bf16 model's step has 72 ops fewer."""
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        h = self.self_attn(self.input_layernorm(x), mask, cache, residual=x)
+        return self.mlp(self.post_attention_layernorm(h), residual=h)
+
+
+_RESIDUAL_CLASSES: dict[type, type] = {}
+
+
+def residual_blocks(model: nn.Module) -> None:
+    """Give each decoder layer of `model` that ResidualBlock takes its behaviour (in place)."""
+    inner = text_model(model)
+    for layer in getattr(getattr(inner, "model", inner), "layers", None) or getattr(inner, "layers", []):
+        cls = type(layer)
+        if cls not in BLOCKS or type(getattr(layer, "self_attn", None)) is not StackedAttention \
+                or type(getattr(layer, "mlp", None)) is not StackedMLP:
+            continue
+        if cls not in _RESIDUAL_CLASSES:
+            _RESIDUAL_CLASSES[cls] = type(cls.__name__, (ResidualBlock, cls), {})
+        layer.__class__ = _RESIDUAL_CLASSES[cls]
 
 
 # A prompt chunk of this many positions or more is evaluated layer by layer (see EvalEachLayer).
@@ -194,5 +241,6 @@ def to_gpu_layout(model: nn.Module) -> nn.Module:
                 mx.eval(gate_up.parameters())
     qmv_cuda.use_qmv(model, qmv_cuda.mode())
     smallmm_cuda.use_smallmm(model, smallmm_cuda.mode())
+    residual_blocks(model)
     eval_each_layer(model)
     return model
