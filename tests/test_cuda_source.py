@@ -103,6 +103,8 @@ def test_every_kernel_the_decode_step_launches_compiles(tmp_path, monkeypatch):
             qmm_rows_cuda.qmm4_rows(mx.zeros((m, 1, 512), dtype), w, scales.astype(dtype), biases.astype(dtype), gs)
     qmm_rows_cuda.qmm4_rows(mx.zeros((32, 1, 512), mx.bfloat16), w, scales.astype(mx.bfloat16),  # the bench's sweep
                             biases.astype(mx.bfloat16), 128, tiles=4, unroll=1)
+    qmm_rows_cuda.qmm4_rows(mx.zeros((9, 1, 512), mx.float16), w, scales.astype(mx.float16),  # plus a residual
+                            biases.astype(mx.float16), 128, residual=mx.zeros((9, 1, 48), mx.float16))
     assert len(recorder.sources) >= 20
     prelude = ("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cstdint>\n"
                "#include <cooperative_groups.h>\n")

@@ -13,8 +13,9 @@ from engine.kernels import qmm_rows_cuda, qmv_cuda
 pytestmark = pytest.mark.fast
 
 
-def as_kernel(x, w, scales, biases, group_size):
-    return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=4)
+def as_kernel(x, w, scales, biases, group_size, tiles=None, unroll=None, residual=None):
+    y = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=4)
+    return y if residual is None else residual + y
 
 
 @pytest.fixture
@@ -28,19 +29,21 @@ def gated(monkeypatch):
 
 def test_a_kernel_equal_to_mlx_is_taken_once_per_dtype(gated):
     calls = []
-    gated.setattr(qmm_rows_cuda, "qmm4_rows", lambda *a: calls.append(a[0].shape[0]) or as_kernel(*a))
+    gated.setattr(qmm_rows_cuda, "qmm4_rows", lambda *a, **k: calls.append(a[0].shape[0]) or as_kernel(*a, **k))
     assert qmm_rows_cuda.enabled(mx.bfloat16)
-    assert calls == [2, 9, 32]  # groups of 64 and 128, rows of x from 2 to 32
-    assert qmm_rows_cuda.enabled(mx.bfloat16) and len(calls) == 3
-    assert qmm_rows_cuda.enabled(mx.float16) and len(calls) == 6
+    assert calls == [2, 2, 9, 9, 32, 32]  # groups of 64 and 128, rows of x from 2 to 32; plus a residual
+    assert qmm_rows_cuda.enabled(mx.bfloat16) and len(calls) == 6
+    assert qmm_rows_cuda.enabled(mx.float16) and len(calls) == 12
 
 
-@pytest.mark.parametrize("wrong", ["raises", "differs"])
+@pytest.mark.parametrize("wrong", ["raises", "differs", "drops the residual"])
 def test_a_kernel_that_fails_or_differs_is_not_taken(gated, caplog, wrong):
-    def kernel(x, w, scales, biases, group_size):
+    def kernel(x, w, scales, biases, group_size, residual=None):
         if wrong == "raises":
             raise RuntimeError("nvrtc: error")
-        return as_kernel(x, w, scales, biases, group_size).at[-1, :, :3].add(1.0)  # the last row off
+        if wrong == "drops the residual":
+            return as_kernel(x, w, scales, biases, group_size)
+        return as_kernel(x, w, scales, biases, group_size, residual=residual).at[-1, :, :3].add(1.0)  # last row off
     gated.setattr(qmm_rows_cuda, "qmm4_rows", kernel)
     assert not qmm_rows_cuda.enabled(mx.bfloat16)
     assert "run MLX's quantized_matmul" in caplog.text
@@ -68,10 +71,15 @@ def test_qmv_linear_sends_it_the_products_of_a_few_rows_of_a_4bit_layer(gated, b
         x, w, s, b, transpose=True, group_size=gs, bits=bits))
     assert qmm_rows_cuda.enabled(mx.bfloat16)
     calls = []
-    gated.setattr(qmm_rows_cuda, "qmm4_rows", lambda *a: calls.append(a[0].shape[0]) or as_kernel(*a))
+    gated.setattr(qmm_rows_cuda, "qmm4_rows", lambda *a, **k: calls.append(
+        (a[0].shape[0], "residual" in k)) or as_kernel(*a, **k))
     ours = qmv_cuda.to_qmv(layer, max_rows=1)
     assert isinstance(ours, qmv_cuda.QMVLinear)
+    taken = bits == 4 and group_size in (64, 128)
     for m in (1, 2, 8, 32, 33):
         x = mx.random.normal((m, 1, 256)).astype(mx.bfloat16)
         assert mx.array_equal(ours(x), layer(x)).item(), m
-    assert calls == ([2, 8, 32] if bits == 4 and group_size in (64, 128) else [])
+        # the batched step's residual add (gpu_layout.add_product) rides in the same kernel
+        residual = mx.random.normal((m, 1, 96)).astype(mx.bfloat16)
+        assert mx.array_equal(ours.add_product(x, residual), residual + layer(x)).item(), m
+    assert calls == ([(m, r) for m in (2, 8, 32) for r in (False, True)] if taken else [])

@@ -45,9 +45,12 @@ BLOCKS = (llama.TransformerBlock, qwen2.TransformerBlock, qwen3.TransformerBlock
 def add_product(linear: nn.Module, x: mx.array, residual: mx.array) -> mx.array:
     """`residual + linear(x)`: one op where `linear` is a plain dense `nn.Linear` without a bias
     (`mx.addmm`: the add in the product's epilogue, the sum rounded once where mlx-lm rounds the
-    product, then the sum), else the product and an add."""
+    product, then the sum) or has an `add_product` of its own (qmv_cuda.QMVLinear: the 4-bit
+    tensor-core kernel's epilogue, rounded as mlx-lm rounds), else the product and an add."""
     if type(linear) is nn.Linear and "bias" not in linear:
         return mx.addmm(residual, x, linear.weight.T)
+    if hasattr(linear, "add_product"):
+        return linear.add_product(x, residual)
     return residual + linear(x)
 
 

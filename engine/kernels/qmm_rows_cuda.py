@@ -54,9 +54,10 @@ def tiles_per_block(m: int) -> int:
 
 
 def qmm4_rows(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
-              tiles: int | None = None, unroll: int | None = None) -> mx.array:
+              tiles: int | None = None, unroll: int | None = None, residual: mx.array | None = None) -> mx.array:
     """`mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits=4)` for x of 2-32
-    rows (any leading shape; see `fits`): y (..., N) in x's dtype. `tiles` (16-row weight tiles a
+    rows (any leading shape; see `fits`): y (..., N) in x's dtype; with `residual` (y's shape),
+    `residual + y` as MLX rounds the two ops, in the same kernel. `tiles` (16-row weight tiles a
     block takes) and `unroll` (chunks a warp loads before it computes) override `tiles_per_block`
     and UNROLL, for the bench."""
     from .fused_cuda import _kernel
@@ -66,10 +67,12 @@ def qmm4_rows(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, grou
     tiles_of_x = -(-m // 8)  # the kernel is compiled per tile of 8 rows, the count read at run time
     tpw = tiles or tiles_per_block(8 * tiles_of_x)
     weight_tiles = -(-n // 16)
-    kernel = _kernel("qmm4_rows", ["x", "w", "scales", "biases", "rows"], ["y"],
-                     "qmm4_rows_impl<T, ST, BF16, GS, K, N, MT, KW, TPW, U>(x, w, scales, biases, rows, y);")
+    add = residual is not None
+    kernel = _kernel("qmm4_rows_add" if add else "qmm4_rows", ["x", "w", "scales", "biases", "rows"] + (["a"] if add else []),
+                     ["y"], "qmm4_rows_impl<T, ST, BF16, GS, K, N, MT, KW, TPW, U>(x, w, scales, biases, rows, "
+                     f"{'a' if add else '(const T*)nullptr'}, y);")
     return kernel(
-        inputs=[x, w, scales, biases, constant(m, mx.int32)],
+        inputs=[x, w, scales, biases, constant(m, mx.int32)] + ([residual] if add else []),
         template=[("T", x.dtype), ("ST", scales.dtype), ("BF16", x.dtype == mx.bfloat16), ("GS", group_size),
                   ("K", k), ("N", n), ("MT", tiles_of_x), ("KW", WARPS), ("TPW", tpw), ("U", unroll or UNROLL)],
         grid=(-(-weight_tiles // tpw) * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
@@ -97,7 +100,8 @@ def reset() -> None:
 
 def check(dtype: mx.Dtype = mx.bfloat16) -> dict[str, Any]:
     """The kernel against `mx.quantized_matmul` on random weights (groups of 64 and 128, an output
-    count not a multiple of 16) and 2, 9 and 32 rows of x: the largest difference over the
+    count not a multiple of 16) and 2, 9 and 32 rows of x, alone and plus a residual: the largest
+    difference over the
     reference's largest value, `kept` when within TOLERANCE; a kernel that does not compile or run
     gives the `error`."""
     worst = 0.0
@@ -107,9 +111,12 @@ def check(dtype: mx.Dtype = mx.bfloat16) -> dict[str, Any]:
             k1, k2, key = mx.random.split(key, 3)
             w, scales, biases = mx.quantize(mx.random.normal((n, k), key=k1).astype(dtype) * 0.05, group_size=gs, bits=4)
             x = mx.random.normal((m, 1, k), key=k2).astype(dtype)
-            got = qmm4_rows(x, w, scales, biases, gs).astype(mx.float32)
-            ref = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=gs, bits=4).astype(mx.float32)
-            worst = max(worst, (mx.abs(got - ref).max() / mx.abs(ref).max()).item())
+            ref = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=gs, bits=4)
+            residual = mx.random.normal(ref.shape, key=k1).astype(dtype)
+            for got, want in ((qmm4_rows(x, w, scales, biases, gs), ref),
+                              (qmm4_rows(x, w, scales, biases, gs, residual=residual), residual + ref)):
+                got, want = got.astype(mx.float32), want.astype(mx.float32)
+                worst = max(worst, (mx.abs(got - want).max() / mx.abs(want).max()).item())
     except Exception as exc:  # noqa: BLE001 - a kernel that does not compile or run here
         return {"error": f"{type(exc).__name__}: {exc}"[:2000], "kept": False}
     return {"rel_diff": worst, "kept": worst < TOLERANCE}

@@ -205,10 +205,23 @@ class QMVLinear(nn.QuantizedLinear):
         if 0 < m <= self.max_rows and x.dtype in DTYPES:
             y = qmv(x, self["weight"], self["scales"], self["biases"], self.bits, self.group_size)
             return y + self["bias"] if "bias" in self else y
-        if qmm_rows_cuda.fits(self.bits, self.group_size, x.shape[-1], m, x.dtype) and qmm_rows_cuda.enabled(x.dtype):
+        if self._rows_kernel(x, m):
             y = qmm_rows_cuda.qmm4_rows(x, self["weight"], self["scales"], self["biases"], self.group_size)
             return y + self["bias"] if "bias" in self else y
         return super().__call__(x)
+
+    def add_product(self, x: mx.array, residual: mx.array) -> mx.array:
+        """`residual + self(x)`, the add inside the tensor-core kernel where it takes the product
+        (as MLX rounds the two ops: gpu_layout.add_product)."""
+        m = rows(x)
+        if not (0 < m <= self.max_rows and x.dtype in DTYPES) and "bias" not in self and self._rows_kernel(x, m):
+            return qmm_rows_cuda.qmm4_rows(x, self["weight"], self["scales"], self["biases"], self.group_size,
+                                           residual=residual)
+        return residual + self(x)
+
+    def _rows_kernel(self, x: mx.array, m: int) -> bool:
+        """Whether a product of `m` rows takes qmm_rows_cuda's kernel."""
+        return qmm_rows_cuda.fits(self.bits, self.group_size, x.shape[-1], m, x.dtype) and qmm_rows_cuda.enabled(x.dtype)
 
 
 def to_qmv(layer: nn.Module, max_rows: int = MAX_ROWS) -> nn.Module:

@@ -870,7 +870,7 @@ __device__ __forceinline__ void qmma4_impl(const T* x, const uint32_t* w, const 
 
 template <typename T, typename ST, bool BF16, int GS, int K, int N, int MT, int KW, int TPW, int U>
 __device__ __forceinline__ void qmm4_rows_impl(const T* x, const uint32_t* w, const ST* scales,
-                                               const ST* biases, const int32_t* rows, T* y) {
+                                               const ST* biases, const int32_t* rows, const T* a, T* y) {
   // y (M x N) = x (M x K) W^T, M = rows[0] <= 8 MT, for a 4-bit W in MLX's affine layout (groups
   // of 64 or 128) on the tensor cores: qmma4_impl's fragments, with x's rows as the B operand's 8
   // columns (MT tiles of 8 rows), so each weight loaded serves every row. (M is read at run time,
@@ -881,7 +881,7 @@ __device__ __forceinline__ void qmm4_rows_impl(const T* x, const uint32_t* w, co
   // same k (one 128-bit load per uint32, its values paired as the A nibbles are). A chunk's
   // products are summed in fp32 by the tensor cores, then scaled: s * (C - OFF * sum(x)) + b *
   // sum(x), sum(x) of the chunk's row from the four lanes that loaded it. The warps' sums meet
-  // in shared memory, added in warp order.
+  // in shared memory, added in warp order. `a` (M x N, or nullptr): a residual added to y.
   constexpr uint32_t MAGIC = BF16 ? 0x43004300u : 0x64006400u;
   constexpr float OFF = BF16 ? 128.f : 1024.f;
   const int M = rows[0];
@@ -987,7 +987,14 @@ __device__ __forceinline__ void qmm4_rows_impl(const T* x, const uint32_t* w, co
   for (int idx = threadIdx.x; idx < TPW * 16 * M; idx += 32 * KW) {
     const int i = idx / (16 * M), rest = idx % (16 * M), col = rest / 16, row = rest % 16;  // col < M
     const int n = (blockIdx.x * TPW + i) * 16 + row;
-    if (blockIdx.x * TPW + i < TILES && n < N) y[(size_t)col * N + n] = static_cast<T>(red[i][row][col]);
+    if (blockIdx.x * TPW + i < TILES && n < N) {
+      const size_t at = (size_t)col * N + n;
+      if (a == nullptr) {
+        y[at] = static_cast<T>(red[i][row][col]);
+      } else {  // plus the residual, rounded as MLX rounds the product, then the sum
+        y[at] = static_cast<T>(static_cast<float>(static_cast<T>(red[i][row][col])) + static_cast<float>(a[at]));
+      }
+    }
   }
 }
 
