@@ -55,6 +55,7 @@ IN_PLACE = True  # `attention` writes the cache buffers it is given
 
 MAX_STAGED = 8192  # inputs staged in shared memory (fp32): at most 32 KB a block
 MAX_Q8_INPUTS = 16384  # inputs an int8-activation product stages (two limbs each: 32 KB a block)
+Q8_WARPS = 8  # warps of an int8-activation product's block (x is quantized once a block)
 
 
 def _matvec_source(quantized: bool, add: bool, norm: bool) -> str:
@@ -193,19 +194,22 @@ def qdot(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int
     """`matvec` on int8 activations (qdot_impl in cuda/fused_decode.cuh): x, normalised first
     where `norm` is given, quantized per 32-element block to two int8 limbs as the CPU kernels'
     int8 path does (fused_ref.int8_product is the same arithmetic in MLX ops), and each 128-bit
-    word of W multiplied with them in int32 (dp4a). `rows` (output units per warp, default 2) and
-    `unroll` (words a lane loads before it computes, default UNROLL) override the defaults."""
+    word of W multiplied with them in int32 (dp4a), in blocks of Q8_WARPS warps. `rows` (output
+    units per warp, default 2: 4 weight rows for SwiGLU already take ~126 registers, two blocks an
+    SM) and `unroll` (words a lane loads before it computes, default UNROLL; 2 for an 8-bit SwiGLU)
+    override the defaults."""
     k, n = x.shape[-1], w.shape[0]
     out = n // 2 if epilogue == 2 else n
-    r, unroll = rows or 2, unroll or UNROLL
+    r = rows or 2
+    unroll = unroll or (2 if bits == 8 and epilogue == 2 else UNROLL)  # 147 registers at 4, 79 at 2
     names, arrays, kind, tail = _quantized_inputs("qdot", x, w, scales, biases, epilogue, a, norm)
-    kernel = _kernel(kind, names, ["y"], f"qdot_impl<T, ST, BITS, GS, K, N, R, E, XN, U>({tail});")
-    block = WARPS * 32
+    kernel = _kernel(kind, names, ["y"], f"qdot_impl<T, ST, BITS, GS, K, N, R, E, XN, U, THREADS>({tail});")
+    block = Q8_WARPS * 32
     threads = -(-out // r) * 32
     return kernel(
         inputs=arrays,
         template=[("T", x.dtype), ("ST", scales.dtype), ("BITS", bits), ("GS", group_size), ("K", k), ("N", n),
-                  ("R", r), ("E", epilogue), ("XN", 2 if norm else 1), ("U", unroll)],
+                  ("R", r), ("E", epilogue), ("XN", 2 if norm else 1), ("U", unroll), ("THREADS", block)],
         grid=(-(-threads // block) * block, 1, 1), threadgroup=(block, 1, 1),
         output_shapes=[(*x.shape[:-1], out)], output_dtypes=[x.dtype])[0]
 

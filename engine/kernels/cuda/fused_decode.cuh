@@ -75,16 +75,16 @@ __device__ __forceinline__ float load_x(const T* x, const float* ne, float* v) {
   return rsqrtf(ss / K + ne[0]);
 }
 
-template <typename T, int K>
+template <typename T, int K, int THREADS = 128>
 __device__ __forceinline__ float block_rms(const T* x, const float* ne) {
-  // 1 / rms of x (K values) and eps ne[0], by the whole block of 128 threads (thread t sums its
-  // squares k = t + 128 i in order, then the warps' sums in warp order); x is read here and
-  // nothing is held in registers past the block's barrier
-  __shared__ float red[4];
+  // 1 / rms of x (K values) and eps ne[0], by the whole block of THREADS threads (thread t sums
+  // its squares k = t + THREADS i in order, then the warps' sums in warp order); x is read here
+  // and nothing is held in registers past the block's barrier
+  __shared__ float red[THREADS / 32];
   float ss = 0.f;
   #pragma unroll 8
-  for (int i = 0; i < (K + 127) / 128; ++i) {
-    const int k = threadIdx.x + 128 * i;
+  for (int i = 0; i < (K + THREADS - 1) / THREADS; ++i) {
+    const int k = threadIdx.x + THREADS * i;
     const float v = k < K ? static_cast<float>(x[k]) : 0.f;
     ss += v * v;
   }
@@ -92,7 +92,10 @@ __device__ __forceinline__ float block_rms(const T* x, const float* ne) {
   for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
   __syncthreads();
-  return rsqrtf((red[0] + red[1] + red[2] + red[3]) / K + ne[0]);
+  ss = 0.f;
+  #pragma unroll
+  for (int w = 0; w < THREADS / 32; ++w) ss += red[w];
+  return rsqrtf(ss / K + ne[0]);
 }
 
 template <typename T, int K, int XN>
@@ -264,18 +267,18 @@ __device__ __forceinline__ uint32_t pack_s8(int a, int b, int c, int d) {
   return (uint32_t)(a & 0xff) | ((uint32_t)(b & 0xff) << 8) | ((uint32_t)(c & 0xff) << 16) | ((uint32_t)d << 24);
 }
 
-template <typename T, int BITS, int K, int XN>
+template <typename T, int BITS, int K, int XN, int THREADS>
 __device__ __forceinline__ void stage_x8(const T* x, const T* nw, const float* ne, uint32_t* xh, uint32_t* xl,
                                          float* xd, float* xs) {
   // x (K values, a multiple of 32; XN 2: RMS-normalised as stage_x does) quantized into shared
   // memory: xh / xl the limbs, four a word (4-bit: per 8 values the even ones, then the odd ones,
   // as a weight word's low and high nibbles; 8-bit: in order), xd the blocks' d, xs their fp32
-  // sums. 128 threads, 8 values a thread a pass (4 threads a block); no value is held across a
-  // barrier (see stage_x).
-  const float rn = XN == 2 ? block_rms<T, K>(x, ne) : 1.f;
+  // sums. THREADS threads, 8 values a thread a pass (4 threads a block); no value is held across
+  // a barrier (see stage_x).
+  const float rn = XN == 2 ? block_rms<T, K, THREADS>(x, ne) : 1.f;
   #pragma unroll 2
-  for (int i = 0; i < (K / 8 + 127) / 128; ++i) {
-    const int k = 8 * (threadIdx.x + 128 * i);
+  for (int i = 0; i < (K / 8 + THREADS - 1) / THREADS; ++i) {
+    const int k = 8 * (threadIdx.x + THREADS * i);
     const bool in = k < K;  // the same for the 4 threads of a block (K % 32 == 0)
     float v[8];
     if (in) {
@@ -320,12 +323,13 @@ __device__ __forceinline__ void stage_x8(const T* x, const T* nw, const float* n
   __syncthreads();
 }
 
-template <typename T, typename ST, int BITS, int GS, int K, int N, int R, int E, int XN, int UNROLL>
+template <typename T, typename ST, int BITS, int GS, int K, int N, int R, int E, int XN, int UNROLL, int THREADS>
 __device__ __forceinline__ void qdot_impl(const T* x, const uint32_t* w, const ST* scales, const ST* biases,
                                           const T* a, const T* nw, const float* ne, T* y) {
   // matvec_impl's product (the same units, epilogues E and fused norm XN 2) for a 4- or 8-bit W
   // on int8 activations: x staged by stage_x8; a lane's 128-bit word of a row (4-bit: 32 weights,
-  // one block of x; 8-bit: 16, half a block) times the block's limbs with dp4a. K <= 16384.
+  // one block of x; 8-bit: 16, half a block) times the block's limbs with dp4a. K <= 16384. Blocks
+  // of THREADS threads: x is staged once a block, so wider blocks stage it fewer times.
   constexpr int VALS = 128 / BITS;
   constexpr int VECS = K / VALS;
   constexpr int PER_LANE = (VECS + 31) / 32;
@@ -343,7 +347,7 @@ __device__ __forceinline__ void qdot_impl(const T* x, const uint32_t* w, const S
   WordRound<ST, BITS, GS, K, UNROLL, RR> rd;
   rd.template aim<R, OUT>(unit0);
   rd.load(w4, scales, biases, 0, lane, unit0 < OUT);  // in flight while x is staged
-  stage_x8<T, BITS, K, XN>(x, nw, ne, xh, xl, xd, xs);
+  stage_x8<T, BITS, K, XN, THREADS>(x, nw, ne, xh, xl, xd, xs);
   if (unit0 >= OUT) return;
   #pragma unroll 1
   for (int v0 = 0; v0 < PER_LANE; v0 += UNROLL) {
