@@ -249,8 +249,9 @@ def part_kernels(lm, shape: str, a) -> list[common.Row]:
 
 def _sweep(layers, products, shape: str, rnd) -> list[common.Row]:
     """The matvec kernel's weight-read rate over all layers at each (rows per warp, words loaded
-    before computing, first words loaded before x is staged or after: P), against the launch
-    floor of as many trivial kernels."""
+    before computing, first words loaded before x is staged or after: P; P2, and each later
+    round's while the one before is multiplied), against the launch floor of as many trivial
+    kernels."""
     import mlx.core as mx
 
     from engine.kernels import fused_cuda as C
@@ -270,14 +271,14 @@ def _sweep(layers, products, shape: str, rnd) -> list[common.Row]:
                          if t is not None) for lay in layers)
         for r in (1, 2, 4):
             for u in (4, 8):
-                for pf in (False, True):
+                for pf in (False, True, 2):
                     def run(r=r, u=u, pf=pf):
                         return [C.matvec(x, q.w, q.scales, q.biases, q.bits, q.group_size, ep, res,
                                          (getattr(lay, norm), lay.eps_in) if norm else None, rows=r, unroll=u,
                                          prefetch=pf)
                                 for lay in layers for q in (getattr(lay, attr),)]
                     t = _timed_eval(run, reps=5)
-                    out[f"{label} R{r} U{u}{' P' if pf else ''}"] = {
+                    out[f"{label} R{r} U{u}{' P2' if pf == 2 else ' P' if pf else ''}"] = {
                         "gbps": nbytes / t / 1e9, "gbps_less_floor": nbytes / max(t - floor, 1e-9) / 1e9}
         best = max((k for k in out if k.startswith(label)), key=lambda k: out[k]["gbps"])
         rows.append(common.Row("kernels", shape, f"{label}: best of the sweep ({best})", "GB/s", out[best]["gbps"],

@@ -73,7 +73,7 @@ def test_every_kernel_the_decode_step_launches_compiles(tmp_path, monkeypatch):
         layer = program.layers[0]
         kv = [mx.zeros((1, layer.kv_heads, 1024, layer.head_dim), dtype) for _ in range(2 * len(program.layers))]
         program._forward(mx.array([[3]]), mx.array([5], dtype=mx.int32), *kv)
-        for variant in ({"prefetch": False}, {"rows": 1, "unroll": 8}):  # the bench's sweep
+        for variant in ({"prefetch": False}, {"prefetch": 2}, {"rows": 1, "unroll": 8}):  # the bench's sweep
             q = program.layers[0].o
             fused_cuda.matvec(mx.zeros((1, 1, q.inputs), dtype), q.w, q.scales, q.biases, q.bits,
                               q.group_size, 1, mx.zeros((q.w.shape[0],), dtype), **variant)

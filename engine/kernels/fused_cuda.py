@@ -129,13 +129,14 @@ def launch_shape(bits: int, k: int, out: int, epilogue: int) -> tuple[int, int]:
 def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array | None,
            bits: int, group_size: int, epilogue: int = 0, a: mx.array | None = None,
            norm: tuple[mx.array, float] | None = None, rows: int | None = None,
-           unroll: int | None = None, prefetch: bool = True, int8: bool = False) -> mx.array:
+           unroll: int | None = None, prefetch: bool | int = True, int8: bool = False) -> mx.array:
     """y = x @ W.T for one row x (any leading shape of size 1, last dim K), W (N, K) dense
     (`bits` 16) or (N, K * bits / 32) packed (4, 8: MLX's affine layout); `epilogue` 1 adds `a`
     (N,), 2 takes SwiGLU of W's halves (N / 2 outputs); `norm` (weight, eps): x RMS-normalised
     first, as mx.fast.rms_norm(x, weight, eps) would. `rows` (output units per warp), `unroll`
     (words a lane loads before it computes) and `prefetch` (the first words loaded before x is
-    staged; False: after) override the defaults, for the bench. `int8`: a 4/8-bit W multiplies
+    staged; False: after; 2: before, and each later round's words while the one before is
+    multiplied) override the defaults, for the bench. `int8`: a 4/8-bit W multiplies
     int8 activations (`qdot`; the lossy path of `--int8-activations`). Output: x's leading shape,
     the outputs."""
     k, n = x.shape[-1], w.shape[0]

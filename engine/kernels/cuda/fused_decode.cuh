@@ -213,9 +213,8 @@ __device__ __forceinline__ void matvec_impl(const T* x, const uint32_t* w, const
   if constexpr (PF != 0) load_round(0);  // PF 0: after the staging (the bench's comparison)
   if constexpr (XN != 0) stage_x<T, K, XN>(x, nw, ne, xsh);
   if (unit0 >= OUT) return;  // the whole warp: its lanes share the units
-  #pragma unroll 1
-  for (int v0 = 0; v0 < PER_LANE; v0 += UNROLL) {
-    if (v0 > 0 || PF == 0) load_round(v0);
+  // one round's words times x, into acc
+  auto compute = [&](const WordRound<ST, BITS, GS, K, UNROLL, RR>& rw, int v0) {
     #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int v = (v0 + u) * 32 + lane;
@@ -232,18 +231,38 @@ __device__ __forceinline__ void matvec_impl(const T* x, const uint32_t* w, const
         }
         if constexpr (BITS == 16) {
           #pragma unroll
-          for (int r = 0; r < RR; ++r) acc[r] += dot_word<BITS, T>(rd.w[u][r], xs);
+          for (int r = 0; r < RR; ++r) acc[r] += dot_word<BITS, T>(rw.w[u][r], xs);
         } else {
           float sx = 0.f;
           #pragma unroll
           for (int j = 0; j < VALS; ++j) sx += xs[j];
           #pragma unroll
           for (int r = 0; r < RR; ++r) {
-            const float qx = dot_word<BITS, T>(rd.w[u][r], xs);
-            acc[r] += static_cast<float>(rd.s[u][r]) * qx + static_cast<float>(rd.b[u][r]) * sx;
+            const float qx = dot_word<BITS, T>(rw.w[u][r], xs);
+            acc[r] += static_cast<float>(rw.s[u][r]) * qx + static_cast<float>(rw.b[u][r]) * sx;
           }
         }
       }
+    }
+  };
+  if constexpr (PF == 2) {
+    // two rounds in registers: the next round's words load while this one's are multiplied
+    WordRound<ST, BITS, GS, K, UNROLL, RR> rn;
+    rn.template aim<R, OUT>(unit0);
+    #pragma unroll 1
+    for (int v0 = 0; v0 < PER_LANE; v0 += 2 * UNROLL) {
+      if (v0 + UNROLL < PER_LANE) rn.load(w4, scales, biases, v0 + UNROLL, lane, true);
+      compute(rd, v0);
+      if (v0 + UNROLL < PER_LANE) {
+        if (v0 + 2 * UNROLL < PER_LANE) load_round(v0 + 2 * UNROLL);
+        compute(rn, v0 + UNROLL);
+      }
+    }
+  } else {
+    #pragma unroll 1
+    for (int v0 = 0; v0 < PER_LANE; v0 += UNROLL) {
+      if (v0 > 0 || PF == 0) load_round(v0);
+      compute(rd, v0);
     }
   }
   write_units<T, R, E>(acc, unit0, OUT, a, y);
