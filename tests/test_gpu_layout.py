@@ -73,12 +73,12 @@ def test_stacked_layers_compute_mlx_lm_logits(kind):
 @pytest.mark.parametrize("bits", [None, 4])
 def test_a_layers_residual_adds_ride_in_its_dense_products(monkeypatch, bits):
     """A stacked llama/qwen3 layer adds its residuals inside the o_proj and down products where they
-    are plain dense linears (mx.addmm): two ops fewer a layer in a step's graph, mlx-lm's logits
-    within float rounding; quantized products keep their adds."""
+    are plain dense linears (mx.addmm): two ops fewer a layer in a prompt chunk's graph, mlx-lm's
+    logits within float rounding; quantized products keep their adds."""
     from engine.kernels import gpu_layout
 
-    def graph_ops(model, cache, token):  # a one-token step's primitives, by name
-        logits = model(mx.array([[token]]), cache=cache)
+    def graph_ops(model, cache, tokens):  # a prompt chunk's primitives, by name
+        logits = model(mx.array([tokens]), cache=cache)
         f = io.StringIO()
         mx.export_to_dot(f, logits)
         return collections.Counter(line.split('label ="', 1)[1].split('"', 1)[0]
@@ -96,13 +96,35 @@ def test_a_layers_residual_adds_ride_in_its_dense_products(monkeypatch, bits):
     for name, model in (("plain", plain), ("fused", fused), ("unfused", unfused)):
         cache = make_prompt_cache(model)
         mx.eval(model(prompt, cache=cache))
-        ops[name] = graph_ops(model, cache, 11)
+        ops[name] = graph_ops(model, cache, [11, 12, 13])
     addmm = ops["fused"]["AddMM"]
     assert addmm == (2 * layers if bits is None else 0)
     assert ops["unfused"]["Add"] - ops["fused"]["Add"] == addmm
     assert ops["fused"].total() <= ops["unfused"].total() - addmm
     caches = [make_prompt_cache(plain), make_prompt_cache(fused)]
     assert_same(plain(prompt, cache=caches[0]), fused(prompt, cache=caches[1]))
+
+
+def test_a_dense_product_takes_its_residual_from_two_rows_on(monkeypatch):
+    """One row keeps MLX's matrix-vector product and an add (mlx-lm's ops); two rows or more, a
+    dense linear the few-row kernel does not take, one addmm; the kernel's rows keep their add.
+    (The kernel runs on CUDA only: MLX's matmul stands in for it here.)"""
+    from engine.kernels import smallmm_cuda
+    from engine.kernels.gpu_layout import add_product
+
+    monkeypatch.setattr(smallmm_cuda, "smallmm", lambda x, w: x @ w.T)
+    linear = nn.Linear(64, 32, bias=False)
+    linear.set_dtype(mx.bfloat16)
+    small = smallmm_cuda.to_smallmm(linear, 2, 16)
+    assert isinstance(small, smallmm_cuda.SmallMMLinear)
+    for layer in (linear, small):
+        for m, fused in ((1, False), (8, layer is linear), (32, True)):
+            x, r = (mx.random.normal((m, 1, n)).astype(mx.bfloat16) for n in (64, 32))
+            y = add_product(layer, x, r)
+            f = io.StringIO()
+            mx.export_to_dot(f, y)
+            assert ('"AddMM"' in f.getvalue()) is fused, (type(layer).__name__, m)
+            assert mx.allclose(y, r + linear(x), rtol=2e-2, atol=2e-2).item()
 
 
 def test_projections_that_do_not_stack_stay_as_loaded():

@@ -43,11 +43,15 @@ BLOCKS = (llama.TransformerBlock, qwen2.TransformerBlock, qwen3.TransformerBlock
 
 
 def add_product(linear: nn.Module, x: mx.array, residual: mx.array) -> mx.array:
-    """`residual + linear(x)`: one op where `linear` is a plain dense `nn.Linear` without a bias
-    (`mx.addmm`: the add in the product's epilogue, the sum rounded once where mlx-lm rounds the
-    product, then the sum) or has an `add_product` of its own (qmv_cuda.QMVLinear: the 4-bit
-    tensor-core kernel's epilogue, rounded as mlx-lm rounds), else the product and an add."""
-    if type(linear) is nn.Linear and "bias" not in linear:
+    """`residual + linear(x)`, in one op where it can be:
+    - a dense linear without a bias whose product MLX's matmul runs, for 2 rows or more
+      (`mx.addmm`: the add in cuBLAS's epilogue, the sum rounded once where mlx-lm rounds the
+      product, then the sum; one row keeps MLX's matrix-vector kernel and the add);
+    - a linear with an `add_product` of its own (qmv_cuda.QMVLinear: the 4-bit tensor-core
+      kernel's epilogue, rounded as mlx-lm rounds);
+    else the product and an add."""
+    dense = type(linear) is nn.Linear or (type(linear) is smallmm_cuda.SmallMMLinear and not linear.takes(x))
+    if dense and "bias" not in linear and x.size > x.shape[-1]:
         return mx.addmm(residual, x, linear.weight.T)
     if hasattr(linear, "add_product"):
         return linear.add_product(x, residual)

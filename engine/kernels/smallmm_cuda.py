@@ -255,10 +255,14 @@ class SmallMMLinear(nn.Linear):
     max_rows: int = AUTO_ROWS[1]
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self.min_rows <= rows(x) <= self.max_rows and x.dtype == self["weight"].dtype:
+        if self.takes(x):
             y = smallmm(x, self["weight"])
             return y + self["bias"] if "bias" in self else y
         return super().__call__(x)
+
+    def takes(self, x: mx.array) -> bool:
+        """Whether the product with `x` runs the kernel (else MLX's matmul)."""
+        return self.min_rows <= rows(x) <= self.max_rows and x.dtype == self["weight"].dtype
 
 
 def to_smallmm(layer: nn.Module, least: int, most: int) -> nn.Module:
