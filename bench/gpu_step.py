@@ -13,7 +13,12 @@ Parts:
   kernels per shape, each fused CUDA kernel of the one-token step (engine/kernels/fused_cuda.py)
           against its reference in MLX ops (engine/kernels/fused_ref.py): largest difference over
           the reference's largest value; the products' weight-read rate over all layers (GB/s, ours
-          and MLX's quantized_matmul / matmul, interleaved, median of 10).
+          and MLX's quantized_matmul / matmul, interleaved, median of 10). Quantized shapes add the
+          int8-activation products (fused_cuda.qdot against fused_ref.int8_product, at several
+          launch shapes); 4-bit shapes the batched step's products of 8 and 32 rows
+          (qmm_rows_cuda.qmm4_rows at several tiles a block, beside MLX's); every shape the
+          batched step's attention of 8 and 32 rows at each split count. `--sweep`: each one-row
+          product at rows per warp x words ahead x prefetch variants.
   bw      the device's read bandwidth: a sum over a `--bw-gb` bf16 matrix and a matrix x vector
           product with it (bytes read / s), and a copy of it (bytes read + written / s); median and
           best of 10. The larger of the two read medians is the bandwidth the fractions use.
