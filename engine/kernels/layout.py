@@ -388,12 +388,12 @@ def to_kernel_layout(model: nn.Module, *, int8: bool | None = None) -> nn.Module
 
 
 def int8_activations_of(model: nn.Module | None) -> bool | None:
-    """Whether `model`'s layers take int8 activations (on our CPU kernels, or in its compiled GPU
-    decode step: decode_step.py); None when neither runs it (the choice does not apply to it: the
-    fp32 layout, MLX's own GPU path, a model with no quantized layer)."""
-    program = getattr(model, "decode_program", None)
-    if program is not None and any(p.bits in (4, 8) for p in [program.head, *(layer.qkv for layer in program.layers)]):
-        return program.int8
+    """Whether `model`'s layers take int8 activations on our CPU kernels (True also where its
+    compiled GPU decode step's products take them: decode_step.py); None when no layer runs on
+    our CPU kernels and no step takes them (the choice does not apply to it: the fp32 layout,
+    MLX's own GPU path, a model with no quantized layer)."""
+    if getattr(getattr(model, "decode_program", None), "int8", False):
+        return True
     found = [m.int8_activations for _, m in model.named_modules()
              if type(m) in (KernelLinear, KernelEmbedding)] if model is not None else []
     return any(found) if found else None
