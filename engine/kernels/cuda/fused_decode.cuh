@@ -59,12 +59,27 @@ __device__ __forceinline__ float dot_word(const uint4 w, const float* x) {
   return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
+template <int THREADS>
+__device__ __forceinline__ float block_sum(float v) {
+  // the sum of `v` over the block's THREADS threads: each warp's by shuffles, then the warps' in
+  // warp order (the same order every launch). Once a kernel: a second call would write the
+  // shared sums while a slower warp still reads the first's.
+  __shared__ float red[THREADS / 32];
+  #pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = 0.f;
+  #pragma unroll
+  for (int w = 0; w < THREADS / 32; ++w) v += red[w];
+  return v;
+}
+
 template <typename T, int K, int THREADS, int XN>
 __device__ __forceinline__ float load_x(const T* x, const float* ne, float* v) {
   // this thread's values of x (k = threadIdx.x + THREADS i) into v; returns the RMS norm's
   // 1 / rms (XN 2: the whole block's sum of squares; else 1)
   constexpr int PER = (K + THREADS - 1) / THREADS;
-  __shared__ float red[THREADS / 32];
   float ss = 0.f;
   #pragma unroll
   for (int i = 0; i < PER; ++i) {
@@ -73,14 +88,7 @@ __device__ __forceinline__ float load_x(const T* x, const float* ne, float* v) {
     ss += v[i] * v[i];
   }
   if constexpr (XN != 2) return 1.f;
-  #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  ss = 0.f;
-  #pragma unroll
-  for (int w = 0; w < THREADS / 32; ++w) ss += red[w];
-  return rsqrtf(ss / K + ne[0]);
+  return rsqrtf(block_sum<THREADS>(ss) / K + ne[0]);
 }
 
 template <typename T, int K, int THREADS = 128>
@@ -88,7 +96,6 @@ __device__ __forceinline__ float block_rms(const T* x, const float* ne) {
   // 1 / rms of x (K values) and eps ne[0], by the whole block of THREADS threads (thread t sums
   // its squares k = t + THREADS i in order, then the warps' sums in warp order); x is read here
   // and nothing is held in registers past the block's barrier
-  __shared__ float red[THREADS / 32];
   float ss = 0.f;
   #pragma unroll 8
   for (int i = 0; i < (K + THREADS - 1) / THREADS; ++i) {
@@ -96,14 +103,7 @@ __device__ __forceinline__ float block_rms(const T* x, const float* ne) {
     const float v = k < K ? static_cast<float>(x[k]) : 0.f;
     ss += v * v;
   }
-  #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  ss = 0.f;
-  #pragma unroll
-  for (int w = 0; w < THREADS / 32; ++w) ss += red[w];
-  return rsqrtf(ss / K + ne[0]);
+  return rsqrtf(block_sum<THREADS>(ss) / K + ne[0]);
 }
 
 template <typename T, int K, int XN>
