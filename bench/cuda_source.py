@@ -84,10 +84,7 @@ class Recorder:
 def record() -> dict[str, str]:
     """The sources of every kernel the GPU decode launches (see the module's docstring), recorded
     with the Recorder standing in for `mx.fast.cuda_kernel` (restored after)."""
-    from engine.kernels import batch_attention, decode_step, fused_cuda, qmm_rows_cuda
-    from engine.kernels.gpu_layout import to_gpu_layout
-
-    from .shapes import Shape, build_module
+    from engine.kernels import fused_cuda
 
     recorder = Recorder()
     saved = fused_cuda.mx.fast.cuda_kernel, dict(fused_cuda._KERNELS), list(fused_cuda._HEADER)
@@ -95,7 +92,7 @@ def record() -> dict[str, str]:
     fused_cuda._KERNELS.clear()
     fused_cuda._HEADER[:] = [f'#include "{fused_cuda.DEVICE_CODE}"\n']
     try:
-        _launch_all(fused_cuda, decode_step, batch_attention, qmm_rows_cuda, to_gpu_layout, Shape, build_module)
+        _launch_all()
     finally:
         fused_cuda.mx.fast.cuda_kernel = saved[0]
         fused_cuda._KERNELS.clear()
@@ -104,7 +101,13 @@ def record() -> dict[str, str]:
     return recorder.sources
 
 
-def _launch_all(fused_cuda, decode_step, batch_attention, qmm_rows_cuda, to_gpu_layout, Shape, build_module) -> None:
+def _launch_all() -> None:
+    """Launch each kernel once per variant (with `mx.fast.cuda_kernel` stood in for: see `record`)."""
+    from engine.kernels import batch_attention, decode_step, fused_cuda, qmm_rows_cuda
+    from engine.kernels.gpu_layout import to_gpu_layout
+
+    from .shapes import Shape, build_module
+
     for kind, bits, dtype in KINDS:
         model = to_gpu_layout(build_module(Shape(kind, {**WIDE, "model_type": kind}, bits=bits), dtype=dtype, seed=1))
         program = decode_step.DecodeProgram.build(model, fused_cuda)

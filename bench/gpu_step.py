@@ -252,6 +252,12 @@ def part_kernels(lm, shape: str, a) -> list[common.Row]:
         return [common.failed("kernels", shape, f"{type(exc).__name__}: {exc}"[:3000])]
 
 
+def _weight_bytes(layers, attr: str) -> int:
+    """The bytes of every layer's product `attr` (weights, and scales and biases where quantized)."""
+    return sum(t.nbytes for lay in layers for t in (getattr(lay, attr).w, getattr(lay, attr).scales,
+                                                     getattr(lay, attr).biases) if t is not None)
+
+
 def _sweep(layers, products, shape: str, rnd) -> list[common.Row]:
     """The matvec kernel's weight-read rate over all layers at each (rows per warp, words loaded
     before computing, first words loaded before x is staged or after: P; P2, and each later
@@ -272,8 +278,7 @@ def _sweep(layers, products, shape: str, rnd) -> list[common.Row]:
         p0 = getattr(layers[0], attr)
         x = rnd(1, 1, p0.inputs)
         res = rnd(1, 1, p0.w.shape[0]) if ep == 1 else None
-        nbytes = sum(sum(t.nbytes for t in (getattr(lay, attr).w, getattr(lay, attr).scales, getattr(lay, attr).biases)
-                         if t is not None) for lay in layers)
+        nbytes = _weight_bytes(layers, attr)
         for r in (1, 2, 4):
             for u in (4, 8):
                 for pf in (False, True, 2):
@@ -307,8 +312,7 @@ def _int8_products(layers, products, shape: str, rnd) -> list[common.Row]:
         nrm = lambda lay: (getattr(lay, norm), lay.eps_in) if norm else None  # noqa: E731
         got = _rel(C.qdot(x, p.w, p.scales, p.biases, p.bits, p.group_size, ep, res, nrm(layers[0])),
                    R.matvec(x, p.w, p.scales, p.biases, p.bits, p.group_size, ep, res, nrm(layers[0]), int8=True))
-        nbytes = sum(sum(t.nbytes for t in (getattr(lay, attr).w, getattr(lay, attr).scales, getattr(lay, attr).biases))
-                     for lay in layers)
+        nbytes = _weight_bytes(layers, attr)
         for r in (1, 2, 4):
             for u in (2, 4):
                 t = _timed_eval(lambda r=r, u=u: [C.qdot(x, q.w, q.scales, q.biases, q.bits, q.group_size, ep, res,
@@ -337,8 +341,7 @@ def _rows_products(layers, products, shape: str, rnd) -> list[common.Row]:
             qmm = lambda q, x=x: mx.quantized_matmul(x, q.w, q.scales, q.biases, transpose=True,  # noqa: E731
                                                      group_size=q.group_size, bits=4)
             got = _rel(Q.qmm4_rows(x, p.w, p.scales, p.biases, p.group_size), qmm(p))
-            nbytes = sum(sum(t.nbytes for t in (getattr(lay, attr).w, getattr(lay, attr).scales,
-                                                getattr(lay, attr).biases)) for lay in layers)
+            nbytes = _weight_bytes(layers, attr)
             got["mlx"] = nbytes / _timed_eval(lambda: [qmm(getattr(lay, attr)) for lay in layers], reps=5) / 1e9
             for tpw in (1, 2, 4):
                 for u in (1, 2):
@@ -406,8 +409,7 @@ def _kernels(program, shape: str, sweep: bool = False) -> list[common.Row]:
         res = rnd(1, 1, p.w.shape[0]) if ep == 1 else None
         nrm = lambda lay: (getattr(lay, norm), lay.eps_in) if norm else None  # noqa: E731
         checks[label] = _rel(p(C, x, ep, res, nrm(layer)), p(R, x, ep, res, nrm(layer)))
-        nbytes = sum(sum(t.nbytes for t in (getattr(lay, attr).w, getattr(lay, attr).scales, getattr(lay, attr).biases)
-                         if t is not None) for lay in layers)
+        nbytes = _weight_bytes(layers, attr)
         # each side's graph built before the clock starts: the eval of 36 products (host recording and GPU)
         t_ours = _timed_eval(lambda: [getattr(lay, attr)(C, x, ep, res, nrm(lay)) for lay in layers])
         t_ref = _timed_eval(lambda: [getattr(lay, attr)(R, x, ep, res, nrm(lay)) for lay in layers])

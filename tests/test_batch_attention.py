@@ -9,6 +9,7 @@ import mlx.core as mx
 import pytest
 
 from engine.kernels import batch_attention
+from kernel_gates import gate
 
 pytestmark = pytest.mark.fast
 
@@ -25,12 +26,7 @@ def as_rows_kernel(layer, qkv, cache):
 
 @pytest.fixture
 def gated(monkeypatch):
-    monkeypatch.setattr(batch_attention, "mode", lambda: "on")
-    monkeypatch.setattr(batch_attention, "attend_rows", as_kernel)
-    monkeypatch.setattr(batch_attention, "attention_rows", as_rows_kernel)
-    batch_attention.reset()
-    yield monkeypatch
-    batch_attention.reset()
+    yield from gate(monkeypatch, batch_attention, attend_rows=as_kernel, attention_rows=as_rows_kernel)
 
 
 def test_kernels_equal_to_the_references_are_taken_once_per_dtype(gated):

@@ -9,6 +9,7 @@ import mlx.nn as nn
 import pytest
 
 from engine.kernels import qmm_rows_cuda, qmv_cuda
+from kernel_gates import gate
 
 pytestmark = pytest.mark.fast
 
@@ -20,11 +21,7 @@ def as_kernel(x, w, scales, biases, group_size, tiles=None, unroll=None, residua
 
 @pytest.fixture
 def gated(monkeypatch):
-    monkeypatch.setattr(qmm_rows_cuda, "mode", lambda: "on")
-    monkeypatch.setattr(qmm_rows_cuda, "qmm4_rows", as_kernel)
-    qmm_rows_cuda.reset()
-    yield monkeypatch
-    qmm_rows_cuda.reset()
+    yield from gate(monkeypatch, qmm_rows_cuda, qmm4_rows=as_kernel)
 
 
 def test_a_kernel_equal_to_mlx_is_taken_once_per_dtype(gated):

@@ -42,9 +42,6 @@ from .rope import inverse_frequencies
 SWITCH = "MLXCHAT_CUDA_BATCH_ATTENTION"
 TOLERANCE = 2e-2  # of the reference's largest output, the check's bound (16-bit outputs)
 
-_STATE: dict[str, Any] = {}  # the switch's value, read once a process
-
-
 def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, left_padding: mx.array,
                 offset: mx.array, scale: float) -> mx.array:
     """Attention of `queries` (rows, heads, 1, D) over each row's keys in the buffers `keys` /
@@ -208,7 +205,7 @@ def mode() -> str:
 def enabled(dtype: mx.Dtype = mx.bfloat16) -> str | None:
     """Which attention the GPU layout's batched decode steps in `dtype` take: "kernel" (checked
     once per dtype on this device), "ref", or None (mlx-lm's masked attention)."""
-    how = _STATE.get("mode") or _STATE.setdefault("mode", mode())
+    how = _CHECKED.mode()
     if how == "ref":
         return "ref"
     if how == "off" or dtype not in (mx.bfloat16, mx.float16):
@@ -218,7 +215,6 @@ def enabled(dtype: mx.Dtype = mx.bfloat16) -> str | None:
 
 def reset() -> None:
     """Forget the switch's value and the check's outcome (both are read once a process)."""
-    _STATE.clear()
     _CHECKED.reset()
 
 
@@ -288,4 +284,4 @@ def _slot_cache(keys: mx.array, values: mx.array, padding: list[int], length: in
     return cache
 
 
-_CHECKED = CheckedPerDtype(lambda dtype: check(dtype), "batched decode attention runs MLX's ops")
+_CHECKED = CheckedPerDtype(lambda dtype: check(dtype), "batched decode attention runs MLX's ops", lambda: mode())

@@ -39,6 +39,7 @@ from mlx_lm.models import llama, qwen2, qwen3
 from mlx_lm.models.cache import KVCache
 
 from .. import device
+from .fused_cuda import q8_fits
 from .gpu_layout import StackedAttention, StackedMLP
 from .rope import inverse_frequencies
 
@@ -183,7 +184,7 @@ class DecodeProgram:
         inner = model.model
         projections = [head] + [p for layer in layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         for p in projections:
-            p.int8 = int8 and p.bits in (4, 8)
+            p.int8 = int8 and q8_fits(p.bits, p.inputs)
         self.int8 = any(p.int8 for p in projections)  # some product takes int8 activations
         self.embed, self.layers, self.head = inner.embed_tokens, layers, head
         self.norm, self.eps = inner.norm.weight, inner.norm.eps

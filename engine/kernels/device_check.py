@@ -1,4 +1,5 @@
-"""A CUDA kernel used only where it gave its reference's output on this device, per dtype."""
+"""A CUDA kernel used only where its switch allows it and it gave its reference's output on this
+device, per dtype."""
 
 from __future__ import annotations
 
@@ -14,11 +15,19 @@ class CheckedPerDtype:
     """`passed(dtype)`: whether the kernel may run on activations of `dtype`. The first ask for a
     dtype runs `check(dtype)` on this device (a dict with `kept`, and `error` or `rel_diff`); a
     kernel that does not compile or run, or that differs from its reference, is not used, and
-    the log says so after `falls_back` (what runs instead). Answers are kept for the process."""
+    the log says so after `falls_back` (what runs instead). `mode()`: the kernel's switch, as
+    `switch()` reads it, once. Both are kept for the process; `reset()` forgets them (tests)."""
 
-    def __init__(self, check: Callable[[mx.Dtype], dict[str, Any]], falls_back: str):
-        self._check, self._falls_back = check, falls_back
+    def __init__(self, check: Callable[[mx.Dtype], dict[str, Any]], falls_back: str,
+                 switch: Callable[[], str]):
+        self._check, self._falls_back, self._switch = check, falls_back, switch
         self._kept: dict[mx.Dtype, bool] = {}
+        self._mode: str | None = None
+
+    def mode(self) -> str:
+        if self._mode is None:
+            self._mode = self._switch()
+        return self._mode
 
     def passed(self, dtype: mx.Dtype) -> bool:
         if dtype not in self._kept:
@@ -32,3 +41,4 @@ class CheckedPerDtype:
 
     def reset(self) -> None:
         self._kept.clear()
+        self._mode = None

@@ -136,11 +136,11 @@ def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array |
     first, as mx.fast.rms_norm(x, weight, eps) would. `rows` (output units per warp), `unroll`
     (words a lane loads before it computes) and `prefetch` (the first words loaded before x is
     staged; False: after; 2: before, and each later round's words while the one before is
-    multiplied) override the defaults, for the bench. `int8`: a 4/8-bit W multiplies
-    int8 activations (`qdot`; the lossy path of `--int8-activations`). Output: x's leading shape,
+    multiplied) override the defaults, for the bench. `int8`: a 4/8-bit W that `q8_fits` takes
+    multiplies int8 activations (`qdot`; the lossy path of `--int8-activations`). Output: x's leading shape,
     the outputs."""
     k, n = x.shape[-1], w.shape[0]
-    if int8 and q8_fits(bits, k):
+    if int8:  # where the program gives it (q8_fits)
         return qdot(x, w, scales, biases, bits, group_size, epilogue, a, norm, rows, unroll)
     if rows is None and mma_wanted(bits, group_size, k, x.size // k):
         return qmma4(x, w, scales, biases, group_size, epilogue, a, norm)

@@ -51,7 +51,7 @@ def add_product(linear: nn.Module, x: mx.array, residual: mx.array) -> mx.array:
       kernel's epilogue, rounded as mlx-lm rounds);
     else the product and an add."""
     dense = type(linear) is nn.Linear or (type(linear) is smallmm_cuda.SmallMMLinear and not linear.takes(x))
-    if dense and "bias" not in linear and x.size > x.shape[-1]:
+    if dense and "bias" not in linear and qmv_cuda.rows(x) > 1:
         return mx.addmm(residual, x, linear.weight.T)
     if hasattr(linear, "add_product"):
         return linear.add_product(x, residual)
@@ -173,20 +173,32 @@ class ResidualBlock:
         return self.mlp(self.post_attention_layernorm(h), residual=h)
 
 
-_RESIDUAL_CLASSES: dict[type, type] = {}
-
-
 def residual_blocks(model: nn.Module) -> None:
     """Give each decoder layer of `model` that ResidualBlock takes its behaviour (in place)."""
+    for layer in decoder_layers(model):
+        if type(layer) in BLOCKS and type(getattr(layer, "self_attn", None)) is StackedAttention \
+                and type(getattr(layer, "mlp", None)) is StackedMLP:
+            mix_in(layer, ResidualBlock)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """`model`'s decoder layers (of its text model, for a vision-language one)."""
     inner = text_model(model)
-    for layer in getattr(getattr(inner, "model", inner), "layers", None) or getattr(inner, "layers", []):
-        cls = type(layer)
-        if cls not in BLOCKS or type(getattr(layer, "self_attn", None)) is not StackedAttention \
-                or type(getattr(layer, "mlp", None)) is not StackedMLP:
-            continue
-        if cls not in _RESIDUAL_CLASSES:
-            _RESIDUAL_CLASSES[cls] = type(cls.__name__, (ResidualBlock, cls), {})
-        layer.__class__ = _RESIDUAL_CLASSES[cls]
+    return getattr(getattr(inner, "model", inner), "layers", None) or getattr(inner, "layers", [])
+
+
+_MIXED: dict[tuple[type, type], type] = {}
+
+
+def mix_in(layer: nn.Module, mixin: type) -> None:
+    """Give `layer` `mixin`'s behaviour before its own class's (in place; one class a pair, named
+    as the layer's), where it has not got it yet."""
+    cls = type(layer)
+    if issubclass(cls, mixin):
+        return
+    if (mixin, cls) not in _MIXED:
+        _MIXED[mixin, cls] = type(cls.__name__, (mixin, cls), {})
+    layer.__class__ = _MIXED[mixin, cls]
 
 
 # A prompt chunk of this many positions or more is evaluated layer by layer (see EvalEachLayer).
@@ -215,19 +227,10 @@ class EvalEachLayer:
         return out
 
 
-_EVAL_CLASSES: dict[type, type] = {}
-
-
 def eval_each_layer(model: nn.Module) -> None:
     """Give each of `model`'s decoder layers the EvalEachLayer behaviour (in place)."""
-    inner = text_model(model)
-    for layer in getattr(getattr(inner, "model", inner), "layers", None) or getattr(inner, "layers", []):
-        cls = type(layer)
-        if issubclass(cls, EvalEachLayer):
-            continue
-        if cls not in _EVAL_CLASSES:
-            _EVAL_CLASSES[cls] = type(cls.__name__, (EvalEachLayer, cls), {})
-        layer.__class__ = _EVAL_CLASSES[cls]
+    for layer in decoder_layers(model):
+        mix_in(layer, EvalEachLayer)
 
 
 def to_gpu_layout(model: nn.Module) -> nn.Module:

@@ -37,8 +37,6 @@ UNROLL = 2  # chunks of 64 a warp loads before it computes
 GROUP_SIZES = (64, 128)
 TOLERANCE = 2e-2  # of the reference's largest output, the check's bound (16-bit outputs)
 
-_STATE: dict[str, Any] = {}  # the switch's value, read once a process
-
 
 def fits(bits: int, group_size: int, k: int, x_rows: int, dtype: mx.Dtype) -> bool:
     """Whether a product takes the kernel: 4-bit, groups of 64 or 128, K a whole number of 64-wide
@@ -68,8 +66,9 @@ def qmm4_rows(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, grou
     tpw = tiles or tiles_per_block(8 * tiles_of_x)
     weight_tiles = -(-n // 16)
     add = residual is not None
-    kernel = _kernel("qmm4_rows_add" if add else "qmm4_rows", ["x", "w", "scales", "biases", "rows"] + (["a"] if add else []),
-                     ["y"], "qmm4_rows_impl<T, ST, BF16, GS, K, N, MT, KW, TPW, U>(x, w, scales, biases, rows, "
+    kernel = _kernel("qmm4_rows_add" if add else "qmm4_rows",
+                     ["x", "w", "scales", "biases", "rows"] + (["a"] if add else []), ["y"],
+                     "qmm4_rows_impl<T, ST, BF16, GS, K, N, MT, KW, TPW, U>(x, w, scales, biases, rows, "
                      f"{'a' if add else '(const T*)nullptr'}, y);")
     return kernel(
         inputs=[x, w, scales, biases, constant(m, mx.int32)] + ([residual] if add else []),
@@ -88,22 +87,20 @@ def mode() -> str:
 
 def enabled(dtype: mx.Dtype) -> bool:
     """Whether products of `dtype` take the kernel (checked once per dtype on this device)."""
-    how = _STATE.get("mode") or _STATE.setdefault("mode", mode())
+    how = _CHECKED.mode()
     return how != "off" and _CHECKED.passed(dtype)
 
 
 def reset() -> None:
     """Forget the switch's value and the checks' outcomes."""
-    _STATE.clear()
     _CHECKED.reset()
 
 
 def check(dtype: mx.Dtype = mx.bfloat16) -> dict[str, Any]:
     """The kernel against `mx.quantized_matmul` on random weights (groups of 64 and 128, an output
     count not a multiple of 16) and 2, 9 and 32 rows of x, alone and plus a residual: the largest
-    difference over the
-    reference's largest value, `kept` when within TOLERANCE; a kernel that does not compile or run
-    gives the `error`."""
+    difference over the reference's largest value, `kept` when within TOLERANCE; a kernel that
+    does not compile or run gives the `error`."""
     worst = 0.0
     try:
         key = mx.random.key(11)
@@ -122,4 +119,5 @@ def check(dtype: mx.Dtype = mx.bfloat16) -> dict[str, Any]:
     return {"rel_diff": worst, "kept": worst < TOLERANCE}
 
 
-_CHECKED = CheckedPerDtype(lambda dtype: check(dtype), "4-bit products of several rows run MLX's quantized_matmul")
+_CHECKED = CheckedPerDtype(lambda dtype: check(dtype), "4-bit products of several rows run MLX's quantized_matmul",
+                           lambda: mode())

@@ -201,27 +201,32 @@ class QMVLinear(nn.QuantizedLinear):
     max_rows: int = MAX_ROWS
 
     def __call__(self, x: mx.array) -> mx.array:
-        m = rows(x)
-        if 0 < m <= self.max_rows and x.dtype in DTYPES:
+        kernel = self._kernel(x)
+        if kernel is None:
+            return super().__call__(x)
+        if kernel == "qmv":
             y = qmv(x, self["weight"], self["scales"], self["biases"], self.bits, self.group_size)
-            return y + self["bias"] if "bias" in self else y
-        if self._rows_kernel(x, m):
+        else:
             y = qmm_rows_cuda.qmm4_rows(x, self["weight"], self["scales"], self["biases"], self.group_size)
-            return y + self["bias"] if "bias" in self else y
-        return super().__call__(x)
+        return y + self["bias"] if "bias" in self else y
 
     def add_product(self, x: mx.array, residual: mx.array) -> mx.array:
         """`residual + self(x)`, the add inside the tensor-core kernel where it takes the product
         (as MLX rounds the two ops: gpu_layout.add_product)."""
-        m = rows(x)
-        if not (0 < m <= self.max_rows and x.dtype in DTYPES) and "bias" not in self and self._rows_kernel(x, m):
+        if self._kernel(x) == "rows" and "bias" not in self:
             return qmm_rows_cuda.qmm4_rows(x, self["weight"], self["scales"], self["biases"], self.group_size,
                                            residual=residual)
         return residual + self(x)
 
-    def _rows_kernel(self, x: mx.array, m: int) -> bool:
-        """Whether a product of `m` rows takes qmm_rows_cuda's kernel."""
-        return qmm_rows_cuda.fits(self.bits, self.group_size, x.shape[-1], m, x.dtype) and qmm_rows_cuda.enabled(x.dtype)
+    def _kernel(self, x: mx.array) -> str | None:
+        """Which kernel takes the product with `x`: "qmv" (at most `max_rows` rows), "rows"
+        (qmm_rows_cuda's, where it takes them), None (mx.quantized_matmul)."""
+        m = rows(x)
+        if 0 < m <= self.max_rows and x.dtype in DTYPES:
+            return "qmv"
+        if qmm_rows_cuda.fits(self.bits, self.group_size, x.shape[-1], m, x.dtype) and qmm_rows_cuda.enabled(x.dtype):
+            return "rows"
+        return None
 
 
 def to_qmv(layer: nn.Module, max_rows: int = MAX_ROWS) -> nn.Module:
