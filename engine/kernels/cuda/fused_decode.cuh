@@ -18,15 +18,20 @@ template <> __device__ __forceinline__ float2 pair_f<__nv_bfloat16>(uint32_t u) 
 template <> __device__ __forceinline__ float2 pair_f<__half>(uint32_t u) {
   return __half22float2(*reinterpret_cast<__half2*>(&u));
 }
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4 u, float* out) {
+  // eight 16-bit values of T (one 128-bit word) as floats
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+  #pragma unroll
+  for (int j = 0; j < 4; ++j) { const float2 f = pair_f<T>(w[j]); out[2 * j] = f.x; out[2 * j + 1] = f.y; }
+}
+
 template <typename T, int N>
 __device__ __forceinline__ void load_f(const T* p, float* out) {
   // N (a multiple of 8) consecutive 16-bit values as floats, through 128-bit loads
   #pragma unroll
   for (int i = 0; i < N / 8; ++i) {
-    const uint4 u = reinterpret_cast<const uint4*>(p)[i];
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-    #pragma unroll
-    for (int j = 0; j < 4; ++j) { const float2 f = pair_f<T>(w[j]); out[8 * i + 2 * j] = f.x; out[8 * i + 2 * j + 1] = f.y; }
+    unpack8<T>(reinterpret_cast<const uint4*>(p)[i], out + 8 * i);
   }
 }
 __device__ __forceinline__ float q_at(uint32_t bytes, int b) {
@@ -91,34 +96,64 @@ __device__ __forceinline__ float load_x(const T* x, const float* ne, float* v) {
   return rsqrtf(block_sum<THREADS>(ss) / K + ne[0]);
 }
 
+template <typename T, int K, int THREADS>
+__device__ __forceinline__ void load_chunks(const T* x, uint4 (&u)[(K / 8 + THREADS - 1) / THREADS]) {
+  // thread t's 8-value chunks t, t + THREADS, ... of x (K values, a multiple of 8) as 128-bit words,
+  // all loads issued before any is used (zeros past the end)
+  #pragma unroll
+  for (int i = 0; i < (K / 8 + THREADS - 1) / THREADS; ++i) {
+    const int c = threadIdx.x + THREADS * i;
+    if constexpr ((K / 8) % THREADS == 0) {  // every thread's chunks are in x: no test
+      u[i] = reinterpret_cast<const uint4*>(x)[c];
+    } else {
+      u[i] = c < K / 8 ? reinterpret_cast<const uint4*>(x)[c] : make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+}
+
 template <typename T, int K, int THREADS = 128>
 __device__ __forceinline__ float block_rms(const T* x, const float* ne) {
-  // 1 / rms of x (K values) and eps ne[0], by the whole block of THREADS threads (thread t sums
-  // its squares k = t + THREADS i in order, then the warps' sums in warp order); x is read here
-  // and nothing is held in registers past the block's barrier
+  // 1 / rms of x (K values, a multiple of 8) and eps ne[0], by the whole block of THREADS threads:
+  // thread t sums the squares of its chunks (load_chunks: one round trip for the whole of x) in
+  // order, then the warps' sums in warp order. Nothing is held in registers past the barrier.
+  uint4 u[(K / 8 + THREADS - 1) / THREADS];
+  load_chunks<T, K, THREADS>(x, u);
   float ss = 0.f;
-  #pragma unroll 8
-  for (int i = 0; i < (K + THREADS - 1) / THREADS; ++i) {
-    const int k = threadIdx.x + THREADS * i;
-    const float v = k < K ? static_cast<float>(x[k]) : 0.f;
-    ss += v * v;
+  #pragma unroll
+  for (int i = 0; i < (K / 8 + THREADS - 1) / THREADS; ++i) {
+    float v[8];
+    unpack8<T>(u[i], v);
+    #pragma unroll
+    for (int j = 0; j < 8; ++j) ss += v[j] * v[j];
   }
   return rsqrtf(block_sum<THREADS>(ss) / K + ne[0]);
 }
 
 template <typename T, int K, int XN>
 __device__ __forceinline__ void stage_x(const T* x, const T* nw, const float* ne, float* xsh) {
-  // x (K values) into shared memory as floats, the whole block of 128 threads; XN 2:
-  // RMS-normalised as MLX's rms_norm rounds it: T(w * T(x * rsqrt(mean(x^2) + eps))). Two passes
-  // over x (the second from L1/L2): no value is held in registers across the block's barrier
-  constexpr int PER = (K + 127) / 128;
+  // x (K values, a multiple of 8) into shared memory as floats, the whole block of 128 threads;
+  // XN 2: RMS-normalised as MLX's rms_norm rounds it: T(w * T(x * rsqrt(mean(x^2) + eps))). Two
+  // passes over x (the second from L1/L2), each one round trip (load_chunks): no value is held in
+  // registers across the block's barrier
+  constexpr int PER = (K / 8 + 127) / 128;
   const float rn = XN == 2 ? block_rms<T, K>(x, ne) : 1.f;
-  #pragma unroll 8
+  uint4 u[PER], gu[PER];
+  load_chunks<T, K, 128>(x, u);
+  if constexpr (XN == 2) load_chunks<T, K, 128>(nw, gu);
+  #pragma unroll
   for (int i = 0; i < PER; ++i) {
-    const int k = threadIdx.x + 128 * i;
-    if (k < K) {
-      const float v = static_cast<float>(x[k]);
-      xsh[k] = XN == 2 ? static_cast<float>(nw[k] * static_cast<T>(v * rn)) : v;
+    const int c = threadIdx.x + 128 * i;
+    if ((K / 8) % 128 == 0 || c < K / 8) {
+      float v[8];
+      unpack8<T>(u[i], v);
+      if constexpr (XN == 2) {
+        float g[8];
+        unpack8<T>(gu[i], g);
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = static_cast<float>(static_cast<T>(g[j]) * static_cast<T>(v[j] * rn));
+      }
+      reinterpret_cast<float4*>(xsh + 8 * c)[0] = make_float4(v[0], v[1], v[2], v[3]);
+      reinterpret_cast<float4*>(xsh + 8 * c)[1] = make_float4(v[4], v[5], v[6], v[7]);
     }
   }
   __syncthreads();
