@@ -11,6 +11,13 @@ __device__ __forceinline__ int warp_id() {
   return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 5), 0);
 }
 
+__device__ __forceinline__ void fence_acq_rel() {
+  // a GPU-scope acquire-release fence: with a relaxed atomic after it (release) or before it
+  // (acquire), it orders one block's stores before another's loads. Lighter than __threadfence(),
+  // a sequentially consistent fence (MEMBAR.SC)
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
+
 template <typename T> __device__ __forceinline__ float2 pair_f(uint32_t u);
 template <> __device__ __forceinline__ float2 pair_f<__nv_bfloat16>(uint32_t u) {
   return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
@@ -457,12 +464,35 @@ __device__ __forceinline__ void qdot_impl(const T* x, const uint32_t* w, const S
   write_units<T, R, E>(acc, unit0, OUT, a, y);
 }
 
+template <int D, int ROT, bool TRAD>
+struct RopeAngles {
+  // RoPE's cos and sin of a lane's elements (lane, lane + 32, ...) at one position: the same for
+  // every head, so computed once a block (their frequencies loaded together, not one round trip
+  // an element inside the rotation). Elements past ROT get an angle too, unused.
+  static constexpr int C = D / 32;
+  float cs[C], sn[C];
+
+  __device__ __forceinline__ void at(float at, const float* invf, int lane) {
+    float f[C];
+    #pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int e = min(lane + 32 * c, ROT - 1);
+      f[c] = invf[TRAD ? e >> 1 : (e < ROT / 2 ? e : e - ROT / 2)];
+    }
+    #pragma unroll
+    for (int c = 0; c < C; ++c) {
+      sincosf(at * f[c], &sn[c], &cs[c]);  // one range reduction for both (as cosf and sinf round)
+    }
+  }
+};
+
 template <typename T, int D, int ROT, bool TRAD, bool NORM>
-__device__ __forceinline__ void head_rope(const T* src, const T* wn, float eps, float at,
-                                          const float* invf, float* dst, T* gout, int lane) {
-  // one head (a warp): Qwen3's RMSNorm when NORM, then RoPE at position `at` (already scaled),
-  // each rounded to T as MLX rounds them; the result as floats in `dst` (shared) and, when
-  // `gout`, in T there (the cache row). Lane l holds elements l, l + 32, ...
+__device__ __forceinline__ void head_rope(const T* src, const float* wn, float eps,
+                                          const RopeAngles<D, ROT, TRAD>& rope, float* dst, T* gout, int lane) {
+  // one head (a warp): Qwen3's RMSNorm when NORM (wn: the lane's elements of its weight), then
+  // RoPE at the block's position (rope), each rounded to T as MLX rounds them; the result as
+  // floats in `dst` (shared) and, when `gout`, in T there (the cache row). Lane l holds elements
+  // l, l + 32, ...
   constexpr int C = D / 32;
   float v[C], o[C];
   float ss = 0.f;
@@ -473,7 +503,7 @@ __device__ __forceinline__ void head_rope(const T* src, const T* wn, float eps, 
     for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
     const float rn = rsqrtf(ss / D + eps);
     #pragma unroll
-    for (int c = 0; c < C; ++c) v[c] = static_cast<float>(wn[lane + 32 * c] * static_cast<T>(v[c] * rn));
+    for (int c = 0; c < C; ++c) v[c] = static_cast<float>(static_cast<T>(wn[c]) * static_cast<T>(v[c] * rn));
   }
   #pragma unroll
   for (int c = 0; c < C; ++c) dst[lane + 32 * c] = v[c];
@@ -484,12 +514,9 @@ __device__ __forceinline__ void head_rope(const T* src, const T* wn, float eps, 
     o[c] = v[c];
     if (e < ROT) {  // rotated with its partner: (2i, 2i+1) traditional, else (i, i + ROT/2)
       const bool first = TRAD ? (e & 1) == 0 : e < ROT / 2;
-      const int i = TRAD ? e >> 1 : (first ? e : e - ROT / 2);
       const int partner = TRAD ? (first ? e + 1 : e - 1) : (first ? e + ROT / 2 : e - ROT / 2);
-      const float th = at * invf[i];
-      const float cs = cosf(th), sn = sinf(th);
       const float a = dst[partner];
-      o[c] = first ? v[c] * cs - a * sn : a * sn + v[c] * cs;
+      o[c] = first ? v[c] * rope.cs[c] - a * rope.sn[c] : a * rope.sn[c] + v[c] * rope.cs[c];
     }
   }
   __syncwarp();
@@ -650,11 +677,17 @@ __device__ __forceinline__ void rotate_write_attend(const T* q, const T* k, cons
   const bool has_new = start <= col && col < end;
   __shared__ float qs[G][D];
   __shared__ float nk[2][D];
-  const float at = fp[1] * position;
+  float qw[DPL], kw[DPL];  // the lane's elements of the q and k norms' weights
+  if constexpr (NORM) {
+    #pragma unroll
+    for (int c = 0; c < DPL; ++c) { qw[c] = static_cast<float>(qn[lane + 32 * c]); kw[c] = static_cast<float>(kn[lane + 32 * c]); }
+  }
+  RopeAngles<D, ROT, TRAD> rope;
+  rope.at(fp[1] * position, invf, lane);
   for (int hh = warp; hh < G + (has_new ? 1 : 0); hh += WARPS) {
     const bool is_k = hh == G;
     T* gout = is_k ? const_cast<T*>(kc) + (base + col) * D : nullptr;
-    head_rope<T, D, ROT, TRAD, NORM>(is_k ? k : q + (size_t)hh * D, is_k ? kn : qn, fp[0], at, invf,
+    head_rope<T, D, ROT, TRAD, NORM>(is_k ? k : q + (size_t)hh * D, is_k ? kw : qw, fp[0], rope,
                                      is_k ? nk[0] : qs[hh], gout, lane);
   }
   if (has_new) {  // the new value, as it is, into the cache
@@ -739,13 +772,14 @@ __device__ __forceinline__ void attention_impl(const T* qkv, const T* qn, const 
     pa[((size_t)h * S + split) * D + d] = a;
     if (d == 0) { pm[h * S + split] = M; pl[h * S + split] = ls; }
   }
-  // the last of the S blocks of this kv head to finish adds the splits up (then resets the count)
-  __threadfence();
+  // the last of the S blocks of this kv head to finish adds the splits up (then resets the count):
+  // each block's partials released before its count, acquired by the last block after it
+  fence_acq_rel();
   __syncthreads();
   if (threadIdx.x == 0) last = atomicAdd(const_cast<int*>(cnt) + j, 1) == S - 1;
   __syncthreads();
   if (!last) return;
-  __threadfence();
+  fence_acq_rel();
   combine_group<T, G, D, S, WARPS>(pm, pl, pa, j * G, y);
   if (threadIdx.x == 0) const_cast<int*>(cnt)[j] = 0;
 }
