@@ -462,6 +462,12 @@ def _kernels(program, shape: str, sweep: bool = False) -> list[common.Row]:
     t_ref = _timed_eval(lambda: [R.attention(lay, qkv, pos, keys, values)[0] for lay in layers])
     rows.append(common.Row("kernels", shape, f"attention at {at}, {len(layers)} layers", "ms", t_ours * 1e3,
                            t_ref * 1e3, "MLX ops (norms, RoPE, slice updates, SDPA)", "<= 1.0", json.dumps(worst)))
+    by_split = {f"{at} S{s}": _timed_eval(lambda at=at, s=s: [
+        C.attention(lay, qkv, mx.array([at], dtype=mx.int32), keys, values, split=s)[0] for lay in layers]) * 1e3
+        for at in (64, 1500) for s in (1, 4, 8, 16, 32, 64)}
+    best = min(by_split, key=by_split.get)
+    rows.append(common.Row("kernels", shape, f"attention, {len(layers)} layers, at each split count (best: {best})",
+                           "ms", by_split[best], None, "", "", json.dumps(by_split), by_split))
     ok = (all(c["rel"] < 2e-2 for k, c in checks.items() if k != "attention")
           and all(v < 2e-2 for w in worst.values() for v in w.values()))
     rows.append(common.Row("kernels", shape, "all kernels within 2% of the reference", "", float(ok), 1.0, "", "",

@@ -299,17 +299,18 @@ def keys_at_once(head_dim: int, group: int) -> int:
     return 4 if (head_dim // 32) * group <= 32 else 2
 
 
-def attention(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: mx.array
-              ) -> tuple[mx.array, mx.array, mx.array]:
+def attention(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: mx.array,
+              split: int | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """One kernel for a decode step's attention from the stacked q/k/v row `qkv` (1, 1, ...):
     the layer's q/k norms and RoPE at `pos` (1,) int32, the new key and value written into
     `keys`/`values` (1, kv_heads, cap, head_dim) at `pos` in place, attention over the first
     `pos + 1` positions. Returns (out (1, 1, heads * head_dim), keys, values), the buffers
     themselves. `layer`: engine/kernels/decode_step.py's Layer (shapes, norm weights, `inv_freq`,
-    `params` = (q/k norm eps, RoPE position scale, attention scale), `counters`)."""
+    `params` = (q/k norm eps, RoPE position scale, attention scale), `counters`). `split`
+    overrides the split count (`splits`), for the bench."""
     heads, kv, dim = layer.heads, layer.kv_heads, layer.head_dim
     cap = keys.shape[2]
-    s = splits(kv, cap)
+    s = split or splits(kv, cap)
     norm = layer.q_norm is not None
     # without NORM they are unread, but typed as the kernel's T (MLX declares each input by its
     # dtype): the layer's input norm weight stands in
