@@ -244,7 +244,7 @@ def part_kernels(lm, shape: str, a) -> list[common.Row]:
     if program is None:
         return [common.failed("kernels", shape, "the model has no decode program")]
     try:
-        return _kernels(program, shape, a.sweep)
+        return _kernels(program, shape, a.sweep, tuple(a.kernel_groups.split(",")))
     except Exception as exc:
         import traceback
 
@@ -388,7 +388,14 @@ def _rows_attention(layer, shape: str, n_layers: int) -> list[common.Row]:
     return out
 
 
-def _kernels(program, shape: str, sweep: bool = False) -> list[common.Row]:
+KERNEL_GROUPS = ("products", "int8", "rows")  # --kernel-groups: see _kernels
+
+
+def _kernels(program, shape: str, sweep: bool = False, groups: tuple[str, ...] = KERNEL_GROUPS) -> list[common.Row]:
+    """The kernels part by group, each affordable in its own device call: `products` (the one-row
+    products and head against MLX's, the tensor-core variant, the one-row attention's checks, time
+    and split counts), `int8` (the int8-activation products), `rows` (the batched step's 4-bit
+    products and attention); `sweep` adds each one-row product's launch variants."""
     import mlx.core as mx
 
     from engine.kernels import fused_cuda as C
@@ -403,7 +410,7 @@ def _kernels(program, shape: str, sweep: bool = False) -> list[common.Row]:
     # (layer attribute, epilogue, fused norm's weight attribute)
     products = {"norm+qkv": ("qkv", 0, "norm_in"), "o+residual": ("o", 1, None),
                 "norm+gate_up+swiglu": ("gate_up", 2, "norm_post"), "down+residual": ("down", 1, None)}
-    for label, (attr, ep, norm) in products.items():
+    for label, (attr, ep, norm) in products.items() if "products" in groups else ():
         p = getattr(layer, attr)
         x = rnd(1, 1, p.inputs)
         res = rnd(1, 1, p.w.shape[0]) if ep == 1 else None
@@ -427,11 +434,27 @@ def _kernels(program, shape: str, sweep: bool = False) -> list[common.Row]:
                                ">= 1.0", f"max diff / ref scale {checks[label]['rel']:.2e}", checks[label]))
     if sweep:
         rows.extend(_sweep(layers, products, shape, rnd))
-    if layer.qkv.bits in (4, 8):
+    if "int8" in groups and layer.qkv.bits in (4, 8):
         rows.extend(_int8_products(layers, products, shape, rnd))
-    if layer.qkv.bits == 4:
-        rows.extend(_rows_products(layers, products, shape, rnd))
-    rows.extend(_rows_attention(layer, shape, len(layers)))
+    if "rows" in groups:
+        if layer.qkv.bits == 4:
+            rows.extend(_rows_products(layers, products, shape, rnd))
+        rows.extend(_rows_attention(layer, shape, len(layers)))
+    if "products" in groups:
+        rows.extend(_one_row_rest(program, shape, checks, rnd))
+    return rows
+
+
+def _one_row_rest(program, shape: str, checks: dict[str, Any], rnd) -> list[common.Row]:
+    """The `products` group's head and one-row attention, and its row of every check."""
+    import mlx.core as mx
+
+    from engine.kernels import fused_cuda as C
+    from engine.kernels import fused_ref as R
+
+    layers, layer = program.layers, program.layers[0]
+    dt = layer.norm_in.dtype
+    rows: list[common.Row] = []
     head, final = program.head, (program.norm, program.eps)
     x = rnd(1, 1, head.inputs)
     checks["norm+head"] = _rel(head(C, x, norm=final), head(R, x, norm=final))
@@ -728,6 +751,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bw-gb", type=float, default=4.0)
     ap.add_argument("--chunks", default="2048,1024", help="other prefill chunks to measure ours at")
     ap.add_argument("--sweep", action="store_true", help="kernels: each product at rows/unroll variants")
+    ap.add_argument("--kernel-groups", default=",".join(KERNEL_GROUPS),
+                    help="kernels: which groups (products, int8, rows), so that each fits a device call")
     ap.add_argument("--llama-prompt", type=int, default=4096, help="llama-bench's prompt length")
     ap.add_argument("--llama-work", default="/tmp/llamacpp-gguf", help="where the GGUF files are written")
     ap.add_argument("--streams", default="1,8,32", help="llama-batched-bench's stream counts")
