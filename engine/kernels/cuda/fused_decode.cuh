@@ -529,34 +529,56 @@ __device__ __forceinline__ void head_rope(const T* src, const float* wn, float e
   __syncwarp();
 }
 
+template <int DPL> struct RowBits;  // DPL (2, 4 or 8) 16-bit values as one 32/64/128-bit word
+template <> struct RowBits<2> { using type = uint32_t; };
+template <> struct RowBits<4> { using type = uint2; };
+template <> struct RowBits<8> { using type = uint4; };
+
 template <typename T, int DPL>
-__device__ __forceinline__ void load_row(const T* p, float* out) {
-  // DPL (2, 4 or 8) consecutive 16-bit values as floats, in one 32/64/128-bit load
+__device__ __forceinline__ void unpack_row(const typename RowBits<DPL>::type u, float* out) {
+  // DPL 16-bit values of T as floats
   if constexpr (DPL == 8) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-    #pragma unroll
-    for (int j = 0; j < 4; ++j) { const float2 f = pair_f<T>(w[j]); out[2 * j] = f.x; out[2 * j + 1] = f.y; }
+    unpack8<T>(u, out);
   } else if constexpr (DPL == 4) {
-    const uint2 u = *reinterpret_cast<const uint2*>(p);
     const float2 a = pair_f<T>(u.x), b = pair_f<T>(u.y);
     out[0] = a.x; out[1] = a.y; out[2] = b.x; out[3] = b.y;
   } else {
-    const float2 a = pair_f<T>(*reinterpret_cast<const uint32_t*>(p));
+    const float2 a = pair_f<T>(u);
     out[0] = a.x; out[1] = a.y;
   }
+}
+
+template <typename T, int DPL>
+__device__ __forceinline__ void load_row(const T* p, float* out) {
+  // DPL (2, 4 or 8) consecutive 16-bit values as floats, in one 32/64/128-bit load
+  unpack_row<T, DPL>(*reinterpret_cast<const typename RowBits<DPL>::type*>(p), out);
 }
 
 template <typename T, int DPL, int G, int KU, int WARPS>
 __device__ __forceinline__ void attend_keys(const float (&qf)[G][DPL], float (&m)[G], float (&l)[G],
                                             float (&acc)[G][DPL], const T* kc, const T* vc, size_t base,
                                             int start, int end, int fresh, const float* fk, const float* fv) {
-  // One warp's keys start + warp, + WARPS, ... (< end) of the rows at kc / vc + (base + t) * D:
-  // KU keys' loads issued before any is scored, one online-softmax update for the KU scores of
-  // each of the G queries (qf, already scaled), into m / l / acc. The key at `fresh` (if any)
-  // comes from fk / fv (this block's own new key and value, not read back from the cache).
+  // One warp's keys start + warp, + WARPS, ... (< end) of the rows at kc / vc + (base + t) * D,
+  // KU at a time: one online-softmax update for the KU scores of each of the G queries (qf,
+  // already scaled), into m / l / acc. The next KU keys' loads go out before this KU's are scored
+  // (their latency overlaps the scoring; one round trip to memory a warp, not one a KU). The key
+  // at `fresh` (if any) comes from fk / fv (this block's own new key and value, not read back).
   constexpr int D = DPL * 32;
+  using Bits = typename RowBits<DPL>::type;
   const int lane = threadIdx.x & 31, warp = warp_id();
+  Bits kr[KU], vr[KU];  // the next KU keys' and values' words, in flight
+  auto fetch = [&](int t0) {
+    #pragma unroll
+    for (int u = 0; u < KU; ++u) {
+      const int t = t0 + u * WARPS;
+      if (t < end && t != fresh) {
+        const size_t o = (base + t) * D + lane * DPL;
+        kr[u] = *reinterpret_cast<const Bits*>(kc + o);
+        vr[u] = *reinterpret_cast<const Bits*>(vc + o);
+      }
+    }
+  };
+  if (start + warp < end) fetch(start + warp);
   for (int t0 = start + warp; t0 < end; t0 += WARPS * KU) {
     float kf[KU][DPL], vf[KU][DPL];
     #pragma unroll
@@ -566,14 +588,14 @@ __device__ __forceinline__ void attend_keys(const float (&qf)[G][DPL], float (&m
         #pragma unroll
         for (int d = 0; d < DPL; ++d) { kf[u][d] = fk[lane * DPL + d]; vf[u][d] = fv[lane * DPL + d]; }
       } else if (t < end) {
-        const size_t o = (base + t) * D + lane * DPL;
-        load_row<T, DPL>(kc + o, kf[u]);
-        load_row<T, DPL>(vc + o, vf[u]);
+        unpack_row<T, DPL>(kr[u], kf[u]);
+        unpack_row<T, DPL>(vr[u], vf[u]);
       } else {
         #pragma unroll
         for (int d = 0; d < DPL; ++d) kf[u][d] = vf[u][d] = 0.f;
       }
     }
+    if (t0 + WARPS * KU < end) fetch(t0 + WARPS * KU);
     #pragma unroll
     for (int g = 0; g < G; ++g) {
       float sc[KU];
