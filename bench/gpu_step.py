@@ -391,6 +391,11 @@ def _rows_attention(layer, shape: str, n_layers: int) -> list[common.Row]:
 KERNEL_GROUPS = ("products", "int8", "rows")  # --kernel-groups: see _kernels
 
 
+# (layer attribute, epilogue, fused norm's weight attribute) of each one-row product
+PRODUCTS = {"norm+qkv": ("qkv", 0, "norm_in"), "o+residual": ("o", 1, None),
+            "norm+gate_up+swiglu": ("gate_up", 2, "norm_post"), "down+residual": ("down", 1, None)}
+
+
 def _kernels(program, shape: str, sweep: bool = False, groups: tuple[str, ...] = KERNEL_GROUPS) -> list[common.Row]:
     """The kernels part by group, each affordable in its own device call: `products` (the one-row
     products and head against MLX's, the tensor-core variant, the one-row attention's checks, time
@@ -398,19 +403,37 @@ def _kernels(program, shape: str, sweep: bool = False, groups: tuple[str, ...] =
     products and attention); `sweep` adds each one-row product's launch variants."""
     import mlx.core as mx
 
+    layers, layer = program.layers, program.layers[0]
+    dt = layer.norm_in.dtype
+    mx.random.seed(7)
+    rnd = lambda *s: mx.random.normal(s).astype(dt)  # noqa: E731
+    rows: list[common.Row] = []
+    if "products" in groups:
+        rows.extend(_one_row(program, shape, rnd))
+    if sweep:
+        rows.extend(_sweep(layers, PRODUCTS, shape, rnd))
+    if "int8" in groups and layer.qkv.bits in (4, 8):
+        rows.extend(_int8_products(layers, PRODUCTS, shape, rnd))
+    if "rows" in groups:
+        if layer.qkv.bits == 4:
+            rows.extend(_rows_products(layers, PRODUCTS, shape, rnd))
+        rows.extend(_rows_attention(layer, shape, len(layers)))
+    return rows
+
+
+def _one_row(program, shape: str, rnd) -> list[common.Row]:
+    """The `products` group: each one-row product (and its tensor-core variant at 4 bits), the
+    head and the one-row attention against their MLX references, and a row of every check."""
+    import mlx.core as mx
+
     from engine.kernels import fused_cuda as C
     from engine.kernels import fused_ref as R
 
     layers, layer = program.layers, program.layers[0]
     dt = layer.norm_in.dtype
-    mx.random.seed(7)
-    rnd = lambda *s: mx.random.normal(s).astype(dt)  # noqa: E731
     checks: dict[str, Any] = {}
     rows: list[common.Row] = []
-    # (layer attribute, epilogue, fused norm's weight attribute)
-    products = {"norm+qkv": ("qkv", 0, "norm_in"), "o+residual": ("o", 1, None),
-                "norm+gate_up+swiglu": ("gate_up", 2, "norm_post"), "down+residual": ("down", 1, None)}
-    for label, (attr, ep, norm) in products.items() if "products" in groups else ():
+    for label, (attr, ep, norm) in PRODUCTS.items():
         p = getattr(layer, attr)
         x = rnd(1, 1, p.inputs)
         res = rnd(1, 1, p.w.shape[0]) if ep == 1 else None
@@ -432,29 +455,6 @@ def _kernels(program, shape: str, sweep: bool = False, groups: tuple[str, ...] =
         rows.append(common.Row("kernels", shape, f"{label}: weight read, {len(layers)} layers", "GB/s",
                                nbytes / t_ours / 1e9, nbytes / t_ref / 1e9, "MLX ops (rms_norm, (quantized_)matmul, ...)",
                                ">= 1.0", f"max diff / ref scale {checks[label]['rel']:.2e}", checks[label]))
-    if sweep:
-        rows.extend(_sweep(layers, products, shape, rnd))
-    if "int8" in groups and layer.qkv.bits in (4, 8):
-        rows.extend(_int8_products(layers, products, shape, rnd))
-    if "rows" in groups:
-        if layer.qkv.bits == 4:
-            rows.extend(_rows_products(layers, products, shape, rnd))
-        rows.extend(_rows_attention(layer, shape, len(layers)))
-    if "products" in groups:
-        rows.extend(_one_row_rest(program, shape, checks, rnd))
-    return rows
-
-
-def _one_row_rest(program, shape: str, checks: dict[str, Any], rnd) -> list[common.Row]:
-    """The `products` group's head and one-row attention, and its row of every check."""
-    import mlx.core as mx
-
-    from engine.kernels import fused_cuda as C
-    from engine.kernels import fused_ref as R
-
-    layers, layer = program.layers, program.layers[0]
-    dt = layer.norm_in.dtype
-    rows: list[common.Row] = []
     head, final = program.head, (program.norm, program.eps)
     x = rnd(1, 1, head.inputs)
     checks["norm+head"] = _rel(head(C, x, norm=final), head(R, x, norm=final))
@@ -759,6 +759,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
+    if unknown := set(a.kernel_groups.split(",")) - set(KERNEL_GROUPS):
+        ap.error(f"--kernel-groups: unknown {', '.join(sorted(unknown))} (groups: {', '.join(KERNEL_GROUPS)})")
     device.select_device(a.device)
     from .shapes import build
 

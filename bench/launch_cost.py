@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import statistics
 import sys
 import time
@@ -60,6 +61,7 @@ _PHASED = """
 """
 
 
+@functools.cache
 def _kernels():
     import mlx.core as mx
 
@@ -67,6 +69,11 @@ def _kernels():
     phased = mx.fast.cuda_kernel(name="mlxchat_launch_phased", input_names=["x"], output_names=["y", "bar", "bad"],
                                  source=_PHASED)
     return tiny, phased
+
+
+def phases_per_kernel(kind: str, phases: int) -> int:
+    """Phases one kernel of `kind` runs: 1 (launches), PHASES_PER_LAYER (per layer), all (one)."""
+    return {"launches": 1, "per layer": PHASES_PER_LAYER, "one": phases}[kind]
 
 
 def chain(kind: str, phases: int, blocks: int, x) -> tuple[Any, list]:
@@ -81,7 +88,7 @@ def chain(kind: str, phases: int, blocks: int, x) -> tuple[Any, list]:
         for _ in range(phases):
             x = tiny(inputs=[x], output_shapes=[(blocks,)], output_dtypes=[mx.float32], **launch)[0][:1]
         return x, bad
-    per = PHASES_PER_LAYER if kind == "per layer" else phases
+    per = phases_per_kernel(kind, phases)
     for _ in range(phases // per):
         y, _, b = phased(inputs=[x], template=[("PHASES", per), ("SPIN_BOUND", SPIN_BOUND)],
                          output_shapes=[(blocks,), (1,), (1,)], output_dtypes=[mx.float32, mx.int32, mx.int32],
@@ -110,8 +117,7 @@ def measure(kind: str, phases: int, blocks: int, reps: int) -> dict[str, Any]:
             walls.append(wall)
             hosts.append(host)
     w, h = statistics.median(walls), statistics.median(hosts)
-    return {"kind": kind, "phases": phases, "blocks": blocks, "launches": phases if kind == "launches" else
-            phases // (PHASES_PER_LAYER if kind == "per layer" else phases),
+    return {"kind": kind, "phases": phases, "blocks": blocks, "launches": phases // phases_per_kernel(kind, phases),
             "wall_ms": w * 1e3, "host_ms": h * 1e3, "us_per_phase": w / phases * 1e6,
             "wall_range_ms": [min(walls) * 1e3, max(walls) * 1e3], "barriers_gave_up": gave_up}
 

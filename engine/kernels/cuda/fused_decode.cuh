@@ -103,6 +103,13 @@ __device__ __forceinline__ float load_x(const T* x, const float* ne, float* v) {
   return rsqrtf(block_sum<THREADS>(ss) / K + ne[0]);
 }
 
+template <int K, int THREADS>
+__device__ __forceinline__ bool chunk_in(int c) {
+  // whether 8-value chunk c lies in x of K values (always, where K / 8 chunks divide evenly over
+  // THREADS threads: the test folds away)
+  return (K / 8) % THREADS == 0 || c < K / 8;
+}
+
 template <typename T, int K, int THREADS>
 __device__ __forceinline__ void load_chunks(const T* x, uint4 (&u)[(K / 8 + THREADS - 1) / THREADS]) {
   // thread t's 8-value chunks t, t + THREADS, ... of x (K values, a multiple of 8) as 128-bit words,
@@ -110,11 +117,7 @@ __device__ __forceinline__ void load_chunks(const T* x, uint4 (&u)[(K / 8 + THRE
   #pragma unroll
   for (int i = 0; i < (K / 8 + THREADS - 1) / THREADS; ++i) {
     const int c = threadIdx.x + THREADS * i;
-    if constexpr ((K / 8) % THREADS == 0) {  // every thread's chunks are in x: no test
-      u[i] = reinterpret_cast<const uint4*>(x)[c];
-    } else {
-      u[i] = c < K / 8 ? reinterpret_cast<const uint4*>(x)[c] : make_uint4(0u, 0u, 0u, 0u);
-    }
+    u[i] = chunk_in<K, THREADS>(c) ? reinterpret_cast<const uint4*>(x)[c] : make_uint4(0u, 0u, 0u, 0u);
   }
 }
 
@@ -150,7 +153,7 @@ __device__ __forceinline__ void stage_x(const T* x, const T* nw, const float* ne
   #pragma unroll
   for (int i = 0; i < PER; ++i) {
     const int c = threadIdx.x + 128 * i;
-    if ((K / 8) % 128 == 0 || c < K / 8) {
+    if (chunk_in<K, 128>(c)) {
       float v[8];
       unpack8<T>(u[i], v);
       if constexpr (XN == 2) {
@@ -472,7 +475,8 @@ struct RopeAngles {
   static constexpr int C = D / 32;
   float cs[C], sn[C];
 
-  __device__ __forceinline__ void at(float at, const float* invf, int lane) {
+  __device__ __forceinline__ void at(float position, const float* invf, int lane) {
+    // position: already scaled (RoPE's position scale)
     float f[C];
     #pragma unroll
     for (int c = 0; c < C; ++c) {
@@ -481,7 +485,7 @@ struct RopeAngles {
     }
     #pragma unroll
     for (int c = 0; c < C; ++c) {
-      sincosf(at * f[c], &sn[c], &cs[c]);  // one range reduction for both (as cosf and sinf round)
+      sincosf(position * f[c], &sn[c], &cs[c]);  // one range reduction for both (as cosf and sinf round)
     }
   }
 };
