@@ -209,6 +209,69 @@ def part_step(lm, shape: str, a, bw: float | None) -> list[common.Row]:
     return rows
 
 
+def part_variants(lm, shape: str, a) -> list[common.Row]:
+    """The compiled step under each of `--variants` (";"-separated; each "default" or space-separated
+    KEY=VALUE settings of the kernels' switches, "int8" for int8 activations), built in turn on the
+    same model in this process: each program's gate against the model's own forward, then its
+    synchronous step time and where a step goes (build / host / device ms), the variants
+    interleaved over `--reps` rounds. Cheaper than `step` per variant (no mlx-lm, no service)."""
+    import os
+
+    from engine.kernels import decode_step, fused_cuda
+
+    from .shapes import prompt_ids, vocab_size
+
+    prompt = prompt_ids(64, vocab_size(shape), seed=1)
+    model = lm.model
+    if getattr(model, "decode_program", None) is None:
+        return [common.failed("variants", shape, "the model has no decode program")]
+    specs = [v.strip() for v in a.variants.split(";") if v.strip()]
+
+    def settings(spec: str) -> tuple[dict[str, str], bool]:
+        words = [] if spec == "default" else spec.split()
+        return dict(w.split("=", 1) for w in words if "=" in w), "int8" in words
+
+    programs, gates = {}, {}
+    for spec in specs:
+        env, int8 = settings(spec)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:  # traced (and its kernels compiled) while the settings hold
+            program = decode_step.DecodeProgram.build(model, fused_cuda, int8=int8)
+            object.__setattr__(model, "decode_program", program)
+            gates[spec] = decode_step.check(model, program, list(prompt), 8)
+            step_ms(model, prompt, steps=4)  # traced, its kernels compiled
+        except Exception as exc:  # noqa: BLE001 - one variant that does not compile
+            gates[spec] = {"error": f"{type(exc).__name__}: {exc}"[:500], "kept": False}
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        programs[spec] = program if gates[spec].get("kept") else None
+        print(f"{shape} [{spec}]: gate {gates[spec]}", flush=True)
+
+    def timed(spec: str):
+        def run():
+            object.__setattr__(model, "decode_program", programs[spec])
+            return {"ms": step_ms(model, prompt), **step_profile(model, prompt)}
+        return run
+
+    runs = common.interleave({spec: timed(spec) for spec in specs if programs[spec] is not None}, a.reps,
+                             warmup=True)
+    base = common.median([r["ms"] for r in runs[specs[0]]]) if specs[0] in runs else None
+    rows = []
+    for spec in specs:
+        if spec not in runs:
+            rows.append(common.failed("variants", shape, f"[{spec}] {gates[spec]}"))
+            continue
+        ms = [r["ms"] for r in runs[spec]]
+        prof = {k: common.median([r[k] for r in runs[spec]]) for k in runs[spec][0] if k != "ms"}
+        rows.append(common.Row("variants", shape, f"step [{spec}]", "ms", common.median(ms), base,
+                               f"[{specs[0]}]", "", f"{common.spread(ms)}; build/host/device "
+                               + "/".join(f"{v:.2f}" for v in prof.values()) + f"; gate {gates[spec].get('rel_diff', 0):.3g}",
+                               {"ms": ms, "profile_ms": prof, "gate": gates[spec]}))
+    return rows
+
+
 def program_off(program, fn):
     """`fn()` with the model's compiled decode step turned off (its own forward instead)."""
     program.enabled = False
@@ -388,7 +451,49 @@ def _rows_attention(layer, shape: str, n_layers: int) -> list[common.Row]:
     return out
 
 
-KERNEL_GROUPS = ("products", "int8", "rows")  # --kernel-groups: see _kernels
+def _stream_products(layers, products, shape: str, rnd) -> list[common.Row]:
+    """Each one-row product with warps streaming several output units (`units`: stream_units in
+    cuda/fused_decode.cuh), exact and on int8 activations: each variant's check against the
+    reference and its weight-read rate over all layers, against a warp a unit (the default)."""
+    from engine.kernels import fused_cuda as C
+    from engine.kernels import fused_ref as R
+
+    rows = []
+    for label, (attr, ep, norm) in products.items():
+        p = getattr(layers[0], attr)
+        x = rnd(1, 1, p.inputs)
+        res = rnd(1, 1, p.w.shape[0]) if ep == 1 else None
+        nrm = lambda lay: (getattr(lay, norm), lay.eps_in) if norm else None  # noqa: E731
+        nbytes = _weight_bytes(layers, attr)
+        for int8 in (False, True):
+            if int8 and p.bits not in (4, 8):
+                continue
+            fn = C.qdot if int8 else C.matvec
+            ref = R.matvec(x, p.w, p.scales, p.biases, p.bits, p.group_size, ep, res, nrm(layers[0]), int8=int8)
+            got: dict[str, Any] = {}
+            variants = [(None, None, 1)] + [(r, u, n) for r, u in ((1, 2), (2, 2), (4, 2)) for n in (2, 4, 8)]
+            for r, u, n in variants:
+                key = "default" if r is None else f"R{r} U{u} units{n}"
+                try:
+                    one = fn(x, p.w, p.scales, p.biases, p.bits, p.group_size, ep, res, nrm(layers[0]),
+                             rows=r, unroll=u, units=n)
+                    rel = _rel(one, ref)["rel"]
+                    t = _timed_eval(lambda r=r, u=u, n=n: [
+                        fn(x, q.w, q.scales, q.biases, q.bits, q.group_size, ep, res, nrm(lay), rows=r, unroll=u,
+                           units=n) for lay in layers for q in (getattr(lay, attr),)], reps=5)
+                    got[key] = {"gbps": nbytes / t / 1e9, "rel": rel}
+                except Exception as exc:  # noqa: BLE001 - one variant that does not compile
+                    got[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            ok = {k: v for k, v in got.items() if "gbps" in v and v["rel"] < 2e-2}
+            best = max(ok, key=lambda k: ok[k]["gbps"]) if ok else "default"
+            rows.append(common.Row("kernels", shape, f"{label}{' int8' if int8 else ''}: streamed units ({best})",
+                                   "GB/s", ok.get(best, {}).get("gbps", float("nan")),
+                                   got["default"].get("gbps"), "a warp a unit", "",
+                                   f"max rel {max((v['rel'] for v in ok.values()), default=float('nan')):.2e}", got))
+    return rows
+
+
+KERNEL_GROUPS = ("products", "int8", "rows", "stream")  # --kernel-groups: see _kernels
 
 
 # (layer attribute, epilogue, fused norm's weight attribute) of each one-row product
@@ -414,6 +519,8 @@ def _kernels(program, shape: str, sweep: bool = False, groups: tuple[str, ...] =
         rows.extend(_sweep(layers, PRODUCTS, shape, rnd))
     if "int8" in groups and layer.qkv.bits in (4, 8):
         rows.extend(_int8_products(layers, PRODUCTS, shape, rnd))
+    if "stream" in groups and layer.qkv.bits in (4, 8):
+        rows.extend(_stream_products(layers, PRODUCTS, shape, rnd))
     if "rows" in groups:
         if layer.qkv.bits == 4:
             rows.extend(_rows_products(layers, PRODUCTS, shape, rnd))
@@ -753,6 +860,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="kernels: each product at rows/unroll variants")
     ap.add_argument("--kernel-groups", default=",".join(KERNEL_GROUPS),
                     help="kernels: which groups (products, int8, rows), so that each fits a device call")
+    ap.add_argument("--variants", default="default", help="variants: ';'-separated switch settings")
     ap.add_argument("--llama-prompt", type=int, default=4096, help="llama-bench's prompt length")
     ap.add_argument("--llama-work", default="/tmp/llamacpp-gguf", help="where the GGUF files are written")
     ap.add_argument("--streams", default="1,8,32", help="llama-batched-bench's stream counts")
@@ -798,12 +906,12 @@ def main(argv=None) -> int:
         except Exception as exc:
             rows.append(common.failed("build", shape, f"{type(exc).__name__}: {exc}"))
             continue
-        todo = [p for p in ("kernels", "step", "memory") if p in parts and shape in a.shapes.split(",")]
+        todo = [p for p in ("kernels", "variants", "step", "memory") if p in parts and shape in a.shapes.split(",")]
         if "demo" in parts and shape == a.demo_shape:
             todo.append("demo")
         for p in todo:
             try:
-                got = {"kernels": lambda: part_kernels(lm, shape, a),
+                got = {"kernels": lambda: part_kernels(lm, shape, a), "variants": lambda: part_variants(lm, shape, a),
                        "step": lambda: part_step(lm, shape, a, bw), "memory": lambda: part_memory(lm, shape, a),
                        "demo": lambda: part_demo(lm, shape, a)}[p]()
             except Exception as exc:

@@ -86,11 +86,28 @@ class Proj:
         return cols * 32 // self.bits if self.bits in (4, 8) else cols
 
     def __call__(self, k: ModuleType, x: mx.array, epilogue: int = 0, a: mx.array | None = None,
-                 norm: tuple[mx.array, float] | None = None) -> mx.array:
+                 norm: tuple[mx.array, float] | None = None, ahead: tuple = ()) -> mx.array:
         if epilogue == 0 and self.bias is not None:
             epilogue, a = 1, self.bias
         return k.matvec(x, self.w, self.scales, self.biases, self.bits, self.group_size, epilogue, a, norm,
-                        int8=self.int8)
+                        int8=self.int8, ahead=ahead)
+
+    def first_rows(self, budget: int, swiglu: bool = False) -> tuple[tuple[mx.array, int, int], ...]:
+        """Byte ranges of this product's arrays holding the rows its kernel reads first, at most
+        `budget` bytes in all (fused_cuda's `ahead`): the first rows of W, its scales and biases (of
+        each half for SwiGLU: a warp reads a gate row and its up row together)."""
+        arrays = [t for t in (self.w, self.scales, self.biases) if t is not None]
+        total = sum(t.nbytes for t in arrays)
+        if budget <= 0 or total == 0:
+            return ()
+        share = min(1.0, budget / total)
+        out = []
+        for t in arrays:
+            rows, row_bytes = t.shape[0], t.nbytes // t.shape[0]
+            starts = (0, rows // 2) if swiglu else (0,)
+            span = int(rows // len(starts) * share)
+            out += [(t, r0 * row_bytes, span * row_bytes) for r0 in starts if span > 0]
+        return tuple(out)
 
 
 @dataclass
@@ -222,11 +239,15 @@ class DecodeProgram:
         k = self.kernels
         h = self.embed(tokens)
         written = []
+        budget = ahead_bytes()
         for i, layer in enumerate(self.layers):
+            after = self.layers[i + 1].qkv if i + 1 < len(self.layers) else self.head
             qkv = layer.qkv(k, h, norm=(layer.norm_in, layer.eps_in))
-            o, keys, values = k.attention(layer, qkv, pos, kv[2 * i], kv[2 * i + 1])
-            h = layer.o(k, o, 1, h)
-            h = layer.down(k, layer.gate_up(k, h, 2, norm=(layer.norm_post, layer.eps_post)), 1, h)
+            o, keys, values = k.attention(layer, qkv, pos, kv[2 * i], kv[2 * i + 1],
+                                          ahead=layer.o.first_rows(budget))
+            h = layer.o(k, o, 1, h, ahead=layer.gate_up.first_rows(budget, swiglu=True))
+            up = layer.gate_up(k, h, 2, norm=(layer.norm_post, layer.eps_post), ahead=layer.down.first_rows(budget))
+            h = layer.down(k, up, 1, h, ahead=after.first_rows(budget))
             written += [keys, values]
         logits = self.head(k, h, norm=(self.norm, self.eps))
         return (logits,) if self.in_place else (logits, *written)
@@ -337,6 +358,16 @@ def attach(model: nn.Module, kernels: ModuleType | None = None, cap_step: int = 
     model.__class__ = _CLASSES[cls]
     object.__setattr__(model, "decode_program", program)
     return True
+
+
+AHEAD_SWITCH = "MLXCHAT_CUDA_AHEAD"
+
+
+def ahead_bytes() -> int:
+    """How many bytes of the next kernel's weights each kernel of the step prefetches into L2 while
+    it runs (`MLXCHAT_CUDA_AHEAD`, in MB; default 0: none)."""
+    value = os.environ.get(AHEAD_SWITCH, "").strip()
+    return int(float(value) * 2**20) if value.replace(".", "", 1).isdigit() else 0
 
 
 GATE = 0.05  # the most the program's logits may part from the model's own, of the largest logit

@@ -110,6 +110,35 @@ def _kernel(name: str, inputs: list[str], outputs: list[str], source: str) -> An
     return _KERNELS[name]
 
 
+UNITS_SWITCH = "MLXCHAT_CUDA_UNITS"
+STREAM_SHAPE = (2, 2)  # (units a round, words a lane loads) of a streaming warp: two register sets fit
+
+
+def units_per_warp() -> int:
+    """Output units each warp of a one-row product streams (`MLXCHAT_CUDA_UNITS`, default 1: a
+    warp a unit, its loads then its arithmetic; more: the next unit's loads in flight while it
+    computes, over a grid that many times smaller)."""
+    value = os.environ.get(UNITS_SWITCH, "").strip()
+    return max(1, int(value)) if value.isdigit() else 1
+
+
+Ahead = tuple[mx.array, int, int]  # (array, first byte, bytes): a range a kernel prefetches into L2
+
+
+def _ahead(kind: str, names: list[str], arrays: list[mx.array], source: str, template: list[tuple[str, Any]],
+           ahead: tuple[Ahead, ...]) -> tuple[str, list[str], list[mx.array], str, list[tuple[str, Any]]]:
+    """A kernel's name, inputs, source and template with `ahead`'s byte ranges added: each of its
+    threads first prefetches its share of them into L2 (l2_ahead in cuda/fused_decode.cuh), so the
+    weights of the kernel after this one stream from memory while this one runs."""
+    if not ahead:
+        return kind, names, arrays, source, template
+    lines = "".join(f"  l2_ahead(reinterpret_cast<const char*>(l2_{i}) + L2O{i}, L2B{i});\n"
+                    for i in range(len(ahead)))
+    return (f"{kind}_l2{len(ahead)}", names + [f"l2_{i}" for i in range(len(ahead))],
+            arrays + [a for a, _, _ in ahead], lines + source,
+            template + [kv for i, (_, lo, n) in enumerate(ahead) for kv in ((f"L2O{i}", lo), (f"L2B{i}", n))])
+
+
 def rows_per_warp(n: int) -> int:
     """Output units per warp: enough warps to fill the device (~2,048), at most 4 units each."""
     return max(1, min(4, n // 2048))
@@ -129,23 +158,27 @@ def launch_shape(bits: int, k: int, out: int, epilogue: int) -> tuple[int, int]:
 def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array | None,
            bits: int, group_size: int, epilogue: int = 0, a: mx.array | None = None,
            norm: tuple[mx.array, float] | None = None, rows: int | None = None,
-           unroll: int | None = None, prefetch: bool | int = True, int8: bool = False) -> mx.array:
+           unroll: int | None = None, prefetch: bool | int = True, int8: bool = False,
+           units: int | None = None, ahead: tuple[Ahead, ...] = ()) -> mx.array:
     """y = x @ W.T for one row x (any leading shape of size 1, last dim K), W (N, K) dense
     (`bits` 16) or (N, K * bits / 32) packed (4, 8: MLX's affine layout); `epilogue` 1 adds `a`
     (N,), 2 takes SwiGLU of W's halves (N / 2 outputs); `norm` (weight, eps): x RMS-normalised
     first, as mx.fast.rms_norm(x, weight, eps) would. `rows` (output units per warp), `unroll`
     (words a lane loads before it computes) and `prefetch` (the first words loaded before x is
     staged; False: after; 2: before, and each later round's words while the one before is
-    multiplied) override the defaults, for the bench. `int8`: a 4/8-bit W that `q8_fits` takes
-    multiplies int8 activations (`qdot`; the lossy path of `--int8-activations`). Output: x's leading shape,
-    the outputs."""
+    multiplied) override the defaults, for the bench. `units` (default `units_per_warp()`): output
+    units a warp takes in turn, the next one's words loading while the current one's are
+    multiplied (stream_units; 1: a warp a unit). `int8`: a 4/8-bit W that `q8_fits` takes
+    multiplies int8 activations (`qdot`; the lossy path of `--int8-activations`). `ahead`: byte
+    ranges of other arrays to prefetch into L2 (`_ahead`). Output: x's leading shape, the outputs."""
     k, n = x.shape[-1], w.shape[0]
     if int8:  # where the program gives it (q8_fits)
-        return qdot(x, w, scales, biases, bits, group_size, epilogue, a, norm, rows, unroll)
+        return qdot(x, w, scales, biases, bits, group_size, epilogue, a, norm, rows, unroll, units, ahead)
     if rows is None and mma_wanted(bits, group_size, k, x.size // k):
         return qmma4(x, w, scales, biases, group_size, epilogue, a, norm)
     out = n // 2 if epilogue == 2 else n
-    r, u = launch_shape(bits, k, out, epilogue)
+    units = units_per_warp() if units is None else units
+    r, u = launch_shape(bits, k, out, epilogue) if units == 1 else STREAM_SHAPE
     r, unroll = rows or r, unroll or u
     quantized = bits in (4, 8)
     xn = 2 if norm is not None else (1 if k <= MAX_STAGED else 0)
@@ -155,15 +188,19 @@ def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array |
     arrays = [x, w] + ([scales, biases] if quantized else []) + norm_arrays \
         + ([a] if epilogue == 1 else [])
     kind = f"matvec_{'q' if quantized else 'd'}{'_add' if epilogue == 1 else ''}{'_norm' if norm else ''}"
-    kernel = _kernel(kind, names, ["y"], _matvec_source(quantized, epilogue == 1, norm is not None))
     block = WARPS * 32
-    threads = -(-out // r) * 32
+    if units > 1:
+        prefetch = 3
+    threads = -(-out // (r * units)) * 32
+    template = [("T", x.dtype), ("ST", scales.dtype if quantized else x.dtype),
+                ("BITS", bits if quantized else 16), ("GS", group_size if quantized else 8),
+                ("K", k), ("N", n), ("R", r), ("E", epilogue), ("XN", xn), ("U", unroll), ("PF", int(prefetch))]
+    kind, names, arrays, source, template = _ahead(
+        kind, names, arrays, _matvec_source(quantized, epilogue == 1, norm is not None), template, ahead)
+    kernel = _kernel(kind, names, ["y"], source)
     return kernel(
         inputs=arrays,
-        template=[("T", x.dtype), ("ST", scales.dtype if quantized else x.dtype),
-                  ("BITS", bits if quantized else 16), ("GS", group_size if quantized else 8),
-                  ("K", k), ("N", n), ("R", r), ("E", epilogue), ("XN", xn), ("U", unroll),
-                  ("PF", int(prefetch))],
+        template=template,
         grid=(-(-threads // block) * block, 1, 1), threadgroup=(block, 1, 1),
         output_shapes=[(*x.shape[:-1], out)], output_dtypes=[x.dtype])[0]
 
@@ -191,26 +228,32 @@ def q8_fits(bits: int, k: int) -> bool:
 
 def qdot(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int,
          epilogue: int = 0, a: mx.array | None = None, norm: tuple[mx.array, float] | None = None,
-         rows: int | None = None, unroll: int | None = None) -> mx.array:
+         rows: int | None = None, unroll: int | None = None, units: int | None = None,
+         ahead: tuple[Ahead, ...] = ()) -> mx.array:
     """`matvec` on int8 activations (qdot_impl in cuda/fused_decode.cuh): x, normalised first
     where `norm` is given, quantized per 32-element block to two int8 limbs as the CPU kernels'
     int8 path does (fused_ref.int8_product is the same arithmetic in MLX ops), and each 128-bit
     word of W multiplied with them in int32 (dp4a), in blocks of Q8_WARPS warps. `rows` (output
     units per warp, default 2: 4 weight rows for SwiGLU already take ~126 registers, two blocks an
-    SM) and `unroll` (words a lane loads before it computes, default UNROLL; 2 for an 8-bit SwiGLU)
-    override the defaults."""
+    SM), `unroll` (words a lane loads before it computes, default UNROLL; 2 for an 8-bit SwiGLU)
+    and `units` (units a warp streams, as `matvec`'s) override the defaults; `ahead` as `matvec`'s."""
     k, n = x.shape[-1], w.shape[0]
     out = n // 2 if epilogue == 2 else n
+    units = units_per_warp() if units is None else units
     r = rows or 2
-    unroll = unroll or (2 if bits == 8 and epilogue == 2 else UNROLL)  # 147 registers at 4, 79 at 2
+    unroll = unroll or (2 if (bits == 8 and epilogue == 2) or units > 1 else UNROLL)  # 147 registers at 4, 79 at 2
     names, arrays, kind, tail = _quantized_inputs("qdot", x, w, scales, biases, epilogue, a, norm)
-    kernel = _kernel(kind, names, ["y"], f"qdot_impl<T, ST, BITS, GS, K, N, R, E, XN, U, THREADS>({tail});")
     block = Q8_WARPS * 32
-    threads = -(-out // r) * 32
+    threads = -(-out // (r * units)) * 32
+    template = [("T", x.dtype), ("ST", scales.dtype), ("BITS", bits), ("GS", group_size), ("K", k), ("N", n),
+                ("R", r), ("E", epilogue), ("XN", 2 if norm else 1), ("U", unroll), ("THREADS", block),
+                ("PF", 3 if units > 1 else 1)]
+    kind, names, arrays, source, template = _ahead(
+        kind, names, arrays, f"qdot_impl<T, ST, BITS, GS, K, N, R, E, XN, U, THREADS, PF>({tail});", template, ahead)
+    kernel = _kernel(kind, names, ["y"], source)
     return kernel(
         inputs=arrays,
-        template=[("T", x.dtype), ("ST", scales.dtype), ("BITS", bits), ("GS", group_size), ("K", k), ("N", n),
-                  ("R", r), ("E", epilogue), ("XN", 2 if norm else 1), ("U", unroll), ("THREADS", block)],
+        template=template,
         grid=(-(-threads // block) * block, 1, 1), threadgroup=(block, 1, 1),
         output_shapes=[(*x.shape[:-1], out)], output_dtypes=[x.dtype])[0]
 
@@ -300,14 +343,14 @@ def keys_at_once(head_dim: int, group: int) -> int:
 
 
 def attention(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: mx.array,
-              split: int | None = None) -> tuple[mx.array, mx.array, mx.array]:
+              split: int | None = None, ahead: tuple[Ahead, ...] = ()) -> tuple[mx.array, mx.array, mx.array]:
     """One kernel for a decode step's attention from the stacked q/k/v row `qkv` (1, 1, ...):
     the layer's q/k norms and RoPE at `pos` (1,) int32, the new key and value written into
     `keys`/`values` (1, kv_heads, cap, head_dim) at `pos` in place, attention over the first
     `pos + 1` positions. Returns (out (1, 1, heads * head_dim), keys, values), the buffers
     themselves. `layer`: engine/kernels/decode_step.py's Layer (shapes, norm weights, `inv_freq`,
     `params` = (q/k norm eps, RoPE position scale, attention scale), `counters`). `split`
-    overrides the split count (`splits`), for the bench."""
+    overrides the split count (`splits`), for the bench; `ahead` as `matvec`'s."""
     heads, kv, dim = layer.heads, layer.kv_heads, layer.head_dim
     cap = keys.shape[2]
     s = split or splits(kv, cap)
@@ -316,13 +359,16 @@ def attention(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: 
     # dtype): the layer's input norm weight stands in
     qn = layer.q_norm.weight if norm else layer.norm_in
     kn = layer.k_norm.weight if norm else layer.norm_in
-    kernel = _kernel("attention", ["qkv", "qn", "kn", "invf", "fp", "pos", "kc", "vc", "cnt"],
-                     ["pm", "pl", "pa", "y"], _ATTENTION)
+    kind, names, arrays, source, template = _ahead(
+        "attention", ["qkv", "qn", "kn", "invf", "fp", "pos", "kc", "vc", "cnt"],
+        [qkv, qn, kn, layer.inv_freq, layer.params, pos, keys, values, layer.counters], _ATTENTION,
+        [("T", qkv.dtype), ("D", dim), ("G", heads // kv), ("HKV", kv), ("ROT", layer.rotated),
+         ("TRAD", layer.traditional), ("NORM", norm), ("CAP", cap), ("S", s), ("KU", keys_at_once(dim, heads // kv))],
+        ahead)
+    kernel = _kernel(kind, names, ["pm", "pl", "pa", "y"], source)
     out = kernel(
-        inputs=[qkv, qn, kn, layer.inv_freq, layer.params, pos, keys, values, layer.counters],
-        template=[("T", qkv.dtype), ("D", dim), ("G", heads // kv), ("HKV", kv), ("ROT", layer.rotated),
-                  ("TRAD", layer.traditional), ("NORM", norm), ("CAP", cap), ("S", s),
-                  ("KU", keys_at_once(dim, heads // kv))],
+        inputs=arrays,
+        template=template,
         grid=(s * WARPS * 32, kv, 1), threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(heads * s,), (heads * s,), (heads * s * dim,), (1, 1, heads * dim)],
         output_dtypes=[mx.float32, mx.float32, mx.float32, qkv.dtype])

@@ -21,7 +21,7 @@ Q8_LEVELS = 16192.0  # v's largest magnitude on the int8 path (kQ8Levels, engine
 
 def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array | None,
            bits: int, group_size: int, epilogue: int = 0, a: mx.array | None = None,
-           norm: tuple[mx.array, float] | None = None, int8: bool = False) -> mx.array:
+           norm: tuple[mx.array, float] | None = None, int8: bool = False, ahead: tuple = ()) -> mx.array:
     if norm is not None:
         x = mx.fast.rms_norm(x, norm[0], norm[1])
     if int8 and bits in (4, 8):  # where the program gives it (fused_cuda.q8_fits)
@@ -57,8 +57,9 @@ def int8_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, g
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-def attention(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: mx.array
-              ) -> tuple[mx.array, mx.array, mx.array]:
+def attention(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: mx.array,
+              ahead: tuple = ()) -> tuple[mx.array, mx.array, mx.array]:
+    # `ahead` (fused_cuda's L2 prefetch of the next kernel's weights) has nothing to do here
     q, keys, values = rope_write(layer, qkv, pos, keys, values)
     return attend(layer, q, keys, values, pos), keys, values
 
