@@ -49,6 +49,7 @@ import numpy as np
 WARPS = 4  # warps per block of matvec and attend
 UNROLL = 4  # 128-bit words of a row a lane loads before it computes
 MAX_SPLITS = 64  # blocks a kv head's keys are cut into, at most
+SPLIT_KEYS = 32  # keys a split of the one-row attention takes at least (fewer splits at short contexts)
 ATTENTION_BLOCKS = 256  # an attention's blocks (splits x kv heads x rows) aimed at: ~2 per SM
 MAX_GROUP_DIMS = 2048  # query heads per kv head x head dim: the attention's shared memory
 IN_PLACE = True  # `attention` writes the cache buffers it is given
@@ -75,7 +76,7 @@ def _matvec_source(quantized: bool, add: bool, norm: bool) -> str:
 # cache buffers: the new key and value written in place), cnt (HKV int32 counters, zero between
 # launches). Outputs: per (head, split) the largest score pm, the sum of exp(score - pm) pl and
 # the values weighted by it pa; y (HQ * D), the attention's output.
-_ATTENTION = ("attention_impl<T, D, G, HKV, ROT, TRAD, NORM, CAP, S, KU, WARPS>"
+_ATTENTION = ("attention_impl<T, D, G, HKV, ROT, TRAD, NORM, CAP, S, KU, WARPS, MK>"
               "(qkv, qn, kn, invf, fp, pos, kc, vc, cnt, pm, pl, pa, y);")
 
 DEVICE_CODE = Path(__file__).parent / "cuda" / "fused_decode.cuh"
@@ -336,6 +337,13 @@ def splits(groups: int, cap: int) -> int:
     return 1 << (most.bit_length() - 1)
 
 
+def keys_a_split() -> int:
+    """Keys a split of the one-row attention takes at least: `MLXCHAT_CUDA_SPLIT_KEYS`, default
+    SPLIT_KEYS (1: every split has keys from S positions on, as before the setting)."""
+    value = os.environ.get("MLXCHAT_CUDA_SPLIT_KEYS", "").strip()
+    return max(1, int(value)) if value.isdigit() else SPLIT_KEYS
+
+
 def keys_at_once(head_dim: int, group: int) -> int:
     """Keys a warp loads before it scores them (their loads in flight together): 4, or 2 where
     the group's queries and sums take many registers."""
@@ -343,14 +351,16 @@ def keys_at_once(head_dim: int, group: int) -> int:
 
 
 def attention(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: mx.array,
-              split: int | None = None, ahead: tuple[Ahead, ...] = ()) -> tuple[mx.array, mx.array, mx.array]:
+              split: int | None = None, ahead: tuple[Ahead, ...] = (),
+              split_keys: int | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """One kernel for a decode step's attention from the stacked q/k/v row `qkv` (1, 1, ...):
     the layer's q/k norms and RoPE at `pos` (1,) int32, the new key and value written into
     `keys`/`values` (1, kv_heads, cap, head_dim) at `pos` in place, attention over the first
     `pos + 1` positions. Returns (out (1, 1, heads * head_dim), keys, values), the buffers
     themselves. `layer`: engine/kernels/decode_step.py's Layer (shapes, norm weights, `inv_freq`,
     `params` = (q/k norm eps, RoPE position scale, attention scale), `counters`). `split`
-    overrides the split count (`splits`), for the bench; `ahead` as `matvec`'s."""
+    overrides the split count (`splits`) and `split_keys` SPLIT_KEYS, for the bench; `ahead` as
+    `matvec`'s."""
     heads, kv, dim = layer.heads, layer.kv_heads, layer.head_dim
     cap = keys.shape[2]
     s = split or splits(kv, cap)
@@ -363,7 +373,8 @@ def attention(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: 
         "attention", ["qkv", "qn", "kn", "invf", "fp", "pos", "kc", "vc", "cnt"],
         [qkv, qn, kn, layer.inv_freq, layer.params, pos, keys, values, layer.counters], _ATTENTION,
         [("T", qkv.dtype), ("D", dim), ("G", heads // kv), ("HKV", kv), ("ROT", layer.rotated),
-         ("TRAD", layer.traditional), ("NORM", norm), ("CAP", cap), ("S", s), ("KU", keys_at_once(dim, heads // kv))],
+         ("TRAD", layer.traditional), ("NORM", norm), ("CAP", cap), ("S", s), ("KU", keys_at_once(dim, heads // kv)),
+         ("MK", split_keys or keys_a_split())],
         ahead)
     kernel = _kernel(kind, names, ["pm", "pl", "pa", "y"], source)
     out = kernel(

@@ -810,24 +810,25 @@ __device__ __forceinline__ void rotate_write_attend(const T* q, const T* k, cons
 }
 
 template <typename T, int G, int D, int S, int WARPS>
-__device__ __forceinline__ void combine_group(const float* pm, const float* pl, const float* pa, int h0, T* y) {
-  // The S split partials of heads h0 .. h0 + G - 1 added up by one block (add_splits' sum, in
-  // another order): each split's weight exp(pm - M) / sum(pl exp(pm - M)) first, every pm and pl
-  // loaded at once, then each output element's S values of pa, also loaded together (a thread
-  // walking the splits in turn for its elements waited on L2 some 8 times an element).
-  // __ldcg: other blocks wrote them (L2, not this SM's L1).
+__device__ __forceinline__ void combine_group(const float* pm, const float* pl, const float* pa, int h0, T* y,
+                                              int act) {
+  // The first `act` (of S) split partials of heads h0 .. h0 + G - 1 added up by one block
+  // (add_splits' sum, in another order): each split's weight exp(pm - M) / sum(pl exp(pm - M))
+  // first, every pm and pl loaded at once, then each output element's values of pa, also loaded
+  // together (a thread walking the splits in turn for its elements waited on L2 some 8 times an
+  // element). __ldcg: other blocks wrote them (L2, not this SM's L1).
   __shared__ float wt[G][S];
   __shared__ float inv[G];
-  for (int i = threadIdx.x; i < G * S; i += WARPS * 32) wt[i / S][i % S] = __ldcg(pm + (size_t)h0 * S + i);
+  for (int i = threadIdx.x; i < G * S; i += WARPS * 32) {
+    if (i % S < act) wt[i / S][i % S] = __ldcg(pm + (size_t)h0 * S + i);
+  }
   __syncthreads();
   if (threadIdx.x < G) {
     const int g = threadIdx.x;
     float M = -INFINITY;
-    #pragma unroll
-    for (int s = 0; s < S; ++s) M = fmaxf(M, wt[g][s]);
+    for (int s = 0; s < act; ++s) M = fmaxf(M, wt[g][s]);
     float ls = 0.f;
-    #pragma unroll
-    for (int s = 0; s < S; ++s) {
+    for (int s = 0; s < act; ++s) {
       const float e = wt[g][s] == -INFINITY ? 0.f : expf(wt[g][s] - M);
       ls += __ldcg(pl + (size_t)(h0 + g) * S + s) * e;
       wt[g][s] = e;
@@ -839,26 +840,31 @@ __device__ __forceinline__ void combine_group(const float* pm, const float* pl, 
     const int g = i / D, d = i % D;
     const float* p = pa + (size_t)(h0 + g) * S * D + d;
     float a = 0.f;
-    #pragma unroll
-    for (int s = 0; s < S; ++s) a = fmaf(__ldcg(p + (size_t)s * D), wt[g][s], a);
+    #pragma unroll 8
+    for (int s = 0; s < act; ++s) a = fmaf(__ldcg(p + (size_t)s * D), wt[g][s], a);
     y[(h0 + g) * D + d] = static_cast<T>(a * inv[g]);
   }
 }
 
-template <typename T, int D, int G, int HKV, int ROT, bool TRAD, bool NORM, int CAP, int S, int KU, int WARPS>
+template <typename T, int D, int G, int HKV, int ROT, bool TRAD, bool NORM, int CAP, int S, int KU, int WARPS,
+          int MK = 1>
 __device__ __forceinline__ void attention_impl(const T* qkv, const T* qn, const T* kn, const float* invf,
                                                const float* fp, const int32_t* pos, const T* kc,
                                                const T* vc, const int32_t* cnt, float* pm, float* pl,
                                                float* pa, T* y) {
   // Grid (S blocks, HKV): block (split, j) takes kv head j's G query heads over its split of the
-  // p + 1 positions (an equal share, ceil((p + 1) / S) keys, so every block has work at any
-  // length); its WARPS warps take keys start + warp, + WARPS, ..., KU at a time (the KU keys'
-  // loads issued before any is used, and one softmax update for the KU scores).
+  // p + 1 positions. Of the S splits, the first act = min(S, ceil((p + 1) / MK)) take an equal
+  // share each (ceil((p + 1) / act) keys: every block has work at any length, at least MK keys
+  // where there are that many) and the rest end at once, so a short context is added up from a
+  // few splits, not S; its WARPS warps take keys start + warp, + WARPS, ..., KU at a time (the KU
+  // keys' loads issued before any is used, and one softmax update for the KU scores).
   constexpr int HQ = HKV * G;
   constexpr int DPL = D / 32;
   const int split = blockIdx.x, j = blockIdx.y;
   const int p = pos[0];
-  const int ch = (p + S) / S;  // ceil((p + 1) / S)
+  const int act = min(S, (p + MK) / MK);  // ceil((p + 1) / MK)
+  if (split >= act) return;  // the whole block (the new column p lies in a split < act)
+  const int ch = (p + act) / act;  // ceil((p + 1) / act)
   const int start = split * ch, end = min(start + ch, p + 1);
   __shared__ int last;
   float m[G], l[G], acc[G][DPL];
@@ -878,11 +884,11 @@ __device__ __forceinline__ void attention_impl(const T* qkv, const T* qn, const 
   // each block's partials released before its count, acquired by the last block after it
   fence_acq_rel();
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(const_cast<int*>(cnt) + j, 1) == S - 1;
+  if (threadIdx.x == 0) last = atomicAdd(const_cast<int*>(cnt) + j, 1) == act - 1;
   __syncthreads();
   if (!last) return;
   fence_acq_rel();
-  combine_group<T, G, D, S, WARPS>(pm, pl, pa, j * G, y);
+  combine_group<T, G, D, S, WARPS>(pm, pl, pa, j * G, y, act);
   if (threadIdx.x == 0) const_cast<int*>(cnt)[j] = 0;
 }
 
