@@ -210,8 +210,9 @@ def part_step(lm, shape: str, a, bw: float | None) -> list[common.Row]:
 
 
 def part_variants(lm, shape: str, a) -> list[common.Row]:
-    """The compiled step under each of `--variants` (";"-separated; each "default" or space-separated
-    KEY=VALUE settings of the kernels' switches, "int8" for int8 activations), built in turn on the
+    """The compiled step under each of `--variants` (";"-separated; each "default", "off" (the
+    model's own forward) or space-separated KEY=VALUE settings of the kernels' switches, "int8" for
+    int8 activations), built in turn on the
     same model in this process: each program's gate against the model's own forward, then its
     synchronous step time and where a step goes (build / host / device ms), the variants
     interleaved over `--reps` rounds. Cheaper than `step` per variant (no mlx-lm, no service)."""
@@ -233,6 +234,9 @@ def part_variants(lm, shape: str, a) -> list[common.Row]:
 
     programs, gates = {}, {}
     for spec in specs:
+        if spec == "off":
+            programs[spec], gates[spec] = "off", {"kept": True}
+            continue
         env, int8 = settings(spec)
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
@@ -251,6 +255,9 @@ def part_variants(lm, shape: str, a) -> list[common.Row]:
 
     def timed(spec: str):
         def run():
+            if programs[spec] == "off":
+                return program_off(model.decode_program, lambda: {"ms": step_ms(model, prompt),
+                                                                  **step_profile(model, prompt)})
             object.__setattr__(model, "decode_program", programs[spec])
             return {"ms": step_ms(model, prompt), **step_profile(model, prompt)}
         return run
