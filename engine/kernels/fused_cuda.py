@@ -49,7 +49,7 @@ import numpy as np
 WARPS = 4  # warps per block of matvec and attend
 UNROLL = 4  # 128-bit words of a row a lane loads before it computes
 MAX_SPLITS = 64  # blocks a kv head's keys are cut into, at most
-SPLIT_KEYS = 32  # keys a split of the one-row attention takes at least (fewer splits at short contexts)
+SPLIT_KEYS = 0  # keys a split of the one-row attention takes at least (fewer splits at short contexts; 0: S)
 ATTENTION_BLOCKS = 256  # an attention's blocks (splits x kv heads x rows) aimed at: ~2 per SM
 MAX_GROUP_DIMS = 2048  # query heads per kv head x head dim: the attention's shared memory
 IN_PLACE = True  # `attention` writes the cache buffers it is given
@@ -338,10 +338,11 @@ def splits(groups: int, cap: int) -> int:
 
 
 def keys_a_split() -> int:
-    """Keys a split of the one-row attention takes at least: `MLXCHAT_CUDA_SPLIT_KEYS`, default
-    SPLIT_KEYS (1: every split has keys from S positions on, as before the setting)."""
+    """Keys a split of the one-row attention takes at least, so that a short context runs fewer
+    splits: `MLXCHAT_CUDA_SPLIT_KEYS`, default SPLIT_KEYS (0: every one of the S splits runs, an
+    equal share of the keys each, empty where there are fewer keys than splits)."""
     value = os.environ.get("MLXCHAT_CUDA_SPLIT_KEYS", "").strip()
-    return max(1, int(value)) if value.isdigit() else SPLIT_KEYS
+    return int(value) if value.isdigit() else SPLIT_KEYS
 
 
 def keys_at_once(head_dim: int, group: int) -> int:
@@ -374,7 +375,7 @@ def attention(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: 
         [qkv, qn, kn, layer.inv_freq, layer.params, pos, keys, values, layer.counters], _ATTENTION,
         [("T", qkv.dtype), ("D", dim), ("G", heads // kv), ("HKV", kv), ("ROT", layer.rotated),
          ("TRAD", layer.traditional), ("NORM", norm), ("CAP", cap), ("S", s), ("KU", keys_at_once(dim, heads // kv)),
-         ("MK", split_keys or keys_a_split())],
+         ("MK", keys_a_split() if split_keys is None else split_keys)],
         ahead)
     kernel = _kernel(kind, names, ["pm", "pl", "pa", "y"], source)
     out = kernel(

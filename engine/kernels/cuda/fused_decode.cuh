@@ -847,22 +847,22 @@ __device__ __forceinline__ void combine_group(const float* pm, const float* pl, 
 }
 
 template <typename T, int D, int G, int HKV, int ROT, bool TRAD, bool NORM, int CAP, int S, int KU, int WARPS,
-          int MK = 1>
+          int MK = 0>
 __device__ __forceinline__ void attention_impl(const T* qkv, const T* qn, const T* kn, const float* invf,
                                                const float* fp, const int32_t* pos, const T* kc,
                                                const T* vc, const int32_t* cnt, float* pm, float* pl,
                                                float* pa, T* y) {
   // Grid (S blocks, HKV): block (split, j) takes kv head j's G query heads over its split of the
-  // p + 1 positions. Of the S splits, the first act = min(S, ceil((p + 1) / MK)) take an equal
-  // share each (ceil((p + 1) / act) keys: every block has work at any length, at least MK keys
-  // where there are that many) and the rest end at once, so a short context is added up from a
-  // few splits, not S; its WARPS warps take keys start + warp, + WARPS, ..., KU at a time (the KU
+  // p + 1 positions. Of the S splits, the first act = min(S, ceil((p + 1) / MK)) (MK 0: all S)
+  // take an equal share each (ceil((p + 1) / act) keys: every block has work at any length, at
+  // least MK keys where there are that many) and the rest end at once, so a short context is
+  // added up from a few splits, not S; its WARPS warps take keys start + warp, + WARPS, ..., KU at a time (the KU
   // keys' loads issued before any is used, and one softmax update for the KU scores).
   constexpr int HQ = HKV * G;
   constexpr int DPL = D / 32;
   const int split = blockIdx.x, j = blockIdx.y;
   const int p = pos[0];
-  const int act = min(S, (p + MK) / MK);  // ceil((p + 1) / MK)
+  const int act = MK == 0 ? S : min(S, (p + MK) / MK);  // ceil((p + 1) / MK)
   if (split >= act) return;  // the whole block (the new column p lies in a split < act)
   const int ch = (p + act) / act;  // ceil((p + 1) / act)
   const int start = split * ch, end = min(start + ch, p + 1);
