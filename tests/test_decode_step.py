@@ -119,6 +119,28 @@ def test_cuda_kernels_take_16_bit_models_with_their_head_dims():
     assert decode_step.DecodeProgram.build(narrow, fused_ref) is not None
 
 
+def test_the_next_kernels_first_rows_are_what_it_prefetches(monkeypatch):
+    """`MLXCHAT_CUDA_AHEAD` (MB) sets how much of the next product each kernel prefetches into L2:
+    whole rows of W, its scales and biases, from the start (of each half for SwiGLU, whose warps
+    read a gate row and its up row together); the same program gives the same tokens with it on
+    (on the CPU nothing is prefetched: the ranges are only handed to the kernels)."""
+    _, fused = models("llama-4bit")
+    layer = fused.decode_program.layers[0]
+    p = layer.gate_up
+    arrays = [p.w, p.scales, p.biases]
+    whole = p.first_rows(sum(a.nbytes for a in arrays), swiglu=True)
+    assert [(lo, n) for _, lo, n in whole] == [(lo, a.nbytes // 2) for a in arrays for lo in (0, a.nbytes // 2)]
+    half = p.first_rows(sum(a.nbytes for a in arrays) // 2)
+    rows = p.w.shape[0] // 2
+    assert [(a is b, lo, n) for (a, lo, n), b in zip(half, arrays)] == [
+        (True, 0, rows * b.nbytes // p.w.shape[0]) for b in arrays]
+    assert p.first_rows(0) == ()
+    monkeypatch.setenv(decode_step.AHEAD_SWITCH, "0.5")
+    assert decode_step.ahead_bytes() == 2**19
+    plain, ahead = models("llama-4bit")
+    assert greedy(ahead, 6) == greedy(plain, 6)
+
+
 @pytest.mark.parametrize("switch, attached", [("", {4}), ("1", {None, 4, 8}), ("0", set())])
 def test_the_program_attaches_by_default_at_the_precisions_it_measured_faster(monkeypatch, switch, attached):
     """With MLXCHAT_CUDA_DECODE unset, the loader attaches the program to models of the precisions
