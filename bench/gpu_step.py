@@ -251,7 +251,7 @@ def part_variants(lm, shape: str, a) -> list[common.Row]:
             for k, v in saved.items():
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         programs[spec] = program if gates[spec].get("kept") else None
-        print(f"{shape} [{spec}]: gate {gates[spec]}", flush=True)
+        print(f"{shape} ({spec}): gate {gates[spec]}", flush=True)
 
     def timed(spec: str):
         def run():
@@ -268,12 +268,12 @@ def part_variants(lm, shape: str, a) -> list[common.Row]:
     rows = []
     for spec in specs:
         if spec not in runs:
-            rows.append(common.failed("variants", shape, f"[{spec}] {gates[spec]}"))
+            rows.append(common.failed("variants", shape, f"({spec}) {gates[spec]}"))
             continue
         ms = [r["ms"] for r in runs[spec]]
         prof = {k: common.median([r[k] for r in runs[spec]]) for k in runs[spec][0] if k != "ms"}
-        rows.append(common.Row("variants", shape, f"step [{spec}]", "ms", common.median(ms), base,
-                               f"[{specs[0]}]", "", f"{common.spread(ms)}; build/host/device "
+        rows.append(common.Row("variants", shape, f"step ({spec})", "ms", common.median(ms), base,
+                               f"({specs[0]})", "", f"{common.spread(ms)}; build/host/device "
                                + "/".join(f"{v:.2f}" for v in prof.values()) + f"; gate {gates[spec].get('rel_diff', 0):.3g}",
                                {"ms": ms, "profile_ms": prof, "gate": gates[spec]}))
     return rows

@@ -47,11 +47,12 @@ log = logging.getLogger(__name__)
 
 SWITCH = "MLXCHAT_CUDA_DECODE"
 # The precisions (bits of the decoder's products) whose models take the program with the switch
-# unset: where it measured faster than the model's own forward through the engine (H100,
-# 2026-12-07, bench.gpu_step --parts step: 4-bit 177 tok/s against mlx-lm's 171; 8-bit 177
-# against 185 and bf16 135 against 152, its attention kernel's fixed cost: docs/gpu.md).
+# unset: where it measured faster than the model's own forward through the engine
+# (bench.gpu_step --parts step on H100s of 2026-12-07: 4-bit 203 tok/s against mlx-lm's 137;
+# 8-bit 198 against the model's own forward's 145 on the GPU layout (185 the best it gave on any
+# card); bf16 144 against 137, within the cards' spread, so not yet: docs/gpu.md).
 # `MLXCHAT_CUDA_DECODE=1` attaches it at every precision.
-DEFAULT_BITS = (4,)
+DEFAULT_BITS = (4, 8)
 CAP_STEP = 1024  # the cache buffers grow by this many positions; the graph is traced per length
 MODELS = (llama.Model, qwen2.Model, qwen3.Model)
 
