@@ -118,7 +118,7 @@ def _launch_all() -> None:
         program._forward(mx.array([[3]]), mx.array([5], dtype=mx.int32), *kv)
         q = program.layers[0].o
         for variant in ({"prefetch": False}, {"prefetch": 2}, {"rows": 1, "unroll": 8},  # the bench's sweep
-                        {"units": 2, "ahead": ((q.w, 0, 4096),)}):  # streamed units, an L2 prefetch
+                        {"ahead": ((q.w, 0, 4096),)}):  # an L2 prefetch
             fused_cuda.matvec(mx.zeros((1, 1, q.inputs), dtype), q.w, q.scales, q.biases, q.bits,
                               q.group_size, 1, mx.zeros((q.w.shape[0],), dtype), **variant)
         fused_cuda.attention(layer, mx.zeros((1, 1, layer.qkv.w.shape[0]), dtype), mx.array([5], dtype=mx.int32),
@@ -129,8 +129,6 @@ def _launch_all() -> None:
             q = int8.layers[0].gate_up
             fused_cuda.qdot(mx.zeros((1, 1, q.inputs), dtype), q.w, q.scales, q.biases, q.bits, q.group_size, 2,
                             norm=(int8.layers[0].norm_post, 1e-5), rows=1, unroll=8)  # the bench's sweep
-            fused_cuda.qdot(mx.zeros((1, 1, q.inputs), dtype), q.w, q.scales, q.biases, q.bits, q.group_size, 2,
-                            norm=(int8.layers[0].norm_post, 1e-5), units=2)  # streamed units
         if bits == 4:  # the tensor-core variant (MLXCHAT_CUDA_MV=mma)
             q = program.layers[0].gate_up
             fused_cuda.qmma4(mx.zeros((1, 1, q.inputs), dtype), q.w, q.scales, q.biases, q.group_size, 2,

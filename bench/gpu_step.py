@@ -458,49 +458,7 @@ def _rows_attention(layer, shape: str, n_layers: int) -> list[common.Row]:
     return out
 
 
-def _stream_products(layers, products, shape: str, rnd) -> list[common.Row]:
-    """Each one-row product with warps streaming several output units (`units`: stream_units in
-    cuda/fused_decode.cuh), exact and on int8 activations: each variant's check against the
-    reference and its weight-read rate over all layers, against a warp a unit (the default)."""
-    from engine.kernels import fused_cuda as C
-    from engine.kernels import fused_ref as R
-
-    rows = []
-    for label, (attr, ep, norm) in products.items():
-        p = getattr(layers[0], attr)
-        x = rnd(1, 1, p.inputs)
-        res = rnd(1, 1, p.w.shape[0]) if ep == 1 else None
-        nrm = lambda lay: (getattr(lay, norm), lay.eps_in) if norm else None  # noqa: E731
-        nbytes = _weight_bytes(layers, attr)
-        for int8 in (False, True):
-            if int8 and p.bits not in (4, 8):
-                continue
-            fn = C.qdot if int8 else C.matvec
-            ref = R.matvec(x, p.w, p.scales, p.biases, p.bits, p.group_size, ep, res, nrm(layers[0]), int8=int8)
-            got: dict[str, Any] = {}
-            variants = [(None, None, 1)] + [(r, u, n) for r, u in ((1, 2), (2, 2), (4, 2)) for n in (2, 4, 8)]
-            for r, u, n in variants:
-                key = "default" if r is None else f"R{r} U{u} units{n}"
-                try:
-                    one = fn(x, p.w, p.scales, p.biases, p.bits, p.group_size, ep, res, nrm(layers[0]),
-                             rows=r, unroll=u, units=n)
-                    rel = _rel(one, ref)["rel"]
-                    t = _timed_eval(lambda r=r, u=u, n=n: [
-                        fn(x, q.w, q.scales, q.biases, q.bits, q.group_size, ep, res, nrm(lay), rows=r, unroll=u,
-                           units=n) for lay in layers for q in (getattr(lay, attr),)], reps=5)
-                    got[key] = {"gbps": nbytes / t / 1e9, "rel": rel}
-                except Exception as exc:  # noqa: BLE001 - one variant that does not compile
-                    got[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-            ok = {k: v for k, v in got.items() if "gbps" in v and v["rel"] < 2e-2}
-            best = max(ok, key=lambda k: ok[k]["gbps"]) if ok else "default"
-            rows.append(common.Row("kernels", shape, f"{label}{' int8' if int8 else ''}: streamed units ({best})",
-                                   "GB/s", ok.get(best, {}).get("gbps", float("nan")),
-                                   got["default"].get("gbps"), "a warp a unit", "",
-                                   f"max rel {max((v['rel'] for v in ok.values()), default=float('nan')):.2e}", got))
-    return rows
-
-
-KERNEL_GROUPS = ("products", "int8", "rows", "stream")  # --kernel-groups: see _kernels
+KERNEL_GROUPS = ("products", "int8", "rows")  # --kernel-groups: see _kernels
 
 
 # (layer attribute, epilogue, fused norm's weight attribute) of each one-row product
@@ -526,8 +484,6 @@ def _kernels(program, shape: str, sweep: bool = False, groups: tuple[str, ...] =
         rows.extend(_sweep(layers, PRODUCTS, shape, rnd))
     if "int8" in groups and layer.qkv.bits in (4, 8):
         rows.extend(_int8_products(layers, PRODUCTS, shape, rnd))
-    if "stream" in groups and layer.qkv.bits in (4, 8):
-        rows.extend(_stream_products(layers, PRODUCTS, shape, rnd))
     if "rows" in groups:
         if layer.qkv.bits == 4:
             rows.extend(_rows_products(layers, PRODUCTS, shape, rnd))

@@ -111,18 +111,6 @@ def _kernel(name: str, inputs: list[str], outputs: list[str], source: str) -> An
     return _KERNELS[name]
 
 
-UNITS_SWITCH = "MLXCHAT_CUDA_UNITS"
-STREAM_SHAPE = (2, 2)  # (units a round, words a lane loads) of a streaming warp: two register sets fit
-
-
-def units_per_warp() -> int:
-    """Output units each warp of a one-row product streams (`MLXCHAT_CUDA_UNITS`, default 1: a
-    warp a unit, its loads then its arithmetic; more: the next unit's loads in flight while it
-    computes, over a grid that many times smaller)."""
-    value = os.environ.get(UNITS_SWITCH, "").strip()
-    return max(1, int(value)) if value.isdigit() else 1
-
-
 Ahead = tuple[mx.array, int, int]  # (array, first byte, bytes): a range a kernel prefetches into L2
 
 
@@ -160,26 +148,23 @@ def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array |
            bits: int, group_size: int, epilogue: int = 0, a: mx.array | None = None,
            norm: tuple[mx.array, float] | None = None, rows: int | None = None,
            unroll: int | None = None, prefetch: bool | int = True, int8: bool = False,
-           units: int | None = None, ahead: tuple[Ahead, ...] = ()) -> mx.array:
+           ahead: tuple[Ahead, ...] = ()) -> mx.array:
     """y = x @ W.T for one row x (any leading shape of size 1, last dim K), W (N, K) dense
     (`bits` 16) or (N, K * bits / 32) packed (4, 8: MLX's affine layout); `epilogue` 1 adds `a`
     (N,), 2 takes SwiGLU of W's halves (N / 2 outputs); `norm` (weight, eps): x RMS-normalised
     first, as mx.fast.rms_norm(x, weight, eps) would. `rows` (output units per warp), `unroll`
     (words a lane loads before it computes) and `prefetch` (the first words loaded before x is
     staged; False: after; 2: before, and each later round's words while the one before is
-    multiplied) override the defaults, for the bench. `units` (default `units_per_warp()`): output
-    units a warp takes in turn, the next one's words loading while the current one's are
-    multiplied (stream_units; 1: a warp a unit). `int8`: a 4/8-bit W that `q8_fits` takes
+    multiplied) override the defaults, for the bench. `int8`: a 4/8-bit W that `q8_fits` takes
     multiplies int8 activations (`qdot`; the lossy path of `--int8-activations`). `ahead`: byte
     ranges of other arrays to prefetch into L2 (`_ahead`). Output: x's leading shape, the outputs."""
     k, n = x.shape[-1], w.shape[0]
     if int8:  # where the program gives it (q8_fits)
-        return qdot(x, w, scales, biases, bits, group_size, epilogue, a, norm, rows, unroll, units, ahead)
+        return qdot(x, w, scales, biases, bits, group_size, epilogue, a, norm, rows, unroll, ahead)
     if rows is None and mma_wanted(bits, group_size, k, x.size // k):
         return qmma4(x, w, scales, biases, group_size, epilogue, a, norm)
     out = n // 2 if epilogue == 2 else n
-    units = units_per_warp() if units is None else units
-    r, u = launch_shape(bits, k, out, epilogue) if units == 1 else STREAM_SHAPE
+    r, u = launch_shape(bits, k, out, epilogue)
     r, unroll = rows or r, unroll or u
     quantized = bits in (4, 8)
     xn = 2 if norm is not None else (1 if k <= MAX_STAGED else 0)
@@ -190,9 +175,7 @@ def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array |
         + ([a] if epilogue == 1 else [])
     kind = f"matvec_{'q' if quantized else 'd'}{'_add' if epilogue == 1 else ''}{'_norm' if norm else ''}"
     block = WARPS * 32
-    if units > 1:
-        prefetch = 3
-    threads = -(-out // (r * units)) * 32
+    threads = -(-out // r) * 32
     template = [("T", x.dtype), ("ST", scales.dtype if quantized else x.dtype),
                 ("BITS", bits if quantized else 16), ("GS", group_size if quantized else 8),
                 ("K", k), ("N", n), ("R", r), ("E", epilogue), ("XN", xn), ("U", unroll), ("PF", int(prefetch))]
@@ -229,28 +212,25 @@ def q8_fits(bits: int, k: int) -> bool:
 
 def qdot(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int,
          epilogue: int = 0, a: mx.array | None = None, norm: tuple[mx.array, float] | None = None,
-         rows: int | None = None, unroll: int | None = None, units: int | None = None,
-         ahead: tuple[Ahead, ...] = ()) -> mx.array:
+         rows: int | None = None, unroll: int | None = None, ahead: tuple[Ahead, ...] = ()) -> mx.array:
     """`matvec` on int8 activations (qdot_impl in cuda/fused_decode.cuh): x, normalised first
     where `norm` is given, quantized per 32-element block to two int8 limbs as the CPU kernels'
     int8 path does (fused_ref.int8_product is the same arithmetic in MLX ops), and each 128-bit
     word of W multiplied with them in int32 (dp4a), in blocks of Q8_WARPS warps. `rows` (output
     units per warp, default 2: 4 weight rows for SwiGLU already take ~126 registers, two blocks an
     SM), `unroll` (words a lane loads before it computes, default UNROLL; 2 for an 8-bit SwiGLU)
-    and `units` (units a warp streams, as `matvec`'s) override the defaults; `ahead` as `matvec`'s."""
+    override the defaults; `ahead` as `matvec`'s."""
     k, n = x.shape[-1], w.shape[0]
     out = n // 2 if epilogue == 2 else n
-    units = units_per_warp() if units is None else units
     r = rows or 2
-    unroll = unroll or (2 if (bits == 8 and epilogue == 2) or units > 1 else UNROLL)  # 147 registers at 4, 79 at 2
+    unroll = unroll or (2 if bits == 8 and epilogue == 2 else UNROLL)  # 147 registers at 4, 79 at 2
     names, arrays, kind, tail = _quantized_inputs("qdot", x, w, scales, biases, epilogue, a, norm)
     block = Q8_WARPS * 32
-    threads = -(-out // (r * units)) * 32
+    threads = -(-out // r) * 32
     template = [("T", x.dtype), ("ST", scales.dtype), ("BITS", bits), ("GS", group_size), ("K", k), ("N", n),
-                ("R", r), ("E", epilogue), ("XN", 2 if norm else 1), ("U", unroll), ("THREADS", block),
-                ("PF", 3 if units > 1 else 1)]
+                ("R", r), ("E", epilogue), ("XN", 2 if norm else 1), ("U", unroll), ("THREADS", block)]
     kind, names, arrays, source, template = _ahead(
-        kind, names, arrays, f"qdot_impl<T, ST, BITS, GS, K, N, R, E, XN, U, THREADS, PF>({tail});", template, ahead)
+        kind, names, arrays, f"qdot_impl<T, ST, BITS, GS, K, N, R, E, XN, U, THREADS>({tail});", template, ahead)
     kernel = _kernel(kind, names, ["y"], source)
     return kernel(
         inputs=arrays,

@@ -227,10 +227,11 @@ __device__ __forceinline__ void write_units(float* acc, int unit0, int out, cons
     #pragma unroll
     for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
   }
+  if ((threadIdx.x & 31) != 0) return;
   #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int u = unit0 + r;
-    if (u >= out || (threadIdx.x & 31) != 0) break;  // lane 0 writes (a streaming warp goes on)
+    if (u >= out) break;
     if constexpr (E == 0) {
       y[u] = static_cast<T>(acc[r]);
     } else if constexpr (E == 1) {
@@ -242,34 +243,6 @@ __device__ __forceinline__ void write_units(float* acc, int unit0, int out, cons
       const float act = static_cast<float>(static_cast<T>(g * sig));
       y[u] = static_cast<T>(act * up);
     }
-  }
-}
-
-template <int NR, int OUT, typename WR, typename Load, typename Compute, typename Finish>
-__device__ __forceinline__ void stream_units(WR& a, WR& b, int unit0, int step, Load load, Compute compute,
-                                             Finish finish) {
-  // A warp's units unit0, unit0 + step, ... (< OUT) as one stream of rounds (NR a unit) in two
-  // register sets: round t + 1's words (the next unit's first ones at a unit's end) load while
-  // round t's are multiplied, so a warp with several units keeps its loads in flight while it
-  // computes. `a` holds round 0 of unit0 (loaded by the caller); load(set, unit, round),
-  // compute(set, round), finish(unit) after a unit's last round.
-  int ua = __shfl_sync(0xffffffffu, unit0, 0), ja = 0;  // known the same across the warp (warp_id)
-  #pragma unroll 1
-  while (true) {
-    int ub = ua, jb = ja + 1;
-    if (jb == NR) { jb = 0; ub += step; }
-    const bool more_b = ub < OUT;
-    if (more_b) load(b, ub, jb);
-    compute(a, ja);
-    if (ja == NR - 1) finish(ua);
-    if (!more_b) return;
-    ua = ub; ja = jb + 1;
-    if (ja == NR) { ja = 0; ua += step; }
-    const bool more_a = ua < OUT;
-    if (more_a) load(a, ua, ja);
-    compute(b, jb);
-    if (jb == NR - 1) finish(ub);
-    if (!more_a) return;
   }
 }
 
@@ -333,25 +306,7 @@ __device__ __forceinline__ void matvec_impl(const T* x, const uint32_t* w, const
       }
     }
   };
-  if constexpr (PF == 3) {
-    // the warp's units unit0, unit0 + (the grid's warps) * R, ...: one stream (stream_units)
-    WordRound<ST, BITS, GS, K, UNROLL, RR> rn;
-    constexpr int NR = (PER_LANE + UNROLL - 1) / UNROLL;
-    const int step = ((gridDim.x * blockDim.x) >> 5) * R;
-    stream_units<NR, OUT>(
-        rd, rn, unit0, step,
-        [&](WordRound<ST, BITS, GS, K, UNROLL, RR>& rw, int unit, int j) {
-          rw.template aim<R, OUT>(unit);
-          rw.load(w4, scales, biases, j * UNROLL, lane, true);
-        },
-        [&](const WordRound<ST, BITS, GS, K, UNROLL, RR>& rw, int j) { compute(rw, j * UNROLL); },
-        [&](int unit) {
-          write_units<T, R, E>(acc, unit, OUT, a, y);
-          #pragma unroll
-          for (int r = 0; r < RR; ++r) acc[r] = 0.f;
-        });
-    return;
-  } else if constexpr (PF == 2) {
+  if constexpr (PF == 2) {
     // two rounds in registers: the next round's words load while this one's are multiplied
     WordRound<ST, BITS, GS, K, UNROLL, RR> rn;
     rn.template aim<R, OUT>(unit0);
@@ -448,15 +403,13 @@ __device__ __forceinline__ void stage_x8(const T* x, const T* nw, const float* n
   __syncthreads();
 }
 
-template <typename T, typename ST, int BITS, int GS, int K, int N, int R, int E, int XN, int UNROLL, int THREADS,
-          int PF = 1>
+template <typename T, typename ST, int BITS, int GS, int K, int N, int R, int E, int XN, int UNROLL, int THREADS>
 __device__ __forceinline__ void qdot_impl(const T* x, const uint32_t* w, const ST* scales, const ST* biases,
                                           const T* a, const T* nw, const float* ne, T* y) {
   // matvec_impl's product (the same units, epilogues E and fused norm XN 2) for a 4- or 8-bit W
   // on int8 activations: x staged by stage_x8; a lane's 128-bit word of a row (4-bit: 32 weights,
   // one block of x; 8-bit: 16, half a block) times the block's limbs with dp4a. K <= 16384. Blocks
-  // of THREADS threads: x is staged once a block, so wider blocks stage it fewer times. PF 3: each
-  // warp streams several units (stream_units), as matvec_impl's PF 3.
+  // of THREADS threads: x is staged once a block, so wider blocks stage it fewer times.
   constexpr int VALS = 128 / BITS;
   constexpr int VECS = K / VALS;
   constexpr int PER_LANE = (VECS + 31) / 32;
@@ -476,7 +429,9 @@ __device__ __forceinline__ void qdot_impl(const T* x, const uint32_t* w, const S
   rd.load(w4, scales, biases, 0, lane, unit0 < OUT);  // in flight while x is staged
   stage_x8<T, BITS, K, XN, THREADS>(x, nw, ne, xh, xl, xd, xs);
   if (unit0 >= OUT) return;
-  auto compute = [&](const WordRound<ST, BITS, GS, K, UNROLL, RR>& rw, int v0) {
+  #pragma unroll 1
+  for (int v0 = 0; v0 < PER_LANE; v0 += UNROLL) {
+    if (v0 > 0) rd.load(w4, scales, biases, v0, lane, true);
     #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int v = (v0 + u) * 32 + lane;
@@ -496,7 +451,7 @@ __device__ __forceinline__ void qdot_impl(const T* x, const uint32_t* w, const S
         const float sx = (BITS == 4 || (v & 1) == 0) ? xs[blk] : 0.f;
         #pragma unroll
         for (int r = 0; r < RR; ++r) {
-          const uint32_t ws[4] = {rw.w[u][r].x, rw.w[u][r].y, rw.w[u][r].z, rw.w[u][r].w};
+          const uint32_t ws[4] = {rd.w[u][r].x, rd.w[u][r].y, rd.w[u][r].z, rd.w[u][r].w};
           int ah = 0, al = 0;
           #pragma unroll
           for (int j = 0; j < 4; ++j) {
@@ -512,33 +467,10 @@ __device__ __forceinline__ void qdot_impl(const T* x, const uint32_t* w, const S
             }
           }
           const float q = static_cast<float>(128 * ah + al);
-          acc[r] += static_cast<float>(rw.s[u][r]) * (d * q) + static_cast<float>(rw.b[u][r]) * sx;
+          acc[r] += static_cast<float>(rd.s[u][r]) * (d * q) + static_cast<float>(rd.b[u][r]) * sx;
         }
       }
     }
-  };
-  if constexpr (PF == 3) {
-    WordRound<ST, BITS, GS, K, UNROLL, RR> rn;
-    constexpr int NR = (PER_LANE + UNROLL - 1) / UNROLL;
-    const int step = ((gridDim.x * blockDim.x) >> 5) * R;
-    stream_units<NR, OUT>(
-        rd, rn, unit0, step,
-        [&](WordRound<ST, BITS, GS, K, UNROLL, RR>& rw, int unit, int j) {
-          rw.template aim<R, OUT>(unit);
-          rw.load(w4, scales, biases, j * UNROLL, lane, true);
-        },
-        [&](const WordRound<ST, BITS, GS, K, UNROLL, RR>& rw, int j) { compute(rw, j * UNROLL); },
-        [&](int unit) {
-          write_units<T, R, E>(acc, unit, OUT, a, y);
-          #pragma unroll
-          for (int r = 0; r < RR; ++r) acc[r] = 0.f;
-        });
-    return;
-  }
-  #pragma unroll 1
-  for (int v0 = 0; v0 < PER_LANE; v0 += UNROLL) {
-    if (v0 > 0) rd.load(w4, scales, biases, v0, lane, true);
-    compute(rd, v0);
   }
   write_units<T, R, E>(acc, unit0, OUT, a, y);
 }
@@ -856,8 +788,9 @@ __device__ __forceinline__ void attention_impl(const T* qkv, const T* qn, const 
   // p + 1 positions. Of the S splits, the first act = min(S, ceil((p + 1) / MK)) (MK 0: all S)
   // take an equal share each (ceil((p + 1) / act) keys: every block has work at any length, at
   // least MK keys where there are that many) and the rest end at once, so a short context is
-  // added up from a few splits, not S; its WARPS warps take keys start + warp, + WARPS, ..., KU at a time (the KU
-  // keys' loads issued before any is used, and one softmax update for the KU scores).
+  // added up from a few splits, not S; its WARPS warps take keys start + warp, + WARPS, ..., KU
+  // at a time (the KU keys' loads issued before any is used, and one softmax update for the KU
+  // scores).
   constexpr int HQ = HKV * G;
   constexpr int DPL = D / 32;
   const int split = blockIdx.x, j = blockIdx.y;
