@@ -161,6 +161,10 @@ def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array |
     k, n = x.shape[-1], w.shape[0]
     if int8:  # where the program gives it (q8_fits)
         return qdot(x, w, scales, biases, bits, group_size, epilogue, a, norm, rows, unroll, ahead)
+    if rows is None and mlx_wanted(bits):  # MLX's own kernels for this precision's products
+        from . import fused_ref
+
+        return fused_ref.matvec(x, w, scales, biases, bits, group_size, epilogue, a, norm)
     if rows is None and mma_wanted(bits, group_size, k, x.size // k):
         return qmma4(x, w, scales, biases, group_size, epilogue, a, norm)
     out = n // 2 if epilogue == 2 else n
@@ -241,6 +245,15 @@ def qdot(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int
 
 MMA_WARPS = 8  # warps of a tensor-core product's block, splitting K
 MV_SWITCH = "MLXCHAT_CUDA_MV"
+
+
+def mlx_wanted(bits: int) -> bool:
+    """Whether the step's products of `bits` (16: dense) run MLX's own kernels (rms_norm,
+    matmul or quantized_matmul, the epilogue as MLX ops: fused_ref.matvec) instead of `matvec`:
+    `MLXCHAT_CUDA_MV=mlx` (every precision) or `mlx16` / `mlx8` / `mlx4` (one), for the bench to
+    weigh MLX's products, a few more ops a layer, against ours."""
+    value = os.environ.get(MV_SWITCH, "").strip().lower()
+    return value == "mlx" or value == f"mlx{bits}"
 
 
 def mma_wanted(bits: int, group_size: int, k: int, rows_of_x: int) -> bool:
