@@ -212,10 +212,11 @@ def part_step(lm, shape: str, a, bw: float | None) -> list[common.Row]:
 def part_variants(lm, shape: str, a) -> list[common.Row]:
     """The compiled step under each of `--variants` (";"-separated; each "default", "off" (the
     model's own forward) or space-separated KEY=VALUE settings of the kernels' switches, "int8" for
-    int8 activations), built in turn on the
-    same model in this process: each program's gate against the model's own forward, then its
-    synchronous step time and where a step goes (build / host / device ms), the variants
-    interleaved over `--reps` rounds. Cheaper than `step` per variant (no mlx-lm, no service)."""
+    int8 activations), each program built in turn on the same model in this process: its gate
+    against the model's own forward, then its synchronous step time and where a step goes (build /
+    host / device ms), the variants interleaved over `--reps` rounds. Cheaper than `step` per
+    variant (no mlx-lm, no service), and host and device time add up in it: the service overlaps
+    them."""
     import os
 
     from engine.kernels import decode_step, fused_cuda
@@ -240,6 +241,7 @@ def part_variants(lm, shape: str, a) -> list[common.Row]:
         env, int8 = settings(spec)
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
+        program = None
         try:  # traced (and its kernels compiled) while the settings hold
             program = decode_step.DecodeProgram.build(model, fused_cuda, int8=int8)
             object.__setattr__(model, "decode_program", program)
@@ -249,7 +251,10 @@ def part_variants(lm, shape: str, a) -> list[common.Row]:
             gates[spec] = {"error": f"{type(exc).__name__}: {exc}"[:500], "kept": False}
         finally:
             for k, v in saved.items():
-                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         programs[spec] = program if gates[spec].get("kept") else None
         print(f"{shape} ({spec}): gate {gates[spec]}", flush=True)
 
