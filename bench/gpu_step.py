@@ -258,13 +258,15 @@ def part_variants(lm, shape: str, a) -> list[common.Row]:
         programs[spec] = program if gates[spec].get("kept") else None
         print(f"{shape} ({spec}): gate {gates[spec]}", flush=True)
 
+    def measure() -> dict[str, float]:
+        return {"ms": step_ms(model, prompt), **step_profile(model, prompt)}
+
     def timed(spec: str):
         def run():
             if programs[spec] == "off":
-                return program_off(model.decode_program, lambda: {"ms": step_ms(model, prompt),
-                                                                  **step_profile(model, prompt)})
+                return program_off(model.decode_program, measure)
             object.__setattr__(model, "decode_program", programs[spec])
-            return {"ms": step_ms(model, prompt), **step_profile(model, prompt)}
+            return measure()
         return run
 
     runs = common.interleave({spec: timed(spec) for spec in specs if programs[spec] is not None}, a.reps,

@@ -114,18 +114,19 @@ def _kernel(name: str, inputs: list[str], outputs: list[str], source: str) -> An
 Ahead = tuple[mx.array, int, int]  # (array, first byte, bytes): a range a kernel prefetches into L2
 
 
-def _ahead(kind: str, names: list[str], arrays: list[mx.array], source: str, template: list[tuple[str, Any]],
-           ahead: tuple[Ahead, ...]) -> tuple[str, list[str], list[mx.array], str, list[tuple[str, Any]]]:
-    """A kernel's name, inputs, source and template with `ahead`'s byte ranges added: each of its
-    threads first prefetches its share of them into L2 (l2_ahead in cuda/fused_decode.cuh), so the
-    weights of the kernel after this one stream from memory while this one runs."""
-    if not ahead:
-        return kind, names, arrays, source, template
-    lines = "".join(f"  l2_ahead(reinterpret_cast<const char*>(l2_{i}) + L2O{i}, L2B{i});\n"
-                    for i in range(len(ahead)))
-    return (f"{kind}_l2{len(ahead)}", names + [f"l2_{i}" for i in range(len(ahead))],
-            arrays + [a for a, _, _ in ahead], lines + source,
-            template + [kv for i, (_, lo, n) in enumerate(ahead) for kv in ((f"L2O{i}", lo), (f"L2B{i}", n))])
+def _launch(kind: str, names: list[str], arrays: list[mx.array], outputs: list[str], source: str,
+            template: list[tuple[str, Any]], ahead: tuple[Ahead, ...], **launch: Any) -> list[mx.array]:
+    """Kernel `kind` (made once by `_kernel`) run on `arrays`, with `ahead`'s byte ranges added as
+    inputs: each of its threads first prefetches its share of them into L2 (l2_ahead in
+    cuda/fused_decode.cuh), so the weights of the kernel after this one stream from memory while
+    this one runs. `launch`: grid, threadgroup, output shapes and dtypes."""
+    if ahead:
+        source = "".join(f"  l2_ahead(reinterpret_cast<const char*>(l2_{i}) + L2O{i}, L2B{i});\n"
+                         for i in range(len(ahead))) + source
+        kind, names = f"{kind}_l2{len(ahead)}", names + [f"l2_{i}" for i in range(len(ahead))]
+        arrays = arrays + [a for a, _, _ in ahead]
+        template = template + [kv for i, (_, lo, n) in enumerate(ahead) for kv in ((f"L2O{i}", lo), (f"L2B{i}", n))]
+    return _kernel(kind, names, outputs, source)(inputs=arrays, template=template, **launch)
 
 
 def rows_per_warp(n: int) -> int:
@@ -157,7 +158,7 @@ def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array |
     staged; False: after; 2: before, and each later round's words while the one before is
     multiplied) override the defaults, for the bench. `int8`: a 4/8-bit W that `q8_fits` takes
     multiplies int8 activations (`qdot`; the lossy path of `--int8-activations`). `ahead`: byte
-    ranges of other arrays to prefetch into L2 (`_ahead`). Output: x's leading shape, the outputs."""
+    ranges of other arrays to prefetch into L2 (`_launch`). Output: x's leading shape, the outputs."""
     k, n = x.shape[-1], w.shape[0]
     if int8:  # where the program gives it (q8_fits)
         return qdot(x, w, scales, biases, bits, group_size, epilogue, a, norm, rows, unroll, ahead)
@@ -183,14 +184,9 @@ def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array |
     template = [("T", x.dtype), ("ST", scales.dtype if quantized else x.dtype),
                 ("BITS", bits if quantized else 16), ("GS", group_size if quantized else 8),
                 ("K", k), ("N", n), ("R", r), ("E", epilogue), ("XN", xn), ("U", unroll), ("PF", int(prefetch))]
-    kind, names, arrays, source, template = _ahead(
-        kind, names, arrays, _matvec_source(quantized, epilogue == 1, norm is not None), template, ahead)
-    kernel = _kernel(kind, names, ["y"], source)
-    return kernel(
-        inputs=arrays,
-        template=template,
-        grid=(-(-threads // block) * block, 1, 1), threadgroup=(block, 1, 1),
-        output_shapes=[(*x.shape[:-1], out)], output_dtypes=[x.dtype])[0]
+    return _launch(kind, names, arrays, ["y"], _matvec_source(quantized, epilogue == 1, norm is not None),
+                   template, ahead, grid=(-(-threads // block) * block, 1, 1), threadgroup=(block, 1, 1),
+                   output_shapes=[(*x.shape[:-1], out)], output_dtypes=[x.dtype])[0]
 
 
 def _quantized_inputs(name: str, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, epilogue: int,
@@ -233,14 +229,9 @@ def qdot(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bits: int
     threads = -(-out // r) * 32
     template = [("T", x.dtype), ("ST", scales.dtype), ("BITS", bits), ("GS", group_size), ("K", k), ("N", n),
                 ("R", r), ("E", epilogue), ("XN", 2 if norm else 1), ("U", unroll), ("THREADS", block)]
-    kind, names, arrays, source, template = _ahead(
-        kind, names, arrays, f"qdot_impl<T, ST, BITS, GS, K, N, R, E, XN, U, THREADS>({tail});", template, ahead)
-    kernel = _kernel(kind, names, ["y"], source)
-    return kernel(
-        inputs=arrays,
-        template=template,
-        grid=(-(-threads // block) * block, 1, 1), threadgroup=(block, 1, 1),
-        output_shapes=[(*x.shape[:-1], out)], output_dtypes=[x.dtype])[0]
+    return _launch(kind, names, arrays, ["y"], f"qdot_impl<T, ST, BITS, GS, K, N, R, E, XN, U, THREADS>({tail});",
+                   template, ahead, grid=(-(-threads // block) * block, 1, 1), threadgroup=(block, 1, 1),
+                   output_shapes=[(*x.shape[:-1], out)], output_dtypes=[x.dtype])[0]
 
 
 MMA_WARPS = 8  # warps of a tensor-core product's block, splitting K
@@ -330,11 +321,14 @@ def splits(groups: int, cap: int) -> int:
     return 1 << (most.bit_length() - 1)
 
 
+SPLIT_KEYS_SWITCH = "MLXCHAT_CUDA_SPLIT_KEYS"
+
+
 def keys_a_split() -> int:
     """Keys a split of the one-row attention takes at least, so that a short context runs fewer
     splits: `MLXCHAT_CUDA_SPLIT_KEYS`, default SPLIT_KEYS (0: every one of the S splits runs, an
     equal share of the keys each, empty where there are fewer keys than splits)."""
-    value = os.environ.get("MLXCHAT_CUDA_SPLIT_KEYS", "").strip()
+    value = os.environ.get(SPLIT_KEYS_SWITCH, "").strip()
     return int(value) if value.isdigit() else SPLIT_KEYS
 
 
@@ -363,18 +357,14 @@ def attention(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: 
     # dtype): the layer's input norm weight stands in
     qn = layer.q_norm.weight if norm else layer.norm_in
     kn = layer.k_norm.weight if norm else layer.norm_in
-    kind, names, arrays, source, template = _ahead(
+    out = _launch(
         "attention", ["qkv", "qn", "kn", "invf", "fp", "pos", "kc", "vc", "cnt"],
-        [qkv, qn, kn, layer.inv_freq, layer.params, pos, keys, values, layer.counters], _ATTENTION,
+        [qkv, qn, kn, layer.inv_freq, layer.params, pos, keys, values, layer.counters], ["pm", "pl", "pa", "y"],
+        _ATTENTION,
         [("T", qkv.dtype), ("D", dim), ("G", heads // kv), ("HKV", kv), ("ROT", layer.rotated),
          ("TRAD", layer.traditional), ("NORM", norm), ("CAP", cap), ("S", s), ("KU", keys_at_once(dim, heads // kv)),
          ("MK", keys_a_split() if split_keys is None else split_keys)],
-        ahead)
-    kernel = _kernel(kind, names, ["pm", "pl", "pa", "y"], source)
-    out = kernel(
-        inputs=arrays,
-        template=template,
-        grid=(s * WARPS * 32, kv, 1), threadgroup=(WARPS * 32, 1, 1),
+        ahead, grid=(s * WARPS * 32, kv, 1), threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(heads * s,), (heads * s,), (heads * s * dim,), (1, 1, heads * dim)],
         output_dtypes=[mx.float32, mx.float32, mx.float32, qkv.dtype])
     return out[3], keys, values
