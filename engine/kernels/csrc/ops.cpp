@@ -11,6 +11,7 @@
 #include <functional>
 #include <limits>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -518,14 +519,33 @@ QMat qmat(const mx::array& w, const mx::array& s, const mx::array& b, int gs, in
               int64_t(w.shape(1)) * (32 / bits), bits, gs};
 }
 
+// Storage on 64-byte boundaries. The kernels read x's rows in 64-byte vectors, and one that
+// straddles two cache lines costs two reads: with std::vector's 16-byte alignment, 4 rows of x
+// through the bundled model's gate/up product (K = 576, one thread, weights in cache) took 5.8
+// ns per 32 weights a row, 4.5 with x's rows aligned (one row: 2.2 and 2.1).
+template <class T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <class U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <class U>
+  bool operator==(const Aligned64<U>&) const { return true; }
+};
+template <class T>
+using vec64 = std::vector<T, Aligned64<T>>;
+
 // x's rows (8 by default, the most a kernel call takes) as the kernels read them: fp32
 // (reordered by prep_x) or, on the int8 path, two int8 limbs per value, per 32-element block, by
-// prep_x8 (Q8Rows; q8(r) views them from row r on).
+// prep_x8 (Q8Rows; q8(r) views them from row r on). On 64-byte boundaries (Aligned64), and so is
+// each row where K is a multiple of 16 (every group size the kernels take).
 struct XRows {
   bool int8;
-  std::vector<float> xp;
-  std::vector<int8_t> hi, lo;
-  std::vector<float> d, s, dl;
+  vec64<float> xp;
+  vec64<int8_t> hi, lo;
+  vec64<float> d, s, dl;
   int64_t ld = 0;
 
   XRows(bool int8, int64_t K, int64_t rows = 8) : int8(int8) {
