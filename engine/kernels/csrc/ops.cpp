@@ -522,7 +522,10 @@ QMat qmat(const mx::array& w, const mx::array& s, const mx::array& b, int gs, in
 // Storage on 64-byte boundaries. The kernels read x's rows in 64-byte vectors, and one that
 // straddles two cache lines costs two reads: with std::vector's 16-byte alignment, 4 rows of x
 // through the bundled model's gate/up product (K = 576, one thread, weights in cache) took 5.8
-// ns per 32 weights a row, 4.5 with x's rows aligned (one row: 2.2 and 2.1).
+// ns per 32 weights a row, 4.5 with x's rows aligned (one row: 2.2 and 2.1). Elements are left
+// uninitialised (construct() with no value does nothing): prep_x / prep_x8 write all that the
+// kernels read, and a product's buffers (8 rows of x, up to 48 KB on the bundled model) were
+// zeroed at every call.
 template <class T>
 struct Aligned64 {
   using value_type = T;
@@ -531,6 +534,11 @@ struct Aligned64 {
   Aligned64(const Aligned64<U>&) {}
   T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
   void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <class U, class... A>
+  void construct(U* p, A&&... a) {
+    if constexpr (sizeof...(A) > 0) ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+    else ::new (static_cast<void*>(p)) U;
+  }
   template <class U>
   bool operator==(const Aligned64<U>&) const { return true; }
 };
