@@ -49,14 +49,23 @@ def greedy(model, n: int, prompt=PROMPT) -> list[int]:
 @pytest.mark.parametrize("kind", CONFIGS)
 def test_greedy_tokens_equal_mlx_lm_across_buffer_growths(kind):
     plain, fused = models(kind)
-    calls = []
+    calls, positions = [], []
     program = fused.decode_program
     original = program._step
-    program._step = lambda *a: calls.append(a[1].item()) or original(*a)
+
+    def step(*a):
+        calls.append(a[1][0].item())
+        out = original(*a)
+        positions.append((a[1], out[-1]))
+        return out
+
+    program._step = step
     assert greedy(fused, 30) == greedy(plain, 30)
     # every one-token step ran the program at its own position: mlx-lm feeds the prompt's last
     # token as a step, and computes one step ahead of the tokens it yields
     assert calls == list(range(len(PROMPT) - 1, len(PROMPT) - 1 + len(calls))) and len(calls) >= 30
+    # after the first, each step's position is the array the step before it made on the device
+    assert all(positions[i][0] is positions[i - 1][1] for i in range(1, len(positions)))
 
 
 def test_cache_holds_what_mlx_lm_update_leaves_and_other_writers_are_taken_over():

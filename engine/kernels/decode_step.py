@@ -41,6 +41,7 @@ from mlx_lm.models.cache import KVCache
 from .. import device
 from .fused_cuda import q8_fits
 from .gpu_layout import StackedAttention, StackedMLP
+from .inputs import value
 from .rope import inverse_frequencies
 
 log = logging.getLogger(__name__)
@@ -210,6 +211,7 @@ class DecodeProgram:
         self.in_place = kernels.IN_PLACE
         self.enabled = True  # the bench turns it off to measure the model's own forward
         self._compiled: dict[int, Any] = {}  # per thread: MLX's streams are (see _step)
+        self._next: dict[int, tuple[int, mx.array]] = {}  # per thread: the position the last step made
         # MLX's streams are per thread: an array left unevaluated here would be bound to this
         # thread's stream and fail in the thread that steps ("There is no Stream(gpu, 0) in
         # current thread"), where models are built in one thread and served in another
@@ -251,7 +253,8 @@ class DecodeProgram:
             h = layer.down(k, up, 1, h, ahead=after.first_rows(budget))
             written += [keys, values]
         logits = self.head(k, h, norm=(self.norm, self.eps))
-        return (logits,) if self.in_place else (logits, *written)
+        # the next step's position, made on the device (see __call__)
+        return ((logits,) if self.in_place else (logits, *written)) + (pos + 1,)
 
     def _step(self, *args: mx.array) -> tuple[mx.array, ...]:
         """The compiled step, traced once per thread that calls it: a traced graph's kernels keep
@@ -262,6 +265,16 @@ class DecodeProgram:
             fn = self._compiled[threading.get_ident()] = mx.compile(self._forward)
         return fn(*args)
 
+    def _position(self, at: int) -> mx.array:
+        """The step's position `at` as a one-value kernel input (engine/kernels/inputs.py): the
+        array the last step made on the device where it is `at`, else one made here. A position
+        the host writes every step would make each attention kernel wait on a page of MLX's
+        managed pool of small arrays (see inputs.py); one the step makes stays on the device."""
+        made = self._next.get(threading.get_ident())
+        if made is not None and made[0] == at:
+            return made[1]
+        return value(at, mx.int32)
+
     def accepts(self, inputs: mx.array, cache: Any) -> bool:
         """A one-token step of one sequence over mlx-lm's plain KV caches, one per layer."""
         return (self.enabled and inputs.shape == (1, 1) and isinstance(cache, list) and len(cache) == len(self.layers)
@@ -271,7 +284,8 @@ class DecodeProgram:
         at = cache[0].offset
         self._own(cache, at)
         kv = [a for c in cache for a in (c.keys, c.values)]
-        out = self._step(inputs, mx.array([at], dtype=mx.int32), *kv)
+        out = self._step(inputs, self._position(at), *kv)
+        self._next[threading.get_ident()] = (at + 1, out[-1])
         for i, c in enumerate(cache):
             if not self.in_place:
                 c.keys, c.values = out[1 + 2 * i], out[2 + 2 * i]

@@ -46,6 +46,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from .inputs import constant
+
 WARPS = 4  # warps per block of matvec and attend
 UNROLL = 4  # 128-bit words of a row a lane loads before it computes
 MAX_SPLITS = 64  # blocks a kv head's keys are cut into, at most
@@ -175,7 +177,7 @@ def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array |
     xn = 2 if norm is not None else (1 if k <= MAX_STAGED else 0)
     names = ["x", "w"] + (["scales", "biases"] if quantized else []) + (["nw", "ne"] if norm else []) \
         + (["a"] if epilogue == 1 else [])
-    norm_arrays = [norm[0], mx.array([norm[1]], dtype=mx.float32)] if norm else []
+    norm_arrays = [norm[0], constant(norm[1], mx.float32)] if norm else []
     arrays = [x, w] + ([scales, biases] if quantized else []) + norm_arrays \
         + ([a] if epilogue == 1 else [])
     kind = f"matvec_{'q' if quantized else 'd'}{'_add' if epilogue == 1 else ''}{'_norm' if norm else ''}"
@@ -196,7 +198,7 @@ def _quantized_inputs(name: str, x: mx.array, w: mx.array, scales: mx.array, bia
     `a`) where it has them: their names, the arrays, the kernel's name (`name`, then _add, _norm)
     and the device function's arguments (nullptr for what it lacks), y last."""
     names = ["x", "w", "scales", "biases"] + (["nw", "ne"] if norm else []) + (["a"] if epilogue == 1 else [])
-    arrays = [x, w, scales, biases] + ([norm[0], mx.array([norm[1]], dtype=mx.float32)] if norm else []) \
+    arrays = [x, w, scales, biases] + ([norm[0], constant(norm[1], mx.float32)] if norm else []) \
         + ([a] if epilogue == 1 else [])
     kind = f"{name}{'_add' if epilogue == 1 else ''}{'_norm' if norm else ''}"
     args = (f"x, w, scales, biases, {'a' if epilogue == 1 else '(const T*)nullptr'}, "

@@ -60,6 +60,7 @@ def int8_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, g
 def attention(layer: Any, qkv: mx.array, pos: mx.array, keys: mx.array, values: mx.array,
               ahead: tuple = ()) -> tuple[mx.array, mx.array, mx.array]:
     # `ahead` (fused_cuda's L2 prefetch of the next kernel's weights) has nothing to do here
+    pos = pos[:1]  # the program's position array holds the position first (decode_step._position)
     q, keys, values = rope_write(layer, qkv, pos, keys, values)
     return attend(layer, q, keys, values, pos), keys, values
 

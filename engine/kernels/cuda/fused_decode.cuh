@@ -475,6 +475,30 @@ __device__ __forceinline__ void qdot_impl(const T* x, const uint32_t* w, const S
   write_units<T, R, E>(acc, unit0, OUT, a, y);
 }
 
+__device__ __forceinline__ float2 sin_cos(float x) {
+  // (sin x, cos x) for |x| < 105615, as CUDA's sincosf computes them there: x less j pi/2 in three
+  // parts (Cody-Waite), then its minimax polynomials on [-pi/4, pi/4] and the quadrant's signs.
+  // Without sincosf's path for larger arguments (Payne-Hanek), which gave the attention kernel a
+  // 64-byte stack a thread: a kernel computing a block's angles took 3.2 us on an H100 with
+  // sincosf, 2.8 with this (2.5 empty; bench/kernel_probe.py). Positions times frequencies stay
+  // far below the bound.
+  const float j = rintf(x * 0.636619772f);  // 2 / pi
+  float r = fmaf(j, -1.57079601e+00f, x);
+  r = fmaf(j, -3.13916473e-07f, r);
+  r = fmaf(j, -5.39030253e-15f, r);
+  const float r2 = r * r;
+  float ps = fmaf(-1.95152959e-4f, r2, 8.33216087e-3f);
+  ps = fmaf(ps, r2, -1.66666546e-1f);
+  ps = fmaf(ps * r2, r, r);  // sin r
+  float pc = fmaf(2.44331571e-5f, r2, -1.38873163e-3f);
+  pc = fmaf(pc, r2, 4.16666457e-2f);
+  pc = fmaf(pc, r2, -5.00000000e-1f);
+  pc = fmaf(pc, r2, 1.0f);  // cos r
+  const int q = static_cast<int>(j);
+  const float sn = (q & 1) ? pc : ps, cs = (q & 1) ? ps : pc;
+  return make_float2((q & 2) ? -sn : sn, ((q + 1) & 2) ? -cs : cs);
+}
+
 template <int D, int ROT, bool TRAD>
 struct RopeAngles {
   // RoPE's cos and sin of a lane's elements (lane, lane + 32, ...) at one position: the same for
@@ -493,7 +517,9 @@ struct RopeAngles {
     }
     #pragma unroll
     for (int c = 0; c < C; ++c) {
-      sincosf(position * f[c], &sn[c], &cs[c]);  // one range reduction for both (as cosf and sinf round)
+      const float2 a = sin_cos(position * f[c]);  // one range reduction for both
+      sn[c] = a.x;
+      cs[c] = a.y;
     }
   }
 };
@@ -566,20 +592,16 @@ __device__ __forceinline__ void load_row(const T* p, float* out) {
   unpack_row<T, DPL>(*reinterpret_cast<const typename RowBits<DPL>::type*>(p), out);
 }
 
-template <typename T, int DPL, int G, int KU, int WARPS>
-__device__ __forceinline__ void attend_keys(const float (&qf)[G][DPL], float (&m)[G], float (&l)[G],
-                                            float (&acc)[G][DPL], const T* kc, const T* vc, size_t base,
-                                            int start, int end, int fresh, const float* fk, const float* fv) {
-  // One warp's keys start + warp, + WARPS, ... (< end) of the rows at kc / vc + (base + t) * D,
-  // KU at a time: one online-softmax update for the KU scores of each of the G queries (qf,
-  // already scaled), into m / l / acc. The next KU keys' loads go out before this KU's are scored
-  // (their latency overlaps the scoring; one round trip to memory a warp, not one a KU). The key
-  // at `fresh` (if any) comes from fk / fv (this block's own new key and value, not read back).
-  constexpr int D = DPL * 32;
+template <typename T, int DPL, int KU, int WARPS>
+struct KeyFetch {
+  // A warp's next KU keys and values (t0, t0 + WARPS, ... < end, but `fresh`: the block's own new
+  // column, not read back), in flight as raw words until attend_keys unpacks them
   using Bits = typename RowBits<DPL>::type;
-  const int lane = threadIdx.x & 31, warp = warp_id();
-  Bits kr[KU], vr[KU];  // the next KU keys' and values' words, in flight
-  auto fetch = [&](int t0) {
+  Bits kr[KU], vr[KU];
+
+  __device__ __forceinline__ void fetch(const T* kc, const T* vc, size_t base, int t0, int end, int fresh) {
+    constexpr int D = DPL * 32;
+    const int lane = threadIdx.x & 31;
     #pragma unroll
     for (int u = 0; u < KU; ++u) {
       const int t = t0 + u * WARPS;
@@ -589,8 +611,26 @@ __device__ __forceinline__ void attend_keys(const float (&qf)[G][DPL], float (&m
         vr[u] = *reinterpret_cast<const Bits*>(vc + o);
       }
     }
-  };
-  if (start + warp < end) fetch(start + warp);
+  }
+};
+
+template <typename T, int DPL, int G, int KU, int WARPS>
+__device__ __forceinline__ void attend_keys(const float (&qf)[G][DPL], float (&m)[G], float (&l)[G],
+                                            float (&acc)[G][DPL], const T* kc, const T* vc, size_t base,
+                                            int start, int end, int fresh, const float* fk, const float* fv,
+                                            KeyFetch<T, DPL, KU, WARPS>& next) {
+  // One warp's keys start + warp, + WARPS, ... (< end) of the rows at kc / vc + (base + t) * D,
+  // KU at a time: one online-softmax update for the KU scores of each of the G queries (qf,
+  // already scaled), into m / l / acc. The next KU keys' loads go out before this KU's are scored
+  // (their latency overlaps the scoring; one round trip to memory a warp, not one a KU). The key
+  // at `fresh` (if any) comes from fk / fv (this block's own new key and value, not read back).
+  // next: the first KU keys, already fetched by the caller (next.fetch(..., start + warp, ...)
+  // where start + warp < end) before its own work, so that their latency overlaps that work.
+  constexpr int D = DPL * 32;
+  const int lane = threadIdx.x & 31, warp = warp_id();
+  auto& kr = next.kr;
+  auto& vr = next.vr;
+  auto fetch = [&](int t0) { next.fetch(kc, vc, base, t0, end, fresh); };
   for (int t0 = start + warp; t0 < end; t0 += WARPS * KU) {
     float kf[KU][DPL], vf[KU][DPL];
     #pragma unroll
@@ -709,6 +749,10 @@ __device__ __forceinline__ void rotate_write_attend(const T* q, const T* k, cons
   constexpr int DPL = D / 32;
   const int lane = threadIdx.x & 31, warp = warp_id();
   const bool has_new = start <= col && col < end;
+  // the warp's first keys (all but the new column) go out first: their latency overlaps the
+  // norms and the rotation
+  KeyFetch<T, DPL, KU, WARPS> keys;
+  if (start + warp < end) keys.fetch(kc, vc, base, start + warp, end, has_new ? col : -1);
   __shared__ float qs[G][D];
   __shared__ float nk[2][D];
   float qw[DPL], kw[DPL];  // the lane's elements of the q and k norms' weights
@@ -738,21 +782,27 @@ __device__ __forceinline__ void rotate_write_attend(const T* q, const T* k, cons
     m[g] = -INFINITY;
     l[g] = 0.f;
   }
-  attend_keys<T, DPL, G, KU, WARPS>(qf, m, l, acc, kc, vc, base, start, end, has_new ? col : -1, nk[0], nk[1]);
+  attend_keys<T, DPL, G, KU, WARPS>(qf, m, l, acc, kc, vc, base, start, end, has_new ? col : -1, nk[0], nk[1], keys);
 }
 
 template <typename T, int G, int D, int S, int WARPS>
 __device__ __forceinline__ void combine_group(const float* pm, const float* pl, const float* pa, int h0, T* y,
                                               int act) {
   // The first `act` (of S) split partials of heads h0 .. h0 + G - 1 added up by one block
-  // (add_splits' sum, in another order): each split's weight exp(pm - M) / sum(pl exp(pm - M))
-  // first, every pm and pl loaded at once, then each output element's values of pa, also loaded
-  // together (a thread walking the splits in turn for its elements waited on L2 some 8 times an
-  // element). __ldcg: other blocks wrote them (L2, not this SM's L1).
+  // (add_splits' sum, in another order): every pm and pl loaded at once (one round trip to L2),
+  // each split's weight exp(pm - M) / sum(pl exp(pm - M)) from shared memory, then a thread per
+  // four output elements loads their values of pa, 16 splits' float4 words in flight together.
+  // (One thread a head walking the splits' pl in turn, and a thread per element walking 8 splits
+  // at a time, waited on L2 some 40 times at 32 splits.) __ldcg: other blocks wrote them (L2,
+  // not this SM's L1).
   __shared__ float wt[G][S];
+  __shared__ float ws[G][S];
   __shared__ float inv[G];
   for (int i = threadIdx.x; i < G * S; i += WARPS * 32) {
-    if (i % S < act) wt[i / S][i % S] = __ldcg(pm + (size_t)h0 * S + i);
+    if (i % S < act) {
+      wt[i / S][i % S] = __ldcg(pm + (size_t)h0 * S + i);
+      ws[i / S][i % S] = __ldcg(pl + (size_t)h0 * S + i);
+    }
   }
   __syncthreads();
   if (threadIdx.x < G) {
@@ -762,19 +812,24 @@ __device__ __forceinline__ void combine_group(const float* pm, const float* pl, 
     float ls = 0.f;
     for (int s = 0; s < act; ++s) {
       const float e = wt[g][s] == -INFINITY ? 0.f : expf(wt[g][s] - M);
-      ls += __ldcg(pl + (size_t)(h0 + g) * S + s) * e;
+      ls += ws[g][s] * e;
       wt[g][s] = e;
     }
     inv[g] = 1.f / ls;
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
-    const int g = i / D, d = i % D;
-    const float* p = pa + (size_t)(h0 + g) * S * D + d;
-    float a = 0.f;
-    #pragma unroll 8
-    for (int s = 0; s < act; ++s) a = fmaf(__ldcg(p + (size_t)s * D), wt[g][s], a);
-    y[(h0 + g) * D + d] = static_cast<T>(a * inv[g]);
+  for (int i = threadIdx.x; i < G * D / 4; i += WARPS * 32) {
+    const int g = 4 * i / D, d = 4 * i % D;
+    const float4* p = reinterpret_cast<const float4*>(pa + (size_t)(h0 + g) * S * D + d);
+    float a[4] = {0.f, 0.f, 0.f, 0.f};
+    #pragma unroll 16
+    for (int s = 0; s < act; ++s) {
+      const float4 v = __ldcg(p + (size_t)s * (D / 4));
+      const float w = wt[g][s];
+      a[0] = fmaf(v.x, w, a[0]); a[1] = fmaf(v.y, w, a[1]); a[2] = fmaf(v.z, w, a[2]); a[3] = fmaf(v.w, w, a[3]);
+    }
+    #pragma unroll
+    for (int c = 0; c < 4; ++c) y[(h0 + g) * D + d + c] = static_cast<T>(a[c] * inv[g]);
   }
 }
 
@@ -806,6 +861,16 @@ __device__ __forceinline__ void attention_impl(const T* qkv, const T* qn, const 
       static_cast<float>(p), kc, vc, (size_t)j * CAP, start, end, p, m, l, acc);
   __shared__ BlockSums<G, D, WARPS> sums;
   sums.put<DPL>(m, l, acc);
+  if (act == 1) {  // one split (a short context, MK > 0): the block's sums are the output, as
+    // combine_group would round them (weight 1, then times 1 / sum)
+    for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
+      const int g = i / D, d = i % D;
+      float M, ls, a;
+      sums.get(g, d, M, ls, a);
+      y[(j * G + g) * D + d] = static_cast<T>(a * (1.f / ls));
+    }
+    return;
+  }
   for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {  // the block's warps, one split's part
     const int g = i / D, d = i % D, h = j * G + g;
     float M, ls, a;
@@ -1177,6 +1242,9 @@ __device__ __forceinline__ void attend_rows_impl(const T* q, const T* kc, const 
   const int first = lp[r], n = off[r];
   const int ch = (n + S - 1) / S;
   const int start = first + split * ch, end = first + min((split + 1) * ch, n);
+  const size_t base = ((size_t)r * HKV + j) * dims[0];
+  KeyFetch<T, DPL, KU, WARPS> keys;  // the warp's first keys, in flight while q loads
+  if (start + warp_id() < end) keys.fetch(kc, vc, base, start + warp_id(), end, -1);
   const float scale = fp[0];
   float qf[G][DPL], m[G], l[G], acc[G][DPL];
   #pragma unroll
@@ -1187,8 +1255,7 @@ __device__ __forceinline__ void attend_rows_impl(const T* q, const T* kc, const 
     m[g] = -INFINITY;
     l[g] = 0.f;
   }
-  attend_keys<T, DPL, G, KU, WARPS>(qf, m, l, acc, kc, vc, ((size_t)r * HKV + j) * dims[0], start, end, -1,
-                                    nullptr, nullptr);
+  attend_keys<T, DPL, G, KU, WARPS>(qf, m, l, acc, kc, vc, base, start, end, -1, nullptr, nullptr, keys);
   __shared__ BlockSums<G, D, WARPS> sums;
   sums.put<DPL>(m, l, acc);
   rows_out<T, G, D, HQ, S>(sums, r, j, split, pm, pl, pa, y);
