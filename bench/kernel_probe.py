@@ -11,7 +11,8 @@ time a launch, mostly launch cost. The second prints each kernel's times in laun
 sharing a kernel follow each other, `CASES`' order). The cases:
 
 - the 4-bit q/k/v, o, and gate/up products (random weights, groups of 64) with and without their
-  fused RMSNorm, launch shapes of the bench's sweep, int8 activations and the tensor-core kernel
+  fused RMSNorm, launch shapes of the bench's sweep (units a warp, words a lane loads at once, the
+  next words loading while these are multiplied), int8 activations and the tensor-core kernel
   (`qmma4`, `MLXCHAT_CUDA_MV=mma`);
 - the norm's eps as a constant made once (`engine/kernels/inputs.py`) against one the host makes
   for the launch ("fresh eps"), and the attention's position likewise ("fresh pos": a one-element
@@ -103,6 +104,8 @@ def cases() -> dict[str, Callable[[], Any]]:
         "qkv norm, prefetch after staging": lambda: mv(wq, norm=norm, prefetch=False),
         "qkv norm, 1 unit 4 words": lambda: mv(wq, norm=norm, rows=1, unroll=4),
         "qkv norm, 2 units 4 words": lambda: mv(wq, norm=norm, rows=2, unroll=4),
+        "qkv norm, 4 units 1 word, double-buffered": lambda: mv(wq, norm=norm, rows=4, unroll=1, prefetch=2),
+        "qkv norm, 4 units 2 words, double-buffered": lambda: mv(wq, norm=norm, rows=4, unroll=2, prefetch=2),
         "qkv norm int8": lambda: mv(wq, norm=norm, int8=True),
         "qkv norm, tensor cores": lambda: C.qmma4(x, *wq, 64, norm=norm),
         "o + residual": lambda: mv(wo, epilogue=1, a=res),
@@ -112,6 +115,10 @@ def cases() -> dict[str, Callable[[], Any]]:
         "gate/up norm": lambda: mv(wg, epilogue=2, norm=norm),
         "gate/up norm, 1 unit 4 words": lambda: mv(wg, epilogue=2, norm=norm, rows=1, unroll=4),
         "gate/up norm, 2 units 4 words": lambda: mv(wg, epilogue=2, norm=norm, rows=2, unroll=4),
+        "gate/up norm, 4 units 1 word, double-buffered": lambda: mv(wg, epilogue=2, norm=norm, rows=4, unroll=1,
+                                                                     prefetch=2),
+        "gate/up norm, 2 units 2 words, double-buffered": lambda: mv(wg, epilogue=2, norm=norm, rows=2, unroll=2,
+                                                                     prefetch=2),
         "gate/up": lambda: mv(wg, epilogue=2),
         "gate/up norm, tensor cores": lambda: C.qmma4(x, *wg, 64, 2, norm=norm),
         "gate/up norm int8": lambda: mv(wg, epilogue=2, norm=norm, int8=True),
