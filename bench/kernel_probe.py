@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import csv
 import sys
 import time
 from typing import Any, Callable
+
+from .step_kernels import profiled, read_ncu
 
 HKV, G, D, CAP, K = 8, 4, 128, 1024, 4096  # Qwen3-8B's attention and hidden size
 
@@ -148,18 +149,11 @@ def run(reps: int = 3) -> None:
     for f in todo.values():  # compiled before the profiled range
         mx.eval(f())
     mx.synchronize()
-    try:
-        from torch.cuda import nvtx  # the device image's PyTorch: NVTX ranges for ncu's filter
-    except Exception:  # noqa: BLE001 - no PyTorch: ncu then profiles every kernel
-        nvtx = None
     for name, f in todo.items():
-        if nvtx:
-            nvtx.range_push("steps")
-        for _ in range(reps):
-            mx.eval(f())
-        mx.synchronize()
-        if nvtx:
-            nvtx.range_pop()
+        with profiled():
+            for _ in range(reps):
+                mx.eval(f())
+            mx.synchronize()
         t = time.perf_counter()
         for _ in range(20):
             mx.eval(f())
@@ -170,13 +164,9 @@ def run(reps: int = 3) -> None:
 
 def summarize(path: str) -> None:
     """Each kernel's ncu times (us), in launch order."""
-    with open(path) as f:
-        lines = [ln for ln in f if ln.startswith('"')]
     times: dict[str, list[float]] = collections.defaultdict(list)
-    for r in csv.DictReader(lines):
-        if r["Metric Name"] == "gpu__time_duration.sum":
-            v = float(r["Metric Value"].replace(",", ""))
-            times[r["Kernel Name"].split("(")[0]].append(v * (1e-3 if r["Metric Unit"] in ("ns", "nsecond") else 1))
+    for (_, name), m in read_ncu(path).items():
+        times[name.split("(")[0]].append(m.get("gpu__time_duration.sum", 0.0))
     for name, ts in times.items():
         print(f"{name[-72:]:72s} " + " ".join(f"{t:6.1f}" for t in ts))
 

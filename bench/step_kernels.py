@@ -15,11 +15,13 @@ command still prints the steps' wall time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import statistics
 import sys
 import time
 from collections import defaultdict
+from typing import Any
 
 
 def run(shape: str, steps: int, warm: int, rows: int = 1) -> None:
@@ -45,36 +47,45 @@ def run(shape: str, steps: int, warm: int, rows: int = 1) -> None:
     for _ in range(warm):
         mx.eval(model(y, cache=cache))
     mx.synchronize()
-    try:
-        from torch.cuda import nvtx  # the device image's PyTorch: NVTX ranges for ncu's filter
-    except Exception:  # noqa: BLE001 - no PyTorch: ncu then profiles every kernel
-        nvtx = None
-    if nvtx:
-        nvtx.range_push("steps")
-    t, built = time.perf_counter(), 0.0
-    for _ in range(steps):
-        b = time.perf_counter()
-        out = model(y, cache=cache)
-        built += time.perf_counter() - b
-        mx.eval(out)
-    mx.synchronize()
-    ms = (time.perf_counter() - t) / steps * 1e3
-    if nvtx:
-        nvtx.range_pop()
+    with profiled():
+        t, built = time.perf_counter(), 0.0
+        for _ in range(steps):
+            b = time.perf_counter()
+            out = model(y, cache=cache)
+            built += time.perf_counter() - b
+            mx.eval(out)
+        mx.synchronize()
+        ms = (time.perf_counter() - t) / steps * 1e3
     program = getattr(model, "decode_program", None)
     print(f"# {shape}, {rows} row(s): {steps} steps, {ms:.2f} ms a step (wall, under the profiler if any), "
           f"{built / steps * 1e3:.2f} ms of it building the graph in Python; "
           f"decode program {'on' if program is not None and program.enabled else 'off'}", file=sys.stderr)
 
 
-def summarize(path: str, steps: int) -> None:
-    rows = []
+@contextlib.contextmanager
+def profiled():
+    """An NVTX range named "steps" around the block: what `ncu --nvtx --nvtx-include "steps/"`
+    profiles (through the device image's PyTorch; without it ncu profiles every kernel)."""
+    try:
+        from torch.cuda import nvtx
+    except Exception:  # noqa: BLE001 - no PyTorch
+        nvtx = None
+    if nvtx:
+        nvtx.range_push("steps")
+    try:
+        yield
+    finally:
+        if nvtx:
+            nvtx.range_pop()
+
+
+def read_ncu(path: str) -> dict[tuple[str, str], dict[str, Any]]:
+    """An `ncu --csv` report's metrics per (launch ID, kernel name), in launch order: its time in
+    µs, its DRAM reads in bytes, and its grid."""
     with open(path) as f:
         lines = [ln for ln in f if ln.startswith('"')]
+    per: dict[tuple[str, str], dict[str, Any]] = defaultdict(dict)
     for r in csv.DictReader(lines):
-        rows.append(r)
-    per: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
-    for r in rows:
         key = (r["ID"], r["Kernel Name"])
         unit, val = r["Metric Unit"], float(r["Metric Value"].replace(",", "") or 0)
         name = r["Metric Name"]
@@ -84,6 +95,11 @@ def summarize(path: str, steps: int) -> None:
             val *= {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}.get(unit, 1.0)
         per[key][name] = val
         per[key]["grid"] = r.get("Grid Size", "")
+    return per
+
+
+def summarize(path: str, steps: int) -> None:
+    per = read_ncu(path)
     groups: dict[str, list[dict[str, float]]] = defaultdict(list)
     for (_, name), m in per.items():
         short = name.split("(")[0].split("<")[0]

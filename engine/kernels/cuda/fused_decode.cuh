@@ -861,16 +861,6 @@ __device__ __forceinline__ void attention_impl(const T* qkv, const T* qn, const 
       static_cast<float>(p), kc, vc, (size_t)j * CAP, start, end, p, m, l, acc);
   __shared__ BlockSums<G, D, WARPS> sums;
   sums.put<DPL>(m, l, acc);
-  if (act == 1) {  // one split (a short context, MK > 0): the block's sums are the output, as
-    // combine_group would round them (weight 1, then times 1 / sum)
-    for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {
-      const int g = i / D, d = i % D;
-      float M, ls, a;
-      sums.get(g, d, M, ls, a);
-      y[(j * G + g) * D + d] = static_cast<T>(a * (1.f / ls));
-    }
-    return;
-  }
   for (int i = threadIdx.x; i < G * D; i += WARPS * 32) {  // the block's warps, one split's part
     const int g = i / D, d = i % D, h = j * G + g;
     float M, ls, a;
