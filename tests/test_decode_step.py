@@ -150,18 +150,18 @@ def test_the_next_kernels_first_rows_are_what_it_prefetches(monkeypatch):
     assert greedy(ahead, 6) == greedy(plain, 6)
 
 
-@pytest.mark.parametrize("switch, attached", [("", {4, 8}), ("1", {None, 4, 8}), ("0", set())])
+@pytest.mark.parametrize("switch, attached", [("", {None, 4, 8}), ("1", {None, 4, 8}), ("0", set())])
 def test_the_program_attaches_by_default_at_the_precisions_it_measured_faster(monkeypatch, switch, attached):
     """With MLXCHAT_CUDA_DECODE unset, the loader attaches the program to models of the precisions
-    in DEFAULT_BITS only (4- and 8-bit: where the H100 measured it faster than the model's own forward);
-    =1 at every precision, =0 none. (On a GPU each attach also runs `check`; here it passes.)"""
+    in DEFAULT_BITS (bf16, 8- and 4-bit: the H100 measured it faster than the model's own forward at
+    each); =1 at every precision, =0 none. (On a GPU each attach also runs `check`; here it passes.)"""
     monkeypatch.setattr(decode_step.device, "backend", lambda: "cuda")
     monkeypatch.setenv(decode_step.SWITCH, switch)
     monkeypatch.setattr(decode_step, "check", lambda model, program, *a, **k: {"kept": True})
     wide = {**LLAMA, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
     got = {bits for bits in (None, 4, 8)
            if decode_step.attach(to_gpu_layout(build_module(Shape("w", wide, bits=bits), dtype=mx.bfloat16, seed=1)))}
-    assert got == attached and decode_step.DEFAULT_BITS == (4, 8)
+    assert got == attached and decode_step.DEFAULT_BITS == (4, 8, 16)
 
 
 @pytest.mark.parametrize("group_size", [64, 128])
