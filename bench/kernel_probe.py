@@ -5,7 +5,8 @@ Compute to time: what a kernel's fixed costs are, apart from its bytes.
         --metrics gpu__time_duration.sum python -m bench.kernel_probe > probe.csv
     python -m bench.kernel_probe --summarize probe.csv
 
-The first command launches each case three times inside an NVTX range named "steps" (what ncu
+`--only "gate/up norm; qkv norm"` runs those cases alone (for ncu's slower sections: `--section
+WarpStateStats` and the like, `--reps 1`). The first command launches each case three times inside an NVTX range named "steps" (what ncu
 profiles; each kernel alone, caches flushed before each); without ncu it prints each case's wall
 time a launch, mostly launch cost. The second prints each kernel's times in launch order (cases
 sharing a kernel follow each other, `CASES`' order). The cases:
@@ -142,10 +143,15 @@ def cases() -> dict[str, Callable[[], Any]]:
     }
 
 
-def run(reps: int = 3) -> None:
+def run(reps: int = 3, only: list[str] | None = None) -> None:
     import mlx.core as mx
 
     todo = cases()
+    if only:
+        unknown = [name for name in only if name not in todo]
+        if unknown:
+            raise SystemExit(f"no such case: {', '.join(unknown)} (cases: {'; '.join(todo)})")
+        todo = {name: todo[name] for name in only}
     for f in todo.values():  # compiled before the profiled range
         mx.eval(f())
     mx.synchronize()
@@ -175,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--summarize", help="an ncu --csv report to print")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--only", help="';'-separated case names to run (for ncu's detailed sections)")
     a = ap.parse_args(argv)
     if a.summarize:
         summarize(a.summarize)
@@ -182,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine import device
 
     device.select_device("gpu")
-    run(a.reps)
+    run(a.reps, [n.strip() for n in a.only.split(";") if n.strip()] if a.only else None)
     return 0
 
 
