@@ -49,9 +49,13 @@ __device__ __forceinline__ void load_f(const T* p, float* out) {
     unpack8<T>(reinterpret_cast<const uint4*>(p)[i], out + 8 * i);
   }
 }
+__constant__ uint32_t kFloatMagic = 0x4B000000u;  // 2^23's bits (q_at)
 __device__ __forceinline__ float q_at(uint32_t bytes, int b) {
-  // byte b of `bytes` (0..255) as a float, exactly: 2^23 + byte, less 2^23
-  return __uint_as_float(__byte_perm(bytes, 0x4B000000u, 0x7540 + b)) - 8388608.0f;
+  // byte b of `bytes` (0..255) as a float, exactly: 2^23 + byte, less 2^23. The exponent's bytes
+  // come from a register and the selector is the instruction's immediate: with 0x4B000000 as the
+  // immediate, ptxas put the selector in a register and re-made it (MOV from a uniform
+  // register) before nearly every PRMT, one instruction a weight.
+  return __uint_as_float(__byte_perm(bytes, kFloatMagic, 0x7540 + b)) - 8388608.0f;
 }
 template <int BITS, typename T>
 __device__ __forceinline__ float dot_word(const uint4 w, const float* x) {
@@ -888,6 +892,14 @@ __device__ __forceinline__ uint32_t nib_pair(uint32_t w, uint32_t magic) {
   return d;
 }
 
+__device__ __forceinline__ int mma_b_order(int k) {
+  // where x's value k sits in shared memory laid out as one-row B fragments of mma.m16n8k16: each
+  // 8 values j = 0..7 in the order 0 4 1 5 2 6 3 7, so a 32-bit register (values 2h, 2h + 4 or
+  // 2h + 1, 2h + 5 of its 8) is one aligned word and a lane's 16 values two 128-bit loads
+  const int j = k & 7;
+  return (k & ~7) | (j < 4 ? 2 * j : 2 * j - 7);
+}
+
 template <bool BF16>
 __device__ __forceinline__ void mma_16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                           uint32_t b0, uint32_t b1) {
@@ -984,21 +996,21 @@ __device__ __forceinline__ void qmma4_impl(const T* x, const uint32_t* w, const 
     #pragma unroll
     for (int i = 0; i < PER; ++i) {
       const int k = threadIdx.x + 32 * KW * i;
-      if (k < K) xs[k] = XN == 2 ? static_cast<T>(nw[k] * static_cast<T>(v[i] * rn)) : static_cast<T>(v[i]);
+      if (k < K) xs[mma_b_order(k)] = XN == 2 ? static_cast<T>(nw[k] * static_cast<T>(v[i] * rn)) : static_cast<T>(v[i]);
     }
     __syncthreads();
     // each chunk's sum by one warp: two values a lane, then a butterfly (a thread summing a
     // chunk's 64 alone kept the block waiting on 64 dependent adds)
     #pragma unroll 4
     for (int c = warp; c < CHUNKS; c += KW) {
-      float s = static_cast<float>(xs[c * 64 + lane]) + static_cast<float>(xs[c * 64 + 32 + lane]);
+      float s = static_cast<float>(xs[mma_b_order(c * 64 + lane)]) + static_cast<float>(xs[mma_b_order(c * 64 + 32 + lane)]);
       #pragma unroll
       for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
       if (lane == 0) sxs[c] = s;
     }
     __syncthreads();
   }
-  const unsigned short* xb = reinterpret_cast<const unsigned short*>(xs);
+  const uint4* xq = reinterpret_cast<const uint4*>(xs);
   #pragma unroll 1
   for (int c0 = warp; c0 < CHUNKS; c0 += KW * U) {
     if (c0 != warp) load_round(c0);
@@ -1006,14 +1018,15 @@ __device__ __forceinline__ void qmma4_impl(const T* x, const uint32_t* w, const 
     for (int u = 0; u < U; ++u) {
       const int c = c0 + u * KW;
       if (c >= CHUNKS) break;  // the same for the whole warp
-      uint32_t b[2][2][2];  // [half of the uint2][mma][register]: x row g at this lane's k (row 0 only)
-      #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
+      // [half of the uint2][mma][register]: x at this lane's k in column g, x's one row being
+      // column 0 (lanes g == 0; the others' columns are zeros). xs holds x in the registers'
+      // order (mma_b_order), so the lane's 16 values are two 128-bit loads.
+      uint32_t b[2][2][2] = {{{0u, 0u}, {0u, 0u}}, {{0u, 0u}, {0u, 0u}}};
+      if (g == 0) {
         #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int k = c * 64 + 16 * t + 8 * hh + 2 * h;
-          b[hh][h][0] = g == 0 ? (uint32_t)xb[k] | ((uint32_t)xb[k + 4] << 16) : 0u;
-          b[hh][h][1] = g == 0 ? (uint32_t)xb[k + 1] | ((uint32_t)xb[k + 5] << 16) : 0u;
+        for (int hh = 0; hh < 2; ++hh) {
+          const uint4 q = xq[(c * 64 + 16 * t) / 8 + hh];
+          b[hh][0][0] = q.x; b[hh][0][1] = q.y; b[hh][1][0] = q.z; b[hh][1][1] = q.w;
         }
       }
       const float sx = sxs[c];
