@@ -80,3 +80,27 @@ def test_qmv_linear_sends_it_the_products_of_a_few_rows_of_a_4bit_layer(gated, b
         residual = mx.random.normal((m, 1, 96)).astype(mx.bfloat16)
         assert mx.array_equal(ours.add_product(x, residual), residual + layer(x)).item(), m
     assert calls == ([(m, r) for m in (2, 8, 32) for r in (False, True)] if taken else [])
+
+
+@pytest.mark.parametrize("switch, tiles", [("", 1), ("4", 4), ("2", 2), ("3", 1)])
+def test_the_tiles_switch_sets_each_blocks_weight_tiles_at_32_rows(monkeypatch, switch, tiles):
+    """MLXCHAT_CUDA_QMM_TILES fixes the 16-row weight tiles a block takes (1, 2 or 4; anything else
+    leaves tiles_per_block's own choice, one tile at 32 rows): the kernel is compiled for that
+    many (its TPW) and launched over that many fewer blocks."""
+    from engine.kernels import fused_cuda
+
+    monkeypatch.setenv(qmm_rows_cuda.TILES_SWITCH, switch)
+    launches = []
+
+    def kernel(*_args):
+        def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            launches.append((dict(template), grid))
+            return [mx.zeros(output_shapes[0], output_dtypes[0])]
+        return launch
+
+    monkeypatch.setattr(fused_cuda, "_kernel", kernel)
+    w, scales, biases = mx.quantize(mx.random.normal((200, 256)), group_size=64, bits=4)
+    qmm_rows_cuda.qmm4_rows(mx.zeros((32, 256), mx.bfloat16), w, scales, biases, 64)
+    (template, grid), = launches
+    assert template["TPW"] == tiles and template["MT"] == 4
+    assert grid[0] == -(-13 // tiles) * qmm_rows_cuda.WARPS * 32  # 200 outputs: 13 tiles of 16

@@ -45,9 +45,18 @@ def fits(bits: int, group_size: int, k: int, x_rows: int, dtype: mx.Dtype) -> bo
             and dtype in (mx.bfloat16, mx.float16))
 
 
+TILES_SWITCH = "MLXCHAT_CUDA_QMM_TILES"  # a fixed tiles_per_block, for the bench to weigh in a service
+
+
 def tiles_per_block(m: int) -> int:
     """16-row weight tiles a block takes: more where x has few rows (its registers allow), so that
-    fewer blocks read x."""
+    fewer blocks read x (every block reads all of x: at 32 rows and one tile a block, the 8B
+    shape's products read ~7x their weights' bytes of x from L2). `MLXCHAT_CUDA_QMM_TILES=N`
+    sets N at every row count (1, 2 or 4; 4 at 32 rows and one chunk ahead compiles to 176
+    registers, unspilled), so that a whole batched step can be timed at each."""
+    fixed = os.environ.get(TILES_SWITCH, "").strip()
+    if fixed in ("1", "2", "4"):
+        return int(fixed)
     return 4 if m <= 8 else 2 if m <= 16 else 1
 
 
