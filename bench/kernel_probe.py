@@ -33,7 +33,8 @@ import argparse
 import collections
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .step_kernels import profiled, read_ncu
 

@@ -5,11 +5,11 @@ rows of a 4-bit layer, and nothing else. (The kernel runs on CUDA only: on the C
 stands in for it; tests/test_cuda_source.py compiles it for sm_90.)"""
 
 import mlx.core as mx
-import mlx.nn as nn
 import pytest
+from kernel_gates import gate
+from mlx import nn
 
 from engine.kernels import qmm_rows_cuda, qmv_cuda
-from kernel_gates import gate
 
 pytestmark = pytest.mark.fast
 
