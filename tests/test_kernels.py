@@ -529,3 +529,33 @@ def test_weight_rows_taken_together_give_the_same_bits(kern, isa, rows):
         finally:
             kern.set_interleave_rows(True)
         assert mx.array_equal(together, alone).item()
+
+
+@pytest.mark.parametrize("unit", ["avx2", "generic"])
+def test_a_fresh_thread_runs_a_product_of_three_to_eight_rows(kern, unit):
+    """The first product a process runs, of 3-8 rows on a unit without AVX-512, in threads whose
+    scratch buffers are still empty: each row's scales fit the scratch it asked for. (The AVX2
+    unit once asked for none from three rows on, and wrote the scales through a null pointer:
+    the default unit on CPUs without AVX-512 crashed with three or more streams.) A process of
+    its own, so that no earlier product has grown the buffers; two threads, so the pool's
+    worker runs blocks too."""
+    import os
+    import subprocess
+    import sys
+
+    if unit not in kern.isas():
+        pytest.skip(f"this CPU cannot run the {unit} kernels")
+    code = (
+        "import mlx.core as mx\n"
+        "from engine.kernels import native\n"
+        f"k = native.kernels(); k.set_isa({unit!r})\n"
+        "w, s, b = mx.quantize(mx.random.normal((203, 576)), group_size=64, bits=4)\n"
+        "for rows in (3, 8):\n"
+        "    x = mx.random.normal((rows, 576))\n"
+        "    ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4)\n"
+        "    assert mx.allclose(k.quantized_matmul(x, w, s, b, 64, 4), ref, rtol=1e-4, atol=1e-4).item()\n"
+        "print('ok')\n")
+    env = {**os.environ, "MLXCHAT_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=str(native.SOURCE_DIR.parents[1]))
+    assert out.returncode == 0 and "ok" in out.stdout, (out.returncode, out.stderr[-2000:])

@@ -256,10 +256,13 @@ void rows_at(const QMat& W, const float* xp, int64_t n, int64_t step, float* sc,
 // of x take two weight rows where x's rows outgrow a share of the L1 cache (each step's loads of
 // x then serve two weight rows; 4 rows of the 1B shape's down product, K = 8192: 1.6x faster at
 // group 64, 1.1x at group 32, bench.cpu_rows),
-// one where they fit (two cost 17% on the bundled model's K = 576).
+// one where they fit (two cost 17% on the bundled model's K = 576). At least one: with AVX2 it
+// was 2 / M, 0 from three rows on, so rows_bits asked for no scratch and wrote each row's scales
+// into whatever its thread's buffer held (a null pointer in a fresh thread: the AVX2 unit, the
+// default where AVX-512 is missing, crashed or corrupted memory with three or more streams).
 template <int M>
 constexpr int weight_rows() {
-  return Vec::n == 16 ? (M == 1 ? 4 : M <= 4 ? 2 : 1) : 2 / M;
+  return Vec::n == 16 ? (M == 1 ? 4 : M <= 4 ? 2 : 1) : (M == 1 ? 2 : 1);
 }
 template <int M>
 int weight_rows_for(int64_t K) {
