@@ -913,8 +913,8 @@ uint64_t read_sum(const uint64_t* w, int64_t n) {
 // every return, clears zmm0-15 only; while any upper half is dirty, every legacy-SSE instruction
 // after it on the same thread runs with a merge penalty. That was our own scalar code (SwiGLU's
 // expf loop) and MLX's CPU ops on the threads that ran a kernel: after one int8 product, SwiGLU on
-// a 200 x 1,536 chunk took 22 ms instead of 0.7 (Sapphire Rapids), a 200-token prompt of the
-// bundled model 1.4 s instead of 0.5, and a batched one 11 s. So every kernel entry point below
+// a 200 x 1,536 chunk took 22 ms instead of 0.6 (Sapphire Rapids), a 200-token prompt of the
+// bundled model 1.4 s instead of 0.7, and a batched one 11 s. So every kernel entry point below
 // zeroes zmm16-31 on its way out (16 zeroing idioms: a few ns against a kernel call's us).
 inline void clean_upper() {
 #if MLXCHAT_SIMD == 512
