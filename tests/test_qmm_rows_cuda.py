@@ -100,7 +100,11 @@ def test_the_tiles_switch_sets_each_blocks_weight_tiles_at_32_rows(monkeypatch, 
 
     monkeypatch.setattr(fused_cuda, "_kernel", kernel)
     w, scales, biases = mx.quantize(mx.random.normal((200, 256)), group_size=64, bits=4)
-    qmm_rows_cuda.qmm4_rows(mx.zeros((32, 256), mx.bfloat16), w, scales, biases, 64)
+    qmm_rows_cuda.reset()  # the switch is read once a process
+    try:
+        qmm_rows_cuda.qmm4_rows(mx.zeros((32, 256), mx.bfloat16), w, scales, biases, 64)
+    finally:
+        qmm_rows_cuda.reset()
     (template, grid), = launches
     assert template["TPW"] == tiles and template["MT"] == 4
     assert grid[0] == -(-13 // tiles) * qmm_rows_cuda.WARPS * 32  # 200 outputs: 13 tiles of 16

@@ -177,8 +177,7 @@ def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array |
     xn = 2 if norm is not None else (1 if k <= MAX_STAGED else 0)
     names = ["x", "w"] + (["scales", "biases"] if quantized else []) + (["nw", "ne"] if norm else []) \
         + (["a"] if epilogue == 1 else [])
-    norm_arrays = [norm[0], constant(norm[1], mx.float32)] if norm else []
-    arrays = [x, w] + ([scales, biases] if quantized else []) + norm_arrays \
+    arrays = [x, w] + ([scales, biases] if quantized else []) + _norm_inputs(norm) \
         + ([a] if epilogue == 1 else [])
     kind = f"matvec_{'q' if quantized else 'd'}{'_add' if epilogue == 1 else ''}{'_norm' if norm else ''}"
     block = WARPS * 32
@@ -191,6 +190,12 @@ def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array |
                    output_shapes=[(*x.shape[:-1], out)], output_dtypes=[x.dtype])[0]
 
 
+def _norm_inputs(norm: tuple[mx.array, float] | None) -> list[mx.array]:
+    """A fused RMSNorm's kernel inputs `nw` and `ne`: its weight and its eps (made once:
+    inputs.constant), or none."""
+    return [norm[0], constant(norm[1], mx.float32)] if norm else []
+
+
 def _quantized_inputs(name: str, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, epilogue: int,
                       a: mx.array | None, norm: tuple[mx.array, float] | None
                       ) -> tuple[list[str], list[mx.array], str, str]:
@@ -198,8 +203,7 @@ def _quantized_inputs(name: str, x: mx.array, w: mx.array, scales: mx.array, bia
     `a`) where it has them: their names, the arrays, the kernel's name (`name`, then _add, _norm)
     and the device function's arguments (nullptr for what it lacks), y last."""
     names = ["x", "w", "scales", "biases"] + (["nw", "ne"] if norm else []) + (["a"] if epilogue == 1 else [])
-    arrays = [x, w, scales, biases] + ([norm[0], constant(norm[1], mx.float32)] if norm else []) \
-        + ([a] if epilogue == 1 else [])
+    arrays = [x, w, scales, biases] + _norm_inputs(norm) + ([a] if epilogue == 1 else [])
     kind = f"{name}{'_add' if epilogue == 1 else ''}{'_norm' if norm else ''}"
     args = (f"x, w, scales, biases, {'a' if epilogue == 1 else '(const T*)nullptr'}, "
             f"{'nw' if norm else '(const T*)nullptr'}, {'ne' if norm else '(const float*)nullptr'}, y")

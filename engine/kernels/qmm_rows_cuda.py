@@ -21,6 +21,7 @@ engine/kernels/qmv_cuda.py's `QMVLinear` calls it for products of `MIN_ROWS` to 
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -54,10 +55,15 @@ def tiles_per_block(m: int) -> int:
     shape's products read ~7x their weights' bytes of x from L2). `MLXCHAT_CUDA_QMM_TILES=N`
     sets N at every row count (1, 2 or 4; 4 at 32 rows and one chunk ahead compiles to 176
     registers, unspilled), so that a whole batched step can be timed at each."""
+    return _fixed_tiles() or (4 if m <= 8 else 2 if m <= 16 else 1)
+
+
+@functools.cache
+def _fixed_tiles() -> int | None:
+    """`MLXCHAT_CUDA_QMM_TILES` (1, 2 or 4; else None), read once a process (every batched 4-bit
+    product asks): `reset` forgets it."""
     fixed = os.environ.get(TILES_SWITCH, "").strip()
-    if fixed in ("1", "2", "4"):
-        return int(fixed)
-    return 4 if m <= 8 else 2 if m <= 16 else 1
+    return int(fixed) if fixed in ("1", "2", "4") else None
 
 
 def qmm4_rows(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
@@ -101,8 +107,9 @@ def enabled(dtype: mx.Dtype) -> bool:
 
 
 def reset() -> None:
-    """Forget the switch's value and the checks' outcomes."""
+    """Forget the switches' values and the checks' outcomes."""
     _CHECKED.reset()
+    _fixed_tiles.cache_clear()
 
 
 def check(dtype: mx.Dtype = mx.bfloat16) -> dict[str, Any]:
