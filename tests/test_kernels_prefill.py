@@ -128,3 +128,178 @@ def test_a_prompt_chunks_peak_memory_does_not_grow_with_depth(blas):
         mx.eval(model(prompt, cache=make_prompt_cache(model)))
         peaks.append(mx.get_peak_memory() - before)
     assert peaks[1] < 1.4 * peaks[0], peaks
+
+
+# ---------------------------------------------- prompt chunks of several rows (a BatchKVCache)
+
+
+def left_padding_mask(starts, length, cached):
+    """mlx-lm's mask for a BatchKVCache chunk: key t visible to row b's position i when
+    starts[b] <= t <= cached + i."""
+    t = mx.arange(cached + length)
+    causal = t[None] <= (cached + mx.arange(length))[:, None]
+    return causal[None, None] & (starts[:, None, None, None] <= t)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 1, 48), (4, 4, 32)])
+@pytest.mark.parametrize("starts,length,cached", [
+    ([0, 5], 23, 0),            # left-padded prompts: 5 positions of row 1 see no key
+    ([3, 0, 40], 37, 45),       # a chunk after cached keys; row 2's padding reaches past them
+    ([0, 17, 299, 120], 300, 0),
+    ([2], 2, 7),
+])
+def test_prefill_attention_hides_each_rows_left_padding(kern, heads, kv_heads, dim, starts,
+                                                        length, cached):
+    """Per-row first visible keys (a BatchKVCache's left padding) vs MLX's attention under the
+    boolean mask mlx-lm builds for it (atol 1e-5, as the causal test), positions that see no
+    key included (MLX gives them the mean of every value); each position that sees keys equals a
+    decode step there bit for bit, and starts of 0 equal no starts bit for bit."""
+    B, total = len(starts), cached + length
+    starts = mx.array(starts, dtype=mx.int32)
+    q = mx.random.normal((B, heads, length, dim))
+    k_buf, v_buf = (mx.random.normal((B, kv_heads, 512, dim)) for _ in range(2))
+    k, v = k_buf[:, :, :total], v_buf[:, :, :total]  # a cache's prefix: strided
+    mask = left_padding_mask(starts, length, cached)
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=dim ** -0.5, mask=mask)
+    ref = ref.transpose(0, 2, 1, 3).reshape(B, length, -1)
+    ours = kern.prefill_attention(q, k, v, dim ** -0.5, starts=starts)
+    assert ours.shape == ref.shape
+    assert mx.allclose(ours, ref, rtol=1e-5, atol=1e-5).item(), mx.abs(ours - ref).max().item()
+    for i in (0, length // 2, length - 1):
+        step = kern.decode_attention(q[:, :, i:i + 1], k[:, :, :cached + i + 1],
+                                     v[:, :, :cached + i + 1], dim ** -0.5, starts=starts)
+        for b in range(B):
+            if starts[b].item() <= cached + i:  # (a decode step gives zeros where none shows)
+                assert mx.array_equal(ours[b, i], step[b].reshape(-1)).item(), (b, i)
+    zeros = mx.zeros((B,), dtype=mx.int32)
+    assert mx.array_equal(kern.prefill_attention(q, k, v, 0.125, starts=zeros),
+                          kern.prefill_attention(q, k, v, 0.125)).item()
+    with pytest.raises(ValueError):
+        kern.prefill_attention(q, k, v, 0.125, starts=mx.zeros((B + 1,), dtype=mx.int32))
+    with pytest.raises(ValueError):
+        kern.prefill_attention(q, k, v, 0.125, starts=starts.astype(mx.int64))
+
+
+def test_prefill_attention_with_starts_reads_packed_rows_as_their_values(kern, isa):
+    """Over an 8-bit cache's packed rows (kv8.py) it equals the op over their dequantized fp32
+    values, bit for bit."""
+    from engine.kernels.kv8 import pack, unpack
+
+    k = pack(mx.random.normal((3, 3, 512, 64)))[:, :, :70]
+    v = pack(mx.random.normal((3, 3, 512, 64)))[:, :, :70]
+    q = mx.random.normal((3, 9, 30, 64))
+    starts = mx.array([0, 12, 55], dtype=mx.int32)
+    ours = kern.prefill_attention(q, k, v, 0.125, starts=starts)
+    ref = kern.prefill_attention(q, unpack(k), unpack(v), 0.125, starts=starts)
+    assert mx.array_equal(ours, ref).item(), mx.abs(ours - ref).max().item()
+
+
+BATCH_PROMPTS = [[(7 * i + 3) % 319 + 1 for i in range(70)],
+                 [(5 * i + 11) % 319 + 1 for i in range(23)],
+                 [(3 * i + 2) % 319 + 1 for i in range(41)]]
+
+
+def batch_kinds():
+    from mlx_lm.models.cache import BatchKVCache
+
+    from engine.kernels.kv8 import KV8Cache, SlotKV8Cache
+    from engine.slot_cache import SlotKVCache
+
+    # (the batch's cache, a row's cache alone)
+    return {"BatchKVCache": (BatchKVCache, lambda m: make_prompt_cache(m)),
+            "SlotKVCache": (SlotKVCache, lambda m: make_prompt_cache(m)),
+            "SlotKV8Cache": (SlotKV8Cache, lambda m: [KV8Cache() for _ in m.layers])}
+
+
+def left_padded(prompts):
+    width = max(map(len, prompts))
+    padding = [width - len(p) for p in prompts]
+    return mx.array([[0] * n + p for n, p in zip(padding, prompts)]), padding
+
+
+@pytest.fixture
+def batched_chunks(monkeypatch):
+    """How many prompt chunks over a batch cache took our prefill attention (the real method,
+    counted)."""
+    calls = []
+    real = layout.KernelLlamaAttention._prompt_chunk
+
+    def counted(self, x, cache, starts):
+        if starts is not None:
+            calls.append(x.shape)
+        return real(self, x, cache, starts)
+
+    monkeypatch.setattr(layout.KernelLlamaAttention, "_prompt_chunk", counted)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["BatchKVCache", "SlotKVCache", "SlotKV8Cache"])
+@pytest.mark.parametrize("bits,gs,traditional", [(4, 32, True), (8, 64, False)])
+def test_a_batched_prefill_gives_each_row_what_it_gets_alone(kern, batched_chunks, kind, bits,
+                                                             gs, traditional):
+    """Three prompts (70, 23 and 41 tokens) prefilled together over a batch cache, left-padded
+    as mlx-lm's BatchGenerator pads them: every layer's attention is our prefill op (each row's
+    RoPE at its own offset, its padding hidden), each row's last logits are within rtol 1e-4 /
+    atol 1e-4 of the prompt's alone over a plain cache (as the batched decode tests) with the
+    same next token, and so are 4 greedy steps after it; mlx-lm's own model on the same batch
+    (its mask, MLX's attention) gives our logits at every position within the same tolerance.
+    Over the 8-bit cache, values that differ in their last bit between the two models' sums can
+    round to codes one step apart (one value of 8-bit weights' 70 x 3 rows here: 0.009 off), so
+    there mlx-lm's logits are checked as test_kv8 checks the 8-bit cache's own error: within 2%
+    of the logits' scale."""
+    batch_cache, alone_cache = batch_kinds()[kind]
+    ours, ref = tiny_llama_pair(bits, gs, traditional)
+    tokens, padding = left_padded(BATCH_PROMPTS)
+    cache = [batch_cache(padding) for _ in ours.layers]
+    logits = ours(tokens, cache=cache)
+    assert batched_chunks == [(3, 70, 128)] * len(ours.layers)
+    theirs = ref(tokens, cache=[batch_cache(padding) for _ in ref.layers])
+    if kind == "SlotKV8Cache":
+        assert mx.abs(logits - theirs).max().item() < 0.02 * mx.abs(theirs).max().item()
+    else:
+        assert mx.allclose(logits, theirs, rtol=1e-4, atol=1e-4).item(), mx.abs(logits - theirs).max().item()
+    together, last = [], logits[:, -1:]
+    for _ in range(5):
+        step = mx.argmax(last, axis=-1)
+        together.append((last, step[:, 0].tolist()))
+        last = ours(step, cache=cache)
+    for row, prompt in enumerate(BATCH_PROMPTS):
+        cache_alone = alone_cache(ours)
+        last = ours(mx.array([prompt]), cache=cache_alone)[:, -1:]
+        for n, (batched, tokens_then) in enumerate(together):
+            assert mx.allclose(last, batched[row], rtol=1e-4, atol=1e-4).item(), (row, n)
+            token = mx.argmax(last, axis=-1)
+            assert token.item() == tokens_then[row], (row, n)
+            last = ours(token, cache=cache_alone)
+
+
+def test_batched_chunks_the_op_cannot_express_keep_mlx_lms_attention(kern, batched_chunks):
+    """The mask a BatchKVCache makes is exactly what `starts` says (and `_prompt_chunk` takes
+    it); another mask (additive, of another shape, none), a rotating batch cache and a sliding
+    window's layers (their mask also hides keys older than the window) keep mlx-lm's attention:
+    with a window of 8 over 40-token prompts the logits are mlx-lm's, and taking our op there
+    would change them."""
+    from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache
+
+    tokens, padding = left_padded([p[:40] for p in BATCH_PROMPTS])
+    cache = BatchKVCache(padding)
+    mx.eval(cache.update_and_fetch(*(mx.zeros((3, 2, 5, 32)),) * 2))  # 5 keys already held
+    x = mx.zeros((3, 40, 128))
+    mask = cache.make_mask(40)
+    took, starts = layout._prompt_chunk(x, mask, cache)
+    assert took and starts.tolist() == padding
+    assert mx.array_equal(mask, left_padding_mask(starts, 40, 5)).item()
+    for other in (mask.astype(mx.float32), mask[..., 1:], None, "causal"):
+        assert layout._prompt_chunk(x, other, cache) == (False, None)
+    rotating = BatchRotatingKVCache(max_size=64, left_padding=padding)
+    assert layout._prompt_chunk(x, rotating.make_mask(40), rotating) == (False, None)
+
+    window = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    ours, ref = tiny_llama_pair(4, 32, False, **window)
+    assert [layer.self_attn.sliding for layer in ours.layers] == [True, False]
+    run = lambda m: m(tokens, cache=[BatchKVCache(padding) for _ in m.layers])
+    logits, theirs = run(ours), run(ref)
+    assert batched_chunks == [(3, 40, 128)]  # the full-attention layer only
+    assert mx.allclose(logits, theirs, rtol=1e-4, atol=1e-4).item(), mx.abs(logits - theirs).max().item()
+    ours.layers[0].self_attn.sliding = False
+    assert not mx.allclose(run(ours), theirs, rtol=1e-2, atol=1e-2).item()

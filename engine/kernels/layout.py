@@ -11,9 +11,9 @@ arrays), as engine/kernels/cpu_layout.py does for its fp32 layout:
 - `nn.RMSNorm` -> `KernelRMSNorm`, `nn.RoPE` -> `KernelRoPE`;
 - mlx-lm's llama `Attention` -> `KernelLlamaAttention`: one-token steps over a plain `KVCache`
   or a `BatchKVCache` (or their 8-bit forms, kv8.py, whose packed rows the kernels read) take our
-  single-query attention, prompt chunks over a plain `KVCache` our
-  causal attention (each position the same arithmetic as a decode step there); everything else
-  runs mlx-lm's own code;
+  single-query attention, prompt chunks over either our causal attention (each position the
+  same arithmetic as a decode step there; over a `BatchKVCache`, each row from its left padding
+  on, outside a sliding window's layers); everything else runs mlx-lm's own code;
 - mlx-lm's llama `MLP` -> `KernelMLP`: our SwiGLU between its products;
 - mlx-lm's llama `TransformerBlock` -> `KernelLlamaBlock`: where every part of the layer took the
   kernels, a one-token step over a plain `KVCache` or a `BatchKVCache` is one op that also writes
@@ -23,7 +23,12 @@ A one-token step over mlx-lm's `BatchKVCache` (the scheduler's batched decoding)
 its own RoPE position (the cache's per-row `offset`) and hides the keys before each row's
 `left_padding`. That is all the mask does that mlx-lm's llama model builds for such a step
 (`cache.make_mask(1)`: key t is visible to row b when `left_padding[b] <= t`), so the mask
-itself is not read.
+itself is not read. A prompt chunk of L positions over such a cache (rows prefilled together) is
+the same with causality: `make_mask(L)` shows row b's position i the keys `left_padding[b]`
+to `_idx + i`, which `prefill_attention(..., starts=left_padding)` attends (a position that sees
+no key, a left-padded one, gets what MLX gives it: the mean of every value); its RoPE takes
+each row's `offset`, as mlx-lm's. Only the mask's kind and shape are checked, so the layers of
+a sliding window, whose mask also hides keys older than the window, keep mlx-lm's code.
 
 Activations are fp32 (the non-quantized parameters are cast to fp32; scales and biases keep their
 dtype), and every weight is dequantized exactly (q * scale + bias in fp32) and accumulated in
@@ -161,19 +166,34 @@ def _row_offsets(cache: Any) -> mx.array | None:
     return int32(cache.offset) if batch_kv(cache) else None
 
 
-def _prompt_chunk(x: mx.array, mask: Any, cache: Any) -> bool:
-    """Whether this call is a prompt chunk our prefill attention takes: several positions of one
-    sequence over a plain `KVCache`, under mlx-lm's causal mask."""
-    return (x.shape[1] > 1 and x.dtype == mx.float32 and plain_kv(cache)
-            and (mask is None or (isinstance(mask, str) and mask == "causal")))
+def _prompt_chunk(x: mx.array, mask: Any, cache: Any) -> tuple[bool, mx.array | None]:
+    """Whether this call is a prompt chunk our prefill attention takes, and for a `BatchKVCache`
+    each row's first visible key (its left padding; None for a plain `KVCache`): several
+    positions of one sequence over a plain `KVCache` under mlx-lm's causal mask, or of every row
+    over a `BatchKVCache` under the boolean (B, 1, L, keys) mask its `make_mask` builds (key t
+    visible to row b's position i when `left_padding[b] <= t <= _idx + i`; no window)."""
+    if x.shape[1] < 2 or x.dtype != mx.float32:
+        return False, None
+    if plain_kv(cache):
+        return mask is None or (isinstance(mask, str) and mask == "causal"), None
+    if (batch_kv(cache) and isinstance(mask, mx.array) and mask.dtype == mx.bool_
+            and mask.ndim == 4 and mask.shape[1] == 1 and mask.shape[0] in (1, x.shape[0])
+            and mask.shape[2:] == (x.shape[1], cache._idx + x.shape[1])):
+        return True, int32(cache.left_padding)
+    return False, None
 
 
 class KernelLlamaAttention(llama.Attention):
+    # set by to_kernel_layout for the layers of a sliding window (mlx-lm's `use_sliding`), whose
+    # batched prompt chunks keep mlx-lm's code: their masks hide keys the left padding does not
+    sliding = False
+
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         ours, starts = _one_token_step(x, mask, cache)
         if not ours:
-            if _prompt_chunk(x, mask, cache):
-                return self._prompt_chunk(x, cache)
+            chunk, starts = _prompt_chunk(x, mask, cache)
+            if chunk and not (self.sliding and starts is not None):
+                return self._prompt_chunk(x, cache, starts)
             return super().__call__(x, mask, cache)
         B = x.shape[0]
         # One position: (B, 1, heads * dim) reshapes to (B, heads, 1, dim) without a transpose.
@@ -185,9 +205,11 @@ class KernelLlamaAttention(llama.Attention):
         out = _Run.kernels.decode_attention(q, k, v, self.scale, starts=starts)
         return self.o_proj(out.reshape(B, 1, -1))
 
-    def _prompt_chunk(self, x: mx.array, cache: Any) -> mx.array:
+    def _prompt_chunk(self, x: mx.array, cache: Any, starts: mx.array | None) -> mx.array:
         """mlx-lm's prompt step with our causal attention, whose output comes in the layout
-        o_proj reads (one query position after another)."""
+        o_proj reads (one query position after another). Over a `BatchKVCache` each row's RoPE
+        takes its own offset (`cache.offset` an array: MLX's rope, as in mlx-lm) and its keys
+        before `starts` (its left padding) stay hidden."""
         B, L, _ = x.shape
         q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -195,7 +217,7 @@ class KernelLlamaAttention(llama.Attention):
         q = self.rope(q, offset=cache.offset)
         k = self.rope(k, offset=cache.offset)
         k, v = _append(cache, k, v)
-        return self.o_proj(_Run.kernels.prefill_attention(q, k, v, self.scale))
+        return self.o_proj(_Run.kernels.prefill_attention(q, k, v, self.scale, starts=starts))
 
 
 class KernelMLP(llama.MLP):
@@ -373,6 +395,8 @@ def to_kernel_layout(model: nn.Module, *, int8: bool | None = None) -> nn.Module
             counts[fast.__name__] = counts.get(fast.__name__, 0) + 1
     for name, module in model.named_modules():
         if type(module) is KernelLlamaBlock:
+            if type(module.self_attn) is KernelLlamaAttention:
+                module.self_attn.sliding = bool(getattr(module, "use_sliding", False))
             module.fused_decode = _fusable(module)
             module._fused = None
         if type(module) in (KernelLinear, KernelEmbedding, KernelLlamaBlock):

@@ -464,10 +464,14 @@ void attention(const float* q, const KV& k, const KV& v, int64_t B, int64_t H, i
 // Causal attention of L query positions (a prompt chunk) over S >= L keys whose last L are the
 // chunk's own: q (B, H, L, D) contiguous, K/V (B, Hk, S, D); query i attends keys
 // 0..S-L+i (mlx-lm's "causal" mask). y is (B, L, H, D): the layout o_proj reads, no transpose.
+// With `starts` (a batched cache's left padding), row b's query i attends keys starts[b]..S-L+i
+// (mlx-lm's mask for a BatchKVCache); a query that sees no key (a left-padded position) gets
+// the mean of all S values, as MLX's attention gives where the mask hides every key.
 // Each position runs attend_heads, as a decode step at that position does; the work is handed
 // out in blocks of positions, longest first.
 void prefill_attention(const float* q, const KV& k8, const KV& v8, int64_t B, int64_t H,
-                       int64_t Hk, int64_t L, int64_t S, int64_t D, float scale, float* y) {
+                       int64_t Hk, int64_t L, int64_t S, int64_t D, float scale, float* y,
+                       const int32_t* starts = nullptr) {
   const Impl* I = impl();
   std::vector<float> kbuf, vbuf;  // an 8-bit cache's rows, dequantized once for all positions
   const KV k = dense(k8, B, Hk, S, D, kbuf), v = dense(v8, B, Hk, S, D, vbuf);
@@ -476,11 +480,21 @@ void prefill_attention(const float* q, const KV& k8, const KV& v8, int64_t B, in
   parallel_for(B * passes * nblk, [&](int64_t t) {
     const int64_t blk = nblk - 1 - t % nblk, p = t / nblk, b = p / passes;
     const int64_t h = (p % passes) * R, hk = h / rep;
+    const int64_t t0 = starts ? std::clamp<int64_t>(starts[b], 0, S) : 0;
     const float* kb = k.p + b * k.st[0] + hk * k.st[1];
     const float* vb = v.p + b * v.st[0] + hk * v.st[1];
-    for (int64_t i = blk * rows, e = std::min(L, i + rows); i < e; ++i)
-      attend_heads(I, int(R), q + ((b * H + h) * L + i) * D, L * D, scale, kb, k.st[2], vb,
-                   v.st[2], 0, S - L + i + 1, D, y + ((b * L + i) * H + h) * D, D);
+    for (int64_t i = blk * rows, e = std::min(L, i + rows); i < e; ++i) {
+      float* yi = y + ((b * L + i) * H + h) * D;
+      const int64_t end = S - L + i + 1;
+      if (t0 < end) {
+        attend_heads(I, int(R), q + ((b * H + h) * L + i) * D, L * D, scale, kb, k.st[2], vb,
+                     v.st[2], t0, end, D, yi, D);
+        continue;
+      }
+      std::fill(yi, yi + D, 0.0f);  // every key hidden: equal weights 1 / S over all of them
+      for (int64_t s = 0; s < S; ++s) I->axpy(1.0f / float(S), vb + s * v.st[2], yi, D);
+      for (int64_t r = 1; r < R; ++r) std::copy(yi, yi + D, yi + r * D);
+    }
   });
 }
 
@@ -1220,22 +1234,26 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
 
 class PrefillAttention : public CpuPrimitive {
  public:
-  PrefillAttention(mx::Stream s, float scale) : CpuPrimitive(s), scale_(scale) {}
+  PrefillAttention(mx::Stream s, float scale, bool starts)
+      : CpuPrimitive(s), scale_(scale), starts_(starts) {}
   Task task() const override {
-    return [scale = scale_](const Arrays& in, Arrays& out) {
+    return [scale = scale_, starts = starts_](const Arrays& in, Arrays& out) {
       const auto &q = in[0], &k = in[1], &v = in[2];
       std::vector<float> tq, tk, tv;
       std::vector<uint32_t> tk8, tv8;
+      std::vector<int32_t> ts;
       const float* qd = contiguous_f32(q, tq);
       const int64_t D = q.shape(3);
       const KV kv = kv_view(k, tk, tk8, D), vv = kv_view(v, tv, tv8, D);
       prefill_attention(qd, kv, vv, q.shape(0), q.shape(1), k.shape(1), q.shape(2), k.shape(2), D,
-                        scale, out[0].data<float>());
+                        scale, out[0].data<float>(),
+                        starts ? contiguous_as<int32_t>(in[3], ts) : nullptr);
     };
   }
   const char* name() const override { return "MlxchatPrefillAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return scale_ == static_cast<const PrefillAttention&>(other).scale_;
+    auto& o = static_cast<const PrefillAttention&>(other);
+    return scale_ == o.scale_ && starts_ == o.starts_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     return {{in[0].shape(0), in[0].shape(2), in[0].shape(1) * in[0].shape(3)}};
@@ -1243,15 +1261,20 @@ class PrefillAttention : public CpuPrimitive {
 
  private:
   float scale_;
+  bool starts_;
 };
 
-// q (B, H, L, D), k and v (B, Hk, S, D) float32 with S >= L -> (B, L, H * D).
+// q (B, H, L, D), k and v (B, Hk, S, D) float32 with S >= L -> (B, L, H * D); `starts` (B,)
+// int32: each row's first visible key (a batched cache's left padding).
 mx::array prefill_attention_op(const mx::array& q, const mx::array& k, const mx::array& v,
-                               float scale) {
+                               float scale, const std::optional<mx::array>& starts) {
   check_attention(q, k, v);
   if (k.shape(2) < q.shape(2)) throw std::invalid_argument("fewer keys than query positions");
+  check_rows(starts, q.shape(0), "starts");
+  std::vector<mx::array> inputs{q, k, v};
+  if (starts) inputs.push_back(*starts);
   return mx::array({q.shape(0), q.shape(2), q.shape(1) * q.shape(3)}, mx::float32,
-                   std::make_shared<PrefillAttention>(cpu_stream(), scale), {q, k, v});
+                   std::make_shared<PrefillAttention>(cpu_stream(), scale, bool(starts)), inputs);
 }
 
 // ------------------------------------------- a llama decoder layer's one-token step, in two ops
@@ -1792,7 +1815,7 @@ NB_MODULE(_mlxchat_kernels, m) {
   m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("scale"), nb::arg("starts") = nb::none());
   m.def("prefill_attention", &prefill_attention_op, nb::arg("q"), nb::arg("k"), nb::arg("v"),
-        nb::arg("scale"));
+        nb::arg("scale"), nb::arg("starts") = nb::none());
   m.def("attn_in", &attn_in, nb::arg("h"), nb::arg("norm"), nb::arg("eps"), nb::arg("wq"),
         nb::arg("wk"), nb::arg("wv"), nb::arg("heads"), nb::arg("kv_heads"), nb::arg("rope_dims"),
         nb::arg("traditional"), nb::arg("base"), nb::arg("scale"), nb::arg("offset"),
