@@ -74,9 +74,13 @@ class Recorder:
             signature = ",\n    ".join(lines) + ") {\n" + "\n".join(consts) + "\n" + source
             key = f"{name}_{args}({', '.join(lines)})"
             if key not in self.sources:  # each kernel named as MLX names it, made unique here
+                # each kernel's header in force for it alone, as in MLX's one compilation a kernel
+                # (a header may redefine __global__: fused_cuda._kernel's bounds)
                 self.sources[key] = (
-                    f"{header}\nnamespace mlx::core::cu {{\nnamespace cg = cooperative_groups;\n"
-                    f"__global__ void kernel_{len(self.sources)}(\n    {signature}\n}}\n}}\n")
+                    f'#pragma push_macro("__global__")\n{header}\nnamespace mlx::core::cu {{\n'
+                    f"namespace cg = cooperative_groups;\n"
+                    f"__global__ void kernel_{len(self.sources)}(\n    {signature}\n}}\n}}\n"
+                    f'#pragma pop_macro("__global__")\n')
             return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
         return launch
 
@@ -129,8 +133,19 @@ def _launch_all() -> None:
             q = int8.layers[0].gate_up
             fused_cuda.qdot(mx.zeros((1, 1, q.inputs), dtype), q.w, q.scales, q.biases, q.bits, q.group_size, 2,
                             norm=(int8.layers[0].norm_post, 1e-5), rows=1, unroll=8)  # the bench's sweep
-        if bits == 4:  # the tensor-core variant (MLXCHAT_CUDA_MV=mma)
+        if bits == 4:  # the tensor-core variant (MLXCHAT_CUDA_MV=mma); the folded one (=fold), bounded
             q = program.layers[0].gate_up
+            saved = {k: os.environ.get(k) for k in (fused_cuda.MV_SWITCH, fused_cuda.BLOCKS_SWITCH)}
+            os.environ.update({fused_cuda.MV_SWITCH: "fold", fused_cuda.BLOCKS_SWITCH: "3"})
+            try:
+                fused_cuda.matvec(mx.zeros((1, 1, q.inputs), dtype), q.w, q.scales, q.biases, q.bits, q.group_size,
+                                  2, norm=(program.layers[0].norm_post, 1e-5), rows=2)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
             fused_cuda.qmma4(mx.zeros((1, 1, q.inputs), dtype), q.w, q.scales, q.biases, q.group_size, 2,
                              norm=(program.layers[0].norm_post, 1e-5))
     for rows, heads, kv_heads, dim, dtype in ((3, 8, 2, 64, mx.bfloat16), (40, 32, 8, 128, mx.float16)):

@@ -14,7 +14,7 @@ sharing a kernel follow each other, `CASES`' order). The cases:
 - the 4-bit q/k/v, o, and gate/up products (random weights, groups of 64) with and without their
   fused RMSNorm, launch shapes of the bench's sweep (units a warp, words a lane loads at once, the
   next words loading while these are multiplied), int8 activations and the tensor-core kernel
-  (`qmma4`, `MLXCHAT_CUDA_MV=mma`);
+  (`qmma4`, `MLXCHAT_CUDA_MV=mma`) and the folded arithmetic (`MLXCHAT_CUDA_MV=fold`);
 - the norm's eps as a constant made once (`engine/kernels/inputs.py`) against one the host makes
   for the launch ("fresh eps"), and the attention's position likewise ("fresh pos": a one-element
   array, which MLX keeps in its managed pool of small arrays);
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -69,6 +70,17 @@ def cases() -> dict[str, Callable[[], Any]]:
 
     def mv(w, **kw):
         return C.matvec(x, *w, 4, 64, **kw)
+
+    def folded(w, **kw):  # MLXCHAT_CUDA_MV=fold's arithmetic (matvec_impl's FOLD)
+        saved = os.environ.get(C.MV_SWITCH)
+        os.environ[C.MV_SWITCH] = "fold"
+        try:
+            return mv(w, **kw)
+        finally:
+            if saved is None:
+                del os.environ[C.MV_SWITCH]
+            else:
+                os.environ[C.MV_SWITCH] = saved
 
     def fresh_eps(w, **kw):  # an eps array made for this launch
         inputs.constant.cache_clear()
@@ -111,6 +123,7 @@ def cases() -> dict[str, Callable[[], Any]]:
         "qkv norm, 4 units 2 words, double-buffered": lambda: mv(wq, norm=norm, rows=4, unroll=2, prefetch=2),
         "qkv norm int8": lambda: mv(wq, norm=norm, int8=True),
         "qkv norm, tensor cores": lambda: C.qmma4(x, *wq, 64, norm=norm),
+        "qkv norm, folded": lambda: folded(wq, norm=norm),
         "o + residual": lambda: mv(wo, epilogue=1, a=res),
         "o norm": lambda: mv(wo, norm=norm),
         "o norm fresh eps": lambda: fresh_eps(wo, norm=norm),
@@ -124,6 +137,8 @@ def cases() -> dict[str, Callable[[], Any]]:
                                                                      prefetch=2),
         "gate/up": lambda: mv(wg, epilogue=2),
         "gate/up norm, tensor cores": lambda: C.qmma4(x, *wg, 64, 2, norm=norm),
+        "gate/up norm, folded": lambda: folded(wg, epilogue=2, norm=norm),
+        "gate/up norm, folded, 2 units 8 words": lambda: folded(wg, epilogue=2, norm=norm, rows=2, unroll=8),
         "gate/up norm int8": lambda: mv(wg, epilogue=2, norm=norm, int8=True),
         "attention 72, 32 splits": lambda: attn(72, 32),
         "attention 72, 32 splits, fresh pos": lambda: attn(72, 32, fresh=True),

@@ -258,3 +258,50 @@ def test_a_program_built_in_one_thread_steps_in_another():
     thread.join()
     assert "error" not in out, out
     assert out["tokens"] == greedy(plain, 8)
+
+
+def test_the_folded_4bit_words_give_the_product_and_the_switches_build_that_kernel(monkeypatch):
+    """MLXCHAT_CUDA_MV=fold: dot_word (cuda/fused_decode.cuh) moves each nibble q of a word to bits
+    3-6 of its byte under bit 7 ((w << 3) & 0x78787878 | 0x80808080, and w >> 1 for the high
+    nibbles) and byte-permutes it under 1.0f's top byte 0x3F: the float 1 + q / 16. Restated here
+    in numpy, every nibble of random words comes out so, and 16 (sum((1 + q/16) x) - sum(x)) is the
+    word's q . x. With MLXCHAT_CUDA_MV_BLOCKS=3 the step's 4-bit products are compiled folded under
+    __launch_bounds__(128, 3) (MLX writes the declaration: the header redefines __global__), the
+    SwiGLU one at 2 units a warp; the recorded sources are what nvcc compiles in test_cuda_source."""
+    import numpy as np
+
+    from bench.cuda_source import Recorder
+
+    rng = np.random.default_rng(0)
+    words = rng.integers(0, 2**32, size=64, dtype=np.uint64).astype(np.uint32)
+    lo = ((words << np.uint32(3)) & np.uint32(0x78787878)) | np.uint32(0x80808080)
+    hi = ((words >> np.uint32(1)) & np.uint32(0x78787878)) | np.uint32(0x80808080)
+    for byte in range(4):
+        for placed, shift in ((lo, 0), (hi, 4)):
+            # __byte_perm(placed, 0x3F000000, 0x7044 + (byte << 8)): bytes 0x3F, placed's `byte`, 0, 0
+            bits = np.uint32(0x3F000000) | (((placed >> np.uint32(8 * byte)) & np.uint32(0xFF)) << np.uint32(16))
+            q = (words >> np.uint32(8 * byte + shift)) & np.uint32(15)
+            assert np.array_equal(bits.view(np.float32), 1 + q.astype(np.float32) / 16)
+    q = rng.integers(0, 16, size=(64, 32)).astype(np.float32)
+    x = np.array(mx.random.normal((64, 32)).astype(mx.bfloat16).astype(mx.float32))
+    folded = 16 * (((1 + q / 16) * x).sum(1, dtype=np.float32) - x.sum(1, dtype=np.float32))
+    assert np.allclose(folded, (q * x).sum(1), rtol=0, atol=1e-4 * np.abs(q * x).sum(1).max())
+
+    recorder = Recorder()
+    monkeypatch.setattr(fused_cuda.mx.fast, "cuda_kernel", recorder)
+    monkeypatch.setattr(fused_cuda, "_KERNELS", {})
+    monkeypatch.setenv(fused_cuda.MV_SWITCH, "fold")
+    monkeypatch.setenv(fused_cuda.BLOCKS_SWITCH, "3")
+    w, scales, biases = mx.quantize(mx.random.normal((1024, 256)), group_size=64, bits=4)
+    fused_cuda.matvec(mx.zeros((1, 1, 256), mx.bfloat16), w, scales.astype(mx.bfloat16),
+                      biases.astype(mx.bfloat16), 4, 64, 2, norm=(mx.ones((256,), mx.bfloat16), 1e-5))
+    source = "".join(s for k, s in recorder.sources.items() if k.startswith("mlxchat_matvec_q_norm_b3_"))
+    assert source.count("__global__ void") == 1 and "constexpr bool FOLD = true;" in source
+    assert "constexpr int R = 2;" in source
+    assert "#define __global__ __attribute__((global)) __launch_bounds__(128, 3)" in source
+    monkeypatch.delenv(fused_cuda.BLOCKS_SWITCH)
+    monkeypatch.delenv(fused_cuda.MV_SWITCH)
+    fused_cuda.matvec(mx.zeros((1, 1, 256), mx.bfloat16), w, scales.astype(mx.bfloat16),
+                      biases.astype(mx.bfloat16), 4, 64, 2)
+    plain = [s for k, s in recorder.sources.items() if k.startswith("mlxchat_matvec_q_")][-1]
+    assert "constexpr bool FOLD = false;" in plain and "__launch_bounds__" not in plain

@@ -65,7 +65,7 @@ def _matvec_source(quantized: bool, add: bool, norm: bool) -> str:
     """The kernel body calling matvec_impl with the inputs this variant has (nullptr for others)."""
     w = "w" if quantized else "reinterpret_cast<const uint32_t*>(w)"
     scales = "scales, biases" if quantized else "(const T*)nullptr, (const T*)nullptr"
-    return (f"matvec_impl<T, {'ST' if quantized else 'T'}, BITS, GS, K, N, R, E, XN, U, PF>(x, {w}, {scales}, "
+    return (f"matvec_impl<T, {'ST' if quantized else 'T'}, BITS, GS, K, N, R, E, XN, U, PF, FOLD>(x, {w}, {scales}, "
             f"{'a' if add else '(const T*)nullptr'}, {'nw' if norm else '(const T*)nullptr'}, "
             f"{'ne' if norm else '(const float*)nullptr'}, y);")
 
@@ -103,13 +103,20 @@ def _header() -> str:
     return _HEADER[0]
 
 
-def _kernel(name: str, inputs: list[str], outputs: list[str], source: str) -> Any:
-    """The MLX kernel object `name`, made once (its source is compiled per template on first use)."""
+def _kernel(name: str, inputs: list[str], outputs: list[str], source: str, bounds: tuple[int, int] | None = None
+            ) -> Any:
+    """The MLX kernel object `name`, made once (its source is compiled per template on first use).
+    `bounds` (threads a block, blocks an SM): the kernel compiled under `__launch_bounds__` with
+    them, so that ptxas keeps its registers to what that many blocks leave each thread. MLX writes
+    the kernel's declaration itself (`__global__ void ...`, after the header), so the header
+    redefines `__global__` as what CUDA defines it to (`__attribute__((global))`) plus the bounds."""
     if name not in _KERNELS:
         consts = f"  constexpr int WARPS = {WARPS};\n"
+        header = _header() + ("" if bounds is None else
+                              "#undef __global__\n#define __global__ __attribute__((global)) "
+                              f"__launch_bounds__({bounds[0]}, {bounds[1]})\n")
         _KERNELS[name] = mx.fast.cuda_kernel(name=f"mlxchat_{name}", input_names=inputs,
-                                             output_names=outputs, source=consts + source,
-                                             header=_header())
+                                             output_names=outputs, source=consts + source, header=header)
     return _KERNELS[name]
 
 
@@ -117,18 +124,23 @@ Ahead = tuple[mx.array, int, int]  # (array, first byte, bytes): a range a kerne
 
 
 def _launch(kind: str, names: list[str], arrays: list[mx.array], outputs: list[str], source: str,
-            template: list[tuple[str, Any]], ahead: tuple[Ahead, ...], **launch: Any) -> list[mx.array]:
+            template: list[tuple[str, Any]], ahead: tuple[Ahead, ...], blocks: int = 0,
+            **launch: Any) -> list[mx.array]:
     """Kernel `kind` (made once by `_kernel`) run on `arrays`, with `ahead`'s byte ranges added as
     inputs: each of its threads first prefetches its share of them into L2 (l2_ahead in
     cuda/fused_decode.cuh), so the weights of the kernel after this one stream from memory while
-    this one runs. `launch`: grid, threadgroup, output shapes and dtypes."""
+    this one runs. `blocks`: compiled for that many resident blocks an SM (`_kernel`'s bounds; 0:
+    as ptxas chooses). `launch`: grid, threadgroup, output shapes and dtypes."""
+    bounds = None
+    if blocks:
+        kind, bounds = f"{kind}_b{blocks}", (launch["threadgroup"][0], blocks)
     if ahead:
         source = "".join(f"  l2_ahead(reinterpret_cast<const char*>(l2_{i}) + L2O{i}, L2B{i});\n"
                          for i in range(len(ahead))) + source
         kind, names = f"{kind}_l2{len(ahead)}", names + [f"l2_{i}" for i in range(len(ahead))]
         arrays = arrays + [a for a, _, _ in ahead]
         template = template + [kv for i, (_, lo, n) in enumerate(ahead) for kv in ((f"L2O{i}", lo), (f"L2B{i}", n))]
-    return _kernel(kind, names, outputs, source)(inputs=arrays, template=template, **launch)
+    return _kernel(kind, names, outputs, source, bounds)(inputs=arrays, template=template, **launch)
 
 
 def rows_per_warp(n: int) -> int:
@@ -136,14 +148,15 @@ def rows_per_warp(n: int) -> int:
     return max(1, min(4, n // 2048))
 
 
-def launch_shape(bits: int, k: int, out: int, epilogue: int) -> tuple[int, int]:
+def launch_shape(bits: int, k: int, out: int, epilogue: int, blocks: int = 0) -> tuple[int, int]:
     """(output units per warp, words a lane loads before it computes) by default. 4-bit: 4 units
     and 8 words (4 where rows are longer than 8,192 inputs): the best or within the noise of the
     best of `bench.gpu_step --parts kernels --sweep` on every Qwen3-8B product (H100, 2026-12-07:
     o_proj 375 -> 702 GB/s, q/k/v 561 -> 605, gate/up and down unchanged); else as many units as
-    fill the device (pairs for SwiGLU) and UNROLL words."""
+    fill the device (pairs for SwiGLU) and UNROLL words. A 4-bit SwiGLU kernel compiled for 3 or
+    more `blocks` an SM (`matvec_blocks`) takes 2 units: at 4 its 8 weight rows spill."""
     if bits == 4:
-        return 4, (8 if k <= 8192 else UNROLL)
+        return (2 if epilogue == 2 and blocks >= 3 else 4), (8 if k <= 8192 else UNROLL)
     return (rows_per_warp(out) if epilogue != 2 else min(2, rows_per_warp(out))), UNROLL
 
 
@@ -171,7 +184,8 @@ def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array |
     if rows is None and mma_wanted(bits, group_size, k, x.size // k):
         return qmma4(x, w, scales, biases, group_size, epilogue, a, norm)
     out = n // 2 if epilogue == 2 else n
-    r, u = launch_shape(bits, k, out, epilogue)
+    blocks = matvec_blocks()
+    r, u = launch_shape(bits, k, out, epilogue, blocks)
     r, unroll = rows or r, unroll or u
     quantized = bits in (4, 8)
     xn = 2 if norm is not None else (1 if k <= MAX_STAGED else 0)
@@ -184,9 +198,10 @@ def matvec(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array |
     threads = -(-out // r) * 32
     template = [("T", x.dtype), ("ST", scales.dtype if quantized else x.dtype),
                 ("BITS", bits if quantized else 16), ("GS", group_size if quantized else 8),
-                ("K", k), ("N", n), ("R", r), ("E", epilogue), ("XN", xn), ("U", unroll), ("PF", int(prefetch))]
+                ("K", k), ("N", n), ("R", r), ("E", epilogue), ("XN", xn), ("U", unroll), ("PF", int(prefetch)),
+                ("FOLD", fold_wanted(bits))]
     return _launch(kind, names, arrays, ["y"], _matvec_source(quantized, epilogue == 1, norm is not None),
-                   template, ahead, grid=(-(-threads // block) * block, 1, 1), threadgroup=(block, 1, 1),
+                   template, ahead, blocks=blocks, grid=(-(-threads // block) * block, 1, 1), threadgroup=(block, 1, 1),
                    output_shapes=[(*x.shape[:-1], out)], output_dtypes=[x.dtype])[0]
 
 
@@ -251,6 +266,27 @@ def mlx_wanted(bits: int) -> bool:
     weigh MLX's products, a few more ops a layer, against ours."""
     value = os.environ.get(MV_SWITCH, "").strip().lower()
     return value == "mlx" or value == f"mlx{bits}"
+
+
+def fold_wanted(bits: int) -> bool:
+    """Whether the scalar 4-bit product takes each weight as 1 + q / 16 and the sum of x off once
+    a word (matvec_impl's FOLD in cuda/fused_decode.cuh: two instructions a weight instead of
+    three, fp32 rounding of terms up to ~2x as large): `MLXCHAT_CUDA_MV=fold`, until the bench
+    has timed it on a GPU."""
+    return bits == 4 and os.environ.get(MV_SWITCH, "").strip().lower() == "fold"
+
+
+BLOCKS_SWITCH = "MLXCHAT_CUDA_MV_BLOCKS"
+
+
+def matvec_blocks() -> int:
+    """Resident blocks an SM the scalar product kernel (`matvec`) is compiled for:
+    `MLXCHAT_CUDA_MV_BLOCKS=N` (0 or unset: as ptxas chooses; the 4-bit gate/up kernel takes 255
+    registers, two blocks of 4 warps an SM). A bench switch until a GPU has timed it: 3 keeps
+    the folded 4-bit kernels at 168 registers, unspilled (gate/up at 2 units a warp:
+    `launch_shape`)."""
+    value = os.environ.get(BLOCKS_SWITCH, "").strip()
+    return int(value) if value.isdigit() else 0
 
 
 def mma_wanted(bits: int, group_size: int, k: int, rows_of_x: int) -> bool:
