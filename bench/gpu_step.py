@@ -736,7 +736,15 @@ def part_memory(lm, shape: str, a) -> list[common.Row]:
     parts = {k: {"weights": ours_w / gb if k != "mlx" else mlx_w / gb, "kv": kv / gb,
                  "activations": (pick(k, "peak") - (mlx_w if k == "mlx" else ours_w) - kv) / gb}
              for k in ["mlx"] + [v + "_all" for v in variants(a)]}
-    extra = {"runs": out, "parts_gb": parts, "first_long_prompt_ttft_s": t_first}
+    # then, as now, prompts of this length again (other tokens) and of lengths not seen before: a
+    # kernel or attention plan built per shape (MLX's cuDNN attention graphs on CUDA) shows as the
+    # difference
+    again = [common.engine_direct(lm, Prompt(list(prompt_ids(n_prompt, vocab_size(shape), seed=6 + i)),
+                                             [n_prompt]), 4)["ttft_s"] for i in range(2)]
+    new_lengths = [common.engine_direct(lm, Prompt(list(prompt_ids(n, vocab_size(shape), seed=9)), [n]), 4)["ttft_s"]
+                   for n in (n_prompt - 97, n_prompt - 161)]
+    extra = {"runs": out, "parts_gb": parts, "first_long_prompt_ttft_s": t_first,
+             "same_length_again_ttft_s": again, "new_length_ttft_s": new_lengths}
     rows = [common.Row("memory", shape, f"peak, {n_prompt}-token prompt + {n_gen}", "GB",
                        pick("ours_all", "peak") / gb, pick("mlx", "peak") / gb, "mlx_lm.stream_generate",
                        "<= 1.0", "parts (weights/KV/activations GB): " + "; ".join(
@@ -746,7 +754,9 @@ def part_memory(lm, shape: str, a) -> list[common.Row]:
             common.Row("memory", shape, f"cold TTFT, {n_prompt}-token prompt", "s",
                        pick("ours_all", "ttft_s"), pick("mlx", "ttft_s"), "mlx_lm.stream_generate", "<= 0.8",
                        "; ".join(f"{v} {pick(v + '_all', 'ttft_s'):.3f} s" for v in variants(a))
-                       + f"; the process's first {n_prompt}-token prompt {t_first:.3f} s")]
+                       + f"; the process's first {n_prompt}-token prompt {t_first:.3f} s, that length again "
+                       + ", ".join(f"{t:.3f}" for t in again) + " s, new lengths ("
+                       + f"{n_prompt - 97}, {n_prompt - 161}) " + ", ".join(f"{t:.3f}" for t in new_lengths) + " s")]
     return rows
 
 
