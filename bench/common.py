@@ -428,6 +428,24 @@ def interleave(fns: dict[str, Callable[[], dict[str, Any]]], reps: int,
 
 
 @contextmanager
+def environ(settings: dict[str, str]) -> Iterator[None]:
+    """`settings` in os.environ while the block runs (the kernels' switches, read when a kernel
+    is built), each variable as it was (or unset) after."""
+    import os
+
+    saved = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextmanager
 def served_app(engine, folder: Path) -> Iterator[Any]:
     """The real app on a started `engine`, served by uvicorn in a thread on a free port of
     127.0.0.1 as `mlxchat serve` runs it (its database in `folder`); yields the app with `url` set.

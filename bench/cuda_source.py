@@ -38,6 +38,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from . import common
+
 CTYPE = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float", mx.uint32: "uint32_t",
          mx.int32: "int32_t"}
 PRELUDE = "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cstdint>\n#include <cooperative_groups.h>\n"
@@ -135,17 +137,9 @@ def _launch_all() -> None:
                             norm=(int8.layers[0].norm_post, 1e-5), rows=1, unroll=8)  # the bench's sweep
         if bits == 4:  # the tensor-core variant (MLXCHAT_CUDA_MV=mma); the folded one (=fold), bounded
             q = program.layers[0].gate_up
-            saved = {k: os.environ.get(k) for k in (fused_cuda.MV_SWITCH, fused_cuda.BLOCKS_SWITCH)}
-            os.environ.update({fused_cuda.MV_SWITCH: "fold", fused_cuda.BLOCKS_SWITCH: "3"})
-            try:
+            with common.environ({fused_cuda.MV_SWITCH: "fold", fused_cuda.BLOCKS_SWITCH: "3"}):
                 fused_cuda.matvec(mx.zeros((1, 1, q.inputs), dtype), q.w, q.scales, q.biases, q.bits, q.group_size,
                                   2, norm=(program.layers[0].norm_post, 1e-5), rows=2)
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
             fused_cuda.qmma4(mx.zeros((1, 1, q.inputs), dtype), q.w, q.scales, q.biases, q.group_size, 2,
                              norm=(program.layers[0].norm_post, 1e-5))
     for rows, heads, kv_heads, dim, dtype in ((3, 8, 2, 64, mx.bfloat16), (40, 32, 8, 128, mx.float16)):

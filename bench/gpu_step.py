@@ -217,8 +217,6 @@ def part_variants(lm, shape: str, a) -> list[common.Row]:
     host / device ms), the variants interleaved over `--reps` rounds. Cheaper than `step` per
     variant (no mlx-lm, no service), and host and device time add up in it: the service overlaps
     them."""
-    import os
-
     from engine.kernels import decode_step, fused_cuda
 
     from .shapes import prompt_ids, vocab_size
@@ -239,22 +237,15 @@ def part_variants(lm, shape: str, a) -> list[common.Row]:
             programs[spec], gates[spec] = "off", {"kept": True}
             continue
         env, int8 = settings(spec)
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
         program = None
         try:  # traced (and its kernels compiled) while the settings hold
-            program = decode_step.DecodeProgram.build(model, fused_cuda, int8=int8)
-            object.__setattr__(model, "decode_program", program)
-            gates[spec] = decode_step.check(model, program, list(prompt), 8)
-            step_ms(model, prompt, steps=4)  # traced, its kernels compiled
+            with common.environ(env):
+                program = decode_step.DecodeProgram.build(model, fused_cuda, int8=int8)
+                object.__setattr__(model, "decode_program", program)
+                gates[spec] = decode_step.check(model, program, list(prompt), 8)
+                step_ms(model, prompt, steps=4)  # traced, its kernels compiled
         except Exception as exc:  # noqa: BLE001 - one variant that does not compile
             gates[spec] = {"error": f"{type(exc).__name__}: {exc}"[:500], "kept": False}
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         programs[spec] = program if gates[spec].get("kept") else None
         print(f"{shape} ({spec}): gate {gates[spec]}", flush=True)
 

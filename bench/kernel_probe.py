@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+from . import common
 from .step_kernels import profiled, read_ncu
 
 HKV, G, D, CAP, K = 8, 4, 128, 1024, 4096  # Qwen3-8B's attention and hidden size
@@ -72,15 +72,8 @@ def cases() -> dict[str, Callable[[], Any]]:
         return C.matvec(x, *w, 4, 64, **kw)
 
     def folded(w, **kw):  # MLXCHAT_CUDA_MV=fold's arithmetic (matvec_impl's FOLD)
-        saved = os.environ.get(C.MV_SWITCH)
-        os.environ[C.MV_SWITCH] = "fold"
-        try:
+        with common.environ({C.MV_SWITCH: "fold"}):
             return mv(w, **kw)
-        finally:
-            if saved is None:
-                del os.environ[C.MV_SWITCH]
-            else:
-                os.environ[C.MV_SWITCH] = saved
 
     def fresh_eps(w, **kw):  # an eps array made for this launch
         inputs.constant.cache_clear()
