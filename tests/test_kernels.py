@@ -170,6 +170,23 @@ def test_rope_matches_mlx(kern, traditional, dims, base, scale, offset):
     assert mx.allclose(ours, ref, rtol=1e-5, atol=atol).item(), mx.abs(ours - ref).max().item()
 
 
+@pytest.mark.parametrize("traditional", [True, False])
+def test_rope_at_per_row_offsets_is_each_row_at_its_own(kern, traditional):
+    """A batched cache's per-row offsets (x's first axis): each row exactly what the op gives it
+    at its own int offset, and MLX's rope at those offsets within fp32 rounding; a bad offsets
+    array is refused."""
+    x = mx.random.normal((3, 9, 5, 64)).transpose(0, 2, 1, 3)  # (B, heads, L, D), strided
+    offsets = mx.array([0, 37, 700], dtype=mx.int32)
+    ours = kern.rope(x, 64, traditional, 10000.0, 1.0, 0, offsets=offsets)
+    for b, at in enumerate(offsets.tolist()):
+        assert mx.array_equal(ours[b], kern.rope(x[b:b + 1], 64, traditional, 10000.0, 1.0, at)[0]).item()
+    ref = mx.fast.rope(x, 64, traditional=traditional, base=10000.0, scale=1.0, offset=offsets)
+    # at position ~700 an fp32 angle's own rounding (~6e-5 rad) moves values of |x| up to ~4
+    assert mx.allclose(ours, ref, rtol=1e-5, atol=1e-4).item(), mx.abs(ours - ref).max().item()
+    with pytest.raises(ValueError):
+        kern.rope(x, 64, traditional, 10000.0, 1.0, 0, offsets=offsets[:2])
+
+
 def test_inputs_strided_on_their_last_axis_are_read_as_they_are(kern):
     x = mx.random.normal((2, 7, 5, 64))[..., ::2]  # every other element of the last axis
     ref = mx.fast.rope(x, 32, traditional=False, base=10000.0, scale=1.0, offset=3)

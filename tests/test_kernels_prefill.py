@@ -253,10 +253,10 @@ def test_a_batched_prefill_gives_each_row_what_it_gets_alone(kern, batched_chunk
     atol 1e-4 of the prompt's alone over a plain cache (as the batched decode tests) with the
     same next token, and so are 4 greedy steps after it; mlx-lm's own model on the same batch
     (its mask, MLX's attention) gives our logits at every position within the same tolerance.
-    Over the 8-bit cache, values that differ in their last bit between the two models' sums can
-    round to codes one step apart (one value of 8-bit weights' 70 x 3 rows here: 0.009 off), so
-    there mlx-lm's logits are checked as test_kv8 checks the 8-bit cache's own error: within 2%
-    of the logits' scale."""
+    Over the 8-bit cache, values that differ in their last bit between two sums (two models', or
+    a batch's products and one row's) can round to codes one step apart (one value of 8-bit
+    weights' 70 x 3 rows here: 0.009 off), so there the logits are checked as test_kv8 checks the
+    8-bit cache's own error, within 2% of their scale, and the tokens still equal."""
     batch_cache, alone_cache = batch_kinds()[kind]
     ours, ref = tiny_llama_pair(bits, gs, traditional)
     tokens, padding = left_padded(BATCH_PROMPTS)
@@ -277,7 +277,10 @@ def test_a_batched_prefill_gives_each_row_what_it_gets_alone(kern, batched_chunk
         cache_alone = alone_cache(ours)
         last = ours(mx.array([prompt]), cache=cache_alone)[:, -1:]
         for n, (batched, tokens_then) in enumerate(together):
-            assert mx.allclose(last, batched[row], rtol=1e-4, atol=1e-4).item(), (row, n)
+            if kind == "SlotKV8Cache":  # a key one code apart, as against mlx-lm above
+                assert mx.abs(last - batched[row]).max().item() < 0.02 * mx.abs(last).max().item(), (row, n)
+            else:
+                assert mx.allclose(last, batched[row], rtol=1e-4, atol=1e-4).item(), (row, n)
             token = mx.argmax(last, axis=-1)
             assert token.item() == tokens_then[row], (row, n)
             last = ours(token, cache=cache_alone)

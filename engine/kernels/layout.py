@@ -137,10 +137,18 @@ class KernelRMSNorm(nn.RMSNorm):
 
 
 class KernelRoPE(nn.RoPE):
+    """MLX's RoPE on our kernel: at an int offset, or at per-row offsets (a `BatchKVCache`'s
+    `offset`, one per row of x's first axis), each row then exactly as at its own int offset."""
+
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
-        if not isinstance(offset, int) or x.dtype != mx.float32 or x.ndim < 3:
-            return super().__call__(x, offset)  # per-row offsets (batched caches) and the like
-        return _Run.kernels.rope(x, self.dims, self.traditional, self.base, self.scale, offset)
+        if x.dtype != mx.float32 or x.ndim < 3:
+            return super().__call__(x, offset)
+        if isinstance(offset, int):
+            return _Run.kernels.rope(x, self.dims, self.traditional, self.base, self.scale, offset)
+        if isinstance(offset, mx.array) and offset.ndim == 1 and offset.shape[0] == x.shape[0]:
+            return _Run.kernels.rope(x, self.dims, self.traditional, self.base, self.scale, 0,
+                                     offsets=int32(offset))
+        return super().__call__(x, offset)
 
 
 def _one_token_step(x: mx.array, mask: Any, cache: Any) -> tuple[bool, mx.array | None]:

@@ -1128,29 +1128,45 @@ class LogSoftmax : public CpuPrimitive {
   }
 };
 
+// A batched step's per-row int32 vector (offsets or first valid keys): (B,) int32.
+void check_rows(const std::optional<mx::array>& a, int64_t B, const char* what) {
+  if (a && (a->dtype() != mx::int32 || a->ndim() != 1 || a->shape(0) != B))
+    throw std::invalid_argument(std::string(what) + " must be a (batch,) int32 array");
+}
+
 // ---------------------------------------------------------------------------------- RoPE
 
 class RoPE : public CpuPrimitive {
  public:
-  RoPE(mx::Stream s, int dims, bool traditional, float base, float scale, int offset)
+  RoPE(mx::Stream s, int dims, bool traditional, float base, float scale, int offset, bool rows)
       : CpuPrimitive(s), dims_(dims), trad_(traditional), base_(base), scale_(scale),
-        offset_(offset) {}
+        offset_(offset), rows_(rows) {}
   Task task() const override {
-    return [p = RopeParams{dims_, trad_, base_, scale_}, offset = offset_](const Arrays& in,
-                                                                          Arrays& out) {
+    return [p = RopeParams{dims_, trad_, base_, scale_}, offset = offset_, rows = rows_](
+               const Arrays& in, Arrays& out) {
       std::vector<float> tmp;
+      std::vector<int32_t> to;
       const auto& x = in[0];
       const float* xd = contiguous_f32(x, tmp);
-      const int64_t D = x.shape(-1);
+      const int64_t D = x.shape(-1), L = x.shape(-2), n = int64_t(x.size()) / D;
+      float* y = out[0].data<float>();
       ScopedPart part(Part::Rope);
-      rope_rows(xd, out[0].data<float>(), int64_t(x.size()) / D, x.shape(-2), D, p, offset);
+      if (!rows) {
+        rope_rows(xd, y, n, L, D, p, offset);
+        return;
+      }
+      // batch row b (x's first axis) at positions offsets[b] + t: its own table
+      const int32_t* offsets = contiguous_as<int32_t>(in[1], to);
+      const int64_t B = x.shape(0), per = n / B;
+      for (int64_t b = 0; b < B; ++b)
+        rope_rows(xd + b * per * D, y + b * per * D, per, L, D, p, offset + offsets[b]);
     };
   }
   const char* name() const override { return "MlxchatRoPE"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const RoPE&>(other);
     return dims_ == o.dims_ && trad_ == o.trad_ && base_ == o.base_ && scale_ == o.scale_ &&
-           offset_ == o.offset_;
+           offset_ == o.offset_ && rows_ == o.rows_;
   }
 
  private:
@@ -1158,14 +1174,24 @@ class RoPE : public CpuPrimitive {
   bool trad_;
   float base_, scale_;
   int offset_;
+  bool rows_;
 };
 
-mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, int offset) {
+// x (..., L, D) at positions offset + t; with `offsets` ((B,) int32, x's first axis B), batch row
+// b at offset + offsets[b] + t (a batched cache's per-row offsets, as MLX's rope takes them).
+mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, int offset,
+               const std::optional<mx::array>& offsets) {
   if (x.dtype() != mx::float32) throw std::invalid_argument("float32 only");
   if (x.ndim() < 2 || dims <= 0 || dims % 2 || dims > x.shape(-1))
     throw std::invalid_argument("bad rope dims");
+  if (offsets && x.ndim() < 3) throw std::invalid_argument("per-row offsets need a batch axis");
+  check_rows(offsets, x.shape(0), "offsets");
+  std::vector<mx::array> inputs{x};
+  if (offsets) inputs.push_back(*offsets);
   return mx::array(x.shape(), mx::float32,
-                   std::make_shared<RoPE>(cpu_stream(), dims, traditional, base, scale, offset), {x});
+                   std::make_shared<RoPE>(cpu_stream(), dims, traditional, base, scale, offset,
+                                          bool(offsets)),
+                   inputs);
 }
 
 // ------------------------------------------------ single-query attention over the KV cache
@@ -1212,12 +1238,6 @@ void check_attention(const mx::array& q, const mx::array& k, const mx::array& v)
     throw std::invalid_argument("q, k, v shapes do not match");
   if (k.dtype() == mx::float32 ? k.shape(3) != q.shape(3) : !packed_group(k.shape(3), q.shape(3)))
     throw std::invalid_argument("k and v rows do not hold q's head dimension");
-}
-
-// A batched step's per-row int32 vector (offsets or first valid keys): (B,) int32.
-void check_rows(const std::optional<mx::array>& a, int64_t B, const char* what) {
-  if (a && (a->dtype() != mx::int32 || a->ndim() != 1 || a->shape(0) != B))
-    throw std::invalid_argument(std::string(what) + " must be a (batch,) int32 array");
 }
 
 mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
@@ -1811,7 +1831,7 @@ NB_MODULE(_mlxchat_kernels, m) {
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
   m.def("log_softmax", &LogSoftmax::of, nb::arg("x"));
   m.def("rope", &rope, nb::arg("x"), nb::arg("dims"), nb::arg("traditional"), nb::arg("base"),
-        nb::arg("scale"), nb::arg("offset"));
+        nb::arg("scale"), nb::arg("offset"), nb::arg("offsets") = nb::none());
   m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("scale"), nb::arg("starts") = nb::none());
   m.def("prefill_attention", &prefill_attention_op, nb::arg("q"), nb::arg("k"), nb::arg("v"),
