@@ -709,9 +709,11 @@ def part_memory(lm, shape: str, a) -> list[common.Row]:
             common.engine_direct(lm, Prompt(list(prompt[:600]), [600]), 4)
     # the process's first prompt of this length, as now (other tokens): what a user's first long
     # prompt after loading costs, kept apart from the cold TTFT (no cached prefix) measured after
-    first = prompt_ids(n_prompt, vocab_size(shape), seed=4)
+    def ttft(n: int, seed: int) -> float:  # a prompt of n tokens, as now
+        return common.engine_direct(lm, Prompt(list(prompt_ids(n, vocab_size(shape), seed=seed)), [n]), 4)["ttft_s"]
+
     common.fresh_memory()
-    t_first = common.engine_direct(lm, Prompt(list(first), [n_prompt]), 4)["ttft_s"]
+    t_first = ttft(n_prompt, 4)
     for rep in range(a.mem_reps):
         common.fresh_memory()
         cache = make_prompt_cache(lm.extras.get("mlx_lm_model", lm.model))
@@ -730,10 +732,8 @@ def part_memory(lm, shape: str, a) -> list[common.Row]:
     # then, as now, prompts of this length again (other tokens) and of lengths not seen before: a
     # kernel or attention plan built per shape (MLX's cuDNN attention graphs on CUDA) shows as the
     # difference
-    again = [common.engine_direct(lm, Prompt(list(prompt_ids(n_prompt, vocab_size(shape), seed=6 + i)),
-                                             [n_prompt]), 4)["ttft_s"] for i in range(2)]
-    new_lengths = [common.engine_direct(lm, Prompt(list(prompt_ids(n, vocab_size(shape), seed=9)), [n]), 4)["ttft_s"]
-                   for n in (n_prompt - 97, n_prompt - 161)]
+    again = [ttft(n_prompt, 6 + i) for i in range(2)]
+    new_lengths = [ttft(n, 9) for n in (n_prompt - 97, n_prompt - 161)]
     extra = {"runs": out, "parts_gb": parts, "first_long_prompt_ttft_s": t_first,
              "same_length_again_ttft_s": again, "new_length_ttft_s": new_lengths}
     rows = [common.Row("memory", shape, f"peak, {n_prompt}-token prompt + {n_gen}", "GB",

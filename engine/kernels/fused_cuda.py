@@ -259,13 +259,18 @@ MMA_WARPS = 8  # warps of a tensor-core product's block, splitting K
 MV_SWITCH = "MLXCHAT_CUDA_MV"
 
 
+def _mv_choice() -> str:
+    """`MLXCHAT_CUDA_MV`'s value (mlx, mlx16 / mlx8 / mlx4, fold or mma; "" unset), read when a
+    product is built (the bench's variants set it around a build)."""
+    return os.environ.get(MV_SWITCH, "").strip().lower()
+
+
 def mlx_wanted(bits: int) -> bool:
     """Whether the step's products of `bits` (16: dense) run MLX's own kernels (rms_norm,
     matmul or quantized_matmul, the epilogue as MLX ops: fused_ref.matvec) instead of `matvec`:
     `MLXCHAT_CUDA_MV=mlx` (every precision) or `mlx16` / `mlx8` / `mlx4` (one), for the bench to
     weigh MLX's products, a few more ops a layer, against ours."""
-    value = os.environ.get(MV_SWITCH, "").strip().lower()
-    return value == "mlx" or value == f"mlx{bits}"
+    return _mv_choice() in ("mlx", f"mlx{bits}")
 
 
 def fold_wanted(bits: int) -> bool:
@@ -273,7 +278,7 @@ def fold_wanted(bits: int) -> bool:
     a word (matvec_impl's FOLD in cuda/fused_decode.cuh: two instructions a weight instead of
     three, fp32 rounding of terms up to ~2x as large): `MLXCHAT_CUDA_MV=fold`, until the bench
     has timed it on a GPU."""
-    return bits == 4 and os.environ.get(MV_SWITCH, "").strip().lower() == "fold"
+    return bits == 4 and _mv_choice() == "fold"
 
 
 BLOCKS_SWITCH = "MLXCHAT_CUDA_MV_BLOCKS"
@@ -292,7 +297,7 @@ def matvec_blocks() -> int:
 def mma_wanted(bits: int, group_size: int, k: int, rows_of_x: int) -> bool:
     """Whether a product takes the tensor-core kernel (4-bit, groups of 64 or 128, one row of x):
     `MLXCHAT_CUDA_MV=mma` (the scalar kernel otherwise, until the bench picks a default)."""
-    return (os.environ.get(MV_SWITCH, "").strip().lower() == "mma" and bits == 4
+    return (_mv_choice() == "mma" and bits == 4
             and group_size % 64 == 0 and k % 64 == 0 and rows_of_x == 1 and k <= 16384)
 
 

@@ -174,17 +174,18 @@ def _row_offsets(cache: Any) -> mx.array | None:
     return int32(cache.offset) if batch_kv(cache) else None
 
 
-def _prompt_chunk(x: mx.array, mask: Any, cache: Any) -> tuple[bool, mx.array | None]:
+def _prompt_chunk(x: mx.array, mask: Any, cache: Any, sliding: bool = False) -> tuple[bool, mx.array | None]:
     """Whether this call is a prompt chunk our prefill attention takes, and for a `BatchKVCache`
     each row's first visible key (its left padding; None for a plain `KVCache`): several
     positions of one sequence over a plain `KVCache` under mlx-lm's causal mask, or of every row
     over a `BatchKVCache` under the boolean (B, 1, L, keys) mask its `make_mask` builds (key t
-    visible to row b's position i when `left_padding[b] <= t <= _idx + i`; no window)."""
+    visible to row b's position i when `left_padding[b] <= t <= _idx + i`), in a layer without a
+    sliding window (`sliding`: its mask also hides keys older than the window)."""
     if x.shape[1] < 2 or x.dtype != mx.float32:
         return False, None
     if plain_kv(cache):
         return mask is None or (isinstance(mask, str) and mask == "causal"), None
-    if (batch_kv(cache) and isinstance(mask, mx.array) and mask.dtype == mx.bool_
+    if (not sliding and batch_kv(cache) and isinstance(mask, mx.array) and mask.dtype == mx.bool_
             and mask.ndim == 4 and mask.shape[1] == 1 and mask.shape[0] in (1, x.shape[0])
             and mask.shape[2:] == (x.shape[1], cache._idx + x.shape[1])):
         return True, int32(cache.left_padding)
@@ -199,8 +200,8 @@ class KernelLlamaAttention(llama.Attention):
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         ours, starts = _one_token_step(x, mask, cache)
         if not ours:
-            chunk, starts = _prompt_chunk(x, mask, cache)
-            if chunk and not (self.sliding and starts is not None):
+            chunk, starts = _prompt_chunk(x, mask, cache, self.sliding)
+            if chunk:
                 return self._prompt_chunk(x, cache, starts)
             return super().__call__(x, mask, cache)
         B = x.shape[0]
@@ -216,8 +217,8 @@ class KernelLlamaAttention(llama.Attention):
     def _prompt_chunk(self, x: mx.array, cache: Any, starts: mx.array | None) -> mx.array:
         """mlx-lm's prompt step with our causal attention, whose output comes in the layout
         o_proj reads (one query position after another). Over a `BatchKVCache` each row's RoPE
-        takes its own offset (`cache.offset` an array: MLX's rope, as in mlx-lm) and its keys
-        before `starts` (its left padding) stay hidden."""
+        takes its own offset (`cache.offset` an array: `KernelRoPE`'s per-row offsets) and its
+        keys before `starts` (its left padding) stay hidden."""
         B, L, _ = x.shape
         q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
