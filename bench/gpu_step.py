@@ -456,7 +456,51 @@ def _rows_attention(layer, shape: str, n_layers: int) -> list[common.Row]:
     return out
 
 
-KERNEL_GROUPS = ("products", "int8", "rows")  # --kernel-groups: see _kernels
+def _prefill_products(layers, products, shape: str, rnd, m: int = 2048) -> list[common.Row]:
+    """A prompt chunk's products (`m` rows) over all layers: MLX's quantized_matmul against the
+    dense path (qmv_cuda.dense_weight, then the dense product) and the dense product alone on
+    weights dequantized beforehand (the dense path's floor), in TFLOP/s; and causal attention of
+    the chunk's queries over twice as many keys (MLX's fast attention)."""
+    import mlx.core as mx
+
+    from engine.kernels import qmv_cuda as Q
+
+    rows = []
+    for label, (attr, _, _) in products.items():
+        p = getattr(layers[0], attr)
+        if p.bits not in (4, 8):
+            continue
+        x = rnd(m, p.inputs)
+        qmm = lambda q: mx.quantized_matmul(x, q.w, q.scales, q.biases, transpose=True,  # noqa: E731
+                                            group_size=q.group_size, bits=q.bits)
+        dense = lambda q: x @ Q.dense_weight(q.w, q.scales, q.biases, q.group_size, q.bits).T  # noqa: E731
+        got = _rel(dense(p), qmm(p))
+        flops = 2 * m * sum(getattr(lay, attr).w.shape[0] * getattr(lay, attr).inputs for lay in layers)
+        got["mlx"] = flops / _timed_eval(lambda: [qmm(getattr(lay, attr)) for lay in layers], reps=5) / 1e12
+        got["dense"] = flops / _timed_eval(lambda: [dense(getattr(lay, attr)) for lay in layers], reps=5) / 1e12
+        ws = [Q.dense_weight(q.w, q.scales, q.biases, q.group_size, q.bits) for lay in layers
+              for q in (getattr(lay, attr),)]
+        mx.eval(ws)
+        got["predequantized"] = flops / _timed_eval(lambda: [x @ w.T for w in ws], reps=5) / 1e12
+        ws = None
+        rows.append(common.Row("kernels", shape, f"{label}, a {m}-row chunk over {len(layers)} layers: dense path",
+                               "TFLOP/s", got["dense"], got["mlx"], "mx.quantized_matmul", "",
+                               f"weights dequantized beforehand {got['predequantized']:.0f} TFLOP/s; "
+                               f"max diff / ref scale {got['rel']:.2e}", got))
+    lay = layers[0]
+    dt = lay.norm_in.dtype
+    q = mx.random.normal((1, lay.heads, m, lay.head_dim)).astype(dt)
+    k = mx.random.normal((1, lay.kv_heads, 2 * m, lay.head_dim)).astype(dt)
+    v = mx.random.normal((1, lay.kv_heads, 2 * m, lay.head_dim)).astype(dt)
+    mask = mx.arange(2 * m)[None] <= (mx.arange(m) + m)[:, None]
+    t = _timed_eval(lambda: [mx.fast.scaled_dot_product_attention(q, k, v, scale=lay.head_dim ** -0.5, mask=mask)
+                             for _ in layers], reps=5)
+    rows.append(common.Row("kernels", shape, f"attention of a {m}-row chunk over {2 * m} keys, {len(layers)} layers",
+                           "ms", t * 1e3, None, "", "", "causal (boolean mask), MLX's fast attention", {}))
+    return rows
+
+
+KERNEL_GROUPS = ("products", "int8", "rows", "prefill")  # --kernel-groups: see _kernels
 
 
 # (layer attribute, epilogue, fused norm's weight attribute) of each one-row product
@@ -468,7 +512,7 @@ def _kernels(program, shape: str, sweep: bool = False, groups: tuple[str, ...] =
     """The kernels part by group, each affordable in its own device call: `products` (the one-row
     products and head against MLX's, the tensor-core variant, the one-row attention's checks, time
     and split counts), `int8` (the int8-activation products), `rows` (the batched step's 4-bit
-    products and attention); `sweep` adds each one-row product's launch variants."""
+    products and attention), `prefill` (a prompt chunk's products and attention); `sweep` adds each one-row product's launch variants."""
     import mlx.core as mx
 
     layers, layer = program.layers, program.layers[0]
@@ -486,6 +530,8 @@ def _kernels(program, shape: str, sweep: bool = False, groups: tuple[str, ...] =
         if layer.qkv.bits == 4:
             rows.extend(_rows_products(layers, PRODUCTS, shape, rnd))
         rows.extend(_rows_attention(layer, shape, len(layers)))
+    if "prefill" in groups:
+        rows.extend(_prefill_products(layers, PRODUCTS, shape, rnd))
     return rows
 
 

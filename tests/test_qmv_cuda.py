@@ -145,6 +145,28 @@ def test_by_default_only_4_bit_layers_and_heads_take_one_row_products(launches, 
     assert launches == [(1, 64)]
 
 
+def test_with_the_dense_switch_a_prompt_chunk_takes_the_dequantized_weight(launches, monkeypatch):
+    """`MLXCHAT_CUDA_PREFILL_DENSE=1`: a 4-bit layer's product of `DENSE_ROWS` rows or more is x
+    times the weight dequantized to x's dtype (mx.dequantize's rounding), within 1% of the fp32
+    product; fewer rows, or the switch off, stay as they were."""
+    monkeypatch.delenv(qmv_cuda.SWITCH)
+    monkeypatch.setenv(qmv_cuda.DENSE_SWITCH, "1")
+    layer = qmv_cuda.to_qmv(quantized(4, 64, k=256, n=96), max_rows=1)
+    layer.set_dtype(mx.bfloat16)
+    w, s, b = layer["weight"], layer["scales"], layer["biases"]
+    x = mx.random.normal((1, qmv_cuda.DENSE_ROWS, 256), key=mx.random.key(5)).astype(mx.bfloat16)
+    exact = x.astype(mx.float32) @ mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), bits=4).T
+    assert layer._kernel(x) == "dense"
+    y = layer(x)
+    assert y.dtype == mx.bfloat16 and y.shape == (1, qmv_cuda.DENSE_ROWS, 96)
+    assert mx.array_equal(y, x @ mx.dequantize(w, s, b, bits=4).T).item()
+    scale = mx.abs(exact).max().item()
+    assert mx.abs(y.astype(mx.float32) - exact).max().item() / scale < 1e-2
+    assert layer._kernel(x[:, : qmv_cuda.DENSE_ROWS - 1]) is None  # a short chunk: mx.quantized_matmul
+    monkeypatch.setenv(qmv_cuda.DENSE_SWITCH, "0")
+    assert layer._kernel(x) is None and launches == []
+
+
 @pytest.mark.parametrize("switch,backend", [("0", "cuda"), ("1", "cpu"), ("1", "metal")])
 def test_without_the_switch_or_off_cuda_the_layers_stay_as_loaded(monkeypatch, switch, backend):
     monkeypatch.setenv(qmv_cuda.SWITCH, switch)

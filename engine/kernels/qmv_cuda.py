@@ -204,7 +204,9 @@ class QMVLinear(nn.QuantizedLinear):
         kernel = self._kernel(x)
         if kernel is None:
             return super().__call__(x)
-        if kernel == "qmv":
+        if kernel == "dense":
+            y = x @ dense_weight(self["weight"], self["scales"], self["biases"], self.group_size, self.bits).T
+        elif kernel == "qmv":
             y = qmv(x, self["weight"], self["scales"], self["biases"], self.bits, self.group_size)
         else:
             y = qmm_rows_cuda.qmm4_rows(x, self["weight"], self["scales"], self["biases"], self.group_size)
@@ -220,13 +222,35 @@ class QMVLinear(nn.QuantizedLinear):
 
     def _kernel(self, x: mx.array) -> str | None:
         """Which kernel takes the product with `x`: "qmv" (at most `max_rows` rows), "rows"
-        (qmm_rows_cuda's, where it takes them), None (mx.quantized_matmul)."""
+        (qmm_rows_cuda's, where it takes them), "dense" (a prompt chunk of `DENSE_ROWS` rows or
+        more, where `dense_prefill()` is on), None (mx.quantized_matmul)."""
         m = rows(x)
         if 0 < m <= self.max_rows and x.dtype in DTYPES:
             return "qmv"
         if qmm_rows_cuda.fits(self.bits, self.group_size, x.shape[-1], m, x.dtype) and qmm_rows_cuda.enabled(x.dtype):
             return "rows"
+        if m >= DENSE_ROWS and x.dtype in (mx.bfloat16, mx.float16) and dense_prefill():
+            return "dense"
         return None
+
+
+DENSE_SWITCH = "MLXCHAT_CUDA_PREFILL_DENSE"
+DENSE_ROWS = 256  # rows of x (a prompt chunk) from which a product may take the dense path
+
+
+def dense_prefill() -> bool:
+    """Whether a prompt chunk's 4-bit products dequantize the layer's weight to x's dtype and take
+    the dense product (cuBLAS on the tensor cores) instead of MLX's quantized one:
+    `MLXCHAT_CUDA_PREFILL_DENSE=1`. A chunk of R rows computes 2 R N K flops on N K weights, so at
+    hundreds of rows the dequantized copy (one layer's, written and read once) costs little beside
+    the product. Each weight is dequantized as `mx.dequantize` does (q * scale + bias, rounded to
+    the scales' dtype), as MLX's quantized kernels take it into their products."""
+    return device.backend() == "cuda" and os.environ.get(DENSE_SWITCH, "").strip() == "1"
+
+
+def dense_weight(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
+    """The layer's weight dequantized (N x K, in the scales' dtype) for the dense path."""
+    return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
 
 
 def to_qmv(layer: nn.Module, max_rows: int = MAX_ROWS) -> nn.Module:
