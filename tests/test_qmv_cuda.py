@@ -145,12 +145,12 @@ def test_by_default_only_4_bit_layers_and_heads_take_one_row_products(launches, 
     assert launches == [(1, 64)]
 
 
-def test_with_the_dense_switch_a_prompt_chunk_takes_the_dequantized_weight(launches, monkeypatch):
-    """`MLXCHAT_CUDA_PREFILL_DENSE=1`: a 4-bit layer's product of `DENSE_ROWS` rows or more is x
-    times the weight dequantized to x's dtype (mx.dequantize's rounding), within 1% of the fp32
-    product; fewer rows, or the switch off, stay as they were."""
+def test_on_cuda_a_prompt_chunk_takes_the_dequantized_weight(launches, monkeypatch):
+    """By default on CUDA a 4-bit layer's product of `DENSE_ROWS` rows or more is x times the
+    weight dequantized to x's dtype (mx.dequantize's rounding), within 1% of the fp32 product;
+    fewer rows, or `MLXCHAT_CUDA_PREFILL_DENSE=0`, stay on mx.quantized_matmul."""
     monkeypatch.delenv(qmv_cuda.SWITCH)
-    monkeypatch.setenv(qmv_cuda.DENSE_SWITCH, "1")
+    monkeypatch.delenv(qmv_cuda.DENSE_SWITCH, raising=False)
     layer = qmv_cuda.to_qmv(quantized(4, 64, k=256, n=96), max_rows=1)
     layer.set_dtype(mx.bfloat16)
     w, s, b = layer["weight"], layer["scales"], layer["biases"]
