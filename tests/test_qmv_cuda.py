@@ -148,7 +148,7 @@ def test_by_default_only_4_bit_layers_and_heads_take_one_row_products(launches, 
 def test_on_cuda_a_prompt_chunk_takes_the_dequantized_weight(launches, monkeypatch):
     """By default on CUDA a 4-bit layer's product of `DENSE_ROWS` rows or more is x times the
     weight dequantized to x's dtype (mx.dequantize's rounding), within 1% of the fp32 product;
-    fewer rows, or `MLXCHAT_CUDA_PREFILL_DENSE=0`, stay on mx.quantized_matmul."""
+    fewer rows, a vocabulary head, or `MLXCHAT_CUDA_PREFILL_DENSE=0` stay on mx.quantized_matmul."""
     monkeypatch.delenv(qmv_cuda.SWITCH)
     monkeypatch.delenv(qmv_cuda.DENSE_SWITCH, raising=False)
     layer = qmv_cuda.to_qmv(quantized(4, 64, k=256, n=96), max_rows=1)
@@ -163,6 +163,8 @@ def test_on_cuda_a_prompt_chunk_takes_the_dequantized_weight(launches, monkeypat
     scale = mx.abs(exact).max().item()
     assert mx.abs(y.astype(mx.float32) - exact).max().item() / scale < 1e-2
     assert layer._kernel(x[:, : qmv_cuda.DENSE_ROWS - 1]) is None  # a short chunk: mx.quantized_matmul
+    head = qmv_cuda.to_qmv(quantized(4, 64, k=64, n=qmv_cuda.HEAD_OUTPUTS), max_rows=1)
+    assert head._kernel(mx.zeros((1, qmv_cuda.DENSE_ROWS, 64), dtype=mx.bfloat16)) is None  # no 1 GB copies
     monkeypatch.setenv(qmv_cuda.DENSE_SWITCH, "0")
     assert layer._kernel(x) is None and launches == []
 

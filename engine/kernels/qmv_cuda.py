@@ -223,13 +223,15 @@ class QMVLinear(nn.QuantizedLinear):
     def _kernel(self, x: mx.array) -> str | None:
         """Which kernel takes the product with `x`: "qmv" (at most `max_rows` rows), "rows"
         (qmm_rows_cuda's, where it takes them), "dense" (a prompt chunk of `DENSE_ROWS` rows or
-        more, where `dense_prefill()` is on), None (mx.quantized_matmul)."""
+        more through a decoder layer, not a head, where `dense_prefill()` is on), None
+        (mx.quantized_matmul)."""
         m = rows(x)
         if 0 < m <= self.max_rows and x.dtype in DTYPES:
             return "qmv"
         if qmm_rows_cuda.fits(self.bits, self.group_size, x.shape[-1], m, x.dtype) and qmm_rows_cuda.enabled(x.dtype):
             return "rows"
-        if m >= DENSE_ROWS and x.dtype in (mx.bfloat16, mx.float16) and dense_prefill():
+        if (m >= DENSE_ROWS and x.dtype in (mx.bfloat16, mx.float16) and self["weight"].shape[0] < HEAD_OUTPUTS
+                and dense_prefill()):  # a vocabulary head's dequantized copy would be ~1 GB
             return "dense"
         return None
 
