@@ -308,11 +308,15 @@ def _rel(ours, ref) -> dict[str, float]:
 
 def part_kernels(lm, shape: str, a) -> list[common.Row]:
     """Each fused CUDA kernel against its MLX reference on this shape's own weights."""
+    groups = tuple(a.kernel_groups.split(","))
+    rows = _prefill_products(lm.model.model, shape) if "prefill" in groups else []
+    if not set(groups) - {"prefill"}:
+        return rows
     program = getattr(lm.model, "decode_program", None)
     if program is None:
-        return [common.failed("kernels", shape, "the model has no decode program")]
+        return rows + [common.failed("kernels", shape, "the model has no decode program")]
     try:
-        return _kernels(program, shape, a.sweep, tuple(a.kernel_groups.split(",")))
+        return _kernels(program, shape, a.sweep, groups) + rows
     except Exception as exc:
         import traceback
 
@@ -456,44 +460,55 @@ def _rows_attention(layer, shape: str, n_layers: int) -> list[common.Row]:
     return out
 
 
-def _prefill_products(layers, products, shape: str, rnd, m: int = 2048) -> list[common.Row]:
-    """A prompt chunk's products (`m` rows) over all layers: MLX's quantized_matmul against the
-    dense path (qmv_cuda.dense_weight, then the dense product) and the dense product alone on
-    weights dequantized beforehand (the dense path's floor), in TFLOP/s; and causal attention of
-    the chunk's queries over twice as many keys (MLX's fast attention)."""
+PREFILL_PRODUCTS = {"q/k/v": "self_attn.qkv_proj", "o": "self_attn.o_proj", "gate/up": "mlp.gate_up_proj",
+                    "down": "mlp.down_proj"}  # the GPU layout's quantized linears of a decoder layer
+
+
+def _prefill_products(model, shape: str, m: int = 2048) -> list[common.Row]:
+    """A prompt chunk's products (`m` rows) over all decoder layers, as the GPU layout holds them:
+    MLX's quantized_matmul against the dense path (qmv_cuda.dense_weight, then the dense product)
+    and the dense product alone on weights dequantized beforehand (the dense path's floor), in
+    TFLOP/s; and causal attention of the chunk's queries over twice as many keys (MLX's fast
+    attention). Needs no decode program: any quantized width."""
     import mlx.core as mx
+    import mlx.nn as nn
 
     from engine.kernels import qmv_cuda as Q
 
+    layers, args = model.layers, model.args
+    dt = mx.bfloat16
+    mx.random.seed(7)
     rows = []
-    for label, (attr, _, _) in products.items():
-        p = getattr(layers[0], attr)
-        if p.bits not in (4, 8):
+    for label, path in PREFILL_PRODUCTS.items():
+        first, second = path.split(".")
+        mods = [lay[first][second] for lay in layers if first in lay and second in lay[first]]
+        mods = [q for q in mods if isinstance(q, nn.QuantizedLinear)]  # a hybrid's attention layers only
+        if not mods:
             continue
-        x = rnd(m, p.inputs)
-        qmm = lambda q: mx.quantized_matmul(x, q.w, q.scales, q.biases, transpose=True,  # noqa: E731
+        p = mods[0]
+        x = mx.random.normal((m, p.weight.shape[1] * 32 // p.bits)).astype(dt)
+        qmm = lambda q: mx.quantized_matmul(x, q.weight, q.scales, q.biases, transpose=True,  # noqa: E731
                                             group_size=q.group_size, bits=q.bits)
-        dense = lambda q: x @ Q.dense_weight(q.w, q.scales, q.biases, q.group_size, q.bits).T  # noqa: E731
+        dense = lambda q: x @ Q.dense_weight(q.weight, q.scales, q.biases, q.group_size, q.bits).T  # noqa: E731
         got = _rel(dense(p), qmm(p))
-        flops = 2 * m * sum(getattr(lay, attr).w.shape[0] * getattr(lay, attr).inputs for lay in layers)
-        got["mlx"] = flops / _timed_eval(lambda: [qmm(getattr(lay, attr)) for lay in layers], reps=5) / 1e12
-        got["dense"] = flops / _timed_eval(lambda: [dense(getattr(lay, attr)) for lay in layers], reps=5) / 1e12
-        ws = [Q.dense_weight(q.w, q.scales, q.biases, q.group_size, q.bits) for lay in layers
-              for q in (getattr(lay, attr),)]
+        flops = 2 * m * sum(q.weight.shape[0] * x.shape[1] for q in mods)
+        got["mlx"] = flops / _timed_eval(lambda: [qmm(q) for q in mods], reps=5) / 1e12
+        got["dense"] = flops / _timed_eval(lambda: [dense(q) for q in mods], reps=5) / 1e12
+        ws = [Q.dense_weight(q.weight, q.scales, q.biases, q.group_size, q.bits) for q in mods]
         mx.eval(ws)
         got["predequantized"] = flops / _timed_eval(lambda: [x @ w.T for w in ws], reps=5) / 1e12
         ws = None
-        rows.append(common.Row("kernels", shape, f"{label}, a {m}-row chunk over {len(layers)} layers: dense path",
-                               "TFLOP/s", got["dense"], got["mlx"], "mx.quantized_matmul", "",
-                               f"weights dequantized beforehand {got['predequantized']:.0f} TFLOP/s; "
-                               f"max diff / ref scale {got['rel']:.2e}", got))
-    lay = layers[0]
-    dt = lay.norm_in.dtype
-    q = mx.random.normal((1, lay.heads, m, lay.head_dim)).astype(dt)
-    k = mx.random.normal((1, lay.kv_heads, 2 * m, lay.head_dim)).astype(dt)
-    v = mx.random.normal((1, lay.kv_heads, 2 * m, lay.head_dim)).astype(dt)
+        rows.append(common.Row("kernels", shape, f"{label}, a {m}-row chunk over {len(mods)} layers, "
+                               f"{p.bits}-bit: dense path", "TFLOP/s", got["dense"], got["mlx"],
+                               "mx.quantized_matmul", "", f"weights dequantized beforehand "
+                               f"{got['predequantized']:.0f} TFLOP/s; max diff / ref scale {got['rel']:.2e}", got))
+    heads, kv = args.num_attention_heads, args.num_key_value_heads
+    dim = getattr(args, "head_dim", None) or args.hidden_size // heads
+    q = mx.random.normal((1, heads, m, dim)).astype(dt)
+    k = mx.random.normal((1, kv, 2 * m, dim)).astype(dt)
+    v = mx.random.normal((1, kv, 2 * m, dim)).astype(dt)
     mask = mx.arange(2 * m)[None] <= (mx.arange(m) + m)[:, None]
-    t = _timed_eval(lambda: [mx.fast.scaled_dot_product_attention(q, k, v, scale=lay.head_dim ** -0.5, mask=mask)
+    t = _timed_eval(lambda: [mx.fast.scaled_dot_product_attention(q, k, v, scale=dim ** -0.5, mask=mask)
                              for _ in layers], reps=5)
     rows.append(common.Row("kernels", shape, f"attention of a {m}-row chunk over {2 * m} keys, {len(layers)} layers",
                            "ms", t * 1e3, None, "", "", "causal (boolean mask), MLX's fast attention", {}))
@@ -530,8 +545,6 @@ def _kernels(program, shape: str, sweep: bool = False, groups: tuple[str, ...] =
         if layer.qkv.bits == 4:
             rows.extend(_rows_products(layers, PRODUCTS, shape, rnd))
         rows.extend(_rows_attention(layer, shape, len(layers)))
-    if "prefill" in groups:
-        rows.extend(_prefill_products(layers, PRODUCTS, shape, rnd))
     return rows
 
 

@@ -169,6 +169,31 @@ def test_on_cuda_a_prompt_chunk_takes_the_dequantized_weight(launches, monkeypat
     assert layer._kernel(x) is None and launches == []
 
 
+def test_with_dense_all_8_bit_layers_take_prompt_chunks_only(launches, monkeypatch):
+    """`MLXCHAT_CUDA_PREFILL_DENSE=all`: an 8-bit model's layers become QMVLinears serving no rows on
+    the kernel (its decode steps stay MLX's, as loaded) whose prompt chunks take the dense path; by
+    default they stay as loaded, and `MLXCHAT_CUDA_QMV=0` leaves every layer as loaded."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    monkeypatch.delenv(qmv_cuda.SWITCH)
+    monkeypatch.setenv(qmv_cuda.DENSE_SWITCH, "all")
+    plain, ours = model_pair()
+    to_gpu_layout(ours)
+    swapped = [m for _, m in ours.named_modules() if isinstance(m, QMVLinear)]
+    assert len(swapped) >= LLAMA["num_hidden_layers"] * 4 and {m.max_rows for m in swapped} == {0}
+    down = ours.model.layers[0].mlp.down_proj
+    x = mx.random.normal((1, qmv_cuda.DENSE_ROWS, down.weight.shape[1] * 4), key=mx.random.key(2))
+    assert down._kernel(x.astype(mx.bfloat16)) == "dense" and down._kernel(x[:, :1].astype(mx.bfloat16)) is None
+    assert down._kernel(x) is None  # fp32 activations: MLX's product
+    step = mx.array([[11]])
+    a, b = plain(step, cache=make_prompt_cache(plain)), ours(step, cache=make_prompt_cache(ours))
+    assert mx.array_equal(a, b).item() and launches == []  # one row: MLX's product, as loaded
+    monkeypatch.setenv(qmv_cuda.SWITCH, "0")
+    _, off = model_pair()
+    to_gpu_layout(off)
+    assert not any(isinstance(m, QMVLinear) for _, m in off.named_modules())
+
+
 @pytest.mark.parametrize("switch,backend", [("0", "cuda"), ("1", "cpu"), ("1", "metal")])
 def test_without_the_switch_or_off_cuda_the_layers_stay_as_loaded(monkeypatch, switch, backend):
     monkeypatch.setenv(qmv_cuda.SWITCH, switch)

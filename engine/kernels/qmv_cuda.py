@@ -223,7 +223,7 @@ class QMVLinear(nn.QuantizedLinear):
     def _kernel(self, x: mx.array) -> str | None:
         """Which kernel takes the product with `x`: "qmv" (at most `max_rows` rows), "rows"
         (qmm_rows_cuda's, where it takes them), "dense" (a prompt chunk of `DENSE_ROWS` rows or
-        more through a decoder layer, not a head, where `dense_prefill()` is on), None
+        more through a decoder layer, not a head, at the `dense_bits()`), None
         (mx.quantized_matmul)."""
         m = rows(x)
         if 0 < m <= self.max_rows and x.dtype in DTYPES:
@@ -231,7 +231,7 @@ class QMVLinear(nn.QuantizedLinear):
         if qmm_rows_cuda.fits(self.bits, self.group_size, x.shape[-1], m, x.dtype) and qmm_rows_cuda.enabled(x.dtype):
             return "rows"
         if (m >= DENSE_ROWS and x.dtype in (mx.bfloat16, mx.float16) and self["weight"].shape[0] < HEAD_OUTPUTS
-                and dense_prefill()):  # a vocabulary head's dequantized copy would be ~1 GB
+                and self.bits in dense_bits()):  # a vocabulary head's dequantized copy would be ~1 GB
             return "dense"
         return None
 
@@ -240,16 +240,19 @@ DENSE_SWITCH = "MLXCHAT_CUDA_PREFILL_DENSE"
 DENSE_ROWS = 256  # rows of x (a prompt chunk) from which a product may take the dense path
 
 
-def dense_prefill() -> bool:
-    """Whether a prompt chunk's 4-bit products dequantize the layer's weight to x's dtype
-    (`mx.dequantize`: q * scale + bias, rounded to the scales' dtype) and take the dense product
-    (cuBLAS, tensor cores) instead of MLX's quantized one: on CUDA unless
-    `MLXCHAT_CUDA_PREFILL_DENSE=0`. A chunk of R rows computes 2 R N K flops on N K weights, so at
-    hundreds of rows the dequantized copy (one layer's, written and read once) costs little beside
-    the product. On an H100 (2026-12-08, `bench.gpu_step --parts kernels --kernel-groups prefill`)
-    a 2,048-row chunk's products of the Qwen3-8B 4-bit shape ran at 425-536 TFLOP/s against MLX
-    0.32.4's quantized_matmul's 106-132 (3.8-4.1x), their outputs equal to it bit for bit."""
-    return device.backend() == "cuda" and os.environ.get(DENSE_SWITCH, "").strip() != "0"
+def dense_bits() -> tuple[int, ...]:
+    """The widths whose prompt chunks dequantize a layer's weight to x's dtype (`mx.dequantize`:
+    q * scale + bias, rounded to the scales' dtype) and take the dense product (cuBLAS, tensor
+    cores) instead of MLX's quantized one. On CUDA: 4 bits by default; `MLXCHAT_CUDA_PREFILL_DENSE=0`
+    none, `=all` 8 bits too (not yet timed). A chunk of R rows computes 2 R N K flops on N K
+    weights, so at hundreds of rows the dequantized copy (one layer's, written and read once)
+    costs little beside the product. On an H100 (2026-12-08, `bench.gpu_step --parts kernels
+    --kernel-groups prefill`) a 2,048-row chunk's products of the Qwen3-8B 4-bit shape ran at
+    425-536 TFLOP/s against MLX 0.32.4's quantized_matmul's 106-132 (3.8-4.1x), their outputs equal
+    to it bit for bit."""
+    if device.backend() != "cuda":
+        return ()
+    return {"0": (), "all": (4, 8)}.get(os.environ.get(DENSE_SWITCH, "").strip().lower(), (4,))
 
 
 def dense_weight(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
@@ -274,11 +277,13 @@ def to_qmv(layer: nn.Module, max_rows: int = MAX_ROWS) -> nn.Module:
 
 def use_qmv(model: nn.Module, how: str = "all") -> int:
     """Put a QMVLinear in place of every quantized linear of `model` that mode `how` wants on the
-    kernel (in place; see `mode`); returns how many."""
+    kernel, or (unless `how` is "off") whose prompt chunks take the dense path (`dense_bits`; a
+    layer only there serves no rows on the kernel), in place; returns how many."""
     swaps = [(parent, key, child, wanted(child, how)) for _, parent in model.named_modules()
              for key, child in parent.items()
              if isinstance(child, nn.QuantizedLinear) and not isinstance(child, QMVLinear)]
-    swaps = [s for s in swaps if s[3]]
+    dense = dense_bits() if how != "off" else ()
+    swaps = [s for s in swaps if s[3] or (s[2].bits in dense and fits_layer(s[2]))]
     for parent, key, child, most in swaps:
         parent[key] = to_qmv(child, most)
     return len(swaps)
