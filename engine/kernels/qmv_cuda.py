@@ -24,7 +24,8 @@ against `mx.quantized_matmul` on a GPU and measures its GB/s.
 engine/kernels/gpu_layout.py puts `QMVLinear` in place of the quantized linears `mode` picks:
 by default where the H200 measured the kernel faster (4-bit layers and vocabulary heads, one row:
 docs/gpu.md has the figures); `MLXCHAT_CUDA_QMV=1` every layer it fits, up to `MAX_ROWS` rows;
-`MLXCHAT_CUDA_QMV=0` none.
+`MLXCHAT_CUDA_QMV=0` none. A prompt chunk's products of `DENSE_ROWS` rows or more take the dense
+path instead (`dense_bits`): the weight dequantized, then cuBLAS.
 """
 
 from __future__ import annotations
@@ -230,8 +231,9 @@ class QMVLinear(nn.QuantizedLinear):
             return "qmv"
         if qmm_rows_cuda.fits(self.bits, self.group_size, x.shape[-1], m, x.dtype) and qmm_rows_cuda.enabled(x.dtype):
             return "rows"
-        if (m >= DENSE_ROWS and x.dtype in (mx.bfloat16, mx.float16) and self["weight"].shape[0] < HEAD_OUTPUTS
-                and self.bits in dense_bits()):  # a vocabulary head's dequantized copy would be ~1 GB
+        if (m >= DENSE_ROWS and x.dtype in (mx.bfloat16, mx.float16) and x.dtype == self["scales"].dtype
+                and self["weight"].shape[0] < HEAD_OUTPUTS  # a vocabulary head's copy would be ~1 GB
+                and self.bits in dense_bits()):
             return "dense"
         return None
 
