@@ -181,13 +181,16 @@ def test_with_dense_all_8_bit_layers_take_prompt_chunks_only(launches, monkeypat
     to_gpu_layout(ours)
     swapped = [m for _, m in ours.named_modules() if isinstance(m, QMVLinear)]
     assert len(swapped) >= LLAMA["num_hidden_layers"] * 4 and {m.max_rows for m in swapped} == {0}
-    down = ours.model.layers[0].mlp.down_proj
-    x = mx.random.normal((1, qmv_cuda.DENSE_ROWS, down.weight.shape[1] * 4), key=mx.random.key(2))
-    assert down._kernel(x.astype(mx.bfloat16)) == "dense" and down._kernel(x[:, :1].astype(mx.bfloat16)) is None
-    assert down._kernel(x) is None  # fp32 activations: MLX's product
     step = mx.array([[11]])
     a, b = plain(step, cache=make_prompt_cache(plain)), ours(step, cache=make_prompt_cache(ours))
     assert mx.array_equal(a, b).item() and launches == []  # one row: MLX's product, as loaded
+    down = ours.model.layers[0].mlp.down_proj
+    x = mx.random.normal((1, qmv_cuda.DENSE_ROWS, down.weight.shape[1] * 4), key=mx.random.key(2))
+    assert down._kernel(x) is None  # fp32 activations: MLX's product
+    x = x.astype(mx.bfloat16)
+    assert down._kernel(x) is None  # fp32 scales: x @ their dtype's copy would promote to fp32
+    down.set_dtype(mx.bfloat16)
+    assert down._kernel(x) == "dense" and down._kernel(x[:, :1]) is None
     monkeypatch.setenv(qmv_cuda.SWITCH, "0")
     _, off = model_pair()
     to_gpu_layout(off)
