@@ -309,7 +309,12 @@ def _rel(ours, ref) -> dict[str, float]:
 def part_kernels(lm, shape: str, a) -> list[common.Row]:
     """Each fused CUDA kernel against its MLX reference on this shape's own weights."""
     groups = tuple(a.kernel_groups.split(","))
-    rows = _prefill_products(lm.model.model, shape) if "prefill" in groups else []
+    rows = []
+    if "prefill" in groups:
+        try:
+            rows = _prefill_products(lm.model.model, shape)
+        except Exception as exc:
+            rows = [common.failed("kernels", shape, f"prefill: {type(exc).__name__}: {exc}"[:3000])]
     if not set(groups) - {"prefill"}:
         return rows
     program = getattr(lm.model, "decode_program", None)
@@ -531,7 +536,8 @@ def _kernels(program, shape: str, sweep: bool = False, groups: tuple[str, ...] =
     """The kernels part by group, each affordable in its own device call: `products` (the one-row
     products and head against MLX's, the tensor-core variant, the one-row attention's checks, time
     and split counts), `int8` (the int8-activation products), `rows` (the batched step's 4-bit
-    products and attention), `prefill` (a prompt chunk's products and attention); `sweep` adds each one-row product's launch variants."""
+    products and attention); `sweep` adds each one-row product's launch variants. (`prefill`, a
+    prompt chunk's products and attention, needs no program: part_kernels runs it.)"""
     import mlx.core as mx
 
     layers, layer = program.layers, program.layers[0]
