@@ -129,3 +129,27 @@ def test_concurrency_step_measures_streams_interference_cache_ops_and_mixed_cost
     assert min(cache["join_ms"].values()) > 0 and min(cache["join_long_ms"].values()) > 0
     [mix] = result["mixcost"]
     assert mix["mixed_ms"] > 0 and mix["alternating_ms"] > 0
+
+
+@pytest.mark.fast
+def test_the_prefill_kernel_group_times_each_quantized_product_both_ways():
+    """`bench.gpu_step --parts kernels --kernel-groups prefill`: on a 4-bit model in the GPU
+    layout, each decoder product of a prompt chunk (q/k/v, o, gate/up, down) on MLX's quantized
+    product and on the dense path, the dense path's output within bf16 rounding of MLX's, and the
+    chunk's attention under both masks."""
+    import dataclasses
+
+    import mlx.core as mx
+
+    from bench import gpu_step
+    from bench.shapes import SHAPES, build_module
+    from engine.kernels.gpu_layout import to_gpu_layout
+
+    model = to_gpu_layout(build_module(dataclasses.replace(SHAPES["tiny"], bits=4), dtype=mx.bfloat16, seed=1))
+    rows = gpu_step._prefill_products(model.model, "tiny", m=64)
+    products = [r for r in rows if r.unit == "TFLOP/s"]
+    assert [r.metric.split(",")[0] for r in products] == list(gpu_step.PREFILL_PRODUCTS)
+    for r in products:
+        assert r.ours > 0 and r.baseline > 0 and r.extra["predequantized"] > 0 and r.extra["rel"] < 5e-2, r
+    [attention] = [r for r in rows if r.unit == "ms"]
+    assert attention.ours > 0 and set(attention.extra) == {"causal", "boolean"}
