@@ -947,8 +947,11 @@ def main(argv=None) -> int:
     if "demo" in parts and a.demo_shape not in shapes:
         shapes.append(a.demo_shape)
     for shape in shapes:
+        t0 = time.perf_counter()
+        print(f"[{shape}] building", flush=True)  # a run cut off by its time limit shows how far it got
         try:
             lm = build(shape)
+            print(f"[{shape}] built in {time.perf_counter() - t0:.0f} s", flush=True)
         except Exception as exc:
             rows.append(common.failed("build", shape, f"{type(exc).__name__}: {exc}"))
             continue
@@ -956,6 +959,7 @@ def main(argv=None) -> int:
         if "demo" in parts and shape == a.demo_shape:
             todo.append("demo")
         for p in todo:
+            print(f"[{shape}] part {p} ({time.perf_counter() - t0:.0f} s)", flush=True)
             try:
                 got = {"kernels": lambda: part_kernels(lm, shape, a), "variants": lambda: part_variants(lm, shape, a),
                        "step": lambda: part_step(lm, shape, a, bw), "memory": lambda: part_memory(lm, shape, a),
