@@ -39,9 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     padding = [max(a.lengths) - n for n in a.lengths]
     tokens = mx.array([[0] * p + q for p, q in zip(padding, prompts)])
     ours = layout._prompt_chunk
+
     def before(x, mask, cache, sliding=False):  # plain caches only
         return ours(x, mask, cache, sliding) if layout.plain_kv(cache) else (False, None)
-
 
     def batched(rule) -> tuple[float, mx.array]:
         layout._prompt_chunk = rule

@@ -483,6 +483,7 @@ void prefill_attention(const float* q, const KV& k8, const KV& v8, int64_t B, in
     const int64_t t0 = starts ? std::clamp<int64_t>(starts[b], 0, S) : 0;
     const float* kb = k.p + b * k.st[0] + hk * k.st[1];
     const float* vb = v.p + b * v.st[0] + hk * v.st[1];
+    const float* mean = nullptr;  // the row's mean value, once a hidden position of this block has it
     for (int64_t i = blk * rows, e = std::min(L, i + rows); i < e; ++i) {
       float* yi = y + ((b * L + i) * H + h) * D;
       const int64_t end = S - L + i + 1;
@@ -491,9 +492,14 @@ void prefill_attention(const float* q, const KV& k8, const KV& v8, int64_t B, in
                      v.st[2], t0, end, D, yi, D);
         continue;
       }
-      std::fill(yi, yi + D, 0.0f);  // every key hidden: equal weights 1 / S over all of them
-      for (int64_t s = 0; s < S; ++s) I->axpy(1.0f / float(S), vb + s * v.st[2], yi, D);
-      for (int64_t r = 1; r < R; ++r) std::copy(yi, yi + D, yi + r * D);
+      if (mean == nullptr) {  // every key hidden: equal weights 1 / S over all of them
+        std::fill(yi, yi + D, 0.0f);
+        for (int64_t s = 0; s < S; ++s) I->axpy(1.0f / float(S), vb + s * v.st[2], yi, D);
+        mean = yi;
+      } else {
+        std::copy(mean, mean + D, yi);
+      }
+      for (int64_t r = 1; r < R; ++r) std::copy(mean, mean + D, yi + r * D);
     }
   });
 }
