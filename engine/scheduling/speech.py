@@ -419,10 +419,10 @@ class SpeechQueue:
     def _unload(self, kind: Kind) -> None:
         """On the speech thread, which then ends (see `_serve`): drop the resident model of
         `kind` and its memory reservation."""
-        with self._lock:
+        with self._lock:  # the model leaves the listing and the budget together (its lock is innermost)
             resident = self._resident.pop(kind)
+            self._budget.release(resident.reserved)
         log.info("unloading speech model %s", resident.model.name)
-        self._budget.release(resident.reserved)
         del resident
         gc.collect()  # (MLX's buffer cache is kept: emptying it here crashes MLX 0.32.4, see
         # engine/decoding/speech.py's _keep_buffer_cache)
